@@ -1,0 +1,258 @@
+"""The probe API: what engine adapters call, turned into wire records on the ring.
+
+Adapters (``engine_hooks/sglang`` today) map engine functions onto these methods and
+pass engine values as they come (torch tensors or numpy arrays of *token slots*);
+this module converts slots to page ids, hashes request ids into 64-bit keys and
+appends one record per call. It only appends: the sidecar does all the reasoning.
+
+Threading and failure contract: every public method may be called from any engine
+thread; it never blocks on the consumer and never raises into the engine. A probe
+that fails is logged once with the reason, counted, reported to the sidecar as a
+PROBE_ERROR record, and disabled for the rest of the process.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+
+from . import wire
+from .ring import DEFAULT_CAPACITY, RingWriter, ring_dir
+
+log = logging.getLogger("kvguard.probes")
+
+KVGUARD_VERSION = "0.1.0"
+HEARTBEAT_INTERVAL_NS = 1_000_000_000
+
+_ROLES = {"unified": wire.Role.UNIFIED, "null": wire.Role.UNIFIED, "prefill": wire.Role.PREFILL, "decode": wire.Role.DECODE}
+_FINISH = {
+    "stop": wire.Finish.STOP, "length": wire.Finish.LENGTH, "abort": wire.Finish.ABORT,
+    "reject": wire.Finish.REJECT, "unknown": wire.Finish.UNKNOWN,
+}
+_FREE = {"free": wire.FreeKind.FREE, "group": wire.FreeKind.GROUP, "deferred": wire.FreeKind.DEFERRED,
+         "page_ids": wire.FreeKind.PAGE_IDS}
+_SIDE = {"sender": wire.Side.SENDER, "receiver": wire.Side.RECEIVER}
+_STATUS = {"success": wire.XferStatus.SUCCESS, "failed": wire.XferStatus.FAILED, "aborted": wire.XferStatus.ABORTED}
+_PHASE = {"admission": wire.Phase.ADMISSION, "prefill": wire.Phase.PREFILL, "decode": wire.Phase.DECODE,
+          "transfer": wire.Phase.TRANSFER}
+
+
+def as_int64(values) -> np.ndarray:
+    """A 1-D int64 numpy copy of a torch tensor, numpy array or sequence (host side)."""
+    if hasattr(values, "detach"):  # torch.Tensor, without importing torch here
+        values = values.detach().to("cpu").numpy()
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+def _guarded(method):
+    """Run a probe; on any exception count it, report it once, disable that probe."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if not self.enabled or name in self.disabled_probes:
+            return None
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the engine must never see our failures
+            self.disabled_probes.add(name)
+            self.report_probe_error(name, exc)
+            return None
+
+    return wrapper
+
+
+class Probes:
+    def __init__(self, writer: RingWriter | None, page_size: int = 1):
+        self.writer = writer
+        self.enabled = writer is not None
+        self.page_size = page_size
+        self.disabled_probes: set[str] = set()
+        self.probe_errors = 0
+        self.calls = 0
+        self._last_heartbeat_ns = 0
+        self._error_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ helpers
+    def _emit(self, kind: wire.Kind, payload: bytes, flags: int = 0) -> None:
+        self.calls += 1
+        self.writer.write(kind, payload, flags=flags)
+
+    def slots_to_pages(self, slots) -> np.ndarray:
+        """Unique page ids (sorted) covering these token slots."""
+        return np.unique(as_int64(slots) // self.page_size)
+
+    def row_pages(self, row_start: int, slots) -> np.ndarray:
+        """One page per row page-index: the page holding each page-aligned position.
+
+        ``slots`` holds the row's slots for positions ``row_start, row_start+1, ...``;
+        a paged allocator keeps each page-aligned run of positions inside one page,
+        so the first position of each run names the page.
+        """
+        slots = as_int64(slots)
+        if len(slots) == 0:
+            return slots
+        first = (-row_start) % self.page_size  # offset of the first page-aligned position
+        idx = np.arange(first, len(slots), self.page_size)
+        if first:
+            idx = np.concatenate(([0], idx))
+        return slots[idx] // self.page_size
+
+    def report_probe_error(self, name: str, exc: BaseException) -> None:
+        with self._error_lock:
+            self.probe_errors += 1
+            count = self.probe_errors
+        log.warning("kvguard probe %s failed and is disabled: %s: %s", name, type(exc).__name__, exc)
+        if self.writer is not None:
+            try:
+                self.writer.write(wire.Kind.PROBE_ERROR,
+                                  wire.probe_error_payload(wire.ProbeError(count, name, type(exc).__name__)))
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _maybe_heartbeat(self) -> None:
+        now = time.monotonic_ns()
+        if now - self._last_heartbeat_ns >= HEARTBEAT_INTERVAL_NS:
+            self._last_heartbeat_ns = now
+            w = self.writer
+            self._emit(wire.Kind.HEARTBEAT,
+                       wire.heartbeat_payload(wire.Heartbeat(w.records_written, w.dropped_records, self.probe_errors)))
+
+    # ------------------------------------------------------------------ probes
+    @_guarded
+    def hello(self, role: str, tp_rank: int, page_size: int, pool_pages: int, pool_tokens: int, context_len: int,
+              max_req_input_len: int, engine_name: str, engine_version: str, model: str) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = int(page_size)
+        h = wire.Hello(_ROLES[str(role).lower()], int(tp_rank), os.getpid(), self.page_size, int(pool_pages),
+                       int(pool_tokens), int(context_len), int(max_req_input_len), engine_name, engine_version,
+                       str(model), KVGUARD_VERSION)
+        self._emit(wire.Kind.HELLO, wire.hello_payload(h))
+
+    @_guarded
+    def request_begin(self, rid: str, tenant: str, bootstrap_room: int | None, prompt_tokens: int,
+                      cached_tokens: int, warmup: bool) -> None:
+        room = wire.NO_ROOM if bootstrap_room is None else int(bootstrap_room) & wire.NO_ROOM
+        r = wire.ReqBegin(wire.request_key(rid), room, int(prompt_tokens), int(cached_tokens), bool(warmup),
+                          str(rid), str(tenant or ""))
+        self._emit(wire.Kind.REQ_BEGIN, wire.req_begin_payload(r))
+
+    @_guarded
+    def request_end(self, rid: str, finish: str, ttft_ns: int, e2e_ns: int, output_tokens: int, reason: str) -> None:
+        r = wire.ReqEnd(wire.request_key(rid), max(0, int(ttft_ns)), max(0, int(e2e_ns)), int(output_tokens),
+                        _FINISH.get(finish, wire.Finish.UNKNOWN), str(reason or ""))
+        self._emit(wire.Kind.REQ_END, wire.req_end_payload(r))
+
+    @_guarded
+    def pages_allocated(self, slots) -> None:
+        pages = self.slots_to_pages(slots)
+        if len(pages):
+            self._emit(wire.Kind.ALLOC, wire.pages_payload(pages))
+
+    @_guarded
+    def pages_freed(self, slots, kind: str = "free") -> None:
+        free_kind = _FREE[kind]
+        pages = np.unique(as_int64(slots)) if free_kind == wire.FreeKind.PAGE_IDS else self.slots_to_pages(slots)
+        if len(pages):
+            self._emit(wire.Kind.FREE, wire.pages_payload(pages, free_kind))
+
+    @_guarded
+    def rows_assigned(self, rid: str, row_start: int, row_end: int, shared_until: int, slots) -> None:
+        row_start, row_end = int(row_start), int(row_end)
+        shared_until = min(max(int(shared_until), row_start), row_end)
+        pages = self.row_pages(row_start, slots)
+        a = wire.Assign(wire.request_key(rid), row_start, row_end, shared_until, pages)
+        self._emit(wire.Kind.ASSIGN, wire.assign_payload(a))
+
+    @_guarded
+    def forward(self, rids, seq_lens, written_slots, read_rows=None, mode: int = 0) -> None:
+        n = len(rids)
+        if n == 0:
+            return
+        keys = np.fromiter((wire.request_key(r) for r in rids), dtype=np.uint64, count=n)
+        written = [self.slots_to_pages(s) for s in written_slots]
+        write_counts = np.fromiter((len(w) for w in written), dtype=np.uint32, count=n)
+        read_counts = read_pages = None
+        if read_rows is not None:
+            rows = [self.row_pages(0, r) for r in read_rows]
+            read_counts = np.fromiter((len(r) for r in rows), dtype=np.uint32, count=n)
+            read_pages = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+        f = wire.Forward(keys, as_int64(seq_lens).astype(np.uint32), write_counts,
+                         np.concatenate(written) if written else np.zeros(0, np.int64), read_counts, read_pages, mode)
+        self._emit(wire.Kind.FORWARD, wire.forward_payload(f))
+        self._maybe_heartbeat()
+
+    @_guarded
+    def transfer_reserved(self, rid: str, room: int, tokens: int, slots) -> None:
+        pages = self.row_pages(0, slots)
+        x = wire.XferReserve(wire.request_key(rid), int(room) & wire.NO_ROOM, int(tokens), pages)
+        self._emit(wire.Kind.XFER_RESERVE, wire.xfer_reserve_payload(x))
+
+    @_guarded
+    def transfer_sent(self, rid: str, room: int, token_start: int, token_end: int, slots_or_pages, is_last: bool,
+                      unit: str = "pages", digest: int = 0) -> None:
+        if unit == "pages":
+            pages = as_int64(slots_or_pages)
+        elif unit == "slots":
+            pages = self.row_pages(int(token_start), slots_or_pages)
+        else:
+            raise ValueError(f"unit must be 'pages' or 'slots', got {unit!r}")
+        x = wire.XferSend(wire.request_key(rid), int(room) & wire.NO_ROOM, int(digest) & wire.NO_ROOM,
+                          int(token_start), int(token_end), bool(is_last), pages)
+        self._emit(wire.Kind.XFER_SEND, wire.xfer_send_payload(x))
+
+    @_guarded
+    def transfer_done(self, rid: str, room: int, side: str, status: str) -> None:
+        x = wire.XferDone(wire.request_key(rid), int(room) & wire.NO_ROOM, _SIDE[side], _STATUS[status])
+        self._emit(wire.Kind.XFER_DONE, wire.xfer_done_payload(x))
+
+    @_guarded
+    def rejected(self, rid: str, phase: str, reason: str) -> None:
+        r = wire.Reject(wire.request_key(rid), _PHASE[phase], str(reason or ""))
+        self._emit(wire.Kind.REJECT, wire.reject_payload(r))
+
+
+_probes: Probes | None = None
+_probes_lock = threading.Lock()
+
+
+def get_probes() -> Probes:
+    """The process-wide Probes; its ring is created on first use in ``$KVGUARD_RING_DIR``.
+
+    ``KVGUARD_DISABLE=1`` gives a no-op instance. A ring that cannot be created (bad
+    directory, bad ``KVGUARD_RING_BYTES``) is logged once and also gives a no-op
+    instance: kvguard must never stop the engine from serving.
+    """
+    global _probes
+    if _probes is not None:
+        return _probes
+    with _probes_lock:
+        if _probes is None:
+            _probes = _make_probes()
+    return _probes
+
+
+def _make_probes() -> Probes:
+    if os.environ.get("KVGUARD_DISABLE", "") in ("1", "true", "yes"):
+        log.info("kvguard probes disabled by KVGUARD_DISABLE")
+        return Probes(None)
+    raw_capacity = os.environ.get("KVGUARD_RING_BYTES", str(DEFAULT_CAPACITY))
+    try:
+        writer = RingWriter(ring_dir(), int(raw_capacity))
+    except (OSError, ValueError) as exc:
+        log.error("kvguard: cannot create ring in %s (KVGUARD_RING_BYTES=%s): %s; probes disabled",
+                  ring_dir(), raw_capacity, exc)
+        return Probes(None)
+    log.info("kvguard ring %s (%d bytes)", writer.path, writer.capacity)
+    return Probes(writer)
+
+
+def reset_probes_for_tests(probes: Probes | None = None) -> None:
+    global _probes
+    _probes = probes

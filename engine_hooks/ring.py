@@ -1,0 +1,286 @@
+"""Single-producer shared-memory ring with eBPF ring-buffer manners.
+
+One file per engine process in ``KVGUARD_RING_DIR`` (default ``/dev/shm/kvguard``),
+named ``kvguard-<pid>-<start_ns>.ring``. The engine process is the only producer;
+one sidecar is the only consumer.
+
+File layout (all integers little-endian)::
+
+    off   size  field             owner     meaning
+      0      8  magic             producer  b"KVGRING1"
+      8      4  version           producer  ring layout version (1)
+     12      4  header_size       producer  bytes before the data area (4096)
+     16      8  capacity          producer  data area bytes, a power of two
+     24      4  pid               producer  engine process id
+     28      4  engine_id         producer  id stamped into every record header
+     32      8  start_ns          producer  CLOCK_REALTIME ns at ring creation
+     40      8  proc_start_ticks  producer  /proc/<pid>/stat starttime (pid-reuse check)
+     64      8  write_pos         producer  total bytes ever published (monotonic)
+     72      8  next_seq          producer  sequence number of the next record attempted
+     80      8  dropped_records   producer  records dropped because the ring was full
+     88      8  dropped_bytes     producer  their bytes
+     96      8  records_written   producer  records published
+    128      8  read_pos          consumer  total bytes consumed (monotonic)
+    136      8  consumer_pid      consumer  pid of the attached sidecar, 0 if none
+   4096      …  data              producer  records (wire.py), never straddling the end
+
+Publishing: the producer copies a whole record into the data area with one slice
+assignment and only then stores the new ``write_pos`` (one aligned 8-byte store), so
+a reader never sees a half-written record; a producer that dies mid-record leaves
+``write_pos`` where it was and the torn bytes are never read. A record that does not
+fit before the end of the data area is preceded by a PAD record (or, when fewer
+than 32 bytes remain, by nothing: readers skip such a tail) and written at offset 0.
+
+Full ring: the producer drops the record, bumps ``dropped_records`` and never
+waits. The dropped record still consumed a sequence number, so the consumer sees
+exactly where the gap is.
+
+Memory ordering: the data copy and the ``write_pos`` store are ordinary stores; on
+x86-64 (TSO) they become visible in program order. Readers also validate each
+record's magic, length and sequence, so a reordering on a weaker machine shows up as
+counted corrupt bytes, never as a wrong record.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import wire
+
+log = logging.getLogger(__name__)
+
+RING_MAGIC = b"KVGRING1"
+RING_VERSION = 1
+HEADER_BYTES = 4096
+DEFAULT_RING_DIR = "/dev/shm/kvguard"
+DEFAULT_CAPACITY = 16 << 20
+RING_SUFFIX = ".ring"
+
+_FIXED = struct.Struct("<8sIIQIIQQ")  # magic .. proc_start_ticks
+# indices into the header viewed as uint64
+_WRITE_POS, _NEXT_SEQ, _DROPPED_RECORDS, _DROPPED_BYTES, _RECORDS_WRITTEN = 8, 9, 10, 11, 12
+_READ_POS, _CONSUMER_PID = 16, 17
+
+
+class RingError(RuntimeError):
+    """A ring file this reader will not attach to; the message says why."""
+
+
+def ring_dir() -> str:
+    return os.environ.get("KVGUARD_RING_DIR", DEFAULT_RING_DIR)
+
+
+def proc_start_ticks(pid: int) -> int:
+    """Process start time in clock ticks since boot, 0 when unknown (pid-reuse check)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return 0
+    # the command name may contain spaces: fields restart after the last ')'
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return int(fields[19]) if len(fields) > 19 else 0
+
+
+def _check_capacity(capacity: int) -> int:
+    if capacity < 4096 or capacity & (capacity - 1):
+        raise ValueError(f"KVGUARD_RING_BYTES: capacity must be a power of two >= 4096, got {capacity}")
+    return capacity
+
+
+class RingWriter:
+    """The producer end. ``write`` never blocks on the consumer and never raises."""
+
+    def __init__(self, directory: str, capacity: int = DEFAULT_CAPACITY, engine_id: int | None = None):
+        self.capacity = _check_capacity(capacity)
+        self.pid = os.getpid()
+        start_ns = time.time_ns()
+        self.engine_id = engine_id if engine_id is not None else (hash((self.pid, start_ns)) & 0xFFFFFFFF)
+        os.makedirs(directory, exist_ok=True)
+        self.path = os.path.join(directory, f"kvguard-{self.pid}-{start_ns}{RING_SUFFIX}")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.ftruncate(fd, HEADER_BYTES + capacity)
+            self._mm = mmap.mmap(fd, HEADER_BYTES + capacity)
+        finally:
+            os.close(fd)
+        self._mm[: _FIXED.size] = _FIXED.pack(
+            RING_MAGIC, RING_VERSION, HEADER_BYTES, capacity, self.pid, self.engine_id, start_ns,
+            proc_start_ticks(self.pid),
+        )
+        self._u64 = np.frombuffer(self._mm, dtype="<u8", count=HEADER_BYTES // 8)
+        self._mask = capacity - 1
+        self._write_pos = 0
+        self._seq = 0
+        self._lock = threading.Lock()  # engine threads (scheduler, transfer pollers) share one ring
+
+    def write(self, kind: wire.Kind, payload: bytes, pool: int = 0, flags: int = 0) -> bool:
+        """Publish one record; False if it was dropped because the ring is full."""
+        with self._lock:
+            seq = self._seq
+            self._seq = seq + 1
+            self._u64[_NEXT_SEQ] = seq + 1
+            record = wire.encode(kind, seq, time.monotonic_ns(), self.engine_id, payload, pool, flags)
+            return self._publish(record)
+
+    def _publish(self, record: bytes) -> bool:
+        size = len(record)
+        pos = self._write_pos
+        offset = pos & self._mask
+        tail = self.capacity - offset
+        needed = size if size <= tail else size + tail
+        if needed > self.capacity - (pos - int(self._u64[_READ_POS])):
+            self._u64[_DROPPED_RECORDS] += 1
+            self._u64[_DROPPED_BYTES] += size
+            return False
+        if size > tail:
+            if tail >= wire.HEADER_SIZE:
+                pad = wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.Kind.PAD, tail, 0, 0, self.engine_id, 0, 0)
+                self._mm[HEADER_BYTES + offset : HEADER_BYTES + offset + wire.HEADER_SIZE] = pad
+            pos += tail
+            offset = 0
+        self._mm[HEADER_BYTES + offset : HEADER_BYTES + offset + size] = record
+        pos += size
+        self._u64[_RECORDS_WRITTEN] += 1
+        self._u64[_WRITE_POS] = pos  # publish last
+        self._write_pos = pos
+        return True
+
+    @property
+    def dropped_records(self) -> int:
+        return int(self._u64[_DROPPED_RECORDS])
+
+    @property
+    def records_written(self) -> int:
+        return int(self._u64[_RECORDS_WRITTEN])
+
+    def close(self, unlink: bool = False) -> None:
+        self._u64 = None
+        self._mm.close()
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+
+@dataclass(slots=True)
+class PollResult:
+    records: list
+    lost: int  # records the producer dropped since the previous poll (sequence gaps)
+
+
+class RingReader:
+    """The consumer end of one ring file."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            size = os.path.getsize(path)
+        except OSError as exc:
+            raise RingError(f"{path}: cannot stat: {exc}") from exc
+        if size < HEADER_BYTES:
+            raise RingError(f"{path}: {size} bytes, shorter than a ring header ({HEADER_BYTES})")
+        with open(path, "r+b") as f:
+            self._mm = mmap.mmap(f.fileno(), size)
+        magic, version, header_size, capacity, pid, engine_id, start_ns, ticks = _FIXED.unpack_from(self._mm, 0)
+        problem = None
+        if magic != RING_MAGIC:
+            problem = f"bad magic {magic!r}, not a kvguard ring"
+        elif version != RING_VERSION:
+            problem = f"ring layout version {version}; this sidecar reads version {RING_VERSION}: upgrade the sidecar"
+        elif header_size != HEADER_BYTES or capacity < 4096 or capacity & (capacity - 1):
+            problem = f"implausible header (header_size {header_size}, capacity {capacity})"
+        elif size < HEADER_BYTES + capacity:
+            problem = f"file is {size} bytes, header says {HEADER_BYTES + capacity}"
+        if problem:
+            self._mm.close()
+            raise RingError(f"{path}: {problem}")
+        self.capacity, self.pid, self.engine_id = capacity, pid, engine_id
+        self.start_ns, self.proc_start_ticks = start_ns, ticks
+        self._mask = capacity - 1
+        self._u64 = np.frombuffer(self._mm, dtype="<u8", count=HEADER_BYTES // 8)
+        self._u64[_CONSUMER_PID] = os.getpid()
+        self.read_pos = int(self._u64[_READ_POS])
+        self.next_seq: int | None = None
+        self.stats = wire.DecodeStats()
+        self.records_lost = 0
+
+    @property
+    def dropped_records(self) -> int:
+        """The producer's own count of dropped records (includes drops before we attached)."""
+        return int(self._u64[_DROPPED_RECORDS])
+
+    @property
+    def backlog_bytes(self) -> int:
+        return int(self._u64[_WRITE_POS]) - self.read_pos
+
+    def producer_alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        # a live pid with another start time is a new process that reused the pid
+        return not self.proc_start_ticks or proc_start_ticks(self.pid) == self.proc_start_ticks
+
+    def poll(self, max_bytes: int = 8 << 20) -> PollResult:
+        """Decode what the producer published since the last poll (at most ``max_bytes``)."""
+        write_pos = int(self._u64[_WRITE_POS])
+        if write_pos - self.read_pos > self.capacity or write_pos < self.read_pos:
+            self.stats.corrupt_bytes += abs(write_pos - self.read_pos)
+            self.stats.last_error = f"write_pos {write_pos} inconsistent with read_pos {self.read_pos}: resynchronised"
+            self.read_pos = write_pos
+            self._u64[_READ_POS] = write_pos
+            return PollResult([], 0)
+        records: list[wire.Record] = []
+        limit = min(write_pos, self.read_pos + max_bytes)
+        while self.read_pos < write_pos and (self.read_pos < limit or not records):
+            offset = self.read_pos & self._mask
+            tail = self.capacity - offset
+            if tail < wire.HEADER_SIZE:
+                self.read_pos += tail
+                continue
+            chunk = min(tail, write_pos - self.read_pos)
+            start = HEADER_BYTES + offset
+            data = self._mm[start : start + chunk]
+            records.extend(wire.decode_stream(data, self.stats))
+            self.read_pos += chunk
+        self._u64[_READ_POS] = self.read_pos
+        return self._mark_gaps(records)
+
+    def _mark_gaps(self, records: list) -> PollResult:
+        """Insert a LOST marker where sequence numbers jump, so state can resync there."""
+        out, lost = [], 0
+        expected = 0 if self.next_seq is None else self.next_seq
+        for rec in records:
+            if rec.seq > expected:
+                gap = rec.seq - expected
+                lost += gap
+                out.append(wire.Record(wire.Kind.LOST, expected, rec.ts_ns, rec.engine_id, 0, gap))
+            out.append(rec)
+            expected = rec.seq + 1
+        self.next_seq = expected
+        self.records_lost += lost
+        return PollResult(out, lost)
+
+    def close(self) -> None:
+        if self._u64 is not None:
+            try:
+                self._u64[_CONSUMER_PID] = 0
+            except (ValueError, TypeError):
+                pass
+        self._u64 = None
+        try:
+            self._mm.close()
+        except BufferError:
+            pass

@@ -1,0 +1,537 @@
+"""The kvguard wire contract, version 1: record layouts shared by engine and sidecar.
+
+Every record is a fixed 32-byte little-endian header followed by a typed payload,
+padded with zero bytes to a multiple of 8. ``docs/wire-format.md`` describes the
+bytes in prose; this module is the executable form of that document.
+
+Header (``HEADER``, 32 bytes)::
+
+    off size field      meaning
+      0   2  magic      0x4B47 ("GK" on the wire), constant
+      2   1  version    contract version of the payload layout (1)
+      3   1  kind       Kind below
+      4   4  length     total record bytes, header + payload + padding, multiple of 8
+      8   8  seq        per-ring sequence number; increments for every record the
+                        producer *tried* to write, so dropped records leave a gap
+     16   8  ts_ns      CLOCK_MONOTONIC nanoseconds when the probe fired
+     24   4  engine_id  the producing ring's engine id (see ring.py)
+     28   2  pool       KV pool index inside the engine (0 = the token KV pool)
+     30   2  flags      kind-specific bits, 0 unless stated
+
+Nothing private crosses this contract: page ids, counts, digests, request ids and
+tenant labels only; never token ids, text or KV bytes.
+
+Request ids are carried once, in REQ_BEGIN; every other record names the request by
+its 64-bit key (``request_key(rid)``: xxh3-64 of the UTF-8 rid), so hot records
+carry 8 bytes, not strings. The same rid gives the same key on prefill and decode.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+MAGIC = 0x4B47
+VERSION = 1
+HEADER = struct.Struct("<HBBIQQIHH")
+HEADER_SIZE = HEADER.size
+ALIGN = 8
+NO_ROOM = (1 << 64) - 1  # bootstrap_room of a request that has none
+MAX_STRING_BYTES = 256  # longer strings are truncated by the encoder
+MAX_RECORD_BYTES = 1 << 26  # 64 MiB: anything longer is corrupt by definition
+
+assert HEADER_SIZE == 32, HEADER_SIZE
+
+
+class Kind(enum.IntEnum):
+    PAD = 0  # ring filler up to the end of the data area; never decoded
+    HELLO = 1
+    REQ_BEGIN = 2
+    REQ_END = 3
+    ALLOC = 4
+    ASSIGN = 5
+    FORWARD = 6
+    FREE = 7
+    XFER_RESERVE = 8
+    XFER_SEND = 9
+    XFER_DONE = 10
+    REJECT = 11
+    HEARTBEAT = 12
+    PROBE_ERROR = 13
+    LOST = 14  # never on the wire: readers insert it at a sequence gap (body = records missing)
+
+
+class Role(enum.IntEnum):
+    UNIFIED = 0
+    PREFILL = 1
+    DECODE = 2
+
+
+class Finish(enum.IntEnum):
+    UNKNOWN = 0
+    STOP = 1
+    LENGTH = 2
+    ABORT = 3
+    REJECT = 4
+
+
+class FreeKind(enum.IntEnum):
+    FREE = 0  # allocator.free, immediate
+    GROUP = 1  # flushed at free_group_end
+    DEFERRED = 2  # deferred release (e.g. after a transfer drained)
+    PAGE_IDS = 3  # free_page_ids
+
+
+class Side(enum.IntEnum):
+    SENDER = 1
+    RECEIVER = 2
+
+
+class XferStatus(enum.IntEnum):
+    SUCCESS = 1
+    FAILED = 2
+    ABORTED = 3
+
+
+class Phase(enum.IntEnum):
+    ADMISSION = 0
+    PREFILL = 1
+    DECODE = 2
+    TRANSFER = 3
+
+
+# Fixed payload parts, after the header. Variable parts follow in the order given.
+HELLO_FIXED = struct.Struct("<BBHIIIQQQ")  # role, _, tp_rank, pid, page_size, pool_pages, pool_tokens, context_len, max_req_input_len
+#   then strings: engine_name, engine_version, model, kvguard_version
+REQ_BEGIN_FIXED = struct.Struct("<QQIIB7x")  # req_key, room, prompt_tokens, cached_tokens, flags(bit0 warmup)
+#   then strings: rid, tenant
+REQ_END_FIXED = struct.Struct("<QQQIB3x")  # req_key, ttft_ns, e2e_ns, output_tokens, finish
+#   then string: reason
+PAGES_FIXED = struct.Struct("<IB3x")  # ALLOC/FREE: count, free_kind; then int32[count]
+ASSIGN_FIXED = struct.Struct("<QIIII")  # req_key, row_start, row_end, shared_until, count; then int32[count]
+FORWARD_FIXED = struct.Struct("<IIIBB2x")  # n_reqs, n_write_pages, n_read_pages, flags, mode
+#   then u64 req_keys[n], u32 seq_lens[n], u32 write_counts[n], u32 read_counts[n] (if FWD_HAS_ROWS),
+#   int32 write_pages[n_write_pages], int32 read_pages[n_read_pages]
+XFER_RESERVE_FIXED = struct.Struct("<QQII")  # req_key, room, tokens, count; then int32 dst pages
+XFER_SEND_FIXED = struct.Struct("<QQQIIIB3x")  # req_key, room, digest, token_start, token_end, count, is_last
+XFER_DONE_FIXED = struct.Struct("<QQBB6x")  # req_key, room, side, status
+REJECT_FIXED = struct.Struct("<QB7x")  # req_key, phase; then string reason
+HEARTBEAT_FIXED = struct.Struct("<QQQ")  # records_written, records_dropped, probe_errors
+PROBE_ERROR_FIXED = struct.Struct("<I4x")  # count of errors so far for this probe; then strings probe, error type
+
+FWD_HAS_ROWS = 1  # FORWARD flags: read_counts/read_pages carry the engine's actual rows
+REQ_WARMUP = 1  # REQ_BEGIN flags: warmup / health-check request, never alarmed
+
+
+def request_key(rid: str) -> int:
+    """64-bit key for a request id; identical on every engine that sees the rid."""
+    return xxhash.xxh3_64_intdigest(rid.encode("utf-8", "replace"))
+
+
+# --------------------------------------------------------------------------- records
+@dataclass(slots=True)
+class Hello:
+    role: Role
+    tp_rank: int
+    pid: int
+    page_size: int
+    pool_pages: int
+    pool_tokens: int
+    context_len: int
+    max_req_input_len: int
+    engine_name: str
+    engine_version: str
+    model: str
+    kvguard_version: str
+
+
+@dataclass(slots=True)
+class ReqBegin:
+    req_key: int
+    room: int
+    prompt_tokens: int
+    cached_tokens: int
+    warmup: bool
+    rid: str
+    tenant: str
+
+
+@dataclass(slots=True)
+class ReqEnd:
+    req_key: int
+    ttft_ns: int
+    e2e_ns: int
+    output_tokens: int
+    finish: Finish
+    reason: str
+
+
+@dataclass(slots=True)
+class Pages:
+    """ALLOC and FREE: a set of page ids (FREE also says which free path)."""
+
+    pages: np.ndarray
+    free_kind: FreeKind = FreeKind.FREE
+
+
+@dataclass(slots=True)
+class Assign:
+    req_key: int
+    row_start: int
+    row_end: int
+    shared_until: int
+    pages: np.ndarray  # pages for row page-indices row_start//page_size onwards
+
+
+@dataclass(slots=True)
+class Forward:
+    req_keys: np.ndarray  # uint64[n]
+    seq_lens: np.ndarray  # uint32[n]
+    write_counts: np.ndarray  # uint32[n]
+    write_pages: np.ndarray  # int32[sum(write_counts)]
+    read_counts: np.ndarray | None  # uint32[n] when the engine sent its actual rows
+    read_pages: np.ndarray | None
+    mode: int = 0
+
+
+@dataclass(slots=True)
+class XferReserve:
+    req_key: int
+    room: int
+    tokens: int
+    pages: np.ndarray
+
+
+@dataclass(slots=True)
+class XferSend:
+    req_key: int
+    room: int
+    digest: int
+    token_start: int
+    token_end: int
+    is_last: bool
+    pages: np.ndarray
+
+
+@dataclass(slots=True)
+class XferDone:
+    req_key: int
+    room: int
+    side: Side
+    status: XferStatus
+
+
+@dataclass(slots=True)
+class Reject:
+    req_key: int
+    phase: Phase
+    reason: str
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    records_written: int
+    records_dropped: int
+    probe_errors: int
+
+
+@dataclass(slots=True)
+class ProbeError:
+    count: int
+    probe: str
+    error: str
+
+
+@dataclass(slots=True)
+class Record:
+    kind: Kind
+    seq: int
+    ts_ns: int
+    engine_id: int
+    pool: int
+    body: object = field(default=None)
+
+
+# --------------------------------------------------------------------------- encoding
+def _str_bytes(value: str) -> bytes:
+    raw = value.encode("utf-8", "replace")[:MAX_STRING_BYTES]
+    return struct.pack("<H", len(raw)) + raw
+
+
+def _i32(pages) -> bytes:
+    return np.ascontiguousarray(pages, dtype="<i4").tobytes()
+
+
+def encode(kind: Kind, seq: int, ts_ns: int, engine_id: int, payload: bytes, pool: int = 0, flags: int = 0) -> bytes:
+    """One whole record: header + payload + zero padding to a multiple of 8."""
+    length = HEADER_SIZE + len(payload)
+    padded = (length + ALIGN - 1) & ~(ALIGN - 1)
+    head = HEADER.pack(MAGIC, VERSION, int(kind), padded, seq, ts_ns, engine_id, pool, flags)
+    return head + payload + b"\0" * (padded - length)
+
+
+def hello_payload(h: Hello) -> bytes:
+    fixed = HELLO_FIXED.pack(
+        int(h.role), 0, h.tp_rank, h.pid, h.page_size, h.pool_pages, h.pool_tokens, h.context_len, h.max_req_input_len
+    )
+    return fixed + b"".join(_str_bytes(s) for s in (h.engine_name, h.engine_version, h.model, h.kvguard_version))
+
+
+def req_begin_payload(r: ReqBegin) -> bytes:
+    flags = REQ_WARMUP if r.warmup else 0
+    fixed = REQ_BEGIN_FIXED.pack(r.req_key, r.room, r.prompt_tokens, r.cached_tokens, flags)
+    return fixed + _str_bytes(r.rid) + _str_bytes(r.tenant)
+
+
+def req_end_payload(r: ReqEnd) -> bytes:
+    return REQ_END_FIXED.pack(r.req_key, r.ttft_ns, r.e2e_ns, r.output_tokens, int(r.finish)) + _str_bytes(r.reason)
+
+
+def pages_payload(pages: np.ndarray, free_kind: FreeKind = FreeKind.FREE) -> bytes:
+    return PAGES_FIXED.pack(len(pages), int(free_kind)) + _i32(pages)
+
+
+def assign_payload(a: Assign) -> bytes:
+    return ASSIGN_FIXED.pack(a.req_key, a.row_start, a.row_end, a.shared_until, len(a.pages)) + _i32(a.pages)
+
+
+def forward_payload(f: Forward) -> bytes:
+    has_rows = f.read_counts is not None
+    n = len(f.req_keys)
+    n_read = len(f.read_pages) if has_rows else 0
+    parts = [
+        FORWARD_FIXED.pack(n, len(f.write_pages), n_read, FWD_HAS_ROWS if has_rows else 0, f.mode),
+        np.ascontiguousarray(f.req_keys, dtype="<u8").tobytes(),
+        np.ascontiguousarray(f.seq_lens, dtype="<u4").tobytes(),
+        np.ascontiguousarray(f.write_counts, dtype="<u4").tobytes(),
+    ]
+    if has_rows:
+        parts.append(np.ascontiguousarray(f.read_counts, dtype="<u4").tobytes())
+    parts.append(_i32(f.write_pages))
+    if has_rows:
+        parts.append(_i32(f.read_pages))
+    return b"".join(parts)
+
+
+def xfer_reserve_payload(x: XferReserve) -> bytes:
+    return XFER_RESERVE_FIXED.pack(x.req_key, x.room, x.tokens, len(x.pages)) + _i32(x.pages)
+
+
+def xfer_send_payload(x: XferSend) -> bytes:
+    fixed = XFER_SEND_FIXED.pack(x.req_key, x.room, x.digest, x.token_start, x.token_end, len(x.pages), int(x.is_last))
+    return fixed + _i32(x.pages)
+
+
+def xfer_done_payload(x: XferDone) -> bytes:
+    return XFER_DONE_FIXED.pack(x.req_key, x.room, int(x.side), int(x.status))
+
+
+def reject_payload(r: Reject) -> bytes:
+    return REJECT_FIXED.pack(r.req_key, int(r.phase), ) + _str_bytes(r.reason)
+
+
+def heartbeat_payload(h: Heartbeat) -> bytes:
+    return HEARTBEAT_FIXED.pack(h.records_written, h.records_dropped, h.probe_errors)
+
+
+def probe_error_payload(p: ProbeError) -> bytes:
+    return PROBE_ERROR_FIXED.pack(p.count) + _str_bytes(p.probe) + _str_bytes(p.error)
+
+
+# --------------------------------------------------------------------------- decoding
+class DecodeError(ValueError):
+    """A record whose payload does not fit its declared layout."""
+
+
+class _Cursor:
+    """Bounds-checked reads over one record's payload."""
+
+    __slots__ = ("buf", "pos", "end")
+
+    def __init__(self, buf: memoryview, pos: int, end: int):
+        self.buf, self.pos, self.end = buf, pos, end
+
+    def take(self, n: int) -> int:
+        start = self.pos
+        if n < 0 or start + n > self.end:
+            raise DecodeError(f"payload truncated: need {n} bytes at {start - HEADER_SIZE}, have {self.end - start}")
+        self.pos = start + n
+        return start
+
+    def fixed(self, s: struct.Struct) -> tuple:
+        return s.unpack_from(self.buf, self.take(s.size))
+
+    def array(self, dtype: str, count: int) -> np.ndarray:
+        itemsize = np.dtype(dtype).itemsize
+        start = self.take(count * itemsize)
+        return np.frombuffer(self.buf, dtype=dtype, count=count, offset=start).copy()
+
+    def string(self) -> str:
+        (n,) = struct.unpack_from("<H", self.buf, self.take(2))
+        if n > MAX_STRING_BYTES:
+            raise DecodeError(f"string of {n} bytes exceeds {MAX_STRING_BYTES}")
+        start = self.take(n)
+        return bytes(self.buf[start : start + n]).decode("utf-8", "replace")
+
+
+def _decode_hello(c: _Cursor) -> Hello:
+    role, _, tp_rank, pid, page_size, pool_pages, pool_tokens, context_len, max_in = c.fixed(HELLO_FIXED)
+    if page_size < 1:
+        raise DecodeError(f"HELLO page_size {page_size} < 1")
+    strings = [c.string() for _ in range(4)]
+    return Hello(Role(role), tp_rank, pid, page_size, pool_pages, pool_tokens, context_len, max_in, *strings)
+
+
+def _decode_req_begin(c: _Cursor) -> ReqBegin:
+    key, room, prompt, cached, flags = c.fixed(REQ_BEGIN_FIXED)
+    return ReqBegin(key, room, prompt, cached, bool(flags & REQ_WARMUP), c.string(), c.string())
+
+
+def _decode_req_end(c: _Cursor) -> ReqEnd:
+    key, ttft, e2e, out, finish = c.fixed(REQ_END_FIXED)
+    return ReqEnd(key, ttft, e2e, out, Finish(finish), c.string())
+
+
+def _decode_pages(c: _Cursor) -> Pages:
+    count, free_kind = c.fixed(PAGES_FIXED)
+    return Pages(c.array("<i4", count), FreeKind(free_kind))
+
+
+def _decode_assign(c: _Cursor) -> Assign:
+    key, start, end, shared_until, count = c.fixed(ASSIGN_FIXED)
+    if not start <= shared_until <= end:
+        raise DecodeError(f"ASSIGN shared_until {shared_until} outside row [{start}, {end})")
+    return Assign(key, start, end, shared_until, c.array("<i4", count))
+
+
+def _decode_forward(c: _Cursor) -> Forward:
+    n, n_write, n_read, flags, mode = c.fixed(FORWARD_FIXED)
+    keys = c.array("<u8", n)
+    seq_lens = c.array("<u4", n)
+    write_counts = c.array("<u4", n)
+    read_counts = c.array("<u4", n) if flags & FWD_HAS_ROWS else None
+    if int(write_counts.sum()) != n_write:
+        raise DecodeError(f"FORWARD write counts sum to {int(write_counts.sum())}, header says {n_write}")
+    write_pages = c.array("<i4", n_write)
+    read_pages = None
+    if read_counts is not None:
+        if int(read_counts.sum()) != n_read:
+            raise DecodeError(f"FORWARD read counts sum to {int(read_counts.sum())}, header says {n_read}")
+        read_pages = c.array("<i4", n_read)
+    return Forward(keys, seq_lens, write_counts, write_pages, read_counts, read_pages, mode)
+
+
+def _decode_xfer_reserve(c: _Cursor) -> XferReserve:
+    key, room, tokens, count = c.fixed(XFER_RESERVE_FIXED)
+    return XferReserve(key, room, tokens, c.array("<i4", count))
+
+
+def _decode_xfer_send(c: _Cursor) -> XferSend:
+    key, room, digest, t0, t1, count, is_last = c.fixed(XFER_SEND_FIXED)
+    if t1 < t0:
+        raise DecodeError(f"XFER_SEND token_end {t1} < token_start {t0}")
+    return XferSend(key, room, digest, t0, t1, bool(is_last), c.array("<i4", count))
+
+
+def _decode_xfer_done(c: _Cursor) -> XferDone:
+    key, room, side, status = c.fixed(XFER_DONE_FIXED)
+    return XferDone(key, room, Side(side), XferStatus(status))
+
+
+def _decode_reject(c: _Cursor) -> Reject:
+    key, phase = c.fixed(REJECT_FIXED)
+    return Reject(key, Phase(phase), c.string())
+
+
+def _decode_heartbeat(c: _Cursor) -> Heartbeat:
+    return Heartbeat(*c.fixed(HEARTBEAT_FIXED))
+
+
+def _decode_probe_error(c: _Cursor) -> ProbeError:
+    (count,) = c.fixed(PROBE_ERROR_FIXED)
+    return ProbeError(count, c.string(), c.string())
+
+
+_DECODERS = {
+    Kind.HELLO: _decode_hello,
+    Kind.REQ_BEGIN: _decode_req_begin,
+    Kind.REQ_END: _decode_req_end,
+    Kind.ALLOC: _decode_pages,
+    Kind.FREE: _decode_pages,
+    Kind.ASSIGN: _decode_assign,
+    Kind.FORWARD: _decode_forward,
+    Kind.XFER_RESERVE: _decode_xfer_reserve,
+    Kind.XFER_SEND: _decode_xfer_send,
+    Kind.XFER_DONE: _decode_xfer_done,
+    Kind.REJECT: _decode_reject,
+    Kind.HEARTBEAT: _decode_heartbeat,
+    Kind.PROBE_ERROR: _decode_probe_error,
+}
+
+
+@dataclass(slots=True)
+class DecodeStats:
+    """What a reader saw besides good records. The sidecar exports these as metrics."""
+
+    records: int = 0
+    unknown_kind: int = 0
+    bad_version: int = 0
+    bad_payload: int = 0
+    corrupt_bytes: int = 0  # bytes skipped because no valid header could be read
+    last_error: str = ""
+
+
+def read_header(buf, pos: int, end: int) -> tuple | None:
+    """The header at ``pos`` if it is structurally valid (magic, length in bounds), else None."""
+    if end - pos < HEADER_SIZE:
+        return None
+    head = HEADER.unpack_from(buf, pos)
+    magic, _version, _kind, length = head[:4]
+    if magic != MAGIC or length < HEADER_SIZE or length % ALIGN or length > end - pos or length > MAX_RECORD_BYTES:
+        return None
+    return head
+
+
+def decode_stream(buf, stats: DecodeStats, start: int = 0, end: int | None = None) -> list[Record]:
+    """Decode back-to-back records from ``buf[start:end]``.
+
+    Never raises on bad bytes. A record of another contract version or of an unknown
+    kind is skipped by its length and counted; a record whose payload does not fit
+    its layout is skipped and counted; bytes that do not start with a valid header
+    are counted as corrupt and the rest of the buffer is skipped, because record
+    boundaries can no longer be trusted.
+    """
+    view = memoryview(buf).cast("B")
+    end = len(view) if end is None else end
+    out: list[Record] = []
+    pos = start
+    while pos < end:
+        head = read_header(view, pos, end)
+        if head is None:
+            stats.corrupt_bytes += end - pos
+            stats.last_error = f"no valid record header at byte {pos}"
+            break
+        _magic, version, kind, length, seq, ts_ns, engine_id, pool, _flags = head
+        record_end = pos + length
+        if version != VERSION:
+            stats.bad_version += 1
+            stats.last_error = f"record version {version}, this reader speaks {VERSION}"
+        elif kind == Kind.PAD:
+            pass
+        elif kind not in _DECODERS:
+            stats.unknown_kind += 1
+        else:
+            try:
+                body = _DECODERS[Kind(kind)](_Cursor(view, pos + HEADER_SIZE, record_end))
+            except (DecodeError, ValueError, struct.error) as exc:
+                stats.bad_payload += 1
+                stats.last_error = f"{Kind(kind).name} seq {seq}: {exc}"
+            else:
+                stats.records += 1
+                out.append(Record(Kind(kind), seq, ts_ns, engine_id, pool, body))
+        pos = record_end
+    return out
