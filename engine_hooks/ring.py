@@ -253,7 +253,7 @@ class RingReader:
             chunk = min(tail, write_pos - self.read_pos)
             start = HEADER_BYTES + offset
             data = self._mm[start : start + chunk]
-            records.extend(wire.decode_stream(data, self.stats))
+            records.extend(wire.decode_stream(data, self.stats, short_tail_ok=chunk == tail))
             self.read_pos += chunk
         self._u64[_READ_POS] = self.read_pos
         return self._mark_gaps(records)

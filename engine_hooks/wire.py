@@ -496,20 +496,24 @@ def read_header(buf, pos: int, end: int) -> tuple | None:
     return head
 
 
-def decode_stream(buf, stats: DecodeStats, start: int = 0, end: int | None = None) -> list[Record]:
+def decode_stream(buf, stats: DecodeStats, start: int = 0, end: int | None = None,
+                  short_tail_ok: bool = False) -> list[Record]:
     """Decode back-to-back records from ``buf[start:end]``.
 
     Never raises on bad bytes. A record of another contract version or of an unknown
     kind is skipped by its length and counted; a record whose payload does not fit
     its layout is skipped and counted; bytes that do not start with a valid header
     are counted as corrupt and the rest of the buffer is skipped, because record
-    boundaries can no longer be trusted.
+    boundaries can no longer be trusted. ``short_tail_ok``: the buffer ends at the end
+    of a ring's data area, where fewer than 32 unused bytes are normal.
     """
     view = memoryview(buf).cast("B")
     end = len(view) if end is None else end
     out: list[Record] = []
     pos = start
     while pos < end:
+        if short_tail_ok and end - pos < HEADER_SIZE:
+            break
         head = read_header(view, pos, end)
         if head is None:
             stats.corrupt_bytes += end - pos

@@ -1,0 +1,73 @@
+"""Read detectors: ``unwritten_read``, ``foreign_read`` and reads of freed pages.
+
+Definitions (docs/detectors.md has the long form):
+- unwritten_read: a request reads a page reserved for it that nothing wrote for it
+  (neither its own forward nor, on decode, the KV transfer that filled it). The data
+  there is whatever the page's previous owner left: the exposed parties are the
+  page's last writers.
+- foreign_read: a request reads a page that is not its own at this generation: the
+  row names a page assigned to another request, or a page that was freed and
+  reallocated since it was assigned. Exposed: the page's current owner / last writer.
+- use_after_free: a request reads a page that is free in the allocator.
+Warmup and health-check requests are tracked but never alarmed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..findings import CRITICAL, WARNING, EngineRef, Finding, Party
+from ..tracker import EngineTracker, ReadVerdict, RequestInfo
+
+
+def reader_party(info: RequestInfo) -> Party:
+    return Party(info.rid, info.tenant, info.room)
+
+
+def exposed_parties(tracker: EngineTracker, pages: np.ndarray, reader_key: int, by: str = "last_writer") -> list[Party]:
+    """Group pages by the request whose data (or ownership) they carry, other than the reader."""
+    column = getattr(tracker.pool, by)[pages]
+    parties = []
+    for key in np.unique(column):
+        key = int(key)
+        if key in (0, reader_key):
+            continue
+        info = tracker.requests.get(key)
+        name = info.rid if info else f"key:{key:016x}"
+        tenant = info.tenant if info else ""
+        parties.append(Party(name, tenant, info.room if info else None, sorted(int(p) for p in pages[column == key])))
+    return parties
+
+
+class ReadDetector:
+    """One verdict in, zero to three findings out."""
+
+    def observe(self, tracker: EngineTracker, engine: EngineRef, verdict: ReadVerdict, ts_ns: int) -> list[Finding]:
+        if verdict.reader.warmup:
+            return []
+        out = []
+        for kind, pages, by in (("unwritten_read", verdict.unwritten, "last_writer"),
+                                ("foreign_read", verdict.foreign, "owner"),
+                                ("use_after_free", verdict.freed, "last_writer")):
+            if len(pages):
+                out.append(self._finding(tracker, engine, verdict.reader, kind, pages, by, ts_ns))
+        return out
+
+    def _finding(self, tracker: EngineTracker, engine: EngineRef, reader: RequestInfo, kind: str,
+                 pages: np.ndarray, by: str, ts_ns: int) -> Finding:
+        pages = np.unique(pages)
+        exposed = exposed_parties(tracker, pages, reader.key, by)
+        if by == "owner":  # also name whoever's data sits there, if not the owner
+            named = {p.rid for p in exposed}
+            exposed += [p for p in exposed_parties(tracker, pages, reader.key) if p.rid not in named]
+        tenants = sorted({p.tenant or "?" for p in exposed})
+        what = {"unwritten_read": "pages reserved for it that nothing wrote for it",
+                "foreign_read": "pages that belong to other requests",
+                "use_after_free": "pages that are free in the allocator"}[kind]
+        summary = (f"{engine.role} rank {engine.rank}: request {reader.rid} (tenant {reader.tenant or '?'}) read "
+                   f"{len(pages)} {what}")
+        if exposed:
+            summary += f"; they hold data of {len(exposed)} other request(s) of tenant(s) {', '.join(tenants)}"
+        severity = CRITICAL if exposed or kind != "unwritten_read" else WARNING
+        return Finding(kind, severity, engine, reader_party(reader), [int(p) for p in pages], exposed, ts_ns, summary,
+                       {"reader_prompt_tokens": reader.prompt_tokens, "reader_rejected": reader.rejected})

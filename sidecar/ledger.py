@@ -1,0 +1,103 @@
+"""Pairs the two ends of a KV transfer by ``bootstrap_room`` (embedded, in memory).
+
+Decode only learns "transfer complete"; what was actually written into the pages it
+reserved is what the prefill side says it sent. When the receiver reports success,
+the ledger turns the sender's chunks for that room into "written" marks on decode's
+pages (row pages ``token_start // page_size`` up to ``ceil(token_end / page_size)``)
+and compares the tokens sent with the tokens reserved.
+
+If this sidecar has never seen a prefill engine (a decode-only pod without a shared
+ledger), nothing can be paired: the reserved pages are taken as written and the
+transfer is counted as unverified, never alarmed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine_hooks import wire
+
+
+@dataclass(slots=True)
+class SentChunk:
+    token_start: int
+    token_end: int
+    is_last: bool
+    num_pages: int
+    digest: int
+
+
+@dataclass(slots=True)
+class RoomState:
+    room: int
+    chunks: list[SentChunk] = field(default_factory=list)
+    sender_engine: int | None = None
+    reserved_tokens: int = 0
+    reserved_pages: np.ndarray | None = None
+    receiver_engine: int | None = None
+    receiver_key: int = 0
+    reserve_ns: int = 0
+
+
+@dataclass(slots=True)
+class Pairing:
+    """The outcome for one completed transfer, as the decode tracker applies it."""
+
+    room: int
+    receiver_key: int
+    written_row_pages: np.ndarray  # indices into the receiver's row that the sender filled
+    sent_tokens: int
+    reserved_tokens: int
+    sent_pages: int
+    reserved_pages: int
+    verified: bool  # False: no sender record could be expected here
+
+
+class TransferLedger:
+    def __init__(self, max_rooms: int = 100_000):
+        self.rooms: dict[int, RoomState] = {}
+        self.max_rooms = max_rooms
+        self.sender_engines_seen: set[int] = set()
+        self.paired = 0
+        self.unverified = 0
+
+    def _room(self, room: int) -> RoomState:
+        state = self.rooms.get(room)
+        if state is None:
+            if len(self.rooms) >= self.max_rooms:
+                self.rooms.pop(next(iter(self.rooms)))  # oldest first: dicts keep insertion order
+            state = self.rooms[room] = RoomState(room)
+        return state
+
+    def on_send(self, engine_id: int, x: wire.XferSend) -> None:
+        self.sender_engines_seen.add(engine_id)
+        state = self._room(x.room)
+        state.sender_engine = engine_id
+        state.chunks.append(SentChunk(x.token_start, x.token_end, x.is_last, len(x.pages), x.digest))
+
+    def on_reserve(self, engine_id: int, x: wire.XferReserve, ts_ns: int) -> None:
+        state = self._room(x.room)
+        state.receiver_engine, state.receiver_key = engine_id, x.req_key
+        state.reserved_tokens, state.reserved_pages, state.reserve_ns = x.tokens, x.pages, ts_ns
+
+    def on_receiver_done(self, x: wire.XferDone, page_size: int) -> Pairing | None:
+        state = self.rooms.pop(x.room, None)
+        if state is None or state.reserved_pages is None or x.status != wire.XferStatus.SUCCESS:
+            return None
+        n_reserved = len(state.reserved_pages)
+        if not state.chunks and not self.sender_engines_seen:
+            self.unverified += 1
+            return Pairing(x.room, state.receiver_key, np.arange(n_reserved), state.reserved_tokens,
+                           state.reserved_tokens, n_reserved, n_reserved, verified=False)
+        written: list[np.ndarray] = []
+        sent_tokens = 0
+        for c in state.chunks:
+            first, end = c.token_start // page_size, -(-c.token_end // page_size)
+            written.append(np.arange(first, min(end, n_reserved)))
+            sent_tokens = max(sent_tokens, c.token_end)
+        rows = np.unique(np.concatenate(written)) if written else np.zeros(0, np.int64)
+        self.paired += 1
+        return Pairing(x.room, state.receiver_key, rows, sent_tokens, state.reserved_tokens,
+                       sum(c.num_pages for c in state.chunks), n_reserved, verified=True)

@@ -1,0 +1,69 @@
+"""Prometheus metrics, read from the pipeline and ingest state at scrape time."""
+
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .pipeline import ROLE_NAMES
+
+
+class KVGuardCollector(Collector):
+    def __init__(self, service):
+        self.service = service  # sidecar.service.Sidecar: pipeline + ringset, read under its lock
+
+    def collect(self):
+        svc = self.service
+        with svc.lock:
+            pipeline, ingest = svc.pipeline, svc.rings.stats
+            records = CounterMetricFamily("kvguard_records", "Records applied, by kind", labels=["kind"])
+            for kind, n in sorted(pipeline.records_by_kind.items()):
+                records.add_metric([kind], n)
+            yield records
+            lost = CounterMetricFamily("kvguard_records_lost", "Records the engines dropped (ring full)")
+            lost.add_metric([], ingest.records_lost)
+            yield lost
+            bad = CounterMetricFamily("kvguard_records_invalid", "Records skipped as unreadable", labels=["reason"])
+            totals = {"unknown_kind": 0, "bad_version": 0, "bad_payload": 0}
+            corrupt = 0
+            for reader in svc.rings.readers.values():
+                for k in totals:
+                    totals[k] += getattr(reader.stats, k)
+                corrupt += reader.stats.corrupt_bytes
+            for k, v in totals.items():
+                bad.add_metric([k], v)
+            yield bad
+            cb = CounterMetricFamily("kvguard_ring_corrupt_bytes", "Ring bytes skipped: no valid record header")
+            cb.add_metric([], corrupt)
+            yield cb
+            errs = CounterMetricFamily("kvguard_ring_errors", "Ring files refused or unreadable")
+            errs.add_metric([], ingest.ring_errors)
+            yield errs
+            rings = GaugeMetricFamily("kvguard_rings_attached", "Engine rings currently attached")
+            rings.add_metric([], len(svc.rings.readers))
+            yield rings
+            findings = CounterMetricFamily("kvguard_findings", "Findings raised", labels=["kind", "severity"])
+            for (kind, severity), n in sorted(pipeline.findings_by_kind.items()):
+                findings.add_metric([kind, severity], n)
+            yield findings
+            reads = CounterMetricFamily("kvguard_page_reads_checked", "Page reads judged", labels=["role"])
+            unverified = CounterMetricFamily("kvguard_page_reads_unverified",
+                                             "Page reads not judged (state unknown: blind window)", labels=["role"])
+            pages = GaugeMetricFamily("kvguard_pages", "KV pages by ownership state", labels=["role", "pid", "state"])
+            pool = GaugeMetricFamily("kvguard_kv_pool_tokens", "KV pool size in tokens", labels=["role", "pid"])
+            ctx = GaugeMetricFamily("kvguard_context_length_tokens", "Engine context length", labels=["role", "pid"])
+            for tracker in pipeline.engines.values():
+                h = tracker.hello
+                role = ROLE_NAMES.get(h.role, "unknown") if h else "unknown"
+                pid = str(h.pid) if h else "0"
+                reads.add_metric([role], tracker.pages_read)
+                unverified.add_metric([role], tracker.pages_unverified)
+                for state, n in tracker.pool.counts_by_state().items():
+                    pages.add_metric([role, pid, state], n)
+                if h:
+                    pool.add_metric([role, pid], h.pool_tokens)
+                    ctx.add_metric([role, pid], h.context_len)
+            yield from (reads, unverified, pages, pool, ctx)
+            apply_errors = CounterMetricFamily("kvguard_apply_errors", "Records the sidecar failed to apply")
+            apply_errors.add_metric([], pipeline.apply_errors)
+            yield apply_errors

@@ -1,0 +1,161 @@
+"""records -> trackers -> detectors -> findings -> sinks. No I/O besides the sinks.
+
+``Pipeline.apply(record)`` is the whole detection path for one record; ``run_once``
+drains a RingSet through it. Findings are deduplicated per (engine, kind, reader):
+the first one is delivered, repeats (the same bad read on every decode step) are
+counted, not re-sent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+
+import numpy as np
+
+from engine_hooks import wire
+
+from .detectors.reads import ReadDetector
+from .detectors.transfers import TransferSizeDetector
+from .findings import WARNING, EngineRef, Finding
+from .ledger import TransferLedger
+from .tracker import EngineTracker, RequestDirectory
+
+log = logging.getLogger("kvguard.pipeline")
+
+ROLE_NAMES = {wire.Role.UNIFIED: "unified", wire.Role.PREFILL: "prefill", wire.Role.DECODE: "decode"}
+
+
+class Pipeline:
+    def __init__(self, sinks=(), max_dedup_keys: int = 100_000):
+        self.sinks = list(sinks)
+        self.engines: dict[int, EngineTracker] = {}
+        self.ledger = TransferLedger()
+        self.read_detector = ReadDetector()
+        self.transfer_detector = TransferSizeDetector()
+        self.records_by_kind: Counter = Counter()
+        self.findings_by_kind: Counter = Counter()
+        self.findings_suppressed = 0
+        self.records_lost = 0
+        self.apply_errors = 0
+        self._dedup: OrderedDict = OrderedDict()
+        self._max_dedup = max_dedup_keys
+
+    # ------------------------------------------------------------------ helpers
+    def tracker(self, engine_id: int) -> EngineTracker:
+        tracker = self.engines.get(engine_id)
+        if tracker is None:
+            tracker = self.engines[engine_id] = EngineTracker(engine_id, RequestDirectory())
+        return tracker
+
+    @staticmethod
+    def engine_ref(tracker: EngineTracker) -> EngineRef:
+        h = tracker.hello
+        if h is None:
+            return EngineRef("unknown", 0, 0)
+        return EngineRef(ROLE_NAMES.get(h.role, "unknown"), h.tp_rank, h.pid)
+
+    def _emit(self, findings: list[Finding], engine_id: int, reader_key: int = 0) -> list[Finding]:
+        out = []
+        for finding in findings:
+            key = (engine_id, finding.kind, reader_key or (finding.reader.rid if finding.reader else ""))
+            if key in self._dedup:
+                self.findings_suppressed += 1
+                continue
+            self._dedup[key] = True
+            if len(self._dedup) > self._max_dedup:
+                self._dedup.popitem(last=False)
+            self.findings_by_kind[(finding.kind, finding.severity)] += 1
+            out.append(finding)
+        for sink in self.sinks:
+            for finding in out:
+                try:
+                    sink.send(finding)
+                except Exception as exc:  # noqa: BLE001 - a sink failure must not stop detection
+                    log.error("sink %s failed: %s", type(sink).__name__, exc)
+        return out
+
+    # ------------------------------------------------------------------ records
+    def apply(self, rec: wire.Record) -> list[Finding]:
+        """Apply one record; never raises (a failure is logged and counted)."""
+        self.records_by_kind[rec.kind.name] += 1
+        try:
+            return self._apply(rec)
+        except Exception:  # noqa: BLE001
+            self.apply_errors += 1
+            log.exception("kvguard could not apply %s seq %d of engine %d", rec.kind.name, rec.seq, rec.engine_id)
+            return []
+
+    def _apply(self, rec: wire.Record) -> list[Finding]:
+        t = self.tracker(rec.engine_id)
+        body, kind = rec.body, rec.kind
+        if kind == wire.Kind.FORWARD:
+            return self._on_forward(t, body, rec.ts_ns)
+        if kind == wire.Kind.ALLOC:
+            t.on_alloc(body.pages)
+        elif kind == wire.Kind.ASSIGN:
+            t.on_assign(body)
+        elif kind == wire.Kind.FREE:
+            t.on_free(body.pages)
+        elif kind == wire.Kind.REQ_BEGIN:
+            t.on_request_begin(body, rec.ts_ns)
+        elif kind == wire.Kind.REQ_END:
+            t.on_request_end(body, rec.ts_ns)
+        elif kind == wire.Kind.REJECT:
+            t.on_reject(body)
+        elif kind == wire.Kind.HELLO:
+            t.on_hello(body)
+            log.info("engine %d: %s %s rank %d pid %d, page_size %d, pool %d pages / %d tokens, context %d",
+                     rec.engine_id, body.engine_name, ROLE_NAMES.get(body.role), body.tp_rank, body.pid,
+                     body.page_size, body.pool_pages, body.pool_tokens, body.context_len)
+        elif kind == wire.Kind.XFER_SEND:
+            self.ledger.on_send(rec.engine_id, body)
+        elif kind == wire.Kind.XFER_RESERVE:
+            self.ledger.on_reserve(rec.engine_id, body, rec.ts_ns)
+        elif kind == wire.Kind.XFER_DONE:
+            if body.side == wire.Side.RECEIVER:
+                return self._on_transfer_done(t, body, rec.ts_ns)
+        elif kind == wire.Kind.LOST:
+            return self._on_lost(t, rec)
+        return []
+
+    def _on_forward(self, t: EngineTracker, f: wire.Forward, ts_ns: int) -> list[Finding]:
+        # a forward writes its new tokens' KV before attention reads the rows
+        w_off = np.concatenate(([0], np.cumsum(f.write_counts, dtype=np.int64)))
+        for i, key in enumerate(f.req_keys.tolist()):
+            if w_off[i + 1] > w_off[i]:
+                t.mark_written(key, f.write_pages[w_off[i]:w_off[i + 1]], ts_ns)
+        r_off = None
+        if f.read_counts is not None:
+            r_off = np.concatenate(([0], np.cumsum(f.read_counts, dtype=np.int64)))
+        findings = []
+        engine = self.engine_ref(t)
+        for i, key in enumerate(f.req_keys.tolist()):
+            actual = None if r_off is None else f.read_pages[r_off[i]:r_off[i + 1]]
+            verdict = t.classify_read(key, int(f.seq_lens[i]), actual)
+            if verdict is not None:
+                found = self.read_detector.observe(t, engine, verdict, ts_ns)
+                if found:
+                    findings += self._emit(found, t.engine_id, key)
+        return findings
+
+    def _on_transfer_done(self, t: EngineTracker, x: wire.XferDone, ts_ns: int) -> list[Finding]:
+        pairing = self.ledger.on_receiver_done(x, t.page_size)
+        if pairing is None:
+            return []
+        row = t.rows.get(pairing.receiver_key)
+        if row is not None:
+            idx = pairing.written_row_pages[pairing.written_row_pages < len(row.pages)]
+            t.mark_written(pairing.receiver_key, row.pages[idx], ts_ns)
+        found = self.transfer_detector.observe(t, self.engine_ref(t), pairing, ts_ns)
+        return self._emit(found, t.engine_id, pairing.receiver_key)
+
+    def _on_lost(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+        self.records_lost += rec.body
+        t.on_lost()
+        engine = self.engine_ref(t)
+        summary = (f"{engine.role} rank {engine.rank}: {rec.body} records lost (ring full); page ownership is "
+                   f"unknown until pages are reallocated: reads in this window are not verified")
+        finding = Finding("events_lost", WARNING, engine, None, [], [], rec.ts_ns, summary,
+                          {"records_lost": rec.body, "first_missing_seq": rec.seq})
+        return self._emit([finding], t.engine_id, rec.seq)

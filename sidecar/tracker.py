@@ -1,0 +1,293 @@
+"""Page ownership, rebuilt from the record stream. No I/O; called on the ingest thread.
+
+One ``PagePool`` per engine KV pool owns the numpy arrays below; one ``EngineTracker``
+per engine process applies records to it and keeps the live requests' rows.
+
+Per page (index = page id)::
+
+    state        UNKNOWN  never seen since the sidecar attached or since events were lost
+                 FREE     in the allocator's free list
+                 ALLOCATED handed out, not yet in any request's row
+                 OWNED    in the row of a live request (``owner``)
+                 CACHED   its owner ended and the prefix cache kept it (shared read-only)
+    gen          bumps on every allocation: a row entry remembers the gen it was given
+    written_gen  gen at the last KV write; ``written_gen == gen`` means written since allocated
+    owner        request key of the current owner (0 = none)
+    last_writer  request key whose KV was written there last; kept after free, because
+                 pages are not zeroed and the last writer is whose data a stray read sees
+    last_write_ns
+
+Per live request: its row as parallel arrays indexed by row page (position // page_size):
+the page, the gen it had when assigned, and whether it came from the prefix cache.
+
+Pages we know nothing about (``UNKNOWN``) are never judged: a sidecar that attached
+late, or lost records, reports a blind window instead of guessing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine_hooks import wire
+
+UNKNOWN, FREE, ALLOCATED, OWNED, CACHED = 0, 1, 2, 3, 4
+STATE_NAMES = {UNKNOWN: "unknown", FREE: "free", ALLOCATED: "allocated", OWNED: "owned", CACHED: "cached"}
+PADDING_PAGE = 0  # SGLang reserves slot/page 0 as the padding target; never a request's data
+
+
+class PagePool:
+    """The per-page arrays of one KV pool. Grows if the engine names a larger page id."""
+
+    def __init__(self, num_pages: int):
+        n = max(int(num_pages), 1)
+        self.state = np.zeros(n, np.uint8)
+        self.gen = np.zeros(n, np.uint32)
+        self.written_gen = np.zeros(n, np.uint32)
+        self.owner = np.zeros(n, np.uint64)
+        self.last_writer = np.zeros(n, np.uint64)
+        self.last_write_ns = np.zeros(n, np.int64)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.state)
+
+    def ensure(self, pages: np.ndarray) -> np.ndarray:
+        """Valid page ids (non-negative), growing the arrays to hold the largest."""
+        pages = pages[pages >= 0]
+        if len(pages) and int(pages.max()) >= self.num_pages:
+            new = max(int(pages.max()) + 1, 2 * self.num_pages)
+            for name in ("state", "gen", "written_gen", "owner", "last_writer", "last_write_ns"):
+                old = getattr(self, name)
+                grown = np.zeros(new, old.dtype)
+                grown[: len(old)] = old
+                setattr(self, name, grown)
+        return pages
+
+    def forget_all(self) -> None:
+        """Events were lost: nothing about any page can be trusted until it is reallocated."""
+        self.state[:] = UNKNOWN
+
+    def counts_by_state(self) -> dict[str, int]:
+        counts = np.bincount(self.state, minlength=len(STATE_NAMES))
+        return {STATE_NAMES[s]: int(counts[s]) for s in STATE_NAMES}
+
+
+@dataclass(slots=True)
+class RequestInfo:
+    key: int
+    rid: str = ""
+    tenant: str = ""
+    room: int | None = None
+    warmup: bool = False
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    begin_ns: int = 0
+    end_ns: int = 0
+    finish: str = ""
+    ttft_ns: int = 0
+    rejected: str = ""
+    known: bool = True  # False: a stub for a request whose REQ_BEGIN we never saw (not judged)
+
+
+@dataclass(slots=True)
+class Row:
+    """A live request's row, one entry per row page."""
+
+    pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    gens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
+    shared: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+
+    def ensure(self, n: int) -> None:
+        if n > len(self.pages):
+            extra = n - len(self.pages)
+            self.pages = np.concatenate((self.pages, np.full(extra, -1, np.int64)))
+            self.gens = np.concatenate((self.gens, np.zeros(extra, np.uint32)))
+            self.shared = np.concatenate((self.shared, np.zeros(extra, bool)))
+
+
+class RequestDirectory:
+    """rid / tenant by request key, for live and recently ended requests (bounded LRU)."""
+
+    def __init__(self, max_ended: int = 100_000):
+        self.max_ended = max_ended
+        self._ended: OrderedDict[int, RequestInfo] = OrderedDict()
+        self.live: dict[int, RequestInfo] = {}
+
+    def begin(self, info: RequestInfo) -> None:
+        self._ended.pop(info.key, None)
+        self.live[info.key] = info
+
+    def get(self, key: int) -> RequestInfo | None:
+        return self.live.get(key) or self._ended.get(key)
+
+    def get_or_stub(self, key: int) -> RequestInfo:
+        info = self.get(key)
+        if info is None:
+            info = RequestInfo(key, rid=f"key:{key:016x}", tenant="", known=False)
+            self.live[key] = info
+        return info
+
+    def end(self, key: int) -> RequestInfo | None:
+        info = self.live.pop(key, None)
+        if info is not None:
+            self._ended[key] = info
+            while len(self._ended) > self.max_ended:
+                self._ended.popitem(last=False)
+        return info
+
+
+@dataclass(slots=True)
+class ReadVerdict:
+    """The classification of one request's page reads in one forward (pages outside
+    every category were fine)."""
+
+    reader: RequestInfo
+    unwritten: np.ndarray  # reserved for the reader, nothing wrote them for it
+    foreign: np.ndarray  # not (or no longer) the reader's: another request owns or wrote them
+    freed: np.ndarray  # free in the allocator while read
+    unverified: int  # pages whose state is unknown (blind window)
+
+
+class EngineTracker:
+    """Ownership state of one engine process, updated record by record."""
+
+    def __init__(self, engine_id: int, directory: RequestDirectory):
+        self.engine_id = engine_id
+        self.hello: wire.Hello | None = None
+        self.page_size = 1
+        self.pool = PagePool(1)
+        self.rows: dict[int, Row] = {}
+        self.requests = directory
+        self.pending_reads: dict[int, tuple[int, np.ndarray | None, int]] = {}
+        self.transfer_hold: set[int] = set()  # decode requests whose incoming KV is not yet accounted
+        self.pages_read = 0
+        self.pages_unverified = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_hello(self, hello: wire.Hello) -> None:
+        self.hello = hello
+        self.page_size = hello.page_size
+        self.pool.ensure(np.array([hello.pool_pages], np.int64))
+
+    def on_lost(self) -> None:
+        self.pool.forget_all()
+
+    def on_request_begin(self, r: wire.ReqBegin, ts_ns: int) -> None:
+        room = None if r.room == wire.NO_ROOM else r.room
+        self.requests.begin(RequestInfo(r.req_key, r.rid, r.tenant, room, r.warmup, r.prompt_tokens,
+                                        r.cached_tokens, ts_ns))
+
+    def on_request_end(self, r: wire.ReqEnd, ts_ns: int) -> None:
+        info = self.requests.get_or_stub(r.req_key)
+        info.end_ns, info.finish, info.ttft_ns = ts_ns, r.finish.name.lower(), r.ttft_ns
+        row = self.rows.pop(r.req_key, None)
+        self.pending_reads.pop(r.req_key, None)
+        self.transfer_hold.discard(r.req_key)
+        if row is not None:
+            # what the request still owns was kept by the prefix cache (freed pages are FREE already)
+            pages = row.pages[row.pages > 0]
+            mine = pages[(self.pool.owner[pages] == np.uint64(r.req_key)) & (self.pool.state[pages] == OWNED)]
+            self.pool.state[mine] = CACHED
+        self.requests.end(r.req_key)
+
+    def on_reject(self, r: wire.Reject) -> None:
+        self.requests.get_or_stub(r.req_key).rejected = f"{r.phase.name.lower()}: {r.reason}"
+
+    # ------------------------------------------------------------------ pages
+    def on_alloc(self, pages: np.ndarray) -> None:
+        pages = self.pool.ensure(pages.astype(np.int64))
+        pool = self.pool
+        pool.gen[pages] += 1
+        pool.state[pages] = ALLOCATED
+        pool.owner[pages] = 0
+
+    def on_free(self, pages: np.ndarray) -> np.ndarray:
+        """Mark pages free; returns those that were already free (a double free)."""
+        pages = self.pool.ensure(pages.astype(np.int64))
+        pages = pages[pages != PADDING_PAGE]
+        already = pages[self.pool.state[pages] == FREE]
+        self.pool.state[pages] = FREE
+        self.pool.owner[pages] = 0
+        return already
+
+    def on_assign(self, a: wire.Assign) -> None:
+        pages = self.pool.ensure(a.pages.astype(np.int64))
+        if len(pages) != len(a.pages):
+            return
+        self.requests.get_or_stub(a.req_key)
+        row = self.rows.setdefault(a.req_key, Row())
+        first = a.row_start // self.page_size
+        idx = np.arange(first, first + len(pages))
+        row.ensure(first + len(pages))
+        positions = np.maximum(idx * self.page_size, a.row_start)
+        shared = positions < a.shared_until
+        row.pages[idx] = pages
+        row.gens[idx] = self.pool.gen[pages]
+        row.shared[idx] = shared
+        pool = self.pool
+        fresh = pages[~shared]
+        # a freshly allocated page (or one we could not see allocated) becomes the request's
+        claim = fresh[(pool.state[fresh] == ALLOCATED) |
+                      ((pool.state[fresh] == OWNED) & (pool.owner[fresh] == np.uint64(a.req_key)))]
+        pool.state[claim] = OWNED
+        pool.owner[claim] = a.req_key
+
+    def mark_written(self, req_key: int, pages: np.ndarray, ts_ns: int) -> None:
+        pages = self.pool.ensure(pages.astype(np.int64))
+        pages = pages[pages != PADDING_PAGE]
+        pool = self.pool
+        known = pages[pool.state[pages] != UNKNOWN]
+        pool.written_gen[known] = pool.gen[known]
+        pool.last_writer[pages] = req_key
+        pool.last_write_ns[pages] = ts_ns
+
+    # ------------------------------------------------------------------ reads
+    def row_pages_for(self, req_key: int, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        row = self.rows.get(req_key)
+        if row is None:
+            return None
+        n = min(-(-int(seq_len) // self.page_size), len(row.pages))
+        return row.pages[:n], row.gens[:n], row.shared[:n]
+
+    def classify_read(self, req_key: int, seq_len: int, actual: np.ndarray | None) -> ReadVerdict | None:
+        """Judge one request's read of its first ``seq_len`` tokens in one forward.
+
+        ``actual`` are the pages the engine's own row held (when the record carried
+        rows); otherwise the sidecar's model of the row is what was read.
+        """
+        info = self.requests.get(req_key)
+        model = self.row_pages_for(req_key, seq_len)
+        if info is None or model is None or not info.known:
+            self.pages_unverified += 0 if actual is None else len(actual)
+            return None
+        m_pages, m_gens, m_shared = model
+        pages = m_pages if actual is None else actual.astype(np.int64)
+        n = len(pages)
+        if len(m_pages) < n:  # rows the model never saw assigned
+            pad = n - len(m_pages)
+            m_pages = np.concatenate((m_pages, np.full(pad, -2, np.int64)))
+            m_gens = np.concatenate((m_gens, np.zeros(pad, np.uint32)))
+            m_shared = np.concatenate((m_shared, np.zeros(pad, bool)))
+        m_pages, m_gens, m_shared = m_pages[:n], m_gens[:n], m_shared[:n]
+        keep = (pages > PADDING_PAGE)
+        pages, m_pages, m_gens, m_shared = pages[keep], m_pages[keep], m_gens[keep], m_shared[keep]
+        pages = self.pool.ensure(pages)
+        pool = self.pool
+        state = pool.state[pages]
+        known = state != UNKNOWN
+        self.pages_read += len(pages)
+        unverified = int((~known).sum())
+        self.pages_unverified += unverified
+        freed = known & (state == FREE)
+        # the reader's own page: assigned to it at this generation, and either handed to it
+        # through the prefix cache or owned by it (a fresh row entry naming another
+        # request's page is not made legitimate by having been written into the row)
+        owned = (pool.owner[pages] == np.uint64(req_key)) & (state == OWNED)
+        mine = (m_pages == pages) & (m_gens == pool.gen[pages]) & (m_shared | owned)
+        foreign = known & ~freed & ~mine
+        written = pool.written_gen[pages] == pool.gen[pages]
+        unwritten = known & ~freed & mine & ~written
+        return ReadVerdict(info, pages[unwritten], pages[foreign], pages[freed], unverified)

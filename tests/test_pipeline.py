@@ -1,0 +1,134 @@
+"""The incident's record sequence through the real probes, rings and sidecar pipeline.
+
+Decode pool: pages 1..8 (page_size 4). Earlier requests of tenants acme and globex
+filled pages 1..4 through normal transfers and finished. Then initech's 16-token
+prompt was rejected by prefill, which still sent 1 token; decode had reserved 4 pages:
+
+    page:          1        2        3        4
+    last writer:   acme     acme     globex   globex
+    initech:       sent     stale    stale    stale   <- decode reads all four
+"""
+
+import numpy as np
+
+from engine_hooks.probes import Probes
+from engine_hooks.ring import RingWriter
+from sidecar.service import Sidecar
+from sidecar.sinks.basic import MemorySink
+
+
+def engines(tmp_path):
+    prefill = Probes(RingWriter(str(tmp_path), 1 << 16))
+    decode = Probes(RingWriter(str(tmp_path), 1 << 16))
+    prefill.hello("prefill", 0, 4, 64, 256, 2048, 250, "sglang", "0.5.19", "tiny")
+    decode.hello("decode", 0, 4, 8, 32, 2048, 2048, "sglang", "0.5.19", "tiny")
+    return prefill, decode
+
+
+def slots(pages):
+    return np.concatenate([np.arange(p * 4, p * 4 + 4) for p in pages])
+
+
+def pd_request(prefill, decode, rid, tenant, room, dst_pages, tokens, sent_tokens, src_page=50):
+    for p in (prefill, decode):
+        p.request_begin(rid, tenant, room, tokens, 0, False)
+    decode.pages_allocated(slots(dst_pages))
+    decode.rows_assigned(rid, 0, tokens, 0, slots(dst_pages)[:tokens])
+    decode.transfer_reserved(rid, room, tokens, slots(dst_pages)[:tokens])
+    prefill.pages_allocated(slots([src_page]))
+    prefill.transfer_sent(rid, room, 0, sent_tokens, [src_page], True)
+    prefill.transfer_done(rid, room, "sender", "success")
+    decode.transfer_done(rid, room, "receiver", "success")
+    last = dst_pages[-1] + 1
+    decode.pages_allocated(slots([last]))
+    decode.rows_assigned(rid, tokens, tokens + 1, tokens, [last * 4])
+    decode.forward([rid], [tokens + 1], [[last * 4]], [slots(dst_pages + [last])[: tokens + 1]])
+    return last
+
+
+def finish(decode, rid, pages):
+    decode.request_end(rid, "length", 1000, 2000, 1, "")
+    decode.pages_freed(slots(pages))
+
+
+def run(tmp_path):
+    sink = MemorySink()
+    sidecar = Sidecar(str(tmp_path), sinks=[sink], slack_ns=0)
+    sidecar.run_once(flush=True)
+    return sidecar, sink.findings
+
+
+def test_the_incident_is_an_unwritten_read_naming_the_exposed_tenants(tmp_path):
+    prefill, decode = engines(tmp_path)
+    last = pd_request(prefill, decode, "r-acme", "acme", 11, [1, 2], 8, 8)
+    finish(decode, "r-acme", [1, 2, last])
+    last = pd_request(prefill, decode, "r-globex", "globex", 12, [3, 4], 8, 8)
+    finish(decode, "r-globex", [3, 4, last])
+    pd_request(prefill, decode, "r-initech", "initech", 13, [1, 2, 3, 4], 16, 1)
+
+    sidecar, findings = run(tmp_path)
+    kinds = sorted(f.kind for f in findings)
+    assert kinds == ["transfer_size_mismatch", "unwritten_read"]
+    (read,) = [f for f in findings if f.kind == "unwritten_read"]
+    d = read.to_dict()
+    assert d["severity"] == "critical"
+    assert d["engine"]["role"] == "decode"
+    assert d["reader"] == {"rid": "r-initech", "tenant": "initech", "bootstrap_room": 13}
+    assert d["pages"] == [2, 3, 4]
+    assert sorted((e["rid"], e["tenant"], tuple(e["pages"])) for e in d["exposed"]) == [
+        ("r-acme", "acme", (2,)), ("r-globex", "globex", (3, 4))]
+    (size,) = [f for f in findings if f.kind == "transfer_size_mismatch"]
+    assert size.evidence == {"sent_tokens": 1, "reserved_tokens": 16, "sent_pages": 1, "reserved_pages": 4}
+    sidecar.stop()
+
+
+def test_full_transfers_raise_nothing(tmp_path):
+    prefill, decode = engines(tmp_path)
+    last = pd_request(prefill, decode, "r-acme", "acme", 11, [1, 2], 8, 8)
+    finish(decode, "r-acme", [1, 2, last])
+    pd_request(prefill, decode, "r-initech", "initech", 13, [1, 2, 3, 4], 16, 16)
+    sidecar, findings = run(tmp_path)
+    assert findings == []
+    assert sidecar.pipeline.engines and all(t.pages_read for t in sidecar.pipeline.engines.values()
+                                            if t.hello.role == 2)
+    sidecar.stop()
+
+
+def test_a_repeated_bad_read_is_delivered_once(tmp_path):
+    prefill, decode = engines(tmp_path)
+    last = pd_request(prefill, decode, "r-acme", "acme", 11, [1, 2], 8, 8)
+    finish(decode, "r-acme", [1, 2, last])
+    last = pd_request(prefill, decode, "r-initech", "initech", 13, [1, 2], 8, 1)
+    for step in range(5):
+        decode.forward(["r-initech"], [9], [[last * 4 + 1]], [slots([1, 2, last])[:9]])
+    sidecar, findings = run(tmp_path)
+    assert [f.kind for f in findings].count("unwritten_read") == 1
+    assert sidecar.pipeline.findings_suppressed == 5
+    sidecar.stop()
+
+
+def test_warmup_requests_are_never_alarmed(tmp_path):
+    """SGLang's warmup uses the fake bootstrap host: decode reserves, nothing is sent."""
+    prefill, decode = engines(tmp_path)
+    decode.request_begin("warm", "", 99, 8, 0, True)
+    decode.pages_allocated(slots([1, 2]))
+    decode.rows_assigned("warm", 0, 8, 0, slots([1, 2]))
+    decode.transfer_reserved("warm", 99, 8, slots([1, 2]))
+    decode.transfer_done("warm", 99, "receiver", "success")
+    decode.forward(["warm"], [9], [[12]], [slots([1, 2, 3])[:9]])
+    _, findings = run(tmp_path)
+    assert findings == []
+
+
+def test_a_decode_only_sidecar_cannot_pair_and_stays_quiet(tmp_path):
+    decode = Probes(RingWriter(str(tmp_path), 1 << 16))
+    decode.hello("decode", 0, 4, 8, 32, 2048, 2048, "sglang", "0.5.19", "tiny")
+    decode.request_begin("r", "acme", 5, 8, 0, False)
+    decode.pages_allocated(slots([1, 2]))
+    decode.rows_assigned("r", 0, 8, 0, slots([1, 2]))
+    decode.transfer_reserved("r", 5, 8, slots([1, 2]))
+    decode.transfer_done("r", 5, "receiver", "success")
+    decode.forward(["r"], [8], [[]], [slots([1, 2])[:8]])
+    sidecar, findings = run(tmp_path)
+    assert findings == [] and sidecar.pipeline.ledger.unverified == 1
+    sidecar.stop()

@@ -1,0 +1,141 @@
+"""The ownership model, step by step (page_size 4; page ids shown, slots = page*4 + offset)."""
+
+import numpy as np
+
+from engine_hooks import wire
+from sidecar.tracker import ALLOCATED, CACHED, FREE, OWNED, UNKNOWN, EngineTracker, RequestDirectory
+
+A, B = wire.request_key("A"), wire.request_key("B")
+
+
+def tracker():
+    t = EngineTracker(1, RequestDirectory())
+    t.on_hello(wire.Hello(wire.Role.DECODE, 0, 1, 4, 16, 64, 2048, 250, "sglang", "x", "m", "0"))
+    return t
+
+
+def begin(t, rid, tenant="acme"):
+    t.on_request_begin(wire.ReqBegin(wire.request_key(rid), wire.NO_ROOM, 8, 0, False, rid, tenant), 0)
+
+
+def test_alloc_assign_write_read_free_cycle():
+    t = tracker()
+    begin(t, "A")
+    assert t.pool.state[1] == UNKNOWN  # nothing seen yet: never judged
+    t.on_alloc(np.array([1, 2]))
+    assert t.pool.state[1] == ALLOCATED and t.pool.gen[1] == 1
+    t.on_assign(wire.Assign(A, 0, 8, 0, np.array([1, 2])))
+    assert t.pool.state[1] == OWNED and t.pool.owner[1] == A
+    t.mark_written(A, np.array([1, 2]), 5)
+    v = t.classify_read(A, 8, None)
+    assert (len(v.unwritten), len(v.foreign), len(v.freed)) == (0, 0, 0)
+    t.on_free(np.array([1, 2]))
+    assert t.pool.state[1] == FREE and t.pool.last_writer[1] == A  # the data stays: pages are not zeroed
+
+
+def test_reserved_but_unwritten_page_is_an_unwritten_read_exposing_the_last_writer():
+    #   page:      1      2
+    #   A wrote:   x      x      then freed both
+    #   B gets:    1      2      writes only page 1, reads both -> page 2 still holds A's data
+    t = tracker()
+    begin(t, "A")
+    t.on_alloc(np.array([1, 2]))
+    t.on_assign(wire.Assign(A, 0, 8, 0, np.array([1, 2])))
+    t.mark_written(A, np.array([1, 2]), 1)
+    t.on_request_end(wire.ReqEnd(A, 0, 0, 0, wire.Finish.STOP, ""), 2)
+    t.on_free(np.array([1, 2]))
+    begin(t, "B", "globex")
+    t.on_alloc(np.array([1, 2]))
+    t.on_assign(wire.Assign(B, 0, 8, 0, np.array([1, 2])))
+    t.mark_written(B, np.array([1]), 3)
+    v = t.classify_read(B, 8, None)
+    assert v.unwritten.tolist() == [2] and v.foreign.tolist() == []
+    assert t.pool.last_writer[2] == A and t.requests.get(A).tenant == "acme"
+
+
+def test_a_row_entry_naming_another_requests_page_is_foreign():
+    t = tracker()
+    begin(t, "A")
+    begin(t, "B")
+    t.on_alloc(np.array([1, 2]))
+    t.on_assign(wire.Assign(A, 0, 4, 0, np.array([1])))
+    t.on_assign(wire.Assign(B, 0, 4, 0, np.array([2])))
+    t.mark_written(A, np.array([1]), 1)
+    t.mark_written(B, np.array([2]), 1)
+    v = t.classify_read(B, 4, np.array([1]))  # the engine's actual row says page 1
+    assert v.foreign.tolist() == [1] and v.unwritten.tolist() == []
+
+
+def test_freed_and_reallocated_page_is_foreign_for_the_old_holder():
+    t = tracker()
+    begin(t, "A")
+    begin(t, "B")
+    t.on_alloc(np.array([1]))
+    t.on_assign(wire.Assign(A, 0, 4, 0, np.array([1])))
+    t.mark_written(A, np.array([1]), 1)
+    t.on_free(np.array([1]))
+    v = t.classify_read(A, 4, None)
+    assert v.freed.tolist() == [1]
+    t.on_alloc(np.array([1]))
+    t.on_assign(wire.Assign(B, 0, 4, 0, np.array([1])))
+    v = t.classify_read(A, 4, None)
+    assert v.foreign.tolist() == [1]
+
+
+def test_prefix_cache_pages_are_shared_reads_not_foreign():
+    t = tracker()
+    begin(t, "A")
+    t.on_alloc(np.array([1, 2]))
+    t.on_assign(wire.Assign(A, 0, 8, 0, np.array([1, 2])))
+    t.mark_written(A, np.array([1, 2]), 1)
+    t.on_request_end(wire.ReqEnd(A, 0, 0, 0, wire.Finish.STOP, ""), 2)
+    assert t.pool.state[1] == CACHED  # kept by the radix cache, not freed
+    begin(t, "B")
+    t.on_alloc(np.array([3]))
+    t.on_assign(wire.Assign(B, 0, 12, 8, np.array([1, 2, 3])))  # 8 tokens from the cache, 4 new
+    t.mark_written(B, np.array([3]), 3)
+    v = t.classify_read(B, 12, np.array([1, 2, 3]))
+    assert (len(v.unwritten), len(v.foreign), len(v.freed)) == (0, 0, 0)
+
+
+def test_decode_appends_into_the_last_page_without_a_new_page():
+    t = tracker()
+    begin(t, "A")
+    t.on_alloc(np.array([5]))
+    t.on_assign(wire.Assign(A, 0, 3, 0, np.array([5])))
+    t.mark_written(A, np.array([5]), 1)
+    t.on_assign(wire.Assign(A, 3, 4, 0, np.array([5])))  # position 3 still lives in page 5
+    v = t.classify_read(A, 4, np.array([5]))
+    assert (len(v.unwritten), len(v.foreign)) == (0, 0)
+
+
+def test_padding_page_and_unknown_pages_are_never_judged():
+    t = tracker()
+    begin(t, "A")
+    t.on_assign(wire.Assign(A, 0, 8, 0, np.array([0, 7])))  # page 7 never seen allocated
+    v = t.classify_read(A, 8, np.array([0, 7]))
+    assert (len(v.unwritten), len(v.foreign), len(v.freed), v.unverified) == (0, 0, 0, 1)
+
+
+def test_requests_seen_only_mid_flight_are_not_judged():
+    t = tracker()
+    t.on_alloc(np.array([1]))
+    t.on_assign(wire.Assign(A, 4, 8, 4, np.array([1])))  # no REQ_BEGIN: attached after it started
+    assert t.classify_read(A, 8, np.array([9, 1])) is None
+
+
+def test_double_free_is_reported_by_on_free():
+    t = tracker()
+    t.on_alloc(np.array([1]))
+    assert t.on_free(np.array([1])).tolist() == []
+    assert t.on_free(np.array([1])).tolist() == [1]
+
+
+def test_lost_events_forget_everything_until_reallocated():
+    t = tracker()
+    begin(t, "A")
+    t.on_alloc(np.array([1]))
+    t.on_assign(wire.Assign(A, 0, 4, 0, np.array([1])))
+    t.on_lost()
+    v = t.classify_read(A, 4, None)
+    assert v.unverified == 1 and len(v.unwritten) == 0
