@@ -1,0 +1,151 @@
+"""``kvguard demo``: the 2026 KV exposure on a real SGLang prefill/decode pair, caught.
+
+Starts the sidecar (in this process) on a fresh ring directory, a real SGLang
+prefill + decode pair on CPU with the kvguard plugin, replays the incident
+(sidecar/demo/scenario.py) and tells what happened in plain words: who read what,
+whose data it was, and what the client received.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+from ..findings import Finding
+from ..service import Sidecar
+from ..sinks.basic import MemorySink
+
+log = logging.getLogger("kvguard.demo")
+
+READ_KINDS = ("unwritten_read", "foreign_read", "use_after_free")
+
+
+def page_ranges(pages: list[int]) -> str:
+    """[1,2,3,7,9,10] -> '1-3, 7, 9-10'"""
+    out, start, prev = [], None, None
+    for p in sorted(pages):
+        if start is None:
+            start = prev = p
+        elif p == prev + 1:
+            prev = p
+        else:
+            out.append(f"{start}-{prev}" if prev != start else str(start))
+            start = prev = p
+    if start is not None:
+        out.append(f"{start}-{prev}" if prev != start else str(start))
+    return ", ".join(out)
+
+
+def describe_client(result) -> str:
+    if result.ok:
+        return (f"HTTP {result.decode_status}, a normal completion: finish_reason {result.finish_reason}, "
+                f"prompt_tokens {result.prompt_tokens}, {result.completion_tokens} generated tokens")
+    error = (result.error or "").strip().replace("\n", " ")
+    return f"HTTP {result.decode_status}, an error: {error[:200]}"
+
+
+def describe_finding(f: Finding) -> list[str]:
+    lines = [f"  [{f.severity}] {f.kind} on {f.engine.role} rank {f.engine.rank} (pid {f.engine.pid})"]
+    if f.reader is not None:
+        lines.append(f"    reader:  request {f.reader.rid} of tenant {f.reader.tenant or '?'} "
+                     f"(bootstrap_room {f.reader.bootstrap_room})")
+    if f.kind in READ_KINDS:
+        lines.append(f"    it read {len(f.pages)} pages that were not written for it: {page_ranges(f.pages)}")
+    elif f.pages:
+        lines.append(f"    pages: {page_ranges(f.pages)}")
+    if f.exposed:
+        lines.append("    those pages still held the KV of earlier requests:")
+        for party in f.exposed:
+            lines.append(f"      tenant {party.tenant or '?':8s} request {party.rid}: {len(party.pages)} pages "
+                         f"({page_ranges(party.pages)})")
+    if f.kind == "transfer_size_mismatch":
+        e = f.evidence
+        lines.append(f"    prefill sent {e['sent_tokens']} token(s) in {e['sent_pages']} page(s) into a reservation "
+                     f"of {e['reserved_tokens']} tokens ({e['reserved_pages']} pages)")
+    return lines
+
+
+def tell_story(version: str, scenario, findings: list[Finding], out) -> None:
+    say = lambda s="": print(s, file=out)  # noqa: E731
+    long = scenario.long
+    say()
+    say(f"== kvguard demo: SGLang {version}, prefill/decode pair on CPU (Mooncake over TCP) ==")
+    say(f"prefill KV pool {scenario.prefill_pool_tokens} tokens, context length 2048: the pool is smaller than "
+        f"the context, as in the incident; decode KV pool {scenario.decode_pool_tokens} tokens")
+    tenants = sorted({r.result.tenant for r in scenario.normal})
+    ok = sum(r.result.ok for r in scenario.normal)
+    say(f"1. tenants {' and '.join(tenants)} sent {len(scenario.normal)} normal requests: {ok} completed normally")
+    say(f"2. tenant {long.result.tenant} sent a {long.result.prompt_len}-token prompt, longer than the prefill pool")
+    say(f"   the client received: {describe_client(long.result)}")
+    reads = [f for f in findings if f.kind in READ_KINDS]
+    say()
+    if not findings:
+        say("kvguard found nothing: no request read pages it did not own or that nothing wrote for it.")
+    else:
+        say(f"kvguard found {len(findings)} problem(s):")
+        for f in findings:
+            for line in describe_finding(f):
+                say(line)
+    say()
+    if reads:
+        exposed = sorted({p.tenant or "?" for f in reads for p in f.exposed})
+        readers = sorted({f.reader.tenant or "?" for f in reads if f.reader})
+        say(f"What happened: the engine answered {long.result.tenant}'s rejected prompt instead of failing it, "
+            f"and decode attention read KV pages reserved for it that the prefill side never filled.")
+        say(f"Whom to notify: tenant(s) {', '.join(exposed)} (their KV was read by another request) and "
+            f"{', '.join(readers)} (received a response computed over other tenants' data).")
+    elif not long.result.ok:
+        say("What happened: the over-length prompt was rejected with an error and no request read foreign or "
+            "unwritten KV pages: this SGLang version carries the fix.")
+
+
+def expected(version: str, scenario, findings: list[Finding]) -> tuple[bool, str]:
+    reads = [f for f in findings if f.kind in READ_KINDS]
+    if version == "0.5.19":
+        if not any(f.kind == "unwritten_read" and f.exposed for f in reads):
+            return False, "expected an unwritten_read naming exposed tenants on 0.5.19"
+        return True, ""
+    if reads:
+        return False, f"expected no read finding on {version}, got {[f.kind for f in reads]}"
+    if scenario.long.result.ok:
+        return False, f"expected the over-length prompt to fail on {version}"
+    return True, ""
+
+
+def run_demo(sglang_version: str = "0.5.19", as_json: bool = False, workdir: str | None = None,
+             keep: bool = False) -> int:
+    from .engines import PDPair
+    from .scenario import run_incident_scenario
+
+    work = workdir or tempfile.mkdtemp(prefix="kvguard-demo-")
+    ring_dir, log_dir = os.path.join(work, "rings"), os.path.join(work, "logs")
+    os.makedirs(ring_dir, exist_ok=True)
+    memory = MemorySink()
+    sidecar = Sidecar(ring_dir, sinks=[memory], remove_dead_rings=False).start()
+    t0 = time.monotonic()
+    progress = sys.stderr
+    try:
+        print(f"starting SGLang {sglang_version} prefill + decode on CPU (about a minute)... logs: {log_dir}",
+              file=progress)
+        with PDPair(sglang_version, ring_dir, log_dir) as pair:
+            print(f"engines up in {pair.startup_s:.0f} s; replaying the incident", file=progress)
+            scenario = run_incident_scenario(pair)
+            time.sleep(0.5)  # let the sidecar drain what the last steps wrote
+    finally:
+        sidecar.stop()
+    findings = memory.findings
+    if as_json:
+        for f in findings:
+            print(json.dumps(f.to_dict()), flush=True)
+    else:
+        tell_story(sglang_version, scenario, findings, sys.stdout)
+    ok, why = expected(sglang_version, scenario, findings)
+    print(f"demo finished in {time.monotonic() - t0:.0f} s" + ("" if ok else f"; UNEXPECTED: {why}"), file=progress)
+    if not keep and workdir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if ok else 1
