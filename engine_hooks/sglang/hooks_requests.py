@@ -1,0 +1,177 @@
+"""Scheduler and request lifecycle hooks: hello / request_begin / request_end / rejected.
+
+* ``Scheduler.__init__`` (AFTER): pools, tree cache and disaggregation exist ->
+  HELLO. Nothing is emitted before it.
+* REQ_BEGIN is emitted lazily, once per rid, before the first record that names the
+  request: its first row assignment (``alloc_for_extend``: ``cached_tokens`` is the
+  radix-cache prefix length it matched; decode ``_pre_alloc``), or its rejection.
+  ``prompt_tokens`` is ``len(req.origin_input_ids)``; for a rejected request it is
+  taken *before* ``set_finish_with_abort`` replaces the prompt with a 1-token
+  placeholder.
+* ``Req.set_finish_with_abort`` and ``disaggregation.utils.prepare_abort`` -> REJECT,
+  phase from the calling engine code.
+* ``release_kv_cache(req, tree_cache, ...)`` (AFTER; 0.5.19 ``is_insert=``, 0.5.23
+  ``checkpoint=``: only ``req`` is read) -> REQ_END when ``req.finished()``.
+  Retraction also releases KV but the request is not finished: no REQ_END then.
+"""
+
+from __future__ import annotations
+
+import time
+
+from . import _runtime as rt
+from ._runtime import State
+
+# --------------------------------------------------------------------------- hello
+_ROLE = {"null": "unified", "prefill": "prefill", "decode": "decode"}
+
+
+def _scheduler_role(sched) -> str:
+    mode = getattr(sched, "disaggregation_mode", None)
+    value = getattr(mode, "value", None) or getattr(sched.server_args, "disaggregation_mode", None) or "null"
+    return _ROLE.get(str(value).lower(), "unified")
+
+
+def _tp_rank(sched) -> int:
+    rank = getattr(sched, "tp_rank", None)
+    if rank is None:
+        try:
+            from sglang.srt.runtime_context import get_parallel
+
+            rank = get_parallel().tp_rank
+        except Exception:  # noqa: BLE001
+            rank = 0
+    return int(rank or 0)
+
+
+def _scheduler_init_post(result, sched, *args, **kwargs):
+    alloc = sched.token_to_kv_pool_allocator
+    page_size = int(getattr(alloc, "page_size", None) or sched.page_size)
+    pool_tokens = int(sched.max_total_num_tokens)
+    State.page_size = page_size
+    State.role = _scheduler_role(sched)
+    rt.probes().hello(
+        role=State.role,
+        tp_rank=_tp_rank(sched),
+        page_size=page_size,
+        pool_pages=int(getattr(alloc, "size", pool_tokens)) // page_size,
+        pool_tokens=pool_tokens,
+        context_len=int(sched.model_config.context_len),
+        max_req_input_len=int(getattr(sched, "max_req_input_len", 0) or 0),
+        engine_name="sglang",
+        engine_version=State.engine_version,
+        model=str(getattr(sched.server_args, "model_path", "") or ""),
+    )
+    State.hello_done = True
+
+
+def scheduler_init_hook(name: str):
+    return rt.after(name, _scheduler_init_post)
+
+
+# --------------------------------------------------------------------------- reject
+_ADMISSION_FUNCS = {
+    "handle_generate_request", "_handle_generate_request", "_add_request_to_queue", "init_req_max_new_tokens",
+    "_abort_on_queued_limit", "validate_input_length", "add", "_process_req",
+}
+
+
+def reject_phase(frames) -> str:
+    """Where in the engine a request was failed, from its calling frames."""
+    for filename, func in frames:
+        path = filename.replace("\\", "/")
+        if "/disaggregation/" in path:
+            if any(s in func for s in ("transfer", "bootstrap", "poll", "inflight", "commit")):
+                return "transfer"
+            if path.endswith("/prefill.py") and func in _ADMISSION_FUNCS:
+                return "admission"
+            if path.endswith("/decode.py") and func in _ADMISSION_FUNCS:
+                return "admission"
+            if "prefill" in path:
+                return "prefill"
+            if "decode" in path:
+                return "decode"
+        if func in _ADMISSION_FUNCS:
+            return "admission"
+        if "decode" in func or "retract" in func:
+            return "decode"
+        if "prefill" in func or "extend" in func:
+            return "prefill"
+    return "admission"
+
+
+def _set_finish_with_abort_pre(req, *args, **kwargs):
+    if not State.hello_done:
+        return None
+    rt.ensure_begun(req, cached_tokens=0, prompt_tokens=len(req.origin_input_ids))
+    return True
+
+
+def _set_finish_with_abort_post(token, result, req, *args, **kwargs):
+    if token is None:
+        return
+    error_msg = args[0] if args else kwargs.get("error_msg", "")
+    State.rejected[req.rid] = True
+    rt.probes().rejected(req.rid, reject_phase(rt.caller_frames()), str(error_msg))
+
+
+def set_finish_with_abort_hook(name: str):
+    return rt.around(name, _set_finish_with_abort_pre, _set_finish_with_abort_post)
+
+
+def _prepare_abort_post(result, req, *args, **kwargs):
+    if not State.hello_done:
+        return
+    error_message = args[0] if args else kwargs.get("error_message", "")
+    rt.ensure_begun(req)
+    State.rejected[req.rid] = True
+    rt.probes().rejected(req.rid, reject_phase(rt.caller_frames()), str(error_message))
+
+
+def prepare_abort_hook(name: str):
+    return rt.after(name, _prepare_abort_post)
+
+
+# --------------------------------------------------------------------------- release / end
+def _finish_of(req) -> tuple[str, str]:
+    reason = req.finished_reason
+    try:
+        info = reason.to_json() or {}
+    except Exception:  # noqa: BLE001
+        info = {}
+    kind = str(info.get("type", "unknown"))
+    message = info.get("message") or ""
+    if kind == "abort" and req.rid in State.rejected:
+        kind = "reject"
+    if kind not in ("stop", "length", "abort", "reject"):
+        kind = "unknown"
+    return kind, str(message)
+
+
+def _timings_ns(req) -> tuple[int, int]:
+    ts = getattr(req, "time_stats", None)
+    if ts is None:
+        return 0, 0
+    t0 = getattr(ts, "scheduler_recv_time", 0.0) or getattr(ts, "wait_queue_entry_time", 0.0) or 0.0
+    first = getattr(ts, "prefill_finished_time", 0.0) or 0.0
+    if not first and State.role == "decode":
+        first = getattr(ts, "decode_prebuilt_finish_time", 0.0) or 0.0
+    ttft = int((first - t0) * 1e9) if t0 and first and first >= t0 else 0
+    e2e = int((time.perf_counter() - t0) * 1e9) if t0 else 0
+    return ttft, e2e
+
+
+def _release_post(result, req, *args, **kwargs):
+    if not State.hello_done or not req.finished() or req.rid in State.ended:
+        return
+    rt.ensure_begun(req)
+    kind, reason = _finish_of(req)
+    ttft, e2e = _timings_ns(req)
+    State.ended[req.rid] = True
+    rt.probes().request_end(req.rid, kind, ttft, e2e, len(req.output_ids), reason)
+    State.begun.pop(req.rid, None)
+    State.rejected.pop(req.rid, None)
+
+
+def release_kv_cache_hook(name: str):
+    return rt.after(name, _release_post)

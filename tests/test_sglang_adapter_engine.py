@@ -1,0 +1,361 @@
+"""The SGLang adapter on real engines (CPU): SGLang 0.5.19 and 0.5.23.
+
+Each test runs a driver in a subprocess with one SGLang version on PYTHONPATH; the
+plugin is discovered through the ``sglang.srt.plugins`` entry point in the engine's
+spawned scheduler process and writes to a real ring in a temporary
+``KVGUARD_RING_DIR``, which this process reads back.
+
+Scenarios: a unified engine (radix prefix hit, concurrent batch, chunked prefill, an
+over-length prompt rejected at admission); a decode-role engine with the fake
+transfer backend (pre-allocation, receiver completion); a prefill-role engine
+(Mooncake over TCP, fake bootstrap host) sending an over-length prompt: on 0.5.19 the
+incident's bug path (1 page sent for a rejected 300-token prompt), on 0.5.23 no send.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections import defaultdict
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+from engine_hooks import wire
+from engine_hooks.ring import RingReader
+
+pytestmark = pytest.mark.engine
+
+REPO = Path(__file__).resolve().parents[1]
+PAGE = 4
+
+TORCHVISION_SHIM = """
+try:
+    import torch
+    _lib = torch.library.Library("torchvision", "DEF")
+    _lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    _lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+except Exception:
+    pass
+"""
+
+DRIVER = r'''
+import asyncio, json, os, sys, tempfile
+
+def build_model(d):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GPT2Config, PreTrainedTokenizerFast
+    cfg = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=2048, bos_token_id=1,
+                     eos_token_id=2)
+    cfg.architectures = ["GPT2LMHeadModel"]
+    cfg.torch_dtype = "bfloat16"
+    cfg.save_pretrained(d)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"t{i}": i for i in range(3, 256)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(d)
+
+def main(mode, model_dir):
+    build_model(model_dir)
+    import sglang
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    kw = dict(model_path=model_dir, load_format="dummy", device="cpu", attention_backend="torch_native",
+              disable_cuda_graph=True, dtype="bfloat16", page_size=4, max_running_requests=4, random_seed=0,
+              log_level="error")
+    if mode == "unified":
+        kw.update(max_total_tokens=256, chunked_prefill_size=16)
+    elif mode == "prefill":
+        kw.update(max_total_tokens=256, disaggregation_mode="prefill", disaggregation_transfer_backend="mooncake",
+                  disaggregation_bootstrap_port=int(os.environ["KVG_BOOTSTRAP_PORT"]), host="127.0.0.1")
+    else:
+        kw.update(max_total_tokens=1024, disaggregation_mode="decode", disaggregation_transfer_backend="fake",
+                  num_reserved_decode_tokens=32, disaggregation_decode_retraction_backup="cpu_tensor")
+    eng = sglang.Engine(**kw)
+    sp = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+    async def one(ids, **extra):
+        obj = GenerateReqInput(input_ids=ids, sampling_params=sp, **extra)
+        try:
+            out = await eng.tokenizer_manager.generate_request(obj, None).__anext__()
+        except Exception as e:
+            return {"error": str(e)}
+        m = out.get("meta_info", {})
+        fr = m.get("finish_reason")
+        return {"finish": fr.get("type") if isinstance(fr, dict) else str(fr),
+                "prompt_tokens": m.get("prompt_tokens"), "completion_tokens": m.get("completion_tokens"),
+                "cached_tokens": m.get("cached_tokens")}
+
+    run = eng.loop.run_until_complete
+    out = {}
+    fake = dict(bootstrap_host="2.2.2.2", bootstrap_port=8998)
+    if mode == "unified":
+        base = [3 + (i % 200) for i in range(40)]
+        out["req-a"] = run(one(base, routing_key="tenant-a", rid="req-a"))
+        out["req-b"] = run(one(base[:32] + [250] * 8, routing_key="tenant-b", rid="req-b"))
+        out["req-c"], out["req-d"] = run(asyncio.gather(one([60] * 12, rid="req-c"), one([61] * 9, rid="req-d")))
+        out["req-long"] = run(one([5] * 300, rid="req-long"))
+    elif mode == "prefill":
+        out["preq-0"] = run(one([9] * 30, rid="preq-0", bootstrap_room=2000, **fake))
+        out["preq-long"] = run(one([5] * 300, rid="preq-long", bootstrap_room=2001, **fake))
+    else:
+        for i in range(2):
+            out[f"dreq-{i}"] = run(one([7 + i] * 30, rid=f"dreq-{i}", bootstrap_room=1000 + i, **fake))
+    print("KVG_RESULT " + json.dumps(out), flush=True)
+    eng.shutdown()
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
+'''
+
+
+def _sglang_dir(version: str) -> Path:
+    d = REPO / ".venv" / "sglang" / version
+    if not (d / "sglang").is_dir():
+        pytest.skip(f"SGLang {version} not installed in {d}")
+    if not any(ep.name == "kvguard" for ep in entry_points(group="sglang.srt.plugins")):
+        pytest.skip("kvguard entry point not installed (pip install -e .)")
+    return d
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_engine(version: str, mode: str, tmp_path: Path) -> tuple[list, dict]:
+    sglang_dir = _sglang_dir(version)
+    if mode == "prefill":
+        pytest.importorskip("mooncake.engine", reason="Mooncake (mooncake-transfer-engine-non-cuda) not installed")
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(TORCHVISION_SHIM)
+    (tmp_path / "driver.py").write_text(DRIVER)
+    ring_dir = tmp_path / "rings"
+    ring_dir.mkdir()
+    env = dict(os.environ)
+    env.update(PYTHONPATH=f"{shim}{os.pathsep}{sglang_dir}", KVGUARD_RING_DIR=str(ring_dir), TRITON_INTERPRET="1",
+               MOONCAKE_PROTOCOL="tcp", MC_FORCE_TCP="1", KVGUARD_SGLANG_CPU_COMPAT="1",
+               KVG_BOOTSTRAP_PORT=str(_free_port()), SGLANG_DISAGGREGATION_WAITING_TIMEOUT="20")
+    env.pop("KVGUARD_DISABLE", None)
+    proc = subprocess.run([sys.executable, str(tmp_path / "driver.py"), mode, str(tmp_path / "model")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVG_RESULT ")]
+    assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-5000:])
+    rings = glob.glob(str(ring_dir / "*.ring"))
+    assert len(rings) == 1, f"expected one ring (the scheduler's), got {rings}"
+    reader = RingReader(rings[0])
+    records = []
+    while True:
+        got = reader.poll().records
+        if not got:
+            break
+        records.extend(got)
+    reader.close()
+    return records, json.loads(lines[0][len("KVG_RESULT "):])
+
+
+class Trace:
+    """Records with request keys resolved to rids, plus an ownership replay."""
+
+    def __init__(self, records):
+        self.records = records
+        self.rid = {}
+        for r in records:
+            if r.kind == wire.Kind.REQ_BEGIN:
+                self.rid[r.body.req_key] = r.body.rid
+
+    def of(self, kind, rid=None):
+        out = [r.body for r in self.records if r.kind == kind]
+        if rid is not None:
+            out = [b for b in out if self.rid.get(b.req_key) == rid]
+        return out
+
+    def forwards(self, rid):
+        """(seq_len, written pages, read pages) per forward of this request."""
+        out = []
+        for f in self.of(wire.Kind.FORWARD):
+            wo = ro = 0
+            for i, key in enumerate(f.req_keys.tolist()):
+                wc, rc = int(f.write_counts[i]), int(f.read_counts[i])
+                if self.rid.get(key) == rid:
+                    out.append((int(f.seq_lens[i]), f.write_pages[wo:wo + wc].tolist(),
+                                f.read_pages[ro:ro + rc].tolist()))
+                wo, ro = wo + wc, ro + rc
+        return out
+
+    def check_consistency(self):
+        """Replay: no page allocated twice or freed while free, page 0 never used, every
+        forward reads exactly the rows ASSIGNed to it and writes inside them."""
+        allocated = set()
+        rows = defaultdict(dict)  # req_key -> {page index: page}
+        for r in self.records:
+            b = r.body
+            if r.kind == wire.Kind.ALLOC:
+                pages = set(b.pages.tolist())
+                assert 0 not in pages
+                assert not pages & allocated, f"seq {r.seq}: pages allocated twice: {pages & allocated}"
+                allocated |= pages
+            elif r.kind == wire.Kind.FREE:
+                pages = set(b.pages.tolist())
+                assert pages <= allocated, f"seq {r.seq}: freeing free pages {pages - allocated}"
+                allocated -= pages
+            elif r.kind == wire.Kind.ASSIGN:
+                first = b.row_start // PAGE
+                for k, page in enumerate(b.pages.tolist()):
+                    rows[b.req_key][first + k] = page
+                    assert page in allocated, f"seq {r.seq}: row bound to unallocated page {page}"
+            elif r.kind == wire.Kind.FORWARD:
+                wo = ro = 0
+                for i, key in enumerate(b.req_keys.tolist()):
+                    wc, rc = int(b.write_counts[i]), int(b.read_counts[i])
+                    read = b.read_pages[ro:ro + rc].tolist()
+                    written = b.write_pages[wo:wo + wc].tolist()
+                    n_pages = -(-int(b.seq_lens[i]) // PAGE)
+                    expect = [rows[key].get(j) for j in range(n_pages)]
+                    assert read == expect, f"seq {r.seq} {self.rid.get(key)}: read {read} != rows {expect}"
+                    assert set(written) <= set(read)
+                    wo, ro = wo + wc, ro + rc
+            elif r.kind == wire.Kind.REQ_END:
+                rows.pop(b.req_key, None)
+        assert not self.of(wire.Kind.PROBE_ERROR), self.of(wire.Kind.PROBE_ERROR)
+
+
+def _hello(trace, version, role, pool_tokens):
+    first = trace.records[0]
+    assert first.kind == wire.Kind.HELLO
+    h = first.body
+    assert (h.engine_name, h.engine_version, h.role, h.page_size) == ("sglang", version, role, PAGE)
+    assert (h.pool_tokens, h.pool_pages, h.context_len) == (pool_tokens, pool_tokens // PAGE, 2048)
+    assert len(trace.of(wire.Kind.HELLO)) == 1
+    return h
+
+
+@pytest.mark.parametrize("version", ["0.5.19", "0.5.23"])
+def test_unified_engine(version, tmp_path):
+    records, result = run_engine(version, "unified", tmp_path)
+    for rid in ("req-a", "req-b", "req-c", "req-d"):
+        assert result[rid]["finish"] == "length" and result[rid]["completion_tokens"] == 6, result
+    assert result["req-b"]["cached_tokens"] == 32
+    t = Trace(records)
+    h = _hello(t, version, wire.Role.UNIFIED, 256)
+    assert h.max_req_input_len == 250
+    t.check_consistency()
+
+    begins = {b.rid: b for b in t.of(wire.Kind.REQ_BEGIN)}
+    assert set(begins) == {"req-a", "req-b", "req-c", "req-d", "req-long"}
+    assert (begins["req-a"].tenant, begins["req-a"].prompt_tokens, begins["req-a"].cached_tokens) == \
+        ("tenant-a", 40, 0)
+    assert (begins["req-b"].tenant, begins["req-b"].cached_tokens) == ("tenant-b", 32)
+    assert begins["req-long"].prompt_tokens == 300 and not any(b.warmup for b in begins.values())
+
+    # chunked prefill (16 tokens): req-a's prompt is assigned chunk by chunk
+    a_assign = [(x.row_start, x.row_end, x.shared_until) for x in t.of(wire.Kind.ASSIGN, "req-a")]
+    assert a_assign[0] == (0, 16, 0) and (16, 32, 16) in a_assign and (32, 40, 32) in a_assign
+    a_fwd = t.forwards("req-a")
+    assert [s for s, _w, _r in a_fwd[:3]] == [16, 32, 40]
+    assert len(a_fwd[0][1]) == 4 and a_fwd[0][1] == a_fwd[0][2]  # first chunk writes what it reads
+    assert all(len(w) == 1 for _s, w, _r in a_fwd[3:])  # decode: one slot per step
+    a_pages = a_fwd[2][2]
+
+    # radix prefix hit: req-b's first 32 positions are req-a's pages, marked shared
+    b_first = t.of(wire.Kind.ASSIGN, "req-b")[0]
+    assert (b_first.row_start, b_first.row_end, b_first.shared_until) == (0, 40, 32)
+    assert b_first.pages.tolist()[:8] == a_pages[:8]
+    assert not set(b_first.pages.tolist()[8:]) & set(a_pages)
+
+    # c and d prefill in the same forward
+    assert any({t.rid.get(k) for k in f.req_keys.tolist()} == {"req-c", "req-d"} for f in t.of(wire.Kind.FORWARD))
+
+    ends = {t.rid[e.req_key]: e for e in t.of(wire.Kind.REQ_END)}
+    assert set(ends) == {"req-a", "req-b", "req-c", "req-d", "req-long"}
+    for rid in ("req-a", "req-b", "req-c", "req-d"):
+        assert ends[rid].finish == wire.Finish.LENGTH and ends[rid].output_tokens == 6
+        assert 0 < ends[rid].ttft_ns <= ends[rid].e2e_ns
+    # the over-length prompt: rejected at admission, runs a 1-token placeholder, ends "reject"
+    (rej,) = t.of(wire.Kind.REJECT, "req-long")
+    assert rej.phase == wire.Phase.ADMISSION and "exceeds the maximum allowed length" in rej.reason
+    assert ends["req-long"].finish == wire.Finish.REJECT
+    assert [s for s, _w, _r in t.forwards("req-long")] == [1]
+    assert any(f.free_kind == wire.FreeKind.GROUP for f in t.of(wire.Kind.FREE))
+
+
+@pytest.mark.parametrize("version", ["0.5.19", "0.5.23"])
+def test_decode_engine_fake_transfer(version, tmp_path):
+    records, result = run_engine(version, "decode", tmp_path)
+    assert all(r["completion_tokens"] == 6 for r in result.values()), result
+    t = Trace(records)
+    _hello(t, version, wire.Role.DECODE, 1024)
+    t.check_consistency()
+    for i in range(2):
+        rid, room = f"dreq-{i}", 1000 + i
+        (begin,) = t.of(wire.Kind.REQ_BEGIN, rid)
+        assert begin.warmup and begin.room == room and begin.prompt_tokens == 30
+        (res,) = t.of(wire.Kind.XFER_RESERVE, rid)
+        assert (res.room, res.tokens, len(res.pages)) == (room, 30, 8)
+        (done,) = t.of(wire.Kind.XFER_DONE, rid)
+        assert (done.side, done.status) == (wire.Side.RECEIVER, wire.XferStatus.SUCCESS)
+        fwd = t.forwards(rid)
+        assert fwd[0][0] == 31 and fwd[0][2] == res.pages.tolist()  # attention reads the reserved pages
+        (end,) = t.of(wire.Kind.REQ_END, rid)
+        assert end.finish == wire.Finish.LENGTH
+        def first_seq(kind):
+            return min(r.seq for r in records if r.kind == kind and (
+                begin.req_key in r.body.req_keys.tolist() if kind == wire.Kind.FORWARD
+                else r.body.req_key == begin.req_key))
+
+        assert first_seq(wire.Kind.XFER_RESERVE) < first_seq(wire.Kind.XFER_DONE) < first_seq(wire.Kind.FORWARD)
+
+
+@pytest.mark.parametrize("version", ["0.5.19", "0.5.23"])
+def test_prefill_engine_over_length_prompt(version, tmp_path):
+    records, result = run_engine(version, "prefill", tmp_path)
+    t = Trace(records)
+    _hello(t, version, wire.Role.PREFILL, 256)
+    t.check_consistency()
+    (send,) = t.of(wire.Kind.XFER_SEND, "preq-0")
+    assert (send.room, send.token_start, send.token_end, send.is_last, len(send.pages)) == (2000, 0, 30, True, 8)
+    (done,) = t.of(wire.Kind.XFER_DONE, "preq-0")
+    assert (done.side, done.status) == (wire.Side.SENDER, wire.XferStatus.SUCCESS)
+    (rej,) = t.of(wire.Kind.REJECT, "preq-long")
+    assert rej.phase == wire.Phase.ADMISSION
+    (begin,) = t.of(wire.Kind.REQ_BEGIN, "preq-long")
+    assert begin.prompt_tokens == 300 and begin.room == 2001
+    if version == "0.5.19":
+        # the incident's bug path: the rejected request still sends 1 page for 1 token,
+        # reports success, and its client gets a normal completion
+        assert "error" not in result["preq-long"], result
+        (send,) = t.of(wire.Kind.XFER_SEND, "preq-long")
+        assert (send.token_start, send.token_end, send.is_last, len(send.pages)) == (0, 1, True, 1)
+        (done,) = t.of(wire.Kind.XFER_DONE, "preq-long")
+        assert done.status == wire.XferStatus.SUCCESS
+        (end,) = t.of(wire.Kind.REQ_END, "preq-long")
+        assert end.finish == wire.Finish.LENGTH  # SGLang replaced the pending abort
+    else:
+        # 0.5.23 retires it before bootstrap: nothing is allocated or sent for it
+        assert "error" in result["preq-long"], result
+        assert not t.of(wire.Kind.XFER_SEND, "preq-long") and not t.of(wire.Kind.ASSIGN, "preq-long")
+
+
+def test_plugin_off_engine_unchanged(tmp_path):
+    """KVGUARD_DISABLE=1: no hooks, no ring (same driver, 0.5.23)."""
+    sglang_dir = _sglang_dir("0.5.23")
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(TORCHVISION_SHIM)
+    (tmp_path / "driver.py").write_text(DRIVER)
+    ring_dir = tmp_path / "rings"
+    env = dict(os.environ, PYTHONPATH=f"{shim}{os.pathsep}{sglang_dir}", KVGUARD_RING_DIR=str(ring_dir),
+               KVGUARD_DISABLE="1")
+    proc = subprocess.run([sys.executable, str(tmp_path / "driver.py"), "decode", str(tmp_path / "model")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "KVG_RESULT" in proc.stdout
+    assert not glob.glob(str(ring_dir / "*.ring"))
