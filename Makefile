@@ -1,0 +1,92 @@
+# kvguard developer / CI entry points.
+#
+# Everything a fresh Debian machine with only python3 needs (no GPU, run as root,
+# network to PyPI and the Debian mirrors):
+#
+#   make venv        .venv from requirements/engine.lock, both SGLang versions, kvguard -e
+#   make apt         Debian packages (libibverbs1 for Mooncake; Prometheus, Alertmanager, Redis)
+#   make test        venv + apt, then pytest
+#   make demo        the incident demo on the leaking SGLang (0.5.19)
+#   make demo-fixed  the same demo on the fixed SGLang (0.5.23)
+#   make clean       caches and build outputs; `make distclean` also removes .venv
+#
+# NOTE: every pip call is --no-deps. SGLang's and torchvision's metadata pull CUDA
+# packages; the lock is the complete, verified set (../shared/brief/sglang-on-cpu.md).
+# torch 2.13.0 (CPU build) comes from the machine's local wheel directory.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := test
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+LOCK := requirements/engine.lock
+
+# Each version goes into its own --target folder; engine subprocesses choose one
+# with PYTHONPATH (sidecar/demo/engines.py). 0.5.19 leaks (the incident); 0.5.23 is fixed.
+SGLANG_VERSIONS := 0.5.19 0.5.23
+SGLANG_DIRS := $(foreach v,$(SGLANG_VERSIONS),$(VENV)/sglang/$(v)/.installed)
+
+# libibverbs1: the Mooncake wheel links libibverbs.so.1 even for TCP transfers.
+# prometheus, prometheus-alertmanager, redis-server: alert-rule tests, Alertmanager
+# delivery and the Redis ledger (~35 MB in all, a few seconds).
+APT_PACKAGES ?= libibverbs1 prometheus prometheus-alertmanager redis-server
+
+VENV_STAMP := $(VENV)/.kvguard-venv
+
+.PHONY: venv apt test demo demo-fixed clean distclean
+
+venv: $(VENV_STAMP)
+
+$(VENV)/bin/python:
+	@if ! $(PYTHON) -c 'import ensurepip' >/dev/null 2>&1; then \
+	  echo "python3 has no ensurepip: installing python3-venv"; \
+	  $(MAKE) --no-print-directory apt APT_PACKAGES=python3-venv; \
+	fi
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.lock-installed: $(LOCK) | $(VENV)/bin/python
+	$(PIP) install --no-deps -r $(LOCK)
+	touch $@
+
+# A folder that already holds the right version is kept (engines may be running from it).
+$(VENV)/sglang/%/.installed: | $(VENV)/bin/python
+	if ! test -d $(VENV)/sglang/$*/sglang-$*.dist-info; then \
+	  rm -rf $(VENV)/sglang/$*; \
+	  $(PIP) install --no-deps --target $(VENV)/sglang/$* sglang==$*; \
+	fi
+	touch $@
+
+$(VENV_STAMP): $(VENV)/.lock-installed $(SGLANG_DIRS) pyproject.toml
+	$(PIP) install --no-deps -e .
+	touch $@
+
+# Installs only what dpkg does not already report as installed; one apt-get update.
+apt:
+	@missing=""; \
+	for p in $(APT_PACKAGES); do \
+	  dpkg -s "$$p" >/dev/null 2>&1 || missing="$$missing $$p"; \
+	done; \
+	if [ -z "$$missing" ]; then echo "apt: all present ($(APT_PACKAGES))"; exit 0; fi; \
+	sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
+	echo "apt: installing$$missing"; \
+	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq; \
+	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing
+
+test: venv apt
+	$(PY) -m pytest -q
+
+demo: venv apt
+	$(VENV)/bin/kvguard demo
+
+demo-fixed: venv apt
+	$(VENV)/bin/kvguard demo --sglang 0.5.23
+
+clean:
+	rm -rf .kvguard-cache .pytest_cache build *.egg-info bench-results.json
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,186 @@
+"""The incident, replayed against a real SGLang prefill/decode pair on CPU.
+
+Shape (../shared/brief/incident.md): the prefill KV pool is smaller than the
+advertised context length. Tenants "acme" and "globex" send normal ~200-token
+requests, so the decode pool's pages get written and freed (pages are not zeroed).
+Then tenant "initech" sends a prompt longer than the prefill pool:
+
+  * SGLang 0.5.19 (leaks): prefill rejects the prompt but still bootstraps it and
+    sends 1 page; decode, which reserved pages for the full prompt, generates over
+    pages last written by acme/globex. The client sees a normal completion.
+  * SGLang 0.5.23 (fixed): prefill rejects it before bootstrap; decode holds its
+    reservation until SGLANG_DISAGGREGATION_WAITING_TIMEOUT, then fails it (500).
+
+NOTE: keep the decode pool small (1024 tokens): the allocator hands out never-used
+pages before reused ones, so a large pool would give the long prompt fresh pages
+and leave nothing stale to read.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar.demo.engines import Engine, GenerateResult, PDPair
+
+NORMAL_TENANTS = ("acme", "globex")
+LONG_TENANT = "initech"
+# Token ids 0/1/2 are <unk>/<s>/</s> in the tiny model; prompts avoid them.
+MIN_TOKEN_ID, MAX_TOKEN_ID = 3, 255
+
+# Engine log lines that show the leak path (or its absence), per role.
+EVIDENCE_PATTERNS = {
+    "prefill": (
+        r"exceeds the maximum allowed length",
+        r"Traceback|Exception|\bERROR\b",
+    ),
+    "decode": (
+        r"exceeds the maximum allowed length",
+        r"KVTransferError|WaitingForInput|[Tt]imed out|Request .* timeout|abort",
+        r"Traceback|Exception|\bERROR\b",
+    ),
+}
+# Lines never worth showing (start-up noise that matches the patterns above).
+_EVIDENCE_SKIP = re.compile(r"server_args=|Ignore import error|Failed to load plugin|openai_harmony")
+
+
+def make_prompt(length: int, rng: random.Random) -> list[int]:
+    """``length`` random token ids in 3..255 (no shared prefixes between prompts)."""
+    return [rng.randint(MIN_TOKEN_ID, MAX_TOKEN_ID) for _ in range(length)]
+
+
+@dataclass
+class ScenarioRequest:
+    """One request of the scenario and what its client saw."""
+
+    kind: str  # "normal" | "long"
+    result: GenerateResult
+
+    def summary(self) -> dict[str, Any]:
+        return {"kind": self.kind, **self.result.summary()}
+
+
+@dataclass
+class ScenarioResult:
+    version: str
+    prefill_pool_tokens: int
+    decode_pool_tokens: int
+    prefill_max_req_input_len: int | None
+    requests: list[ScenarioRequest]
+    duration_s: float
+    evidence: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def normal(self) -> list[ScenarioRequest]:
+        return [r for r in self.requests if r.kind == "normal"]
+
+    @property
+    def long(self) -> ScenarioRequest:
+        return next(r for r in self.requests if r.kind == "long")
+
+    @property
+    def long_request_served(self) -> bool:
+        """The incident's symptom: the over-length prompt got a normal completion."""
+        return self.long.result.ok
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "prefill_pool_tokens": self.prefill_pool_tokens,
+            "decode_pool_tokens": self.decode_pool_tokens,
+            "prefill_max_req_input_len": self.prefill_max_req_input_len,
+            "duration_s": round(self.duration_s, 2),
+            "long_request_served": self.long_request_served,
+            "requests": [r.summary() for r in self.requests],
+        }
+
+
+def collect_evidence(engine: Engine | None, patterns: tuple[str, ...], max_lines: int = 20) -> list[str]:
+    """Log lines of ``engine`` matching any of ``patterns`` (first ``max_lines``)."""
+    if engine is None:
+        return []
+    rx = re.compile("|".join(f"(?:{p})" for p in patterns))
+    out: list[str] = []
+    try:
+        with open(engine.log_path, errors="replace") as f:
+            for line in f:
+                if rx.search(line) and not _EVIDENCE_SKIP.search(line):
+                    out.append(line.rstrip())
+                    if len(out) >= max_lines:
+                        break
+    except OSError:
+        pass
+    return out
+
+
+def run_incident_scenario(
+    pair: PDPair,
+    *,
+    num_normal: int = 8,
+    normal_prompt_len: int = 200,
+    long_prompt_len: int = 600,
+    max_new_tokens: int = 8,
+    normal_tenants: tuple[str, ...] = NORMAL_TENANTS,
+    long_tenant: str = LONG_TENANT,
+    seed: int = 0,
+    concurrency: int = 1,
+    settle_s: float = 1.0,
+    stream: bool = False,
+) -> ScenarioResult:
+    """Normal requests from ``normal_tenants`` (round-robin, in waves of
+    ``concurrency`` at once), a pause of ``settle_s`` for decode to free their pages,
+    then one prompt of ``long_prompt_len`` tokens (longer than the prefill pool)
+    from ``long_tenant``.
+
+    NOTE: with the defaults (8 x 200 tokens, one at a time, into a 1024-token decode
+    pool) the long request reserves decode pages 1..150, all last written by
+    acme/globex. Why: SGLang's paged allocator takes pages from the front of its
+    free list and merges in (sorted) released pages only when the front is too
+    short. 8 requests leave ~47 pages at the front, so the 150-page reservation
+    triggers the merge and starts at page 1; after 6 requests ~151 pages would be
+    left and the reservation would include ~45 never-written pages.
+    ``stream`` streams decode's answers to measure client TTFT; with streaming,
+    SGLang reports a failed request as HTTP 200 plus an ``abort`` finish reason.
+    Takes ~5 s on 0.5.19; on 0.5.23 the long request lasts until decode's
+    waiting timeout.
+    """
+    if pair.prefill is None or pair.decode is None:
+        raise RuntimeError("the PDPair is not started")
+    rng = random.Random(seed)
+    try:
+        max_input = pair.prefill.server_info().get("max_req_input_len")
+    except Exception:  # noqa: BLE001 - informational only
+        max_input = None
+    t0 = time.monotonic()
+    requests: list[ScenarioRequest] = []
+    prompts = [(normal_tenants[i % len(normal_tenants)], make_prompt(normal_prompt_len, rng)) for i in range(num_normal)]
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        for start in range(0, num_normal, max(1, concurrency)):
+            wave = prompts[start : start + max(1, concurrency)]
+            futures = [
+                pool.submit(pair.generate, p, tenant=t, max_new_tokens=max_new_tokens, stream=stream) for t, p in wave
+            ]
+            requests += [ScenarioRequest("normal", f.result()) for f in futures]
+    time.sleep(settle_s)
+    r = pair.generate(
+        make_prompt(long_prompt_len, rng), tenant=long_tenant, max_new_tokens=max_new_tokens, stream=stream
+    )
+    requests.append(ScenarioRequest("long", r))
+    duration = time.monotonic() - t0
+    evidence = {
+        "prefill": collect_evidence(pair.prefill, EVIDENCE_PATTERNS["prefill"]),
+        "decode": collect_evidence(pair.decode, EVIDENCE_PATTERNS["decode"]),
+    }
+    return ScenarioResult(
+        version=pair.version,
+        prefill_pool_tokens=pair.prefill_pool_tokens,
+        decode_pool_tokens=pair.decode_pool_tokens,
+        prefill_max_req_input_len=max_input,
+        requests=requests,
+        duration_s=duration,
+        evidence=evidence,
+    )

@@ -1,0 +1,50 @@
+"""Shared fixtures.
+
+Engine tests (``@pytest.mark.engine``) run real SGLang HTTP servers on CPU
+(sidecar/demo/engines.py). They need the per-version SGLang folders that
+``make venv`` installs under ``.venv/sglang/<version>``; without them they are
+*skipped with the reason*, never passed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def sglang_missing_reason(version: str) -> str | None:
+    """Why SGLang ``version`` cannot run here, or None when it can."""
+    d = REPO_ROOT / ".venv" / "sglang" / version
+    if not (d / "sglang").is_dir():
+        return f"SGLang {version} is not installed at {d} (run `make venv`)"
+    return None
+
+
+def skip_unless_sglang(*versions: str) -> None:
+    """Skip the calling test, naming what is missing, unless every version is installed."""
+    for v in versions:
+        reason = sglang_missing_reason(v)
+        if reason:
+            pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny dummy-weight GPT-2 (context 2048) for SGLang, written once per session."""
+    from sidecar.demo.model import write_tiny_gpt2
+
+    return write_tiny_gpt2(tmp_path_factory.mktemp("models") / "tiny-gpt2-2048", n_positions=2048)
+
+
+@pytest.fixture(scope="session")
+def require_sglang():
+    """``require_sglang("0.5.23")`` inside a test: skip (with the reason) unless installed."""
+    return skip_unless_sglang
