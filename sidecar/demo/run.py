@@ -15,6 +15,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 from ..findings import Finding
 from ..service import Sidecar
@@ -46,7 +47,11 @@ def describe_client(result) -> str:
         return (f"HTTP {result.decode_status}, a normal completion: finish_reason {result.finish_reason}, "
                 f"prompt_tokens {result.prompt_tokens}, {result.completion_tokens} generated tokens")
     error = (result.error or "").strip().replace("\n", " ")
-    return f"HTTP {result.decode_status}, an error: {error[:200]}"
+    text = f"HTTP {result.decode_status}, an error: {error[:300]}"
+    if result.prefill_status and result.prefill_status != 200:
+        prefill_error = (result.prefill_error or "").strip().replace("\n", " ")
+        text += f" (prefill answered HTTP {result.prefill_status}: {prefill_error[:160]})"
+    return text
 
 
 def describe_finding(f: Finding) -> list[str]:
@@ -117,18 +122,24 @@ def expected(version: str, scenario, findings: list[Finding]) -> tuple[bool, str
     return True, ""
 
 
-def run_demo(sglang_version: str = "0.5.19", as_json: bool = False, workdir: str | None = None,
-             keep: bool = False) -> int:
+@dataclass
+class DemoRun:
+    version: str
+    scenario: object  # sidecar.demo.scenario.ScenarioResult
+    findings: list[Finding]
+    records_by_kind: dict
+    records_lost: int
+
+
+def capture_incident(sglang_version: str, work: str, progress=sys.stderr) -> DemoRun:
+    """Sidecar + real PD pair + the incident scenario; everything stopped on return."""
     from .engines import PDPair
     from .scenario import run_incident_scenario
 
-    work = workdir or tempfile.mkdtemp(prefix="kvguard-demo-")
     ring_dir, log_dir = os.path.join(work, "rings"), os.path.join(work, "logs")
     os.makedirs(ring_dir, exist_ok=True)
     memory = MemorySink()
     sidecar = Sidecar(ring_dir, sinks=[memory], remove_dead_rings=False).start()
-    t0 = time.monotonic()
-    progress = sys.stderr
     try:
         print(f"starting SGLang {sglang_version} prefill + decode on CPU (about a minute)... logs: {log_dir}",
               file=progress)
@@ -138,14 +149,26 @@ def run_demo(sglang_version: str = "0.5.19", as_json: bool = False, workdir: str
             time.sleep(0.5)  # let the sidecar drain what the last steps wrote
     finally:
         sidecar.stop()
-    findings = memory.findings
+    pipeline = sidecar.pipeline
+    return DemoRun(sglang_version, scenario, memory.findings, dict(pipeline.records_by_kind),
+                   sidecar.rings.stats.records_lost)
+
+
+def run_demo(sglang_version: str = "0.5.19", as_json: bool = False, workdir: str | None = None,
+             keep: bool = False) -> int:
+    work = workdir or tempfile.mkdtemp(prefix="kvguard-demo-")
+    t0 = time.monotonic()
+    try:
+        run = capture_incident(sglang_version, work)
+    finally:
+        if not keep and workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
     if as_json:
-        for f in findings:
+        for f in run.findings:
             print(json.dumps(f.to_dict()), flush=True)
     else:
-        tell_story(sglang_version, scenario, findings, sys.stdout)
-    ok, why = expected(sglang_version, scenario, findings)
-    print(f"demo finished in {time.monotonic() - t0:.0f} s" + ("" if ok else f"; UNEXPECTED: {why}"), file=progress)
-    if not keep and workdir is None:
-        shutil.rmtree(work, ignore_errors=True)
+        tell_story(sglang_version, run.scenario, run.findings, sys.stdout)
+    ok, why = expected(sglang_version, run.scenario, run.findings)
+    print(f"demo finished in {time.monotonic() - t0:.0f} s" + ("" if ok else f"; UNEXPECTED: {why}"),
+          file=sys.stderr)
     return 0 if ok else 1

@@ -1,0 +1,54 @@
+"""The incident on the real engine: SGLang 0.5.19 leaks and kvguard names the parties;
+SGLang 0.5.23 rejects the prompt and kvguard stays quiet.
+
+Each test runs a real prefill + decode pair on CPU (Mooncake over TCP) with the kvguard
+plugin loaded by SGLang itself, and a real sidecar draining the rings (~1 minute each).
+"""
+
+import pytest
+
+from sidecar.demo.run import capture_incident
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
+
+
+def test_sglang_0_5_19_leak_is_caught_with_the_exposed_tenants(tmp_path, require_sglang):
+    require_sglang("0.5.19")
+    run = capture_incident("0.5.19", str(tmp_path))
+    long = run.scenario.long.result
+    normal_rids = {r.result.rid: r.result.tenant for r in run.scenario.normal}
+
+    # what a status-code check sees: success
+    assert long.ok and long.prompt_tokens == 600
+
+    assert sorted(f.kind for f in run.findings) == ["transfer_size_mismatch", "unwritten_read"], \
+        [f.to_dict() for f in run.findings]
+    (read,) = [f for f in run.findings if f.kind == "unwritten_read"]
+    assert read.severity == "critical" and read.engine.role == "decode"
+    assert (read.reader.rid, read.reader.tenant, read.reader.bootstrap_room) == (long.rid, "initech", long.room)
+    # decode reserved ceil(600/4) = 150 pages; the transfer filled the first; 149 were read unwritten
+    assert len(read.pages) == 149
+    assert read.exposed, "the stale pages must name whose data they held"
+    for party in read.exposed:
+        assert normal_rids.get(party.rid) == party.tenant, (party, normal_rids)
+    assert {p.tenant for p in read.exposed} <= {"acme", "globex"}
+    exposed_pages = sorted(p for party in read.exposed for p in party.pages)
+    assert len(exposed_pages) == len(set(exposed_pages)) and set(exposed_pages) <= set(read.pages)
+
+    (size,) = [f for f in run.findings if f.kind == "transfer_size_mismatch"]
+    assert size.evidence == {"sent_tokens": 1, "reserved_tokens": 600, "sent_pages": 1, "reserved_pages": 150}
+    assert sorted(size.pages) == sorted(read.pages)
+    assert run.records_lost == 0
+
+
+def test_sglang_0_5_23_rejects_the_prompt_and_nothing_is_read(tmp_path, require_sglang):
+    require_sglang("0.5.23")
+    run = capture_incident("0.5.23", str(tmp_path))
+    long = run.scenario.long.result
+    assert not long.ok and long.decode_status == 500 and long.prefill_status == 400
+    assert "exceeds the maximum allowed length" in (long.prefill_error or "")
+    assert all(r.result.ok for r in run.scenario.normal)
+    assert run.findings == [], [f.to_dict() for f in run.findings]
+    # the sidecar did watch: reads were judged on both engines
+    assert run.records_by_kind.get("FORWARD", 0) > 0 and run.records_by_kind.get("XFER_SEND", 0) >= 8
+    assert run.records_lost == 0
