@@ -42,10 +42,19 @@ def cmd_demo(args) -> int:
     return run_demo(sglang_version=args.sglang, as_json=args.json, workdir=args.workdir, keep=args.keep)
 
 
+# Commands that live in their own modules register themselves: module path -> the
+# name of a function ``register(subparsers)`` that adds a subparser with ``func`` set.
+COMMAND_MODULES: list[tuple[str, str]] = []
+
+
 def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
     parser = argparse.ArgumentParser(prog="kvguard", description="KV-cache integrity sidecar for LLM serving engines")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
+    for module, func in COMMAND_MODULES:
+        getattr(importlib.import_module(module), func)(sub)
 
     p = sub.add_parser("sidecar", help="watch engine rings, raise findings, serve /metrics and /healthz")
     p.add_argument("--ring-dir", default=ring_dir(), help="directory of engine rings (default $KVGUARD_RING_DIR "
