@@ -15,6 +15,7 @@ import numpy as np
 
 from engine_hooks import wire
 
+from .detectors.config import PoolContextDetector
 from .detectors.reads import ReadDetector
 from .detectors.transfers import TransferSizeDetector
 from .findings import WARNING, EngineRef, Finding
@@ -33,6 +34,7 @@ class Pipeline:
         self.ledger = TransferLedger()
         self.read_detector = ReadDetector()
         self.transfer_detector = TransferSizeDetector()
+        self.config_detector = PoolContextDetector()
         self.records_by_kind: Counter = Counter()
         self.findings_by_kind: Counter = Counter()
         self.findings_suppressed = 0
@@ -108,6 +110,8 @@ class Pipeline:
             log.info("engine %d: %s %s rank %d pid %d, page_size %d, pool %d pages / %d tokens, context %d",
                      rec.engine_id, body.engine_name, ROLE_NAMES.get(body.role), body.tp_rank, body.pid,
                      body.page_size, body.pool_pages, body.pool_tokens, body.context_len)
+            return self._emit(self.config_detector.observe(self.engine_ref(t), body, rec.ts_ns), t.engine_id,
+                              rec.engine_id)
         elif kind == wire.Kind.XFER_SEND:
             self.ledger.on_send(rec.engine_id, body)
         elif kind == wire.Kind.XFER_RESERVE:

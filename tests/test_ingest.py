@@ -67,7 +67,7 @@ def test_records_of_two_engines_are_merged_in_time_order(tmp_path):
 
 def test_overflow_is_a_blind_window_finding_not_a_false_read(tmp_path):
     p = Probes(RingWriter(str(tmp_path), 4096))
-    p.hello("decode", 0, 4, 8, 32, 2048, 2048, "sglang", "0.5.19", "tiny")
+    p.hello("decode", 0, 4, 8, 32, 32, 32, "sglang", "0.5.19", "tiny")
     p.request_begin("r", "acme", None, 8, 0, False)
     p.pages_allocated(np.arange(4, 12))
     p.rows_assigned("r", 0, 8, 0, np.arange(4, 12))

@@ -17,11 +17,12 @@ from sidecar.service import Sidecar
 from sidecar.sinks.basic import MemorySink
 
 
-def engines(tmp_path):
+def engines(tmp_path, prefill_pool_tokens=4096):
     prefill = Probes(RingWriter(str(tmp_path), 1 << 16))
     decode = Probes(RingWriter(str(tmp_path), 1 << 16))
-    prefill.hello("prefill", 0, 4, 64, 256, 2048, 250, "sglang", "0.5.19", "tiny")
-    decode.hello("decode", 0, 4, 8, 32, 2048, 2048, "sglang", "0.5.19", "tiny")
+    prefill.hello("prefill", 0, 4, prefill_pool_tokens // 4, prefill_pool_tokens, 2048, 2048, "sglang", "0.5.19",
+                  "tiny")
+    decode.hello("decode", 0, 4, 8, 32, 32, 32, "sglang", "0.5.19", "tiny")
     return prefill, decode
 
 
@@ -59,7 +60,7 @@ def run(tmp_path):
 
 
 def test_the_incident_is_an_unwritten_read_naming_the_exposed_tenants(tmp_path):
-    prefill, decode = engines(tmp_path)
+    prefill, decode = engines(tmp_path, prefill_pool_tokens=256)  # the incident: pool < context
     last = pd_request(prefill, decode, "r-acme", "acme", 11, [1, 2], 8, 8)
     finish(decode, "r-acme", [1, 2, last])
     last = pd_request(prefill, decode, "r-globex", "globex", 12, [3, 4], 8, 8)
@@ -68,7 +69,10 @@ def test_the_incident_is_an_unwritten_read_naming_the_exposed_tenants(tmp_path):
 
     sidecar, findings = run(tmp_path)
     kinds = sorted(f.kind for f in findings)
-    assert kinds == ["transfer_size_mismatch", "unwritten_read"]
+    assert kinds == ["pool_smaller_than_context", "transfer_size_mismatch", "unwritten_read"]
+    (pool,) = [f for f in findings if f.kind == "pool_smaller_than_context"]
+    assert (pool.severity, pool.engine.role) == ("critical", "prefill")
+    assert pool.evidence["pool_tokens"] == 256 and pool.evidence["context_len"] == 2048
     (read,) = [f for f in findings if f.kind == "unwritten_read"]
     d = read.to_dict()
     assert d["severity"] == "critical"
@@ -122,7 +126,7 @@ def test_warmup_requests_are_never_alarmed(tmp_path):
 
 def test_a_decode_only_sidecar_cannot_pair_and_stays_quiet(tmp_path):
     decode = Probes(RingWriter(str(tmp_path), 1 << 16))
-    decode.hello("decode", 0, 4, 8, 32, 2048, 2048, "sglang", "0.5.19", "tiny")
+    decode.hello("decode", 0, 4, 8, 32, 32, 32, "sglang", "0.5.19", "tiny")
     decode.request_begin("r", "acme", 5, 8, 0, False)
     decode.pages_allocated(slots([1, 2]))
     decode.rows_assigned("r", 0, 8, 0, slots([1, 2]))
@@ -132,3 +136,14 @@ def test_a_decode_only_sidecar_cannot_pair_and_stays_quiet(tmp_path):
     sidecar, findings = run(tmp_path)
     assert findings == [] and sidecar.pipeline.ledger.unverified == 1
     sidecar.stop()
+
+
+def test_pool_smaller_than_context_is_a_warning_off_prefill_and_silent_when_safe(tmp_path):
+    unified = Probes(RingWriter(str(tmp_path), 1 << 16))
+    unified.hello("unified", 0, 4, 64, 256, 2048, 250, "sglang", "0.5.23", "tiny")
+    safe = Probes(RingWriter(str(tmp_path), 1 << 16))
+    safe.hello("decode", 1, 4, 1024, 4096, 2048, 2048, "sglang", "0.5.23", "tiny")
+    _, findings = run(tmp_path)
+    (f,) = findings
+    assert (f.kind, f.severity, f.engine.role) == ("pool_smaller_than_context", "warning", "unified")
+    assert "256 tokens but the context length is 2048" in f.summary

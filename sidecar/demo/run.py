@@ -68,6 +68,8 @@ def describe_finding(f: Finding) -> list[str]:
         for party in f.exposed:
             lines.append(f"      tenant {party.tenant or '?':8s} request {party.rid}: {len(party.pages)} pages "
                          f"({page_ranges(party.pages)})")
+    if f.kind == "pool_smaller_than_context":
+        lines.append(f"    {f.summary}")
     if f.kind == "transfer_size_mismatch":
         e = f.evidence
         lines.append(f"    prefill sent {e['sent_tokens']} token(s) in {e['sent_pages']} page(s) into a reservation "
@@ -89,8 +91,10 @@ def tell_story(version: str, scenario, findings: list[Finding], out) -> None:
     say(f"   the client received: {describe_client(long.result)}")
     reads = [f for f in findings if f.kind in READ_KINDS]
     say()
+    if not reads:
+        say("No request read pages it did not own or that nothing wrote for it.")
     if not findings:
-        say("kvguard found nothing: no request read pages it did not own or that nothing wrote for it.")
+        say("kvguard found nothing.")
     else:
         say(f"kvguard found {len(findings)} problem(s):")
         for f in findings:
@@ -117,6 +121,8 @@ def expected(version: str, scenario, findings: list[Finding]) -> tuple[bool, str
         return True, ""
     if reads:
         return False, f"expected no read finding on {version}, got {[f.kind for f in reads]}"
+    if any(f.kind == "transfer_size_mismatch" for f in findings):
+        return False, f"expected no transfer finding on {version}"
     if scenario.long.result.ok:
         return False, f"expected the over-length prompt to fail on {version}"
     return True, ""
