@@ -133,7 +133,8 @@ class Probes:
         h = wire.Hello(_ROLES[str(role).lower()], int(tp_rank), os.getpid(), self.page_size, int(pool_pages),
                        int(pool_tokens), int(context_len), int(max_req_input_len), engine_name, engine_version,
                        str(model), KVGUARD_VERSION)
-        self._emit(wire.Kind.HELLO, wire.hello_payload(h))
+        self.calls += 1
+        self.writer.write_sticky(wire.Kind.HELLO, wire.hello_payload(h))
 
     @_guarded
     def request_begin(self, rid: str, tenant: str, bootstrap_room: int | None, prompt_tokens: int,

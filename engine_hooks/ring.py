@@ -22,6 +22,13 @@ File layout (all integers little-endian)::
      96      8  records_written   producer  records published
     128      8  read_pos          consumer  total bytes consumed (monotonic)
     136      8  consumer_pid      consumer  pid of the attached sidecar, 0 if none
+    144      8  consumer_next_seq consumer  sequence number the consumer expects next (a
+                                            restarted sidecar resumes from it without
+                                            mistaking consumed records for lost ones)
+    512      4  sticky_len        producer  length of the sticky record copy below (0 = none)
+    520  <3576  sticky_record     producer  a copy of the engine's latest HELLO record, so a
+                                            sidecar that attaches after it was consumed (a
+                                            restart) still learns the page size and roles
    4096      …  data              producer  records (wire.py), never straddling the end
 
 Publishing: the producer copies a whole record into the data area with one slice
@@ -67,7 +74,9 @@ RING_SUFFIX = ".ring"
 _FIXED = struct.Struct("<8sIIQIIQQ")  # magic .. proc_start_ticks
 # indices into the header viewed as uint64
 _WRITE_POS, _NEXT_SEQ, _DROPPED_RECORDS, _DROPPED_BYTES, _RECORDS_WRITTEN = 8, 9, 10, 11, 12
-_READ_POS, _CONSUMER_PID = 16, 17
+_READ_POS, _CONSUMER_PID, _CONSUMER_NEXT_SEQ = 16, 17, 18
+_STICKY_LEN_OFF, _STICKY_OFF = 512, 520
+MAX_STICKY_BYTES = HEADER_BYTES - _STICKY_OFF
 
 
 class RingError(RuntimeError):
@@ -129,6 +138,19 @@ class RingWriter:
             self._seq = seq + 1
             self._u64[_NEXT_SEQ] = seq + 1
             record = wire.encode(kind, seq, time.monotonic_ns(), self.engine_id, payload, pool, flags)
+            return self._publish(record)
+
+    def write_sticky(self, kind: wire.Kind, payload: bytes) -> bool:
+        """Publish a record and keep a copy in the header for consumers that attach later."""
+        with self._lock:
+            seq = self._seq
+            self._seq = seq + 1
+            self._u64[_NEXT_SEQ] = seq + 1
+            record = wire.encode(kind, seq, time.monotonic_ns(), self.engine_id, payload)
+            if len(record) <= MAX_STICKY_BYTES:
+                self._mm[_STICKY_LEN_OFF:_STICKY_LEN_OFF + 4] = struct.pack("<I", 0)
+                self._mm[_STICKY_OFF:_STICKY_OFF + len(record)] = record
+                self._mm[_STICKY_LEN_OFF:_STICKY_LEN_OFF + 4] = struct.pack("<I", len(record))
             return self._publish(record)
 
     def _publish(self, record: bytes) -> bool:
@@ -210,7 +232,9 @@ class RingReader:
         self._u64 = np.frombuffer(self._mm, dtype="<u8", count=HEADER_BYTES // 8)
         self._u64[_CONSUMER_PID] = os.getpid()
         self.read_pos = int(self._u64[_READ_POS])
-        self.next_seq: int | None = None
+        # a previous consumer left read_pos and the next sequence it expected: resume there
+        self.next_seq: int | None = int(self._u64[_CONSUMER_NEXT_SEQ]) if self.read_pos else None
+        self.resumed = self.read_pos > 0
         self.stats = wire.DecodeStats()
         self.records_lost = 0
 
@@ -232,6 +256,13 @@ class RingReader:
             pass
         # a live pid with another start time is a new process that reused the pid
         return not self.proc_start_ticks or proc_start_ticks(self.pid) == self.proc_start_ticks
+
+    def sticky_records(self) -> list:
+        """The header's copy of the engine's HELLO (decoded), or [] if none."""
+        (length,) = struct.unpack_from("<I", self._mm, _STICKY_LEN_OFF)
+        if not 0 < length <= MAX_STICKY_BYTES:
+            return []
+        return wire.decode_stream(self._mm[_STICKY_OFF:_STICKY_OFF + length], wire.DecodeStats())
 
     def poll(self, max_bytes: int = 8 << 20) -> PollResult:
         """Decode what the producer published since the last poll (at most ``max_bytes``)."""
@@ -270,6 +301,7 @@ class RingReader:
             out.append(rec)
             expected = rec.seq + 1
         self.next_seq = expected
+        self._u64[_CONSUMER_NEXT_SEQ] = expected
         self.records_lost += lost
         return PollResult(out, lost)
 

@@ -82,10 +82,15 @@ class RingSet:
             return
         self.readers[path] = reader
         self.stats.rings_attached += 1
+        if reader.resumed:  # the HELLO was consumed by our predecessor: replay the header's copy first
+            for rec in reader.sticky_records():
+                heapq.heappush(self._heap, (rec.ts_ns, next(self._tiebreak), rec))
         dropped = reader.dropped_records
         self.stats.dropped_before_attach[path] = dropped
-        log.info("attached ring %s (engine pid %d, engine_id %d, %d bytes backlog, %d records already dropped)",
-                 path, reader.pid, reader.engine_id, reader.backlog_bytes, dropped)
+        log.info("attached ring %s (engine pid %d, engine_id %d, %d bytes backlog, %d records already dropped%s)",
+                 path, reader.pid, reader.engine_id, reader.backlog_bytes, dropped,
+                 f"; resuming at seq {reader.next_seq}: page state before it is unknown, reads of those pages "
+                 f"are counted as unverified until the pages are reallocated" if reader.resumed else "")
 
     def _error(self, message: str) -> None:
         self.stats.ring_errors += 1

@@ -260,7 +260,7 @@ class EngineTracker:
         """
         info = self.requests.get(req_key)
         model = self.row_pages_for(req_key, seq_len)
-        if info is None or model is None or not info.known:
+        if self.hello is None or info is None or model is None or not info.known:
             self.pages_unverified += 0 if actual is None else len(actual)
             return None
         m_pages, m_gens, m_shared = model

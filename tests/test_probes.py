@@ -1,0 +1,73 @@
+"""The probe layer: slots become pages, and a failing probe never reaches the engine."""
+
+import logging
+
+import numpy as np
+
+from engine_hooks import wire
+from engine_hooks.probes import Probes, get_probes, reset_probes_for_tests
+from engine_hooks.ring import RingReader, RingWriter
+
+
+def probes(tmp_path, page_size=4):
+    p = Probes(RingWriter(str(tmp_path), 1 << 16))
+    p.hello("decode", 0, page_size, 64, 256, 256, 256, "sglang", "0.5.23", "tiny")
+    return p
+
+
+def records(p):
+    return RingReader(p.writer.path).poll().records
+
+
+def test_row_pages_take_one_page_per_page_aligned_position(tmp_path):
+    p = probes(tmp_path)
+    # positions 2..9 of a row: 2,3 in page 5 (slots 22,23), 4..7 in page 9, 8,9 in page 3
+    assert p.row_pages(2, [22, 23, 36, 37, 38, 39, 12, 13]).tolist() == [5, 9, 3]
+    assert p.row_pages(0, np.arange(8, 16)).tolist() == [2, 3]
+    assert p.slots_to_pages([9, 8, 4, 40]).tolist() == [1, 2, 10]
+
+
+def test_a_probe_that_raises_is_counted_reported_disabled_and_never_raises(tmp_path, caplog):
+    p = probes(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="kvguard.probes"):
+        assert p.pages_freed([4], kind="no-such-kind") is None  # KeyError inside: swallowed
+        assert p.pages_freed([4], kind="free") is None  # disabled now: not even tried
+    assert p.probe_errors == 1 and "pages_freed" in p.disabled_probes
+    assert sum("pages_freed failed and is disabled" in r.message for r in caplog.records) == 1
+    kinds = [r.kind for r in records(p)]
+    assert kinds == [wire.Kind.HELLO, wire.Kind.PROBE_ERROR]
+    p.pages_allocated([8])  # other probes keep working
+    assert records(p)[-1].kind == wire.Kind.ALLOC
+
+
+def test_torch_tensors_are_accepted(tmp_path):
+    torch = __import__("torch")
+    p = probes(tmp_path)
+    p.pages_allocated(torch.tensor([4, 5, 8], dtype=torch.int64))
+    assert records(p)[-1].body.pages.tolist() == [1, 2]
+
+
+def test_an_unusable_ring_dir_gives_disabled_probes_not_an_error(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("KVGUARD_RING_DIR", str(blocker / "rings"))
+    reset_probes_for_tests(None)
+    try:
+        with caplog.at_level(logging.ERROR, logger="kvguard.probes"):
+            p = get_probes()
+        assert not p.enabled and "probes disabled" in caplog.text
+        p.pages_allocated([1])  # a no-op
+    finally:
+        reset_probes_for_tests(None)
+
+
+def test_bad_ring_size_setting_names_the_key_and_value(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("KVGUARD_RING_DIR", str(tmp_path))
+    monkeypatch.setenv("KVGUARD_RING_BYTES", "1000")
+    reset_probes_for_tests(None)
+    try:
+        with caplog.at_level(logging.ERROR, logger="kvguard.probes"):
+            assert not get_probes().enabled
+        assert "KVGUARD_RING_BYTES" in caplog.text and "1000" in caplog.text
+    finally:
+        reset_probes_for_tests(None)
