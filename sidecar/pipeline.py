@@ -16,6 +16,7 @@ import numpy as np
 from engine_hooks import wire
 
 from .detectors.config import PoolContextDetector
+from .detectors.lifetime import DoubleFreeDetector, WriteDetector
 from .detectors.reads import ReadDetector
 from .detectors.transfers import TransferSizeDetector
 from .findings import WARNING, EngineRef, Finding
@@ -35,6 +36,8 @@ class Pipeline:
         self.read_detector = ReadDetector()
         self.transfer_detector = TransferSizeDetector()
         self.config_detector = PoolContextDetector()
+        self.write_detector = WriteDetector()
+        self.double_free_detector = DoubleFreeDetector()
         self.records_by_kind: Counter = Counter()
         self.findings_by_kind: Counter = Counter()
         self.findings_suppressed = 0
@@ -98,7 +101,10 @@ class Pipeline:
         elif kind == wire.Kind.ASSIGN:
             t.on_assign(body)
         elif kind == wire.Kind.FREE:
-            t.on_free(body.pages)
+            already = t.on_free(body.pages)
+            found = self.double_free_detector.observe(t, self.engine_ref(t), already, body.free_kind.name.lower(),
+                                                      rec.ts_ns)
+            return self._emit(found, t.engine_id, rec.seq)
         elif kind == wire.Kind.REQ_BEGIN:
             t.on_request_begin(body, rec.ts_ns)
         elif kind == wire.Kind.REQ_END:
@@ -125,15 +131,19 @@ class Pipeline:
 
     def _on_forward(self, t: EngineTracker, f: wire.Forward, ts_ns: int) -> list[Finding]:
         # a forward writes its new tokens' KV before attention reads the rows
+        findings = []
+        engine = self.engine_ref(t)
         w_off = np.concatenate(([0], np.cumsum(f.write_counts, dtype=np.int64)))
         for i, key in enumerate(f.req_keys.tolist()):
             if w_off[i + 1] > w_off[i]:
-                t.mark_written(key, f.write_pages[w_off[i]:w_off[i + 1]], ts_ns)
+                written = f.write_pages[w_off[i]:w_off[i + 1]]
+                verdict = t.check_write(key, written)
+                if verdict is not None:
+                    findings += self._emit(self.write_detector.observe(t, engine, verdict, ts_ns), t.engine_id, key)
+                t.mark_written(key, written, ts_ns)
         r_off = None
         if f.read_counts is not None:
             r_off = np.concatenate(([0], np.cumsum(f.read_counts, dtype=np.int64)))
-        findings = []
-        engine = self.engine_ref(t)
         for i, key in enumerate(f.req_keys.tolist()):
             actual = None if r_off is None else f.read_pages[r_off[i]:r_off[i + 1]]
             verdict = t.classify_read(key, int(f.seq_lens[i]), actual)

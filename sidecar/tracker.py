@@ -140,6 +140,15 @@ class RequestDirectory:
 
 
 @dataclass(slots=True)
+class WriteVerdict:
+    """KV writes that landed where they should not have."""
+
+    writer: RequestInfo
+    freed: np.ndarray  # pages free in the allocator when written (write after free)
+    foreign: np.ndarray  # pages owned by another live request when written (late write)
+
+
+@dataclass(slots=True)
 class ReadVerdict:
     """The classification of one request's page reads in one forward (pages outside
     every category were fine)."""
@@ -234,6 +243,20 @@ class EngineTracker:
                       ((pool.state[fresh] == OWNED) & (pool.owner[fresh] == np.uint64(a.req_key)))]
         pool.state[claim] = OWNED
         pool.owner[claim] = a.req_key
+
+    def check_write(self, req_key: int, pages: np.ndarray) -> WriteVerdict | None:
+        """Judge a forward's KV writes before they are applied (None: nothing to judge)."""
+        info = self.requests.get(req_key)
+        if self.hello is None or info is None or not info.known:
+            return None
+        pages = self.pool.ensure(pages.astype(np.int64))
+        pages = pages[pages != PADDING_PAGE]
+        state, owner = self.pool.state[pages], self.pool.owner[pages]
+        freed = pages[state == FREE]
+        foreign = pages[(state == OWNED) & (owner != np.uint64(req_key)) & (owner != 0)]
+        if len(freed) == 0 and len(foreign) == 0:
+            return None
+        return WriteVerdict(info, freed, foreign)
 
     def mark_written(self, req_key: int, pages: np.ndarray, ts_ns: int) -> None:
         pages = self.pool.ensure(pages.astype(np.int64))

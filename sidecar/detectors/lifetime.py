@@ -1,0 +1,55 @@
+"""Lifetime detectors: ``double_free``, ``use_after_free`` (writes), ``late_write``.
+
+- double_free: a page freed while it is already free. The allocator's free list
+  then holds it twice, and two requests can be handed the same page.
+- use_after_free (write): a forward writes KV into a page that is free in the
+  allocator: whoever is handed the page next starts from this request's data.
+- late_write: a forward writes KV into a page that now belongs to another live
+  request (e.g. a write that outlived its request's abort, after the page was
+  reassigned): the owner's KV is overwritten with another request's data.
+Reads of free pages are judged by the read detector (same kind, ``use_after_free``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..findings import CRITICAL, EngineRef, Finding
+from ..tracker import EngineTracker, WriteVerdict
+from .reads import exposed_parties, reader_party
+
+
+class WriteDetector:
+    def observe(self, tracker: EngineTracker, engine: EngineRef, verdict: WriteVerdict, ts_ns: int) -> list[Finding]:
+        if verdict.writer.warmup:
+            return []
+        writer = verdict.writer
+        out = []
+        if len(verdict.freed):
+            pages = np.unique(verdict.freed)
+            out.append(Finding(
+                "use_after_free", CRITICAL, engine, reader_party(writer), [int(p) for p in pages],
+                exposed_parties(tracker, pages, writer.key), ts_ns,
+                f"{engine.role} rank {engine.rank}: request {writer.rid} (tenant {writer.tenant or '?'}) wrote KV "
+                f"into {len(pages)} page(s) that are free in the allocator", {"access": "write"}))
+        if len(verdict.foreign):
+            pages = np.unique(verdict.foreign)
+            owners = exposed_parties(tracker, pages, writer.key, by="owner")
+            out.append(Finding(
+                "late_write", CRITICAL, engine, reader_party(writer), [int(p) for p in pages], owners, ts_ns,
+                f"{engine.role} rank {engine.rank}: request {writer.rid} (tenant {writer.tenant or '?'}) wrote KV "
+                f"into {len(pages)} page(s) that now belong to {len(owners)} other request(s)", {"access": "write"}))
+        return out
+
+
+class DoubleFreeDetector:
+    def observe(self, tracker: EngineTracker, engine: EngineRef, pages: np.ndarray, free_kind: str,
+                ts_ns: int) -> list[Finding]:
+        if len(pages) == 0:
+            return []
+        pages = np.unique(pages)
+        last = exposed_parties(tracker, pages, 0)
+        return [Finding(
+            "double_free", CRITICAL, engine, None, [int(p) for p in pages], last, ts_ns,
+            f"{engine.role} rank {engine.rank}: {len(pages)} page(s) freed while already free ({free_kind} path): "
+            f"the allocator may hand each to two requests", {"free_kind": free_kind})]

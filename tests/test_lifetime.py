@@ -1,0 +1,89 @@
+"""double_free, use_after_free (write) and late_write, each both ways (page_size 4)."""
+
+import numpy as np
+
+from engine_hooks.probes import Probes
+from engine_hooks.ring import RingWriter
+from sidecar.service import Sidecar
+from sidecar.sinks.basic import MemorySink
+
+
+def engine(tmp_path):
+    p = Probes(RingWriter(str(tmp_path), 1 << 16))
+    p.hello("decode", 0, 4, 64, 256, 256, 256, "sglang", "0.5.23", "tiny")
+    return p
+
+
+def slots(*pages):
+    return np.concatenate([np.arange(4 * q, 4 * q + 4) for q in pages])
+
+
+def start(p, rid, tenant, *pages):
+    p.request_begin(rid, tenant, None, 4 * len(pages), 0, False)
+    p.pages_allocated(slots(*pages))
+    p.rows_assigned(rid, 0, 4 * len(pages), 0, slots(*pages))
+    p.forward([rid], [4 * len(pages)], [slots(*pages)], [slots(*pages)])
+
+
+def findings(tmp_path):
+    sink = MemorySink()
+    sidecar = Sidecar(str(tmp_path), sinks=[sink], slack_ns=0)
+    sidecar.run_once(flush=True)
+    sidecar.stop()
+    return sink.findings
+
+
+def test_double_free_names_the_pages_and_their_last_writer(tmp_path):
+    p = engine(tmp_path)
+    start(p, "a", "acme", 1, 2)
+    p.request_end("a", "stop", 1, 1, 1, "")
+    p.pages_freed(slots(1, 2), "group")
+    p.pages_freed(slots(2), "free")
+    (f,) = findings(tmp_path)
+    assert (f.kind, f.pages, f.evidence["free_kind"]) == ("double_free", [2], "free")
+    assert [(e.rid, e.tenant) for e in f.exposed] == [("a", "acme")]
+
+
+def test_free_then_reallocate_then_free_is_not_a_double_free(tmp_path):
+    p = engine(tmp_path)
+    start(p, "a", "acme", 1)
+    p.request_end("a", "stop", 1, 1, 1, "")
+    p.pages_freed(slots(1))
+    start(p, "b", "acme", 1)
+    p.request_end("b", "stop", 1, 1, 1, "")
+    p.pages_freed(slots(1), "deferred")
+    assert findings(tmp_path) == []
+
+
+def test_a_write_into_a_freed_page_is_use_after_free(tmp_path):
+    p = engine(tmp_path)
+    start(p, "a", "acme", 1, 2)
+    p.pages_freed(slots(2))  # freed early while "a" still runs
+    p.forward(["a"], [9], [[8]], None)  # ...and "a" writes its next token into it
+    kinds = [(f.kind, f.evidence.get("access")) for f in findings(tmp_path)]
+    assert kinds == [("use_after_free", "write")]
+
+
+def test_a_write_into_a_page_reassigned_to_another_request_is_a_late_write(tmp_path):
+    #   page 2: a owns it -> freed (a aborted) -> b gets it -> a's late write lands there
+    p = engine(tmp_path)
+    start(p, "a", "acme", 1, 2)
+    p.pages_freed(slots(2))
+    start(p, "b", "globex", 2)
+    p.forward(["a"], [9], [[8]], None)
+    late, read = findings(tmp_path)
+    assert (late.kind, late.reader.rid, late.pages) == ("late_write", "a", [2])
+    assert [(e.rid, e.tenant) for e in late.exposed] == [("b", "globex")]
+    # the same forward's attention then reads b's page: that is a foreign read as well
+    assert (read.kind, read.reader.rid, read.pages) == ("foreign_read", "a", [2])
+
+
+def test_writes_into_own_pages_and_decode_appends_are_fine(tmp_path):
+    p = engine(tmp_path)
+    start(p, "a", "acme", 1)
+    p.pages_allocated(slots(2))
+    p.rows_assigned("a", 4, 5, 4, [8])
+    p.forward(["a"], [5], [[8]], [slots(1, 2)[:5]])
+    p.rows_assigned("a", 5, 6, 5, [9])
+    p.forward(["a"], [6], [[9]], [slots(1, 2)[:6]])
+    assert findings(tmp_path) == []
