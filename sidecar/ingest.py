@@ -47,6 +47,7 @@ class RingSet:
         self._heap: list = []
         self._tiebreak = itertools.count()
         self._warned_missing_dir = False
+        self.gone: list[int] = []  # engine ids retired since the last take_gone()
 
     # ------------------------------------------------------------------ discovery
     def scan(self) -> None:
@@ -116,6 +117,7 @@ class RingSet:
                  reader.records_lost, "removed" if self.remove_dead else "kept")
         reader.close()
         del self.readers[path]
+        self.gone.append(reader.engine_id)
         self.stats.rings_detached += 1
         if self.remove_dead:
             try:
@@ -130,6 +132,15 @@ class RingSet:
         while self._heap and (flush or self._heap[0][0] <= horizon):
             out.append(heapq.heappop(self._heap)[2])
         return out
+
+    @property
+    def pending(self) -> int:
+        """Records drained but not yet released (younger than the merge slack)."""
+        return len(self._heap)
+
+    def take_gone(self) -> list[int]:
+        gone, self.gone = self.gone, []
+        return gone
 
     def close(self) -> None:
         for reader in self.readers.values():

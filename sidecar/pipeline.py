@@ -1,15 +1,16 @@
-"""records -> trackers -> detectors -> findings -> sinks. No I/O besides the sinks.
+"""records -> trackers -> detectors -> findings -> incidents -> sinks. No I/O besides the sinks.
 
-``Pipeline.apply(record)`` is the whole detection path for one record; ``run_once``
-drains a RingSet through it. Findings are deduplicated per (engine, kind, reader):
-the first one is delivered, repeats (the same bad read on every decode step) are
-counted, not re-sent.
+``Pipeline.apply(record)`` is the whole detection path for one record. Findings are
+filed into incidents (sidecar/incidents.py): the first finding of an incident is
+delivered to the sinks, repeats (the same bad read on every decode step) only update
+the incident and are counted in ``findings_suppressed``. Every record also feeds the
+bounded event history that timelines are served from.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter
 
 import numpy as np
 
@@ -20,6 +21,8 @@ from .detectors.lifetime import DoubleFreeDetector, WriteDetector
 from .detectors.reads import ReadDetector
 from .detectors.transfers import TransferSizeDetector
 from .findings import WARNING, EngineRef, Finding
+from .history import Event, History
+from .incidents import IncidentStore
 from .ledger import TransferLedger
 from .tracker import EngineTracker, RequestDirectory
 
@@ -29,8 +32,10 @@ ROLE_NAMES = {wire.Role.UNIFIED: "unified", wire.Role.PREFILL: "prefill", wire.R
 
 
 class Pipeline:
-    def __init__(self, sinks=(), max_dedup_keys: int = 100_000):
+    def __init__(self, sinks=(), history_events: int = 1 << 20, incidents: IncidentStore | None = None):
         self.sinks = list(sinks)
+        self.history = History(history_events) if history_events else None
+        self.incidents = incidents or IncidentStore()
         self.engines: dict[int, EngineTracker] = {}
         self.ledger = TransferLedger()
         self.read_detector = ReadDetector()
@@ -43,8 +48,6 @@ class Pipeline:
         self.findings_suppressed = 0
         self.records_lost = 0
         self.apply_errors = 0
-        self._dedup: OrderedDict = OrderedDict()
-        self._max_dedup = max_dedup_keys
 
     # ------------------------------------------------------------------ helpers
     def tracker(self, engine_id: int) -> EngineTracker:
@@ -60,25 +63,37 @@ class Pipeline:
             return EngineRef("unknown", 0, 0)
         return EngineRef(ROLE_NAMES.get(h.role, "unknown"), h.tp_rank, h.pid)
 
-    def _emit(self, findings: list[Finding], engine_id: int, reader_key: int = 0) -> list[Finding]:
+    def _emit(self, findings: list[Finding]) -> list[Finding]:
+        """File findings into incidents; deliver the first finding of each new incident."""
         out = []
         for finding in findings:
-            key = (engine_id, finding.kind, reader_key or (finding.reader.rid if finding.reader else ""))
-            if key in self._dedup:
-                self.findings_suppressed += 1
-                continue
-            self._dedup[key] = True
-            if len(self._dedup) > self._max_dedup:
-                self._dedup.popitem(last=False)
             self.findings_by_kind[(finding.kind, finding.severity)] += 1
-            out.append(finding)
-        for sink in self.sinks:
-            for finding in out:
-                try:
-                    sink.send(finding)
-                except Exception as exc:  # noqa: BLE001 - a sink failure must not stop detection
-                    log.error("sink %s failed: %s", type(sink).__name__, exc)
+            _incident, is_new = self.incidents.observe(finding)
+            if is_new:
+                out.append(finding)
+            else:
+                self.findings_suppressed += 1
+        for finding in out:
+            self._deliver("send", finding)
         return out
+
+    def _deliver(self, method: str, item) -> None:
+        for sink in self.sinks:
+            fn = getattr(sink, method, None)
+            if fn is None:
+                continue
+            try:
+                fn(item)
+            except Exception as exc:  # noqa: BLE001 - a sink failure must not stop detection
+                log.error("sink %s failed: %s", type(sink).__name__, exc)
+
+    def _resolved(self, incidents) -> None:
+        for inc in incidents:
+            self._deliver("resolve", inc)
+
+    def _record(self, *args, **kwargs) -> None:
+        if self.history is not None:
+            self.history.append(*args, **kwargs)
 
     # ------------------------------------------------------------------ records
     def apply(self, rec: wire.Record) -> list[Finding]:
@@ -94,30 +109,42 @@ class Pipeline:
     def _apply(self, rec: wire.Record) -> list[Finding]:
         t = self.tracker(rec.engine_id)
         body, kind = rec.body, rec.kind
+        ts, eid = rec.ts_ns, rec.engine_id
         if kind == wire.Kind.FORWARD:
             return self._on_forward(t, body, rec.ts_ns)
         if kind == wire.Kind.ALLOC:
             t.on_alloc(body.pages)
+            self._record(ts, eid, Event.ALLOC, 0, body.pages, t.pool.gen[t.pool.ensure(body.pages.astype(np.int64))])
         elif kind == wire.Kind.ASSIGN:
             t.on_assign(body)
+            self._record(ts, eid, Event.ASSIGN, body.req_key, body.pages, aux=body.row_start)
         elif kind == wire.Kind.FREE:
+            self._record(ts, eid, Event.FREE, 0, body.pages, aux=int(body.free_kind))
             already = t.on_free(body.pages)
             found = self.double_free_detector.observe(t, self.engine_ref(t), already, body.free_kind.name.lower(),
                                                       rec.ts_ns)
-            return self._emit(found, t.engine_id, rec.seq)
+            return self._emit(found)
         elif kind == wire.Kind.REQ_BEGIN:
             t.on_request_begin(body, rec.ts_ns)
+            self._record(ts, eid, Event.REQ_BEGIN, body.req_key, aux=body.prompt_tokens)
         elif kind == wire.Kind.REQ_END:
+            info = t.requests.get(body.req_key)
             t.on_request_end(body, rec.ts_ns)
+            self._record(ts, eid, Event.REQ_END, body.req_key, aux=int(body.finish))
+            if info is not None and t.hello is not None:
+                self._resolved(self.incidents.on_request_end(t.hello.pid, info.rid, ts))
         elif kind == wire.Kind.REJECT:
             t.on_reject(body)
+            self._record(ts, eid, Event.REJECT, body.req_key, aux=int(body.phase))
         elif kind == wire.Kind.HELLO:
             t.on_hello(body)
             log.info("engine %d: %s %s rank %d pid %d, page_size %d, pool %d pages / %d tokens, context %d",
                      rec.engine_id, body.engine_name, ROLE_NAMES.get(body.role), body.tp_rank, body.pid,
                      body.page_size, body.pool_pages, body.pool_tokens, body.context_len)
-            return self._emit(self.config_detector.observe(self.engine_ref(t), body, rec.ts_ns), t.engine_id,
-                              rec.engine_id)
+            found = self.config_detector.observe(self.engine_ref(t), body, rec.ts_ns)
+            if not found:
+                self._resolved(self.incidents.on_engine_hello(body.pid, ROLE_NAMES.get(body.role), True, ts))
+            return self._emit(found)
         elif kind == wire.Kind.XFER_SEND:
             self.ledger.on_send(rec.engine_id, body)
         elif kind == wire.Kind.XFER_RESERVE:
@@ -136,11 +163,13 @@ class Pipeline:
         w_off = np.concatenate(([0], np.cumsum(f.write_counts, dtype=np.int64)))
         for i, key in enumerate(f.req_keys.tolist()):
             if w_off[i + 1] > w_off[i]:
-                written = f.write_pages[w_off[i]:w_off[i + 1]]
+                written = f.write_pages[w_off[i]:w_off[i + 1]].astype(np.int64)
                 verdict = t.check_write(key, written)
                 if verdict is not None:
-                    findings += self._emit(self.write_detector.observe(t, engine, verdict, ts_ns), t.engine_id, key)
+                    findings += self._emit(self.write_detector.observe(t, engine, verdict, ts_ns))
                 t.mark_written(key, written, ts_ns)
+        self._record(ts_ns, t.engine_id, Event.WRITE, np.repeat(f.req_keys, f.write_counts), f.write_pages)
+        self._record(ts_ns, t.engine_id, Event.READ, f.req_keys, aux=f.seq_lens)
         r_off = None
         if f.read_counts is not None:
             r_off = np.concatenate(([0], np.cumsum(f.read_counts, dtype=np.int64)))
@@ -150,7 +179,7 @@ class Pipeline:
             if verdict is not None:
                 found = self.read_detector.observe(t, engine, verdict, ts_ns)
                 if found:
-                    findings += self._emit(found, t.engine_id, key)
+                    findings += self._emit(found)
         return findings
 
     def _on_transfer_done(self, t: EngineTracker, x: wire.XferDone, ts_ns: int) -> list[Finding]:
@@ -161,8 +190,10 @@ class Pipeline:
         if row is not None:
             idx = pairing.written_row_pages[pairing.written_row_pages < len(row.pages)]
             t.mark_written(pairing.receiver_key, row.pages[idx], ts_ns)
+            self._record(ts_ns, t.engine_id, Event.TRANSFER_WRITE, pairing.receiver_key, row.pages[idx],
+                         aux=pairing.sent_tokens)
         found = self.transfer_detector.observe(t, self.engine_ref(t), pairing, ts_ns)
-        return self._emit(found, t.engine_id, pairing.receiver_key)
+        return self._emit(found)
 
     def _on_lost(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
         self.records_lost += rec.body
@@ -172,4 +203,14 @@ class Pipeline:
                    f"unknown until pages are reallocated: reads in this window are not verified")
         finding = Finding("events_lost", WARNING, engine, None, [], [], rec.ts_ns, summary,
                           {"records_lost": rec.body, "first_missing_seq": rec.seq})
-        return self._emit([finding], t.engine_id, rec.seq)
+        return self._emit([finding])
+
+    # ------------------------------------------------------------------ housekeeping
+    def on_engine_gone(self, engine_id: int, ts_ns: int) -> None:
+        """An engine process exited (its ring was retired): close what only it could clear."""
+        tracker = self.engines.pop(engine_id, None)
+        if tracker is not None and tracker.hello is not None:
+            self._resolved(self.incidents.on_engine_gone(tracker.hello.pid, ts_ns))
+
+    def tick(self, now_ns: int) -> None:
+        self._resolved(self.incidents.tick(now_ns))

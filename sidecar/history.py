@@ -1,0 +1,92 @@
+"""Bounded history of page and request events, for timelines. No I/O.
+
+One numpy ring of fixed capacity (``capacity`` events, 40 bytes each; the default
+1,048,576 events is 40 MiB) shared by all engines: when full, the oldest events are
+overwritten, so a timeline covers the most recent ``capacity`` events. At the
+reference workload (one decode rank: ~15k page writes/s, ~1k allocs and frees/s,
+256 request reads per step at 60 steps/s) that is roughly the last 30 seconds; the
+last writer of every page is kept separately by the tracker, for ever.
+
+Reads are recorded per request per forward (page = -1, ``aux`` = seq_len), not per
+page: 7.9M page reads/s would overwrite everything else within a second.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+EVENT_DTYPE = np.dtype([
+    ("ts_ns", "<i8"), ("req_key", "<u8"), ("engine", "<u4"), ("page", "<i4"), ("gen", "<u4"), ("aux", "<u4"),
+    ("event", "u1"), ("_pad", "V7"),
+])
+assert EVENT_DTYPE.itemsize == 40, EVENT_DTYPE.itemsize
+
+
+class Event(enum.IntEnum):
+    ALLOC = 1
+    ASSIGN = 2
+    WRITE = 3
+    TRANSFER_WRITE = 4  # decode page filled by a paired transfer
+    FREE = 5
+    READ = 6  # per request: aux = seq_len, page = -1
+    REQ_BEGIN = 7
+    REQ_END = 8
+    REJECT = 9
+
+
+class History:
+    def __init__(self, capacity: int = 1 << 20):
+        if capacity < 1:
+            raise ValueError(f"history capacity must be >= 1 event, got {capacity}")
+        self.capacity = capacity
+        self.events = np.zeros(capacity, EVENT_DTYPE)
+        self.total = 0  # events ever appended
+
+    @property
+    def size(self) -> int:
+        return min(self.total, self.capacity)
+
+    def append(self, ts_ns: int, engine: int, event: Event, req_key=0, pages=None, gens=None, aux=0) -> None:
+        """Append one event per page (or one event when ``pages`` is None); ``req_key``,
+        ``gens`` and ``aux`` are scalars or arrays of the same length."""
+        n = 1 if pages is None else len(pages)
+        if isinstance(req_key, np.ndarray) and pages is None:
+            n = len(req_key)
+        if n == 0:
+            return
+        if n > self.capacity:  # keep the newest
+            cut = slice(n - self.capacity, n)
+            pages = None if pages is None else pages[cut]
+            gens = gens[cut] if isinstance(gens, np.ndarray) else gens
+            req_key = req_key[cut] if isinstance(req_key, np.ndarray) else req_key
+            aux = aux[cut] if isinstance(aux, np.ndarray) else aux
+            n = self.capacity
+        idx = (self.total + np.arange(n)) % self.capacity
+        ev = self.events
+        ev["ts_ns"][idx] = ts_ns
+        ev["req_key"][idx] = req_key
+        ev["engine"][idx] = engine
+        ev["page"][idx] = -1 if pages is None else pages
+        ev["gen"][idx] = 0 if gens is None else gens
+        ev["aux"][idx] = aux
+        ev["event"][idx] = int(event)
+        self.total += n
+
+    def _ordered(self, mask: np.ndarray, limit: int) -> np.ndarray:
+        live = self.events[: self.size]
+        hits = np.flatnonzero(mask[: self.size])
+        if len(hits) == 0:
+            return live[:0]
+        # ring order -> time order: positions after the write cursor are older
+        start = self.total % self.capacity if self.total > self.capacity else 0
+        order = np.argsort((hits - start) % max(self.size, 1), kind="stable")
+        return live[hits[order]][-limit:]
+
+    def page_events(self, engine: int, page: int, limit: int = 200) -> np.ndarray:
+        ev = self.events
+        return self._ordered((ev["engine"] == engine) & (ev["page"] == page), limit)
+
+    def request_events(self, req_key: int, limit: int = 500) -> np.ndarray:
+        return self._ordered(self.events["req_key"] == np.uint64(req_key), limit)

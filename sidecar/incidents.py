@@ -1,0 +1,177 @@
+"""Incidents: findings grouped by root cause and reader, deduplicated, with a lifecycle.
+
+An incident is keyed by (kind, engine, reader) — for findings without a reader
+(double_free, events_lost, pool_smaller_than_context) by (kind, engine). Its id is
+stable (a hash of that key), so a restarted sidecar or an offline replay names the
+same incident the same way. Repeats update ``count``, ``last_seen_ns`` and the union
+of pages and exposed parties; they are not re-delivered.
+
+Resolution: a read/write incident resolves when its reader request ends (the
+condition cannot recur for that request); a config incident when the engine says
+hello again with a safe configuration or goes away; events_lost after
+``quiet_resolve_ns`` without new losses. Resolved incidents are delivered once more
+(``state == "resolved"``) so PagerDuty-style sinks can close them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import xxhash
+
+from .findings import CRITICAL, Finding
+
+FIRING, RESOLVED = "firing", "resolved"
+SEVERITY_RANK = {"info": 0, "warning": 1, CRITICAL: 2}
+READER_KINDS = {"unwritten_read", "foreign_read", "use_after_free", "late_write", "transfer_size_mismatch",
+                "checksum_mismatch", "ttft_anomaly", "cross_tenant_prefix_share"}
+QUIET_KINDS = {"events_lost", "double_free"}
+
+
+def incident_key(f: Finding) -> tuple:
+    engine = (f.engine.role, f.engine.rank, f.engine.pid)
+    if f.reader is not None:
+        return (f.kind, engine, f.reader.rid)
+    if f.kind == "double_free":
+        return (f.kind, engine, tuple(f.pages[:1]))
+    return (f.kind, engine, "")
+
+
+def incident_id(key: tuple) -> str:
+    return "inc-" + xxhash.xxh3_64_hexdigest(repr(key).encode())[:16]
+
+
+@dataclass
+class Incident:
+    id: str
+    kind: str
+    severity: str
+    engine: dict
+    reader: dict | None
+    state: str
+    first_seen_ns: int
+    last_seen_ns: int
+    count: int
+    summary: str
+    pages: set = field(default_factory=set)
+    exposed: dict = field(default_factory=dict)  # rid -> {"rid", "tenant", "pages": set}
+    evidence: dict = field(default_factory=dict)
+    resolved_ns: int = 0
+    resolution: str = ""
+    findings: list = field(default_factory=list)  # the first few findings, as dicts
+
+    def absorb(self, f: Finding, max_findings: int) -> None:
+        self.count += 1
+        self.last_seen_ns = max(self.last_seen_ns, f.first_seen_ns)
+        if SEVERITY_RANK.get(f.severity, 0) > SEVERITY_RANK.get(self.severity, 0):
+            self.severity = f.severity
+        self.pages.update(f.pages)
+        for party in f.exposed:
+            entry = self.exposed.setdefault(party.rid, {"rid": party.rid, "tenant": party.tenant, "pages": set()})
+            entry["pages"].update(party.pages)
+        if len(self.findings) < max_findings:
+            self.findings.append(f.to_dict())
+
+    def tenants_exposed(self) -> list[str]:
+        return sorted({e["tenant"] or "?" for e in self.exposed.values()})
+
+    def to_dict(self, with_findings: bool = False) -> dict:
+        d = {
+            "id": self.id, "kind": self.kind, "severity": self.severity, "state": self.state,
+            "engine": self.engine, "reader": self.reader, "first_seen_ns": self.first_seen_ns,
+            "last_seen_ns": self.last_seen_ns, "count": self.count, "summary": self.summary,
+            "pages": sorted(self.pages), "tenants_exposed": self.tenants_exposed(),
+            "exposed": [{"rid": e["rid"], "tenant": e["tenant"], "pages": sorted(e["pages"])}
+                        for e in self.exposed.values()],
+            "evidence": self.evidence, "resolved_ns": self.resolved_ns, "resolution": self.resolution,
+        }
+        if with_findings:
+            d["findings"] = self.findings
+        return d
+
+
+class IncidentStore:
+    """Bounded store of incidents (oldest resolved ones go first). No I/O."""
+
+    def __init__(self, max_incidents: int = 10_000, max_findings_per_incident: int = 20,
+                 quiet_resolve_ns: int = 300 * 10**9):
+        self.max_incidents = max_incidents
+        self.max_findings = max_findings_per_incident
+        self.quiet_resolve_ns = quiet_resolve_ns
+        self.incidents: OrderedDict[str, Incident] = OrderedDict()
+        self._by_reader: dict[tuple, set[str]] = {}
+
+    def observe(self, f: Finding) -> tuple[Incident, bool]:
+        """File a finding; returns (incident, is_new). A resolved incident that recurs fires again."""
+        key = incident_key(f)
+        iid = incident_id(key)
+        inc = self.incidents.get(iid)
+        is_new = inc is None or inc.state == RESOLVED
+        if inc is None:
+            reader = None
+            if f.reader is not None:
+                reader = {"rid": f.reader.rid, "tenant": f.reader.tenant, "bootstrap_room": f.reader.bootstrap_room}
+                self._by_reader.setdefault((f.engine.pid, f.reader.rid), set()).add(iid)
+            inc = Incident(iid, f.kind, f.severity, {"role": f.engine.role, "rank": f.engine.rank,
+                                                      "pid": f.engine.pid},
+                           reader, FIRING, f.first_seen_ns, f.first_seen_ns, 0, f.summary, evidence=dict(f.evidence))
+            self.incidents[iid] = inc
+            self._evict()
+        elif inc.state == RESOLVED:
+            inc.state, inc.resolved_ns, inc.resolution = FIRING, 0, ""
+        inc.absorb(f, self.max_findings)
+        return inc, is_new
+
+    def _evict(self) -> None:
+        while len(self.incidents) > self.max_incidents:
+            victim = next((i for i in self.incidents.values() if i.state == RESOLVED), None)
+            victim = victim or next(iter(self.incidents.values()))
+            del self.incidents[victim.id]
+
+    def on_request_end(self, pid: int, rid: str, ts_ns: int) -> list[Incident]:
+        resolved = []
+        for iid in self._by_reader.pop((pid, rid), ()):
+            inc = self.incidents.get(iid)
+            if inc is not None and inc.state == FIRING:
+                self._resolve(inc, ts_ns, "the reading request ended")
+                resolved.append(inc)
+        return resolved
+
+    def on_engine_hello(self, pid: int, role: str, safe: bool, ts_ns: int) -> list[Incident]:
+        if not safe:
+            return []
+        return self._resolve_where(lambda i: i.kind == "pool_smaller_than_context" and i.engine["role"] == role
+                                   and i.engine["pid"] == pid, ts_ns, "the engine reports a pool >= context")
+
+    def on_engine_gone(self, pid: int, ts_ns: int) -> list[Incident]:
+        return self._resolve_where(lambda i: i.kind == "pool_smaller_than_context" and i.engine["pid"] == pid,
+                                   ts_ns, "the engine exited")
+
+    def tick(self, now_ns: int) -> list[Incident]:
+        """Resolve quiet incidents (events_lost, double_free) after ``quiet_resolve_ns`` without repeats."""
+        return self._resolve_where(lambda i: i.kind in QUIET_KINDS and now_ns - i.last_seen_ns >= self.quiet_resolve_ns,
+                                   now_ns, "no recurrence")
+
+    def _resolve_where(self, pred, ts_ns: int, why: str) -> list[Incident]:
+        out = [i for i in self.incidents.values() if i.state == FIRING and pred(i)]
+        for inc in out:
+            self._resolve(inc, ts_ns, why)
+        return out
+
+    @staticmethod
+    def _resolve(inc: Incident, ts_ns: int, why: str) -> None:
+        inc.state, inc.resolved_ns, inc.resolution = RESOLVED, ts_ns, why
+
+    def list(self, state: str | None = None, kind: str | None = None, tenant: str | None = None,
+             limit: int = 100) -> list[Incident]:
+        out = []
+        for inc in reversed(self.incidents.values()):
+            if state and inc.state != state or kind and inc.kind != kind:
+                continue
+            if tenant and tenant not in inc.tenants_exposed() and (inc.reader or {}).get("tenant") != tenant:
+                continue
+            out.append(inc)
+            if len(out) >= limit:
+                break
+        return out

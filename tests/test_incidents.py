@@ -1,0 +1,70 @@
+"""Incidents: grouping, dedup, stable ids, resolution; and the bounded event history."""
+
+import numpy as np
+
+from sidecar.findings import EngineRef, Finding, Party
+from sidecar.history import Event, History
+from sidecar.incidents import FIRING, RESOLVED, IncidentStore, incident_id, incident_key
+
+ENGINE = EngineRef("decode", 0, 42)
+
+
+def read(rid="r1", pages=(2, 3), exposed=(("a", "acme", (2,)),), ts=1):
+    return Finding("unwritten_read", "critical", ENGINE, Party(rid, "initech", 7), list(pages),
+                   [Party(r, t, None, list(p)) for r, t, p in exposed], ts, "s")
+
+
+def test_repeats_update_one_incident_and_are_not_new():
+    store = IncidentStore()
+    inc, new = store.observe(read(ts=1))
+    assert new and inc.state == FIRING and inc.count == 1
+    inc2, new2 = store.observe(read(pages=(3, 4), exposed=(("b", "globex", (4,)),), ts=5))
+    assert inc2 is inc and not new2
+    d = inc.to_dict()
+    assert d["count"] == 2 and d["pages"] == [2, 3, 4] and d["tenants_exposed"] == ["acme", "globex"]
+    assert (d["first_seen_ns"], d["last_seen_ns"]) == (1, 5)
+
+
+def test_ids_are_stable_across_stores_and_distinct_per_reader():
+    a, b = IncidentStore(), IncidentStore()
+    assert a.observe(read())[0].id == b.observe(read())[0].id == incident_id(incident_key(read()))
+    assert a.observe(read(rid="r2"))[0].id != a.observe(read())[0].id
+
+
+def test_a_read_incident_resolves_when_its_reader_ends_and_fires_again_if_it_recurs():
+    store = IncidentStore()
+    inc, _ = store.observe(read())
+    assert [i.id for i in store.on_request_end(42, "r1", 9)] == [inc.id]
+    assert inc.state == RESOLVED and inc.resolution == "the reading request ended"
+    _, new = store.observe(read(ts=10))
+    assert new and inc.state == FIRING
+
+
+def test_quiet_kinds_resolve_after_the_quiet_period():
+    store = IncidentStore(quiet_resolve_ns=100)
+    lost = Finding("events_lost", "warning", ENGINE, None, [], [], 10, "lost")
+    inc, _ = store.observe(lost)
+    assert store.tick(50) == [] and [i.id for i in store.tick(200)] == [inc.id]
+
+
+def test_store_is_bounded_and_evicts_resolved_first():
+    store = IncidentStore(max_incidents=2)
+    first, _ = store.observe(read(rid="r1"))
+    store.on_request_end(42, "r1", 2)
+    store.observe(read(rid="r2"))
+    store.observe(read(rid="r3"))
+    assert first.id not in store.incidents and len(store.incidents) == 2
+
+
+def test_history_keeps_the_newest_events_in_time_order():
+    h = History(capacity=8)
+    for i in range(6):
+        h.append(i, 1, Event.ALLOC, 0, np.array([i % 3]), np.array([i]))
+    h.append(6, 1, Event.WRITE, np.array([5, 5], np.uint64), np.array([0, 1]))
+    h.append(7, 1, Event.READ, np.array([5], np.uint64), aux=np.array([9]))
+    assert h.total == 9 and h.size == 8
+    ev = h.page_events(1, 0)
+    assert ev["ts_ns"].tolist() == [3, 6] and ev["event"].tolist() == [Event.ALLOC, Event.WRITE]
+    req = h.request_events(5)
+    assert [(int(e["event"]), int(e["page"]), int(e["aux"])) for e in req] == [
+        (Event.WRITE, 0, 0), (Event.WRITE, 1, 0), (Event.READ, -1, 9)]
