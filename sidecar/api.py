@@ -1,27 +1,181 @@
-"""HTTP: /healthz and /metrics (the /v1 API comes with the sidecar-core issue)."""
+"""HTTP API (FastAPI): health, metrics, incidents and timelines.
+
+``/healthz``, ``/readyz`` and ``/metrics`` are open (probes and Prometheus). Everything
+under ``/v1`` names requests and tenants and needs ``Authorization: Bearer <token>``;
+with no token configured ``/v1`` answers 403 rather than serving unauthenticated.
+Handlers read the pipeline under the sidecar's lock and never hold it for long.
+"""
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Response
+import hmac
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel
 
+from engine_hooks import wire
+
+from .history import Event
 from .metrics import KVGuardCollector
 from .service import Sidecar
 
+INCIDENT_ID = r"^inc-[0-9a-f]{16}$"
+MAX_RID = 256
 
-def create_app(sidecar: Sidecar, registry: CollectorRegistry | None = None) -> FastAPI:
+
+class ErrorBody(BaseModel):
+    detail: str
+
+
+AUTH_RESPONSES = {401: {"model": ErrorBody, "description": "missing or wrong bearer token"},
+                  403: {"model": ErrorBody, "description": "no API token configured on this sidecar"}}
+
+
+def _event_dict(ev, directory) -> dict:
+    key = int(ev["req_key"])
+    info = directory.get(key) if key else None
+    out = {"ts_ns": int(ev["ts_ns"]), "event": Event(int(ev["event"])).name.lower()}
+    page = int(ev["page"])
+    if page >= 0:
+        out["page"] = page
+    if int(ev["gen"]):
+        out["generation"] = int(ev["gen"])
+    if key:
+        out["rid"] = info.rid if info else f"key:{key:016x}"
+        out["tenant"] = info.tenant if info else ""
+    aux_name = {Event.READ: "seq_len", Event.ASSIGN: "row_start", Event.REQ_BEGIN: "prompt_tokens",
+                Event.TRANSFER_WRITE: "sent_tokens", Event.FREE: "free_kind"}.get(Event(int(ev["event"])))
+    if aux_name:
+        out[aux_name] = int(ev["aux"])
+    return out
+
+
+def create_app(sidecar: Sidecar, registry: CollectorRegistry | None = None, api_token: str | None = None) -> FastAPI:
     registry = registry or CollectorRegistry()
     registry.register(KVGuardCollector(sidecar))
-    app = FastAPI(title="kvguard sidecar", version="0.1.0")
+    app = FastAPI(title="kvguard sidecar", version="0.1.0",
+                  description="KV-cache integrity findings, incidents and page/request timelines.")
 
-    @app.get("/healthz")
+    def require_token(request: Request) -> None:
+        if not api_token:
+            raise HTTPException(403, "the /v1 API is disabled: no API token configured (KVGUARD_API_TOKEN or "
+                                     "--api-token-file)")
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_token.encode()):
+            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+    auth = [Depends(require_token)]
+
+    @app.get("/healthz", responses={503: {"description": "the ingest loop is not running"}})
     def healthz():
         ok, detail = sidecar.healthy()
         return JSONResponse(detail, status_code=200 if ok else 503)
+
+    @app.get("/readyz", responses={503: {"description": "not ready"}})
+    def readyz():
+        ok, detail = sidecar.healthy()
+        return JSONResponse({"ready": ok, **detail}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/v1/incidents", dependencies=auth, responses=AUTH_RESPONSES)
+    def list_incidents(
+        state: Annotated[str | None, Query(pattern="^(firing|resolved)$")] = None,
+        kind: Annotated[str | None, Query(pattern="^[a-z_]{1,64}$")] = None,
+        tenant: Annotated[str | None, Query(max_length=MAX_RID)] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ):
+        with sidecar.lock:
+            found = sidecar.pipeline.incidents.list(state, kind, tenant, limit)
+            return {"incidents": [i.to_dict() for i in found]}
+
+    @app.get("/v1/incidents/{incident_id}", dependencies=auth,
+             responses={**AUTH_RESPONSES, 404: {"model": ErrorBody, "description": "no such incident"}})
+    def get_incident(incident_id: Annotated[str, Path(pattern=INCIDENT_ID)]):
+        with sidecar.lock:
+            inc = sidecar.pipeline.incidents.incidents.get(incident_id)
+            if inc is None:
+                raise HTTPException(404, f"no incident {incident_id}")
+            body = inc.to_dict(with_findings=True)
+            body["timeline"] = _incident_timeline(sidecar, inc)
+            return body
+
+    @app.get("/v1/engines", dependencies=auth, responses=AUTH_RESPONSES)
+    def engines():
+        with sidecar.lock:
+            out = []
+            for engine_id, t in sidecar.pipeline.engines.items():
+                h = t.hello
+                out.append({"engine": engine_id, "role": sidecar.pipeline.engine_ref(t).role,
+                            "rank": h.tp_rank if h else None, "pid": h.pid if h else None,
+                            "page_size": t.page_size, "pool_pages": h.pool_pages if h else None,
+                            "context_len": h.context_len if h else None, "pages": t.pool.counts_by_state(),
+                            "live_requests": len(t.rows)})
+            return {"engines": out}
+
+    @app.get("/v1/pages/{engine}/{page}/timeline", dependencies=auth,
+             responses={**AUTH_RESPONSES, 404: {"model": ErrorBody, "description": "no such engine or page"}})
+    def page_timeline(engine: Annotated[int, Path(ge=0, le=2**32 - 1)], page: Annotated[int, Path(ge=0, le=2**31 - 1)],
+                      limit: Annotated[int, Query(ge=1, le=5000)] = 200):
+        with sidecar.lock:
+            t = sidecar.pipeline.engines.get(engine)
+            if t is None:
+                raise HTTPException(404, f"no engine {engine} (see /v1/engines)")
+            if page >= t.pool.num_pages:
+                raise HTTPException(404, f"engine {engine} has no page {page} (pool of {t.pool.num_pages})")
+            pool = t.pool
+            last = t.requests.get(int(pool.last_writer[page]))
+            now = {"state": _state_name(int(pool.state[page])), "generation": int(pool.gen[page]),
+                   "last_writer": (last.rid if last else None), "last_writer_tenant": (last.tenant if last else None)}
+            history = sidecar.pipeline.history
+            events = [] if history is None else [_event_dict(e, t.requests)
+                                                 for e in history.page_events(engine, page, limit)]
+            return {"engine": engine, "page": page, "now": now, "events": events}
+
+    @app.get("/v1/requests/{rid}/timeline", dependencies=auth,
+             responses={**AUTH_RESPONSES, 404: {"model": ErrorBody, "description": "no such request in history"}})
+    def request_timeline(rid: Annotated[str, Path(min_length=1, max_length=MAX_RID)],
+                         limit: Annotated[int, Query(ge=1, le=5000)] = 500):
+        key = wire.request_key(rid)
+        with sidecar.lock:
+            history = sidecar.pipeline.history
+            out = []
+            for engine_id, t in sidecar.pipeline.engines.items():
+                events = [] if history is None else history.request_events(key, limit)
+                events = [e for e in events if int(e["engine"]) == engine_id]
+                info = t.requests.get(key)
+                if info is None and not events:
+                    continue
+                out.append({"engine": engine_id, "role": sidecar.pipeline.engine_ref(t).role,
+                            "tenant": info.tenant if info else None, "finish": info.finish if info else None,
+                            "events": [_event_dict(e, t.requests) for e in events]})
+            if not out:
+                raise HTTPException(404, f"request {rid!r} is not in the sidecar's history")
+            return {"rid": rid, "engines": out}
+
     return app
+
+
+def _state_name(state: int) -> str:
+    from .tracker import STATE_NAMES
+
+    return STATE_NAMES.get(state, "unknown")
+
+
+def _incident_timeline(sidecar: Sidecar, inc, limit: int = 50) -> list[dict]:
+    """The reader's recent events on the engine of the incident (what it was assigned, wrote, read)."""
+    history = sidecar.pipeline.history
+    if history is None or inc.reader is None:
+        return []
+    key = wire.request_key(inc.reader["rid"])
+    for t in sidecar.pipeline.engines.values():
+        if t.hello is not None and t.hello.pid == inc.engine["pid"]:
+            return [_event_dict(e, t.requests) for e in history.request_events(key, limit)
+                    if int(e["engine"]) == t.engine_id]
+    return []
