@@ -9,7 +9,10 @@ of pages and exposed parties; they are not re-delivered.
 Resolution: a read/write incident resolves when its reader request ends (the
 condition cannot recur for that request); a config incident when the engine says
 hello again with a safe configuration or goes away; events_lost after
-``quiet_resolve_ns`` without new losses. Resolved incidents are delivered once more
+``quiet_resolve_ns`` without new losses (also double_free and ttft_anomaly).
+Exposure incidents resolve as their reader ends because the condition has cleared,
+not because the harm is undone: the incident keeps its exposed parties, and sinks
+that page humans decide whether a resolve closes the page. Resolved incidents are delivered once more
 (``state == "resolved"``) so PagerDuty-style sinks can close them.
 """
 
@@ -26,7 +29,8 @@ FIRING, RESOLVED = "firing", "resolved"
 SEVERITY_RANK = {"info": 0, "warning": 1, CRITICAL: 2}
 READER_KINDS = {"unwritten_read", "foreign_read", "use_after_free", "late_write", "transfer_size_mismatch",
                 "checksum_mismatch", "ttft_anomaly", "cross_tenant_prefix_share"}
-QUIET_KINDS = {"events_lost", "double_free"}
+# resolve after a quiet period rather than with their reader (a ttft verdict is made as the request ends)
+QUIET_KINDS = {"events_lost", "double_free", "ttft_anomaly"}
 
 
 def incident_key(f: Finding) -> tuple:
@@ -112,7 +116,8 @@ class IncidentStore:
             reader = None
             if f.reader is not None:
                 reader = {"rid": f.reader.rid, "tenant": f.reader.tenant, "bootstrap_room": f.reader.bootstrap_room}
-                self._by_reader.setdefault((f.engine.pid, f.reader.rid), set()).add(iid)
+                if f.kind not in QUIET_KINDS:
+                    self._by_reader.setdefault((f.engine.pid, f.reader.rid), set()).add(iid)
             inc = Incident(iid, f.kind, f.severity, {"role": f.engine.role, "rank": f.engine.rank,
                                                       "pid": f.engine.pid},
                            reader, FIRING, f.first_seen_ns, f.first_seen_ns, 0, f.summary, evidence=dict(f.evidence))

@@ -20,6 +20,7 @@ from .detectors.config import PoolContextDetector
 from .detectors.lifetime import DoubleFreeDetector, WriteDetector
 from .detectors.reads import ReadDetector
 from .detectors.transfers import TransferSizeDetector
+from .detectors.ttft import TTFTDetector
 from .findings import WARNING, EngineRef, Finding
 from .history import Event, History
 from .incidents import IncidentStore
@@ -43,6 +44,7 @@ class Pipeline:
         self.config_detector = PoolContextDetector()
         self.write_detector = WriteDetector()
         self.double_free_detector = DoubleFreeDetector()
+        self.ttft_detector = TTFTDetector()
         self.records_by_kind: Counter = Counter()
         self.findings_by_kind: Counter = Counter()
         self.findings_suppressed = 0
@@ -132,7 +134,9 @@ class Pipeline:
             t.on_request_end(body, rec.ts_ns)
             self._record(ts, eid, Event.REQ_END, body.req_key, aux=int(body.finish))
             if info is not None and t.hello is not None:
+                found = self._emit(self.ttft_detector.observe(eid, self.engine_ref(t), info, ts))
                 self._resolved(self.incidents.on_request_end(t.hello.pid, info.rid, ts))
+                return found
         elif kind == wire.Kind.REJECT:
             t.on_reject(body)
             self._record(ts, eid, Event.REJECT, body.req_key, aux=int(body.phase))

@@ -1,0 +1,74 @@
+"""ttft_anomaly on realistic timing: cold start, queueing, cache hits, outliers; and the incident."""
+
+import random
+
+from sidecar.detectors.ttft import TTFTDetector
+from sidecar.findings import EngineRef
+from sidecar.tracker import RequestInfo
+
+ENGINE = EngineRef("prefill", 0, 1)
+US = 1_000
+
+
+def req(i, prompt, ttft_ns, cached=0, finish="length"):
+    return RequestInfo(i, f"r{i}", "acme", prompt_tokens=prompt, cached_tokens=cached, ttft_ns=int(ttft_ns),
+                       finish=finish)
+
+
+def realistic_stream(rng, n, per_token_us=50.0):
+    """Prefill at ~50 us/token with lognormal noise, a fixed overhead, exponential queueing
+    delays, a third of requests hitting the prefix cache, and a slow cold start."""
+    for i in range(n):
+        prompt = rng.randint(40, 2000)
+        cached = rng.choice([0, 0, prompt - rng.randint(1, 31), int(prompt * 0.6)])
+        uncached = prompt - cached
+        compute = uncached * per_token_us * US * rng.lognormvariate(0, 0.25)
+        cold = 20 if i < 5 else 1  # first requests compile kernels
+        queue = rng.expovariate(1 / 200_000) * 1_000  # mean 200 ms of queueing
+        yield req(i, prompt, 2_000_000 + compute * cold + queue, cached)
+
+
+def test_no_false_alarms_on_a_realistic_distribution():
+    det = TTFTDetector()
+    rng = random.Random(7)
+    findings = [f for r in realistic_stream(rng, 3000) for f in det.observe(1, ENGINE, r, 0)]
+    assert findings == []
+
+
+def test_the_incidents_placeholder_prefill_is_flagged_after_warmup():
+    det = TTFTDetector()
+    rng = random.Random(3)
+    for r in realistic_stream(rng, 200):
+        det.observe(1, ENGINE, r, 0)
+    # 600 prompt tokens answered after a 1-token prefill: ~3 ms
+    (f,) = det.observe(1, ENGINE, req(999, 600, 3_000_000), 42)
+    assert f.kind == "ttft_anomaly" and f.reader.rid == "r999"
+    assert f.evidence["uncached_tokens"] == 600 and f.evidence["ns_per_token"] == 5000.0
+
+
+def test_cold_start_is_learned_not_judged():
+    det = TTFTDetector(warmup=20)
+    assert all(det.observe(1, ENGINE, req(i, 600, 3_000_000), 0) == [] for i in range(20))
+
+
+def test_cache_hits_rejections_and_short_prompts_are_not_judged():
+    det = TTFTDetector(warmup=1)
+    det.observe(1, ENGINE, req(0, 1000, 50_000_000), 0)
+    assert det.observe(1, ENGINE, req(1, 1000, 100_000, cached=990), 0) == []  # 10 uncached tokens
+    assert det.observe(1, ENGINE, req(2, 1000, 100_000, finish="reject"), 0) == []
+    assert det.observe(1, ENGINE, req(3, 20, 1_000), 0) == []
+
+
+def test_flagged_samples_do_not_drag_the_floor_down():
+    det = TTFTDetector(warmup=5)
+    for i in range(5):
+        det.observe(1, ENGINE, req(i, 1000, 50_000_000), 0)
+    hits = [det.observe(1, ENGINE, req(100 + i, 1000, 1_000_000), 0) for i in range(50)]
+    assert all(len(h) == 1 for h in hits)
+
+
+def test_engines_learn_separately():
+    det = TTFTDetector(warmup=5)
+    for i in range(5):
+        det.observe(1, ENGINE, req(i, 1000, 50_000_000), 0)
+    assert det.observe(2, ENGINE, req(9, 1000, 1_000_000), 0) == []  # engine 2 is still warming up
