@@ -80,7 +80,8 @@ def create_app(sidecar: Sidecar, registry: CollectorRegistry | None = None, api_
         ok, detail = sidecar.healthy()
         return JSONResponse({"ready": ok, **detail}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text exposition format"}})
     def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
