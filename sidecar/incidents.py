@@ -168,6 +168,13 @@ class IncidentStore:
     def _resolve(inc: Incident, ts_ns: int, why: str) -> None:
         inc.state, inc.resolved_ns, inc.resolution = RESOLVED, ts_ns, why
 
+    def firing_by_kind(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for inc in self.incidents.values():
+            if inc.state == FIRING:
+                out[inc.kind] = out.get(inc.kind, 0) + 1
+        return out
+
     def list(self, state: str | None = None, kind: str | None = None, tenant: str | None = None,
              limit: int = 100) -> list[Incident]:
         out = []

@@ -34,6 +34,9 @@ class IngestStats:
     records_lost: int = 0
     last_error: str = ""
     dropped_before_attach: dict = field(default_factory=dict)
+    # decode counters of rings already retired, so exported totals never go down
+    retired_invalid: dict = field(default_factory=lambda: {"unknown_kind": 0, "bad_version": 0, "bad_payload": 0})
+    retired_corrupt_bytes: int = 0
 
 
 class RingSet:
@@ -115,6 +118,11 @@ class RingSet:
     def _detach(self, path: str, reader: RingReader) -> None:
         log.info("engine pid %d exited; ring %s drained (%d records lost in total) and %s", reader.pid, path,
                  reader.records_lost, "removed" if self.remove_dead else "kept")
+        for reason in self.stats.retired_invalid:
+            self.stats.retired_invalid[reason] += getattr(reader.stats, reason)
+        self.stats.retired_corrupt_bytes += reader.stats.corrupt_bytes
+        if reader.stats.last_error:
+            log.warning("ring %s had unreadable records; last: %s", path, reader.stats.last_error)
         reader.close()
         del self.readers[path]
         self.gone.append(reader.engine_id)

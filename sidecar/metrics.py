@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -24,8 +26,8 @@ class KVGuardCollector(Collector):
             lost.add_metric([], ingest.records_lost)
             yield lost
             bad = CounterMetricFamily("kvguard_records_invalid", "Records skipped as unreadable", labels=["reason"])
-            totals = {"unknown_kind": 0, "bad_version": 0, "bad_payload": 0}
-            corrupt = 0
+            totals = dict(ingest.retired_invalid)
+            corrupt = ingest.retired_corrupt_bytes
             for reader in svc.rings.readers.values():
                 for k in totals:
                     totals[k] += getattr(reader.stats, k)
@@ -46,9 +48,23 @@ class KVGuardCollector(Collector):
             for (kind, severity), n in sorted(pipeline.findings_by_kind.items()):
                 findings.add_metric([kind, severity], n)
             yield findings
-            reads = CounterMetricFamily("kvguard_page_reads_checked", "Page reads judged", labels=["role"])
+            incidents = CounterMetricFamily("kvguard_incidents", "Incidents opened (a finding's first occurrence "
+                                            "for its kind, engine and reader)", labels=["kind", "severity"])
+            for (kind, severity), n in sorted(pipeline.incidents_by_kind.items()):
+                incidents.add_metric([kind, severity], n)
+            yield incidents
+            firing = GaugeMetricFamily("kvguard_incidents_firing", "Incidents not resolved yet", labels=["kind"])
+            for kind, n in sorted(pipeline.incidents.firing_by_kind().items()):
+                firing.add_metric([kind], n)
+            yield firing
+            age = GaugeMetricFamily("kvguard_ingest_last_poll_age_seconds",
+                                    "Seconds since the ingest loop last drained the rings")
+            age.add_metric([], (time.monotonic_ns() - svc.last_poll_ns) / 1e9 if svc.last_poll_ns else float("inf"))
+            yield age
+            reads = CounterMetricFamily("kvguard_page_reads_checked", "Page reads judged", labels=["role", "pid"])
             unverified = CounterMetricFamily("kvguard_page_reads_unverified",
-                                             "Page reads not judged (state unknown: blind window)", labels=["role"])
+                                             "Page reads not judged (state unknown: blind window)",
+                                             labels=["role", "pid"])
             pages = GaugeMetricFamily("kvguard_pages", "KV pages by ownership state", labels=["role", "pid", "state"])
             pool = GaugeMetricFamily("kvguard_kv_pool_tokens", "KV pool size in tokens", labels=["role", "pid"])
             ctx = GaugeMetricFamily("kvguard_context_length_tokens", "Engine context length", labels=["role", "pid"])
@@ -56,8 +72,8 @@ class KVGuardCollector(Collector):
                 h = tracker.hello
                 role = ROLE_NAMES.get(h.role, "unknown") if h else "unknown"
                 pid = str(h.pid) if h else "0"
-                reads.add_metric([role], tracker.pages_read)
-                unverified.add_metric([role], tracker.pages_unverified)
+                reads.add_metric([role, pid], tracker.pages_read)
+                unverified.add_metric([role, pid], tracker.pages_unverified)
                 for state, n in tracker.pool.counts_by_state().items():
                     pages.add_metric([role, pid, state], n)
                 if h:

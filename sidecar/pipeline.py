@@ -47,6 +47,7 @@ class Pipeline:
         self.ttft_detector = TTFTDetector()
         self.records_by_kind: Counter = Counter()
         self.findings_by_kind: Counter = Counter()
+        self.incidents_by_kind: Counter = Counter()
         self.findings_suppressed = 0
         self.records_lost = 0
         self.apply_errors = 0
@@ -72,6 +73,7 @@ class Pipeline:
             self.findings_by_kind[(finding.kind, finding.severity)] += 1
             _incident, is_new = self.incidents.observe(finding)
             if is_new:
+                self.incidents_by_kind[(finding.kind, finding.severity)] += 1
                 out.append(finding)
             else:
                 self.findings_suppressed += 1

@@ -301,7 +301,7 @@ class EngineTracker:
         pool = self.pool
         state = pool.state[pages]
         known = state != UNKNOWN
-        self.pages_read += len(pages)
+        self.pages_read += int(known.sum())
         unverified = int((~known).sum())
         self.pages_unverified += unverified
         freed = known & (state == FREE)

@@ -152,8 +152,6 @@ def hello_with_pid(writer: RingWriter, role: wire.Role, tp_rank: int, pid: int) 
     writer.write(wire.Kind.HELLO, wire.hello_payload(h))
 
 
-@pytest.mark.xfail(strict=True, reason="page-read counters are labelled by role only: tensor-parallel ranks of one "
-                                       "role export the same series twice (sidecar/metrics.py)")
 def test_two_ranks_of_one_role_export_distinct_series(tmp_path):
     for rank, pid in ((0, 4101), (1, 4102)):
         hello_with_pid(RingWriter(str(tmp_path), 1 << 16), wire.Role.DECODE, rank, pid)
