@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 
 from engine_hooks.ring import ring_dir
+
+
+def _positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return int(value)
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -15,6 +22,20 @@ def parse_listen(value: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
         raise argparse.ArgumentTypeError(f"--listen must be HOST:PORT, got {value!r}")
     return host or "127.0.0.1", int(port)
+
+
+def load_api_token(path: str | None) -> str | None:
+    """The /v1 bearer token: from --api-token-file, else $KVGUARD_API_TOKEN, else None (/v1 disabled)."""
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise SystemExit(f"kvguard: --api-token-file {path!r}: {exc.strerror}") from exc
+        if not token:
+            raise SystemExit(f"kvguard: --api-token-file {path!r} is empty")
+        return token
+    return os.environ.get("KVGUARD_API_TOKEN", "").strip() or None
 
 
 def cmd_sidecar(args) -> int:
@@ -25,9 +46,21 @@ def cmd_sidecar(args) -> int:
     from .sinks.basic import JsonLinesSink, LogSink
 
     sinks = [LogSink()] + ([JsonLinesSink(sys.stdout)] if args.json else [])
-    sidecar = Sidecar(args.ring_dir, sinks=sinks).start()
+    recorder = None
+    if args.record_dir:
+        from .recorder import Recorder, RecordingError
+
+        try:
+            recorder = Recorder(args.record_dir, max_bytes=args.record_max_bytes, max_age_s=args.record_max_age)
+        except (RecordingError, ValueError) as exc:
+            print(f"kvguard sidecar: --record-dir: {exc}", file=sys.stderr)
+            return 2
+    token = load_api_token(args.api_token_file)
+    sidecar = Sidecar(args.ring_dir, sinks=sinks, recorder=recorder, history_events=args.history_events).start()
+    if token is None:
+        logging.getLogger("kvguard").warning("no API token configured: /v1 (incidents, timelines) answers 403")
     host, port = args.listen
-    server = uvicorn.Server(uvicorn.Config(create_app(sidecar), host=host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(sidecar, api_token=token), host=host, port=port, log_level="warning"))
     logging.getLogger("kvguard").info("kvguard sidecar: rings in %s, serving http://%s:%d", args.ring_dir, host, port)
     try:
         server.run()
@@ -44,7 +77,11 @@ def cmd_demo(args) -> int:
 
 # Commands that live in their own modules register themselves: module path -> the
 # name of a function ``register(subparsers)`` that adds a subparser with ``func`` set.
-COMMAND_MODULES: list[tuple[str, str]] = []
+COMMAND_MODULES: list[tuple[str, str]] = [
+    ("sidecar.preflight", "register"),
+    ("sidecar.model_cli", "register"),
+    ("sidecar.replay", "register"),
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", type=parse_listen, default=("127.0.0.1", 9464), help="HOST:PORT (default "
                    "127.0.0.1:9464)")
     p.add_argument("--json", action="store_true", help="print one JSON object per finding on stdout")
+    p.add_argument("--api-token-file", default=None, help="file holding the bearer token for /v1 (default: "
+                   "$KVGUARD_API_TOKEN; without one /v1 answers 403)")
+    p.add_argument("--history-events", type=_positive_int, default=1 << 20,
+                   help="events kept for timelines (40 bytes each; default 1048576)")
+    from .recorder import DEFAULT_MAX_BYTES, parse_bytes, parse_seconds
+
+    p.add_argument("--record-dir", default=None, help="record the record stream into rotating segment files "
+                   "here, for `kvguard replay` (docs/recording-api.md); off by default")
+    p.add_argument("--record-max-bytes", type=parse_bytes, default=DEFAULT_MAX_BYTES, help="disk budget of the "
+                   "recording, all segments together, e.g. 512M, 4G (default 1G); oldest segments go first")
+    p.add_argument("--record-max-age", type=parse_seconds, default=None, help="delete segments older than this, "
+                   "e.g. 90m, 24h, 7d (default: only --record-max-bytes bounds the recording)")
     p.set_defaults(func=cmd_sidecar)
 
     p = sub.add_parser("demo", help="catch the 2026 KV exposure on a real SGLang prefill/decode pair on CPU")

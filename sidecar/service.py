@@ -14,11 +14,13 @@ log = logging.getLogger("kvguard.sidecar")
 
 class Sidecar:
     def __init__(self, ring_dir: str, sinks=(), poll_interval_s: float = 0.01, slack_ns: int = 50_000_000,
-                 remove_dead_rings: bool = True):
+                 remove_dead_rings: bool = True, recorder=None, history_events: int = 1 << 20):
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
         self.rings = RingSet(ring_dir, slack_ns=slack_ns, remove_dead=remove_dead_rings)
-        self.pipeline = Pipeline(sinks)
+        self.pipeline = Pipeline(sinks, history_events=history_events)
+        # sidecar.recorder.Recorder (or None): records every batch before it is applied; never raises
+        self.recorder = recorder
         self.poll_interval_s = poll_interval_s
         self.lock = threading.Lock()  # guards pipeline + rings against the metrics scrape
         self._stop = threading.Event()
@@ -30,9 +32,21 @@ class Sidecar:
         with self.lock:
             self.rings.poll()
             findings = []
-            for rec in self.rings.ready(flush=flush):
+            records = self.rings.ready(flush=flush)
+            if self.recorder is not None:
+                self.recorder.record_batch(records)  # also rotates by age when idle
+            for rec in records:
                 findings += self.pipeline.apply(rec)
-            self.last_poll_ns = time.monotonic_ns()
+            now = time.monotonic_ns()
+            if not self.rings.pending:  # everything of retired engines has been applied
+                for engine_id in self.rings.take_gone():
+                    self.pipeline.on_engine_gone(engine_id, now)
+                    if self.recorder is not None:  # replay applies it at the same point in the stream
+                        self.recorder.record_engine_gone(engine_id, now)
+            self.pipeline.tick(now)
+            if self.recorder is not None:
+                self.recorder.record_tick(now)
+            self.last_poll_ns = now
             return findings
 
     def _loop(self) -> None:
@@ -55,6 +69,8 @@ class Sidecar:
             self._thread.join(timeout=10)
         with self.lock:
             self.rings.close()
+            if self.recorder is not None:
+                self.recorder.close()
         for sink in self.pipeline.sinks:
             try:
                 sink.shutdown()

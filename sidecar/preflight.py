@@ -1,0 +1,540 @@
+"""``kvguard preflight``: compare a live SGLang server's KV pool with its context length.
+
+Cloudflare's lesson from the 2026 incident: *compare the KV pool size with the
+context length automatically, every deploy*. SGLang sizes the KV pool at start-up
+from the memory left after the weights; the advertised context length is a separate
+setting, and nothing forces the two to agree. Prompts that fit the context but not
+the pool take the engine's reject path, the path the incident leaked through.
+
+The command reads two endpoints of each server (no request is generated):
+
+- ``GET /server_info``: ``max_total_num_tokens`` (the pool, in tokens), ``page_size``,
+  ``disaggregation_mode`` (``"null"``, ``"prefill"`` or ``"decode"``),
+  ``max_req_input_len``, ``version``, and ``context_length``, which is only the
+  launch (CLI) value and is ``null`` when the flag was not given.
+- ``GET /v1/models``: ``data[].max_model_len`` of the base model card(s) (LoRA
+  adapters carry ``parent`` and ``max_model_len: null``): the context length the
+  server actually enforces.
+
+Verified on SGLang 0.5.19 and 0.5.23 HTTP servers (same top-level fields; see
+docs/preflight.md). Exit codes, worst over all ``--url`` values:
+
+- 0 ``safe``: pool >= context length;
+- 2 ``pool_smaller_than_context``;
+- 1 ``unknown``: cannot tell (unreachable, timeout, HTTP error, not JSON, fields
+  missing, malformed URL or token file); the reason is one line.
+
+Usage errors of this sub-command exit 1 too, never 2: exit 2 is the verdict
+"pool smaller than context" and a deploy gate must be able to trust it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import IO, Any, Sequence
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+from .detectors.config import PoolVsContext, severity_for
+
+EXIT_SAFE = 0
+EXIT_UNKNOWN = 1
+EXIT_POOL_SMALLER = 2
+
+SAFE = "safe"
+POOL_SMALLER = "pool_smaller_than_context"
+UNKNOWN = "unknown"
+EXIT_CODES = {SAFE: EXIT_SAFE, POOL_SMALLER: EXIT_POOL_SMALLER, UNKNOWN: EXIT_UNKNOWN}
+
+DEFAULT_TIMEOUT_S = 10.0
+TOKEN_ENV = "KVGUARD_BEARER_TOKEN"  # the token itself (e.g. from a Kubernetes Secret)
+TOKEN_FILE_ENV = "KVGUARD_BEARER_TOKEN_FILE"  # a file holding it
+
+SERVER_INFO_PATH = "/server_info"
+MODELS_PATH = "/v1/models"
+
+# SGLang releases before this one lack both upstream fixes of the incident's reject
+# path (0.5.20: aborted prefill results retired, #36988; 0.5.21: admission check).
+FIRST_FIXED_SGLANG = (0, 5, 20)
+
+_ROLE_NAMES = {None: "unified", "null": "unified", "prefill": "prefill", "decode": "decode"}
+_MAX_WORKERS = 8
+_SNIPPET = 120
+
+
+class PreflightError(Exception):
+    """The server's answer cannot be judged; the message is the one-line reason."""
+
+
+# ---------------------------------------------------------------- the report
+
+
+@dataclass
+class Report:
+    """What preflight learned about one server."""
+
+    url: str
+    verdict: str = UNKNOWN
+    reason: str = ""
+    role: str | None = None
+    pool_tokens: int | None = None
+    context_len: int | None = None
+    max_req_input_len: int | None = None
+    page_size: int | None = None
+    version: str | None = None
+    severity: str | None = None  # only for pool_smaller_than_context: "critical" on prefill
+    context_source: str | None = None  # "/v1/models" or "/server_info"
+    server_info_context_length: int | None = None  # the launch value, often null
+    model_max_len: int | None = None  # /v1/models max_model_len (effective)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.verdict]
+
+    @property
+    def ratio(self) -> float | None:
+        if self.pool_tokens is None or not self.context_len:
+            return None
+        return PoolVsContext(self.pool_tokens, self.context_len, self.max_req_input_len or 0).ratio
+
+    def to_json(self) -> dict[str, Any]:
+        ratio = self.ratio
+        return {
+            "url": self.url,
+            "role": self.role,
+            "pool_tokens": self.pool_tokens,
+            "context_len": self.context_len,
+            "max_req_input_len": self.max_req_input_len,
+            "page_size": self.page_size,
+            "verdict": self.verdict,
+            "reason": self.reason,
+            "exit_code": self.exit_code,
+            "ratio": None if ratio is None else round(ratio, 4),
+            "severity": self.severity,
+            "version": self.version,
+            "context_source": self.context_source,
+            "server_info_context_length": self.server_info_context_length,
+            "model_max_len": self.model_max_len,
+            "notes": list(self.notes),
+        }
+
+
+def _one_line(text: object, limit: int | None = None) -> str:
+    s = " ".join(str(text).split())
+    if limit is not None and len(s) > limit:
+        s = s[: limit - 3] + "..."
+    return s
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def normalize_url(value: str) -> str:
+    """The server's base URL (no trailing slash), or ValueError whose message names ``value``.
+
+    Accepts ``http(s)://HOST[:PORT][/PATH-PREFIX]``; surrounding whitespace is ignored.
+    """
+    raw = value.strip() if isinstance(value, str) else value
+    if not isinstance(raw, str) or not raw:
+        raise ValueError(f"--url {value!r} is empty: expected http://HOST:PORT")
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in raw):
+        raise ValueError(f"--url {value!r} contains whitespace or control characters")
+    if "://" not in raw:
+        raise ValueError(f"--url {value!r} has no scheme: expected http://HOST:PORT (did you mean 'http://{raw}'?)")
+    try:
+        parts = urlsplit(raw)
+        port = parts.port  # ValueError when not a number in 0..65535
+    except ValueError as exc:
+        raise ValueError(f"--url {value!r} is not a valid URL: {exc}") from None
+    if parts.scheme.lower() not in ("http", "https"):
+        raise ValueError(f"--url {value!r}: scheme must be http or https, got {parts.scheme!r}")
+    host = parts.hostname
+    if not host:
+        raise ValueError(f"--url {value!r} has no host: expected http://HOST:PORT")
+    if not re.fullmatch(r"[A-Za-z0-9._\-:%]+", host):
+        raise ValueError(f"--url {value!r}: {host!r} is not a host name or IP address")
+    if port == 0:
+        raise ValueError(f"--url {value!r}: port 0 is not a server port")
+    if parts.query or parts.fragment or raw.endswith(("?", "#")):
+        raise ValueError(f"--url {value!r} must not have a query or fragment: give the server's base URL")
+    base = urlunsplit((parts.scheme.lower(), parts.netloc, parts.path.rstrip("/"), "", ""))
+    try:
+        httpx.URL(base + SERVER_INFO_PATH)
+    except (httpx.InvalidURL, ValueError, TypeError) as exc:
+        raise ValueError(f"--url {value!r} is not a valid URL: {exc}") from None
+    return base
+
+
+def display_url(url: str) -> str:
+    """``url`` with any password in it masked (it ends up in logs and CI output)."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        netloc = parts.netloc.replace(":" + parts.password + "@", ":***@", 1)
+        return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    except ValueError:
+        return url
+
+
+def read_token(token_file: str | None, environ: dict[str, str] | None = None) -> str | None:
+    """The bearer token: ``--bearer-token-file``, else $KVGUARD_BEARER_TOKEN_FILE, else $KVGUARD_BEARER_TOKEN.
+
+    Returns None when none is set; ValueError (one line, never the token) when unusable.
+    """
+    env = os.environ if environ is None else environ
+    path = token_file or env.get(TOKEN_FILE_ENV) or None
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                token = f.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read the bearer token file {path!r}: {exc.__class__.__name__}: "
+                             f"{getattr(exc, 'strerror', None) or exc}") from None
+        source = f"bearer token file {path!r}"
+    elif env.get(TOKEN_ENV):
+        token = env[TOKEN_ENV].strip()
+        source = f"${TOKEN_ENV}"
+    else:
+        return None
+    if not token:
+        raise ValueError(f"the {source} is empty")
+    if not all(33 <= ord(c) <= 126 for c in token):
+        raise ValueError(f"the {source} holds whitespace or non-ASCII characters inside the token")
+    return token
+
+
+def _timeout_arg(value: str) -> float:
+    try:
+        t = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
+    if not math.isfinite(t) or t <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value!r}")
+    return t
+
+
+# ---------------------------------------------------------------- reading the server
+
+
+def _get_json(client: httpx.Client, base: str, path: str, deadline: float, timeout_s: float) -> Any:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise PreflightError(f"timed out after {timeout_s:g} s before GET {path}")
+    try:
+        r = client.get(base + path, timeout=remaining)
+    except httpx.TimeoutException:
+        raise PreflightError(f"GET {path} timed out after {timeout_s:g} s") from None
+    except httpx.ConnectError as exc:
+        raise PreflightError(f"cannot connect for GET {path}: {_one_line(exc) or 'connection failed'}") from None
+    except httpx.HTTPError as exc:
+        raise PreflightError(f"GET {path} failed: {type(exc).__name__}: {_one_line(exc, 200)}") from None
+    if r.status_code != 200:
+        hint = ""
+        if r.status_code in (401, 403):
+            hint = f" (the server wants a bearer token: --bearer-token-file or ${TOKEN_ENV})"
+        body = _one_line(r.text, _SNIPPET)
+        raise PreflightError(f"GET {path} answered HTTP {r.status_code}{hint}" + (f": {body}" if body else ""))
+    try:
+        return r.json()
+    except ValueError:
+        ctype = r.headers.get("content-type", "no content type")
+        raise PreflightError(f"GET {path} did not return JSON ({ctype}): {_one_line(r.text, _SNIPPET)!r}") from None
+
+
+def _count(data: dict[str, Any], key: str, where: str, *, required: bool) -> int | None:
+    """A non-negative integer field; None when absent/null and not required; else PreflightError."""
+    value = data.get(key)
+    if value is None:
+        if required:
+            state = "null" if key in data else "missing"
+            raise PreflightError(f"{where} field {key!r} is {state} (is this an SGLang server?)")
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise PreflightError(f"{where} field {key!r} is {_one_line(repr(value), 60)}, not a token count")
+    return value
+
+
+def model_context_len(models: Any) -> tuple[int | None, list[str]]:
+    """``max_model_len`` of the base model card(s) in a ``/v1/models`` answer, plus notes.
+
+    LoRA adapter cards (``parent`` set, ``max_model_len`` null) are skipped. With several
+    base models the largest context is the one to check. None when there is none.
+    """
+    notes: list[str] = []
+    data = models.get("data") if isinstance(models, dict) else None
+    if not isinstance(data, list):
+        raise PreflightError(f"GET {MODELS_PATH} has no 'data' list")
+    lens = []
+    for card in data:
+        if not isinstance(card, dict) or card.get("parent") is not None:
+            continue
+        n = _count(card, "max_model_len", f"{MODELS_PATH} model {card.get('id')!r}", required=False)
+        if n:
+            lens.append(n)
+    if not lens:
+        return None, notes
+    if len(set(lens)) > 1:
+        notes.append(f"{MODELS_PATH} lists models with context lengths {sorted(set(lens))}; checking the largest")
+    return max(lens), notes
+
+
+def _version_tuple(version: str | None) -> tuple[int, ...] | None:
+    m = re.match(r"(\d+)\.(\d+)\.(\d+)", version or "")
+    return tuple(int(x) for x in m.groups()) if m else None
+
+
+def evaluate(url: str, server_info: Any, models: Any = None, models_error: str | None = None) -> Report:
+    """Judge one server from its ``/server_info`` and ``/v1/models`` answers (no I/O).
+
+    ``models`` is the parsed ``/v1/models`` body, or None with ``models_error`` saying why
+    it could not be read. Never raises: problems become an ``unknown`` report.
+    """
+    rep = Report(url)
+    try:
+        _evaluate(rep, server_info, models, models_error)
+    except PreflightError as exc:
+        rep.verdict, rep.reason, rep.severity = UNKNOWN, str(exc), None
+    return rep
+
+
+def _evaluate(rep: Report, info: Any, models: Any, models_error: str | None) -> None:
+    if not isinstance(info, dict):
+        raise PreflightError(f"GET {SERVER_INFO_PATH} returned JSON {type(info).__name__}, not an object")
+    where = SERVER_INFO_PATH
+    version = info.get("version")
+    rep.version = str(version) if version is not None else None
+    if "disaggregation_mode" in info:  # absent: role stays None ("not reported")
+        mode = info["disaggregation_mode"]
+        known = _ROLE_NAMES.get(mode) if isinstance(mode, str) or mode is None else None
+        rep.role = known or _one_line(mode if isinstance(mode, str) else repr(mode), 40)
+    rep.page_size = _count(info, "page_size", where, required=False)
+    rep.max_req_input_len = _count(info, "max_req_input_len", where, required=False)
+    rep.server_info_context_length = _count(info, "context_length", where, required=False)
+    pool = _count(info, "max_total_num_tokens", where, required=True)
+    if pool == 0:
+        raise PreflightError(f"{where} reports a KV pool of 0 tokens (max_total_num_tokens=0)")
+    rep.pool_tokens = pool
+
+    if models is not None:
+        try:
+            rep.model_max_len, notes = model_context_len(models)
+            rep.notes += notes
+        except PreflightError as exc:
+            models_error = str(exc)
+    cli_ctx = rep.server_info_context_length or None  # 0 is not a context length
+    if rep.model_max_len:
+        rep.context_len, rep.context_source = rep.model_max_len, MODELS_PATH
+        if cli_ctx is not None and cli_ctx != rep.model_max_len:
+            rep.notes.append(
+                f"context lengths disagree: {SERVER_INFO_PATH} context_length={cli_ctx} is the launch value, "
+                f"{MODELS_PATH} max_model_len={rep.model_max_len} is what the server enforces; using "
+                f"{rep.model_max_len}")
+    elif cli_ctx is not None:
+        rep.context_len, rep.context_source = cli_ctx, SERVER_INFO_PATH
+        why = models_error or f"{MODELS_PATH} lists no max_model_len"
+        rep.notes.append(f"effective context length unavailable ({why}); using {SERVER_INFO_PATH} "
+                         f"context_length={cli_ctx}, the launch value")
+    else:
+        why = models_error or f"{MODELS_PATH} lists no max_model_len"
+        raise PreflightError(f"no context length: {why}, and {SERVER_INFO_PATH} context_length is "
+                             f"{'null' if 'context_length' in info else 'missing'}")
+
+    c = PoolVsContext(pool, rep.context_len, rep.max_req_input_len or 0)
+    if c.pool_smaller:
+        rep.verdict, rep.severity = POOL_SMALLER, severity_for(rep.role or "")
+        limit = rep.max_req_input_len if rep.max_req_input_len is not None else pool
+        rep.reason = (f"KV pool holds {pool} tokens but the context length is {rep.context_len} "
+                      f"({c.ratio:.2f}x): prompts longer than {limit} tokens fit the context but not the pool "
+                      f"and take the engine's reject path")
+        vt = _version_tuple(rep.version)
+        if vt is not None and vt < FIRST_FIXED_SGLANG and rep.role == "prefill":
+            rep.notes.append(f"SGLang {rep.version} predates the upstream fixes of this reject path "
+                             f"(0.5.20, 0.5.21): in prefill/decode mode it leaked other requests' KV")
+    else:
+        rep.verdict = SAFE
+        rep.reason = (f"KV pool holds {pool} tokens, at least the context length {rep.context_len} "
+                      f"({c.ratio:.2f}x)")
+
+
+def check(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, token: str | None = None,
+          transport: httpx.BaseTransport | None = None) -> Report:
+    """Read and judge one server. ``url`` is a raw ``--url`` value. Never raises."""
+    try:
+        base = normalize_url(url)
+    except ValueError as exc:
+        return Report(url if isinstance(url, str) else repr(url), reason=str(exc))  # one line: repr()s
+    shown = display_url(base)
+    headers = {"Accept": "application/json", "User-Agent": "kvguard-preflight"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    deadline = time.monotonic() + timeout_s
+    try:
+        with httpx.Client(headers=headers, timeout=timeout_s, follow_redirects=False, transport=transport) as client:
+            info = _get_json(client, base, SERVER_INFO_PATH, deadline, timeout_s)
+            models, models_error = None, None
+            try:
+                models = _get_json(client, base, MODELS_PATH, deadline, timeout_s)
+            except PreflightError as exc:
+                models_error = str(exc)
+    except PreflightError as exc:
+        return Report(shown, reason=str(exc))
+    except Exception as exc:  # noqa: BLE001 - a gate must answer "unknown", never a traceback
+        return Report(shown, reason=f"unexpected error: {type(exc).__name__}: {_one_line(exc, 200)}")
+    rep = evaluate(shown, info, models, models_error)
+    rep.reason = _one_line(rep.reason)
+    return rep
+
+
+# ---------------------------------------------------------------- output
+
+
+_MEANING = {
+    "prefill": (
+        "This is the 2026 incident's configuration: a prefill node whose pool is smaller than the context. "
+        "Such prompts are rejected on prefill; SGLang up to 0.5.19 still handed them to decode, which read "
+        "pages other requests had written and answered HTTP 200 with their data. On fixed versions the "
+        "clients get errors for prompts the context length promises."
+    ),
+    "decode": (
+        "Decode rejects prompts longer than its pool after prefill may already have done the work; clients "
+        "get errors for prompts the context length promises. Check the prefill servers too."
+    ),
+    "unified": (
+        "The server rejects prompts longer than its pool although the context length promises them; "
+        "clients see errors, and any disaggregated deployment of this configuration is exposed."
+    ),
+}
+_FIX = ("Fix: give the KV cache at least the context length (drop or raise a --max-total-tokens cap, raise "
+        "--mem-fraction-static, spread the weights over more GPUs) or advertise less (--context-length at most "
+        "the pool).")
+
+
+def render_text(rep: Report) -> str:
+    """The plain-words story of one report."""
+    if rep.verdict == UNKNOWN:
+        return f"{rep.url}: cannot tell: {rep.reason}"
+    word = "SAFE" if rep.verdict == SAFE else f"POOL SMALLER THAN CONTEXT ({rep.severity})"
+    role = rep.role or "not reported"
+    if rep.role in ("prefill", "decode"):
+        role += " (prefill/decode disaggregation)"
+    elif rep.role == "unified":
+        role += " (not disaggregated)"
+    lines = [
+        f"{rep.url}: {word}",
+        f"  SGLang version:     {rep.version or 'not reported'}",
+        f"  role:               {role}",
+        f"  KV pool:            {rep.pool_tokens} tokens"
+        + (f" (page size {rep.page_size})" if rep.page_size is not None else ""),
+        f"  context length:     {rep.context_len} tokens (from {rep.context_source}"
+        + (" max_model_len)" if rep.context_source == MODELS_PATH else " context_length)"),
+        f"  pool / context:     {rep.ratio:.2f}x",
+        "  max request input:  "
+        + (f"{rep.max_req_input_len} tokens" if rep.max_req_input_len is not None else "not reported"),
+    ]
+    if rep.verdict == SAFE:
+        lines.append(
+            "  means: every prompt the context length allows fits in the KV pool. The pool is shared by all "
+            "running requests: a pool equal to the context holds one full-length request at a time "
+            "(the incident's fix sized it at ~2x).")
+    else:
+        lines.append(f"  means: {rep.reason}. " + _MEANING.get(rep.role or "", _MEANING["unified"]))
+        lines.append(f"  {_FIX}")
+    lines += [f"  note: {n}" for n in rep.notes]
+    return "\n".join(lines)
+
+
+def worst_exit(reports: Sequence[Report]) -> int:
+    """0 safe < 1 unknown < 2 pool smaller: a known-unsafe server outranks an unreadable one."""
+    return max((r.exit_code for r in reports), default=EXIT_UNKNOWN)
+
+
+def run(urls: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S, token_file: str | None = None,
+        as_json: bool = False, out: IO[str] | None = None, environ: dict[str, str] | None = None,
+        transport: httpx.BaseTransport | None = None) -> int:
+    """Check every URL (in parallel), print one report each (text, or one JSON object per line)."""
+    out = out or sys.stdout
+    try:
+        token = read_token(token_file, environ)
+    except ValueError as exc:
+        reports = [Report(u, reason=_one_line(exc)) for u in urls]
+    else:
+        with ThreadPoolExecutor(max_workers=max(1, min(_MAX_WORKERS, len(urls)))) as pool:
+            reports = list(pool.map(lambda u: check(u, timeout_s=timeout_s, token=token, transport=transport), urls))
+    if as_json:
+        for r in reports:
+            out.write(json.dumps(r.to_json(), sort_keys=False) + "\n")
+    else:
+        out.write("\n\n".join(render_text(r) for r in reports) + "\n")
+        if len(reports) > 1:
+            counts = {v: sum(r.verdict == v for r in reports) for v in (SAFE, POOL_SMALLER, UNKNOWN)}
+            out.write(f"\n{len(reports)} servers: {counts[SAFE]} safe, {counts[POOL_SMALLER]} pool smaller than "
+                      f"context, {counts[UNKNOWN]} cannot tell; exit {worst_exit(reports)}\n")
+    out.flush()
+    return worst_exit(reports)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    import logging
+
+    if not getattr(args, "verbose", False):
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    return run(args.url, timeout_s=args.timeout, token_file=args.bearer_token_file, as_json=args.json)
+
+
+def _exit_1_on_usage_errors(p: argparse.ArgumentParser) -> None:
+    """argparse exits 2 on usage errors; here 2 means "pool smaller than context"."""
+
+    def error(message: str):
+        p.print_usage(sys.stderr)
+        p.exit(EXIT_UNKNOWN, f"{p.prog}: error: {message}\n")
+
+    parse_known_args = p.parse_known_args
+
+    def strict_parse_known_args(args=None, namespace=None):
+        ns, extras = parse_known_args(args, namespace)
+        if extras:
+            error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns, extras
+
+    p.error = error  # type: ignore[method-assign]
+    p.parse_known_args = strict_parse_known_args  # type: ignore[method-assign]
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "preflight",
+        help="deploy gate: compare a live SGLang server's KV pool with its context length",
+        description="Read GET /server_info and GET /v1/models of each SGLang server and compare the KV pool "
+                    "(max_total_num_tokens) with the context length the server enforces (max_model_len). "
+                    "Exit 0: pool >= context on every server; 2: some pool is smaller than its context; "
+                    "1: cannot tell (the reason is printed). With several --url values the worst wins (2 > 1 > 0).",
+    )
+    p.add_argument("--url", action="append", required=True, metavar="URL",
+                   help="server base URL, http://HOST:PORT (repeat for each prefill and decode server)")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per server on stdout (url, role, pool_tokens, context_len, "
+                        "max_req_input_len, page_size, verdict, reason, ...)")
+    p.add_argument("--timeout", type=_timeout_arg, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help=f"give each server at most this long (default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--bearer-token-file", default=None, metavar="PATH",
+                   help=f"send 'Authorization: Bearer <token>' with the token in PATH (default ${TOKEN_FILE_ENV}, "
+                        f"else the token in ${TOKEN_ENV})")
+    p.set_defaults(func=cmd_preflight)
+    _exit_1_on_usage_errors(p)
+    return p

@@ -1,0 +1,407 @@
+"""``kvguard replay``: detection offline over recorded segments, through the same Pipeline.
+
+Segments are replayed in recording order (from their headers: recording runs by start
+time, segments of a run by index), whatever order they were given in; a segment given
+twice is replayed once. Every record goes through ``sidecar.pipeline.Pipeline.apply``
+exactly as the live sidecar applied it, so a complete recording gives the same findings,
+field for field, as the live run.
+
+What a recording cannot vouch for is reported, never guessed over:
+
+* LOST markers recorded live are applied as they were (the ``events_lost`` finding).
+* A sequence gap that the recording did not mark (a corrupt chunk, a segment deleted by
+  retention or not given) resets that engine's page state exactly as a LOST marker does,
+  but raises no finding: it is a *problem* of the recording, printed on stderr and
+  counted in the summary (``records_missing``), because findings in that window may be
+  missing from the replay.
+* The CARRIED HELLOs at the start of a rotated segment are applied only when the replay
+  has not seen that engine (the replay starts at this segment); otherwise they are skipped.
+
+Exit status: 0 when the replay ran (findings or not, problems or not); 1 when an input
+cannot be read at all (missing, not a recording, a newer format or another wire
+contract version), checked for every input before anything is replayed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from engine_hooks import wire
+
+from .findings import Finding
+from .pipeline import Pipeline
+from .recorder import RecordingError, SegmentHeader, SegmentReader, SidecarEvent, is_segment_name
+
+MAX_PROBLEMS_KEPT = 100
+
+
+@dataclass
+class ReplayStats:
+    files: int = 0  # segments replayed
+    recordings: int = 0  # distinct recording runs among them
+    records: int = 0  # records applied (carried HELLOs that were applied included)
+    carried_applied: int = 0
+    carried_skipped: int = 0
+    lost_recorded: int = 0  # records the engines dropped (ring full), as the live sidecar recorded them
+    records_missing: int = 0  # sequence gaps the recording did not mark (damage, segments missing)
+    duplicate_segments: int = 0
+    missing_segments: int = 0  # segment indexes absent between two given segments of one run
+    unreadable_segments: int = 0  # valid when checked, unreadable when replayed (deleted meanwhile)
+    corrupt_chunks: int = 0
+    corrupt_bytes: int = 0
+    truncated_bytes: int = 0
+    bad_records: int = 0  # records inside intact chunks that do not decode (unknown kind, version, payload)
+    seq_resets: int = 0  # an engine's sequence went backwards
+    blind_resets: int = 0  # places where a known hole reset every engine's page state
+    sidecar_events: int = 0  # recorded ticks and engine-gone events applied
+    engines: dict = field(default_factory=dict)  # engine_id -> {"first_seq": n, "records": n}
+    problems: list = field(default_factory=list)
+    problems_total: int = 0
+
+
+def _hello_key(rec: wire.Record):
+    return rec.seq, rec.ts_ns, rec.pool, rec.body
+
+
+def find_segments(paths) -> list[str]:
+    """Files as given; directories expand to the segment files in them. RecordingError if none."""
+    out = []
+    for path in paths:
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            names = sorted(n for n in os.listdir(path) if is_segment_name(n))
+            if not names:
+                raise RecordingError(f"{path}: directory holds no kvguard recording segments (kvguard-*.kvgrec)")
+            out += [os.path.join(path, n) for n in names]
+        elif not os.path.exists(path):
+            raise RecordingError(f"{path}: no such file")
+        else:
+            out.append(path)
+    return out
+
+
+class Replay:
+    """Replays segments through a fresh Pipeline. ``run(paths)`` returns the findings delivered."""
+
+    def __init__(self, sinks=(), on_problem=None):
+        self.sinks = list(sinks)
+        self.pipeline = Pipeline(self.sinks)
+        self.pipelines = [self.pipeline]  # one per recording run (a run is one live sidecar process)
+        self._run_id: int | None = None
+        self.stats = ReplayStats()
+        self.header: SegmentHeader | None = None  # the segment being replayed (maps ts_ns to wall time)
+        self._on_problem = on_problem
+        self._expected: dict[int, int] = {}  # engine_id -> next sequence number
+        self._hello: dict[int, tuple] = {}  # engine_id -> the HELLO applied last
+        self._seen: set[int] = set()  # engines with any record applied
+        self._path = ""
+        self._after_missing: set[str] = set()  # segments that follow missing segments of their run
+        self.findings_by_kind: Counter = Counter()  # findings delivered (new incidents), by kind
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, paths) -> list[tuple[str, SegmentHeader]]:
+        """Validate every input's header and put them in recording order (raises RecordingError)."""
+        seen: dict[tuple[int, int], str] = {}
+        runs: dict[int, list[tuple[int, str, SegmentHeader]]] = {}
+        for path in find_segments(paths):
+            reader = SegmentReader(path)
+            header = reader.header
+            reader.close()
+            key = (header.recording_id, header.segment_index)
+            if key in seen:
+                self.stats.duplicate_segments += 1
+                self._problem(f"{path}: same segment as {seen[key]} (recording {header.recording_id:016x} "
+                              f"segment {header.segment_index}); replayed once")
+                continue
+            seen[key] = path
+            runs.setdefault(header.recording_id, []).append((header.segment_index, path, header))
+        order = sorted(runs.values(), key=lambda segs: min(h.created_realtime_ns for _, _, h in segs))
+        plan = []
+        for segs in order:
+            segs.sort(key=lambda s: s[0])
+            for (prev, _, _), (index, path, _) in zip(segs, segs[1:]):
+                if index > prev + 1:
+                    self._after_missing.add(path)
+                    self.stats.missing_segments += index - prev - 1
+                    self._problem(f"segments {prev + 1}..{index - 1} of recording {segs[0][2].recording_id:016x} "
+                                  f"are not among the inputs (deleted by retention, or not given)")
+            plan += [(path, header) for _, path, header in segs]
+        self.stats.recordings = len(runs)
+        return plan
+
+    # ------------------------------------------------------------------ replaying
+    def run(self, paths) -> list[Finding]:
+        plan = self.plan(paths)
+        findings = []
+        for path, _header in plan:
+            findings += self.replay_segment(path)
+        return findings
+
+    def replay_segment(self, path: str) -> list[Finding]:
+        try:
+            reader = SegmentReader(path)
+        except RecordingError as exc:
+            self.stats.unreadable_segments += 1
+            self._problem(f"{exc} (it was readable when the replay started)")
+            self._blind_all(f"{path}: segment unreadable")
+            return []
+        self._path, self.header = path, reader.header
+        if self._run_id is not None and reader.header.recording_id != self._run_id:
+            self._new_run()
+        self._run_id = reader.header.recording_id
+        self.stats.files += 1
+        if path in self._after_missing:
+            self._blind_all(f"{path}: segments before it are missing")
+        findings = []
+        problems_seen = holes = 0
+        with reader:
+            rs = reader.stats
+            for rec, carried in reader:
+                problems_seen = self._forward_reader_problems(reader, problems_seen)
+                if rs.corrupt_chunks != holes:  # a chunk was lost before this record: who knows what it held
+                    holes = rs.corrupt_chunks
+                    self._blind_all(f"{path}: corrupt chunk")
+                findings += self.apply(rec, carried)
+            self._forward_reader_problems(reader, problems_seen)
+            if rs.corrupt_chunks != holes or rs.truncated_bytes:
+                self._blind_all(f"{path}: the segment ends in damaged or unfinished data")
+            self.stats.corrupt_chunks += rs.corrupt_chunks
+            self.stats.corrupt_bytes += rs.corrupt_bytes
+            self.stats.truncated_bytes += rs.truncated_bytes
+            self.stats.bad_records += rs.decode.unknown_kind + rs.decode.bad_version + rs.decode.bad_payload
+        return findings
+
+    def _new_run(self) -> None:
+        """A new recording run is a restarted live sidecar: it started from an empty pipeline too."""
+        self.pipeline = Pipeline(self.sinks)
+        self.pipelines.append(self.pipeline)
+        self._expected.clear()
+        self._hello.clear()
+        self._seen.clear()
+
+    def _forward_reader_problems(self, reader: SegmentReader, already: int) -> int:
+        for message in reader.stats.problems[already:]:
+            self._problem(message)
+        return len(reader.stats.problems)
+
+    def apply(self, rec, carried: bool = False) -> list[Finding]:
+        """One recorded record: continuity and carry-over bookkeeping, then the pipeline."""
+        if isinstance(rec, SidecarEvent):
+            return self._sidecar_event(rec)
+        eid = rec.engine_id
+        if carried:
+            if rec.kind == wire.Kind.HELLO:
+                skip = eid in self._hello and self._hello[eid] == _hello_key(rec)
+            else:  # context of another kind (third-party writers): only for an engine not seen yet
+                skip = eid in self._seen
+            if skip:
+                self.stats.carried_skipped += 1
+                return []
+            self.stats.carried_applied += 1
+        else:
+            expected = self._expected.get(eid)
+            if expected is not None and rec.seq > expected:
+                gap = rec.seq - expected
+                self.stats.records_missing += gap
+                self.pipeline.tracker(eid).on_lost()
+                self._problem(f"{self._path}: engine {eid}: records {expected}..{rec.seq - 1} ({gap}) are not in "
+                              f"the recording; its page state was reset there, findings in that window may be missing")
+            elif expected is not None and rec.seq < expected:
+                self.stats.seq_resets += 1
+                self._problem(f"{self._path}: engine {eid}: sequence went back from {expected} to {rec.seq} "
+                              f"(engine id reused?)")
+            engine = self.stats.engines.setdefault(eid, {"first_seq": rec.seq, "records": 0})
+            engine["records"] += 1
+            if rec.kind == wire.Kind.LOST:
+                self.stats.lost_recorded += rec.body
+                self._expected[eid] = rec.seq + rec.body
+            elif expected is not None or rec.kind != wire.Kind.HELLO:
+                # an engine's first record being a HELLO sets no expectation: a sidecar that resumed
+                # a ring applies the ring's saved HELLO copy, then records from where it resumed
+                self._expected[eid] = rec.seq + 1
+        if rec.kind == wire.Kind.HELLO:
+            self._hello[eid] = _hello_key(rec)
+        self._seen.add(eid)
+        self.stats.records += 1
+        found = self.pipeline.apply(rec)
+        for f in found:
+            self.findings_by_kind[f.kind] += 1
+        return found
+
+    def _blind_all(self, why: str) -> None:
+        """A known hole in the recording: forget every engine's page state, as a LOST marker does."""
+        for tracker in self.pipeline.engines.values():
+            tracker.on_lost()
+        self.stats.blind_resets += 1
+        self._problem(f"{why}: page state of every engine reset there; findings in that window may be missing")
+
+    def _sidecar_event(self, ev: SidecarEvent) -> list[Finding]:
+        """The live sidecar's own state changes, at the point in the stream where it made them."""
+        self.stats.sidecar_events += 1
+        if ev.kind == "gap":
+            self.stats.records_missing += ev.count
+            self._expected.clear()  # the gaps that follow are this one: do not count them twice
+            self._blind_all(f"{self._path}: the recorder could not record {ev.count} records here "
+                            f"(see its write errors)")
+            return []
+        if ev.kind == "tick":
+            fn = getattr(self.pipeline, "tick", None)
+            args = (ev.ts_ns,)
+        else:
+            fn = getattr(self.pipeline, "on_engine_gone", None)
+            args = (ev.engine_id, ev.ts_ns)
+        if fn is None:
+            self._problem(f"{self._path}: recorded {ev.kind} event, but this pipeline has no such hook; ignored")
+            return []
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - a replay never crashes on recorded input
+            self.pipeline.apply_errors += 1
+            self._problem(f"{self._path}: {ev.kind} event failed: {type(exc).__name__}: {exc}")
+        return []
+
+    def _problem(self, message: str) -> None:
+        self.stats.problems_total += 1
+        if len(self.stats.problems) < MAX_PROBLEMS_KEPT:
+            self.stats.problems.append(message)
+        if self._on_problem is not None:
+            self._on_problem(message)
+
+    # ------------------------------------------------------------------ reporting
+    def summary(self) -> dict:
+        s = self.stats
+        by_kind = self.findings_by_kind
+        suppressed = sum(p.findings_suppressed for p in self.pipelines)
+        apply_errors = sum(p.apply_errors for p in self.pipelines)
+        return {
+            "segments": s.files, "recordings": s.recordings, "records": s.records,
+            "engines": len(s.engines),
+            "findings": sum(by_kind.values()), "findings_by_kind": dict(sorted(by_kind.items())),
+            "findings_suppressed": suppressed,
+            "records_lost": s.lost_recorded, "records_missing": s.records_missing,
+            "carried_applied": s.carried_applied, "carried_skipped": s.carried_skipped,
+            "duplicate_segments": s.duplicate_segments, "missing_segments": s.missing_segments,
+            "unreadable_segments": s.unreadable_segments, "corrupt_chunks": s.corrupt_chunks,
+            "corrupt_bytes": s.corrupt_bytes, "truncated_bytes": s.truncated_bytes, "bad_records": s.bad_records,
+            "seq_resets": s.seq_resets, "blind_resets": s.blind_resets, "sidecar_events": s.sidecar_events,
+            "apply_errors": apply_errors,
+            "problems": s.problems_total, "problem_messages": list(s.problems),
+        }
+
+
+def replay(paths, sinks=()) -> tuple[list[Finding], Replay]:
+    """Convenience: replay ``paths`` (files or directories); raises RecordingError for unreadable input."""
+    r = Replay(sinks)
+    return r.run(paths), r
+
+
+# --------------------------------------------------------------------------- the command
+def _wall(header: SegmentHeader | None, ts_ns: int) -> str:
+    if header is None:
+        return f"t={ts_ns / 1e9:.6f}"
+    secs, ns = divmod(header.wall_ns(ts_ns), 1_000_000_000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(secs)) + f".{ns // 1000:06d}Z"
+
+
+def _pages(pages, limit: int = 16) -> str:
+    text = ",".join(str(p) for p in pages[:limit])
+    return text + (f",... (+{len(pages) - limit})" if len(pages) > limit else "")
+
+
+def format_finding(finding: Finding, header: SegmentHeader | None) -> str:
+    line = f"{_wall(header, finding.first_seen_ns)} {finding.severity.upper()} {finding.kind}: {finding.summary}"
+    extra = []
+    if finding.pages:
+        extra.append(f"pages {_pages(finding.pages)}")
+    if finding.exposed:
+        extra.append("exposed " + "; ".join(f"{p.rid} ({p.tenant or '?'}) pages {_pages(p.pages)}"
+                                            for p in finding.exposed))
+    return line + (f" [{' | '.join(extra)}]" if extra else "")
+
+
+class _PrintSink:
+    """One readable line per finding, with wall time from the segment being replayed."""
+
+    def __init__(self, replay_ref: list):
+        self.replay_ref = replay_ref
+
+    def send(self, finding: Finding) -> None:
+        sys.stdout.write(format_finding(finding, self.replay_ref[0].header) + "\n")
+
+    def force_flush(self) -> None:
+        sys.stdout.flush()
+
+    def shutdown(self) -> None:
+        self.force_flush()
+
+
+def _print_summary(s: dict) -> None:
+    kinds = ", ".join(f"{k} {n}" for k, n in s["findings_by_kind"].items())
+    lines = [
+        f"replayed {s['segments']} segment(s) of {s['recordings']} recording(s): {s['records']} records "
+        f"from {s['engines']} engine(s)",
+        f"findings: {s['findings']}" + (f" ({kinds})" if kinds else "")
+        + (f"; {s['findings_suppressed']} repeats suppressed" if s["findings_suppressed"] else ""),
+        f"lost records: {s['records_lost']} dropped by the engines (ring full, recorded live); "
+        f"{s['records_missing']} missing from the recording",
+    ]
+    damage = [f"{n} {k.replace('_', ' ')}" for k in ("corrupt_chunks", "corrupt_bytes", "truncated_bytes",
+                                                   "bad_records", "duplicate_segments", "missing_segments",
+                                                   "unreadable_segments", "seq_resets", "apply_errors")
+              if (n := s[k])]
+    lines.append("recording problems: " + (", ".join(damage) + " (details on stderr)" if damage or s["problems"]
+                                           else "none"))
+    sys.stdout.write("\n".join(lines) + "\n")
+
+
+def cmd_replay(args) -> int:
+    problems_printed = [0]
+
+    def on_problem(message: str) -> None:
+        problems_printed[0] += 1
+        if problems_printed[0] <= 20:
+            sys.stderr.write(f"kvguard replay: warning: {message}\n")
+        elif problems_printed[0] == 21:
+            sys.stderr.write("kvguard replay: warning: more problems; counted in the summary\n")
+
+    from .sinks.basic import JsonLinesSink
+
+    ref: list = []
+    sink = JsonLinesSink(sys.stdout) if args.json else _PrintSink(ref)  # --json: the live sidecar's own sink
+    r = Replay([sink], on_problem=on_problem)
+    ref.append(r)
+    try:
+        plan = r.plan(args.paths)
+    except RecordingError as exc:
+        sys.stderr.write(f"kvguard replay: error: {exc}\n")
+        return 1
+    try:
+        for path, _header in plan:
+            r.replay_segment(path)
+        summary = r.summary()
+        if args.json:
+            sys.stdout.write(json.dumps({"summary": summary}) + "\n")
+        else:
+            _print_summary(summary)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `kvguard replay ... | head`: the reader left, not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "replay", help="re-run detection offline over recorded segment files",
+        description="Replay recorded segments (files, or directories of kvguard-*.kvgrec) through the same "
+                    "detection pipeline as the live sidecar, in recording order. Exit 0 when it ran (with or "
+                    "without findings), 1 when an input cannot be read.")
+    p.add_argument("paths", nargs="+", metavar="FILE", help="segment files or recording directories")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per finding (as `kvguard sidecar --json`), then one {\"summary\": ...} line")
+    p.set_defaults(func=cmd_replay)

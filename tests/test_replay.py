@@ -1,0 +1,318 @@
+"""``kvguard replay``: offline detection over recordings gives what the live sidecar gave.
+
+The live run is the incident of tests/test_pipeline.py through real Probes, rings and a
+Sidecar with a Recorder, plus a third engine whose ring overflows (LOST markers), an
+engine process that exits (its ring is retired: ``engine_gone``), repeated bad reads
+(suppressed repeats) and small segments (several rotations). Replaying the segments
+must give the same finding dicts, field for field, and the same incident state.
+Damaged or partial recordings must replay what they can and report the rest.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from engine_hooks import wire
+from engine_hooks.probes import Probes
+from engine_hooks.ring import RingWriter
+from sidecar.cli import main
+from sidecar.recorder import Recorder, RecordingError, RecordingWriter, SegmentHeader, SegmentReader
+from sidecar.replay import Replay, replay
+from sidecar.service import Sidecar
+from sidecar.sinks.basic import MemorySink
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def slots(pages):
+    return np.concatenate([np.arange(p * 4, p * 4 + 4) for p in pages])
+
+
+def pd_request(prefill, decode, rid, tenant, room, dst_pages, tokens, sent_tokens, src_page=50):
+    for p in (prefill, decode):
+        p.request_begin(rid, tenant, room, tokens, 0, False)
+    decode.pages_allocated(slots(dst_pages))
+    decode.rows_assigned(rid, 0, tokens, 0, slots(dst_pages)[:tokens])
+    decode.transfer_reserved(rid, room, tokens, slots(dst_pages)[:tokens])
+    prefill.pages_allocated(slots([src_page]))
+    prefill.transfer_sent(rid, room, 0, sent_tokens, [src_page], True)
+    prefill.transfer_done(rid, room, "sender", "success")
+    decode.transfer_done(rid, room, "receiver", "success")
+    last = dst_pages[-1] + 1
+    decode.pages_allocated(slots([last]))
+    decode.rows_assigned(rid, tokens, tokens + 1, tokens, [last * 4])
+    decode.forward([rid], [tokens + 1], [[last * 4]], [slots(dst_pages + [last])[: tokens + 1]])
+    return last
+
+
+def finish(decode, rid, pages):
+    decode.request_end(rid, "length", 1000, 2000, 1, "")
+    decode.pages_freed(slots(pages))
+
+
+def short_lived_engine(ring_dir):
+    """A real engine process that says hello (pool < context) and exits: its ring is retired."""
+    code = ("from engine_hooks.probes import Probes; from engine_hooks.ring import RingWriter; "
+            f"p = Probes(RingWriter({str(ring_dir)!r}, 4096)); "
+            "p.hello('prefill', 1, 4, 16, 64, 4096, 4096, 'sglang', '0.5.19', 'tiny')")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def incidents_of(pipeline):
+    return [i.to_dict(with_findings=True) for i in pipeline.incidents.incidents.values()]
+
+
+def live_run(base, segment_bytes=4096, restart=False):
+    """The live sidecar over the incident; returns (sidecars, findings, recording dir)."""
+    ring_dir, rec_dir = base / "rings", base / "rec"
+    sink = MemorySink()
+
+    def sidecar():
+        rec = Recorder(rec_dir, segment_bytes=segment_bytes, max_bytes=1 << 22)
+        return Sidecar(str(ring_dir), sinks=[sink], slack_ns=0, recorder=rec)
+
+    sc = sidecar()
+    sidecars = [sc]
+    prefill = Probes(RingWriter(str(ring_dir), 1 << 16))
+    decode = Probes(RingWriter(str(ring_dir), 1 << 16))
+    noisy = Probes(RingWriter(str(ring_dir), 4096))
+    prefill.hello("prefill", 0, 4, 64, 256, 2048, 2048, "sglang", "0.5.19", "tiny")  # the incident: pool < context
+    decode.hello("decode", 0, 4, 8, 32, 32, 32, "sglang", "0.5.19", "tiny")
+    noisy.hello("unified", 0, 4, 64, 256, 256, 256, "sglang", "0.5.23", "tiny")
+    sc.run_once(flush=True)
+    for i in range(200):  # nobody drains the noisy engine: its ring overflows
+        noisy.pages_allocated([4 * (i % 60 + 1)])
+    sc.run_once(flush=True)
+    noisy.pages_freed([4])  # the record after the gap: the reader inserts LOST before it
+    short_lived_engine(ring_dir)
+    last = pd_request(prefill, decode, "r-acme", "acme", 11, [1, 2], 8, 8)
+    finish(decode, "r-acme", [1, 2, last])
+    sc.run_once(flush=True)
+    sc.run_once(flush=True)  # the exited engine's ring was drained: now it is retired
+    if restart:  # the sidecar restarts: a new recording run; it resumes the rings where it stopped
+        sc.stop()
+        sc = sidecar()
+        sidecars.append(sc)
+    last = pd_request(prefill, decode, "r-globex", "globex", 12, [3, 4], 8, 8)
+    finish(decode, "r-globex", [3, 4, last])
+    sc.run_once(flush=True)
+    last = pd_request(prefill, decode, "r-initech", "initech", 13, [1, 2, 3, 4], 16, 1)
+    for _ in range(5):  # the same bad read on every decode step: delivered once
+        decode.forward(["r-initech"], [17], [[last * 4 + 1]], [slots([1, 2, 3, 4, last])[:17]])
+    sc.run_once(flush=True)
+    sc.stop()
+    return sidecars, sink.findings, rec_dir
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    sidecars, findings, rec_dir = live_run(tmp_path_factory.mktemp("live"))
+    return sidecars[0], findings, sorted(str(p) for p in rec_dir.glob("*.kvgrec"))
+
+
+def dicts(findings):
+    return [f.to_dict() for f in findings]
+
+
+def test_replay_gives_the_same_findings_and_incidents_as_live(live):
+    sidecar, findings, segs = live
+    kinds = {f.kind for f in findings}
+    assert {"pool_smaller_than_context", "events_lost", "transfer_size_mismatch", "unwritten_read"} <= kinds
+    assert len(segs) >= 3  # the stream crossed segment boundaries
+    assert sidecar.pipeline.findings_suppressed >= 5 and sidecar.pipeline.records_lost > 0
+    gone = [i for i in sidecar.pipeline.incidents.incidents.values() if i.resolution == "the engine exited"]
+    assert gone  # the retired engine's incident was resolved live ...
+
+    replayed, run = replay(segs)
+    assert dicts(replayed) == dicts(findings)
+    assert incidents_of(run.pipeline) == incidents_of(sidecar.pipeline)  # ... and at the same point in replay
+    assert run.pipeline.findings_suppressed == sidecar.pipeline.findings_suppressed
+    assert dict(run.pipeline.records_by_kind) == dict(sidecar.pipeline.records_by_kind)
+    assert run.pipeline.records_lost == sidecar.pipeline.records_lost
+    s = run.summary()
+    assert (s["records_missing"], s["problems"], s["corrupt_chunks"], s["apply_errors"]) == (0, 0, 0, 0)
+    assert s["records_lost"] == sidecar.pipeline.records_lost and s["carried_skipped"] > 0
+    assert s["findings"] == len(findings) and sum(s["findings_by_kind"].values()) == len(findings)
+
+
+def test_a_restarted_sidecar_is_a_new_recording_run_and_replays_the_same(tmp_path):
+    sidecars, findings, rec_dir = live_run(tmp_path, restart=True)
+    assert len({SegmentReader(p).header.recording_id for p in rec_dir.glob("*.kvgrec")}) == 2
+    replayed, run = replay([rec_dir])
+    assert dicts(replayed) == dicts(findings)
+    assert len(run.pipelines) == 2
+    for live_sc, replay_pipeline in zip(sidecars, run.pipelines):
+        assert incidents_of(replay_pipeline) == incidents_of(live_sc.pipeline)
+    assert run.summary()["records_missing"] == 0 and run.summary()["problems"] == 0
+
+
+def test_each_segment_replays_alone_and_invents_nothing(live):
+    _, findings, segs = live
+    known = {(f.kind, f.reader.rid if f.reader else None) for f in findings}
+    for k in range(1, len(segs)):
+        replayed, run = replay(segs[k:])
+        assert {(f.kind, f.reader.rid if f.reader else None) for f in replayed} <= known
+        assert run.summary()["carried_applied"] >= 2  # the engines' HELLOs came with the segment
+        assert all(t.hello is not None for t in run.pipeline.engines.values() if t.engine_id in run._seen)
+
+
+def test_input_order_does_not_matter_and_duplicates_replay_once(live):
+    _, findings, segs = live
+    replayed, run = replay(list(reversed(segs)) + [segs[0]])
+    assert dicts(replayed) == dicts(findings)
+    assert run.stats.duplicate_segments == 1
+
+
+def test_a_missing_middle_segment_is_reported_and_state_resyncs(live):
+    _, findings, segs = live
+    problems = []
+    run = Replay(on_problem=problems.append)
+    replayed = run.run(segs[:1] + segs[2:])
+    s = run.summary()
+    assert s["missing_segments"] == 1 and s["blind_resets"] == 1
+    assert any("not among the inputs" in p for p in problems)
+    assert any("segments before it are missing: page state of every engine reset" in p for p in problems)
+    known = {(f.kind, f.reader.rid if f.reader else None) for f in findings}
+    assert {(f.kind, f.reader.rid if f.reader else None) for f in replayed} <= known
+
+
+def test_a_truncated_last_segment_keeps_everything_before_the_cut(live, tmp_path):
+    _, _, segs = live
+    for p in segs:
+        shutil.copy(p, tmp_path)
+    last = tmp_path / os.path.basename(segs[-1])
+    with SegmentReader(last) as r:
+        whole = list(r)
+    size = last.stat().st_size
+    os.truncate(last, size - 13)  # the writer died mid-chunk
+    with SegmentReader(last) as r:
+        cut = list(r)
+        assert r.stats.truncated_bytes > 0 and r.stats.corrupt_chunks == 0
+    assert 0 < len(cut) < len(whole)
+    _, run = replay([tmp_path])
+    assert run.summary()["truncated_bytes"] > 0
+
+
+def write_chunks(path, n_chunks=5, per_chunk=10):
+    """One engine, one chunk per flush: chunk k holds seqs [k*per_chunk, (k+1)*per_chunk)."""
+    with RecordingWriter(path) as rec:
+        for k in range(n_chunks):
+            for i in range(per_chunk):
+                rec.write_record(wire.Kind.ALLOC, wire.pages_payload(np.array([k * per_chunk + i])), engine_id=9,
+                                 ts_ns=10**9 + k * per_chunk + i)
+            rec.flush()
+
+
+def test_a_corrupt_chunk_is_skipped_and_reading_resumes_at_the_next(tmp_path):
+    path = tmp_path / "c.kvgrec"
+    write_chunks(path)
+    with SegmentReader(path) as r:
+        offsets, pos = [], r.header.header_size
+        for _flags, data in r.chunks():
+            offsets.append(pos)
+            pos += 24 + len(data)
+    raw = bytearray(path.read_bytes())
+    raw[offsets[2] + 24 + 37] ^= 0x10  # one bit in a page id of chunk 2
+    path.write_bytes(bytes(raw))
+    problems = []
+    run = Replay(on_problem=problems.append)
+    run.run([path])
+    s = run.summary()
+    assert (s["corrupt_chunks"], s["records"], s["records_missing"]) == (1, 40, 10)
+    assert any(f"resumed at byte {offsets[3]}" in p for p in problems)
+    assert any("records 20..29 (10) are not in the recording" in p for p in problems)
+
+
+def test_a_resumed_rings_hello_before_a_sequence_jump_is_not_a_gap(tmp_path):
+    """A restarted sidecar applies the ring's saved HELLO (old seq), then records from where it resumed."""
+    h = wire.hello_payload(wire.Hello(wire.Role.DECODE, 0, 1, 4, 8, 32, 32, 32, "sglang", "0.5.23", "m", "0.1"))
+    with RecordingWriter(tmp_path / "a.kvgrec") as rec:
+        rec.write_record(wire.Kind.HELLO, h, engine_id=1, seq=0)
+        rec.write_record(wire.Kind.ALLOC, wire.pages_payload(np.array([1])), engine_id=1, seq=50)
+        rec.write_record(wire.Kind.ALLOC, wire.pages_payload(np.array([1])), engine_id=2, seq=0)
+        rec.write_record(wire.Kind.ALLOC, wire.pages_payload(np.array([1])), engine_id=2, seq=50)
+    _, run = replay([tmp_path / "a.kvgrec"])
+    assert run.summary()["records_missing"] == 49  # engine 2's jump is a gap; engine 1's is not
+
+
+def test_recorded_ticks_resolve_incidents_at_the_same_point(tmp_path):
+    """An events_lost incident resolves after 5 quiet minutes; a later loss fires again only then."""
+    def recording(path, tick):
+        with RecordingWriter(path) as rec:
+            e = rec.engine(engine_id=4)
+            e.write(wire.Kind.ALLOC, wire.pages_payload(np.array([1])))
+            rec.write_lost(4, 2, ts_ns=1 * 10**9)
+            if tick:
+                rec.record_tick(302 * 10**9)
+            rec.write_lost(4, 3, ts_ns=303 * 10**9)
+
+    recording(tmp_path / "tick.kvgrec", tick=True)
+    recording(tmp_path / "none.kvgrec", tick=False)
+    with_tick, _ = replay([tmp_path / "tick.kvgrec"])
+    without, run = replay([tmp_path / "none.kvgrec"])
+    assert [f.kind for f in with_tick] == ["events_lost", "events_lost"]
+    assert [f.kind for f in without] == ["events_lost"] and run.pipeline.findings_suppressed == 1
+
+
+# --------------------------------------------------------------------------- the command
+def test_the_command_prints_findings_and_a_summary(live, capsys):
+    _, findings, segs = live
+    assert main(["replay", os.path.dirname(segs[0])]) == 0
+    out = capsys.readouterr().out.splitlines()
+    finding_lines = [line for line in out if " CRITICAL " in line or " WARNING " in line]
+    assert len(finding_lines) == len(findings)
+    assert any("unwritten_read" in line and "r-initech" in line and "exposed r-acme (acme)" in line
+               for line in finding_lines)
+    assert any(line.startswith(f"replayed {len(segs)} segment(s) of 1 recording(s)") for line in out)
+    assert any(line.startswith("findings: ") and "unwritten_read 1" in line for line in out)
+    assert any(line.startswith("lost records: ") and "0 missing from the recording" in line for line in out)
+    assert out[-1] == "recording problems: none"
+
+
+def test_the_command_with_json_prints_the_live_finding_objects(live, capsys):
+    _, findings, segs = live
+    assert main(["replay", "--json", *segs]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines[:-1] == [json.loads(f.to_json()) for f in findings]
+    summary = lines[-1]["summary"]
+    assert summary["findings"] == len(findings) and summary["records_missing"] == 0
+
+
+def test_unreadable_input_exits_1_before_printing_anything(live, tmp_path, capsys):
+    _, _, segs = live
+    (tmp_path / "notes.txt").write_text("not a recording\n")
+    good = segs[0]
+    raw = open(good, "rb").read()
+    h = SegmentHeader.unpack(raw)
+    newer = SegmentHeader(2, h.wire_version, h.created_realtime_ns, h.created_monotonic_ns, h.recording_id,
+                          h.segment_index).pack() + raw[64:]
+    (tmp_path / "newer.kvgrec").write_bytes(newer)
+    (tmp_path / "empty").mkdir()
+    cases = [([str(tmp_path / "missing.kvgrec")], "missing.kvgrec: no such file"),
+             ([str(tmp_path / "notes.txt")], "not a kvguard recording"),
+             ([str(tmp_path / "newer.kvgrec")], "newer than this kvguard reads"),
+             ([str(tmp_path / "empty")], "holds no kvguard recording segments"),
+             ([good, str(tmp_path / "notes.txt")], "notes.txt")]
+    for args, reason in cases:
+        assert main(["replay", *args]) == 1
+        captured = capsys.readouterr()
+        assert captured.out == "" and reason in captured.err and captured.err.startswith("kvguard replay: error:")
+    with pytest.raises(RecordingError):
+        replay([str(tmp_path / "notes.txt")])
+
+
+def test_a_damaged_recording_still_exits_0_and_says_what_is_wrong(tmp_path, capsys):
+    path = tmp_path / "d.kvgrec"
+    write_chunks(path)
+    raw = bytearray(path.read_bytes())
+    raw[200] ^= 0xFF
+    path.write_bytes(bytes(raw[:-5]))
+    assert main(["replay", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert "kvguard replay: warning:" in captured.err and "corrupt chunk" in captured.err
+    assert "recording problems: 1 corrupt chunks" in captured.out and "truncated bytes" in captured.out
