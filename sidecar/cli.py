@@ -81,6 +81,7 @@ COMMAND_MODULES: list[tuple[str, str]] = [
     ("sidecar.preflight", "register"),
     ("sidecar.model_cli", "register"),
     ("sidecar.replay", "register"),
+    ("sidecar.dashboards_cli", "register"),
 ]
 
 

@@ -205,7 +205,7 @@ class Pipeline:
         self.records_lost += rec.body
         t.on_lost()
         engine = self.engine_ref(t)
-        summary = (f"{engine.role} rank {engine.rank}: {rec.body} records lost (ring full); page ownership is "
+        summary = (f"{engine.role} rank {engine.rank}: {rec.body} records lost (ring full or unreadable); page ownership is "
                    f"unknown until pages are reallocated: reads in this window are not verified")
         finding = Finding("events_lost", WARNING, engine, None, [], [], rec.ts_ns, summary,
                           {"records_lost": rec.body, "first_missing_seq": rec.seq})

@@ -38,11 +38,18 @@ STATE_NAMES = {UNKNOWN: "unknown", FREE: "free", ALLOCATED: "allocated", OWNED: 
 PADDING_PAGE = 0  # SGLang reserves slot/page 0 as the padding target; never a request's data
 
 
-class PagePool:
-    """The per-page arrays of one KV pool. Grows if the engine names a larger page id."""
+MAX_PAGES = 1 << 22  # 4M pages (256M tokens at page size 64): beyond any real pool
 
-    def __init__(self, num_pages: int):
-        n = max(int(num_pages), 1)
+
+class PagePool:
+    """The per-page arrays of one KV pool. Grows if the engine names a larger page id,
+    up to ``limit``: larger ids are refused and counted (``pages_out_of_range``), so a
+    corrupt record cannot make the sidecar allocate gigabytes."""
+
+    def __init__(self, num_pages: int, limit: int = MAX_PAGES):
+        n = max(min(int(num_pages), limit), 1)
+        self.limit = limit
+        self.pages_out_of_range = 0
         self.state = np.zeros(n, np.uint8)
         self.gen = np.zeros(n, np.uint32)
         self.written_gen = np.zeros(n, np.uint32)
@@ -56,9 +63,12 @@ class PagePool:
 
     def ensure(self, pages: np.ndarray) -> np.ndarray:
         """Valid page ids (non-negative), growing the arrays to hold the largest."""
-        pages = pages[pages >= 0]
+        valid = (pages >= 0) & (pages < self.limit)
+        if not valid.all():
+            self.pages_out_of_range += int((~valid).sum())
+            pages = pages[valid]
         if len(pages) and int(pages.max()) >= self.num_pages:
-            new = max(int(pages.max()) + 1, 2 * self.num_pages)
+            new = min(max(int(pages.max()) + 1, 2 * self.num_pages), self.limit)
             for name in ("state", "gen", "written_gen", "owner", "last_writer", "last_write_ns"):
                 old = getattr(self, name)
                 grown = np.zeros(new, old.dtype)
@@ -179,7 +189,9 @@ class EngineTracker:
     def on_hello(self, hello: wire.Hello) -> None:
         self.hello = hello
         self.page_size = hello.page_size
-        self.pool.ensure(np.array([hello.pool_pages], np.int64))
+        # page ids run 0..pool_pages (0 is padding); some slack for allocator rounding
+        self.pool.limit = min(hello.pool_pages + 1 + 1024, MAX_PAGES)
+        self.pool.ensure(np.array([min(hello.pool_pages, self.pool.limit - 1)], np.int64))
 
     def on_lost(self) -> None:
         self.pool.forget_all()
@@ -295,9 +307,10 @@ class EngineTracker:
             m_gens = np.concatenate((m_gens, np.zeros(pad, np.uint32)))
             m_shared = np.concatenate((m_shared, np.zeros(pad, bool)))
         m_pages, m_gens, m_shared = m_pages[:n], m_gens[:n], m_shared[:n]
-        keep = (pages > PADDING_PAGE)
+        keep = (pages > PADDING_PAGE) & (pages < self.pool.limit)
+        self.pool.pages_out_of_range += int((pages >= self.pool.limit).sum())
         pages, m_pages, m_gens, m_shared = pages[keep], m_pages[keep], m_gens[keep], m_shared[keep]
-        pages = self.pool.ensure(pages)
+        self.pool.ensure(pages)
         pool = self.pool
         state = pool.state[pages]
         known = state != UNKNOWN

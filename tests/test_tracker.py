@@ -139,3 +139,22 @@ def test_lost_events_forget_everything_until_reallocated():
     t.on_lost()
     v = t.classify_read(A, 4, None)
     assert v.unverified == 1 and len(v.unwritten) == 0
+
+
+def test_page_ids_beyond_the_pool_are_refused_and_counted_not_allocated():
+    t = tracker()  # pool of 16 pages
+    t.on_alloc(np.array([1, 2**31 - 1, 5000]))
+    assert t.pool.num_pages <= 16 + 1 + 1024 and t.pool.pages_out_of_range == 2
+    assert t.pool.state[1] == ALLOCATED
+
+
+def test_a_read_row_naming_an_impossible_page_is_counted_not_misaligned():
+    t = tracker()
+    begin(t, "A")
+    t.on_alloc(np.array([1, 2]))
+    t.on_assign(wire.Assign(A, 0, 12, 0, np.array([1, 2])))
+    t.mark_written(A, np.array([1, 2]), 1)
+    v = t.classify_read(A, 12, np.array([1, 2**30, 2]))
+    assert t.pool.pages_out_of_range == 1
+    # the row is corrupt: row page 2 names page 2, which the model has at row page 1
+    assert (v.unwritten.tolist(), v.foreign.tolist(), v.freed.tolist()) == ([], [2], [])
