@@ -38,6 +38,24 @@ def load_api_token(path: str | None) -> str | None:
     return os.environ.get("KVGUARD_API_TOKEN", "").strip() or None
 
 
+def alert_sinks(args) -> list:
+    """PagerDuty and Alertmanager sinks from the command line (ValueError names a bad setting)."""
+    out = []
+    if args.pagerduty or args.pagerduty_routing_key_file:
+        from .sinks.pagerduty import DEFAULT_URL, load_routing_key, pagerduty_sink
+
+        key = load_routing_key(args.pagerduty_routing_key_file)
+        url = args.pagerduty_url or DEFAULT_URL
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--pagerduty-url: expected an http(s) URL, got {url!r}")
+        out.append(pagerduty_sink(key, url))
+    if args.alertmanager_url:
+        from .sinks.alertmanager import alertmanager_sink
+
+        out.append(alertmanager_sink(args.alertmanager_url))
+    return out
+
+
 def cmd_sidecar(args) -> int:
     import uvicorn
 
@@ -46,6 +64,11 @@ def cmd_sidecar(args) -> int:
     from .sinks.basic import JsonLinesSink, LogSink
 
     sinks = [LogSink()] + ([JsonLinesSink(sys.stdout)] if args.json else [])
+    try:
+        sinks += alert_sinks(args)
+    except ValueError as exc:  # bad configuration fails at start-up, naming the setting
+        print(f"kvguard sidecar: {exc}", file=sys.stderr)
+        return 2
     recorder = None
     if args.record_dir:
         from .recorder import Recorder, RecordingError
@@ -60,7 +83,8 @@ def cmd_sidecar(args) -> int:
     if token is None:
         logging.getLogger("kvguard").warning("no API token configured: /v1 (incidents, timelines) answers 403")
     host, port = args.listen
-    server = uvicorn.Server(uvicorn.Config(create_app(sidecar, api_token=token), host=host, port=port, log_level="warning"))
+    app = create_app(sidecar, api_token=token)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     logging.getLogger("kvguard").info("kvguard sidecar: rings in %s, serving http://%s:%d", args.ring_dir, host, port)
     try:
         server.run()
@@ -100,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", type=parse_listen, default=("127.0.0.1", 9464), help="HOST:PORT (default "
                    "127.0.0.1:9464)")
     p.add_argument("--json", action="store_true", help="print one JSON object per finding on stdout")
+    p.add_argument("--pagerduty", action="store_true", help="page PagerDuty (Events API v2) with the routing key "
+                   "in $KVGUARD_PAGERDUTY_ROUTING_KEY")
+    p.add_argument("--pagerduty-routing-key-file", default=None, help="file holding the PagerDuty routing key "
+                   "(implies --pagerduty)")
+    p.add_argument("--pagerduty-url", default=None, help="Events API endpoint (default: PagerDuty's; for proxies "
+                   "and tests)")
+    p.add_argument("--alertmanager-url", default=None, help="post alerts to this Alertmanager (http://HOST:9093)")
     p.add_argument("--api-token-file", default=None, help="file holding the bearer token for /v1 (default: "
                    "$KVGUARD_API_TOKEN; without one /v1 answers 403)")
     p.add_argument("--history-events", type=_positive_int, default=1 << 20,

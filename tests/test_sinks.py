@@ -151,3 +151,12 @@ def test_alertmanager_gets_a_firing_then_resolved_alert(receiver):
     assert firing["annotations"]["exposed_tenants"] == "acme" and "startsAt" in firing
     assert resolved["labels"] == firing["labels"] and "endsAt" in resolved
     sink.shutdown()
+
+
+def test_the_sidecar_refuses_to_start_with_a_bad_routing_key(monkeypatch, capsys):
+    from sidecar.cli import main
+
+    monkeypatch.setenv("KVGUARD_PAGERDUTY_ROUTING_KEY", "not-a-key")
+    assert main(["sidecar", "--pagerduty", "--ring-dir", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert "$KVGUARD_PAGERDUTY_ROUTING_KEY: not a PagerDuty integration key" in err and "not-a-key" not in err

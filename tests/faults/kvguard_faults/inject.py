@@ -1,0 +1,543 @@
+"""The fault injectors (TEST ONLY). Runs inside SGLang 0.5.23 scheduler processes.
+
+Hook targets are chosen so that none is hooked by kvguard itself
+(engine_hooks/sglang/plugin.py): the order in which ``HookRegistry`` chains two
+plugins' hooks on one target depends on entry-point discovery order, and kvguard
+must observe the engine exactly as it would without this plugin.
+
+Unified engine (run with ``--disable-overlap-schedule`` so steps are
+``run_batch`` -> ``process_batch_result``, one batch at a time):
+  * ``Scheduler.run_batch`` (around): snapshot the rows of fault requests; the
+    ``late_write_forward`` redirect of one decode write.
+  * ``Scheduler.process_batch_result`` (around): before, the ``row_corruption``
+    restore; after, every other injection (the step's forward has run, its results
+    are applied, finished requests are released).
+PD prefill engine:
+  * ``PrefillBootstrapQueue._num_pages_to_send`` (after): the sender is initialised
+    for 1 page (so that 1 page completes the transfer).
+  * ``SchedulerDisaggregationPrefillMixin._send_kv_chunk`` (around): ``send_truncated``
+    sends the first page only, through the scheduler (``start_send_idx`` = 1 page).
+  * ``MooncakeKVSender.send`` (around): ``sender_truncated`` drops all but the first
+    page inside the sender, below the scheduler (which believes it sent everything).
+
+Every injection is logged and appended to ``<KVGUARD_FAULT_DIR>/events.jsonl``.
+A failure inside an injector is reported as an ``error`` event and never propagates
+into the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+from . import FAULTS, rid_prefix
+
+log = logging.getLogger("kvguard.faults")
+
+S = "sglang.srt."
+RUN_BATCH = S + "managers.scheduler.Scheduler.run_batch"
+PROCESS_BATCH_RESULT = S + "managers.scheduler.Scheduler.process_batch_result"
+NUM_PAGES_TO_SEND = S + "disaggregation.prefill.PrefillBootstrapQueue._num_pages_to_send"
+SEND_KV_CHUNK_INNER = S + "disaggregation.prefill.SchedulerDisaggregationPrefillMixin._send_kv_chunk"
+MOONCAKE_SEND = S + "disaggregation.mooncake.conn.MooncakeKVSender.send"
+
+UNIFIED_FAULTS = ("use_after_free", "double_free", "row_corruption", "late_write_forward", "late_write_pool")
+PD_FAULTS = ("send_truncated", "sender_truncated")
+
+UAF_FREE_LIST_DEPTH = 20  # freed pages are moved this deep into the free list (see _uaf_free)
+HOLD_STEP_S = 0.05  # scheduler slow-down per step while a fault waits for its next request
+HOLD_MAX_S = 30.0
+
+
+# --------------------------------------------------------------------------- helpers
+class Events:
+    def __init__(self, folder: str | None):
+        self.path = Path(folder) / "events.jsonl" if folder else None
+        self.lock = threading.Lock()
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def emit(self, fault: str, event: str, **data) -> None:
+        record = {"fault": fault, "event": event, "pid": os.getpid(), "t": time.monotonic(), **data}
+        log.warning("kvguard_faults: %s %s %s", fault, event, data)
+        if self.path is None:
+            return
+        line = json.dumps(record) + "\n"
+        with self.lock, open(self.path, "a") as f:
+            f.write(line)
+
+
+def fault_and_role(rid) -> tuple[str | None, str | None]:
+    rid = str(rid or "")
+    if not rid.startswith("kvgf-"):
+        return None, None
+    for fault in FAULTS:
+        p = rid_prefix(fault)
+        if rid.startswith(p):
+            return fault, rid[len(p):].split("-", 1)[0]
+    return None, None
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def page_size(sched) -> int:
+    return int(getattr(sched.token_to_kv_pool_allocator, "page_size", 1) or 1)
+
+
+def row_slots(sched, req, n: int) -> list[int]:
+    rt = sched.req_to_token_pool.req_to_token
+    return rt[int(req.kv.req_pool_idx), : int(n)].to("cpu").tolist()
+
+
+def pages_of(slots, ps: int) -> list[int]:
+    """Page ids of ``slots`` in row order, each once, without the padding page 0."""
+    out, seen = [], {0}
+    for s in slots:
+        p = int(s) // ps
+        if p not in seen:
+            seen.add(p)
+            out.append(p)
+    return out
+
+
+def free_page_set(alloc) -> set[int]:
+    """Every page the allocator can hand out now (free list + staged/released pages)."""
+    torch = _torch()
+    parts = [getattr(alloc, "free_pages", None), getattr(alloc, "release_pages", None)]
+    parts += list(getattr(alloc, "staged_pages", None) or [])
+    out: set[int] = set()
+    for t in parts:
+        if isinstance(t, torch.Tensor) and t.numel():
+            out.update(int(x) for x in t.reshape(-1).tolist())
+    return out
+
+
+def dedupe_free_lists(alloc) -> int:
+    """Drop repeated pages from the allocator's free lists (keeps the first); returns
+    how many were dropped. Lets the engine go on after an injected double free."""
+    torch = _torch()
+    seen: set[int] = set()
+    dropped = 0
+
+    def uniq(t):
+        nonlocal dropped
+        keep = []
+        for v in t.reshape(-1).tolist():
+            if v in seen:
+                dropped += 1
+            else:
+                seen.add(v)
+                keep.append(v)
+        return torch.tensor(keep, dtype=t.dtype, device=t.device)
+
+    if isinstance(getattr(alloc, "free_pages", None), torch.Tensor):
+        alloc.free_pages = uniq(alloc.free_pages)
+    if isinstance(getattr(alloc, "release_pages", None), torch.Tensor):
+        alloc.release_pages = uniq(alloc.release_pages)
+    staged = getattr(alloc, "staged_pages", None)
+    if staged:
+        alloc.staged_pages = [u for u in (uniq(t) for t in staged) if u.numel()]
+        alloc.num_staged_pages = sum(int(t.numel()) for t in alloc.staged_pages)
+    return dropped
+
+
+def move_pages_deeper(alloc, pages: list[int], depth: int) -> None:
+    """Reorder the (unsorted, unified-mode) free list so ``pages`` sit ``depth`` entries
+    in. Only the order changes: the same pages stay free."""
+    torch = _torch()
+    fp = alloc.free_pages
+    rest = [int(x) for x in fp.tolist() if int(x) not in set(pages)]
+    at = min(depth, len(rest))
+    alloc.free_pages = torch.tensor(rest[:at] + list(pages) + rest[at:], dtype=fp.dtype, device=fp.device)
+
+
+# --------------------------------------------------------------------------- the driver
+class Driver:
+    def __init__(self, faults: set[str], events: Events):
+        self.faults = set(faults)
+        self.ev = events
+        self.rows: dict[str, list[int]] = {}  # fault rid -> its row slots at its last forward
+        self.done: set[tuple[str, str]] = set()
+        self.hold: dict[str, float] = {}  # fault -> deadline: slow the loop while it waits for a request
+        # use_after_free
+        self.uaf_pages: list[int] | None = None
+        self.uaf_victim: str | None = None
+        self.uaf_victim_read = False
+        # row_corruption: (reader rid, row, start, end, original slots)
+        self.rc_pending = None
+        # late_write_*: per fault
+        self.lw = {f: {"stale": None, "victim": None, "page": None, "slots": None, "injected": False}
+                   for f in ("late_write_forward", "late_write_pool")}
+        # PD: bootstrap_room -> fault
+        self.pd_rooms: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ plumbing
+    def guarded(self, what: str, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - never break the engine; the test sees the event
+            log.exception("kvguard_faults: %s failed", what)
+            self.ev.emit("plugin", "error", where=what, error=f"{type(exc).__name__}: {exc}")
+            return None
+
+    def _arm_hold(self, fault: str) -> None:
+        self.hold[fault] = time.monotonic() + HOLD_MAX_S
+
+    def _release_hold(self, fault: str) -> None:
+        self.hold.pop(fault, None)
+
+    def _maybe_hold(self, batch) -> None:
+        """Slow the scheduler loop while a fault waits for its next request, so the
+        requests it needs alive stay alive (sleeping costs no CPU)."""
+        now = time.monotonic()
+        for fault, deadline in list(self.hold.items()):
+            if now > deadline:
+                self.ev.emit(fault, "hold_expired")
+                del self.hold[fault]
+        if self.hold and batch is not None and batch.reqs:
+            time.sleep(HOLD_STEP_S)
+
+    @staticmethod
+    def _by_role(batch, fault: str) -> dict[str, tuple[int, object]]:
+        out = {}
+        for i, req in enumerate(batch.reqs):
+            f, role = fault_and_role(req.rid)
+            if f == fault and role not in out:
+                out[role] = (i, req)
+        return out
+
+    # ------------------------------------------------------------------ run_batch
+    def before_run(self, sched, batch):
+        if batch is None or not batch.reqs:
+            return None
+        if not any(fault_and_role(r.rid)[0] for r in batch.reqs):
+            return None
+        seq = [int(x) for x in batch.seq_lens_cpu.tolist()]
+        for i, req in enumerate(batch.reqs):
+            if fault_and_role(req.rid)[0] and req.kv.req_pool_idx is not None:
+                self.rows[req.rid] = row_slots(sched, req, seq[i])
+        if "late_write_forward" in self.faults:
+            return self._late_write_redirect(sched, batch, seq)
+        return None
+
+    def _late_write_redirect(self, sched, batch, seq):
+        """Fault 4b: the writer's KV for this decode step goes to a slot of the victim's
+        page (a page the writer never owned: it came from the finished request x)."""
+        st = self.lw["late_write_forward"]
+        if st["page"] is None or st["injected"] or not batch.forward_mode.is_decode():
+            return None
+        roles = self._by_role(batch, "late_write_forward")
+        if "y" not in roles or "z" not in roles:
+            return None
+        (iy, y), (iz, z) = roles["y"], roles["z"]
+        if y.rid != st["victim"] or y.finished() or z.finished():
+            return None
+        ps = page_size(sched)
+        position = seq[iz] - 1  # the position whose KV this decode step writes
+        if position % ps == 0:
+            return None  # the writer's own slot would open a page nothing wrote yet: wait a step
+        orig = batch.out_cache_loc
+        if orig is None or orig.numel() != len(batch.reqs):
+            return None
+        loc = orig.clone()
+        writer_slot = int(loc[iz])
+        target_slot = int(st["slots"][0])
+        loc[iz] = target_slot
+        batch.out_cache_loc = loc
+        st["injected"] = True
+        self._release_hold("late_write_forward")
+        self.ev.emit("late_write_forward", "injected", writer=z.rid, victim=y.rid, page=target_slot // ps,
+                     slot=target_slot, writer_slot=writer_slot, writer_page=writer_slot // ps, position=position)
+
+        def restore():
+            batch.out_cache_loc = orig
+
+        return restore
+
+    # ------------------------------------------------------------------ process_batch_result
+    def before_process(self, sched, batch):
+        if self.rc_pending is not None:
+            self._row_restore(sched, batch)
+
+    def after_process(self, sched, batch):
+        if batch is None:
+            return
+        if "double_free" in self.faults:
+            self.guarded("double_free", self._double_free, sched, batch)
+        if "row_corruption" in self.faults:
+            self.guarded("row_corruption", self._row_corrupt, sched, batch)
+        for fault in ("late_write_forward", "late_write_pool"):
+            if fault in self.faults:
+                self.guarded(fault, self._late_write_track, sched, batch, fault)
+        if "late_write_pool" in self.faults:
+            self.guarded("late_write_pool", self._late_write_pool, sched, batch)
+        if "use_after_free" in self.faults:
+            self.guarded("use_after_free", self._use_after_free, sched, batch)
+        self._maybe_hold(batch)
+
+    # fault 2 ----------------------------------------------------------------
+    def _double_free(self, sched, batch):
+        """The engine released a finished request; free its released pages once more."""
+        torch = _torch()
+        alloc = sched.token_to_kv_pool_allocator
+        ps = page_size(sched)
+        for req in batch.reqs:
+            fault, role = fault_and_role(req.rid)
+            if fault != "double_free" or not req.finished() or ("double_free", req.rid) in self.done:
+                continue
+            self.done.add(("double_free", req.rid))
+            pages = pages_of(self.rows.get(req.rid, ()), ps)
+            free_now = free_page_set(alloc)
+            again = [p for p in pages if p in free_now]
+            if not again:
+                self.ev.emit("double_free", "skipped", rid=req.rid, pages=pages,
+                             reason="none of the request's pages was released to the free list")
+                continue
+            slots = torch.tensor([p * ps for p in again], dtype=torch.int64, device=alloc.device)
+            alloc.free(slots)  # the second free of these pages
+            dropped = dedupe_free_lists(alloc)
+            self.ev.emit("double_free", "double_freed", rid=req.rid, pages=again, row_pages=pages,
+                         duplicates_dropped=dropped)
+
+    # fault 3 ----------------------------------------------------------------
+    def _row_corrupt(self, sched, batch):
+        """Point one entry page of the reader's req_to_token row at the owner's page,
+        writing the tensor directly (no ReqToTokenPool.write), between two steps."""
+        if ("row_corruption", "injected") in self.done or not batch.forward_mode.is_decode():
+            return
+        roles = self._by_role(batch, "row_corruption")
+        if "reader" not in roles or "owner" not in roles:
+            if roles and "row_corruption" not in self.hold:
+                self._arm_hold("row_corruption")  # keep the first one alive until the other decodes too
+            return
+        reader, owner = roles["reader"][1], roles["owner"][1]
+        if reader.finished() or owner.finished():
+            return
+        ps = page_size(sched)
+        start, end = ps, 2 * ps  # row page 1: a full prompt page, written at prefill
+        if len(reader.origin_input_ids) < 3 * ps or len(owner.origin_input_ids) < 3 * ps:
+            return
+        rt = sched.req_to_token_pool.req_to_token
+        r_row, o_row = int(reader.kv.req_pool_idx), int(owner.kv.req_pool_idx)
+        original = rt[r_row, start:end].clone()
+        rt[r_row, start:end] = rt[o_row, start:end]
+        self.done.add(("row_corruption", "injected"))
+        self._release_hold("row_corruption")
+        self.rc_pending = (reader.rid, r_row, start, end, original)
+        self.ev.emit("row_corruption", "row_corrupted", reader=reader.rid, owner=owner.rid, row_page_index=1,
+                     reader_page=int(original[0]) // ps, owner_page=int(rt[o_row, start]) // ps)
+
+    def _row_restore(self, sched, batch):
+        """After one forward read the corrupted row: put the reader's own slots back, so
+        its release returns its own pages (the owner's pages stay the owner's)."""
+        rid, row, start, end, original = self.rc_pending
+        if not any(r.rid == rid for r in batch.reqs):
+            return
+        sched.req_to_token_pool.req_to_token[row, start:end] = original
+        self.rc_pending = None
+        self.ev.emit("row_corruption", "row_restored", reader=rid)
+
+    # fault 4 ----------------------------------------------------------------
+    def _late_write_track(self, sched, batch, fault):
+        """x finishes -> note its pages now free; y is prefilled -> the first of x's pages
+        y was handed is the target (x's stale reference now points into y's KV)."""
+        st = self.lw[fault]
+        alloc = sched.token_to_kv_pool_allocator
+        ps = page_size(sched)
+        for req in batch.reqs:
+            f, role = fault_and_role(req.rid)
+            if f != fault:
+                continue
+            if role == "x" and req.finished() and st["stale"] is None:
+                pages = pages_of(self.rows.get(req.rid, ()), ps)
+                free_now = free_page_set(alloc)
+                st["stale"] = [p for p in pages if p in free_now]
+                self.ev.emit(fault, "x_released", rid=req.rid, pages=pages, stale=st["stale"])
+            elif (role == "y" and st["victim"] is None and st["stale"] is not None
+                  and batch.forward_mode.is_extend() and not req.finished()):
+                n = len(req.origin_input_ids)
+                slots = row_slots(sched, req, n)
+                hit = [p for p in pages_of(slots, ps) if p in set(st["stale"])]
+                st["victim"] = req.rid
+                if not hit:
+                    st["page"] = None
+                    self.ev.emit(fault, "victim_missed", victim=req.rid, pages=pages_of(slots, ps), stale=st["stale"])
+                    continue
+                page = hit[0]
+                st["page"] = page
+                st["slots"] = [int(s) for s in slots if int(s) // ps == page]  # slots y wrote in that page
+                self.ev.emit(fault, "victim_got_stale_page", victim=req.rid, page=page, slots=st["slots"])
+                if fault == "late_write_forward":
+                    self._arm_hold(fault)  # keep y alive until the writer z decodes
+
+    def _late_write_pool(self, sched, batch):
+        """Fault 4a: write KV into x's stale slots (now y's) straight through the KV pool
+        (``set_kv_buffer``), outside any forward, as an RDMA write from a remote sender
+        lands in decode memory: no engine function that kvguard hooks is involved."""
+        st = self.lw["late_write_pool"]
+        if st["page"] is None or st["injected"] or not batch.forward_mode.is_decode():
+            return
+        roles = self._by_role(batch, "late_write_pool")
+        if "y" not in roles or roles["y"][1].rid != st["victim"] or roles["y"][1].finished():
+            return
+        torch = _torch()
+        pool = sched.token_to_kv_pool_allocator.get_kvcache()
+        loc = torch.tensor(st["slots"], dtype=torch.int64, device=pool.device)
+        n = len(st["slots"])
+        head_num, head_dim = int(pool.head_num), int(pool.head_dim)
+        v_head_dim = int(getattr(pool, "v_head_dim", head_dim) or head_dim)
+        start_layer = int(getattr(pool, "start_layer", 0) or 0)
+        method = "set_kv_buffer"
+        for layer in range(start_layer, start_layer + int(pool.layer_num)):
+            k = torch.full((n, head_num, head_dim), 7.0, dtype=pool.dtype, device=pool.device)
+            v = torch.full((n, head_num, v_head_dim), -7.0, dtype=pool.dtype, device=pool.device)
+            try:
+                pool.set_kv_buffer(None, loc, k, v, layer_id_override=layer)
+            except Exception as exc:  # noqa: BLE001 - fall back to the buffers themselves
+                method = f"k_buffer/v_buffer (set_kv_buffer: {type(exc).__name__}: {exc})"
+                pool.k_buffer[layer - start_layer][loc] = k.view(pool.store_dtype)
+                pool.v_buffer[layer - start_layer][loc] = v.view(pool.store_dtype)
+        st["injected"] = True
+        self.ev.emit("late_write_pool", "injected", victim=st["victim"], page=st["page"], slots=st["slots"],
+                     method=method)
+
+    # fault 1 ----------------------------------------------------------------
+    def _use_after_free(self, sched, batch):
+        if self.uaf_pages is None:
+            self._uaf_free(sched, batch)
+        elif not self.uaf_victim_read:
+            if batch.forward_mode.is_decode() and any(r.rid == self.uaf_victim for r in batch.reqs):
+                self.uaf_victim_read = True
+                self.ev.emit("use_after_free", "victim_read_freed", victim=self.uaf_victim, pages=self.uaf_pages)
+        elif ("use_after_free", "other") not in self.done and batch.forward_mode.is_extend():
+            roles = self._by_role(batch, "use_after_free")
+            if "other" in roles:
+                other = roles["other"][1]
+                self.done.add(("use_after_free", "other"))
+                pages = pages_of(row_slots(sched, other, len(other.origin_input_ids)), page_size(sched))
+                got = [p for p in self.uaf_pages if p in set(pages)]
+                self._release_hold("use_after_free")
+                self.ev.emit("use_after_free", "other_got_pages", other=other.rid, victim=self.uaf_victim,
+                             pages=got, other_pages=pages)
+
+    def _uaf_free(self, sched, batch):
+        """After the victim's prefill: free two of its full prompt pages through the
+        allocator while it keeps decoding (its row still names them)."""
+        if not batch.forward_mode.is_extend():
+            return
+        roles = self._by_role(batch, "use_after_free")
+        if "victim" not in roles:
+            return
+        victim = roles["victim"][1]
+        if victim.finished():
+            return
+        torch = _torch()
+        ps = page_size(sched)
+        n = len(victim.origin_input_ids)
+        last = (n - 1) // ps  # the partially filled page decode keeps writing: never freed here
+        idx = [i for i in (1, 2) if i < last]
+        if not idx:
+            self.ev.emit("use_after_free", "skipped", victim=victim.rid, reason=f"prompt of {n} tokens is too short")
+            self.uaf_pages = []
+            return
+        slots = row_slots(sched, victim, n)
+        free_slots = [s for i in idx for s in slots[i * ps:(i + 1) * ps]]
+        pages = pages_of(free_slots, ps)
+        alloc = sched.token_to_kv_pool_allocator
+        alloc.free(torch.tensor(free_slots, dtype=torch.int64, device=alloc.device))
+        # The free list is a stack (freed pages first): the victim's own next page would
+        # come from there. Move the freed pages a little deeper, so that the next
+        # *other* request (which takes many pages at once) gets them, not the victim.
+        move_pages_deeper(alloc, pages, UAF_FREE_LIST_DEPTH)
+        self.uaf_pages, self.uaf_victim = pages, victim.rid
+        self._arm_hold("use_after_free")
+        self.ev.emit("use_after_free", "freed", victim=victim.rid, pages=pages, row_page_indices=idx)
+
+    # ------------------------------------------------------------------ PD prefill
+    def num_pages_to_send(self, result, queue, req, *args, **kwargs):
+        fault, _role = fault_and_role(getattr(req, "rid", None))
+        if fault not in PD_FAULTS or fault not in self.faults:
+            return None
+        room = int(req.bootstrap_room)
+        self.pd_rooms[room] = fault
+        self.ev.emit(fault, "sender_init", rid=req.rid, room=room, engine_pages=int(result), pages=1)
+        return 1  # the sender completes the transfer after one page
+
+    def send_kv_chunk_inner(self, original, sched, req, last_chunk=False, end_idx=None):
+        fault, _role = fault_and_role(getattr(req, "rid", None))
+        if fault == "send_truncated" and fault in self.faults and last_chunk:
+            ps = page_size(sched)
+            new_end = min(ps, len(req.origin_input_ids))
+            self.ev.emit(fault, "truncated", rid=req.rid, room=int(req.bootstrap_room),
+                         prompt_tokens=len(req.origin_input_ids), end_idx=new_end)
+            return original(sched, req, last_chunk=last_chunk, end_idx=new_end)
+        return original(sched, req, last_chunk=last_chunk, end_idx=end_idx)
+
+    def sender_send(self, original, sender, kv_indices, state_indices=None, num_kv_tokens=None,
+                    indices_event=None):
+        fault = self.pd_rooms.get(int(getattr(sender, "bootstrap_room", -1)))
+        if fault == "sender_truncated" and len(kv_indices) > 1:
+            self.ev.emit(fault, "truncated", room=int(sender.bootstrap_room), pages_asked=len(kv_indices),
+                         pages_sent=1, tokens_asked=num_kv_tokens)
+            ps = getattr(getattr(sender.kv_mgr, "kv_args", None), "page_size", None)
+            kv_indices = kv_indices[:1]
+            if num_kv_tokens is not None and ps:
+                num_kv_tokens = min(int(num_kv_tokens), int(ps))
+        return original(sender, kv_indices, state_indices, num_kv_tokens=num_kv_tokens, indices_event=indices_event)
+
+
+# --------------------------------------------------------------------------- registration
+_driver: Driver | None = None
+
+
+def register(faults: set[str], folder: str | None) -> Driver:
+    global _driver
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    d = _driver = Driver(faults, Events(folder))
+
+    if faults & set(UNIFIED_FAULTS):
+        def run_batch_hook(original, sched, batch, *args, **kwargs):
+            restore = d.guarded("run_batch", d.before_run, sched, batch)
+            try:
+                return original(sched, batch, *args, **kwargs)
+            finally:
+                if restore is not None:
+                    d.guarded("restore", restore)
+
+        def process_batch_result_hook(original, sched, batch, *args, **kwargs):
+            d.guarded("before_process", d.before_process, sched, batch)
+            result = original(sched, batch, *args, **kwargs)
+            d.guarded("after_process", d.after_process, sched, batch)
+            return result
+
+        HookRegistry.register(RUN_BATCH, run_batch_hook, HookType.AROUND)
+        HookRegistry.register(PROCESS_BATCH_RESULT, process_batch_result_hook, HookType.AROUND)
+
+    if faults & set(PD_FAULTS):
+        def num_pages_hook(result, queue, req, *args, **kwargs):
+            return d.guarded("num_pages_to_send", d.num_pages_to_send, result, queue, req)
+
+        def send_inner_hook(original, sched, req, last_chunk=False, end_idx=None):
+            return d.send_kv_chunk_inner(original, sched, req, last_chunk=last_chunk, end_idx=end_idx)
+
+        HookRegistry.register(NUM_PAGES_TO_SEND, num_pages_hook, HookType.AFTER)
+        HookRegistry.register(SEND_KV_CHUNK_INNER, send_inner_hook, HookType.AROUND)
+        if "sender_truncated" in faults:
+            def sender_hook(original, sender, kv_indices, state_indices=None, num_kv_tokens=None,
+                            indices_event=None):
+                return d.sender_send(original, sender, kv_indices, state_indices, num_kv_tokens, indices_event)
+
+            HookRegistry.register(MOONCAKE_SEND, sender_hook, HookType.AROUND)
+
+    log.warning("kvguard_faults: TEST-ONLY fault injection armed in pid %d: %s", os.getpid(), ", ".join(sorted(faults)))
+    d.ev.emit("plugin", "armed", faults=sorted(faults))
+    return d
