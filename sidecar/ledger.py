@@ -6,6 +6,11 @@ the ledger turns the sender's chunks for that room into "written" marks on decod
 pages (row pages ``token_start // page_size`` up to ``ceil(token_end / page_size)``)
 and compares the tokens sent with the tokens reserved.
 
+A room stays known for a while after its receiver finished (``closed``): a sender
+chunk that arrives for it later is a write into pages decode may already have
+freed or handed to another request (the cross-node late-write race); the pipeline
+checks those pages' owners at that moment.
+
 If this sidecar has never seen a prefill engine (a decode-only pod without a shared
 ledger), nothing can be paired: the reserved pages are taken as written and the
 transfer is counted as unverified, never alarmed.
@@ -13,6 +18,7 @@ transfer is counted as unverified, never alarmed.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,8 +62,10 @@ class Pairing:
 
 
 class TransferLedger:
-    def __init__(self, max_rooms: int = 100_000):
+    def __init__(self, max_rooms: int = 100_000, max_closed: int = 10_000):
         self.rooms: dict[int, RoomState] = {}
+        self.closed: OrderedDict[int, RoomState] = OrderedDict()  # receiver done; late chunks are suspect
+        self.max_closed = max_closed
         self.max_rooms = max_rooms
         self.sender_engines_seen: set[int] = set()
         self.paired = 0
@@ -70,6 +78,19 @@ class TransferLedger:
                 self.rooms.pop(next(iter(self.rooms)))  # oldest first: dicts keep insertion order
             state = self.rooms[room] = RoomState(room)
         return state
+
+    def late_target(self, x: wire.XferSend, page_size: int) -> tuple[RoomState, np.ndarray] | None:
+        """For a chunk sent after its receiver finished: the room and the decode pages it lands in."""
+        state = self.closed.get(x.room)
+        if state is None or state.reserved_pages is None:
+            return None
+        first, end = x.token_start // page_size, -(-x.token_end // page_size)
+        return state, state.reserved_pages[first:min(end, len(state.reserved_pages))].astype(np.int64)
+
+    def _close(self, state: RoomState) -> None:
+        self.closed[state.room] = state
+        while len(self.closed) > self.max_closed:
+            self.closed.popitem(last=False)
 
     def on_send(self, engine_id: int, x: wire.XferSend) -> None:
         self.sender_engines_seen.add(engine_id)
@@ -84,6 +105,8 @@ class TransferLedger:
 
     def on_receiver_done(self, x: wire.XferDone, page_size: int) -> Pairing | None:
         state = self.rooms.pop(x.room, None)
+        if state is not None and state.reserved_pages is not None:
+            self._close(state)
         if state is None or state.reserved_pages is None or x.status != wire.XferStatus.SUCCESS:
             return None
         n_reserved = len(state.reserved_pages)

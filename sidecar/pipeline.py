@@ -152,7 +152,9 @@ class Pipeline:
                 self._resolved(self.incidents.on_engine_hello(body.pid, ROLE_NAMES.get(body.role), True, ts))
             return self._emit(found)
         elif kind == wire.Kind.XFER_SEND:
+            found = self._late_send(body, ts)
             self.ledger.on_send(rec.engine_id, body)
+            return found
         elif kind == wire.Kind.XFER_RESERVE:
             self.ledger.on_reserve(rec.engine_id, body, rec.ts_ns)
         elif kind == wire.Kind.XFER_DONE:
@@ -199,6 +201,28 @@ class Pipeline:
             self._record(ts_ns, t.engine_id, Event.TRANSFER_WRITE, pairing.receiver_key, row.pages[idx],
                          aux=pairing.sent_tokens)
         found = self.transfer_detector.observe(t, self.engine_ref(t), pairing, ts_ns)
+        return self._emit(found)
+
+    def _late_send(self, x: wire.XferSend, ts_ns: int) -> list[Finding]:
+        """A chunk sent for a room whose receiver already finished: does it land in pages
+        that are now free or another request's?"""
+        if x.room not in self.ledger.closed:
+            return []
+        receiver_engine = self.ledger.closed[x.room].receiver_engine
+        t = self.engines.get(receiver_engine)
+        if t is None or t.hello is None:
+            return []
+        hit = self.ledger.late_target(x, t.page_size)
+        if hit is None:
+            return []
+        state, pages = hit
+        verdict = t.check_write(state.receiver_key, pages, require_known_writer=False)
+        if verdict is None:
+            return []
+        found = self.write_detector.observe(t, self.engine_ref(t), verdict, ts_ns)
+        for f in found:
+            f.evidence.update({"via": "transfer", "bootstrap_room": x.room, "token_start": x.token_start,
+                               "token_end": x.token_end})
         return self._emit(found)
 
     def _on_lost(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:

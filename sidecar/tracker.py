@@ -256,10 +256,15 @@ class EngineTracker:
         pool.state[claim] = OWNED
         pool.owner[claim] = a.req_key
 
-    def check_write(self, req_key: int, pages: np.ndarray) -> WriteVerdict | None:
-        """Judge a forward's KV writes before they are applied (None: nothing to judge)."""
+    def check_write(self, req_key: int, pages: np.ndarray, require_known_writer: bool = True) -> WriteVerdict | None:
+        """Judge KV writes before they are applied (None: nothing to judge). A late transfer
+        chunk is judged even when its decode request has already ended."""
         info = self.requests.get(req_key)
-        if self.hello is None or info is None or not info.known:
+        if self.hello is None or info is None and require_known_writer:
+            return None
+        if info is None:
+            info = RequestInfo(req_key, rid=f"key:{req_key:016x}", tenant="")
+        elif not info.known and require_known_writer:
             return None
         pages = self.pool.ensure(pages.astype(np.int64))
         pages = pages[pages != PADDING_PAGE]

@@ -147,3 +147,43 @@ def test_pool_smaller_than_context_is_a_warning_off_prefill_and_silent_when_safe
     (f,) = findings
     assert (f.kind, f.severity, f.engine.role) == ("pool_smaller_than_context", "warning", "unified")
     assert "256 tokens but the context length is 2048" in f.summary
+
+
+def test_a_chunk_sent_after_decode_gave_up_lands_in_another_requests_pages(tmp_path):
+    """The cross-node race: decode's receiver fails and frees the reservation at once,
+    the pages go to another request, then the prefill's already-posted write arrives."""
+    prefill, decode = engines(tmp_path)
+    for p in (prefill, decode):
+        p.request_begin("r-slow", "acme", 21, 8, 0, False)
+    decode.pages_allocated(slots([1, 2]))
+    decode.rows_assigned("r-slow", 0, 8, 0, slots([1, 2]))
+    decode.transfer_reserved("r-slow", 21, 8, slots([1, 2]))
+    decode.transfer_done("r-slow", 21, "receiver", "failed")
+    decode.request_end("r-slow", "abort", 0, 0, 0, "transfer timed out")
+    decode.pages_freed(slots([1, 2]))
+    decode.request_begin("r-next", "globex", 22, 8, 0, False)
+    decode.pages_allocated(slots([1, 2]))
+    decode.rows_assigned("r-next", 0, 8, 0, slots([1, 2]))
+    prefill.transfer_sent("r-slow", 21, 0, 8, [50, 51], True)  # the late write
+    sidecar, findings = run(tmp_path)
+    (late,) = findings
+    assert (late.kind, late.reader.rid, late.pages) == ("late_write", "r-slow", [1, 2])
+    assert [(e.rid, e.tenant) for e in late.exposed] == [("r-next", "globex")]
+    assert late.evidence["via"] == "transfer" and late.evidence["bootstrap_room"] == 21
+    sidecar.stop()
+
+
+def test_deferred_release_keeps_a_late_chunk_harmless(tmp_path):
+    """With deferred release decode holds the pages until the sender drained: no finding."""
+    prefill, decode = engines(tmp_path)
+    for p in (prefill, decode):
+        p.request_begin("r-slow", "acme", 21, 8, 0, False)
+    decode.pages_allocated(slots([1, 2]))
+    decode.rows_assigned("r-slow", 0, 8, 0, slots([1, 2]))
+    decode.transfer_reserved("r-slow", 21, 8, slots([1, 2]))
+    decode.transfer_done("r-slow", 21, "receiver", "failed")
+    prefill.transfer_sent("r-slow", 21, 0, 8, [50, 51], True)
+    decode.request_end("r-slow", "abort", 0, 0, 0, "transfer timed out")
+    decode.pages_freed(slots([1, 2]), "deferred")
+    _, findings = run(tmp_path)
+    assert findings == []
