@@ -115,7 +115,10 @@ class RingWriter:
         self.engine_id = engine_id if engine_id is not None else (hash((self.pid, start_ns)) & 0xFFFFFFFF)
         os.makedirs(directory, exist_ok=True)
         self.path = os.path.join(directory, f"kvguard-{self.pid}-{start_ns}{RING_SUFFIX}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        # the header is written under a name readers ignore, then the file is renamed:
+        # a reader never sees a ring without its header
+        tmp_path = self.path + ".init"
+        fd = os.open(tmp_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             os.ftruncate(fd, HEADER_BYTES + capacity)
             self._mm = mmap.mmap(fd, HEADER_BYTES + capacity)
@@ -125,6 +128,7 @@ class RingWriter:
             RING_MAGIC, RING_VERSION, HEADER_BYTES, capacity, self.pid, self.engine_id, start_ns,
             proc_start_ticks(self.pid),
         )
+        os.rename(tmp_path, self.path)
         self._u64 = np.frombuffer(self._mm, dtype="<u8", count=HEADER_BYTES // 8)
         self._mask = capacity - 1
         self._write_pos = 0

@@ -46,6 +46,7 @@ class RingSet:
         self.remove_dead = remove_dead
         self.readers: dict[str, RingReader] = {}
         self.refused: dict[str, float] = {}  # path -> mtime when refused
+        self.retired: set[str] = set()  # rings of exited engines left on disk (remove_dead=False): never re-read
         self.stats = IngestStats()
         self._heap: list = []
         self._tiebreak = itertools.count()
@@ -67,7 +68,7 @@ class RingSet:
         self._warned_missing_dir = False
         for name in sorted(names):
             path = os.path.join(self.directory, name)
-            if not name.endswith(RING_SUFFIX) or path in self.readers:
+            if not name.endswith(RING_SUFFIX) or path in self.readers or path in self.retired:
                 continue
             try:
                 mtime = os.path.getmtime(path)
@@ -132,6 +133,8 @@ class RingSet:
                 os.unlink(path)
             except OSError:
                 pass
+        else:
+            self.retired.add(path)
 
     def ready(self, now_ns: int | None = None, flush: bool = False) -> list[wire.Record]:
         """Records old enough to be processed in global time order (all of them if ``flush``)."""

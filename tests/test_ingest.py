@@ -83,3 +83,25 @@ def test_overflow_is_a_blind_window_finding_not_a_false_read(tmp_path):
     assert kinds == ["events_lost"], kinds
     assert sink.findings[0].evidence["records_lost"] > 0
     sidecar.stop()
+
+
+def test_a_retired_ring_kept_on_disk_is_not_read_again(tmp_path):
+    code = ("from engine_hooks.probes import Probes; from engine_hooks.ring import RingWriter; "
+            f"p = Probes(RingWriter({str(tmp_path)!r}, 4096)); "
+            "p.hello('prefill', 0, 4, 64, 256, 2048, 250, 'sglang', '0.5.19', 'tiny')")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    sink = MemorySink()
+    sidecar = Sidecar(str(tmp_path), sinks=[sink], slack_ns=0, remove_dead_rings=False)
+    for _ in range(5):
+        sidecar.run_once(flush=True)
+    assert len(list(tmp_path.glob("*.ring"))) == 1 and sidecar.rings.stats.rings_attached == 1
+    assert [f.kind for f in sink.findings] == ["pool_smaller_than_context"]
+    sidecar.stop()
+
+
+def test_a_ring_being_created_is_never_seen_without_its_header(tmp_path):
+    w = RingWriter(str(tmp_path), 4096)
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(w.path)]
+    rings = RingSet(str(tmp_path), slack_ns=0)
+    rings.poll()
+    assert rings.stats.ring_errors == 0 and len(rings.readers) == 1
