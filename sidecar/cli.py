@@ -96,7 +96,8 @@ def cmd_sidecar(args) -> int:
 def cmd_demo(args) -> int:
     from .demo.run import run_demo
 
-    return run_demo(sglang_version=args.sglang, as_json=args.json, workdir=args.workdir, keep=args.keep)
+    return run_demo(sglang_version=args.sglang, as_json=args.json, workdir=args.workdir, keep=args.keep,
+                    words=not args.dummy_weights)
 
 
 # Commands that live in their own modules register themselves: module path -> the
@@ -151,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the findings as JSON lines instead of the story")
     p.add_argument("--workdir", default=None, help="where logs and rings go (default: a temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument("--dummy-weights", action="store_true", help="serve a dummy-weight model (the leak shows as "
+                   "pages only) instead of the echo model (the leak shows as another tenant's words)")
     p.set_defaults(func=cmd_demo)
     return parser
 

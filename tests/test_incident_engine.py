@@ -7,19 +7,27 @@ plugin loaded by SGLang itself, and a real sidecar draining the rings (~1 minute
 
 import pytest
 
+from sidecar.demo.echo_model import attribute_echo, decode_text
 from sidecar.demo.run import capture_incident
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
 
 
 def test_sglang_0_5_19_leak_is_caught_with_the_exposed_tenants(tmp_path, require_sglang):
+    """Served by the echo model, so the leak is also visible in the words that came back."""
     require_sglang("0.5.19")
-    run = capture_incident("0.5.19", str(tmp_path))
+    run = capture_incident("0.5.19", str(tmp_path), words=True)
     long = run.scenario.long.result
     normal_rids = {r.result.rid: r.result.tenant for r in run.scenario.normal}
 
     # what a status-code check sees: success
     assert long.ok and long.prompt_tokens == 600
+    # what the client read: acme's confidential prompt text, not its own (docs/echo-model.md)
+    text = decode_text(long.output_ids)
+    assert "CFO approval code 7731-ALPHA" in text, text
+    leaked = [t for t in attribute_echo(long.output_ids, run.scenario.long.prompt, run.echo_lag,
+                                        [(r.result.tenant, r.prompt) for r in run.scenario.normal]) if t.leaked]
+    assert len(leaked) >= 50 and {s for t in leaked for s in t.sources} <= {"acme", "globex"}
 
     assert sorted(f.kind for f in run.findings) == [
         "pool_smaller_than_context", "pool_smaller_than_context", "transfer_size_mismatch", "unwritten_read",

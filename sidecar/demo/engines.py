@@ -1,7 +1,8 @@
 """Real SGLang HTTP servers on CPU, as subprocesses, for the demo and the tests.
 
 Each engine is ``python -m sglang.launch_server`` with a tiny dummy-weight GPT-2
-(:mod:`sidecar.demo.model`), for one SGLang version installed under
+(:mod:`sidecar.demo.model`) or, with ``load_format="auto"``, a model with real weights
+such as the echo GPT-2 (:mod:`sidecar.demo.echo_model`), for one SGLang version installed under
 ``.venv/sglang/<version>`` (``make venv``) and chosen by ``PYTHONPATH``, and one
 role: ``"prefill"``, ``"decode"`` or ``None`` (a plain engine).
 
@@ -150,14 +151,19 @@ def engine_args(
     max_total_tokens: int = 1024,
     context_length: int = DEFAULT_CONTEXT_LENGTH,
     bootstrap_port: int | None = None,
+    load_format: str = "dummy",
     extra_args: Sequence[str] = (),
 ) -> list[str]:
-    """``sglang.launch_server`` arguments (after ``-m sglang.launch_server``)."""
+    """``sglang.launch_server`` arguments (after ``-m sglang.launch_server``).
+
+    ``load_format``: ``"dummy"`` (random weights, the tiny model) or ``"auto"`` (the
+    checkpoint's own weights, e.g. the echo model).
+    """
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     args = [
         "--model-path", str(model_dir),
-        "--load-format", "dummy",
+        "--load-format", load_format,
         "--device", "cpu",
         "--attention-backend", "torch_native",
         "--disable-cuda-graph",
@@ -350,6 +356,7 @@ def start_engine(
     bootstrap_port: int | None = None,
     ring_dir: str | os.PathLike | None = None,
     waiting_timeout_s: int = DEFAULT_WAITING_TIMEOUT_S,
+    load_format: str = "dummy",
     extra_args: Sequence[str] = (),
     extra_env: Mapping[str, str] | None = None,
     extra_pythonpath: Iterable[str | os.PathLike] = (),
@@ -379,6 +386,7 @@ def start_engine(
         max_total_tokens=max_total_tokens,
         context_length=context_length,
         bootstrap_port=bootstrap_port,
+        load_format=load_format,
         extra_args=extra_args,
     )
     log_dir = Path(log_dir)
@@ -566,6 +574,7 @@ class PDPair:
         decode_args: Sequence[str] = (),
         extra_env: Mapping[str, str] | None = None,
         extra_pythonpath: Iterable[str | os.PathLike] = (),
+        load_format: str = "dummy",
     ) -> None:
         sglang_dir(version)  # fail early with the `make venv` hint
         self.version = version
@@ -581,6 +590,7 @@ class PDPair:
         self.decode_args = list(decode_args)
         self.extra_env = dict(extra_env or {})
         self.extra_pythonpath = list(extra_pythonpath)
+        self.load_format = load_format
         self.bootstrap_port: int | None = None
         self.prefill: Engine | None = None
         self.decode: Engine | None = None
@@ -599,6 +609,7 @@ class PDPair:
             bootstrap_port=self.bootstrap_port,
             ring_dir=self.ring_dir,
             waiting_timeout_s=self.waiting_timeout_s,
+            load_format=self.load_format,
             extra_args=args,
             extra_env=self.extra_env,
             extra_pythonpath=self.extra_pythonpath,

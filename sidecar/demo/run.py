@@ -77,7 +77,8 @@ def describe_finding(f: Finding) -> list[str]:
     return lines
 
 
-def tell_story(version: str, scenario, findings: list[Finding], out) -> None:
+def tell_story(run: DemoRun, out) -> None:
+    version, scenario, findings = run.version, run.scenario, run.findings
     say = lambda s="": print(s, file=out)  # noqa: E731
     long = scenario.long
     say()
@@ -89,6 +90,8 @@ def tell_story(version: str, scenario, findings: list[Finding], out) -> None:
     say(f"1. tenants {' and '.join(tenants)} sent {len(scenario.normal)} normal requests: {ok} completed normally")
     say(f"2. tenant {long.result.tenant} sent a {long.result.prompt_len}-token prompt, longer than the prefill pool")
     say(f"   the client received: {describe_client(long.result)}")
+    if run.echo_lag and long.result.ok:
+        tell_words(run, say)
     reads = [f for f in findings if f.kind in READ_KINDS]
     say()
     if not reads:
@@ -135,12 +138,32 @@ class DemoRun:
     findings: list[Finding]
     records_by_kind: dict
     records_lost: int
+    echo_lag: int | None = None  # set when the echo model served the demo (the leak in words)
 
 
-def capture_incident(sglang_version: str, work: str, progress=sys.stderr) -> DemoRun:
-    """Sidecar + real PD pair + the incident scenario; everything stopped on return."""
+INITECH_TEXT = "initech quarterly TPS report, draft 3: all cover sheets must be attached. "
+
+
+def capture_incident(sglang_version: str, work: str, progress=sys.stderr, words: bool = False) -> DemoRun:
+    """Sidecar + real PD pair + the incident scenario; everything stopped on return.
+
+    ``words``: serve the echo model (real weights whose output copies the prompt token
+    ``lag`` positions back) with prompts laid out so that the leaked KV shows up as
+    another tenant's words (sidecar/demo/scenario.py WORDS_DEMO, docs/echo-model.md).
+    """
     from .engines import PDPair
-    from .scenario import run_incident_scenario
+    from .scenario import WORDS_DEMO, run_incident_scenario, words_demo_prompts
+
+    pair_kwargs, scenario_kwargs, lag = {}, {}, None
+    if words:
+        from .echo_model import echo_model_dir, encode_text
+
+        lag = WORDS_DEMO["lag"]
+        print(f"building the echo model (lag {lag})...", file=progress)
+        pair_kwargs = {"model_dir": echo_model_dir(lag), "load_format": "auto"}
+        long_text = (INITECH_TEXT * 10)[: WORDS_DEMO["long_prompt_len"]]
+        scenario_kwargs = {"normal_prompts": words_demo_prompts(), "long_prompt": encode_text(long_text),
+                           "long_max_new_tokens": WORDS_DEMO["long_max_new_tokens"]}
 
     ring_dir, log_dir = os.path.join(work, "rings"), os.path.join(work, "logs")
     os.makedirs(ring_dir, exist_ok=True)
@@ -149,23 +172,54 @@ def capture_incident(sglang_version: str, work: str, progress=sys.stderr) -> Dem
     try:
         print(f"starting SGLang {sglang_version} prefill + decode on CPU (about a minute)... logs: {log_dir}",
               file=progress)
-        with PDPair(sglang_version, ring_dir, log_dir) as pair:
+        with PDPair(sglang_version, ring_dir, log_dir, **pair_kwargs) as pair:
             print(f"engines up in {pair.startup_s:.0f} s; replaying the incident", file=progress)
-            scenario = run_incident_scenario(pair)
+            scenario = run_incident_scenario(pair, **scenario_kwargs)
             time.sleep(0.5)  # let the sidecar drain what the last steps wrote
     finally:
         sidecar.stop()
     pipeline = sidecar.pipeline
     return DemoRun(sglang_version, scenario, memory.findings, dict(pipeline.records_by_kind),
-                   sidecar.rings.stats.records_lost)
+                   sidecar.rings.stats.records_lost, lag)
+
+
+def tell_words(run: DemoRun, say) -> None:
+    """What came back, in words, and whose words they were."""
+    from .echo_model import attribute_echo, decode_text
+
+    long = run.scenario.long
+    out = long.result.output_ids
+    if not out:
+        return
+    earlier = [(f"{r.result.tenant} request {r.result.rid}", list(r.prompt) + list(r.result.output_ids))
+               for r in run.scenario.normal]
+    tokens = attribute_echo(out, long.prompt, run.echo_lag, earlier)
+    leaked = [t for t in tokens if t.leaked]
+    say(f"   the completion text: {decode_text(out)!r}")
+    own = "".join(decode_text([t.own]) if t.own is not None else "?" for t in tokens)
+    say(f"   its own prompt at the looked-up positions would have given: {own!r}")
+    if not leaked:
+        return
+    say(f"   {len(leaked)} of {len(tokens)} generated characters are other tenants' prompt text:")
+    runs: list[tuple[str, list]] = []  # consecutive leaked characters by the tenant(s) they came from
+    for t in leaked:
+        tenants = " or ".join(sorted({source.split(" ")[0] for source in t.sources}))
+        if runs and runs[-1][0] == tenants and runs[-1][1][-1].index == t.index - 1:
+            runs[-1][1].append(t)
+        else:
+            runs.append((tenants, [t]))
+    for tenants, toks in runs:
+        if len(toks) >= 3:
+            say(f"     from {tenants}'s prompt (positions {toks[0].position}-{toks[-1].position}): "
+                f"{decode_text([t.token for t in toks])!r}")
 
 
 def run_demo(sglang_version: str = "0.5.19", as_json: bool = False, workdir: str | None = None,
-             keep: bool = False) -> int:
+             keep: bool = False, words: bool = True) -> int:
     work = workdir or tempfile.mkdtemp(prefix="kvguard-demo-")
     t0 = time.monotonic()
     try:
-        run = capture_incident(sglang_version, work)
+        run = capture_incident(sglang_version, work, words=words)
     finally:
         if not keep and workdir is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -173,7 +227,7 @@ def run_demo(sglang_version: str = "0.5.19", as_json: bool = False, workdir: str
         for f in run.findings:
             print(json.dumps(f.to_dict()), flush=True)
     else:
-        tell_story(sglang_version, run.scenario, run.findings, sys.stdout)
+        tell_story(run, sys.stdout)
     ok, why = expected(sglang_version, run.scenario, run.findings)
     print(f"demo finished in {time.monotonic() - t0:.0f} s" + ("" if ok else f"; UNEXPECTED: {why}"),
           file=sys.stderr)

@@ -23,7 +23,7 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from sidecar.demo.engines import Engine, GenerateResult, PDPair
 
@@ -53,12 +53,48 @@ def make_prompt(length: int, rng: random.Random) -> list[int]:
     return [rng.randint(MIN_TOKEN_ID, MAX_TOKEN_ID) for _ in range(length)]
 
 
+# The leak in words, with the echo GPT-2 (sidecar/demo/echo_model.py, docs/echo-model.md)
+# on the default pools (prefill 256, decode 1024 tokens, page size 4), SGLang 0.5.19.
+# Decode's allocator gives the 600-token prompt pages 1-150; with these lengths they were
+# last written by requests #4 (acme), #5 (globex) and #6 (acme), and positions 188-254
+# exist only in #4's pages (#4 is the only prompt longer than 200 tokens; #5's 148
+# tokens keep #6's pages below page 150 from covering them). The echo model's query at
+# new token i (i >= 1) looks up position 600 + i - 413 = 187 + i, so tokens 1..60 of the
+# long request's completion are characters 188..247 of acme's request #4.
+WORDS_DEMO = {
+    "lag": 413,
+    "normal_prompt_lens": (200, 200, 200, 200, 248, 148, 200, 200),
+    "long_prompt_len": 600,
+    "long_max_new_tokens": 61,
+}
+_WORDS = {
+    "acme": "acme payroll: wire 2,400,000 USD to IBAN DE89370400440532013000 by Friday; "
+            "CFO approval code 7731-ALPHA. ",
+    "globex": "globex board memo: offer 41.50 per share for Initrode, vote on May 3, keep it quiet "
+              "until the filing. ",
+}
+
+
+def words_demo_prompts(tenants: tuple[str, ...] = NORMAL_TENANTS) -> list[list[int]]:
+    """The normal requests' prompts for :data:`WORDS_DEMO`: each tenant's confidential text,
+    repeated to the request's length, as echo-model token ids (one per character)."""
+    from sidecar.demo.echo_model import encode_text
+
+    prompts = []
+    for i, n in enumerate(WORDS_DEMO["normal_prompt_lens"]):
+        tenant = tenants[i % len(tenants)]
+        text = f"[{tenant} #{i}] " + _WORDS.get(tenant, f"{tenant} private notes. ") * 8
+        prompts.append(encode_text(text[:n]))
+    return prompts
+
+
 @dataclass
 class ScenarioRequest:
     """One request of the scenario and what its client saw."""
 
     kind: str  # "normal" | "long"
     result: GenerateResult
+    prompt: list[int] = field(default_factory=list)  # the token ids sent
 
     def summary(self) -> dict[str, Any]:
         return {"kind": self.kind, **self.result.summary()}
@@ -130,6 +166,9 @@ def run_incident_scenario(
     concurrency: int = 1,
     settle_s: float = 1.0,
     stream: bool = False,
+    normal_prompts: Sequence[Sequence[int]] | None = None,
+    long_prompt: Sequence[int] | None = None,
+    long_max_new_tokens: int | None = None,
 ) -> ScenarioResult:
     """Normal requests from ``normal_tenants`` (round-robin, in waves of
     ``concurrency`` at once), a pause of ``settle_s`` for decode to free their pages,
@@ -147,6 +186,10 @@ def run_incident_scenario(
     SGLang reports a failed request as HTTP 200 plus an ``abort`` finish reason.
     Takes ~5 s on 0.5.19; on 0.5.23 the long request lasts until decode's
     waiting timeout.
+    ``normal_prompts`` / ``long_prompt`` replace the random prompts (then
+    ``num_normal`` / ``normal_prompt_len`` / ``long_prompt_len`` are ignored);
+    ``long_max_new_tokens`` overrides ``max_new_tokens`` for the long request
+    (see :data:`WORDS_DEMO` for the echo model).
     """
     if pair.prefill is None or pair.decode is None:
         raise RuntimeError("the PDPair is not started")
@@ -157,19 +200,22 @@ def run_incident_scenario(
         max_input = None
     t0 = time.monotonic()
     requests: list[ScenarioRequest] = []
-    prompts = [(normal_tenants[i % len(normal_tenants)], make_prompt(normal_prompt_len, rng)) for i in range(num_normal)]
+    if normal_prompts is None:
+        normal_prompts = [make_prompt(normal_prompt_len, rng) for _ in range(num_normal)]
+    prompts = [(normal_tenants[i % len(normal_tenants)], list(p)) for i, p in enumerate(normal_prompts)]
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-        for start in range(0, num_normal, max(1, concurrency)):
+        for start in range(0, len(prompts), max(1, concurrency)):
             wave = prompts[start : start + max(1, concurrency)]
             futures = [
                 pool.submit(pair.generate, p, tenant=t, max_new_tokens=max_new_tokens, stream=stream) for t, p in wave
             ]
-            requests += [ScenarioRequest("normal", f.result()) for f in futures]
+            requests += [ScenarioRequest("normal", f.result(), p) for f, (_, p) in zip(futures, wave)]
     time.sleep(settle_s)
+    long_ids = list(long_prompt) if long_prompt is not None else make_prompt(long_prompt_len, rng)
     r = pair.generate(
-        make_prompt(long_prompt_len, rng), tenant=long_tenant, max_new_tokens=max_new_tokens, stream=stream
+        long_ids, tenant=long_tenant, max_new_tokens=long_max_new_tokens or max_new_tokens, stream=stream
     )
-    requests.append(ScenarioRequest("long", r))
+    requests.append(ScenarioRequest("long", r, long_ids))
     duration = time.monotonic() - t0
     evidence = {
         "prefill": collect_evidence(pair.prefill, EVIDENCE_PATTERNS["prefill"]),
