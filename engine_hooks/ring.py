@@ -42,6 +42,13 @@ Full ring: the producer drops the record, bumps ``dropped_records`` and never
 waits. The dropped record still consumed a sequence number, so the consumer sees
 exactly where the gap is.
 
+Liveness: the producer holds a shared ``flock`` on the file for its whole life; the
+kernel releases it when the process dies. A reader that can take the lock
+exclusively knows the producer is gone. This works across the containers of a pod
+without a shared pid namespace (a pid check would call a live engine dead there) and
+cannot be fooled by pid reuse. Files are created mode 0660 so a sidecar of the same
+group can write its read position.
+
 Memory ordering: the data copy and the ``write_pos`` store are ordinary stores; on
 x86-64 (TSO) they become visible in program order. Readers also validate each
 record's magic, length and sequence, so a reordering on a weaker machine shows up as
@@ -50,6 +57,7 @@ counted corrupt bytes, never as a wrong record.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -118,12 +126,21 @@ class RingWriter:
         # the header is written under a name readers ignore, then the file is renamed:
         # a reader never sees a ring without its header
         tmp_path = self.path + ".init"
-        fd = os.open(tmp_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(tmp_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
         try:
+            # group-writable whatever the umask: the sidecar may run as another user of the
+            # pod's shared group, and it writes read_pos into the header
+            os.fchmod(fd, 0o660)
             os.ftruncate(fd, HEADER_BYTES + capacity)
             self._mm = mmap.mmap(fd, HEADER_BYTES + capacity)
-        finally:
+            # liveness: a shared lock held for the producer's lifetime. The kernel drops it
+            # when the process dies, and unlike a pid it means the same thing in every
+            # container of the pod (no shared pid namespace needed)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except BaseException:
             os.close(fd)
+            raise
+        self._lock_fd = fd
         self._mm[: _FIXED.size] = _FIXED.pack(
             RING_MAGIC, RING_VERSION, HEADER_BYTES, capacity, self.pid, self.engine_id, start_ns,
             proc_start_ticks(self.pid),
@@ -191,6 +208,7 @@ class RingWriter:
     def close(self, unlink: bool = False) -> None:
         self._u64 = None
         self._mm.close()
+        os.close(self._lock_fd)
         if unlink:
             try:
                 os.unlink(self.path)
@@ -215,8 +233,13 @@ class RingReader:
             raise RingError(f"{path}: cannot stat: {exc}") from exc
         if size < HEADER_BYTES:
             raise RingError(f"{path}: {size} bytes, shorter than a ring header ({HEADER_BYTES})")
-        with open(path, "r+b") as f:
-            self._mm = mmap.mmap(f.fileno(), size)
+        try:
+            with open(path, "r+b") as f:
+                self._mm = mmap.mmap(f.fileno(), size)
+            self._lock_fd = os.open(path, os.O_RDONLY)
+        except PermissionError as exc:
+            raise RingError(f"{path}: permission denied ({exc.strerror}): the sidecar must be able to write the "
+                            f"ring header (run it as the engine's user or group; rings are created mode 0660)") from exc
         magic, version, header_size, capacity, pid, engine_id, start_ns, ticks = _FIXED.unpack_from(self._mm, 0)
         problem = None
         if magic != RING_MAGIC:
@@ -229,6 +252,7 @@ class RingReader:
             problem = f"file is {size} bytes, header says {HEADER_BYTES + capacity}"
         if problem:
             self._mm.close()
+            os.close(self._lock_fd)
             raise RingError(f"{path}: {problem}")
         self.capacity, self.pid, self.engine_id = capacity, pid, engine_id
         self.start_ns, self.proc_start_ticks = start_ns, ticks
@@ -252,6 +276,17 @@ class RingReader:
         return int(self._u64[_WRITE_POS]) - self.read_pos
 
     def producer_alive(self) -> bool:
+        """Whether the producer still holds its lock on the ring (see RingWriter)."""
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return self._pid_alive()  # a filesystem without flock: fall back to the pid
+        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        return False
+
+    def _pid_alive(self) -> bool:
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
@@ -319,4 +354,8 @@ class RingReader:
         try:
             self._mm.close()
         except BufferError:
+            pass
+        try:
+            os.close(self._lock_fd)
+        except OSError:
             pass

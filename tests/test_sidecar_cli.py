@@ -112,14 +112,39 @@ def test_a_restarted_sidecar_resumes_and_does_not_judge_what_it_did_not_see(tmp_
 
 
 def test_a_ring_whose_pid_now_belongs_to_another_process_is_retired(tmp_path):
-    w = RingWriter(str(tmp_path), 4096)
-    p = Probes(w)
-    p.pages_allocated([4])
-    with open(w.path, "r+b") as f:  # pretend the engine died and the pid was reused: start ticks differ
-        f.seek(40)
-        f.write(struct.pack("<Q", 1))
+    """The engine died; its pid now names a live process (here: this test). Liveness is the
+    producer's lock on the file, not the pid, so the ring is still retired."""
+    code = ("from engine_hooks.probes import Probes; from engine_hooks.ring import RingWriter; "
+            f"Probes(RingWriter({str(tmp_path)!r}, 4096)).pages_allocated([4])")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    (path,) = tmp_path.glob("*.ring")
+    with open(path, "r+b") as f:
+        f.seek(24)
+        f.write(struct.pack("<I", os.getpid()))
     sidecar = Sidecar(str(tmp_path), slack_ns=0)
     sidecar.run_once(flush=True)
-    assert sidecar.rings.stats.rings_detached == 1 and not os.path.exists(w.path)
+    assert sidecar.rings.stats.rings_detached == 1 and not path.exists()
     assert sidecar.pipeline.records_by_kind["ALLOC"] == 1  # drained before it was retired
     sidecar.stop()
+
+
+def test_a_live_engine_in_another_pid_namespace_is_not_retired(tmp_path):
+    """The sidecar cannot see the engine's pid (separate pid namespaces): still alive."""
+    w = RingWriter(str(tmp_path), 4096)
+    Probes(w).pages_allocated([4])
+    with open(w.path, "r+b") as f:
+        f.seek(24)
+        f.write(struct.pack("<I", 2**31 - 2))  # a pid that does not exist here
+    sidecar = Sidecar(str(tmp_path), slack_ns=0)
+    sidecar.run_once(flush=True)
+    assert sidecar.rings.stats.rings_detached == 0 and os.path.exists(w.path)
+    sidecar.stop()
+
+
+def test_ring_files_are_group_writable_whatever_the_umask(tmp_path):
+    old = os.umask(0o077)
+    try:
+        w = RingWriter(str(tmp_path), 4096)
+    finally:
+        os.umask(old)
+    assert os.stat(w.path).st_mode & 0o777 == 0o660
