@@ -1,0 +1,514 @@
+"""deploy/: Kubernetes manifests, generated monitoring objects and Dockerfiles.
+
+The checks are deploy/check.py's (also `make deploy-check`); here each runs as its own
+test, each check is shown to catch the mistake it exists for, and a pod-shaped run
+starts the real sidecar with the rendered manifest's command line, uids and shared
+pid namespace against a ring written by a real engine-side probe.
+
+Tools: a real kustomize (`kubectl kustomize`, kustomize v5; on this project's machines
+kubectl comes with the image) and kubernetes-validate (requirements/deploy.lock; installed
+once into .kvguard-cache/deploy-tools when the venv lacks it, which needs PyPI). Missing
+tools skip those tests with the reason, and fail them under CI=true. Nothing here builds
+an image or talks to a cluster: there is neither a Docker engine nor a cluster here.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str, path: Path):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+check = _load("kvguard_deploy_check", REPO / "deploy" / "check.py")
+generate = check.generate
+
+
+def _missing(exc: Exception):
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"deploy tool missing under CI: {exc}")
+    pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    try:
+        return check.render_all()
+    except check.ToolMissing as exc:
+        _missing(exc)
+
+
+@pytest.fixture(scope="module")
+def validator():
+    try:
+        return check.kubernetes_validate()
+    except check.ToolMissing as exc:
+        _missing(exc)
+
+
+def by_kind(objs: list[dict], kind: str) -> list[dict]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def containers(deployment: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
+
+
+# --------------------------------------------------------------------------- generated files
+def test_generated_files_match_alerts_and_dashboards():
+    assert generate.check(REPO) == []
+
+
+def _fake_repo(tmp_path: Path, rules: str | None = None) -> Path:
+    (tmp_path / "alerts").mkdir()
+    (tmp_path / "alerts" / "kvguard.rules.yaml").write_text(
+        rules or (REPO / "alerts" / "kvguard.rules.yaml").read_text())
+    return tmp_path
+
+
+def test_generator_handles_a_missing_or_empty_dashboards_directory(tmp_path):
+    repo = _fake_repo(tmp_path)
+    files = generate.expected(repo)  # no dashboards/ at all
+    assert set(files) == {generate.RULE_OUT, generate.DASHBOARDS_OUT / "kustomization.yaml"}
+    assert yaml.safe_load(files[generate.DASHBOARDS_OUT / "kustomization.yaml"])["resources"] == []
+    (repo / "dashboards").mkdir()  # empty
+    assert generate.expected(repo) == files
+    generate.write(repo)
+    assert generate.check(repo) == []
+
+
+def test_generator_deploys_dashboards_byte_for_byte_and_catches_drift(tmp_path):
+    repo = _fake_repo(tmp_path)
+    board = '{\n  "title": "kvguard / x",\n  "uid": "kvguard-x",\n  "panels": []\n}\n'
+    (repo / "dashboards" / "generated").mkdir(parents=True)
+    (repo / "dashboards" / "generated" / "kvguard-x.json").write_text(board)
+    (repo / "dashboards" / "generated" / "settings.json").write_text('{"not": "a dashboard"}')
+    generate.write(repo)
+    out = repo / generate.DASHBOARDS_OUT / "kvguard-dashboard-x.yaml"
+    cm = yaml.safe_load(out.read_text())
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["data"] == {"kvguard-x.json": board}
+    assert yaml.safe_load((repo / generate.DASHBOARDS_OUT / "kustomization.yaml").read_text())["resources"] == [
+        "kvguard-dashboard-x.yaml"]
+    assert any("settings.json" in w for w in generate.warnings(repo))
+    assert generate.check(repo) == []
+
+    (repo / "dashboards" / "generated" / "kvguard-x.json").write_text(board.replace("[]", "[{}]"))
+    assert any("kvguard-dashboard-x.yaml: differs" in p for p in generate.check(repo))
+    (repo / "dashboards" / "generated" / "kvguard-x.json").unlink()
+    assert any("no longer exists" in p for p in generate.check(repo))
+    generate.write(repo)
+    assert not out.exists() and generate.check(repo) == []
+
+
+def test_generator_refuses_what_grafana_or_kubernetes_would_not_take(tmp_path):
+    repo = _fake_repo(tmp_path)
+    d = repo / "dashboards"
+    d.mkdir()
+    (d / "a.json").write_text("{not json")
+    with pytest.raises(generate.GenerateError, match="a.json: not JSON"):
+        generate.expected(repo)
+    (d / "a.json").write_text('{"uid": "same", "panels": []}')
+    (d / "b.json").write_text('{"uid": "same", "panels": []}')
+    with pytest.raises(generate.GenerateError, match="same uid"):
+        generate.expected(repo)
+    with pytest.raises(generate.GenerateError, match="not a Prometheus rule file"):
+        generate.prometheus_rule("rules: []\n")
+
+
+def test_prometheusrule_holds_the_rule_files_groups_unchanged():
+    rule = yaml.safe_load((REPO / generate.RULE_OUT).read_text())
+    source = yaml.safe_load((REPO / generate.RULES_SRC).read_text())
+    assert rule["kind"] == "PrometheusRule" and rule["spec"]["groups"] == source["groups"]
+    alerts = [r["alert"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
+    assert "KVGuardUnwrittenRead" in alerts and "KVGuardSidecarDown" in alerts
+
+
+# --------------------------------------------------------------------------- rendering + schemas
+@pytest.mark.parametrize("target,kinds", [
+    ("base", {"Deployment", "Service"}),
+    ("common", {"Secret", "ConfigMap", "ServiceMonitor", "PrometheusRule"}),
+    ("unified", {"Deployment", "Service"}),
+    ("prefill", {"Deployment", "Service"}),
+    ("decode", {"Deployment", "Service"}),
+])
+def test_every_kustomization_builds(rendered, target, kinds):
+    assert {o["kind"] for o in rendered[target]} == kinds
+
+
+@pytest.mark.parametrize("target", list(check.TARGETS))
+def test_rendered_objects_validate_strictly_against_the_kubernetes_schemas(rendered, validator, target):
+    assert check.schema_problems(rendered[target]) == []
+
+
+@pytest.mark.parametrize("overlay", check.OVERLAYS)
+def test_engine_pod_and_sidecar_fit_together(rendered, overlay):
+    (deployment,) = by_kind(rendered[overlay], "Deployment")
+    assert check.pod_problems(deployment) == []
+    assert check.image_problems(rendered[overlay]) == []
+
+
+def test_overlays_set_the_engine_role_and_the_pd_ledger(rendered):
+    for overlay, mode in (("unified", None), ("prefill", "prefill"), ("decode", "decode")):
+        (d,) = by_kind(rendered[overlay], "Deployment")
+        c = containers(d)
+        assert check._flag(c["sglang"]["args"], "--disaggregation-mode") == mode
+        ledger = {e["name"]: e for e in c["kvguard"].get("env", [])}.get("KVGUARD_LEDGER")
+        assert (ledger is not None) == (mode is not None), overlay
+        (svc,) = by_kind(rendered[overlay], "Service")
+        assert svc["metadata"]["name"] == f"kvguard-metrics-{overlay}"
+        assert svc["spec"]["selector"]["app.kubernetes.io/instance"] == f"sglang-{overlay}"
+
+
+def test_common_and_all_overlays_deploy_together(rendered):
+    assert check.cross_problems(rendered["all"]) == []
+    assert check.generated_problems(rendered["common"]) == []
+
+
+def test_promtool_accepts_the_prometheusrule(rendered):
+    problems = check.promtool_problems(rendered["common"])
+    if problems is None:
+        pytest.skip("promtool is not installed (Debian package `prometheus`: run `make apt`)")
+    assert problems == []
+
+
+def test_deploy_lock_agrees_with_engine_lock():
+    assert check.lock_problems() == []
+
+
+# --------------------------------------------------------------------------- the checks catch mistakes
+def _mutate(obj: dict, fn) -> dict:
+    obj = copy.deepcopy(obj)
+    fn(obj)
+    return obj
+
+
+def _pod(d):
+    return d["spec"]["template"]["spec"]
+
+
+def _c(d, name):
+    return next(c for c in _pod(d)["containers"] if c["name"] == name)
+
+
+POD_MUTATIONS = {
+    "shareProcessNamespace": lambda d: _pod(d).pop("shareProcessNamespace"),
+    "readOnlyRootFilesystem": lambda d: _c(d, "kvguard")["securityContext"].update(readOnlyRootFilesystem=False),
+    "drop ALL": lambda d: _c(d, "kvguard")["securityContext"]["capabilities"].update(drop=["NET_RAW"]),
+    "RuntimeDefault": lambda d: (_c(d, "kvguard")["securityContext"].pop("seccompProfile"),
+                                 _pod(d).pop("securityContext")),
+    "KVGUARD_RING_DIR": lambda d: _c(d, "sglang")["env"][0].update(value="/dev/shm/kvguard"),
+    "does not parse": lambda d: _c(d, "kvguard")["args"].__setitem__(1, "--ring-dirr"),
+    "both run as one uid": lambda d: _c(d, "sglang")["securityContext"].update(runAsUser=0),
+    "sizeLimit": lambda d: next(v for v in _pod(d)["volumes"] if v["name"] == "rings")["emptyDir"].update(
+        sizeLimit="64Mi"),
+    "not on a Secret volume": lambda d: _c(d, "kvguard")["volumeMounts"].__setitem__(
+        1, {"name": "tmp", "mountPath": "/secrets"}),
+    "listens on 127.0.0.1": lambda d: _c(d, "kvguard")["args"].__setitem__(4, "127.0.0.1:9464"),
+    "readinessProbe must GET /readyz": lambda d: _c(d, "kvguard")["readinessProbe"]["httpGet"].update(
+        path="/healthz"),
+    "--record-max-bytes": lambda d: next(v for v in _pod(d)["volumes"] if v["name"] == "recordings")[
+        "emptyDir"].update(sizeLimit="1Gi"),
+}
+
+
+@pytest.mark.parametrize("expect", list(POD_MUTATIONS))
+def test_pod_contract_check_catches(rendered, expect):
+    (d,) = by_kind(rendered["prefill"], "Deployment")
+    problems = check.pod_problems(_mutate(d, POD_MUTATIONS[expect]))
+    assert any(expect in p for p in problems), problems
+
+
+def test_schema_check_catches_unknown_fields_and_bad_values(rendered, validator):
+    (d,) = by_kind(rendered["unified"], "Deployment")
+    typo = _mutate(d, lambda o: _c(o, "kvguard")["securityContext"].update(runAsNonroot=True))
+    assert any("runAsNonroot" in p for p in check.schema_problems([typo], versions=("1.33.0",)))
+    (pr,) = by_kind(rendered["common"], "PrometheusRule")
+    bad = _mutate(pr, lambda o: o["spec"]["groups"][0]["rules"][1].update(severity="critical", **{"for": "5 min"}))
+    problems = check.schema_problems([bad])
+    assert any("severity" in p for p in problems) and any("5 min" in p for p in problems), problems
+    (sm,) = by_kind(rendered["common"], "ServiceMonitor")
+    bad = _mutate(sm, lambda o: o["spec"]["endpoints"][0].update(scheme="tcp"))
+    assert check.schema_problems([bad])
+    unknown = {"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}}
+    assert any("no Kubernetes" in p for p in check.schema_problems([unknown], versions=("1.33.0",)))
+
+
+def test_cross_check_catches_wrong_job_missing_keys_and_dangling_selectors(rendered):
+    objs = rendered["all"]
+
+    def changed(kind, fn):
+        return [_mutate(o, fn) if o["kind"] == kind else o for o in objs]
+
+    no_job = changed("ServiceMonitor", lambda o: o["spec"].pop("jobLabel"))
+    assert any("expects job=['kvguard']" in p for p in check.cross_problems(no_job))
+    no_key = changed("Secret", lambda o: o["data"].pop("api-token"))
+    assert any("no key 'api-token'" in p for p in check.cross_problems(no_key))
+    stray = changed("Service", lambda o: o["spec"]["selector"].update({"app.kubernetes.io/name": "vllm"}))
+    assert any("matches no pod template" in p for p in check.cross_problems(stray))
+    no_cm = [o for o in objs if not (o["kind"] == "ConfigMap" and o["metadata"]["name"] == "kvguard-config")]
+    assert any("needs configMap kvguard-config" in p for p in check.cross_problems(no_cm))
+    stale = changed("PrometheusRule", lambda o: o["spec"]["groups"][0]["rules"].pop())
+    assert any("differ from alerts/kvguard.rules.yaml" in p for p in check.generated_problems(stale))
+
+
+# --------------------------------------------------------------------------- Dockerfiles
+@pytest.mark.parametrize("which", list(check.DOCKERFILES))
+def test_dockerfile_static_checks(which):
+    assert check.dockerfile_problems(which) == []
+
+
+def test_sidecar_requirements_are_the_dependency_closure_of_kvguard_sidecar():
+    pinned = check._pins(check.SIDECAR_REQUIREMENTS)
+    closure = check.sidecar_closure()
+    assert pinned == closure
+    assert {"fastapi", "uvicorn", "prometheus-client", "numpy", "xxhash"} <= set(pinned)
+
+
+def test_dockerfile_check_catches_latest_root_and_unpinned(tmp_path, monkeypatch):
+    bad = tmp_path / "Dockerfile.sidecar"
+    bad.write_text("FROM python:latest\nRUN apt-get install -y gcc\nRUN pip install fastapi\n"
+                   "USER root\nENTRYPOINT [\"sh\"]\n")
+    (tmp_path / "Dockerfile.sidecar.dockerignore").write_text("*\n")
+    monkeypatch.setattr(check, "DOCKERFILES", {"sidecar": bad})
+    monkeypatch.setattr(check, "REPO", tmp_path)
+    monkeypatch.setattr(check, "sidecar_requirements_problems", lambda: [])
+    problems = "\n".join(check.dockerfile_problems("sidecar"))
+    for expect in ("latest", "build tools", "without --no-deps", "'fastapi' without an exact version",
+                   "non-root uid", "ENTRYPOINT"):
+        assert expect in problems, problems
+
+
+# --------------------------------------------------------------------------- a pod-shaped run
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _python_for(uid: int, gid: int, env: dict) -> str | None:
+    """An interpreter that uid can run with this venv's packages (the venv's may sit under /root)."""
+    for py in (sys.executable, "/usr/bin/python3"):
+        if not os.path.exists(py):
+            continue
+        probe = subprocess.run(
+            ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", py, "-c",
+             "import sys, numpy, xxhash, fastapi, uvicorn, sidecar.cli; print(sys.version_info[:2])"],
+            env=env, capture_output=True, text=True, cwd="/")
+        if probe.returncode == 0 and probe.stdout.strip() == str(sys.version_info[:2]):
+            return py
+    return None
+
+
+# The engine side: a real probe and ring. A pool smaller than the context (HELLO), then
+# acme writes pages 4-11 and ends; initech gets them, writes half, reads all (a leak).
+ENGINE_CODE = """
+import sys, time
+import numpy as np
+from engine_hooks.probes import Probes
+from engine_hooks.ring import RingWriter
+p = Probes(RingWriter(sys.argv[1], 1 << 16))
+p.hello("prefill", 0, 4, 64, 256, 2048, 2048, "sglang", "0.5.23", "tiny")
+p.request_begin("r-acme", "acme", None, 8, 0, False)
+p.pages_allocated(np.arange(4, 12))
+p.rows_assigned("r-acme", 0, 8, 0, np.arange(4, 12))
+p.forward(["r-acme"], [8], [np.arange(4, 12)], [np.arange(4, 12)])
+p.request_end("r-acme", "stop", 1, 2, 1, "")
+p.pages_freed(np.arange(4, 12))
+p.request_begin("r-initech", "initech", None, 8, 0, False)
+p.pages_allocated(np.arange(4, 12))
+p.rows_assigned("r-initech", 0, 8, 0, np.arange(4, 12))
+p.forward(["r-initech"], [8], [np.arange(4, 8)], [np.arange(4, 12)])
+time.sleep(60)
+"""
+
+
+class _PagerDuty(BaseHTTPRequestHandler):
+    events: list = []
+
+    def do_POST(self):  # noqa: N802
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        type(self).events.append(json.loads(body))
+        self.send_response(202)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"status": "success", "message": "Event processed", "dedup_key": "x"}')
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def pod_dir():
+    """A directory other uids can reach (pytest's pod_dir sits under a 0700 directory)."""
+    path = Path(tempfile.mkdtemp(prefix="kvguard-pod-"))
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_pod_shaped_run_sidecar_ingests_the_engines_ring_with_the_manifests_uids(rendered, pod_dir):
+    """The prefill pod as rendered: engine and sidecar as the manifest's uids, in one pid
+    namespace (shareProcessNamespace), the sidecar started with the manifest's own command
+    line (paths moved under pod_dir, --listen on loopback, PagerDuty pointed at a local
+    stand-in). A real probe writes a HELLO and a leak into a ring in the shared directory:
+    the sidecar attaches the ring, prints the finding, pages with the mounted routing key,
+    and answers /v1 with the mounted API token. Not emulated: the read-only root
+    filesystem, the dropped capabilities, seccomp, memory limits."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv (util-linux) to run the two containers' uids")
+    (d,) = by_kind(rendered["prefill"], "Deployment")
+    pod, c = _pod(d), containers(d)
+    engine_sc, side_sc = c["sglang"]["securityContext"], c["kvguard"]["securityContext"]
+    e_uid, e_gid = engine_sc["runAsUser"], engine_sc["runAsGroup"]
+    s_uid, s_gid = side_sc["runAsUser"], side_sc["runAsGroup"]
+    assert pod["shareProcessNamespace"] is True  # this test runs both in one pid namespace
+
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/nonexistent",
+           "PYTHONPATH": os.pathsep.join([sysconfig.get_paths()["purelib"], str(REPO)]),
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    py = _python_for(s_uid, s_gid, env)
+    if py is None:
+        pytest.skip(f"no Python that uid {s_uid} can run with this venv's packages")
+
+    # The pod's volumes as directories: emptyDir is 0777; secret files 0444 (defaultMode).
+    vols = {}
+    for v in pod["volumes"]:
+        vols[v["name"]] = pod_dir / v["name"]
+        vols[v["name"]].mkdir()
+        os.chmod(vols[v["name"]], 0o777)
+        if "secret" in v:
+            for item in v["secret"]["items"]:
+                f = vols[v["name"]] / item["path"]
+                f.write_text(check.PLACEHOLDER_SECRETS[item["key"]])
+                os.chmod(f, v["secret"].get("defaultMode", 0o644))
+                os.chmod(vols[v["name"]], 0o755)
+    mounts = {m["mountPath"]: vols[m["name"]] for m in c["kvguard"]["volumeMounts"]}
+
+    def local(arg: str) -> str:
+        for mp, path in sorted(mounts.items(), key=lambda kv: -len(kv[0])):
+            if arg == mp or arg.startswith(mp + "/"):
+                return str(path) + arg[len(mp):]
+        return arg
+
+    port = _free_port()
+    args = [local(a) for a in c["kvguard"]["args"]]
+    args[args.index("--listen") + 1] = f"127.0.0.1:{port}"
+    _PagerDuty.events = []
+    pd = HTTPServer(("127.0.0.1", 0), _PagerDuty)
+    threading.Thread(target=pd.serve_forever, daemon=True).start()
+    args += ["--pagerduty-url", f"http://127.0.0.1:{pd.server_address[1]}/v2/enqueue"]
+    ring_dir = Path(local(check._env(c["sglang"])["KVGUARD_RING_DIR"]["value"]))
+
+    def as_uid(uid, gid, argv, **kw):
+        return subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", py, *argv],
+                                env=env, cwd="/", **kw)
+
+    sidecar = as_uid(s_uid, s_gid, ["-m", "sidecar.cli", *args], stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)
+    engine = None
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert sidecar.poll() is None, sidecar.stderr.read()
+            assert time.monotonic() < deadline, "sidecar not ready"
+            time.sleep(0.1)
+        engine = as_uid(e_uid, e_gid, ["-c", ENGINE_CODE, str(ring_dir)])
+        finding = json.loads(sidecar.stdout.readline())
+        assert finding["kind"] in ("unwritten_read", "pool_smaller_than_context"), finding
+        kinds = {finding["kind"], json.loads(sidecar.stdout.readline())["kind"]}
+        assert kinds == {"unwritten_read", "pool_smaller_than_context"}
+
+        health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).json()
+        # ring_errors is not asserted: the sidecar can scan a ring file between the engine's
+        # ftruncate and its header write and count one refusal (engine_hooks/ring.py creates
+        # the file in place), a race of the ring code, not of the pod's shape.
+        assert health["rings_attached"] == 1, health
+        assert len(list(ring_dir.glob("*.ring"))) == 1  # still there: the engine is seen alive
+        token = check.PLACEHOLDER_SECRETS["api-token"]
+        incidents = httpx.get(f"http://127.0.0.1:{port}/v1/incidents",
+                              headers={"Authorization": f"Bearer {token}"}, timeout=2).json()["incidents"]
+        leaked = [i for i in incidents if i["kind"] == "unwritten_read"]
+        assert leaked and leaked[0]["reader"]["tenant"] == "initech" and "acme" in leaked[0]["tenants_exposed"]
+        deadline = time.monotonic() + 10
+        while not any(e.get("event_action") == "trigger" for e in _PagerDuty.events):
+            assert time.monotonic() < deadline, "no PagerDuty event with the mounted routing key"
+            time.sleep(0.1)
+        assert {e["routing_key"] for e in _PagerDuty.events} == {check.PLACEHOLDER_SECRETS["pagerduty-routing-key"]}
+        assert list(vols["recordings"].glob("kvguard-*.kvgrec*")), "nothing recorded under --record-dir"
+        sidecar.terminate()  # closes the open segment
+        sidecar.wait(timeout=15)
+
+        # docs/operations.md: the notification list from a replay of the recordings
+        replay = subprocess.run([sys.executable, "-m", "sidecar.cli", "replay", "--json", str(vols["recordings"])],
+                                cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert replay.returncode == 0, replay.stderr
+        rows = set()
+        for line in replay.stdout.splitlines():
+            f = json.loads(line)
+            if f.get("kind") and f["severity"] == "critical":
+                rows |= {(e["tenant"], "exposed") for e in f["exposed"]}
+                if f.get("reader"):
+                    rows.add((f["reader"]["tenant"], "received"))
+        assert rows == {("acme", "exposed"), ("initech", "received")}, replay.stdout
+    finally:
+        for proc in (engine, sidecar):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        pd.shutdown()
+
+
+# --------------------------------------------------------------------------- docs
+def test_operations_doc_covers_every_alert_with_its_runbook():
+    doc = (REPO / "docs" / "operations.md").read_text()
+    rules = yaml.safe_load((REPO / "alerts" / "kvguard.rules.yaml").read_text())
+    alerts = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    for alert in sorted(alerts):
+        assert f"[{alert}](runbooks/{alert}.md)" in doc, alert
+        assert (REPO / "docs" / "runbooks" / f"{alert}.md").exists(), alert
+
+
+def test_documented_engine_snippet_matches_the_dockerfile():
+    doc = (REPO / "docs" / "operations.md").read_text()
+    dockerfile = check.DOCKERFILES["engine"].read_text()
+    lines = [ln[1:].strip() for ln in dockerfile.splitlines() if ln.startswith("#   ")]
+    start = lines.index("FROM lmsysorg/sglang:<tag>")
+    snippet = lines[start:start + 3]
+    assert snippet[1].startswith("COPY ") and snippet[2].startswith("RUN pip install --no-cache-dir --no-deps ")
+    for line in snippet:
+        assert line in doc, line
