@@ -17,6 +17,7 @@ import numpy as np
 from engine_hooks import wire
 
 from .detectors.config import PoolContextDetector
+from .detectors.isolation import TenantIsolationDetector
 from .detectors.lifetime import DoubleFreeDetector, WriteDetector
 from .detectors.reads import ReadDetector
 from .detectors.transfers import TransferSizeDetector
@@ -33,7 +34,8 @@ ROLE_NAMES = {wire.Role.UNIFIED: "unified", wire.Role.PREFILL: "prefill", wire.R
 
 
 class Pipeline:
-    def __init__(self, sinks=(), history_events: int = 1 << 20, incidents: IncidentStore | None = None):
+    def __init__(self, sinks=(), history_events: int = 1 << 20, incidents: IncidentStore | None = None,
+                 isolate_tenants: bool = False):
         self.sinks = list(sinks)
         self.history = History(history_events) if history_events else None
         self.incidents = incidents or IncidentStore()
@@ -45,6 +47,7 @@ class Pipeline:
         self.write_detector = WriteDetector()
         self.double_free_detector = DoubleFreeDetector()
         self.ttft_detector = TTFTDetector()
+        self.isolation_detector = TenantIsolationDetector(isolate_tenants)
         self.records_by_kind: Counter = Counter()
         self.findings_by_kind: Counter = Counter()
         self.incidents_by_kind: Counter = Counter()
@@ -186,6 +189,7 @@ class Pipeline:
             verdict = t.classify_read(key, int(f.seq_lens[i]), actual)
             if verdict is not None:
                 found = self.read_detector.observe(t, engine, verdict, ts_ns)
+                found += self.isolation_detector.observe(t, engine, verdict, ts_ns)
                 if found:
                     findings += self._emit(found)
         return findings

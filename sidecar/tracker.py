@@ -168,6 +168,7 @@ class ReadVerdict:
     foreign: np.ndarray  # not (or no longer) the reader's: another request owns or wrote them
     freed: np.ndarray  # free in the allocator while read
     unverified: int  # pages whose state is unknown (blind window)
+    shared: np.ndarray = None  # legitimately shared prefix-cache pages read (for tenant isolation checks)
 
 
 class EngineTracker:
@@ -331,4 +332,5 @@ class EngineTracker:
         foreign = known & ~freed & ~mine
         written = pool.written_gen[pages] == pool.gen[pages]
         unwritten = known & ~freed & mine & ~written
-        return ReadVerdict(info, pages[unwritten], pages[foreign], pages[freed], unverified)
+        shared = known & ~freed & mine & written & m_shared
+        return ReadVerdict(info, pages[unwritten], pages[foreign], pages[freed], unverified, pages[shared])

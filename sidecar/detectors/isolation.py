@@ -1,0 +1,45 @@
+"""``cross_tenant_prefix_share``: a prefix-cache page written by one tenant, read by another.
+
+Sharing KV through the radix/prefix cache across tenants is normal engine behaviour
+and not a memory-safety bug: the reader's own prompt matched those tokens. But an
+operator who promises tenants isolation (no cross-tenant cache hits: a timing side
+channel, and a privacy boundary) wants to know when it happens. Off by default;
+enabled with ``kvguard sidecar --isolate-tenants``.
+
+Only pages whose last writer has a known, non-empty tenant different from the
+reader's are reported; requests without a tenant label are never judged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..findings import WARNING, EngineRef, Finding, Party
+from ..tracker import EngineTracker, ReadVerdict
+from .reads import reader_party
+
+
+class TenantIsolationDetector:
+    def __init__(self, enabled: bool = False):
+        self.enabled = enabled
+
+    def observe(self, tracker: EngineTracker, engine: EngineRef, verdict: ReadVerdict, ts_ns: int) -> list[Finding]:
+        reader = verdict.reader
+        if not self.enabled or verdict.shared is None or len(verdict.shared) == 0 or not reader.tenant:
+            return []
+        writers = tracker.pool.last_writer[verdict.shared]
+        parties = []
+        for key in np.unique(writers):
+            info = tracker.requests.get(int(key))
+            if info is None or not info.tenant or info.tenant == reader.tenant:
+                continue
+            pages = sorted(int(p) for p in verdict.shared[writers == key])
+            parties.append(Party(info.rid, info.tenant, info.room, pages))
+        if not parties:
+            return []
+        pages = sorted(p for party in parties for p in party.pages)
+        tenants = ", ".join(sorted({p.tenant for p in parties}))
+        summary = (f"{engine.role} rank {engine.rank}: request {reader.rid} (tenant {reader.tenant}) read "
+                   f"{len(pages)} prefix-cache page(s) written by tenant(s) {tenants}, and tenants are declared isolated")
+        return [Finding("cross_tenant_prefix_share", WARNING, engine, reader_party(reader), pages, parties, ts_ns,
+                        summary, {"isolation": "declared"})]
