@@ -90,3 +90,21 @@ clean:
 
 distclean: clean
 	rm -rf $(VENV)
+
+# deploy/ (Kubernetes manifests, Dockerfiles): regenerate nothing, check everything
+# that needs no cluster and no Docker engine: generated PrometheusRule and dashboard
+# ConfigMaps in sync with alerts/ and dashboards/, `kubectl kustomize` of every
+# kustomization, strict offline schema validation (kubernetes-validate from
+# requirements/deploy.lock, installed into .kvguard-cache on first use), references,
+# the sidecar's command line, promtool, Dockerfiles; then the same under pytest with
+# the negative cases and a pod-shaped run. After changing alerts/ or dashboards/:
+# `$(PY) deploy/generate.py`.
+.PHONY: deploy-check
+deploy-check: venv apt
+	$(PY) deploy/check.py
+	$(PY) -m pytest -q tests/test_deploy.py
+
+# Performance figures (docs/performance.md): prints a table, writes bench-results.json.
+.PHONY: bench
+bench: venv
+	$(PY) -m bench.run

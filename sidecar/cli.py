@@ -79,8 +79,15 @@ def cmd_sidecar(args) -> int:
             print(f"kvguard sidecar: --record-dir: {exc}", file=sys.stderr)
             return 2
     token = load_api_token(args.api_token_file)
+    from .tracing import from_env as tracing_from_env
+
+    try:
+        tracer = tracing_from_env()  # OTEL_* variables; None (off) unless an exporter or an endpoint is set
+    except ValueError as exc:
+        print(f"kvguard sidecar: {exc}", file=sys.stderr)
+        return 2
     sidecar = Sidecar(args.ring_dir, sinks=sinks, recorder=recorder, history_events=args.history_events,
-                      isolate_tenants=args.isolate_tenants).start()
+                      isolate_tenants=args.isolate_tenants, tracer=tracer).start()
     if token is None:
         logging.getLogger("kvguard").warning("no API token configured: /v1 (incidents, timelines) answers 403")
     host, port = args.listen

@@ -176,8 +176,9 @@ def _reason(exc: BaseException) -> str:
 
 
 def push(url: str, token: str | None, dashboards: list[tuple[str, dict]], folder_uid: str | None = None,
-         overwrite: bool = False, timeout_s: float = 10.0, out=sys.stdout, err=sys.stderr) -> int:
+         overwrite: bool = False, timeout_s: float = 10.0, out=None, err=None) -> int:
     """Upload each dashboard; stop at the first failure that would fail the rest the same way."""
+    out, err = out or sys.stdout, err or sys.stderr
     from grafana_client import GrafanaApi
 
     api = GrafanaApi.from_url(url, credential=token, timeout=timeout_s)

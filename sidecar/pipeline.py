@@ -35,8 +35,10 @@ ROLE_NAMES = {wire.Role.UNIFIED: "unified", wire.Role.PREFILL: "prefill", wire.R
 
 class Pipeline:
     def __init__(self, sinks=(), history_events: int = 1 << 20, incidents: IncidentStore | None = None,
-                 isolate_tenants: bool = False):
-        self.sinks = list(sinks)
+                 isolate_tenants: bool = False, tracer=None):
+        # sidecar.tracing.TraceRecorder or None: request spans; it is also a sink (findings become span events)
+        self.tracer = tracer
+        self.sinks = list(sinks) + ([tracer] if tracer is not None else [])
         self.history = History(history_events) if history_events else None
         self.incidents = incidents or IncidentStore()
         self.engines: dict[int, EngineTracker] = {}
@@ -134,14 +136,22 @@ class Pipeline:
         elif kind == wire.Kind.REQ_BEGIN:
             t.on_request_begin(body, rec.ts_ns)
             self._record(ts, eid, Event.REQ_BEGIN, body.req_key, aux=body.prompt_tokens)
+            if self.tracer is not None:
+                self.tracer.on_request_begin(self.engine_ref(t), t.requests.get(body.req_key))
         elif kind == wire.Kind.REQ_END:
             info = t.requests.get(body.req_key)
+            row = t.rows.get(body.req_key)
+            pages = 0 if row is None else int((row.pages > 0).sum())  # before on_request_end drops the row
             t.on_request_end(body, rec.ts_ns)
             self._record(ts, eid, Event.REQ_END, body.req_key, aux=int(body.finish))
+            found = []
             if info is not None and t.hello is not None:
                 found = self._emit(self.ttft_detector.observe(eid, self.engine_ref(t), info, ts))
                 self._resolved(self.incidents.on_request_end(t.hello.pid, info.rid, ts))
-                return found
+            if self.tracer is not None:  # after the TTFT finding, so that it lands on the open span
+                self.tracer.on_request_end(self.engine_ref(t), t.requests.get(body.req_key), pages=pages,
+                                           output_tokens=body.output_tokens)
+            return found
         elif kind == wire.Kind.REJECT:
             t.on_reject(body)
             self._record(ts, eid, Event.REJECT, body.req_key, aux=int(body.phase))
@@ -243,6 +253,8 @@ class Pipeline:
     def on_engine_gone(self, engine_id: int, ts_ns: int) -> None:
         """An engine process exited (its ring was retired): close what only it could clear."""
         tracker = self.engines.pop(engine_id, None)
+        if tracker is not None and self.tracer is not None:
+            self.tracer.on_engine_gone(self.engine_ref(tracker), ts_ns)
         if tracker is not None and tracker.hello is not None:
             self._resolved(self.incidents.on_engine_gone(tracker.hello.pid, ts_ns))
 

@@ -127,7 +127,7 @@ class TraceRecorder:
         for exporter in exporters if isinstance(exporters, list) else [exporters]:
             self.provider.add_span_processor(BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer(SCOPE, _version())
-        self._open: OrderedDict[tuple[int, str], trace.Span] = OrderedDict()
+        self._open: OrderedDict[tuple, trace.Span] = OrderedDict()  # (role, rank, pid, rid) -> open span
         self._clock_offset_ns = time.time_ns() - time.monotonic_ns()
         self.counts: Counter = Counter()  # spans_started, spans_ended, evicted, finding_events, finding_spans, errors
         self._logged: set[str] = set()
@@ -155,7 +155,7 @@ class TraceRecorder:
     def on_engine_gone(self, engine: EngineRef, ts_ns: int) -> None:
         """The engine exited: its requests will never end; end their spans, marked incomplete."""
         try:
-            for key in [k for k in self._open if k[0] == engine.pid]:
+            for key in [k for k in self._open if k[:3] == _engine_key(engine)]:
                 self._close(self._open.pop(key), ts_ns)
         except Exception as exc:  # noqa: BLE001
             self._failed("on_engine_gone", exc)
@@ -179,7 +179,7 @@ class TraceRecorder:
 
     # ------------------------------------------------------------------ internals
     def _begin(self, engine: EngineRef, info: RequestInfo, ts_ns: int, begin_seen: bool) -> trace.Span:
-        key = (engine.pid, info.rid)
+        key = (*_engine_key(engine), info.rid)
         stale = self._open.pop(key, None)
         if stale is not None:  # the same rid began again on this engine (a retry): the old one never ended
             self._close(stale, ts_ns)
@@ -193,19 +193,19 @@ class TraceRecorder:
         return span
 
     def _end(self, engine: EngineRef, info: RequestInfo, pages: int | None, output_tokens: int | None) -> None:
-        span = self._open.pop((engine.pid, info.rid), None)
-        if span is None:  # began before the sidecar attached (or its REQ_BEGIN was lost)
-            span = self._begin(engine, info, info.begin_ns or info.end_ns, begin_seen=False)
-            self._open.pop((engine.pid, info.rid), None)
+        key = self._key_of(engine, info.rid)
+        if key is None:  # began before the sidecar attached (or its REQ_BEGIN was lost)
+            self._begin(engine, info, info.begin_ns or info.end_ns, begin_seen=False)
+            key = self._key_of(engine, info.rid)
+        span = self._open.pop(key)
         span.set_attributes(end_attributes(info, pages, output_tokens))
         span.end(end_time=self._wall(info.end_ns))
         self.counts["spans_ended"] += 1
 
     def _finding(self, f: Finding) -> None:
         at = self._wall(f.first_seen_ns)
-        span = None
-        if f.reader is not None:
-            span = self._open.get((f.engine.pid, f.reader.rid)) or self._open.get((0, f.reader.rid))
+        key = None if f.reader is None else self._key_of(f.engine, f.reader.rid)
+        span = None if key is None else self._open[key]
         standalone = span is None
         if standalone:  # in the reader's trace when there is a reader, else in a trace of its own
             attrs = engine_attributes(f.engine)
@@ -232,6 +232,14 @@ class TraceRecorder:
         finally:
             self._ids.use(None)
 
+    def _key_of(self, engine: EngineRef, rid: str) -> tuple | None:
+        """The open span's key for this engine's request, or None."""
+        # NOTE: an engine is "unknown" until its HELLO: a request that began before it is filed there
+        for key in ((*_engine_key(engine), rid), (*_engine_key(UNKNOWN_ENGINE), rid)):
+            if key in self._open:
+                return key
+        return None
+
     def _close(self, span: trace.Span, ts_ns: int) -> None:
         span.set_attribute(REQUEST_END_SEEN, False)
         span.end(end_time=self._wall(ts_ns))
@@ -250,6 +258,14 @@ class TraceRecorder:
 
 
 # ---------------------------------------------------------------------- attributes
+UNKNOWN_ENGINE = EngineRef("unknown", 0, 0)  # what the pipeline calls an engine before its HELLO
+
+
+def _engine_key(engine: EngineRef) -> tuple:
+    # the pid alone is not enough: engines in one process (tests, replays) share it
+    return (engine.role, engine.rank, engine.pid)
+
+
 def engine_attributes(engine: EngineRef) -> dict:
     return {ENGINE_ROLE: engine.role, ENGINE_RANK: engine.rank, ENGINE_PID: engine.pid}
 
