@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 
@@ -26,16 +25,15 @@ def parse_listen(value: str) -> tuple[str, int]:
 
 def load_api_token(path: str | None) -> str | None:
     """The /v1 bearer token: from --api-token-file, else $KVGUARD_API_TOKEN, else None (/v1 disabled)."""
-    if path:
-        try:
-            with open(path, encoding="utf-8") as f:
-                token = f.read().strip()
-        except OSError as exc:
-            raise SystemExit(f"kvguard: --api-token-file {path!r}: {exc.strerror}") from exc
-        if not token:
-            raise SystemExit(f"kvguard: --api-token-file {path!r} is empty")
-        return token
-    return os.environ.get("KVGUARD_API_TOKEN", "").strip() or None
+    from .secrets import read_secret
+
+    try:
+        token, source = read_secret(path, "--api-token-file", "KVGUARD_API_TOKEN")
+    except ValueError as exc:
+        raise SystemExit(f"kvguard: {exc}") from exc
+    if path and not token:
+        raise SystemExit(f"kvguard: {source} is empty")
+    return token or None
 
 
 def alert_sinks(args) -> list:

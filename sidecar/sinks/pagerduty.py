@@ -12,13 +12,13 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import httpx
 
 from ..findings import Finding
 from ..incidents import incident_id, incident_key
+from ..secrets import read_secret
 from .delivery import PermanentError, QueuedSink, RetryableError
 
 DEFAULT_URL = "https://events.pagerduty.com/v2/enqueue"
@@ -30,16 +30,7 @@ SEVERITY = {"critical": "critical", "warning": "warning", "info": "info"}
 
 def load_routing_key(path: str | None = None, env: str = "KVGUARD_PAGERDUTY_ROUTING_KEY") -> str:
     """From ``path`` or ``$env``; a ValueError names the setting, never the value."""
-    if path:
-        try:
-            with open(path, encoding="utf-8") as f:
-                key = f.read().strip()
-        except OSError as exc:
-            raise ValueError(f"--pagerduty-routing-key-file {path!r}: {exc.strerror}") from exc
-        source = f"--pagerduty-routing-key-file {path!r}"
-    else:
-        key = os.environ.get(env, "").strip()
-        source = f"${env}"
+    key, source = read_secret(path, "--pagerduty-routing-key-file", env)
     if not key:
         raise ValueError(f"{source}: no PagerDuty routing key")
     if not _ROUTING_KEY.match(key):
