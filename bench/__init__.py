@@ -1,0 +1,1 @@
+"""kvguard benchmarks (``make bench``): see docs/performance.md."""

@@ -1,0 +1,383 @@
+"""``make bench``: kvguard's performance figures, side by side in one run.
+
+Prints a table and writes ``bench-results.json`` at the repo root (flat dotted keys,
+e.g. ``sidecar.page_reads_per_s``; ``details`` holds the per-measurement records).
+Figures that have no kvguard code to measure yet are ``null`` with a reason in
+``notes``; nothing is estimated in their place. docs/performance.md explains every
+figure, the workload, and the bottlenecks found.
+
+    python -m bench.run                 # the full run (a few minutes on 2 busy cores)
+    python -m bench.run --quick         # tiny sizes: checks that the code runs, figures meaningless
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from . import digest_bench, sidecar_bench
+from .workload import WorkloadParams, capture
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SGLANG_VERSION = "0.5.23"
+
+# targets (the brief's "Performance" section)
+TARGET_PAGE_READS_PER_S = 200e6  # whole 8-rank node on one core, ring -> verdict
+TARGET_PROBE_US_B256 = 160.0  # <= 1% of a 16 ms decode step
+TARGET_LATENCY_MS = 100.0
+TARGET_BYTES_PER_PAGE = 64.0
+TARGET_DIGEST_RATIO = 0.8
+RING_BYTES = sidecar_bench.RING_BYTES
+
+
+class Sizes:
+    """How big each measurement is; ``quick`` shrinks everything to seconds."""
+
+    def __init__(self, quick: bool, steps: int | None):
+        self.quick = quick
+        base = WorkloadParams()
+        if quick:
+            base = replace(base, batch=8, pool_tokens=4096 * 16, page_size=16, prefix_groups=2, prefix_tokens=256,
+                           prompt_tokens=100, output_tokens=40)
+        self.base = base
+        self.steps = steps or (4 if quick else 30)
+        self.node_ranks = 2 if quick else 8
+        self.node_steps = 3 if quick else 12
+        self.latency_s = 0.8 if quick else 5.0
+        self.engine_batches = "1,4" if quick else "1,64,256"
+        self.engine_steps = 2 if quick else 30
+        self.scale_steps = 2 if quick else 10
+        self.raw_repeat = 1 if quick else 5
+
+
+def loadavg() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def git_rev() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+# --------------------------------------------------------------------------- parts
+def sidecar_part(sz: Sizes, res: dict, details: dict, log) -> None:
+    base = sz.base
+    variants = {
+        "adapter": replace(base, rows=True, assign="token"),  # what the SGLang adapter sends today
+        "no_rows": replace(base, rows=False, assign="token"),
+        "compact": replace(base, rows=False, assign="page"),
+    }
+    streams = {}
+    for name, params in variants.items():
+        log(f"capturing {name} stream ({sz.steps} steps: {params.describe()})")
+        streams[name] = capture(params, sz.steps)
+    tp = {}
+    for name, stream in streams.items():
+        log(f"sidecar throughput, {name} stream, 1 rank")
+        tp[name] = sidecar_bench.throughput(stream)
+    log(f"sidecar throughput, adapter stream, {sz.node_ranks} ranks")
+    node_stream = capture(variants["adapter"], sz.node_steps)
+    tp["node"] = sidecar_bench.throughput(node_stream, ranks=sz.node_ranks)
+    log("raw numpy gather + compare over the same page ids")
+    raw = sidecar_bench.raw_gather(streams["adapter"], repeat=sz.raw_repeat)
+    log("profiling the sidecar on the adapter stream (cProfile)")
+    prof = sidecar_bench.throughput(streams["adapter"], profile=True)
+    log("prototype: whole-batch read judge vs classify_read per request, same FORWARDs and state")
+    judge = {name: sidecar_bench.judge_prototype(capture(variants[name], max(2, sz.steps // 3)))
+             for name in ("adapter", "compact")}
+    details["sidecar_throughput"] = tp
+    details["raw_gather"] = raw
+    details["sidecar_profile"] = prof["profile"]
+    details["judge_prototype"] = judge
+    res["prototype.judge_python_page_reads_per_s"] = judge["compact"]["python_page_reads_per_s"]
+    res["prototype.judge_vectorized_page_reads_per_s"] = judge["compact"]["vectorized_page_reads_per_s"]
+    res["prototype.judge_vectorized_agrees"] = all(j["mismatches"] == 0 and j.get("corrupted_agree", True)
+                                                   for j in judge.values())
+
+    a = tp["adapter"]
+    res["sidecar.page_reads_per_s"] = a["page_reads_per_s"]
+    res["sidecar.page_reads_per_s_no_rows"] = tp["no_rows"]["page_reads_per_s"]
+    res["sidecar.page_reads_per_s_compact"] = tp["compact"]["page_reads_per_s"]
+    res["sidecar.page_reads_per_s_node"] = tp["node"]["page_reads_per_s"]
+    res["sidecar.node_ranks"] = sz.node_ranks
+    res["sidecar.records_per_s"] = a["records_per_s"]
+    res["sidecar.records_per_s_compact"] = tp["compact"]["records_per_s"]
+    res["sidecar.us_per_step_per_rank"] = a["us_per_step_per_rank"]
+    res["sidecar.findings_on_clean_stream"] = sum(t["findings"] for t in tp.values())
+    res["raw.gather_page_reads_per_s"] = raw["page_reads_per_s"]
+    res["ratio.sidecar_over_raw"] = a["page_reads_per_s"] / raw["page_reads_per_s"]
+    res["ratio.sidecar_over_target"] = a["page_reads_per_s"] / TARGET_PAGE_READS_PER_S
+    node_demand = base.page_reads_per_s * 8
+    res["workload.page_reads_per_s_per_rank"] = base.page_reads_per_s
+    res["workload.page_reads_per_s_node"] = node_demand
+    res["ratio.sidecar_over_node_demand"] = a["page_reads_per_s"] / node_demand
+    res["ratio.compact_over_adapter_stream"] = tp["compact"]["page_reads_per_s"] / a["page_reads_per_s"]
+    mem = a["memory"]
+    res["sidecar.bytes_per_page"] = mem["bytes_per_page"]
+    res["sidecar.row_bytes_per_pool_page"] = mem["row_bytes_per_pool_page"]
+    res["sidecar.history_bytes"] = mem["history_bytes"]
+    for name in ("adapter", "no_rows", "compact"):
+        s = streams[name]
+        per_s = s.step_bytes() * base.steps_per_s
+        res[f"workload.{name}.bytes_per_step"] = s.step_bytes()
+        res[f"workload.{name}.records_per_step"] = s.step_records()
+        res[f"workload.{name}.ring_bytes_per_s"] = per_s
+        res[f"workload.{name}.seconds_buffered_by_16MiB_ring"] = RING_BYTES / per_s
+
+
+
+def latency_part(sz: Sizes, res: dict, details: dict, log) -> None:
+    """Finding latency with the real Sidecar loop at three loads (adapter stream)."""
+    log(f"finding latency with the real Sidecar loop ({sz.latency_s:.0f} s each: idle, 1/16, 1/4 and 1 rank)")
+    base = replace(sz.base, rows=True, assign="token")
+    lat = {}
+    for label, frac in (("idle", 0.0), ("sixteenth_rank", 1 / 16), ("quarter_rank", 1 / 4), ("reference_rank", 1.0)):
+        lat[label] = sidecar_bench.latency(base, base.steps_per_s * frac, duration_s=sz.latency_s)
+        log(f"  {label}: p50 {lat[label]['p50_ms']} ms, p99 {lat[label]['p99_ms']} ms, sidecar CPU share "
+            f"{lat[label]['sidecar_cpu_share']:.2f}, {lat[label]['producer_dropped']} records dropped")
+    details["latency"] = lat
+    head = lat["sixteenth_rank"]
+    res["sidecar.finding_latency_p50_ms"] = head["p50_ms"]
+    res["sidecar.finding_latency_p99_ms"] = head["p99_ms"]
+    res["sidecar.finding_latency_load"] = ("adapter stream of one rank at 1/16 of the reference step rate "
+                                           "(3.75 decode steps/s of batch 256), one ring")
+    for label in ("idle", "quarter_rank", "reference_rank"):
+        res[f"sidecar.finding_latency_{label}_p50_ms"] = lat[label]["p50_ms"]
+        res[f"sidecar.finding_latency_{label}_p99_ms"] = lat[label]["p99_ms"]
+        res[f"sidecar.finding_latency_{label}_dropped_records"] = lat[label]["producer_dropped"]
+        res[f"sidecar.finding_latency_{label}_cpu_share"] = lat[label]["sidecar_cpu_share"]
+
+
+def scaling_part(sz: Sizes, res: dict, details: dict, log) -> None:
+    """Sidecar cost per page read vs batch, context, page size and ranks (no-rows stream)."""
+    base = replace(sz.base, rows=False, assign="token")
+    points = []
+
+    def point(axis, value, params, ranks=1):
+        stream = capture(params, sz.scale_steps)
+        r = sidecar_bench.throughput(stream, ranks=ranks)
+        points.append({"axis": axis, "value": value, "page_reads_per_s": r["page_reads_per_s"],
+                       "us_per_step_per_rank": r["us_per_step_per_rank"],
+                       "ns_per_page_read": 1e9 / r["page_reads_per_s"],
+                       "us_per_request_forward": r["us_per_step_per_rank"] / params.batch,
+                       "findings": r["findings"], "workload": params.describe()})
+        log(f"  {axis}={value}: {r['page_reads_per_s'] / 1e6:.2f} M page reads/s")
+
+    log("scaling (no-rows stream)")
+    ctx = int(base.mean_context_tokens)
+    batches = (2, 4, 8) if sz.quick else (16, 64, 256)
+    for b in batches:
+        point("batch", b, replace(base, batch=b))
+    contexts = (ctx // 2, ctx) if sz.quick else (4096, 8192, 32_768, 131_072)
+    for c in contexts:
+        p = base.with_context(c)
+        p = replace(p, pool_tokens=int(base.pool_tokens * max(1.0, c / max(ctx, 1))))
+        point("context_tokens", c, p)
+    page_sizes = (4, 16) if sz.quick else (1, 16, 64)
+    for ps in page_sizes:
+        point("page_size", ps, replace(base, page_size=ps))
+    for ranks in ((1, 2) if sz.quick else (1, 2, 4, 8)):
+        point("ranks", ranks, base, ranks=ranks)
+    details["scaling"] = points
+
+
+def engine_part(sz: Sizes, res: dict, details: dict, log) -> None:
+    sg = os.path.join(REPO, ".venv", "sglang", SGLANG_VERSION)
+    if not os.path.isdir(os.path.join(sg, "sglang")):
+        reason = f"SGLang {SGLANG_VERSION} not installed at {sg} (make venv)"
+        log(f"engine probes skipped: {reason}")
+        for b in (1, 64, 256):
+            res[f"engine.probe_us_per_step_b{b}"] = None
+        res["notes"]["engine"] = reason  # the tier1 null is set in main()
+        return
+    log(f"engine probes on real SGLang {SGLANG_VERSION} objects (subprocess; the SGLang import alone takes 10-20 s)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "engine.json")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [REPO, sg, os.path.join(REPO, "sidecar", "demo", "shim")] + [os.environ.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep))
+        cmd = [sys.executable, "-m", "bench.engine_bench", "--batches", sz.engine_batches, "--steps",
+               str(sz.engine_steps), "--json", out]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"engine bench failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        with open(out) as f:
+            eng = json.load(f)
+    details["engine"] = eng
+    for b, r in eng["batches"].items():
+        res[f"engine.probe_us_per_step_b{b}"] = r["probe_cpu_us_per_step"]
+        res[f"engine.probe_us_per_step_b{b}_median"] = r["probe_cpu_us_per_step_median"]
+        res[f"engine.records_per_step_b{b}"] = r["records_per_step"]
+        res[f"engine.ring_bytes_per_step_b{b}"] = r["ring_bytes_per_step"]
+        for hook, us in r["by_hook_cpu_us"].items():
+            res[f"engine.hook_{hook}_us_b{b}"] = us
+        for part, us in r["components_cpu_us"].items():
+            res[f"engine.part_{part}_us_b{b}"] = us
+        for name, v in r["proposals"].items():
+            res[f"engine.proposal_{name}_b{b}"] = v
+    big = max(eng["batches"], key=int)
+    res["ratio.engine_probe_over_target_b256"] = (
+        res[f"engine.probe_us_per_step_b{big}"] / TARGET_PROBE_US_B256 if big == "256" else None)
+
+
+def digest_part(sz: Sizes, res: dict, details: dict, log) -> None:
+    log("raw xxh3 over page-sized buffers")
+    raw = digest_bench.raw_xxh3(rounds=2 if sz.quick else 8)
+    details["digest"] = raw
+    res["digest.raw_xxh3_gbps"] = raw["gbps"]
+    res["digest.page_bytes"] = raw["page_bytes"]
+
+
+# --------------------------------------------------------------------------- table
+def _fmt(v, unit="") -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, float):
+        if abs(v) >= 1e6:
+            return f"{v / 1e6:,.2f} M{unit}"
+        if abs(v) >= 100:
+            return f"{v:,.0f}{unit}"
+        return f"{v:.3g}{unit}"
+    return f"{v}{unit}"
+
+
+def table(res: dict) -> str:
+    g = res.get
+    node = g("sidecar.node_ranks", 8)
+    rows = [
+        ("sidecar page reads/s, 1 core (adapter stream: rows + ASSIGN per token)", _fmt(g("sidecar.page_reads_per_s")),
+         ">= 200 M (8-rank node)", _status(g("sidecar.page_reads_per_s"), TARGET_PAGE_READS_PER_S, True)),
+        ("  same, FORWARD without rows", _fmt(g("sidecar.page_reads_per_s_no_rows")), "", ""),
+        ("  same, no rows + ASSIGN only on new pages", _fmt(g("sidecar.page_reads_per_s_compact")), "", ""),
+        (f"  {node} rings (RingSet merge), adapter stream", _fmt(g("sidecar.page_reads_per_s_node")), "", ""),
+        ("raw numpy gather+compare, same page ids", _fmt(g("raw.gather_page_reads_per_s")), "", ""),
+        ("ratio sidecar / raw", _fmt(g("ratio.sidecar_over_raw")), "", ""),
+        ("ratio sidecar / 8-rank node demand (63 M/s)", _fmt(g("ratio.sidecar_over_node_demand")),
+         ">= 1 (3.2 with room)", ""),
+        ("sidecar records/s (adapter stream)", _fmt(g("sidecar.records_per_s")), "", ""),
+        ("prototype read judge: per request (today) vs whole batch",
+         f"{_fmt(g('prototype.judge_python_page_reads_per_s'))} vs "
+         f"{_fmt(g('prototype.judge_vectorized_page_reads_per_s'))}", "", ""),
+        ("sidecar CPU per decode step per rank", _fmt(g("sidecar.us_per_step_per_rank"), " us"),
+         "<= 2,083 us (8 ranks per 16.7 ms step)", ""),
+        ("finding latency p50 / p99 (1/16 rank load)",
+         f"{_fmt(g('sidecar.finding_latency_p50_ms'))} / {_fmt(g('sidecar.finding_latency_p99_ms'))} ms", "< 100 ms",
+         _status(g("sidecar.finding_latency_p99_ms"), TARGET_LATENCY_MS, False)),
+        ("  idle p50 / p99",
+         f"{_fmt(g('sidecar.finding_latency_idle_p50_ms'))} / {_fmt(g('sidecar.finding_latency_idle_p99_ms'))} ms", "",
+         ""),
+        ("  1/4 rank load p50 / p99",
+         f"{_fmt(g('sidecar.finding_latency_quarter_rank_p50_ms'))} / "
+         f"{_fmt(g('sidecar.finding_latency_quarter_rank_p99_ms'))} ms "
+         f"({g('sidecar.finding_latency_quarter_rank_dropped_records')} records dropped)", "", ""),
+        ("  1 rank reference load p50 / p99",
+         f"{_fmt(g('sidecar.finding_latency_reference_rank_p50_ms'))} / "
+         f"{_fmt(g('sidecar.finding_latency_reference_rank_p99_ms'))} ms "
+         f"({g('sidecar.finding_latency_reference_rank_dropped_records')} records dropped)", "", ""),
+        ("tracker bytes per page (PagePool arrays)", _fmt(g("sidecar.bytes_per_page")), "<= 64",
+         _status(g("sidecar.bytes_per_page"), TARGET_BYTES_PER_PAGE, False)),
+        ("  + live rows, bytes per pool page", _fmt(g("sidecar.row_bytes_per_pool_page")), "", ""),
+        ("  history (bounded, fixed size)", _fmt((g("sidecar.history_bytes") or 0) / 2**20, " MiB"), "bounded", ""),
+    ]
+    for b in (1, 64, 256, 4):
+        v = g(f"engine.probe_us_per_step_b{b}", "absent")
+        if v == "absent":
+            continue
+        rows.append((f"engine probe CPU per decode step, batch {b}", _fmt(v, " us"),
+                     "<= 160 us" if b == 256 else "",
+                     _status(v, TARGET_PROBE_US_B256, False) if b == 256 else ""))
+    rows += [
+        ("  proposal: vectorized FORWARD, no rows, batch 256",
+         _fmt(g("engine.proposal_forward_no_rows_us_b256"), " us"), "", ""),
+        ("  proposal: rows via page-strided gather, batch 256",
+         _fmt(g("engine.proposal_forward_rows_page_strided_us_b256"), " us"), "", ""),
+        ("  proposal: ASSIGN only at page starts, batch 256",
+         _fmt(g("engine.proposal_assign_page_starts_only_us_b256"), " us"), "", ""),
+        ("engine probe CPU per step, batch 256, Tier 1 on", "null (not implemented)", "<= 1% step (GPU)", "n/a"),
+        ("digest path GB/s", "null (not implemented)", ">= 80% of raw", "n/a"),
+        ("raw xxh3 GB/s (73,728-byte pages)", _fmt(g("digest.raw_xxh3_gbps")), "", ""),
+        ("ring bytes/s per rank: adapter stream", _fmt(g("workload.adapter.ring_bytes_per_s"), "B"),
+         f"16 MiB ring = {_fmt(g('workload.adapter.seconds_buffered_by_16MiB_ring'))} s", ""),
+        ("ring bytes/s per rank: no rows", _fmt(g("workload.no_rows.ring_bytes_per_s"), "B"),
+         f"16 MiB ring = {_fmt(g('workload.no_rows.seconds_buffered_by_16MiB_ring'))} s", ""),
+        ("ring bytes/s per rank: compact", _fmt(g("workload.compact.ring_bytes_per_s"), "B"),
+         f"16 MiB ring = {_fmt(g('workload.compact.seconds_buffered_by_16MiB_ring'))} s", ""),
+    ]
+    w = [max(len(r[i]) for r in rows) for i in range(4)]
+    head = ("metric", "value", "target", "status")
+    w = [max(w[i], len(head[i])) for i in range(4)]
+    lines = ["  ".join(h.ljust(w[i]) for i, h in enumerate(head)).rstrip(), "  ".join("-" * x for x in w)]
+    lines += ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def _status(v, target, higher_better: bool) -> str:
+    if v is None:
+        return "n/a"
+    ok = v >= target if higher_better else v <= target
+    return "meets" if ok else f"misses ({v / target:.3g}x target)"
+
+
+# --------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="kvguard benchmarks (docs/performance.md)")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (seconds): checks the code, not the figures")
+    ap.add_argument("--steps", type=int, default=None, help="decode steps per throughput measurement")
+    ap.add_argument("--out", default=os.path.join(REPO, "bench-results.json"))
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: digest,sidecar,latency,engine,scaling")
+    args = ap.parse_args(argv)
+    skip = {s for s in args.skip.split(",") if s}
+    sz = Sizes(args.quick, args.steps)
+    t0 = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    res: dict = {"meta.quick": sz.quick, "meta.loadavg_start": loadavg(), "meta.cpus": os.cpu_count(),
+                 "meta.python": platform.python_version(), "meta.numpy": np.__version__, "meta.git": git_rev(),
+                 "meta.time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "meta.workload": sz.base.describe(),
+                 "meta.clock": "sidecar and engine figures are CPU time of the measuring thread (thread_time_ns)",
+                 "notes": {}}
+    # nothing to measure yet: null with the reason, never an estimate
+    res["engine.probe_us_per_step_b256_tier1"] = None
+    res["notes"]["engine.probe_us_per_step_b256_tier1"] = \
+        "not implemented: Tier 1 (the on-device read check) does not exist yet"
+    res["digest.gbps"] = None
+    res["ratio.digest_over_raw_xxh3"] = None
+    res["notes"]["digest.gbps"] = digest_bench.NOT_IMPLEMENTED
+    details: dict = {}
+    parts = (("digest", digest_part), ("sidecar", sidecar_part), ("latency", latency_part), ("engine", engine_part),
+             ("scaling", scaling_part))
+    for name, fn in parts:
+        if name in skip:
+            continue
+        res["meta.loadavg_" + name] = loadavg()
+        fn(sz, res, details, log)
+    res["meta.loadavg_end"] = loadavg()
+    res["meta.seconds"] = round(time.time() - t0, 1)
+    res["details"] = details
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1, default=float)
+    print(table(res))
+    print(f"\nload average (1/5/15 min) start {res['meta.loadavg_start']}, end {res['meta.loadavg_end']} on "
+          f"{res['meta.cpus']} CPUs; {res['meta.seconds']} s; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
