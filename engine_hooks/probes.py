@@ -172,20 +172,45 @@ class Probes:
         self._emit(wire.Kind.ASSIGN, wire.assign_payload(a))
 
     @_guarded
-    def forward(self, rids, seq_lens, written_slots, read_rows=None, mode: int = 0) -> None:
+    def forward(self, rids, seq_lens, written_slots, read_rows=None, mode: int = 0, written_counts=None,
+                rows_are_page_starts: bool = False) -> None:
+        """One forward: per request the slots it writes, then the first ``seq_len`` tokens it reads.
+
+        ``written_slots``: a list of per-request slot arrays, or (with ``written_counts``)
+        one flat array holding them back to back, which is much cheaper at large batches.
+        ``read_rows``: optional per-request actual rows (the engine's req_to_token); with
+        ``rows_are_page_starts`` each entry holds only the slots at positions 0, page_size,
+        2*page_size, ... (one per row page) rather than every slot.
+        """
         n = len(rids)
         if n == 0:
             return
+        ps = self.page_size
         keys = np.fromiter((wire.request_key(r) for r in rids), dtype=np.uint64, count=n)
-        written = [self.slots_to_pages(s) for s in written_slots]
-        write_counts = np.fromiter((len(w) for w in written), dtype=np.uint32, count=n)
+        if written_counts is None:
+            written_counts = [len(w) for w in written_slots]
+            written_slots = np.concatenate([as_int64(w) for w in written_slots]) if n else np.zeros(0, np.int64)
+        flat = as_int64(written_slots) // ps
+        counts = np.asarray(written_counts, dtype=np.int64)
+        # one entry per page per request: drop consecutive repeats inside each request's run
+        keep = np.ones(len(flat), bool)
+        if len(flat) > 1:
+            keep[1:] = flat[1:] != flat[:-1]
+            starts = np.cumsum(counts)[:-1]
+            keep[starts[starts < len(flat)]] = True
+        owner = np.repeat(np.arange(n), counts)
+        write_pages = flat[keep]
+        write_counts = np.bincount(owner[keep], minlength=n).astype(np.uint32)
         read_counts = read_pages = None
         if read_rows is not None:
-            rows = [self.row_pages(0, r) for r in read_rows]
+            if rows_are_page_starts:
+                rows = [as_int64(r) // ps for r in read_rows]
+            else:
+                rows = [self.row_pages(0, r) for r in read_rows]
             read_counts = np.fromiter((len(r) for r in rows), dtype=np.uint32, count=n)
             read_pages = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-        f = wire.Forward(keys, as_int64(seq_lens).astype(np.uint32), write_counts,
-                         np.concatenate(written) if written else np.zeros(0, np.int64), read_counts, read_pages, mode)
+        f = wire.Forward(keys, as_int64(seq_lens).astype(np.uint32), write_counts, write_pages, read_counts,
+                         read_pages, mode)
         self._emit(wire.Kind.FORWARD, wire.forward_payload(f))
         self._maybe_heartbeat()
 

@@ -153,7 +153,8 @@ def parties(f: Finding) -> list[tuple[str, str, list[int]]]:
 
 
 def fault_env(events_dir: Path, faults: str) -> dict[str, str]:
-    return {"KVGUARD_FAULT": faults, "KVGUARD_FAULT_DIR": str(events_dir)}
+    return {"KVGUARD_FAULT": faults, "KVGUARD_FAULT_DIR": str(events_dir),
+            "KVGUARD_ROW_SAMPLE_EVERY": "1"}  # the row-corruption fault lives for one step
 
 
 # --------------------------------------------------------------------------- unified engine: faults 1-4

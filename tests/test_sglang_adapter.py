@@ -495,6 +495,34 @@ def test_alloc_for_extend_rows_and_prefix(probes):
     assert got == [("a", 0, 6, 2, [40, 41, 8, 9, 10, 11]), ("b", 4, 10, 4, [24, 25, 26, 27, 28, 29])]
 
 
+def test_rows_are_sampled_every_nth_forward_and_gather_page_starts_only(probes):
+    pool = FakePool()
+    pool.req_to_token[1, :9] = torch.tensor([20, 21, 22, 23, 40, 41, 42, 43, 8])
+    runner = types.SimpleNamespace(req_to_token_pool=pool, is_draft_worker=False)
+    fb = types.SimpleNamespace(forward_mode=_Mode(False), rids=["a"], seq_lens_cpu=torch.tensor([9]),
+                               seq_lens=None, out_cache_loc=torch.tensor([8]), extend_seq_lens_cpu=None,
+                               req_pool_indices=torch.tensor([1]))
+    rt.State.page_size, rt.State.row_sample_every = 4, 3
+    hr._forward_count[0] = 0
+    hook = hr.forward_hook("forward")
+    for _ in range(6):
+        hook(lambda self, fb: None, runner, fb)
+    rows = [c[1][3] for c in probes.named("forward")]
+    assert [r is not None for r in rows] == [False, False, True, False, False, True]
+    assert arr(rows[2][0]) == [20, 40, 8]  # positions 0, 4, 8: one slot per page
+
+
+def test_decode_assigns_only_when_a_token_starts_a_page(probes):
+    a, b = _req("a", row=1), _req("b", row=2)
+    batch = types.SimpleNamespace(reqs=[a, b], seq_lens_cpu=torch.tensor([8, 9]),
+                                  model_config=types.SimpleNamespace(is_encoder_decoder=False))
+    rt.State.page_size = 4
+    hook = hr.alloc_for_decode_hook("alloc_for_decode")
+    hook(lambda batch, token_per_req: torch.tensor([33, 50]), batch, token_per_req=1)
+    got = [(c[1][0], c[1][1]) for c in probes.named("rows_assigned")]
+    assert got == [("a", 8)]  # b's position 9 lives in its current page
+
+
 def test_alloc_for_decode_rows(probes):
     a, b = _req("a", row=1), _req("b", row=2)
     batch = types.SimpleNamespace(reqs=[a, b], seq_lens_cpu=torch.tensor([6, 9]),
@@ -525,18 +553,21 @@ def test_forward_split_and_rows(probes):
                                seq_lens=None, out_cache_loc=torch.tensor([6, 7, 8, 14]),
                                extend_seq_lens_cpu=[3, 1], req_pool_indices=torch.tensor([1, 2]))
     hook = hr.forward_hook("forward")
+    rt.State.row_sample_every = 1  # rows with every forward (page size 1: every position starts a page)
     assert hook(lambda self, fb: "ran", runner, fb) == "ran"
-    (_, args, _), = probes.named("forward")
+    (_, args, kwargs), = probes.named("forward")
     rids, seq_lens, written, read_rows = args
     assert rids == ["a", "b"] and seq_lens == [5, 3]
-    assert [arr(w) for w in written] == [[6, 7, 8], [14]]
+    assert arr(written) == [6, 7, 8, 14] and kwargs["written_counts"] == [3, 1]
+    assert kwargs["rows_are_page_starts"] is True
     assert [arr(r) for r in read_rows] == [[4, 5, 6, 7, 8], [12, 13, 14]]
     # decode: one slot each; idle batches and draft workers are skipped
     fb2 = types.SimpleNamespace(forward_mode=_Mode(False), rids=["a", "b"], seq_lens_cpu=torch.tensor([5, 3]),
                                 seq_lens=None, out_cache_loc=torch.tensor([8, 14]), extend_seq_lens_cpu=None,
                                 req_pool_indices=torch.tensor([1, 2]))
     hook(lambda self, fb: None, runner, fb2)
-    assert [arr(w) for w in probes.named("forward")[-1][1][2]] == [[8], [14]]
+    assert arr(probes.named("forward")[-1][1][2]) == [8, 14]
+    assert probes.named("forward")[-1][2]["written_counts"] == [1, 1]
     runner.is_draft_worker = True
     hook(lambda self, fb: None, runner, fb2)
     assert len(probes.named("forward")) == 2

@@ -143,7 +143,8 @@ def run_engine(version: str, mode: str, tmp_path: Path) -> tuple[list, dict]:
     env = dict(os.environ)
     env.update(PYTHONPATH=f"{shim}{os.pathsep}{sglang_dir}", KVGUARD_RING_DIR=str(ring_dir), TRITON_INTERPRET="1",
                MOONCAKE_PROTOCOL="tcp", MC_FORCE_TCP="1", KVGUARD_SGLANG_CPU_COMPAT="1",
-               KVG_BOOTSTRAP_PORT=str(_free_port()), SGLANG_DISAGGREGATION_WAITING_TIMEOUT="20")
+               KVG_BOOTSTRAP_PORT=str(_free_port()), SGLANG_DISAGGREGATION_WAITING_TIMEOUT="20",
+               KVGUARD_ROW_SAMPLE_EVERY="1")  # every forward carries its rows: the replay below checks them all
     env.pop("KVGUARD_DISABLE", None)
     proc = subprocess.run([sys.executable, str(tmp_path / "driver.py"), mode, str(tmp_path / "model")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)

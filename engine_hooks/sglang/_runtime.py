@@ -161,6 +161,7 @@ class State:
     rejected: _Bounded = _Bounded()  # rid -> True once REJECT went out
     xfer_failed: _Bounded = _Bounded()  # prefill rids whose sender failed (inflight queue)
     tenant_fields: tuple = DEFAULT_TENANT_FIELDS
+    row_sample_every: int = 16  # set from KVGUARD_ROW_SAMPLE_EVERY at load (hooks_rows.row_sample_every)
 
     @classmethod
     def reset(cls) -> None:
@@ -173,6 +174,7 @@ class State:
         cls.rejected = _Bounded()
         cls.xfer_failed = _Bounded()
         cls.tenant_fields = tenant_fields_from_env()
+        cls.row_sample_every = 16
         _disabled.clear()
         _errors.clear()
 

@@ -24,6 +24,8 @@ attention reads (``seq_lens``), the slots it writes (``out_cache_loc`` split by
 
 from __future__ import annotations
 
+import os
+
 from . import _runtime as rt
 from ._runtime import State
 
@@ -31,14 +33,40 @@ from ._runtime import State
 _SHARED_WRITERS = ("radix", "hicache", "session")
 
 
-def _rows_block(req_to_token, rows: list, length: int):
-    """req_to_token[rows, :length] on the host, one copy."""
+def _rows_block(req_to_token, rows: list, length: int, step: int = 1):
+    """req_to_token[rows, :length:step] on the host, one copy."""
     import torch
 
     if length <= 0:
         return torch.zeros((len(rows), 0), dtype=torch.int64)
     idx = torch.as_tensor(rows, dtype=torch.int64, device=req_to_token.device)
-    return req_to_token[idx, :length].to("cpu", torch.int64)
+    return req_to_token[idx, :length:step].to("cpu", torch.int64)
+
+
+ROW_SAMPLE_ENV = "KVGUARD_ROW_SAMPLE_EVERY"
+
+
+def row_sample_every() -> int:
+    """Send the engine's actual rows (page-table truth) with every Nth forward; 0 = never.
+
+    The sidecar judges every read of every forward against its own model of each
+    request's row (built from the ASSIGN records); the sampled rows additionally catch
+    rows corrupted behind the hooks' back. Default 16: at batch 256 and 32k context a
+    sampled step gathers ~131k page ids (about a millisecond on the host), every other
+    step sends only seq_lens.
+    """
+    raw = os.environ.get(ROW_SAMPLE_ENV, "16")
+    try:
+        value = int(raw)
+        if value < 0:
+            raise ValueError
+    except ValueError:
+        rt.log.error("kvguard: %s=%r is not a non-negative integer; using 16", ROW_SAMPLE_ENV, raw)
+        return 16
+    return value
+
+
+_forward_count = [0]
 
 
 # --------------------------------------------------------------------------- row map
@@ -162,8 +190,11 @@ def _decode_post(old_lens, result, batch, *args, **kwargs):
     if out.numel() != tpr * len(batch.reqs):
         return
     p = rt.probes()
+    ps = State.page_size
     for i, r in enumerate(batch.reqs):
         s = old_lens[i]
+        if tpr == 1 and s % ps:
+            continue  # the token lands in the request's current last page, already assigned
         p.rows_assigned(r.rid, s, s + tpr, s, out[i * tpr : (i + 1) * tpr])
 
 
@@ -192,14 +223,17 @@ def _forward_pre(self, *args, **kwargs):
         counts = [int(x) for x in list(fb.extend_seq_lens_cpu)[:n]]
     else:
         counts = [out.numel() // n] * n
-    if sum(counts) == out.numel():
-        written = list(torch.split(out, counts))
-    else:  # padded / speculative layouts we do not model: report no writes
-        written = [out[:0]] * n
-    rows = [int(x) for x in rt.to_list(fb.req_pool_indices)[:n]]
-    block = _rows_block(self.req_to_token_pool.req_to_token, rows, max(seq_lens) if seq_lens else 0)
-    read_rows = [block[i, : seq_lens[i]] for i in range(n)]
-    rt.probes().forward(list(rids), seq_lens, written, read_rows)
+    if sum(counts) != out.numel():  # padded / speculative layouts we do not model: report no writes
+        out, counts = out[:0], [0] * n
+    read_rows = None
+    every = State.row_sample_every
+    _forward_count[0] += 1
+    if every and _forward_count[0] % every == 0:
+        ps = State.page_size
+        rows = [int(x) for x in rt.to_list(fb.req_pool_indices)[:n]]
+        block = _rows_block(self.req_to_token_pool.req_to_token, rows, max(seq_lens) if seq_lens else 0, ps)
+        read_rows = [block[i, : -(-seq_lens[i] // ps)] for i in range(n)]
+    rt.probes().forward(list(rids), seq_lens, out, read_rows, written_counts=counts, rows_are_page_starts=True)
 
 
 def forward_hook(name: str):
