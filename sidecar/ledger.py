@@ -45,6 +45,9 @@ class RoomState:
     receiver_engine: int | None = None
     receiver_key: int = 0
     reserve_ns: int = 0
+    done_status: int = 0  # receiver's XferStatus once it reported
+    deadline_ns: int = 0  # pending pairing: give up waiting for the sender's last chunk at this time
+    provisional: object = None  # what the pipeline saved when it took the pages as written provisionally
 
 
 @dataclass(slots=True)
@@ -59,11 +62,18 @@ class Pairing:
     sent_pages: int
     reserved_pages: int
     verified: bool  # False: no sender record could be expected here
+    provisional: bool = False  # receiver succeeded before the sender's last chunk was seen: decided later
+    receiver_engine: int | None = None
+    state: object = None  # the RoomState (provisional pairings keep their saved page state there)
 
 
 class TransferLedger:
-    def __init__(self, max_rooms: int = 100_000, max_closed: int = 10_000):
+    def __init__(self, max_rooms: int = 100_000, max_closed: int = 10_000, grace_ns: int = 2_000_000_000):
         self.rooms: dict[int, RoomState] = {}
+        # receiver reported success before the sender's last chunk was applied: the adapter emits
+        # XFER_SEND after send_kv_chunk returns, and Mooncake's transfer thread may finish first
+        self.pending: dict[int, RoomState] = {}
+        self.grace_ns = grace_ns
         self.closed: OrderedDict[int, RoomState] = OrderedDict()  # receiver done; late chunks are suspect
         self.max_closed = max_closed
         self.max_rooms = max_rooms
@@ -80,9 +90,10 @@ class TransferLedger:
         return state
 
     def late_target(self, x: wire.XferSend, page_size: int) -> tuple[RoomState, np.ndarray] | None:
-        """For a chunk sent after its receiver finished: the room and the decode pages it lands in."""
+        """For a chunk sent after its receiver gave up: the room and the decode pages it lands in.
+        (A receiver that reported success had all the bytes: nothing after that is late.)"""
         state = self.closed.get(x.room)
-        if state is None or state.reserved_pages is None:
+        if state is None or state.reserved_pages is None or state.done_status == wire.XferStatus.SUCCESS:
             return None
         first, end = x.token_start // page_size, -(-x.token_end // page_size)
         return state, state.reserved_pages[first:min(end, len(state.reserved_pages))].astype(np.int64)
@@ -92,20 +103,40 @@ class TransferLedger:
         while len(self.closed) > self.max_closed:
             self.closed.popitem(last=False)
 
-    def on_send(self, engine_id: int, x: wire.XferSend) -> None:
+    def on_send(self, engine_id: int, x: wire.XferSend, page_size: int) -> Pairing | None:
+        """Record a chunk; returns the final pairing when it completes a pending room."""
         self.sender_engines_seen.add(engine_id)
+        chunk = SentChunk(x.token_start, x.token_end, x.is_last, len(x.pages), x.digest)
+        pending = self.pending.get(x.room)
+        if pending is not None:
+            pending.chunks.append(chunk)
+            if x.is_last:
+                del self.pending[x.room]
+                return self._pair(pending, page_size)
+            return None
         state = self._room(x.room)
         state.sender_engine = engine_id
-        state.chunks.append(SentChunk(x.token_start, x.token_end, x.is_last, len(x.pages), x.digest))
+        state.chunks.append(chunk)
+        return None
+
+    def expire(self, now_ns: int, page_size_of) -> list[Pairing]:
+        """Pending rooms whose sender never sent its last chunk in time: decide with what was sent."""
+        out = []
+        for room, state in list(self.pending.items()):
+            if now_ns >= state.deadline_ns:
+                del self.pending[room]
+                out.append(self._pair(state, page_size_of(state.receiver_engine)))
+        return out
 
     def on_reserve(self, engine_id: int, x: wire.XferReserve, ts_ns: int) -> None:
         state = self._room(x.room)
         state.receiver_engine, state.receiver_key = engine_id, x.req_key
         state.reserved_tokens, state.reserved_pages, state.reserve_ns = x.tokens, x.pages, ts_ns
 
-    def on_receiver_done(self, x: wire.XferDone, page_size: int) -> Pairing | None:
+    def on_receiver_done(self, x: wire.XferDone, page_size: int, ts_ns: int = 0) -> Pairing | None:
         state = self.rooms.pop(x.room, None)
         if state is not None and state.reserved_pages is not None:
+            state.done_status = int(x.status)
             self._close(state)
         if state is None or state.reserved_pages is None or x.status != wire.XferStatus.SUCCESS:
             return None
@@ -113,7 +144,18 @@ class TransferLedger:
         if not state.chunks and not self.sender_engines_seen:
             self.unverified += 1
             return Pairing(x.room, state.receiver_key, np.arange(n_reserved), state.reserved_tokens,
-                           state.reserved_tokens, n_reserved, n_reserved, verified=False)
+                           state.reserved_tokens, n_reserved, n_reserved, verified=False,
+                           receiver_engine=state.receiver_engine, state=state)
+        if not any(c.is_last for c in state.chunks):
+            state.deadline_ns = ts_ns + self.grace_ns
+            self.pending[x.room] = state
+            return Pairing(x.room, state.receiver_key, np.arange(n_reserved), state.reserved_tokens,
+                           state.reserved_tokens, n_reserved, n_reserved, verified=False, provisional=True,
+                           receiver_engine=state.receiver_engine, state=state)
+        return self._pair(state, page_size)
+
+    def _pair(self, state: RoomState, page_size: int) -> Pairing:
+        n_reserved = len(state.reserved_pages)
         written: list[np.ndarray] = []
         sent_tokens = 0
         for c in state.chunks:
@@ -122,5 +164,6 @@ class TransferLedger:
             sent_tokens = max(sent_tokens, c.token_end)
         rows = np.unique(np.concatenate(written)) if written else np.zeros(0, np.int64)
         self.paired += 1
-        return Pairing(x.room, state.receiver_key, rows, sent_tokens, state.reserved_tokens,
-                       sum(c.num_pages for c in state.chunks), n_reserved, verified=True)
+        return Pairing(state.room, state.receiver_key, rows, sent_tokens, state.reserved_tokens,
+                       sum(c.num_pages for c in state.chunks), n_reserved, verified=True,
+                       receiver_engine=state.receiver_engine, state=state)

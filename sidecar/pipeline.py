@@ -166,7 +166,11 @@ class Pipeline:
             return self._emit(found)
         elif kind == wire.Kind.XFER_SEND:
             found = self._late_send(body, ts)
-            self.ledger.on_send(rec.engine_id, body)
+            receiver = self.ledger.pending.get(body.room)
+            receiver_t = self.engines.get(receiver.receiver_engine) if receiver is not None else None
+            final = self.ledger.on_send(rec.engine_id, body, receiver_t.page_size if receiver_t else t.page_size)
+            if final is not None:
+                found += self._apply_final([final], ts)
             return found
         elif kind == wire.Kind.XFER_RESERVE:
             self.ledger.on_reserve(rec.engine_id, body, rec.ts_ns)
@@ -205,17 +209,49 @@ class Pipeline:
         return findings
 
     def _on_transfer_done(self, t: EngineTracker, x: wire.XferDone, ts_ns: int) -> list[Finding]:
-        pairing = self.ledger.on_receiver_done(x, t.page_size)
+        pairing = self.ledger.on_receiver_done(x, t.page_size, ts_ns)
         if pairing is None:
             return []
         row = t.rows.get(pairing.receiver_key)
+        if pairing.provisional:
+            # the sender's last chunk is not applied yet (its record may trail the receiver's):
+            # take the pages as written for now, remember what they held, decide on the chunk
+            if row is not None:
+                pages = row.pages[: pairing.reserved_pages]
+                pages = pages[pages > 0]
+                pairing.state.provisional = (pages, t.pool.gen[pages].copy(), t.pool.written_gen[pages].copy())
+                t.pool.written_gen[pages] = t.pool.gen[pages]
+            return []
+        return self._apply_pairing(t, pairing, ts_ns)
+
+    def _apply_pairing(self, t: EngineTracker, pairing, ts_ns: int) -> list[Finding]:
+        row = t.rows.get(pairing.receiver_key)
+        saved = getattr(pairing.state, "provisional", None)
+        found: list[Finding] = []
+        if saved is not None:
+            pages, gens, written_gen = saved
+            unchanged = t.pool.gen[pages] == gens  # not reallocated meanwhile
+            t.pool.written_gen[pages[unchanged]] = written_gen[unchanged]  # undo the provisional mark
         if row is not None:
             idx = pairing.written_row_pages[pairing.written_row_pages < len(row.pages)]
             t.mark_written(pairing.receiver_key, row.pages[idx], ts_ns)
             self._record(ts_ns, t.engine_id, Event.TRANSFER_WRITE, pairing.receiver_key, row.pages[idx],
                          aux=pairing.sent_tokens)
-        found = self.transfer_detector.observe(t, self.engine_ref(t), pairing, ts_ns)
+            if saved is not None and pairing.sent_tokens < pairing.reserved_tokens:
+                # decode already attended over these pages while we waited: judge that read now
+                verdict = t.classify_read(pairing.receiver_key, pairing.reserved_tokens, None)
+                if verdict is not None:
+                    found += self.read_detector.observe(t, self.engine_ref(t), verdict, ts_ns)
+        found += self.transfer_detector.observe(t, self.engine_ref(t), pairing, ts_ns)
         return self._emit(found)
+
+    def _apply_final(self, pairings, ts_ns: int) -> list[Finding]:
+        found = []
+        for pairing in pairings:
+            t = self.engines.get(pairing.receiver_engine)
+            if t is not None:
+                found += self._apply_pairing(t, pairing, ts_ns)
+        return found
 
     def _late_send(self, x: wire.XferSend, ts_ns: int) -> list[Finding]:
         """A chunk sent for a room whose receiver already finished: does it land in pages
@@ -259,4 +295,6 @@ class Pipeline:
             self._resolved(self.incidents.on_engine_gone(tracker.hello.pid, ts_ns))
 
     def tick(self, now_ns: int) -> None:
+        page_size_of = lambda eid: self.engines[eid].page_size if eid in self.engines else 1  # noqa: E731
+        self._apply_final(self.ledger.expire(now_ns, page_size_of), now_ns)
         self._resolved(self.incidents.tick(now_ns))

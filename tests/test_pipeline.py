@@ -9,6 +9,8 @@ prompt was rejected by prefill, which still sent 1 token; decode had reserved 4 
     initech:       sent     stale    stale    stale   <- decode reads all four
 """
 
+import time
+
 import numpy as np
 
 from engine_hooks.probes import Probes
@@ -187,3 +189,55 @@ def test_deferred_release_keeps_a_late_chunk_harmless(tmp_path):
     decode.pages_freed(slots([1, 2]), "deferred")
     _, findings = run(tmp_path)
     assert findings == []
+
+
+def _reserve_and_complete(prefill, decode, rid, room, tokens, pages):
+    for p in (prefill, decode):
+        p.request_begin(rid, "initech", room, tokens, 0, False)
+    decode.pages_allocated(slots(pages))
+    decode.rows_assigned(rid, 0, tokens, 0, slots(pages)[:tokens])
+    decode.transfer_reserved(rid, room, tokens, slots(pages)[:tokens])
+    decode.transfer_done(rid, room, "receiver", "success")  # before the sender's record
+    decode.forward([rid], [tokens + 1], [[]], None)
+
+
+def test_a_sender_record_trailing_the_receivers_success_is_no_false_alarm(tmp_path):
+    """Mooncake's transfer thread can finish (and decode poll success, and read, and even
+    free the pages) before the prefill adapter emits XFER_SEND for the chunk."""
+    prefill, decode = engines(tmp_path)
+    last = pd_request(prefill, decode, "r-acme", "acme", 11, [1, 2], 8, 8)
+    finish(decode, "r-acme", [1, 2, last])
+    _reserve_and_complete(prefill, decode, "r-x", 12, 8, [1, 2])
+    decode.request_end("r-x", "length", 1, 1, 1, "")
+    decode.pages_freed(slots([1, 2]))
+    prefill.transfer_sent("r-x", 12, 0, 8, [50, 51], True)
+    sidecar, findings = run(tmp_path)
+    assert findings == [] and sidecar.pipeline.ledger.pending == {}
+    sidecar.stop()
+
+
+def test_a_trailing_short_send_is_still_caught_with_the_exposed_parties(tmp_path):
+    prefill, decode = engines(tmp_path)
+    last = pd_request(prefill, decode, "r-acme", "acme", 11, [1, 2], 8, 8)
+    finish(decode, "r-acme", [1, 2, last])
+    _reserve_and_complete(prefill, decode, "r-x", 12, 8, [1, 2])
+    prefill.transfer_sent("r-x", 12, 0, 1, [50], True)  # 1 token, after decode already read
+    sidecar, findings = run(tmp_path)
+    assert sorted(f.kind for f in findings) == ["transfer_size_mismatch", "unwritten_read"]
+    (read,) = [f for f in findings if f.kind == "unwritten_read"]
+    assert read.pages == [2] and [(e.rid, e.tenant) for e in read.exposed] == [("r-acme", "acme")]
+    sidecar.stop()
+
+
+def test_a_send_that_never_comes_is_decided_after_the_grace_period(tmp_path):
+    prefill, decode = engines(tmp_path)
+    prefill.transfer_sent("r-other", 99, 0, 4, [50], True)  # a sender is known here, so one is expected
+    _reserve_and_complete(prefill, decode, "r-x", 12, 8, [1, 2])
+    sink = MemorySink()
+    sidecar = Sidecar(str(tmp_path), sinks=[sink], slack_ns=0)
+    sidecar.run_once(flush=True)
+    assert sink.findings == [] and list(sidecar.pipeline.ledger.pending) == [12]
+    sidecar.pipeline.tick(time.monotonic_ns() + 3_000_000_000)
+    (size,) = [f for f in sink.findings if f.kind == "transfer_size_mismatch"]
+    assert size.evidence["sent_tokens"] == 0
+    sidecar.stop()

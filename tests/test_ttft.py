@@ -40,10 +40,10 @@ def test_the_incidents_placeholder_prefill_is_flagged_after_warmup():
     rng = random.Random(3)
     for r in realistic_stream(rng, 200):
         det.observe(1, ENGINE, r, 0)
-    # 600 prompt tokens answered after a 1-token prefill: ~3 ms
-    (f,) = det.observe(1, ENGINE, req(999, 600, 3_000_000), 42)
+    # 2,000 prompt tokens answered after a 1-token prefill: ~3 ms
+    (f,) = det.observe(1, ENGINE, req(999, 2000, 3_000_000), 42)
     assert f.kind == "ttft_anomaly" and f.reader.rid == "r999"
-    assert f.evidence["uncached_tokens"] == 600 and f.evidence["ns_per_token"] == 5000.0
+    assert f.evidence["uncached_tokens"] == 2000 and f.evidence["ns_per_token"] == 1500.0
 
 
 def test_cold_start_is_learned_not_judged():
@@ -65,6 +65,20 @@ def test_flagged_samples_do_not_drag_the_floor_down():
         det.observe(1, ENGINE, req(i, 1000, 50_000_000), 0)
     hits = [det.observe(1, ENGINE, req(100 + i, 1000, 1_000_000), 0) for i in range(50)]
     assert all(len(h) == 1 for h in hits)
+    hits = [det.observe(1, ENGINE, req(200 + i, 1000, 1_000_000), 0) for i in range(5)]
+    assert all(len(h) == 1 for h in hits)
+
+
+def test_a_per_request_constant_does_not_make_long_prompts_look_fast():
+    """The soak's false alarm: short prompts' TTFT is mostly a fixed cost (scheduling, one
+    step, queueing), so their time *per token* is high; a long prompt prefilled normally
+    is slower in total and must not be flagged."""
+    det = TTFTDetector(warmup=20)
+    rng = random.Random(5)
+    for i in range(300):
+        n = rng.randint(32, 64)
+        det.observe(1, ENGINE, req(i, n, 40_000_000 + n * 20_000), 0)  # 40 ms fixed + 20 us/token
+    assert det.observe(1, ENGINE, req(999, 500, 40_000_000 + 500 * 20_000), 0) == []
 
 
 def test_engines_learn_separately():
