@@ -1,0 +1,367 @@
+"""Soak: zero false alarms on real SGLang 0.5.23 engines (CPU) under a varied, concurrent load.
+
+Two module-scoped runs, each with the kvguard plugin loaded by SGLang itself and an
+in-process sidecar (the real ``Sidecar``: ring ingest, tracker, detectors, incidents)
+draining the engines' rings:
+
+* a plain (unified) engine, KV pool 512 tokens = context length 512, chunked prefill
+  64, ``KVGUARD_SOAK_REQUESTS`` (default 2,000) requests from 16 client threads and 3
+  tenants: short and medium prompts, radix-cache hits on per-tenant and shared
+  prefixes, prompts near the limits, over ``max_req_input_len`` (scheduler rejection)
+  and over the context (tokenizer rejection), client aborts (``/abort_request``
+  mid-stream and while queued, streams closed by the client), and bursts of longer
+  generations that outgrow the pool: SGLang retracts requests (checked in its log);
+* a prefill/decode pair over Mooncake TCP (prefill pool 512, decode pool 1024, context
+  512), ``KVGUARD_SOAK_PD_REQUESTS`` (default 300) requests from 8 client threads with
+  shared prefixes, rejections and aborts on both ends.
+
+What is asserted, per run: the clients saw what the engine should do; no record lost,
+no ring or decode error, no probe error; every probe fired; the tracker judged page
+reads with none unverified; and no finding at all. Findings that the records prove to
+be known kvguard false alarms (tests/soak/known.py) raise ``KnownFalseAlarm``, which the
+``*_no_findings`` tests expect (xfail, see KNOWN_FALSE_ALARMS); any other finding fails.
+docs/soak.md tells what it exercises, how long it takes and how to run it longer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_hooks import wire
+from sidecar.demo.engines import PDPair, start_engine
+from soak.known import KnownFalseAlarm, RecordIndex, known_false_alarm
+from soak.watch import Watch
+from soak.workload import (ABORT_KINDS, PD_MIX, UNIFIED_MIX, Limits, Outcome, make_plan, mix_summary,
+                           outcome_summary, run_plan, send_pd, send_unified)
+
+VERSION = "0.5.23"
+REQUESTS = int(os.environ.get("KVGUARD_SOAK_REQUESTS", "2000"))
+PD_REQUESTS = int(os.environ.get("KVGUARD_SOAK_PD_REQUESTS", "300"))
+CONCURRENCY = int(os.environ.get("KVGUARD_SOAK_CONCURRENCY", "16"))
+PD_CONCURRENCY = int(os.environ.get("KVGUARD_SOAK_PD_CONCURRENCY", "8"))
+SEED = int(os.environ.get("KVGUARD_SOAK_SEED", "1"))
+REPORT = os.environ.get("KVGUARD_SOAK_REPORT")  # write the run summaries (JSON) here
+
+POOL_TOKENS = 512  # = context length: no pool_smaller_than_context by design
+CONTEXT_LEN = 512
+PD_PREFILL_POOL, PD_DECODE_POOL = 512, 1024
+CHUNKED_PREFILL = 64
+# A client abort can reach prefill before the request itself (two HTTP calls): prefill
+# then bootstraps a request decode has already dropped and waits for decode's KV
+# indices until this timeout (SGLang's default is 300 s). 20 s, like the waiting
+# timeout engines.py sets for decode.
+PD_ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "20"}
+# SGLang's admission reserves new_token_ratio x max_new_tokens per request; the ratio
+# starts at 0.7 and decays to ~0.1 over 600 decode steps, then resets to 1.0 at each
+# retraction. Starting lower and decaying faster makes the pool over-commit (and
+# retract) several times per run instead of once or twice late in it.
+RETRACTION_ENV = {"SGLANG_INIT_NEW_TOKEN_RATIO": "0.3", "SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS": "150"}
+RETRACT_LINE = re.compile(r"KV cache pool is full\. Retract requests\. #retracted_reqs: (\d+)")
+
+KNOWN_FALSE_ALARMS = (
+    "known kvguard false alarms only (tests/soak/known.py, reported to the lead): ttft_anomaly's "
+    "per-token floor is inflated by per-request constant time (queueing, one step per 64-token chunk), so a "
+    "normally prefilled longer prompt looks 4x too fast; on PD, XFER_SEND is stamped after send_kv_chunk "
+    "returns, after Mooncake completed and decode's XFER_DONE paired 0 sent tokens (transfer_size_mismatch, "
+    "unwritten_read, use_after_free via transfer). Timing-dependent, hence not strict: remove once fixed"
+)
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
+
+
+@dataclass
+class SoakRun:
+    name: str
+    plan_mix: dict[str, Any]
+    outcomes: list[Outcome]
+    snapshot: dict[str, Any]
+    findings: list  # sidecar.findings.Finding, delivered (first of each incident)
+    explained: list[str]  # the records behind each finding (tests/soak/watch.py); "" past a budget
+    known: list[str | None]  # known_false_alarm() per finding
+    probe_errors: list[dict[str, Any]]
+    req_end_finish: Counter
+    rejects: list[tuple[str, str, str, str]]  # (engine role, rid, phase, reason)
+    retractions: list[int] = field(default_factory=list)  # #retracted_reqs per log line
+    timings_s: dict[str, float] = field(default_factory=dict)
+    logs: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        aborted = {o.req.rid for o in self.outcomes if o.req.kind in ABORT_KINDS}
+        return {
+            "run": self.name,
+            "timings_s": {k: round(v, 1) for k, v in self.timings_s.items()},
+            "mix": self.plan_mix,
+            "clients": outcome_summary(self.outcomes),
+            "slowest_s": sorted((round(o.latency_s, 1), o.req.kind) for o in self.outcomes)[-3:],
+            "req_end_finish": dict(self.req_end_finish),
+            "radix_hits": {
+                kind: {"requests": sum(o.req.kind == kind for o in self.outcomes),
+                       "hits": sum(o.req.kind == kind and (o.cached_tokens or 0) > 0 for o in self.outcomes),
+                       "cached_tokens": sum((o.cached_tokens or 0) for o in self.outcomes if o.req.kind == kind)}
+                for kind in ("prefix", "system", "pressure")
+            },
+            "retractions": {"events": len(self.retractions), "requests": sum(self.retractions)},
+            "findings": [f"{f.kind}/{f.severity} {f.engine.role} {known or 'UNKNOWN'}"
+                         for f, known in zip(self.findings, self.known)],
+            "probe_errors": self.probe_errors,
+            "rejects_of_aborted_requests": Counter(f"{role} {phase} {reason[:40]}" for role, rid, phase, reason
+                                                   in self.rejects if rid in aborted),
+            **self.snapshot,
+        }
+
+
+def _report(run: SoakRun) -> None:
+    summary = run.summary()
+    print(f"\n=== soak {run.name} ===\n" + json.dumps(summary, indent=1, default=str))
+    # the records behind findings that are not known false alarms (the known ones are named above)
+    unknown = [text for text, known in zip(run.explained, run.known) if known is None]
+    for text in unknown[:3]:
+        print(text[:30000])
+    if REPORT:
+        path = Path(REPORT)
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data[run.name] = summary
+        path.write_text(json.dumps(data, indent=1, default=str))
+
+
+def _finish(name: str, watch: Watch, plan, outcomes, timings, logs) -> SoakRun:
+    """Everything read from the sidecar while the engines are still up."""
+    watch.drain()
+    snapshot = watch.snapshot()
+    records = list(watch.keeper.records)
+    index = RecordIndex(records)
+    findings = list(watch.memory.findings)
+    known = [known_false_alarm(f, index) for f in findings]
+    explained, budget = [], {True: 3, False: 10}  # explain up to 10 unknown and 3 known findings
+    for f, k in zip(findings, known):
+        budget[k is not None] -= 1
+        explained.append(watch.explain(f) if budget[k is not None] >= 0 else "")
+    roles = {r.engine_id: wire.Role(r.body.role).name.lower() for r in records if r.kind == wire.Kind.HELLO}
+    rid = {r.body.req_key: r.body.rid for r in records if r.kind == wire.Kind.REQ_BEGIN}
+    return SoakRun(
+        name=name,
+        plan_mix=mix_summary(plan),
+        outcomes=outcomes,
+        snapshot=snapshot,
+        findings=findings,
+        explained=explained,
+        known=known,
+        probe_errors=watch.probe_errors(),
+        req_end_finish=Counter(f"{roles.get(r.engine_id)}:{r.body.finish.name}" for r in records
+                               if r.kind == wire.Kind.REQ_END),
+        rejects=[(roles.get(r.engine_id), rid.get(r.body.req_key, "?"), r.body.phase.name, r.body.reason)
+                 for r in records if r.kind == wire.Kind.REJECT],
+        timings_s=timings,
+        logs=logs,
+    )
+
+
+def _retractions(log_path: Path) -> list[int]:
+    with open(log_path, errors="replace") as f:
+        return [int(m.group(1)) for line in f if (m := RETRACT_LINE.search(line))]
+
+
+# ---------------------------------------------------------------------- the runs
+
+
+@pytest.fixture(scope="module")
+def unified_soak(tmp_path_factory, require_sglang) -> SoakRun:
+    require_sglang(VERSION)
+    work = tmp_path_factory.mktemp("soak-unified")
+    ring_dir, log_dir = work / "rings", work / "logs"
+    ring_dir.mkdir()
+    t0 = time.monotonic()
+    with Watch(ring_dir) as watch:
+        engine = start_engine(VERSION, log_dir, max_total_tokens=POOL_TOKENS, context_length=CONTEXT_LEN,
+                              ring_dir=ring_dir, extra_args=["--chunked-prefill-size", str(CHUNKED_PREFILL)],
+                              extra_env=RETRACTION_ENV)
+        try:
+            t1 = time.monotonic()
+            info = engine.server_info()
+            limits = Limits(CONTEXT_LEN, int(info["max_req_input_len"]))
+            plan = make_plan(REQUESTS, limits, mix=UNIFIED_MIX, seed=SEED, phase="uni", burst=CONCURRENCY)
+            outcomes = run_plan(plan, send_unified(engine.url), CONCURRENCY)
+            t2 = time.monotonic()
+            run = _finish("unified", watch, plan, outcomes,
+                          {"engine_startup": t1 - t0, "requests": t2 - t1}, [str(engine.log_path)])
+        finally:
+            engine.stop()
+    run.retractions = _retractions(engine.log_path)
+    run.timings_s["total"] = time.monotonic() - t0
+    run.timings_s["requests_per_s"] = REQUESTS / run.timings_s["requests"]
+    _report(run)
+    return run
+
+
+@pytest.fixture(scope="module")
+def pd_soak(tmp_path_factory, require_sglang) -> SoakRun:
+    require_sglang(VERSION)
+    if find_spec("mooncake") is None:
+        pytest.skip("Mooncake (mooncake-transfer-engine-non-cuda) is not installed")
+    work = tmp_path_factory.mktemp("soak-pd")
+    ring_dir, log_dir = work / "rings", work / "logs"
+    ring_dir.mkdir()
+    t0 = time.monotonic()
+    with Watch(ring_dir) as watch:
+        with PDPair(VERSION, ring_dir, log_dir, prefill_pool_tokens=PD_PREFILL_POOL,
+                    decode_pool_tokens=PD_DECODE_POOL, context_length=CONTEXT_LEN, extra_env=PD_ENV) as pair:
+            t1 = time.monotonic()
+            info = pair.prefill.server_info()
+            limits = Limits(CONTEXT_LEN, int(info["max_req_input_len"]))
+            plan = make_plan(PD_REQUESTS, limits, mix=PD_MIX, seed=SEED + 1, phase="pd-")
+            with ThreadPoolExecutor(PD_CONCURRENCY, thread_name_prefix="soak-prefill") as prefill_pool:
+                send = send_pd(pair.prefill.url, pair.decode.url, pair.bootstrap_port, prefill_pool, seed=SEED)
+                outcomes = run_plan(plan, send, PD_CONCURRENCY)
+            t2 = time.monotonic()
+            run = _finish("pd", watch, plan, outcomes, {"engine_startup": t1 - t0, "requests": t2 - t1},
+                          [str(pair.prefill.log_path), str(pair.decode.log_path)])
+    run.timings_s["total"] = time.monotonic() - t0
+    run.timings_s["requests_per_s"] = PD_REQUESTS / run.timings_s["requests"]
+    _report(run)
+    return run
+
+
+# ---------------------------------------------------------------------- shared checks
+
+EXPECTED_KINDS = ("HELLO", "REQ_BEGIN", "REQ_END", "ALLOC", "ASSIGN", "FORWARD", "FREE", "REJECT")
+PD_KINDS = ("XFER_RESERVE", "XFER_SEND", "XFER_DONE")
+
+
+def check_clients(run: SoakRun, pd: bool) -> None:
+    """Each kind of request got what the engine should give it."""
+    bad = []
+    for o in run.outcomes:
+        k = o.req.kind
+        if k == "reject":
+            good = o.status == 400 and "exceeds the maximum allowed length" in (o.error or "")
+            if pd:
+                good = good and o.prefill_status == 400
+        elif k == "too_long":
+            good = o.status == 400 and "context length" in (o.error or "")
+        elif k in ABORT_KINDS:
+            good = o.status == 200 and o.error is None and o.finish in ("abort", "closed", "length", "stop")
+        else:
+            good = o.ok and (not pd or o.prefill_status == 200)
+        if not good:
+            bad.append((k, o.req.rid, len(o.req.input_ids), o.status, o.finish, o.error, o.prefill_status,
+                        o.prefill_error))
+    assert not bad, f"{len(bad)} requests did not get what the engine should give them: {bad[:10]}"
+    # the small pool evicts prefixes often; a good share must still hit the radix cache
+    shared = [o for o in run.outcomes if o.req.kind in ("prefix", "system")]
+    hits = [o for o in shared if (o.cached_tokens or 0) > 0]
+    assert len(hits) >= max(3, 0.1 * len(shared)), f"only {len(hits)} of {len(shared)} shared-prefix requests hit"
+    for kind in ("abort_api", "abort_queued"):
+        assert any(o.req.kind == kind and o.finish == "abort" for o in run.outcomes), f"no {kind} request aborted"
+
+
+def check_sidecar_health(run: SoakRun) -> None:
+    s = run.snapshot
+    assert s["records_lost_pipeline"] == 0 and s["records_lost_rings"] == 0 and s["dropped_before_attach"] == 0, s
+    assert s["ring_errors"] == 0, s["ring_last_error"]
+    assert not any(s["ring_decode_errors"].values()), s["ring_decode_errors"]
+    assert s["apply_errors"] == 0, s
+    assert s["records_by_kind"].get("PROBE_ERROR", 0) == 0 and not run.probe_errors, run.probe_errors
+
+
+def check_probes_fired(run: SoakRun, kinds) -> None:
+    by_kind = run.snapshot["records_by_kind"]
+    missing = [k for k in kinds if by_kind.get(k, 0) == 0]
+    assert not missing, f"probes that never fired: {missing}; records_by_kind {by_kind}"
+
+
+def check_reads_judged(run: SoakRun) -> None:
+    engines = run.snapshot["engines"]
+    assert sum(e["pages_read"] for e in engines.values()) > 0, engines
+    unverified = {name: e["pages_unverified"] for name, e in engines.items() if e["pages_unverified"]}
+    assert not unverified, f"reads not verified (the sidecar attached before the engines: none expected) {unverified}"
+
+
+def check_rejects(run: SoakRun, engines: int) -> None:
+    """One admission REJECT per engine for each prompt over max_req_input_len; any other
+    REJECT only for requests the client aborted. (The adapter reports SGLang's
+    ``prepare_abort`` / ``set_finish_with_abort`` as REJECT; SGLang also uses them for
+    client aborts: an in-flight chunked prefill, 'Prefill bootstrap failed',
+    'Decode handshake failed', ...)"""
+    kind = {o.req.rid: o.req.kind for o in run.outcomes}
+    over = [r for r in run.rejects if kind.get(r[1]) == "reject"]
+    assert Counter(r[1] for r in over) == Counter({o.req.rid: engines for o in run.outcomes
+                                                   if o.req.kind == "reject"}), over
+    assert all(r[2] == "ADMISSION" and "exceeds the maximum allowed length" in r[3] for r in over), over
+    others = [r for r in run.rejects if kind.get(r[1]) not in ("reject", *ABORT_KINDS)]
+    assert not others, others
+
+
+def check_no_findings(run: SoakRun) -> None:
+    unknown = [text or f.summary for f, known, text in zip(run.findings, run.known, run.explained)
+               if known is None]
+    assert not unknown, f"{len(unknown)} finding(s) on a healthy engine:\n" + "\n\n".join(unknown[:3])
+    if run.findings:
+        raise KnownFalseAlarm(f"{len(run.findings)} known false alarm(s): "
+                              f"{Counter(f'{f.kind}:{k}' for f, k in zip(run.findings, run.known))}")
+
+
+# ---------------------------------------------------------------------- unified
+
+
+def test_unified_soak_clients_saw_the_engine_behave(unified_soak):
+    check_clients(unified_soak, pd=False)
+    kinds = Counter(o.req.kind for o in unified_soak.outcomes)
+    assert sum(kinds.values()) == REQUESTS and set(kinds) == set(UNIFIED_MIX), kinds
+
+
+def test_unified_soak_engine_retracted_under_pool_pressure(unified_soak):
+    assert unified_soak.retractions, f"no 'Retract requests' line in {unified_soak.logs}"
+
+
+def test_unified_soak_sidecar_lost_nothing_and_probes_all_fired(unified_soak):
+    check_sidecar_health(unified_soak)
+    check_probes_fired(unified_soak, EXPECTED_KINDS)
+    check_rejects(unified_soak, engines=1)
+    by_kind = unified_soak.snapshot["records_by_kind"]
+    assert by_kind["REQ_BEGIN"] == by_kind["REQ_END"], by_kind  # every request that held KV ended
+    assert unified_soak.req_end_finish["unified:ABORT"] > 0 and unified_soak.req_end_finish["unified:REJECT"] > 0
+
+
+def test_unified_soak_reads_were_judged(unified_soak):
+    check_reads_judged(unified_soak)
+
+
+@pytest.mark.xfail(raises=KnownFalseAlarm, strict=False, reason=KNOWN_FALSE_ALARMS)
+def test_unified_soak_no_findings(unified_soak):
+    check_no_findings(unified_soak)
+
+
+# ---------------------------------------------------------------------- prefill/decode
+
+
+def test_pd_soak_clients_saw_the_engines_behave(pd_soak):
+    check_clients(pd_soak, pd=True)
+
+
+def test_pd_soak_sidecar_lost_nothing_and_probes_all_fired(pd_soak):
+    check_sidecar_health(pd_soak)
+    check_probes_fired(pd_soak, EXPECTED_KINDS + PD_KINDS)
+    by_kind = pd_soak.snapshot["records_by_kind"]
+    assert by_kind["HELLO"] == 2, by_kind
+    check_rejects(pd_soak, engines=2)  # prefill and decode both refuse it at admission
+
+
+def test_pd_soak_reads_were_judged(pd_soak):
+    check_reads_judged(pd_soak)
+    assert all(e["pages_read"] > 0 for e in pd_soak.snapshot["engines"].values()), pd_soak.snapshot["engines"]
+
+
+@pytest.mark.xfail(raises=KnownFalseAlarm, strict=False, reason=KNOWN_FALSE_ALARMS)
+def test_pd_soak_no_findings(pd_soak):
+    check_no_findings(pd_soak)
