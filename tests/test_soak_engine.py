@@ -18,8 +18,8 @@ draining the engines' rings:
 What is asserted, per run: the clients saw what the engine should do; no record lost,
 no ring or decode error, no probe error; every probe fired; the tracker judged page
 reads with none unverified; and no finding at all. Findings that the records prove to
-be known kvguard false alarms (tests/soak/known.py) raise ``KnownFalseAlarm``, which the
-``*_no_findings`` tests expect (xfail, see KNOWN_FALSE_ALARMS); any other finding fails.
+be known kvguard false alarms (tests/soak/known.py) raise ``KnownFalseAlarm`` with the
+proof from the records; both known ones are fixed in the sidecar, so every finding fails.
 docs/soak.md tells what it exercises, how long it takes and how to run it longer.
 """
 
@@ -337,7 +337,6 @@ def test_unified_soak_reads_were_judged(unified_soak):
     check_reads_judged(unified_soak)
 
 
-@pytest.mark.xfail(raises=KnownFalseAlarm, strict=False, reason=KNOWN_FALSE_ALARMS)
 def test_unified_soak_no_findings(unified_soak):
     check_no_findings(unified_soak)
 
@@ -362,6 +361,5 @@ def test_pd_soak_reads_were_judged(pd_soak):
     assert all(e["pages_read"] > 0 for e in pd_soak.snapshot["engines"].values()), pd_soak.snapshot["engines"]
 
 
-@pytest.mark.xfail(raises=KnownFalseAlarm, strict=False, reason=KNOWN_FALSE_ALARMS)
 def test_pd_soak_no_findings(pd_soak):
     check_no_findings(pd_soak)

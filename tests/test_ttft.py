@@ -86,3 +86,11 @@ def test_engines_learn_separately():
     for i in range(5):
         det.observe(1, ENGINE, req(i, 1000, 50_000_000), 0)
     assert det.observe(2, ENGINE, req(9, 1000, 1_000_000), 0) == []  # engine 2 is still warming up
+
+
+def test_decode_engines_are_not_judged():
+    det = TTFTDetector(warmup=1)
+    decode = EngineRef("decode", 0, 2)
+    for i in range(10):
+        det.observe(1, decode, req(i, 1000, 50_000_000), 0)
+    assert det.observe(1, decode, req(99, 1000, 1_000), 0) == []

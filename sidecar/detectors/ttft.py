@@ -67,6 +67,8 @@ class TTFTDetector:
 
     def observe(self, engine_id: int, engine: EngineRef, info: RequestInfo, ts_ns: int) -> list[Finding]:
         uncached = info.prompt_tokens - info.cached_tokens
+        if engine.role == "decode":
+            return []  # decode never prefills: its "TTFT" is the transfer wait (the ledger judges transfers)
         if (info.warmup or not info.known or info.ttft_ns <= 0 or uncached < self.min_tokens
                 or info.finish not in NORMAL_FINISH):
             return []
