@@ -86,7 +86,7 @@ def test_engine_bench_runs_the_adapter_hooks_on_real_sglang_objects(tmp_path, re
     for b in ("1", "3"):
         r = res["batches"][b]
         assert r["probe_errors"] == 0 and r["disabled_hooks"] == [] and r["dropped_records"] == 0
-        # per step: one ASSIGN per request (alloc_for_decode) and one FORWARD, plus ALLOCs at page starts
-        assert r["records_per_step"] >= int(b) + 1
+        # per step: one FORWARD, plus an ALLOC and an ASSIGN for each request whose token starts a page
+        assert 1 <= r["records_per_step"] <= 2 * int(b) + 1
         assert set(r["by_hook_cpu_us"]) == {"alloc_decode", "write", "alloc_for_decode", "forward"}
         assert r["probe_cpu_us_per_step"] > 0
