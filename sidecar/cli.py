@@ -85,7 +85,8 @@ def cmd_sidecar(args) -> int:
         print(f"kvguard sidecar: {exc}", file=sys.stderr)
         return 2
     sidecar = Sidecar(args.ring_dir, sinks=sinks, recorder=recorder, history_events=args.history_events,
-                      isolate_tenants=args.isolate_tenants, tracer=tracer).start()
+                      isolate_tenants=args.isolate_tenants, tracer=tracer,
+                      ttft_anomaly=args.ttft_anomaly).start()
     if token is None:
         logging.getLogger("kvguard").warning("no API token configured: /v1 (incidents, timelines) answers 403")
     host, port = args.listen
@@ -138,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pagerduty-url", default=None, help="Events API endpoint (default: PagerDuty's; for proxies "
                    "and tests)")
     p.add_argument("--alertmanager-url", default=None, help="post alerts to this Alertmanager (http://HOST:9093)")
+    p.add_argument("--ttft-anomaly", action="store_true", help="flag requests whose time to first token is "
+                   "implausibly short for their uncached prompt (ttft_anomaly; experimental, off by default)")
     p.add_argument("--isolate-tenants", action="store_true", help="report prefix-cache pages written by one "
                    "tenant and read by another (cross_tenant_prefix_share); off by default")
     p.add_argument("--api-token-file", default=None, help="file holding the bearer token for /v1 (default: "

@@ -35,7 +35,7 @@ ROLE_NAMES = {wire.Role.UNIFIED: "unified", wire.Role.PREFILL: "prefill", wire.R
 
 class Pipeline:
     def __init__(self, sinks=(), history_events: int = 1 << 20, incidents: IncidentStore | None = None,
-                 isolate_tenants: bool = False, tracer=None):
+                 isolate_tenants: bool = False, tracer=None, ttft_anomaly: bool = False):
         # sidecar.tracing.TraceRecorder or None: request spans; it is also a sink (findings become span events)
         self.tracer = tracer
         self.sinks = list(sinks) + ([tracer] if tracer is not None else [])
@@ -48,7 +48,8 @@ class Pipeline:
         self.config_detector = PoolContextDetector()
         self.write_detector = WriteDetector()
         self.double_free_detector = DoubleFreeDetector()
-        self.ttft_detector = TTFTDetector()
+        # off by default: on the real PD soak its model still flagged a normally prefilled request
+        self.ttft_detector = TTFTDetector(enabled=ttft_anomaly)
         self.isolation_detector = TenantIsolationDetector(isolate_tenants)
         self.records_by_kind: Counter = Counter()
         self.findings_by_kind: Counter = Counter()

@@ -15,12 +15,12 @@ log = logging.getLogger("kvguard.sidecar")
 class Sidecar:
     def __init__(self, ring_dir: str, sinks=(), poll_interval_s: float = 0.01, slack_ns: int = 50_000_000,
                  remove_dead_rings: bool = True, recorder=None, history_events: int = 1 << 20,
-                 isolate_tenants: bool = False, tracer=None):
+                 isolate_tenants: bool = False, tracer=None, ttft_anomaly: bool = False):
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
         self.rings = RingSet(ring_dir, slack_ns=slack_ns, remove_dead=remove_dead_rings)
         self.pipeline = Pipeline(sinks, history_events=history_events, isolate_tenants=isolate_tenants,
-                                 tracer=tracer)
+                                 tracer=tracer, ttft_anomaly=ttft_anomaly)
         # sidecar.recorder.Recorder (or None): records every batch before it is applied; never raises
         self.recorder = recorder
         self.poll_interval_s = poll_interval_s

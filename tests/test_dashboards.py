@@ -204,7 +204,7 @@ class Stack:
         self.decode.hello("decode", 0, 4, 64, 256, 256, 256, "sglang", "0.5.19", "tiny")
         self.unified.hello("unified", 0, 4, 64, 256, 256, 256, "sglang", "0.5.19", "tiny")
         incident(self.prefill, self.decode, self.unified)
-        self.sidecar = Sidecar(ring_dir, slack_ns=0, poll_interval_s=0.05).start()
+        self.sidecar = Sidecar(ring_dir, slack_ns=0, poll_interval_s=0.05, ttft_anomaly=True).start()
         self.stop_traffic = threading.Event()
         self.traffic = threading.Thread(target=traffic, args=(self.prefill, self.decode, self.stop_traffic),
                                         daemon=True)

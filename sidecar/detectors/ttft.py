@@ -59,7 +59,9 @@ class TTFTModel:
 
 
 class TTFTDetector:
-    def __init__(self, min_tokens: int = 32, warmup: int = 20, factor: float = 4.0, window: int = 512):
+    def __init__(self, min_tokens: int = 32, warmup: int = 20, factor: float = 4.0, window: int = 512,
+                 enabled: bool = True):
+        self.enabled = enabled
         if factor <= 1:
             raise ValueError(f"ttft factor must be > 1, got {factor}")
         self.min_tokens, self.warmup, self.factor, self.window = min_tokens, warmup, factor, window
@@ -67,7 +69,7 @@ class TTFTDetector:
 
     def observe(self, engine_id: int, engine: EngineRef, info: RequestInfo, ts_ns: int) -> list[Finding]:
         uncached = info.prompt_tokens - info.cached_tokens
-        if engine.role == "decode":
+        if not self.enabled or engine.role == "decode":
             return []  # decode never prefills: its "TTFT" is the transfer wait (the ledger judges transfers)
         if (info.warmup or not info.known or info.ttft_ns <= 0 or uncached < self.min_tokens
                 or info.finish not in NORMAL_FINISH):
