@@ -38,6 +38,7 @@ _FREE = {"free": wire.FreeKind.FREE, "group": wire.FreeKind.GROUP, "deferred": w
          "page_ids": wire.FreeKind.PAGE_IDS}
 _SIDE = {"sender": wire.Side.SENDER, "receiver": wire.Side.RECEIVER}
 _STATUS = {"success": wire.XferStatus.SUCCESS, "failed": wire.XferStatus.FAILED, "aborted": wire.XferStatus.ABORTED}
+_DIGEST_ALG = {"unit_bytes": wire.DigestAlg.XXH3_UNIT_BYTES, "device_reduced": wire.DigestAlg.XXH3_DEVICE_REDUCED}
 _PHASE = {"admission": wire.Phase.ADMISSION, "prefill": wire.Phase.PREFILL, "decode": wire.Phase.DECODE,
           "transfer": wire.Phase.TRANSFER}
 
@@ -237,6 +238,16 @@ class Probes:
     def transfer_done(self, rid: str, room: int, side: str, status: str) -> None:
         x = wire.XferDone(wire.request_key(rid), int(room) & wire.NO_ROOM, _SIDE[side], _STATUS[status])
         self._emit(wire.Kind.XFER_DONE, wire.xfer_done_payload(x))
+
+    @_guarded
+    def transfer_digest(self, rid: str, room: int, side: str, digest: int, token_start: int, token_end: int,
+                        layers: int, head_start: int, head_count: int, total_heads: int,
+                        alg: str = "unit_bytes") -> None:
+        """One end's digest of a transfer's KV (docs/wire-format.md, "Transfer digests")."""
+        x = wire.XferDigest(wire.request_key(rid), int(room) & wire.NO_ROOM, _SIDE[side], _DIGEST_ALG[alg],
+                            int(digest) & wire.NO_ROOM, int(token_start), int(token_end), int(layers),
+                            int(head_start), int(head_count), int(total_heads))
+        self._emit(wire.Kind.XFER_DIGEST, wire.xfer_digest_payload(x))
 
     @_guarded
     def rejected(self, rid: str, phase: str, reason: str) -> None:

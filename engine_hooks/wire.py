@@ -63,6 +63,7 @@ class Kind(enum.IntEnum):
     HEARTBEAT = 12
     PROBE_ERROR = 13
     LOST = 14  # never on the wire: readers insert it at a sequence gap (body = records missing)
+    XFER_DIGEST = 15  # digest of one end's KV for a transfer (sender: what it sent; receiver: what it reserved)
 
 
 class Role(enum.IntEnum):
@@ -97,6 +98,17 @@ class XferStatus(enum.IntEnum):
     ABORTED = 3
 
 
+class DigestAlg(enum.IntEnum):
+    """How an XFER_DIGEST was computed; digests of different algorithms are never compared.
+
+    Both are defined over (layer, kv head, token) units so that ends with different
+    tensor-parallel sizes agree (docs/wire-format.md, "Transfer digests").
+    """
+
+    XXH3_UNIT_BYTES = 1  # host pools: xxh3-64 over each (layer, head)'s unit bytes in token order
+    XXH3_DEVICE_REDUCED = 2  # device pools: units reduced to u64 on the device, then xxh3-64 on the host
+
+
 class Phase(enum.IntEnum):
     ADMISSION = 0
     PREFILL = 1
@@ -119,6 +131,8 @@ FORWARD_FIXED = struct.Struct("<IIIBB2x")  # n_reqs, n_write_pages, n_read_pages
 XFER_RESERVE_FIXED = struct.Struct("<QQII")  # req_key, room, tokens, count; then int32 dst pages
 XFER_SEND_FIXED = struct.Struct("<QQQIIIB3x")  # req_key, room, digest, token_start, token_end, count, is_last
 XFER_DONE_FIXED = struct.Struct("<QQBB6x")  # req_key, room, side, status
+XFER_DIGEST_FIXED = struct.Struct("<QQQIIHHHHBB6x")
+#   req_key, room, digest, token_start, token_end, layers, head_start, head_count, total_heads, side, alg
 REJECT_FIXED = struct.Struct("<QB7x")  # req_key, phase; then string reason
 HEARTBEAT_FIXED = struct.Struct("<QQQ")  # records_written, records_dropped, probe_errors
 PROBE_ERROR_FIXED = struct.Struct("<I4x")  # count of errors so far for this probe; then strings probe, error type
@@ -226,6 +240,28 @@ class XferDone:
 
 
 @dataclass(slots=True)
+class XferDigest:
+    """One end's digest of a transfer's KV over tokens [token_start, token_end).
+
+    A rank holding kv heads [head_start, head_start + head_count) of total_heads
+    contributes a partial digest; partial digests of one end add (mod 2**64) to the
+    whole-transfer digest once every head is covered.
+    """
+
+    req_key: int
+    room: int
+    side: Side
+    alg: DigestAlg
+    digest: int
+    token_start: int
+    token_end: int
+    layers: int
+    head_start: int
+    head_count: int
+    total_heads: int
+
+
+@dataclass(slots=True)
 class Reject:
     req_key: int
     phase: Phase
@@ -328,6 +364,11 @@ def xfer_send_payload(x: XferSend) -> bytes:
 
 def xfer_done_payload(x: XferDone) -> bytes:
     return XFER_DONE_FIXED.pack(x.req_key, x.room, int(x.side), int(x.status))
+
+
+def xfer_digest_payload(x: XferDigest) -> bytes:
+    return XFER_DIGEST_FIXED.pack(x.req_key, x.room, x.digest, x.token_start, x.token_end, x.layers,
+                                  x.head_start, x.head_count, x.total_heads, int(x.side), int(x.alg))
 
 
 def reject_payload(r: Reject) -> bytes:
@@ -442,6 +483,15 @@ def _decode_xfer_done(c: _Cursor) -> XferDone:
     return XferDone(key, room, Side(side), XferStatus(status))
 
 
+def _decode_xfer_digest(c: _Cursor) -> XferDigest:
+    key, room, digest, t0, t1, layers, h0, hn, htotal, side, alg = c.fixed(XFER_DIGEST_FIXED)
+    if t1 < t0:
+        raise DecodeError(f"XFER_DIGEST token_end {t1} < token_start {t0}")
+    if h0 + hn > htotal:
+        raise DecodeError(f"XFER_DIGEST heads [{h0}, {h0 + hn}) exceed total {htotal}")
+    return XferDigest(key, room, Side(side), DigestAlg(alg), digest, t0, t1, layers, h0, hn, htotal)
+
+
 def _decode_reject(c: _Cursor) -> Reject:
     key, phase = c.fixed(REJECT_FIXED)
     return Reject(key, Phase(phase), c.string())
@@ -467,6 +517,7 @@ _DECODERS = {
     Kind.XFER_RESERVE: _decode_xfer_reserve,
     Kind.XFER_SEND: _decode_xfer_send,
     Kind.XFER_DONE: _decode_xfer_done,
+    Kind.XFER_DIGEST: _decode_xfer_digest,
     Kind.REJECT: _decode_reject,
     Kind.HEARTBEAT: _decode_heartbeat,
     Kind.PROBE_ERROR: _decode_probe_error,

@@ -69,6 +69,7 @@ def _corpus():
     p.rows_assigned("r-1", 0, 12, 4, s([1, 2, 3]))
     p.transfer_reserved("r-1", 42, 12, s([1, 2, 3]))
     p.transfer_sent("r-1", 42, 0, 12, [7, 8, 9], True, digest=0xDEADBEEF)
+    p.transfer_digest("r-1", 42, "receiver", 0xFEEDFACE, 0, 12, 2, 0, 4, 4)
     p.transfer_done("r-1", 42, "receiver", "success")
     p.forward(["r-1"], [13], [s([4])[:1]], [s([1, 2, 3, 4])[:13]])
     p.forward(["r-1", "warm"], [14, 3], [[17], []])

@@ -44,6 +44,7 @@ def every_kind(p: Probes, rid="r-1"):
     p.rows_assigned(rid, 0, 12, 4, slots([1, 2, 3]))
     p.transfer_reserved(rid, 42, 12, slots([1, 2, 3]))
     p.transfer_sent(rid, 42, 0, 12, [7, 8, 9], True, digest=0xDEADBEEF)
+    p.transfer_digest(rid, 42, "receiver", 0xFEEDFACE, 0, 12, 2, 0, 4, 4)
     p.transfer_done(rid, 42, "receiver", "success")
     p.forward([rid], [13], [slots([4])[:1]], [slots([1, 2, 3, 4])[:13]])  # rows present (+ first HEARTBEAT)
     p.forward([rid, "other"], [14, 3], [[17], []])  # no rows

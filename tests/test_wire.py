@@ -23,6 +23,9 @@ ROUND_TRIPS = [
     (wire.Kind.XFER_RESERVE, wire.xfer_reserve_payload(wire.XferReserve(9, 77, 600, np.arange(1, 151)))),
     (wire.Kind.XFER_SEND, wire.xfer_send_payload(wire.XferSend(9, 77, 0xABC, 0, 1, True, np.array([51])))),
     (wire.Kind.XFER_DONE, wire.xfer_done_payload(wire.XferDone(9, 77, wire.Side.RECEIVER, wire.XferStatus.SUCCESS))),
+    (wire.Kind.XFER_DIGEST, wire.xfer_digest_payload(wire.XferDigest(9, 77, wire.Side.SENDER,
+                                                                      wire.DigestAlg.XXH3_UNIT_BYTES, 2**64 - 1,
+                                                                      0, 600, 12, 0, 4, 8))),
     (wire.Kind.REJECT, wire.reject_payload(wire.Reject(9, wire.Phase.ADMISSION, "too long"))),
     (wire.Kind.HEARTBEAT, wire.heartbeat_payload(wire.Heartbeat(1, 2, 3))),
     (wire.Kind.PROBE_ERROR, wire.probe_error_payload(wire.ProbeError(1, "forward", "TypeError"))),
@@ -90,3 +93,10 @@ def test_garbage_is_counted_as_corrupt_bytes_not_raised():
 def test_request_key_is_stable_across_processes():
     assert wire.request_key("abc") == wire.request_key("abc") != wire.request_key("abd")
     assert wire.request_key("abc") == 0x78AF5F94892F3950
+
+
+def test_xfer_digest_with_heads_beyond_the_total_is_refused():
+    bad = wire.XferDigest(9, 77, wire.Side.RECEIVER, wire.DigestAlg.XXH3_UNIT_BYTES, 5, 0, 10, 2, 4, 8, 8)
+    stats = wire.DecodeStats()
+    assert wire.decode_stream(_rec(wire.Kind.XFER_DIGEST, wire.xfer_digest_payload(bad)), stats) == []
+    assert stats.bad_payload == 1 and "exceed total" in stats.last_error
