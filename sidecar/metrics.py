@@ -7,7 +7,18 @@ import time
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .incidents import FIRING
 from .pipeline import ROLE_NAMES
+
+
+def firing_by_kind_and_severity(store) -> dict[tuple[str, str], int]:
+    """Open incidents per (kind, severity): KVGuardDoubleFree pages on this gauge, so it
+    carries the severity like kvguard_findings_total does."""
+    out: dict[tuple[str, str], int] = {}
+    for inc in store.incidents.values():
+        if inc.state == FIRING:
+            out[(inc.kind, inc.severity)] = out.get((inc.kind, inc.severity), 0) + 1
+    return out
 
 
 class KVGuardCollector(Collector):
@@ -53,9 +64,10 @@ class KVGuardCollector(Collector):
             for (kind, severity), n in sorted(pipeline.incidents_by_kind.items()):
                 incidents.add_metric([kind, severity], n)
             yield incidents
-            firing = GaugeMetricFamily("kvguard_incidents_firing", "Incidents not resolved yet", labels=["kind"])
-            for kind, n in sorted(pipeline.incidents.firing_by_kind().items()):
-                firing.add_metric([kind], n)
+            firing = GaugeMetricFamily("kvguard_incidents_firing", "Incidents not resolved yet",
+                                       labels=["kind", "severity"])
+            for (kind, severity), n in sorted(firing_by_kind_and_severity(pipeline.incidents).items()):
+                firing.add_metric([kind, severity], n)
             yield firing
             age = GaugeMetricFamily("kvguard_ingest_last_poll_age_seconds",
                                     "Seconds since the ingest loop last drained the rings")
