@@ -23,9 +23,25 @@ Prefill side (srt/disaggregation/prefill.py, ``SchedulerDisaggregationPrefillMix
 * ``process_disagg_prefill_inflight_queue``: the requests it returns are done;
   transfer_done(sender, success), or failed when ``handle_inflight_transfer_failure``
   ran for them.
+
+Transfer digests (XFER_DIGEST, engine_hooks/digest.py, docs/wire-format.md):
+* sender: ``send_kv_chunk``'s post hook feeds each chunk's slots into per-(layer, head)
+  streaming xxh3 states and emits transfer_digest(sender) with the LAST chunk, over
+  ``[first chunk's start, last chunk's end)``;
+* receiver: ``_pre_alloc`` remembers the slots it reserved (positions
+  ``[total_prefix_len, +len(kv_loc))``); ``pop_transferred`` hashes them for each request
+  it returns (success), then emits transfer_digest(receiver) before transfer_done.
+Host (CPU) pools: alg ``unit_bytes``; CUDA pools: ``device_reduced``. Warmup (fake)
+transfers and pools/dtypes/TP splits the digest code does not understand are skipped
+(one log line per reason, counted in ``digest.skips``). The digest runs under its own
+guard: a failure disables the digest only, never transfer_sent/transfer_done.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+
+from engine_hooks import digest as dg
 
 from . import _runtime as rt
 from ._runtime import State
@@ -71,6 +87,8 @@ def _pre_alloc_post(token, kv_loc, self, *args, **kwargs):
         p.rows_assigned(req.rid, total_prefix_len, end, total_prefix_len, block[total_prefix_len:end])
     if not resumed:
         p.transfer_reserved(req.rid, _room(req), n, kv_loc)
+        if n:
+            _digest_guarded(RECEIVER_GUARD, _receiver_reserved, req, total_prefix_len, block[total_prefix_len:end])
 
 
 def pre_alloc_hook(name: str):
@@ -92,8 +110,10 @@ def _pop_transferred_post(before, result, self, *args, **kwargs):
     p = rt.probes()
     for req in before:
         if id(req) in returned:
+            _digest_guarded(RECEIVER_GUARD, _receiver_digest, self, req)
             p.transfer_done(req.rid, _room(req), "receiver", "success")
         elif id(req) not in still_queued:
+            Digests.receivers.pop(req.rid, None)
             p.transfer_done(req.rid, _room(req), "receiver", "failed")
 
 
@@ -124,6 +144,7 @@ def _send_post(token, result, self, *args, **kwargs):
     slots = _rows_block(self.req_to_token_pool.req_to_token, [int(req.kv.req_pool_idx)], end)[0, start:end]
     rt.ensure_begun(req)
     rt.probes().transfer_sent(req.rid, _room(req), start, end, slots, last_chunk, unit="slots")
+    _digest_guarded(SENDER_GUARD, _sender_chunk, self, req, start, end, slots, last_chunk)
 
 
 def send_kv_chunk_hook(name: str):
@@ -146,7 +167,170 @@ def inflight_queue_hook(name: str):
 def _transfer_failure_pre(self, *args, **kwargs):
     req = _arg(args, kwargs, 0, "req")
     State.xfer_failed[req.rid] = True
+    Digests.senders.pop(req.rid, None)
 
 
 def transfer_failure_hook(name: str):
     return rt.around(name, _transfer_failure_pre, None)
+
+
+# --------------------------------------------------------------------------- transfer digests
+SENDER_GUARD = "transfer_digest.sender"
+RECEIVER_GUARD = "transfer_digest.receiver"
+MAX_SENDERS = 64  # open streaming states (requests between their first and last chunk); each is layers x heads xxh3
+MAX_RECEIVERS = 4096  # reservations waiting for their transfer (slots only)
+
+
+class _BoundedStates(OrderedDict):
+    """Per-request digest state, oldest dropped past ``cap`` (requests that never finish
+    their transfer: aborted, or failed where no hook saw it); drops are counted."""
+
+    def __init__(self, cap: int):
+        super().__init__()
+        self.cap = cap
+        self.dropped = 0
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        while len(self) > self.cap:
+            self.popitem(last=False)
+            self.dropped += 1
+
+
+class _Sender:
+    __slots__ = ("stream", "token_start", "token_end", "setup")
+
+    def __init__(self, stream, token_start, setup):
+        self.stream, self.token_start, self.token_end, self.setup = stream, token_start, token_start, setup
+
+
+class Digests:
+    senders: _BoundedStates = _BoundedStates(MAX_SENDERS)  # rid -> _Sender
+    receivers: _BoundedStates = _BoundedStates(MAX_RECEIVERS)  # rid -> (token_start, reserved slots)
+    setups: dict = {}  # id(pool) -> _Setup, or the reason it cannot be digested
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.senders = _BoundedStates(MAX_SENDERS)
+        cls.receivers = _BoundedStates(MAX_RECEIVERS)
+        cls.setups = {}
+        dg.skips.reset()
+
+
+class _Setup:
+    __slots__ = ("view", "alg", "head_start", "head_count", "total_heads")
+
+    def __init__(self, view, alg, head_start, head_count, total_heads):
+        self.view, self.alg = view, alg
+        self.head_start, self.head_count, self.total_heads = head_start, head_count, total_heads
+
+
+def _digest_guarded(name: str, fn, *args) -> None:
+    """Digests run under their own guard: a failure disables them, not the transfer records."""
+    if not rt.is_enabled(name):
+        return
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001
+        rt.hook_failed(name, exc)
+        (Digests.senders if name == SENDER_GUARD else Digests.receivers).clear()
+
+
+def _attn_tp(sched) -> tuple[int, int]:
+    """(rank, size) of the attention tensor-parallel group, which splits the kv heads."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+        return int(par.attn_tp_rank), int(par.attn_tp_size)
+    except Exception:  # noqa: BLE001 - older layouts keep them on the scheduler
+        rank, size = getattr(sched, "attn_tp_rank", None), getattr(sched, "attn_tp_size", None)
+        if rank is None or size is None:
+            if int(getattr(sched, "tp_size", 1) or 1) != 1:
+                raise dg.Unsupported("attention TP rank/size not found") from None
+            return 0, 1
+        return int(rank), int(size)
+
+
+def head_layout(local_heads: int, total_heads: int, rank: int, size: int) -> tuple[int, int] | None:
+    """(head_start, head_count) of the global kv heads this rank holds; None when another
+    rank already reports them (heads replicated because TP > kv heads)."""
+    if local_heads * size == total_heads:
+        return rank * local_heads, local_heads
+    if local_heads == 1 and size > total_heads and size % total_heads == 0:
+        replicas = size // total_heads
+        return (rank // replicas, 1) if rank % replicas == 0 else None
+    raise dg.Unsupported(f"{local_heads} local kv heads x attention TP {size} != {total_heads} model kv heads")
+
+
+def _setup(sched) -> _Setup | None:
+    pool = sched.token_to_kv_pool_allocator.get_kvcache()
+    got = Digests.setups.get(id(pool))
+    if got is None:
+        try:
+            view = dg.pool_view(pool)
+            alg = view.alg()
+            total = int(sched.model_config.get_total_num_kv_heads())
+            rank, size = _attn_tp(sched)
+            heads = head_layout(view.heads, total, rank, size)
+            got = "kv heads reported by another TP rank (replicated)" if heads is None else \
+                _Setup(view, alg, heads[0], heads[1], total)
+        except dg.Unsupported as exc:
+            got = str(exc)
+        Digests.setups[id(pool)] = got
+    if isinstance(got, str):
+        dg.skips.skip(got)
+        return None
+    return got
+
+
+def _emit(req, side: str, s: _Setup, digest: int, token_start: int, token_end: int) -> None:
+    rt.probes().transfer_digest(req.rid, _room(req), side, digest, token_start, token_end, s.view.layers,
+                                s.head_start, s.head_count, s.total_heads, alg=s.alg)
+
+
+def _sender_chunk(sched, req, start: int, end: int, slots, last_chunk: bool) -> None:
+    """Feed one sent chunk; emit the digest of everything sent with the last one."""
+    if rt.is_warmup(req):
+        return
+    rid = req.rid
+    st = Digests.senders.get(rid)
+    if st is not None and st.token_end != start:
+        Digests.senders.pop(rid)  # a new send of this rid from scratch (re-bootstrap): start over
+        st = None
+    if st is None:
+        first = getattr(req, "disagg_decode_prefix_len", None)
+        if first is not None and int(first) != start:
+            dg.skips.skip("sender chunks seen from the middle of a transfer (earlier state dropped)")
+            return
+        s = _setup(sched)
+        if s is None:
+            return
+        st = _Sender(dg.StreamingDigest(s.view, s.head_start, s.alg), start, s)
+        Digests.senders[rid] = st
+    st.stream.update(slots)
+    st.token_end = end
+    if last_chunk:
+        Digests.senders.pop(rid, None)
+        _emit(req, "sender", st.setup, st.stream.digest(), st.token_start, end)
+
+
+def _receiver_reserved(req, token_start: int, slots) -> None:
+    if not rt.is_warmup(req):  # the fake (warmup) transfer writes nothing
+        Digests.receivers[req.rid] = (int(token_start), slots.clone())
+
+
+def _receiver_digest(queue, req) -> None:
+    """Hash the slots reserved for the transfer, now that it completed."""
+    got = Digests.receivers.pop(req.rid, None)
+    if got is None:
+        return  # warmup, or no reservation seen (dropped at the cap: counted there)
+    if getattr(queue, "enable_host_receive", False):
+        dg.skips.skip("decode receives into host staging (enable_host_receive): not digested")
+        return
+    token_start, slots = got
+    s = _setup(queue.scheduler)
+    if s is None:
+        return
+    digest = dg.transfer_digest(s.view, slots, s.head_start, s.alg)
+    _emit(req, "receiver", s, digest, token_start, token_start + int(slots.numel()))

@@ -1,0 +1,267 @@
+"""Transfer digests: xxh3 over a KV pool's (layer, kv head, token) units.
+
+Pure torch/numpy + xxhash (no engine imports): the SGLang hooks hand in the pool and
+the token slots. The definition (docs/wire-format.md, "Transfer digests"):
+
+* unit (l, h, t) = head h's K bytes then V bytes for token t in layer l
+  (a latent pool has one "head" and no V);
+* d(l, h) = xxh3-64, seed ``(l << 16) | h``, over the stream of that head's units in
+  token order (alg 1) or over one little-endian u64 per unit (alg 2, below);
+* digest = sum of d(l, h) mod 2**64 over the layers and heads this rank holds.
+
+Because ``d(l, h)`` is a stream hash, a sender may feed it chunk by chunk
+(:class:`StreamingDigest`) and still equal a receiver that hashes everything at once.
+
+alg 2 (device pools, :func:`reduce_units`): each unit is reduced on the device to
+``u64 = (r1 << 32) | r2`` where, with the unit's bytes read as little-endian u32 words
+``w_0 .. w_{n-1}`` (the unit's byte length must be a multiple of 4),
+``r_j = sum_i (w_i mod P_j) * G_j**(i+1) mod P_j`` with P_1 = 2**31 - 1,
+G_1 = 16807, P_2 = 2**31 - 19, G_2 = 48271. All terms stay below 2**62 before each
+``mod``, so int64 arithmetic is exact on any device (no wrapping), and the sum is
+order-independent, hence deterministic. (w mod P_1, w mod P_2) determines a u32 word,
+and G_j**(i+1) is never 0 mod P_j, so any change to a single word changes both r_j.
+Only ``layers x heads x tokens`` u64 cross to the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+log = logging.getLogger("kvguard.digest")
+
+MASK64 = (1 << 64) - 1
+UNIT_BYTES = "unit_bytes"  # wire.DigestAlg.XXH3_UNIT_BYTES (host pools)
+DEVICE_REDUCED = "device_reduced"  # wire.DigestAlg.XXH3_DEVICE_REDUCED (device pools)
+
+P1, G1 = (1 << 31) - 1, 16807
+P2, G2 = (1 << 31) - 19, 48271
+
+# Element types whose bytes we hash as they are stored. Anything else is skipped: a
+# dtype we do not know might not be a plain array of bytes (e.g. packed sub-byte types).
+_KNOWN_DTYPES = {"float16", "bfloat16", "float32", "float64", "uint8", "int8", "int16", "int32",
+                 "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
+
+
+class Unsupported(Exception):
+    """This pool or tensor cannot be digested here (the caller skips, logs once, counts)."""
+
+
+def seed(layer: int, head: int) -> int:
+    return ((int(layer) << 16) | int(head)) & MASK64
+
+
+# --------------------------------------------------------------------------- skips
+class SkipCounter:
+    """Why digests were not computed: counted per reason, each reason logged once."""
+
+    def __init__(self):
+        self.counts: Counter = Counter()
+        self._lock = threading.Lock()
+
+    def skip(self, reason: str) -> None:
+        with self._lock:
+            first = reason not in self.counts
+            self.counts[reason] += 1
+        if first:
+            log.warning("kvguard: transfer digests skipped: %s (logged once, counted)", reason)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.counts.clear()
+
+
+skips = SkipCounter()
+
+
+# --------------------------------------------------------------------------- pool views
+def _torch():
+    import torch
+
+    return torch
+
+
+def _check_dtype(t) -> None:
+    name = str(t.dtype).replace("torch.", "")
+    if name not in _KNOWN_DTYPES:
+        raise Unsupported(f"KV dtype {name} is not a known plain element type")
+
+
+@dataclass
+class PoolView:
+    """How to read units out of one KV pool (SGLang MHATokenToKVPool-like objects).
+
+    ``k``/``v``: per-layer tensors, layout ``nhd`` ([slots, heads, dim]) or ``hnd``
+    ([pages, heads, page_size, dim]). ``v`` is None for a latent (MLA) pool.
+    """
+
+    k: list
+    v: list | None
+    layout: str
+    page_size: int
+    start_layer: int
+    heads: int
+    device: object
+
+    @property
+    def layers(self) -> int:
+        return len(self.k)
+
+    def alg(self) -> str:
+        dev = str(getattr(self.device, "type", self.device))
+        if dev == "cpu":
+            return UNIT_BYTES
+        if dev == "cuda":
+            return DEVICE_REDUCED
+        raise Unsupported(f"KV pool on device {dev!r}")
+
+    def _rows(self, buf, slots):
+        if self.layout == "nhd":
+            return buf.index_select(0, slots)  # [T, H, D]
+        pages = slots // self.page_size
+        offs = slots % self.page_size
+        return buf[pages, :, offs, :]  # advanced indices split by a slice: [T, H, D]
+
+    def units(self, i: int, slots):
+        """Layer ``i`` (pool-local) units of ``slots``: a contiguous [H, T, unit_bytes] uint8 tensor."""
+        torch = _torch()
+        k = self._rows(self.k[i], slots)
+        parts = [k] if self.v is None else [k, self._rows(self.v[i], slots)]
+        t = int(slots.numel())
+        # [T, H, bytes] views, then one copy into head-major order (cat writes it contiguous)
+        byte_parts = [p.reshape(t, self.heads, -1).contiguous().view(torch.uint8).transpose(0, 1) for p in parts]
+        return torch.cat(byte_parts, dim=2) if len(byte_parts) > 1 else byte_parts[0].contiguous()
+
+
+def pool_view(pool) -> PoolView:
+    """A :class:`PoolView` of an SGLang KV pool, or :class:`Unsupported` with the reason."""
+    k = getattr(pool, "k_buffer", None)
+    v = getattr(pool, "v_buffer", None)
+    if k is None or v is None:
+        if getattr(pool, "kv_buffer", None) is not None:
+            # MLA latent pools: one latent "head" replicated on every TP rank; not verified
+            # on a real engine here, so not digested rather than guessed.
+            raise Unsupported(f"latent (MLA) KV pool {type(pool).__name__} is not digested yet")
+        raise Unsupported(f"KV pool {type(pool).__name__} has no k_buffer/v_buffer")
+    layout = str(getattr(pool, "kv_cache_layout", "nhd") or "nhd")
+    if layout not in ("nhd", "hnd"):
+        raise Unsupported(f"KV cache layout {layout!r}")
+    if not k or len(k) != len(v):
+        raise Unsupported("k_buffer/v_buffer are empty or of different lengths")
+    want_dims = 3 if layout == "nhd" else 4
+    for t in (k[0], v[0]):
+        _check_dtype(t)
+        if t.dim() != want_dims:
+            raise Unsupported(f"{layout} KV buffer with {t.dim()} dims")
+    heads = int(k[0].shape[1])
+    if int(v[0].shape[1]) != heads:
+        raise Unsupported("K and V hold different head counts")
+    return PoolView(list(k), list(v), layout, int(getattr(pool, "page_size", 1) or 1),
+                    int(getattr(pool, "start_layer", 0) or 0), heads, k[0].device)
+
+
+# --------------------------------------------------------------------------- alg 2 reduction
+_mult_cache: dict = {}
+
+
+def _multipliers(n_words: int, device):
+    """G_j ** (i + 1) mod P_j for i < n_words, as int64 tensors on ``device`` (cached)."""
+    key = (n_words, str(device))
+    got = _mult_cache.get(key)
+    if got is None:
+        torch = _torch()
+        out = []
+        for p, g in ((P1, G1), (P2, G2)):
+            m = np.empty(n_words, dtype=np.int64)
+            x = 1
+            for i in range(n_words):
+                x = (x * g) % p
+                m[i] = x
+            out.append(torch.from_numpy(m).to(device))
+        got = _mult_cache[key] = tuple(out)
+    return got
+
+
+def reduce_units(units):
+    """[H, T, unit_bytes] uint8 -> [H, T] int64 holding each unit's u64 (module docstring)."""
+    torch = _torch()
+    n_bytes = int(units.shape[-1])
+    if n_bytes % 4:
+        raise Unsupported(f"unit of {n_bytes} bytes is not a whole number of u32 words")
+    words = units.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # u32 values, little-endian
+    m1, m2 = _multipliers(n_bytes // 4, units.device)
+    r1 = ((words % P1) * m1 % P1).sum(dim=-1) % P1
+    r2 = ((words % P2) * m2 % P2).sum(dim=-1) % P2
+    return (r1 << 32) | r2  # r1 < 2**31: fits a non-negative int64
+
+
+# --------------------------------------------------------------------------- digests
+def _as_slots(slots, device):
+    torch = _torch()
+    if not isinstance(slots, torch.Tensor):
+        slots = torch.as_tensor(np.asarray(slots, dtype=np.int64))
+    return slots.reshape(-1).to(device=device, dtype=torch.int64)
+
+
+def layer_streams(view: PoolView, i: int, slots, alg: str) -> np.ndarray:
+    """The bytes each head of layer ``i`` adds to its stream for ``slots``: [H, n] uint8 (host)."""
+    u = view.units(i, slots)
+    if alg == DEVICE_REDUCED:
+        u = reduce_units(u)  # [H, T] on the device; only these cross
+        return u.to("cpu").numpy().view(np.uint8).reshape(view.heads, -1)
+    return u.to("cpu").numpy().reshape(view.heads, -1)
+
+
+class StreamingDigest:
+    """d(l, h) kept open across chunks (the sender's view of a chunked transfer)."""
+
+    def __init__(self, view: PoolView, head_start: int, alg: str):
+        self.view, self.head_start, self.alg = view, int(head_start), alg
+        self.hashers = [[xxhash.xxh3_64(seed=seed(view.start_layer + i, self.head_start + h))
+                         for h in range(view.heads)] for i in range(view.layers)]
+
+    def update(self, slots) -> None:
+        slots = _as_slots(slots, self.view.device)
+        if slots.numel() == 0:
+            return
+        for i in range(self.view.layers):
+            streams = layer_streams(self.view, i, slots, self.alg)
+            for h, hasher in enumerate(self.hashers[i]):
+                hasher.update(streams[h].data)
+
+    def digest(self) -> int:
+        return sum(h.intdigest() for row in self.hashers for h in row) & MASK64
+
+
+def transfer_digest(view: PoolView, slots, head_start: int, alg: str) -> int:
+    """The digest of ``slots`` (token order) in one go (the receiver's view)."""
+    d = StreamingDigest(view, head_start, alg)
+    d.update(slots)
+    return d.digest()
+
+
+def reference_digest(units_by_layer, start_layer: int = 0, head_start: int = 0) -> int:
+    """Straight from the definition, for tests: ``units_by_layer[l][h][t]`` = unit bytes."""
+    total = 0
+    for l, heads in enumerate(units_by_layer):
+        for h, units in enumerate(heads):
+            total += xxhash.xxh3_64_intdigest(b"".join(units), seed=seed(start_layer + l, head_start + h))
+    return total & MASK64
+
+
+def reference_reduce(unit: bytes) -> int:
+    """alg 2's per-unit u64 in plain Python, for tests."""
+    words = np.frombuffer(unit, dtype="<u4").tolist()
+    r = []
+    for p, g in ((P1, G1), (P2, G2)):
+        acc, x = 0, 1
+        for w in words:
+            x = x * g % p
+            acc += (w % p) * x
+        r.append(acc % p)
+    return (r[0] << 32) | r[1]

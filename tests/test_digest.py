@@ -1,0 +1,406 @@
+"""Transfer digests (engine_hooks/digest.py) and the hooks that emit them (hooks_disagg).
+
+No engine: pools are plain torch tensors shaped like SGLang's (NHD [slots, heads, dim]
+or HND [pages, heads, page_size, dim]); the definition is checked against a
+from-the-spec reference written with Python loops over tokens.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import xxhash
+
+torch = pytest.importorskip("torch")
+
+from engine_hooks import digest as dg  # noqa: E402
+from engine_hooks import probes as probes_mod  # noqa: E402
+from engine_hooks.sglang import _runtime as rt  # noqa: E402
+from engine_hooks.sglang import hooks_disagg as hd  # noqa: E402
+
+LAYERS, HEADS, DK, DV = 3, 4, 8, 6
+CUDA = torch.cuda.is_available()
+
+
+# --------------------------------------------------------------------------- pools
+def make_kv(tokens: int, seed: int = 0, heads: int = HEADS, dtype=torch.bfloat16):
+    """Per-layer K [tokens, heads, DK] and V [tokens, heads, DV] (the KV of one request)."""
+    g = torch.Generator().manual_seed(seed)
+    k = [torch.randn(tokens, heads, DK, generator=g).to(dtype) for _ in range(LAYERS)]
+    v = [torch.randn(tokens, heads, DV, generator=g).to(dtype) for _ in range(LAYERS)]
+    return k, v
+
+
+class Pool:
+    """An SGLang-like MHA pool holding a request's KV at ``slots`` (token order)."""
+
+    def __init__(self, kv, slots, size: int, page_size: int, layout: str = "nhd", heads=slice(None),
+                 start_layer: int = 0, device="cpu"):
+        k, v = kv
+        self.page_size, self.kv_cache_layout, self.start_layer = page_size, layout, start_layer
+        idx = torch.as_tensor(slots)
+        self.k_buffer, self.v_buffer = [], []
+        for src_list, dst_list in ((k, self.k_buffer), (v, self.v_buffer)):
+            for src in src_list:
+                src = src[:, heads]
+                buf = torch.zeros(size, *src.shape[1:], dtype=src.dtype)
+                buf[idx] = src  # whatever else is in the pool stays zero
+                if layout == "hnd":
+                    buf = buf.view(size // page_size, page_size, *src.shape[1:]).transpose(1, 2).contiguous()
+                dst_list.append(buf.to(device))
+
+
+def reference(kv, t0: int, t1: int, heads=range(HEADS), head_start: int = 0) -> int:
+    """The definition, token by token: d(l, h) over K bytes then V bytes per token."""
+    k, v = kv
+    units = []
+    for layer in range(LAYERS):
+        per_head = []
+        for h in heads:
+            per_head.append([k[layer][t, h].contiguous().view(torch.uint8).numpy().tobytes()
+                             + v[layer][t, h].contiguous().view(torch.uint8).numpy().tobytes()
+                             for t in range(t0, t1)])
+        units.append(per_head)
+    return dg.reference_digest(units, head_start=head_start)
+
+
+def scattered(n: int, size: int, page_size: int, rng: np.random.Generator) -> list[int]:
+    """Slots for n tokens in a paged pool: pages in random order, page-aligned positions."""
+    pages = rng.permutation(np.arange(1, size // page_size))[: (n + page_size - 1) // page_size]
+    return [int(pages[i // page_size]) * page_size + i % page_size for i in range(n)]
+
+
+# --------------------------------------------------------------------------- the definition
+def test_unit_bytes_digest_matches_the_definition():
+    kv = make_kv(37)
+    slots = scattered(37, 256, 4, np.random.default_rng(1))
+    view = dg.pool_view(Pool(kv, slots, 256, 4))
+    assert view.alg() == dg.UNIT_BYTES and view.heads == HEADS and view.layers == LAYERS
+    assert dg.transfer_digest(view, slots, 0, dg.UNIT_BYTES) == reference(kv, 0, 37)
+
+
+def test_seeds_use_model_layer_ids():
+    """A rank holding layers from start_layer (pipeline parallel) seeds with model layer ids."""
+    kv = make_kv(5)
+    slots = list(range(8, 13))
+    plain = dg.transfer_digest(dg.pool_view(Pool(kv, slots, 64, 4)), slots, 0, dg.UNIT_BYTES)
+    shifted = dg.transfer_digest(dg.pool_view(Pool(kv, slots, 64, 4, start_layer=2)), slots, 0, dg.UNIT_BYTES)
+    assert plain != shifted
+    k, v = kv
+    units = [[[k[layer][t, h].view(torch.uint8).numpy().tobytes() + v[layer][t, h].view(torch.uint8).numpy().tobytes()
+               for t in range(5)] for h in range(HEADS)] for layer in range(LAYERS)]
+    assert shifted == dg.reference_digest(units, start_layer=2)
+
+
+@pytest.mark.parametrize("alg", [dg.UNIT_BYTES, dg.DEVICE_REDUCED])
+def test_layout_independent(alg):
+    """Same KV, different page sizes, slot orders and layouts (NHD/HND): same digest."""
+    kv = make_kv(50, seed=2)
+    rng = np.random.default_rng(3)
+    a_slots, b_slots, c_slots = scattered(50, 512, 4, rng), scattered(50, 512, 16, rng), scattered(50, 512, 8, rng)
+    a = dg.pool_view(Pool(kv, a_slots, 512, 4))
+    b = dg.pool_view(Pool(kv, b_slots, 512, 16))
+    c = dg.pool_view(Pool(kv, c_slots, 512, 8, layout="hnd"))
+    digests = {dg.transfer_digest(a, a_slots, 0, alg), dg.transfer_digest(b, b_slots, 0, alg),
+               dg.transfer_digest(c, c_slots, 0, alg)}
+    assert len(digests) == 1
+
+
+@pytest.mark.parametrize("alg", [dg.UNIT_BYTES, dg.DEVICE_REDUCED])
+def test_tp2_partial_digests_add_up_to_tp1(alg):
+    kv = make_kv(21, seed=4)
+    slots = list(range(4, 25))
+    whole = dg.transfer_digest(dg.pool_view(Pool(kv, slots, 64, 4)), slots, 0, alg)
+    r0 = dg.transfer_digest(dg.pool_view(Pool(kv, slots, 64, 4, heads=slice(0, 2))), slots, 0, alg)
+    r1 = dg.transfer_digest(dg.pool_view(Pool(kv, slots, 64, 4, heads=slice(2, 4))), slots, 2, alg)
+    assert (r0 + r1) & dg.MASK64 == whole
+    # the head index is the model's, not the rank's: rank 1 pretending to hold heads 0-1 is wrong
+    assert (r0 + dg.transfer_digest(dg.pool_view(Pool(kv, slots, 64, 4, heads=slice(2, 4))), slots, 0, alg)) \
+        & dg.MASK64 != whole
+    if alg == dg.UNIT_BYTES:
+        assert r0 == reference(kv, 0, 21, heads=range(2)) and r1 == reference(kv, 0, 21, heads=range(2, 4), head_start=2)
+
+
+@pytest.mark.parametrize("alg", [dg.UNIT_BYTES, dg.DEVICE_REDUCED])
+def test_chunked_sender_equals_one_shot_receiver(alg):
+    kv = make_kv(45, seed=5)
+    rng = np.random.default_rng(6)
+    sender_slots, receiver_slots = scattered(45, 256, 4, rng), scattered(45, 256, 4, rng)
+    sender = dg.StreamingDigest(dg.pool_view(Pool(kv, sender_slots, 256, 4)), 0, alg)
+    for a, b in ((0, 16), (16, 32), (32, 32), (32, 45)):  # page-aligned chunks, an empty one, a partial tail
+        sender.update(sender_slots[a:b])
+    receiver = dg.transfer_digest(dg.pool_view(Pool(kv, receiver_slots, 256, 4)), receiver_slots, 0, alg)
+    assert sender.digest() == receiver
+
+
+@pytest.mark.parametrize("alg", [dg.UNIT_BYTES, dg.DEVICE_REDUCED])
+def test_one_flipped_bit_or_a_short_range_changes_the_digest(alg):
+    kv = make_kv(30, seed=7)
+    slots = list(range(4, 34))
+    pool = Pool(kv, slots, 64, 4)
+    view = dg.pool_view(pool)
+    good = dg.transfer_digest(view, slots, 0, alg)
+    assert dg.transfer_digest(view, slots[:1], 0, alg) != good  # the incident: 1 token sent, 30 reserved
+    pool.v_buffer[1][slots[17]].view(torch.uint8)[0, 3] ^= 0x10
+    assert dg.transfer_digest(view, slots, 0, alg) != good
+
+
+def test_device_reduction_matches_its_definition():
+    units = torch.randint(0, 256, (3, 5, 28), dtype=torch.uint8)
+    units[0, 0] = 255  # u32 words above both primes
+    got = dg.reduce_units(units).numpy().astype(np.uint64)
+    want = np.array([[dg.reference_reduce(units[h, t].numpy().tobytes()) for t in range(5)] for h in range(3)],
+                    dtype=np.uint64)
+    assert (got == want).all()
+    # the digest hashes those u64 (little-endian) per head in token order
+    kv = make_kv(6, seed=8)
+    slots = list(range(4, 10))
+    view = dg.pool_view(Pool(kv, slots, 64, 4))
+    k, v = kv
+    expect = 0
+    for layer in range(LAYERS):
+        for h in range(HEADS):
+            stream = b"".join(dg.reference_reduce(k[layer][t, h].view(torch.uint8).numpy().tobytes()
+                                                  + v[layer][t, h].view(torch.uint8).numpy().tobytes())
+                              .to_bytes(8, "little") for t in range(6))
+            expect += xxhash.xxh3_64_intdigest(stream, seed=dg.seed(layer, h))
+    assert dg.transfer_digest(view, slots, 0, dg.DEVICE_REDUCED) == expect & dg.MASK64
+
+
+def test_latent_view_hashes_one_head_without_v():
+    g = torch.Generator().manual_seed(9)
+    kv_buf = [torch.randn(16, 1, 12, generator=g).to(torch.bfloat16) for _ in range(2)]
+    view = dg.PoolView(kv_buf, None, "nhd", 4, 0, 1, torch.device("cpu"))
+    slots = [5, 6, 7]
+    units = [[[kv_buf[layer][s, 0].view(torch.uint8).numpy().tobytes() for s in slots]] for layer in range(2)]
+    assert dg.transfer_digest(view, slots, 0, dg.UNIT_BYTES) == dg.reference_digest(units)
+
+
+# --------------------------------------------------------------------------- what is not digested
+class _Latent:
+    kv_buffer = [torch.zeros(8, 1, 4)]
+
+
+@pytest.mark.parametrize("pool,why", [
+    (_Latent(), r"latent \(MLA\)"),
+    (types.SimpleNamespace(k_buffer=None, v_buffer=None), "no k_buffer"),
+    (types.SimpleNamespace(k_buffer=[torch.zeros(4, 1, 2)], v_buffer=[torch.zeros(4, 1, 2)], page_size=4,
+                           kv_cache_layout="vectorized_5d"), "layout"),
+    (types.SimpleNamespace(k_buffer=[torch.zeros(4, 1, 2, dtype=torch.bool)],
+                           v_buffer=[torch.zeros(4, 1, 2, dtype=torch.bool)], page_size=4), "dtype bool"),
+    (types.SimpleNamespace(k_buffer=[torch.zeros(4, 1, 2, device="meta")],
+                           v_buffer=[torch.zeros(4, 1, 2, device="meta")], page_size=4), "device 'meta'"),
+])
+def test_unsupported_pools_are_refused_with_the_reason(pool, why):
+    with pytest.raises(dg.Unsupported, match=why):
+        dg.pool_view(pool).alg()
+
+
+def test_unit_of_odd_bytes_cannot_be_device_reduced():
+    with pytest.raises(dg.Unsupported, match="u32 words"):
+        dg.reduce_units(torch.zeros(1, 2, 6, dtype=torch.uint8))
+
+
+def test_skips_are_counted_and_logged_once(caplog):
+    counter = dg.SkipCounter()
+    with caplog.at_level("WARNING", logger="kvguard.digest"):
+        for _ in range(3):
+            counter.skip("some reason")
+    assert counter.counts["some reason"] == 3
+    assert sum("some reason" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("local,total,size,want", [
+    (4, 4, 1, [(0, 4)]),
+    (2, 4, 2, [(0, 2), (2, 2)]),
+    (1, 2, 8, [(0, 1), None, None, None, (1, 1), None, None, None]),  # replicated: first replica reports
+])
+def test_head_layout(local, total, size, want):
+    assert [hd.head_layout(local, total, r, size) for r in range(size)] == want
+
+
+def test_head_layout_refuses_what_does_not_add_up():
+    with pytest.raises(dg.Unsupported):
+        hd.head_layout(3, 8, 0, 2)
+
+
+# --------------------------------------------------------------------------- GPU (alg 2 on the device)
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="no CUDA device")
+def test_device_reduced_on_cuda_equals_cpu():
+    kv = make_kv(300, seed=10)
+    rng = np.random.default_rng(11)
+    slots = scattered(300, 1024, 16, rng)
+    cpu = dg.pool_view(Pool(kv, slots, 1024, 16))
+    gpu = dg.pool_view(Pool(kv, slots, 1024, 16, device="cuda"))
+    assert gpu.alg() == dg.DEVICE_REDUCED
+    want = dg.transfer_digest(cpu, slots, 0, dg.DEVICE_REDUCED)
+    assert dg.transfer_digest(gpu, torch.as_tensor(slots, device="cuda"), 0, dg.DEVICE_REDUCED) == want
+    stream = dg.StreamingDigest(gpu, 0, dg.DEVICE_REDUCED)
+    stream.update(slots[:160])
+    stream.update(slots[160:])
+    assert stream.digest() == want
+
+
+# --------------------------------------------------------------------------- the hooks
+class RecordingProbes:
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        def record(*args, **kwargs):
+            self.calls.append((name, args, kwargs))
+
+        return record
+
+    def named(self, name):
+        return [c for c in self.calls if c[0] == name]
+
+
+@pytest.fixture
+def probes():
+    stub = RecordingProbes()
+    probes_mod.reset_probes_for_tests(stub)
+    rt.State.reset()
+    hd.Digests.reset()
+    rt.State.hello_done = True
+    yield stub
+    probes_mod.reset_probes_for_tests(None)
+    rt.State.reset()
+    hd.Digests.reset()
+
+
+class Alloc:
+    def __init__(self, pool):
+        self.pool, self.page_size = pool, pool.page_size
+
+    def get_kvcache(self):
+        return self.pool
+
+
+def engine_side(pool, rows: dict[int, list[int]]):
+    """A scheduler-like object: its pool, req_to_token rows, model kv heads, TP 1."""
+    req_to_token = torch.zeros(8, 128, dtype=torch.int32)
+    for row, slots in rows.items():
+        req_to_token[row, : len(slots)] = torch.as_tensor(slots)
+    return types.SimpleNamespace(
+        token_to_kv_pool_allocator=Alloc(pool), req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token),
+        model_config=types.SimpleNamespace(get_total_num_kv_heads=lambda: HEADS), tp_size=1,
+        enable_hisparse=False)
+
+
+def req(rid, row, room=77, bootstrap_host="10.0.0.1"):
+    return types.SimpleNamespace(rid=rid, bootstrap_room=room, bootstrap_host=bootstrap_host,
+                                 origin_input_ids=[3] * 40, kv=types.SimpleNamespace(req_pool_idx=row),
+                                 start_send_idx=0, disagg_decode_prefix_len=0)
+
+
+def send_chunk(sched, r, end, last):
+    token = hd._send_pre(sched, r)
+    r.start_send_idx = end
+    hd._send_post(token, None, sched, r, last)
+
+
+def test_hooks_sender_chunks_and_receiver_reservation_agree(probes):
+    kv = make_kv(40, seed=12)
+    rng = np.random.default_rng(13)
+    p_slots, d_slots = scattered(40, 256, 4, rng), scattered(40, 256, 4, rng)
+    prefill = engine_side(Pool(kv, p_slots, 256, 4), {2: p_slots})
+    decode = engine_side(Pool(kv, d_slots, 256, 4), {5: d_slots})
+    pr, dr = req("r1", 2), req("r1", 5)
+    for end, last in ((16, False), (32, False), (40, True)):
+        send_chunk(prefill, pr, end, last)
+    # decode: _pre_alloc reserved positions [0, 40); the transfer queue returns it (success)
+    queue = types.SimpleNamespace(scheduler=decode, req_to_token_pool=decode.req_to_token_pool,
+                                  queue=[types.SimpleNamespace(req=dr)])
+    kv_loc = torch.as_tensor(d_slots)
+    hd._pre_alloc_post((dr, 0, 0, False), kv_loc, queue, dr)
+    before = hd._pop_transferred_pre(queue)
+    queue.queue = []
+    hd._pop_transferred_post(before, [dr], queue)
+    sent, received = probes.named("transfer_digest")
+    assert sent[1][2] == "sender" and received[1][2] == "receiver"
+    want = reference(kv, 0, 40)
+    # rid, room, side, digest, token_start, token_end, layers, head_start, head_count, total_heads
+    assert sent[1] == ("r1", 77, "sender", want, 0, 40, LAYERS, 0, HEADS, HEADS)
+    assert received[1] == ("r1", 77, "receiver", want, 0, 40, LAYERS, 0, HEADS, HEADS)
+    assert sent[2] == received[2] == {"alg": dg.UNIT_BYTES}
+    # the receiver's digest goes out before its XFER_DONE; no state is left behind
+    names = [c[0] for c in probes.calls]
+    assert names.index("transfer_done") > names.index("transfer_digest", names.index("transfer_reserved"))
+    assert not hd.Digests.senders and not hd.Digests.receivers
+
+
+def test_hooks_incident_shape_digests_differ(probes):
+    """Prefill sends 1 token (the 0.5.19 incident), decode reserved 40: two different digests."""
+    kv = make_kv(40, seed=14)
+    slots = list(range(4, 44))
+    prefill = engine_side(Pool(kv, slots, 256, 4), {1: slots})
+    decode = engine_side(Pool(kv, slots, 256, 4), {1: slots})
+    send_chunk(prefill, req("r2", 1), 1, True)
+    dr = req("r2", 1)
+    queue = types.SimpleNamespace(scheduler=decode, req_to_token_pool=decode.req_to_token_pool,
+                                  queue=[types.SimpleNamespace(req=dr)])
+    hd._pre_alloc_post((dr, 0, 0, False), torch.as_tensor(slots), queue, dr)
+    before = hd._pop_transferred_pre(queue)
+    queue.queue = []
+    hd._pop_transferred_post(before, [dr], queue)
+    sent, received = (c[1] for c in probes.named("transfer_digest"))
+    assert sent[4:6] == (0, 1) and received[4:6] == (0, 40) and sent[3] != received[3]
+
+
+def test_hooks_failed_transfer_and_warmup_leave_no_digest(probes):
+    kv = make_kv(8, seed=15)
+    slots = list(range(4, 12))
+    decode = engine_side(Pool(kv, slots, 64, 4), {1: slots, 2: slots})
+    failed, warm = req("f", 1), req("w", 2, bootstrap_host=rt.FAKE_BOOTSTRAP_HOST)
+    queue = types.SimpleNamespace(scheduler=decode, req_to_token_pool=decode.req_to_token_pool,
+                                  queue=[types.SimpleNamespace(req=failed), types.SimpleNamespace(req=warm)])
+    for r in (failed, warm):
+        hd._pre_alloc_post((r, 0, 0, False), torch.as_tensor(slots), queue, r)
+    assert list(hd.Digests.receivers) == ["f"]
+    before = hd._pop_transferred_pre(queue)
+    queue.queue = []
+    hd._pop_transferred_post(before, [warm], queue)  # f removed without being returned: failed
+    assert probes.named("transfer_digest") == [] and not hd.Digests.receivers
+    assert [c[1][2:] for c in probes.named("transfer_done")] == [("receiver", "failed"), ("receiver", "success")]
+
+
+def test_hooks_digest_failure_disables_only_the_digest(probes, monkeypatch):
+    kv = make_kv(8, seed=16)
+    slots = list(range(4, 12))
+    prefill = engine_side(Pool(kv, slots, 64, 4), {1: slots, 2: slots})
+
+    def boom(*a, **k):
+        raise RuntimeError("digest broke")
+
+    monkeypatch.setattr(dg.StreamingDigest, "update", boom)
+    send_chunk(prefill, req("a", 1), 8, True)
+    send_chunk(prefill, req("b", 2), 8, True)
+    assert len(probes.named("transfer_sent")) == 2  # the transfer records keep flowing
+    assert probes.named("transfer_digest") == []
+    errors = probes.named("report_probe_error")
+    assert len(errors) == 1 and errors[0][1][0] == "sglang." + hd.SENDER_GUARD
+    assert not rt.is_enabled(hd.SENDER_GUARD) and rt.is_enabled("SchedulerDisaggregationPrefillMixin.send_kv_chunk")
+
+
+def test_hooks_unsupported_pool_is_skipped_and_counted(probes):
+    sched = engine_side(Pool(make_kv(4), [4, 5, 6, 7], 64, 4), {1: [4, 5, 6, 7]})
+    sched.model_config = types.SimpleNamespace(get_total_num_kv_heads=lambda: 6)  # 4 local x TP 1 != 6
+    for rid in ("a", "b"):
+        send_chunk(sched, req(rid, 1), 4, True)
+    assert probes.named("transfer_digest") == [] and len(probes.named("transfer_sent")) == 2
+    assert sum(dg.skips.counts.values()) == 2 and rt.is_enabled(hd.SENDER_GUARD)
+
+
+def test_hooks_state_is_bounded(probes, monkeypatch):
+    monkeypatch.setattr(hd, "MAX_SENDERS", 3)
+    hd.Digests.reset()
+    kv = make_kv(8, seed=17)
+    slots = list(range(4, 12))
+    sched = engine_side(Pool(kv, slots, 64, 4), {i: slots for i in range(5)})
+    for i in range(5):
+        send_chunk(sched, req(f"open{i}", i), 4, False)  # first chunks of transfers that never finish
+    assert list(hd.Digests.senders) == ["open2", "open3", "open4"] and hd.Digests.senders.dropped == 2
