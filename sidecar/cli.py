@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 
@@ -54,6 +55,19 @@ def alert_sinks(args) -> list:
     return out
 
 
+def ledger_settings(args) -> dict:
+    """--ledger (default $KVGUARD_LEDGER, else memory), --ledger-cluster, --orphan-timeout-s; a bad value
+    raises ValueError naming the setting and the value."""
+    from .ledger.shared import parse_ledger_url
+
+    source = "--ledger" if args.ledger is not None else "KVGUARD_LEDGER"
+    value = args.ledger if args.ledger is not None else os.environ.get("KVGUARD_LEDGER", "memory")
+    parse_ledger_url(value, source)
+    if not args.orphan_timeout_s > 0:
+        raise ValueError(f"--orphan-timeout-s: expected seconds > 0, got {args.orphan_timeout_s}")
+    return {"ledger": value, "ledger_cluster": args.ledger_cluster, "orphan_timeout_s": args.orphan_timeout_s}
+
+
 def cmd_sidecar(args) -> int:
     import uvicorn
 
@@ -84,9 +98,13 @@ def cmd_sidecar(args) -> int:
     except ValueError as exc:
         print(f"kvguard sidecar: {exc}", file=sys.stderr)
         return 2
-    sidecar = Sidecar(args.ring_dir, sinks=sinks, recorder=recorder, history_events=args.history_events,
-                      isolate_tenants=args.isolate_tenants, tracer=tracer,
-                      ttft_anomaly=args.ttft_anomaly).start()
+    try:
+        sidecar = Sidecar(args.ring_dir, sinks=sinks, recorder=recorder, history_events=args.history_events,
+                          isolate_tenants=args.isolate_tenants, tracer=tracer, ttft_anomaly=args.ttft_anomaly,
+                          **ledger_settings(args)).start()
+    except ValueError as exc:  # a bad ledger setting: named with its value
+        print(f"kvguard sidecar: {exc}", file=sys.stderr)
+        return 2
     if token is None:
         logging.getLogger("kvguard").warning("no API token configured: /v1 (incidents, timelines) answers 403")
     host, port = args.listen
@@ -145,6 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "tenant and read by another (cross_tenant_prefix_share); off by default")
     p.add_argument("--api-token-file", default=None, help="file holding the bearer token for /v1 (default: "
                    "$KVGUARD_API_TOKEN; without one /v1 answers 403)")
+    p.add_argument("--ledger", default=None, help="where transfers are paired: 'memory' (one sidecar sees "
+                   "prefill and decode) or redis://HOST:PORT/DB shared by the prefill and decode pods' sidecars "
+                   "(default $KVGUARD_LEDGER, else memory)")
+    p.add_argument("--ledger-cluster", default=os.environ.get("KVGUARD_CLUSTER", "default"),
+                   help="name of this deployment in a shared ledger, so that two clusters sharing one Redis "
+                   "never pair each other's transfers (default $KVGUARD_CLUSTER, else 'default')")
+    p.add_argument("--orphan-timeout-s", type=float, default=60.0, help="report decode pages reserved for a "
+                   "transfer whose prefill never reported within this many seconds (orphan_transfer; default 60)")
     p.add_argument("--history-events", type=_positive_int, default=1 << 20,
                    help="events kept for timelines (40 bytes each; default 1048576)")
     from .recorder import DEFAULT_MAX_BYTES, parse_bytes, parse_seconds

@@ -20,29 +20,42 @@ from .detectors.config import PoolContextDetector
 from .detectors.isolation import TenantIsolationDetector
 from .detectors.lifetime import DoubleFreeDetector, WriteDetector
 from .detectors.reads import ReadDetector
-from .detectors.transfers import TransferSizeDetector
+from .detectors.transfers import ChecksumDetector, OrphanDetector, TransferSizeDetector, ledger_degraded_finding
 from .detectors.ttft import TTFTDetector
 from .findings import WARNING, EngineRef, Finding
 from .history import Event, History
 from .incidents import IncidentStore
-from .ledger import TransferLedger
+from .ledger import REMOTE_ENGINE, RoomState, TransferLedger
 from .tracker import EngineTracker, RequestDirectory
 
 log = logging.getLogger("kvguard.pipeline")
 
 ROLE_NAMES = {wire.Role.UNIFIED: "unified", wire.Role.PREFILL: "prefill", wire.Role.DECODE: "decode"}
+# with a shared ledger, how long a receiver that finished waits for the sender's facts from the other
+# pod (its sidecar reads its ring, publishes, and this sidecar polls: a few cycles, plus outages)
+SHARED_GRACE_NS = 10_000_000_000
+DEGRADED_REPEAT_NS = 30_000_000_000  # a degraded ledger re-reports this often (keeps its incident firing)
 
 
 class Pipeline:
     def __init__(self, sinks=(), history_events: int = 1 << 20, incidents: IncidentStore | None = None,
-                 isolate_tenants: bool = False, tracer=None, ttft_anomaly: bool = False):
+                 isolate_tenants: bool = False, tracer=None, ttft_anomaly: bool = False,
+                 shared_ledger=None, orphan_timeout_s: float = 60.0):
         # sidecar.tracing.TraceRecorder or None: request spans; it is also a sink (findings become span events)
         self.tracer = tracer
         self.sinks = list(sinks) + ([tracer] if tracer is not None else [])
         self.history = History(history_events) if history_events else None
         self.incidents = incidents or IncidentStore()
         self.engines: dict[int, EngineTracker] = {}
-        self.ledger = TransferLedger()
+        self.ledger = TransferLedger(orphan_timeout_ns=int(orphan_timeout_s * 1e9))
+        # sidecar.ledger.shared.SharedLedger or None: the other pod's transfer facts (docs/detectors.md)
+        self.shared_ledger = shared_ledger
+        self.ledger.shared = shared_ledger is not None
+        self.orphan_timeout_s = orphan_timeout_s
+        self.shared_grace_ns = SHARED_GRACE_NS
+        self._degraded_reported_ns = 0
+        self.checksum_detector = ChecksumDetector()
+        self.orphan_detector = OrphanDetector()
         self.read_detector = ReadDetector()
         self.transfer_detector = TransferSizeDetector()
         self.config_detector = PoolContextDetector()
@@ -137,6 +150,8 @@ class Pipeline:
         elif kind == wire.Kind.REQ_BEGIN:
             t.on_request_begin(body, rec.ts_ns)
             self._record(ts, eid, Event.REQ_BEGIN, body.req_key, aux=body.prompt_tokens)
+            if body.room != wire.NO_ROOM and self._role(t) == wire.Role.PREFILL:
+                self._publish_sender(self.ledger.on_sender_begin(eid, body.req_key, body.room, body.warmup))
             if self.tracer is not None:
                 self.tracer.on_request_begin(self.engine_ref(t), t.requests.get(body.req_key))
         elif kind == wire.Kind.REQ_END:
@@ -145,9 +160,9 @@ class Pipeline:
             pages = 0 if row is None else int((row.pages > 0).sum())  # before on_request_end drops the row
             t.on_request_end(body, rec.ts_ns)
             self._record(ts, eid, Event.REQ_END, body.req_key, aux=int(body.finish))
-            found = []
+            found = self._transfer_end(t, info, body, ts)
             if info is not None and t.hello is not None:
-                found = self._emit(self.ttft_detector.observe(eid, self.engine_ref(t), info, ts))
+                found += self._emit(self.ttft_detector.observe(eid, self.engine_ref(t), info, ts))
                 self._resolved(self.incidents.on_request_end(t.hello.pid, info.rid, ts))
             if self.tracer is not None:  # after the TTFT finding, so that it lands on the open span
                 self.tracer.on_request_end(self.engine_ref(t), t.requests.get(body.req_key), pages=pages,
@@ -156,6 +171,9 @@ class Pipeline:
         elif kind == wire.Kind.REJECT:
             t.on_reject(body)
             self._record(ts, eid, Event.REJECT, body.req_key, aux=int(body.phase))
+            info = t.requests.get(body.req_key)
+            if self._role(t) == wire.Role.PREFILL and info is not None and info.room is not None:
+                return self._sender_gave_up(body.req_key, info.room, "reject", ts)
         elif kind == wire.Kind.HELLO:
             t.on_hello(body)
             log.info("engine %d: %s %s rank %d pid %d, page_size %d, pool %d pages / %d tokens, context %d",
@@ -172,12 +190,17 @@ class Pipeline:
             final = self.ledger.on_send(rec.engine_id, body, receiver_t.page_size if receiver_t else t.page_size)
             if final is not None:
                 found += self._apply_final([final], ts)
+            self._publish_sender(self.ledger.find(body.room, body.req_key))
             return found
         elif kind == wire.Kind.XFER_RESERVE:
-            self.ledger.on_reserve(rec.engine_id, body, rec.ts_ns)
+            return self._on_reserve(t, body, ts)
+        elif kind == wire.Kind.XFER_DIGEST:
+            return self._on_digest(eid, body, ts)
         elif kind == wire.Kind.XFER_DONE:
             if body.side == wire.Side.RECEIVER:
-                return self._on_transfer_done(t, body, rec.ts_ns)
+                found = self._on_transfer_done(t, body, rec.ts_ns)
+                self._publish_receiver(self.ledger.find(body.room, body.req_key))
+                return found
         elif kind == wire.Kind.LOST:
             return self._on_lost(t, rec)
         return []
@@ -210,7 +233,8 @@ class Pipeline:
         return findings
 
     def _on_transfer_done(self, t: EngineTracker, x: wire.XferDone, ts_ns: int) -> list[Finding]:
-        pairing = self.ledger.on_receiver_done(x, t.page_size, ts_ns)
+        grace = self.shared_grace_ns if self.shared_ledger is not None else None
+        pairing = self.ledger.on_receiver_done(x, t.page_size, ts_ns, grace_ns=grace)
         if pairing is None:
             return []
         row = t.rows.get(pairing.receiver_key)
@@ -254,6 +278,135 @@ class Pipeline:
                 found += self._apply_pairing(t, pairing, ts_ns)
         return found
 
+    # ------------------------------------------------------------------ transfers: the ledger
+    @staticmethod
+    def _role(t: EngineTracker):
+        return None if t.hello is None else t.hello.role
+
+    def _on_reserve(self, t: EngineTracker, x: wire.XferReserve, ts_ns: int) -> list[Finding]:
+        state = self.ledger.on_reserve(t.engine_id, x, ts_ns)
+        info = t.requests.get(x.req_key)
+        state.warmup = state.warmup or bool(info is not None and info.warmup)
+        if self.shared_ledger is not None and not state.warmup:
+            self._publish_receiver(state)
+            until = ts_ns + self.ledger.orphan_timeout_ns + 2 * self.shared_grace_ns
+            self.shared_ledger.watch(x.room, x.req_key, "sender", until)
+        if self.ledger.orphan_now(state, ts_ns):  # prefill had already rejected the prompt
+            return self._orphan(state, ts_ns)
+        return []
+
+    def _on_digest(self, engine_id: int, x: wire.XferDigest, ts_ns: int) -> list[Finding]:
+        hit = self.ledger.on_digest(engine_id, x)
+        state = self.ledger.find(x.room, x.req_key)
+        if x.side == wire.Side.SENDER:
+            self._publish_sender(state)
+        else:
+            self._publish_receiver(state)
+        return self._judge_digests(hit, ts_ns)
+
+    def _judge_digests(self, hit, ts_ns: int) -> list[Finding]:
+        """Both ends' digests are complete: the receiver's sidecar (this one, if it sees decode) judges."""
+        if hit is None:
+            return []
+        state, verdict = hit
+        t = self.engines.get(state.receiver_engine)
+        if t is None:
+            return []  # the receiver is in another pod: its sidecar owns the finding
+        return self._emit(self.checksum_detector.observe(t, self.engine_ref(t), state, verdict, ts_ns))
+
+    def _sender_gave_up(self, req_key: int, room: int, reason: str, ts_ns: int, local: bool = True) -> list[Finding]:
+        orphan = self.ledger.on_sender_gave_up(req_key, room, reason, ts_ns)
+        if local:
+            self._publish_sender(self.ledger.find(room, req_key))
+        return [] if orphan is None else self._orphan(orphan, ts_ns)
+
+    def _transfer_end(self, t: EngineTracker, info, end: wire.ReqEnd, ts_ns: int) -> list[Finding]:
+        """A request with a room ended: a prefill request that never sent its last chunk gave up;
+        a decode request that ended holds no reserved pages any more."""
+        if info is None or info.room is None:
+            return []
+        role = self._role(t)
+        if role == wire.Role.PREFILL and end.finish in (wire.Finish.ABORT, wire.Finish.REJECT):
+            return self._sender_gave_up(end.req_key, info.room,
+                                        "reject" if end.finish == wire.Finish.REJECT else "abort", ts_ns)
+        if role == wire.Role.DECODE:
+            self.ledger.on_receiver_end(end.req_key, info.room)
+        return []
+
+    def _orphan(self, state: RoomState, ts_ns: int) -> list[Finding]:
+        t = self.engines.get(state.receiver_engine)
+        if t is None:
+            return []
+        if self.shared_ledger is not None:
+            self.shared_ledger.unwatch(state.room, state.receiver_key, "sender")
+        return self._emit(self.orphan_detector.observe(t, self.engine_ref(t), state, self.orphan_timeout_s, ts_ns))
+
+    def _publish_sender(self, state: RoomState | None) -> None:
+        if self.shared_ledger is None or state is None or state.warmup or not state.req_key:
+            return
+        chunks = [[c.token_start, c.token_end, int(c.is_last), c.num_pages] for c in state.chunks]
+        self.shared_ledger.publish("sender", state.room, state.req_key, {
+            "began": state.sender_began, "warmup": state.warmup, "gave_up": state.sender_gave_up,
+            "chunks": chunks, "digests": state.sender_digest.to_json()})
+
+    def _publish_receiver(self, state: RoomState | None) -> None:
+        if (self.shared_ledger is None or state is None or state.warmup or state.reserved_pages is None
+                or state.receiver_engine == REMOTE_ENGINE):
+            return
+        self.shared_ledger.publish("receiver", state.room, state.receiver_key, {
+            "reserved_tokens": state.reserved_tokens, "reserved_pages": len(state.reserved_pages),
+            "status": state.done_status, "digests": state.receiver_digest.to_json()})
+
+    def _tick_shared(self, now_ns: int) -> list[Finding]:
+        link = self.shared_ledger
+        degraded = link.degraded  # read first: a recovery's results are queued before the flag flips back
+        found: list[Finding] = []
+        for room, req_key, side, facts in link.take_results():
+            if side == "sender":
+                found += self._apply_remote_sender(room, req_key, facts, now_ns)
+        self.ledger.paused = degraded
+        if not degraded:
+            self._degraded_reported_ns = 0
+        elif not self._degraded_reported_ns or now_ns - self._degraded_reported_ns >= DEGRADED_REPEAT_NS:
+            self._degraded_reported_ns = now_ns
+            waiting = len(self.ledger.pending) + sum(s.receiver_open for s in self.ledger.rooms.values())
+            found += self._emit([ledger_degraded_finding(link.display_url, link.last_error, waiting, now_ns)])
+        return found
+
+    def _apply_remote_sender(self, room: int, req_key: int, facts: list[dict], now_ns: int) -> list[Finding]:
+        """The sender's facts from another pod, applied like local records. Their chunks are not
+        checked as late writes: without comparing two pods' clocks nothing orders them against
+        decode's frees."""
+        state = self.ledger.find(room, req_key)
+        if state is None or state.receiver_engine is None or state.receiver_engine == REMOTE_ENGINE:
+            return []  # nothing of ours waits for these facts (any more)
+        t = self.engines.get(state.receiver_engine)
+        page_size = t.page_size if t is not None else 1
+        found: list[Finding] = []
+        for fact in facts:
+            if fact["began"]:
+                self.ledger.on_sender_begin(REMOTE_ENGINE, req_key, room, fact["warmup"])
+            for t0, t1, last, n_pages in fact["chunks"]:
+                if (t0, t1, last) in state.remote_chunks:
+                    continue
+                state.remote_chunks.add((t0, t1, last))
+                if self.ledger.rooms.get(room) is not state and self.ledger.pending.get(room) is not state:
+                    continue  # decided already (closed): nothing to pair
+                x = wire.XferSend(req_key, room, 0, t0, t1, bool(last), np.zeros(n_pages, np.int64))
+                final = self.ledger.on_send(REMOTE_ENGINE, x, page_size)
+                if final is not None:
+                    found += self._apply_final([final], now_ns)
+            for alg, h0, hn, digest, t0, t1, layers, total in fact["digests"]:
+                x = wire.XferDigest(req_key, room, wire.Side.SENDER, alg, digest, t0, t1, layers, h0, hn, total)
+                found += self._judge_digests(self.ledger.on_digest(REMOTE_ENGINE, x), now_ns)
+            if fact["gave_up"]:
+                found += self._sender_gave_up(req_key, room, fact["gave_up"], now_ns, local=False)
+        settled = state.compared or state.orphan_reported or bool(state.sender_gave_up)
+        if settled or (state.done_status and state.sent_last and not state.receiver_digest.by_alg
+                       and self.ledger.pending.get(room) is not state):
+            self.shared_ledger.unwatch(room, req_key, "sender")
+        return found
+
     def _late_send(self, x: wire.XferSend, ts_ns: int) -> list[Finding]:
         """A chunk sent for a room whose receiver already finished: does it land in pages
         that are now free or another request's?"""
@@ -295,7 +448,11 @@ class Pipeline:
         if tracker is not None and tracker.hello is not None:
             self._resolved(self.incidents.on_engine_gone(tracker.hello.pid, ts_ns))
 
-    def tick(self, now_ns: int) -> None:
+    def tick(self, now_ns: int) -> list[Finding]:
+        found = self._tick_shared(now_ns) if self.shared_ledger is not None else []
         page_size_of = lambda eid: self.engines[eid].page_size if eid in self.engines else 1  # noqa: E731
-        self._apply_final(self.ledger.expire(now_ns, page_size_of), now_ns)
+        found += self._apply_final(self.ledger.expire(now_ns, page_size_of), now_ns)
+        for state in self.ledger.orphans(now_ns):
+            found += self._orphan(state, now_ns)
         self._resolved(self.incidents.tick(now_ns))
+        return found

@@ -259,11 +259,15 @@ class Replay:
             self._problem(f"{self._path}: recorded {ev.kind} event, but this pipeline has no such hook; ignored")
             return []
         try:
-            fn(*args)
+            found = fn(*args)  # a tick can raise findings too (transfers decided by time: orphans, expiries)
         except Exception as exc:  # noqa: BLE001 - a replay never crashes on recorded input
             self.pipeline.apply_errors += 1
             self._problem(f"{self._path}: {ev.kind} event failed: {type(exc).__name__}: {exc}")
-        return []
+            return []
+        found = found if isinstance(found, list) else []
+        for f in found:
+            self.findings_by_kind[f.kind] += 1
+        return found
 
     def _problem(self, message: str) -> None:
         self.stats.problems_total += 1

@@ -7,6 +7,7 @@ import threading
 import time
 
 from .ingest import RingSet
+from .ledger.shared import SharedLedger, parse_ledger_url
 from .pipeline import Pipeline
 
 log = logging.getLogger("kvguard.sidecar")
@@ -15,12 +16,21 @@ log = logging.getLogger("kvguard.sidecar")
 class Sidecar:
     def __init__(self, ring_dir: str, sinks=(), poll_interval_s: float = 0.01, slack_ns: int = 50_000_000,
                  remove_dead_rings: bool = True, recorder=None, history_events: int = 1 << 20,
-                 isolate_tenants: bool = False, tracer=None, ttft_anomaly: bool = False):
+                 isolate_tenants: bool = False, tracer=None, ttft_anomaly: bool = False,
+                 ledger: str = "memory", ledger_cluster: str = "default", orphan_timeout_s: float = 60.0):
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
+        if orphan_timeout_s <= 0:
+            raise ValueError(f"--orphan-timeout-s must be > 0, got {orphan_timeout_s}")
+        # "memory" or redis://HOST:PORT/DB (LedgerConfigError, a ValueError, names --ledger and the value)
+        self.shared_ledger = None
+        url = parse_ledger_url(ledger)
+        if url is not None:
+            self.shared_ledger = SharedLedger(url, cluster=ledger_cluster)
         self.rings = RingSet(ring_dir, slack_ns=slack_ns, remove_dead=remove_dead_rings)
         self.pipeline = Pipeline(sinks, history_events=history_events, isolate_tenants=isolate_tenants,
-                                 tracer=tracer, ttft_anomaly=ttft_anomaly)
+                                 tracer=tracer, ttft_anomaly=ttft_anomaly, shared_ledger=self.shared_ledger,
+                                 orphan_timeout_s=orphan_timeout_s)
         # sidecar.recorder.Recorder (or None): records every batch before it is applied; never raises
         self.recorder = recorder
         self.poll_interval_s = poll_interval_s
@@ -45,7 +55,7 @@ class Sidecar:
                     self.pipeline.on_engine_gone(engine_id, now)
                     if self.recorder is not None:  # replay applies it at the same point in the stream
                         self.recorder.record_engine_gone(engine_id, now)
-            self.pipeline.tick(now)
+            findings += self.pipeline.tick(now)
             if self.recorder is not None:
                 self.recorder.record_tick(now)
             self.last_poll_ns = now
@@ -61,6 +71,8 @@ class Sidecar:
         self.run_once(flush=True)
 
     def start(self) -> "Sidecar":
+        if self.shared_ledger is not None:
+            self.shared_ledger.start()
         self._thread = threading.Thread(target=self._loop, name="kvguard-ingest", daemon=True)
         self._thread.start()
         return self
@@ -69,6 +81,8 @@ class Sidecar:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self.shared_ledger is not None:
+            self.shared_ledger.stop()
         with self.lock:
             self.rings.close()
             if self.recorder is not None:

@@ -1,11 +1,28 @@
-"""Transfer detectors: ``transfer_size_mismatch`` (tokens sent != tokens reserved)."""
+"""Transfer detectors, judged on the receiving (decode) side, whose pages are at stake.
+
+- ``transfer_size_mismatch`` (critical): tokens sent != tokens reserved.
+- ``checksum_mismatch`` (critical): both ends' digests complete with the same
+  algorithm and different (docs/wire-format.md, "Transfer digests").
+- ``orphan_transfer`` (warning): decode holds pages reserved for a transfer whose
+  sender gave up or never showed up (sidecar/ledger/memory.py has the rules).
+- ``ledger_degraded`` (warning): the shared ledger is unreachable; transfers that
+  need the other pod's facts wait (bounded) or are counted as unverified.
+Warmup and health-check requests are never alarmed.
+"""
 
 from __future__ import annotations
 
-from ..findings import CRITICAL, EngineRef, Finding
-from ..ledger import Pairing
+from ..findings import CRITICAL, WARNING, EngineRef, Finding
+from ..ledger import DigestVerdict, Pairing, RoomState
 from ..tracker import EngineTracker
 from .reads import reader_party
+
+ALG_NAMES = {1: "xxh3_unit_bytes", 2: "xxh3_device_reduced"}
+
+
+def _held_pages(state: RoomState) -> list[int]:
+    """The page ids the receiver reserved for the transfer (XFER_RESERVE), padding excluded."""
+    return [] if state.reserved_pages is None else [int(p) for p in state.reserved_pages if p > 0]
 
 
 class TransferSizeDetector:
@@ -27,3 +44,55 @@ class TransferSizeDetector:
                     "sent_pages": pairing.sent_pages, "reserved_pages": pairing.reserved_pages}
         return [Finding("transfer_size_mismatch", CRITICAL, engine, reader_party(reader), unfilled, [], ts_ns,
                         summary, evidence)]
+
+
+class ChecksumDetector:
+    def observe(self, tracker: EngineTracker, engine: EngineRef, state: RoomState, verdict: DigestVerdict,
+                ts_ns: int) -> list[Finding]:
+        if verdict.match or state.warmup:
+            return []
+        reader = tracker.requests.get_or_stub(state.receiver_key)
+        if reader.warmup:
+            return []
+        pages = _held_pages(state)
+        alg = ALG_NAMES.get(verdict.alg, str(verdict.alg))
+        summary = (f"decode rank {engine.rank}: KV received for request {reader.rid} (room {state.room}) differs "
+                   f"from what prefill sent: {alg} digest {verdict.receiver:016x} over tokens "
+                   f"[{verdict.receiver_range[0]}, {verdict.receiver_range[1]}) vs {verdict.sender:016x} over "
+                   f"[{verdict.sender_range[0]}, {verdict.sender_range[1]}) ({len(pages)} pages)")
+        evidence = {"alg": alg, "sender_digest": f"{verdict.sender:016x}",
+                    "receiver_digest": f"{verdict.receiver:016x}",
+                    "sender_tokens": list(verdict.sender_range), "receiver_tokens": list(verdict.receiver_range),
+                    "bootstrap_room": state.room}
+        return [Finding("checksum_mismatch", CRITICAL, engine, reader_party(reader), pages, [], ts_ns, summary,
+                        evidence)]
+
+
+class OrphanDetector:
+    def observe(self, tracker: EngineTracker, engine: EngineRef, state: RoomState, timeout_s: float,
+                ts_ns: int) -> list[Finding]:
+        reader = tracker.requests.get_or_stub(state.receiver_key)
+        if reader.warmup or state.warmup:
+            return []
+        pages = _held_pages(state)
+        if state.sender_gave_up == "reject":
+            why = "prefill rejected the request"
+        elif state.sender_gave_up:
+            why = f"prefill's request ended ({state.sender_gave_up}) without sending, {timeout_s:g} s ago or more"
+        else:
+            why = f"no prefill engine reported the room within {timeout_s:g} s"
+        summary = (f"decode rank {engine.rank}: {len(pages)} pages reserved for request {reader.rid} "
+                   f"(room {state.room}, {state.reserved_tokens} tokens) are held for a transfer that will not "
+                   f"come: {why}")
+        evidence = {"bootstrap_room": state.room, "reserved_tokens": state.reserved_tokens,
+                    "held_pages": len(pages), "sender": state.sender_gave_up or "never reported",
+                    "timeout_s": timeout_s}
+        return [Finding("orphan_transfer", WARNING, engine, reader_party(reader), pages, [], ts_ns, summary,
+                        evidence)]
+
+
+def ledger_degraded_finding(url: str, error: str, waiting: int, ts_ns: int) -> Finding:
+    summary = (f"shared transfer ledger {url} unreachable ({error}): transfers cannot be paired with the other "
+               f"pod; {waiting} wait for it (bounded), local detection continues")
+    return Finding("ledger_degraded", WARNING, EngineRef("sidecar", 0, 0), None, [], [], ts_ns, summary,
+                   {"ledger": url, "error": error, "transfers_waiting": waiting})

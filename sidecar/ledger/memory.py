@@ -1,29 +1,45 @@
-"""Pairs the two ends of a KV transfer by ``bootstrap_room`` (embedded, in memory).
+"""Pairs the two ends of a KV transfer by ``bootstrap_room`` (the embedded, in-memory core).
 
 Decode only learns "transfer complete"; what was actually written into the pages it
 reserved is what the prefill side says it sent. When the receiver reports success,
 the ledger turns the sender's chunks for that room into "written" marks on decode's
 pages (row pages ``token_start // page_size`` up to ``ceil(token_end / page_size)``)
-and compares the tokens sent with the tokens reserved.
+and compares the tokens sent with the tokens reserved. Both ends' digests (summed over
+ranks, sidecar/ledger/digests.py) are compared once both are complete.
+
+A room belongs to one request: the request key (a hash of the rid, the same on both
+ends) is part of its identity, so a reused room number starts a new room, and a
+retried chunk or digest replaces its earlier copy instead of adding to it.
 
 A room stays known for a while after its receiver finished (``closed``): a sender
 chunk that arrives for it later is a write into pages decode may already have
 freed or handed to another request (the cross-node late-write race); the pipeline
-checks those pages' owners at that moment.
+checks those pages' owners at that moment. A sender digest that trails the
+receiver's completion is still compared there.
 
-If this sidecar has never seen a prefill engine (a decode-only pod without a shared
-ledger), nothing can be paired: the reserved pages are taken as written and the
-transfer is counted as unverified, never alarmed.
+Orphans: a receiver that reserved pages and still holds them while the sender gave up
+(REJECT: at once; abort: after ``orphan_timeout_ns``) or never showed up at all
+(no REQ_BEGIN or chunk for the room within ``orphan_timeout_ns``). Timeouts run on
+this sidecar's clock: the receiver's records come from an engine on this host, and
+facts from another pod (sidecar/ledger/shared.py) carry no time that is ever compared.
+
+If no sender can be expected (this sidecar has never seen a prefill engine and no
+shared ledger is configured), nothing can be paired: the reserved pages are taken as
+written and the transfer is counted as unverified, never alarmed.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from engine_hooks import wire
+
+from .digests import DigestSum, DigestVerdict, Partial
+
+REMOTE_ENGINE = -1  # engine id under which facts from another pod's sidecar are applied
 
 
 @dataclass(slots=True)
@@ -38,16 +54,36 @@ class SentChunk:
 @dataclass(slots=True)
 class RoomState:
     room: int
+    req_key: int = 0  # the request both ends serve (0 until one end named it)
     chunks: list[SentChunk] = field(default_factory=list)
     sender_engine: int | None = None
+    sender_began: bool = False  # the sender's engine began the request (REQ_BEGIN with this room)
+    sender_gave_up: str = ""  # "reject" / "abort": the sender ended without its last chunk
+    sender_gave_up_ns: int = 0
+    warmup: bool = False
     reserved_tokens: int = 0
     reserved_pages: np.ndarray | None = None
     receiver_engine: int | None = None
     receiver_key: int = 0
     reserve_ns: int = 0
     done_status: int = 0  # receiver's XferStatus once it reported
+    receiver_ended: bool = False  # the receiving request ended (abort / reject) before any XFER_DONE
     deadline_ns: int = 0  # pending pairing: give up waiting for the sender's last chunk at this time
     provisional: object = None  # what the pipeline saved when it took the pages as written provisionally
+    sender_digest: DigestSum = field(default_factory=DigestSum)
+    receiver_digest: DigestSum = field(default_factory=DigestSum)
+    compared: bool = False
+    orphan_reported: bool = False
+    remote_chunks: set = field(default_factory=set)  # (start, end, last) of chunks applied from another pod
+
+    @property
+    def sent_last(self) -> bool:
+        return any(c.is_last for c in self.chunks)
+
+    @property
+    def receiver_open(self) -> bool:
+        """The receiver holds reserved pages and has not finished with them."""
+        return self.reserved_pages is not None and not self.done_status and not self.receiver_ended
 
 
 @dataclass(slots=True)
@@ -68,72 +104,141 @@ class Pairing:
 
 
 class TransferLedger:
-    def __init__(self, max_rooms: int = 100_000, max_closed: int = 10_000, grace_ns: int = 2_000_000_000):
+    def __init__(self, max_rooms: int = 100_000, max_closed: int = 10_000, grace_ns: int = 2_000_000_000,
+                 orphan_timeout_ns: int = 60_000_000_000):
         self.rooms: dict[int, RoomState] = {}
         # receiver reported success before the sender's last chunk was applied: the adapter emits
         # XFER_SEND after send_kv_chunk returns, and Mooncake's transfer thread may finish first
         self.pending: dict[int, RoomState] = {}
         self.grace_ns = grace_ns
+        self.orphan_timeout_ns = orphan_timeout_ns
         self.closed: OrderedDict[int, RoomState] = OrderedDict()  # receiver done; late chunks are suspect
         self.max_closed = max_closed
         self.max_rooms = max_rooms
         self.sender_engines_seen: set[int] = set()
+        # a shared ledger is configured: a sender is always expected (its facts arrive from another pod)
+        self.shared = False
+        # the shared ledger is unreachable: no verdict that needs the other pod's facts is made meanwhile
+        self.paused = False
+        self.max_hold_ns = 10 * grace_ns  # pending rooms kept past their deadline while paused, at most
+        self._orphan_checks: deque[tuple[int, int]] = deque()  # (deadline, room), roughly in time order
         self.paired = 0
         self.unverified = 0
+        self.rooms_reused = 0
+        self.digests_compared = 0
+        self.digests_incomparable = 0  # both ends complete, but with no algorithm in common
 
-    def _room(self, room: int) -> RoomState:
+    # ------------------------------------------------------------------ lookup
+    def expects_sender(self) -> bool:
+        return self.shared or bool(self.sender_engines_seen)
+
+    def find(self, room: int, req_key: int | None = None) -> RoomState | None:
+        """The live, pending or recently closed state of a room (of this request, when given)."""
+        for table in (self.rooms, self.pending, self.closed):
+            state = table.get(room)
+            if state is not None and (req_key is None or not state.req_key or state.req_key == req_key):
+                return state
+        return None
+
+    def _room(self, room: int, req_key: int) -> RoomState:
         state = self.rooms.get(room)
+        if state is not None and req_key and state.req_key and state.req_key != req_key:
+            # the room number now serves another request: the old one's story ends here
+            self.rooms_reused += 1
+            self._close(self.rooms.pop(room))
+            state = None
         if state is None:
             if len(self.rooms) >= self.max_rooms:
                 self.rooms.pop(next(iter(self.rooms)))  # oldest first: dicts keep insertion order
-            state = self.rooms[room] = RoomState(room)
+            state = self.rooms[room] = RoomState(room, req_key)
+        elif req_key and not state.req_key:
+            state.req_key = req_key
         return state
+
+    def _close(self, state: RoomState) -> None:
+        self.closed[state.room] = state
+        self.closed.move_to_end(state.room)
+        while len(self.closed) > self.max_closed:
+            self.closed.popitem(last=False)
 
     def late_target(self, x: wire.XferSend, page_size: int) -> tuple[RoomState, np.ndarray] | None:
         """For a chunk sent after its receiver gave up: the room and the decode pages it lands in.
         (A receiver that reported success had all the bytes: nothing after that is late.)"""
         state = self.closed.get(x.room)
-        if state is None or state.reserved_pages is None or state.done_status == wire.XferStatus.SUCCESS:
+        if (state is None or state.reserved_pages is None or state.done_status == wire.XferStatus.SUCCESS
+                or (state.receiver_key and state.receiver_key != x.req_key)):
             return None
         first, end = x.token_start // page_size, -(-x.token_end // page_size)
         return state, state.reserved_pages[first:min(end, len(state.reserved_pages))].astype(np.int64)
 
-    def _close(self, state: RoomState) -> None:
-        self.closed[state.room] = state
-        while len(self.closed) > self.max_closed:
-            self.closed.popitem(last=False)
+    # ------------------------------------------------------------------ sender side
+    def on_sender_begin(self, engine_id: int, req_key: int, room: int, warmup: bool) -> RoomState:
+        self.sender_engines_seen.add(engine_id)
+        state = self.find(room, req_key) or self._room(room, req_key)
+        state.sender_began = True
+        state.warmup = state.warmup or warmup
+        return state
 
     def on_send(self, engine_id: int, x: wire.XferSend, page_size: int) -> Pairing | None:
         """Record a chunk; returns the final pairing when it completes a pending room."""
         self.sender_engines_seen.add(engine_id)
         chunk = SentChunk(x.token_start, x.token_end, x.is_last, len(x.pages), x.digest)
         pending = self.pending.get(x.room)
-        if pending is not None:
-            pending.chunks.append(chunk)
+        if pending is not None and pending.req_key in (0, x.req_key):
+            _add_chunk(pending, chunk)
             if x.is_last:
                 del self.pending[x.room]
                 return self._pair(pending, page_size)
             return None
-        state = self._room(x.room)
+        state = self._room(x.room, x.req_key)
         state.sender_engine = engine_id
-        state.chunks.append(chunk)
+        state.sender_began = True
+        _add_chunk(state, chunk)
         return None
 
-    def expire(self, now_ns: int, page_size_of) -> list[Pairing]:
-        """Pending rooms whose sender never sent its last chunk in time: decide with what was sent."""
-        out = []
-        for room, state in list(self.pending.items()):
-            if now_ns >= state.deadline_ns:
-                del self.pending[room]
-                out.append(self._pair(state, page_size_of(state.receiver_engine)))
-        return out
+    def on_sender_gave_up(self, req_key: int, room: int, reason: str, ts_ns: int) -> RoomState | None:
+        """The sending request ended without its last chunk (rejected or aborted). Returns the room
+        when its receiver holds pages that nothing will fill: an orphan to report now (reject)."""
+        state = self.find(room, req_key)
+        if state is None:
+            state = self._room(room, req_key)
+        if state.sent_last or state.sender_gave_up:
+            return None
+        state.sender_began = True
+        state.sender_gave_up, state.sender_gave_up_ns = reason, ts_ns
+        if reason != "reject":  # an abort usually reaches the receiver too: give it the timeout to end
+            self._orphan_checks.append((ts_ns + self.orphan_timeout_ns, room))
+            return None
+        return state if self._orphaned(state, ts_ns) else None
 
-    def on_reserve(self, engine_id: int, x: wire.XferReserve, ts_ns: int) -> None:
-        state = self._room(x.room)
+    # ------------------------------------------------------------------ receiver side
+    def on_reserve(self, engine_id: int, x: wire.XferReserve, ts_ns: int) -> RoomState:
+        state = self._room(x.room, x.req_key)
+        if state.reserved_pages is not None:
+            self.rooms_reused += 1  # the same request reserved again (a retried transfer): the newest counts
+            state.receiver_digest = DigestSum()
+            state.done_status, state.compared, state.orphan_reported = 0, False, False
         state.receiver_engine, state.receiver_key = engine_id, x.req_key
         state.reserved_tokens, state.reserved_pages, state.reserve_ns = x.tokens, x.pages, ts_ns
+        self._orphan_checks.append((ts_ns + self.orphan_timeout_ns, x.room))
+        return state
 
-    def on_receiver_done(self, x: wire.XferDone, page_size: int, ts_ns: int = 0) -> Pairing | None:
+    def orphan_now(self, state: RoomState, ts_ns: int) -> bool:
+        """Whether a room is an orphan to report right now (a reservation after its prompt was rejected)."""
+        return state.sender_gave_up == "reject" and self._orphaned(state, ts_ns)
+
+    def on_receiver_end(self, req_key: int, room: int) -> None:
+        """The receiving request ended (aborted, rejected) without a transfer result: nothing is held."""
+        state = self.rooms.get(room)
+        if state is not None and state.receiver_key == req_key and state.receiver_open:
+            state.receiver_ended = True
+            self._close(self.rooms.pop(room))
+
+    def on_receiver_done(self, x: wire.XferDone, page_size: int, ts_ns: int = 0,
+                         grace_ns: int | None = None) -> Pairing | None:
+        state = self.rooms.get(x.room)
+        if state is not None and state.receiver_key and state.receiver_key != x.req_key:
+            return None  # the room now serves another request; this result is of an older one
         state = self.rooms.pop(x.room, None)
         if state is not None and state.reserved_pages is not None:
             state.done_status = int(x.status)
@@ -141,18 +246,95 @@ class TransferLedger:
         if state is None or state.reserved_pages is None or x.status != wire.XferStatus.SUCCESS:
             return None
         n_reserved = len(state.reserved_pages)
-        if not state.chunks and not self.sender_engines_seen:
+        if not state.chunks and not self.expects_sender():
             self.unverified += 1
-            return Pairing(x.room, state.receiver_key, np.arange(n_reserved), state.reserved_tokens,
-                           state.reserved_tokens, n_reserved, n_reserved, verified=False,
-                           receiver_engine=state.receiver_engine, state=state)
-        if not any(c.is_last for c in state.chunks):
-            state.deadline_ns = ts_ns + self.grace_ns
+            return self._unverified(state)
+        if not state.sent_last:
+            state.deadline_ns = ts_ns + (self.grace_ns if grace_ns is None else grace_ns)
             self.pending[x.room] = state
             return Pairing(x.room, state.receiver_key, np.arange(n_reserved), state.reserved_tokens,
                            state.reserved_tokens, n_reserved, n_reserved, verified=False, provisional=True,
                            receiver_engine=state.receiver_engine, state=state)
         return self._pair(state, page_size)
+
+    # ------------------------------------------------------------------ digests
+    def on_digest(self, engine_id: int, x: wire.XferDigest) -> tuple[RoomState, DigestVerdict] | None:
+        """Add one rank's partial digest; returns the comparison the first time both ends are complete."""
+        state = self.find(x.room, x.req_key)
+        if state is None:
+            state = self._room(x.room, x.req_key)
+        if x.side == wire.Side.SENDER:
+            self.sender_engines_seen.add(engine_id)
+        ends = state.sender_digest if x.side == wire.Side.SENDER else state.receiver_digest
+        ends.add(int(x.alg), x.head_start, Partial(x.head_count, x.digest, x.token_start, x.token_end, x.layers,
+                                                     x.total_heads))
+        return self.compare(state)
+
+    def compare(self, state: RoomState) -> tuple[RoomState, DigestVerdict] | None:
+        if state.compared or state.reserved_pages is None:
+            return None
+        s_algs, r_algs = state.sender_digest.complete_algs(), state.receiver_digest.complete_algs()
+        if not s_algs or not r_algs:
+            return None
+        state.compared = True
+        common = sorted(s_algs & r_algs)
+        if not common:
+            self.digests_incomparable += 1
+            return None
+        self.digests_compared += 1
+        alg = common[0]
+        s, r = state.sender_digest, state.receiver_digest
+        return state, DigestVerdict(alg, s.value(alg), r.value(alg), s.token_range(alg), r.token_range(alg))
+
+    # ------------------------------------------------------------------ time
+    def expire(self, now_ns: int, page_size_of) -> list[Pairing]:
+        """Pending rooms whose sender never sent its last chunk in time: decide with what was sent.
+        With a shared ledger, a room none of whose chunks arrived is unverified (the sender's pod may
+        be unobserved), and while the ledger is unreachable rooms wait (bounded by ``max_hold_ns``)."""
+        out = []
+        for room, state in list(self.pending.items()):
+            if now_ns < state.deadline_ns:
+                continue
+            if self.shared and self.paused and now_ns < state.deadline_ns + self.max_hold_ns:
+                continue
+            del self.pending[room]
+            if self.shared and not state.chunks:
+                self.unverified += 1
+                out.append(self._unverified(state))
+            else:
+                out.append(self._pair(state, page_size_of(state.receiver_engine)))
+        return out
+
+    def orphans(self, now_ns: int) -> list[RoomState]:
+        """Receivers whose sender gave up or never showed up within the timeout, once each."""
+        out = []
+        while self._orphan_checks and self._orphan_checks[0][0] <= now_ns:
+            if self.paused and self.shared:
+                break  # the other pod's facts may be stuck in the unreachable ledger: judge later
+            _deadline, room = self._orphan_checks.popleft()
+            state = self.rooms.get(room)
+            if state is not None and self._orphaned(state, now_ns):
+                out.append(state)
+        return out
+
+    def _orphaned(self, state: RoomState, now_ns: int) -> bool:
+        if state.orphan_reported or state.warmup or not state.receiver_open or state.sent_last:
+            return False
+        if state.sender_gave_up == "reject":
+            hit = True
+        elif state.sender_gave_up:
+            hit = now_ns - max(state.sender_gave_up_ns, state.reserve_ns) >= self.orphan_timeout_ns
+        else:
+            hit = (not state.sender_began and self.expects_sender()
+                   and now_ns - state.reserve_ns >= self.orphan_timeout_ns)
+        state.orphan_reported = hit
+        return hit
+
+    # ------------------------------------------------------------------ outcomes
+    def _unverified(self, state: RoomState) -> Pairing:
+        n = len(state.reserved_pages)
+        return Pairing(state.room, state.receiver_key, np.arange(n), state.reserved_tokens, state.reserved_tokens,
+                       n, n, verified=False, receiver_engine=state.receiver_engine, state=state)
 
     def _pair(self, state: RoomState, page_size: int) -> Pairing:
         n_reserved = len(state.reserved_pages)
@@ -167,3 +349,12 @@ class TransferLedger:
         return Pairing(state.room, state.receiver_key, rows, sent_tokens, state.reserved_tokens,
                        sum(c.num_pages for c in state.chunks), n_reserved, verified=True,
                        receiver_engine=state.receiver_engine, state=state)
+
+
+def _add_chunk(state: RoomState, chunk: SentChunk) -> None:
+    """A chunk for a token range already seen (a retried send) replaces the earlier one."""
+    for i, c in enumerate(state.chunks):
+        if (c.token_start, c.token_end) == (chunk.token_start, chunk.token_end):
+            state.chunks[i] = chunk
+            return
+    state.chunks.append(chunk)

@@ -1,0 +1,290 @@
+"""The embedded (in-memory) transfer ledger: digests, orphans and bad input, both ways.
+
+Records go through the real probes and rings into a real Sidecar, one ring directory
+holding a prefill and a decode engine (the demo layout: one sidecar sees both ends).
+Decode: page_size 4, pool pages 1..40. Digests are per-rank partials
+(docs/wire-format.md, "Transfer digests"): here prefill runs 2 ranks' worth of heads
+(0-3 and 4-7 of 8) and decode one rank with all 8, so the sum must be taken.
+"""
+
+import time
+
+import numpy as np
+
+from engine_hooks.probes import Probes
+from engine_hooks.ring import RingWriter
+from sidecar.service import Sidecar
+from sidecar.sinks.basic import MemorySink
+
+MASK = (1 << 64) - 1
+HALF_A, HALF_B = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F  # two ranks' partial digests
+WHOLE = (HALF_A + HALF_B) & MASK
+
+
+def engines(tmp_path):
+    prefill = Probes(RingWriter(str(tmp_path), 1 << 18))
+    decode = Probes(RingWriter(str(tmp_path), 1 << 18))
+    prefill.hello("prefill", 0, 4, 64, 256, 256, 256, "sglang", "0.5.23", "tiny")
+    decode.hello("decode", 0, 4, 40, 160, 160, 160, "sglang", "0.5.23", "tiny")
+    return prefill, decode
+
+
+def slots(pages):
+    return np.concatenate([np.arange(p * 4, p * 4 + 4) for p in pages])
+
+
+def begin(prefill, decode, rid, room, tokens, pages, warmup=False, tenant="acme"):
+    for p in (prefill, decode):
+        p.request_begin(rid, tenant, room, tokens, 0, warmup)
+    decode.pages_allocated(slots(pages))
+    decode.rows_assigned(rid, 0, tokens, 0, slots(pages)[:tokens])
+    decode.transfer_reserved(rid, room, tokens, slots(pages)[:tokens])
+
+
+def send(prefill, rid, room, tokens, sender_halves=(HALF_A, HALF_B), end=None):
+    end = tokens if end is None else end
+    prefill.transfer_sent(rid, room, 0, end, [50], True)
+    for i, half in enumerate(sender_halves):
+        if half is not None:
+            prefill.transfer_digest(rid, room, "sender", half, 0, end, 2, 4 * i, 4, 8)
+
+
+def receive(decode, rid, room, tokens, digest=WHOLE, alg="unit_bytes"):
+    if digest is not None:
+        decode.transfer_digest(rid, room, "receiver", digest, 0, tokens, 2, 0, 8, 8, alg=alg)
+    decode.transfer_done(rid, room, "receiver", "success")
+
+
+def finish(decode, rid, pages, tokens):
+    decode.forward([rid], [tokens], [[]], [slots(pages)[:tokens]])
+    decode.request_end(rid, "length", 1000, 2000, 1, "")
+    decode.pages_freed(slots(pages))
+
+
+def run(tmp_path, **kwargs):
+    sink = MemorySink()
+    sidecar = Sidecar(str(tmp_path), sinks=[sink], slack_ns=0, **kwargs)
+    sidecar.run_once(flush=True)
+    return sidecar, sink
+
+
+def kinds(sink):
+    return sorted(f.kind for f in sink.findings)
+
+
+# ---------------------------------------------------------------------------------- digests
+def test_matching_digests_summed_over_ranks_raise_nothing(tmp_path):
+    prefill, decode = engines(tmp_path)
+    begin(prefill, decode, "r-1", 101, 8, [1, 2])
+    send(prefill, "r-1", 101, 8)
+    receive(decode, "r-1", 101, 8)
+    finish(decode, "r-1", [1, 2], 8)
+    sidecar, sink = run(tmp_path)
+    assert sink.findings == []
+    assert (sidecar.pipeline.ledger.paired, sidecar.pipeline.ledger.digests_compared) == (1, 1)
+    sidecar.stop()
+
+
+def test_a_differing_digest_is_a_checksum_mismatch_naming_request_pages_and_both_digests(tmp_path):
+    prefill, decode = engines(tmp_path)
+    begin(prefill, decode, "r-1", 101, 8, [1, 2], tenant="initech")
+    send(prefill, "r-1", 101, 8)
+    receive(decode, "r-1", 101, 8, digest=WHOLE ^ 0x10)  # one flipped bit in what decode holds
+    decode.forward(["r-1"], [8], [[]], [slots([1, 2])[:8]])
+    decode.forward(["r-1"], [8], [[]], [slots([1, 2])[:8]])
+    sidecar, sink = run(tmp_path)
+    (f,) = sink.findings
+    assert (f.kind, f.severity, f.engine.role) == ("checksum_mismatch", "critical", "decode")
+    assert (f.reader.rid, f.reader.tenant, f.reader.bootstrap_room) == ("r-1", "initech", 101)
+    assert f.pages == [1, 2]
+    assert f.evidence["sender_digest"] == f"{WHOLE:016x}"
+    assert f.evidence["receiver_digest"] == f"{WHOLE ^ 0x10:016x}"
+    assert f.evidence["sender_tokens"] == [0, 8] and f.evidence["receiver_tokens"] == [0, 8]
+    assert sidecar.pipeline.findings_by_kind[("checksum_mismatch", "critical")] == 1  # judged once
+    sidecar.stop()
+
+
+def test_a_sender_digest_trailing_the_receivers_completion_is_still_compared(tmp_path):
+    prefill, decode = engines(tmp_path)
+    begin(prefill, decode, "r-1", 101, 8, [1, 2])
+    prefill.transfer_sent("r-1", 101, 0, 8, [50], True)
+    receive(decode, "r-1", 101, 8, digest=1234)
+    decode.request_end("r-1", "length", 1, 1, 1, "")
+    for i, half in enumerate((HALF_A, HALF_B)):
+        prefill.transfer_digest("r-1", 101, "sender", half, 0, 8, 2, 4 * i, 4, 8)
+    sidecar, sink = run(tmp_path)
+    assert kinds(sink) == ["checksum_mismatch"]
+    sidecar.stop()
+
+
+def test_incomplete_heads_other_algorithms_and_warmups_are_never_compared(tmp_path):
+    prefill, decode = engines(tmp_path)
+    # one of two sender ranks reported: the sum is not the transfer's digest yet
+    begin(prefill, decode, "r-half", 101, 8, [1, 2])
+    send(prefill, "r-half", 101, 8, sender_halves=(HALF_A, None))
+    receive(decode, "r-half", 101, 8, digest=999)
+    finish(decode, "r-half", [1, 2], 8)
+    # the receiver hashed with the device algorithm: digests of different algorithms differ by design
+    begin(prefill, decode, "r-alg", 102, 8, [3, 4])
+    send(prefill, "r-alg", 102, 8)
+    receive(decode, "r-alg", 102, 8, digest=999, alg="device_reduced")
+    finish(decode, "r-alg", [3, 4], 8)
+    # a warmup request (SGLang's fake bootstrap host) is never alarmed
+    begin(prefill, decode, "r-warm", 103, 8, [5, 6], warmup=True)
+    send(prefill, "r-warm", 103, 8)
+    receive(decode, "r-warm", 103, 8, digest=999)
+    finish(decode, "r-warm", [5, 6], 8)
+    sidecar, sink = run(tmp_path)
+    assert sink.findings == []
+    ledger = sidecar.pipeline.ledger
+    assert ledger.digests_incomparable == 1 and ledger.digests_compared == 1  # the warmup's
+    sidecar.stop()
+
+
+def test_a_retried_digest_replaces_its_first_copy(tmp_path):
+    prefill, decode = engines(tmp_path)
+    begin(prefill, decode, "r-1", 101, 8, [1, 2])
+    prefill.transfer_sent("r-1", 101, 0, 8, [50], True)
+    prefill.transfer_digest("r-1", 101, "sender", HALF_A, 0, 8, 2, 0, 4, 8)
+    prefill.transfer_digest("r-1", 101, "sender", HALF_A, 0, 8, 2, 0, 4, 8)  # the same rank again
+    prefill.transfer_digest("r-1", 101, "sender", HALF_B, 0, 8, 2, 4, 4, 8)
+    receive(decode, "r-1", 101, 8)
+    finish(decode, "r-1", [1, 2], 8)
+    sidecar, sink = run(tmp_path)
+    assert sink.findings == [] and sidecar.pipeline.ledger.digests_compared == 1
+    sidecar.stop()
+
+
+# ---------------------------------------------------------------------------------- orphans
+def test_decode_holding_pages_for_a_prompt_prefill_rejected_is_an_orphan_at_once(tmp_path):
+    """SGLang 0.5.23: prefill rejects the long prompt; decode reserved its pages and holds them
+    until its waiting timeout (300 s by default)."""
+    prefill, decode = engines(tmp_path)
+    begin(prefill, decode, "r-long", 201, 16, [1, 2, 3, 4], tenant="initech")
+    prefill.rejected("r-long", "admission", "Input length (16 tokens) exceeds the maximum allowed length")
+    prefill.request_end("r-long", "reject", 0, 0, 0, "too long")
+    sidecar, sink = run(tmp_path)
+    (f,) = sink.findings
+    assert (f.kind, f.severity, f.engine.role) == ("orphan_transfer", "warning", "decode")
+    assert (f.reader.rid, f.reader.tenant, f.reader.bootstrap_room) == ("r-long", "initech", 201)
+    assert f.pages == [1, 2, 3, 4] and f.evidence["sender"] == "reject"
+    # decode finally gives up: the incident resolves with its request; nothing else is raised
+    decode.transfer_done("r-long", 201, "receiver", "failed")
+    decode.request_end("r-long", "abort", 0, 0, 0, "timeout")
+    decode.pages_freed(slots([1, 2, 3, 4]), "deferred")
+    sidecar.run_once(flush=True)
+    assert len(sink.findings) == 1 and [i.state for i in sidecar.pipeline.incidents.incidents.values()] == ["resolved"]
+    sidecar.stop()
+
+
+def test_a_reject_seen_before_decode_reserves_is_reported_when_it_does(tmp_path):
+    prefill, decode = engines(tmp_path)
+    prefill.request_begin("r-long", "initech", 201, 16, 0, False)
+    prefill.rejected("r-long", "admission", "too long")
+    decode.request_begin("r-long", "initech", 201, 16, 0, False)
+    decode.pages_allocated(slots([1, 2, 3, 4]))
+    decode.transfer_reserved("r-long", 201, 16, slots([1, 2, 3, 4]))
+    sidecar, sink = run(tmp_path)
+    assert kinds(sink) == ["orphan_transfer"]
+    sidecar.stop()
+
+
+def test_a_sender_that_never_shows_up_is_an_orphan_after_the_timeout(tmp_path):
+    prefill, decode = engines(tmp_path)
+    begin(prefill, decode, "r-ok", 100, 8, [5, 6])  # a prefill engine is known here: a sender is expected
+    send(prefill, "r-ok", 100, 8)
+    receive(decode, "r-ok", 100, 8)
+    decode.request_begin("r-lost", "acme", 202, 8, 0, False)
+    decode.pages_allocated(slots([1, 2]))
+    decode.transfer_reserved("r-lost", 202, 8, slots([1, 2]))
+    sidecar, sink = run(tmp_path, orphan_timeout_s=30)
+    assert sink.findings == []  # within the timeout: prefill may just be slow
+    sidecar.pipeline.tick(time.monotonic_ns() + 31 * 10**9)
+    (f,) = sink.findings
+    assert f.kind == "orphan_transfer" and f.pages == [1, 2] and f.evidence["sender"] == "never reported"
+    sidecar.pipeline.tick(time.monotonic_ns() + 62 * 10**9)
+    assert len(sink.findings) == 1  # once
+    sidecar.stop()
+
+
+def test_no_orphan_for_client_aborts_slow_prefills_warmups_or_without_a_prefill_in_view(tmp_path):
+    prefill, decode = engines(tmp_path)
+    # aborted at decode while waiting for the transfer: decode released its pages
+    begin(prefill, decode, "r-abort-d", 301, 8, [1, 2])
+    decode.request_end("r-abort-d", "abort", 0, 0, 0, "client")
+    decode.pages_freed(slots([1, 2]))
+    # aborted at both ends, prefill first (the client's two calls): decode follows within the timeout
+    begin(prefill, decode, "r-abort-pd", 302, 8, [3, 4])
+    prefill.request_end("r-abort-pd", "abort", 0, 0, 0, "client")
+    decode.transfer_done("r-abort-pd", 302, "receiver", "failed")
+    decode.request_end("r-abort-pd", "abort", 0, 0, 0, "client")
+    # prefill began but is slow (queued): it reported, so this is no orphan however long it takes
+    begin(prefill, decode, "r-slow", 303, 8, [5, 6])
+    # a warmup with SGLang's fake bootstrap host: no sender ever
+    decode.request_begin("r-warm", "", 304, 8, 0, True)
+    decode.pages_allocated(slots([7, 8]))
+    decode.transfer_reserved("r-warm", 304, 8, slots([7, 8]))
+    sidecar, sink = run(tmp_path, orphan_timeout_s=30)
+    sidecar.pipeline.tick(time.monotonic_ns() + 120 * 10**9)
+    assert sink.findings == []
+    sidecar.stop()
+
+
+def test_a_prefill_abort_that_decode_never_follows_is_an_orphan_after_the_timeout(tmp_path):
+    prefill, decode = engines(tmp_path)
+    begin(prefill, decode, "r-1", 301, 8, [1, 2])
+    prefill.request_end("r-1", "abort", 0, 0, 0, "client")
+    sidecar, sink = run(tmp_path, orphan_timeout_s=30)
+    assert sink.findings == []
+    sidecar.pipeline.tick(time.monotonic_ns() + 31 * 10**9)
+    assert kinds(sink) == ["orphan_transfer"] and sink.findings[0].evidence["sender"] == "abort"
+    sidecar.stop()
+
+
+def test_decode_only_sidecar_never_expects_a_sender(tmp_path):
+    decode = Probes(RingWriter(str(tmp_path), 1 << 16))
+    decode.hello("decode", 0, 4, 40, 160, 160, 160, "sglang", "0.5.23", "tiny")
+    decode.request_begin("r-1", "acme", 401, 8, 0, False)
+    decode.pages_allocated(slots([1, 2]))
+    decode.transfer_reserved("r-1", 401, 8, slots([1, 2]))
+    sidecar, sink = run(tmp_path, orphan_timeout_s=1)
+    sidecar.pipeline.tick(time.monotonic_ns() + 10 * 10**9)
+    assert sink.findings == []
+    sidecar.stop()
+
+
+# ---------------------------------------------------------------------------------- rooms seen twice
+def test_a_room_reused_by_another_request_and_a_retried_chunk_raise_nothing(tmp_path):
+    prefill, decode = engines(tmp_path)
+    begin(prefill, decode, "r-1", 500, 8, [1, 2])
+    send(prefill, "r-1", 500, 8)
+    receive(decode, "r-1", 500, 8)
+    finish(decode, "r-1", [1, 2], 8)
+    begin(prefill, decode, "r-2", 500, 12, [3, 4, 5])  # the same room number, another request
+    prefill.transfer_sent("r-2", 500, 0, 12, [51, 52, 53], True)
+    prefill.transfer_sent("r-2", 500, 0, 12, [51, 52, 53], True)  # retried: not 6 pages sent
+    for i, half in enumerate((HALF_A, HALF_B)):
+        prefill.transfer_digest("r-2", 500, "sender", half, 0, 12, 2, 4 * i, 4, 8)
+    receive(decode, "r-2", 500, 12)
+    finish(decode, "r-2", [3, 4, 5], 12)
+    sidecar, sink = run(tmp_path)
+    assert sink.findings == []
+    ledger = sidecar.pipeline.ledger
+    assert (ledger.paired, ledger.digests_compared) == (2, 2)
+    sidecar.stop()
+
+
+def test_a_reused_room_still_catches_a_short_send(tmp_path):
+    prefill, decode = engines(tmp_path)
+    begin(prefill, decode, "r-1", 500, 8, [1, 2])
+    send(prefill, "r-1", 500, 8)
+    receive(decode, "r-1", 500, 8)
+    finish(decode, "r-1", [1, 2], 8)
+    begin(prefill, decode, "r-2", 500, 16, [3, 4, 5, 6])
+    send(prefill, "r-2", 500, 1)  # 1 token into 16 reserved
+    receive(decode, "r-2", 500, 16, digest=None)
+    decode.forward(["r-2"], [16], [[]], [slots([3, 4, 5, 6])[:16]])
+    sidecar, sink = run(tmp_path)
+    assert kinds(sink) == ["transfer_size_mismatch", "unwritten_read"]
+    assert {f.reader.rid for f in sink.findings} == {"r-2"}
+    sidecar.stop()
