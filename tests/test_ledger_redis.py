@@ -1,0 +1,333 @@
+"""The shared transfer ledger against a real redis-server: two pods, two sidecars.
+
+Each test starts ``/usr/bin/redis-server`` on a free port (no persistence) and two
+``sidecar.service.Sidecar`` instances on two ring directories standing for two pods:
+the prefill engine's probes write one, the decode engine's the other, through the
+real probes and rings. Neither sidecar sees the other pod's rings: whatever one knows
+of the other end came through Redis. The sidecars' ingest is driven by ``run_once``
+(their shared-ledger threads run for real); ``settle`` repeats it until the expected
+state is reached, bounded, and the assertions are on what the sidecars concluded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from engine_hooks import wire
+from engine_hooks.probes import Probes
+from engine_hooks.ring import RingWriter
+from sidecar.ledger.shared import LedgerConfigError, parse_ledger_url, room_key
+from sidecar.service import Sidecar
+from sidecar.sinks.basic import MemorySink
+
+REDIS_SERVER = "/usr/bin/redis-server"
+MASK = (1 << 64) - 1
+HALF_A, HALF_B = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F
+WHOLE = (HALF_A + HALF_B) & MASK
+
+
+class RedisServer:
+    """A throwaway redis-server that can be killed and restarted on the same port."""
+
+    def __init__(self, workdir):
+        if not os.path.exists(REDIS_SERVER):
+            pytest.fail(f"{REDIS_SERVER} is missing: run `make apt` (installs redis-server; CI has it)")
+        self.workdir = str(workdir)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+
+    def start(self) -> "RedisServer":
+        self.proc = subprocess.Popen(
+            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.workdir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        client = redis.Redis(port=self.port, socket_timeout=1)
+        for _ in range(200):
+            try:
+                client.ping()
+                return self
+            except redis.RedisError:
+                if self.proc.poll() is not None:
+                    pytest.fail(f"redis-server exited with {self.proc.returncode}")
+                time.sleep(0.05)
+        pytest.fail("redis-server did not answer within 10 s")
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def client(self):
+        import redis
+
+        return redis.Redis(port=self.port, socket_timeout=2)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path).start()
+    yield server
+    if server.proc.poll() is None:
+        server.kill()
+
+
+def slots(pages):
+    return np.concatenate([np.arange(p * 4, p * 4 + 4) for p in pages])
+
+
+class Pods:
+    """Prefill and decode engines in two ring directories, each watched by its own sidecar."""
+
+    def __init__(self, tmp_path, url, cluster="c1", orphan_timeout_s=60.0, decode_cluster=None):
+        self.dirs = {role: tmp_path / role for role in ("prefill", "decode")}
+        for d in self.dirs.values():
+            d.mkdir()
+        self.prefill = Probes(RingWriter(str(self.dirs["prefill"]), 1 << 20))
+        self.decode = Probes(RingWriter(str(self.dirs["decode"]), 1 << 20))
+        self.prefill.hello("prefill", 0, 4, 1024, 4096, 4096, 4096, "sglang", "0.5.23", "tiny")
+        self.decode.hello("decode", 0, 4, 1024, 4096, 4096, 4096, "sglang", "0.5.23", "tiny")
+        self.sinks = {role: MemorySink() for role in self.dirs}
+        self.sidecars = {
+            role: Sidecar(str(d), sinks=[self.sinks[role]], slack_ns=0, ledger=url,
+                          ledger_cluster=(decode_cluster or cluster) if role == "decode" else cluster,
+                          orphan_timeout_s=orphan_timeout_s)
+            for role, d in self.dirs.items()}
+        for s in self.sidecars.values():
+            s.shared_ledger.poll_interval_s = 0.02
+            s.shared_ledger.start()
+
+    def settle(self, until, limit_s: float = 15.0) -> bool:
+        """Drive both sidecars until ``until()`` holds (bounded); True when it did."""
+        deadline = time.monotonic() + limit_s
+        while True:
+            for s in self.sidecars.values():
+                s.run_once(flush=True)
+            if until() or time.monotonic() > deadline:
+                return until()
+            time.sleep(0.02)
+
+    def kinds(self, role):
+        return sorted(f.kind for f in self.sinks[role].findings)
+
+    def ledger(self, role):
+        return self.sidecars[role].pipeline.ledger
+
+    def stop(self):
+        for s in self.sidecars.values():
+            s.stop()
+
+    # ---------------------------------------------------------------- a PD request
+    def begin(self, rid, room, tokens, pages, tenant="acme"):
+        for p in (self.prefill, self.decode):
+            p.request_begin(rid, tenant, room, tokens, 0, False)
+        self.decode.pages_allocated(slots(pages))
+        self.decode.rows_assigned(rid, 0, tokens, 0, slots(pages)[:tokens])
+        self.decode.transfer_reserved(rid, room, tokens, slots(pages)[:tokens])
+
+    def send(self, rid, room, sent_tokens, digest_halves=(HALF_A, HALF_B)):
+        self.prefill.pages_allocated(slots([900]))
+        self.prefill.transfer_sent(rid, room, 0, sent_tokens, [900], True)
+        for i, half in enumerate(digest_halves or ()):
+            self.prefill.transfer_digest(rid, room, "sender", half, 0, sent_tokens, 2, 4 * i, 4, 8)
+        self.prefill.transfer_done(rid, room, "sender", "success")
+
+    def receive(self, rid, room, tokens, pages, digest=WHOLE):
+        if digest is not None:
+            self.decode.transfer_digest(rid, room, "receiver", digest, 0, tokens, 2, 0, 8, 8)
+        self.decode.transfer_done(rid, room, "receiver", "success")
+        self.decode.forward([rid], [tokens], [[]], [slots(pages)[:tokens]])
+
+    def finish(self, rid, pages):
+        self.decode.request_end(rid, "length", 1000, 2000, 1, "")
+        self.decode.pages_freed(slots(pages))
+
+
+@pytest.fixture
+def pods(tmp_path, redis_server):
+    made = []
+
+    def make(**kwargs):
+        p = Pods(tmp_path / f"pods{len(made)}", redis_server.url, **kwargs)
+        made.append(p)
+        return p
+
+    (tmp_path / "pods0").mkdir()
+    (tmp_path / "pods1").mkdir()
+    yield make
+    for p in made:
+        p.stop()
+
+
+def test_a_normal_transfer_across_pods_is_paired_and_raises_nothing(pods):
+    p = pods()
+    p.begin("r-1", 11, 8, [1, 2])
+    p.send("r-1", 11, 8)
+    p.receive("r-1", 11, 8, [1, 2])
+    assert p.settle(lambda: p.ledger("decode").digests_compared == 1)
+    p.finish("r-1", [1, 2])
+    p.settle(lambda: False, limit_s=0.3)
+    assert p.kinds("decode") == [] and p.kinds("prefill") == []
+    assert (p.ledger("decode").paired, p.ledger("decode").unverified) == (1, 0)
+
+
+def test_the_incident_across_pods_is_caught_once_by_the_decode_sidecar_only(pods):
+    """1 token sent into 600 reserved: decode's sidecar alone cannot know; with the shared ledger
+    it pairs prefill's facts and raises the size mismatch and the unwritten read, once."""
+    p = pods()
+    pages = list(range(1, 151))  # ceil(600 / 4)
+    # earlier tenants' data in those pages, through normal transfers
+    for i, tenant in enumerate(("acme", "globex")):
+        mine = pages[i * 75:(i + 1) * 75]
+        p.begin(f"r-{tenant}", 20 + i, 300, mine, tenant=tenant)
+        p.send(f"r-{tenant}", 20 + i, 300, digest_halves=None)
+        p.receive(f"r-{tenant}", 20 + i, 300, mine, digest=None)
+    assert p.settle(lambda: p.ledger("decode").paired == 2)
+    for i, tenant in enumerate(("acme", "globex")):
+        p.finish(f"r-{tenant}", pages[i * 75:(i + 1) * 75])
+    p.begin("r-initech", 13, 600, pages, tenant="initech")
+    p.send("r-initech", 13, 1, digest_halves=None)
+    p.receive("r-initech", 13, 600, pages, digest=None)
+    for _ in range(3):  # decode keeps reading
+        p.decode.forward(["r-initech"], [600], [[]], [slots(pages)[:600]])
+    assert p.settle(lambda: len(p.sinks["decode"].findings) >= 2)
+    p.settle(lambda: False, limit_s=0.3)
+    assert p.kinds("decode") == ["transfer_size_mismatch", "unwritten_read"]
+    assert p.kinds("prefill") == []
+    size = next(f for f in p.sinks["decode"].findings if f.kind == "transfer_size_mismatch")
+    assert size.evidence == {"sent_tokens": 1, "reserved_tokens": 600, "sent_pages": 1, "reserved_pages": 150}
+    read = next(f for f in p.sinks["decode"].findings if f.kind == "unwritten_read")
+    assert (read.reader.rid, read.reader.tenant) == ("r-initech", "initech") and len(read.pages) == 149
+    assert {e.tenant for e in read.exposed} == {"acme", "globex"}
+
+
+def test_a_digest_mismatch_across_pods_is_one_checksum_mismatch(pods):
+    p = pods()
+    p.begin("r-1", 11, 8, [1, 2], tenant="initech")
+    p.send("r-1", 11, 8)
+    p.receive("r-1", 11, 8, [1, 2], digest=WHOLE ^ 1)
+    assert p.settle(lambda: p.kinds("decode") == ["checksum_mismatch"])
+    p.decode.forward(["r-1"], [8], [[]], [slots([1, 2])[:8]])
+    p.settle(lambda: False, limit_s=0.3)
+    (f,) = p.sinks["decode"].findings
+    assert (f.reader.rid, f.reader.tenant, f.pages) == ("r-1", "initech", [1, 2])
+    assert (f.evidence["sender_digest"], f.evidence["receiver_digest"]) == (f"{WHOLE:016x}", f"{WHOLE ^ 1:016x}")
+    assert p.kinds("prefill") == []
+
+
+def test_a_prompt_rejected_by_prefill_is_an_orphan_on_the_decode_sidecar(pods):
+    p = pods()
+    p.begin("r-long", 31, 16, [1, 2, 3, 4], tenant="initech")
+    p.prefill.rejected("r-long", "admission", "too long")
+    p.prefill.request_end("r-long", "reject", 0, 0, 0, "too long")
+    assert p.settle(lambda: p.kinds("decode") == ["orphan_transfer"])
+    (f,) = p.sinks["decode"].findings
+    assert f.pages == [1, 2, 3, 4] and f.evidence["sender"] == "reject" and f.reader.rid == "r-long"
+    assert p.kinds("prefill") == []
+
+
+def test_a_prefill_that_never_reports_is_an_orphan_after_the_timeout(pods):
+    p = pods(orphan_timeout_s=0.5)
+    p.decode.request_begin("r-lost", "acme", 41, 8, 0, False)
+    p.decode.pages_allocated(slots([1, 2]))
+    p.decode.transfer_reserved("r-lost", 41, 8, slots([1, 2]))
+    # another request whose prefill did report (began, slow): no orphan for it
+    p.begin("r-slow", 42, 8, [3, 4])
+    assert p.settle(lambda: p.kinds("decode") == ["orphan_transfer"])
+    p.settle(lambda: False, limit_s=1.0)
+    (f,) = p.sinks["decode"].findings
+    assert f.reader.rid == "r-lost" and f.evidence["sender"] == "never reported"
+
+
+def test_two_clusters_sharing_one_redis_never_pair(pods):
+    """Cluster c2's decode serves the same room and rid as cluster c1's prefill, which sends 1 token:
+    c2 must not take c1's facts as its sender's."""
+    p = pods(decode_cluster="c2")
+    p.begin("r-1", 11, 8, [1, 2])
+    p.send("r-1", 11, 1)
+    p.receive("r-1", 11, 8, [1, 2], digest=None)
+    p.settle(lambda: False, limit_s=1.0)
+    assert p.kinds("decode") == [] and p.ledger("decode").paired == 0
+    assert list(p.ledger("decode").pending) == [11]  # still waiting for its own sender (bounded)
+
+
+def test_values_written_by_something_else_are_counted_and_ignored(pods, redis_server):
+    p = pods()
+    client = redis_server.client()
+    key = room_key("c1", 11, wire.request_key("r-1"), "sender")
+    # another program's value, an older schema, and a sender fact claiming another room
+    client.hset(key, "intruder", b"\x00not json")
+    client.hset(key, "old", json.dumps({"v": 0, "side": "sender"}))
+    client.hset(key, "liar", json.dumps({"v": 1, "side": "sender", "room": 12, "req_key": "0", "began": True,
+                                         "warmup": False, "gave_up": "reject", "chunks": [], "digests": []}))
+    p.begin("r-1", 11, 8, [1, 2])
+    assert p.settle(lambda: p.sidecars["decode"].shared_ledger.bad_facts >= 3)
+    assert p.kinds("decode") == []  # the fake "reject" was not believed
+    p.send("r-1", 11, 8)
+    p.receive("r-1", 11, 8, [1, 2])
+    assert p.settle(lambda: p.ledger("decode").digests_compared == 1)
+    assert p.kinds("decode") == [] and p.ledger("decode").paired == 1
+
+
+def test_redis_down_degrades_without_blocking_and_pairing_resumes_when_it_returns(pods, redis_server):
+    p = pods()
+    p.begin("r-ok", 10, 8, [5, 6])
+    p.send("r-ok", 10, 8)
+    p.receive("r-ok", 10, 8, [5, 6])
+    assert p.settle(lambda: p.ledger("decode").digests_compared == 1)
+
+    redis_server.kill()
+    # during the outage: the incident's shape, and decode reads what nothing wrote
+    pages = [1, 2, 3, 4]
+    p.begin("r-x", 13, 16, pages, tenant="initech")
+    p.send("r-x", 13, 1, digest_halves=None)
+    p.receive("r-x", 13, 16, pages, digest=None)
+    p.decode.forward(["r-x"], [16], [[]], [slots(pages)[:16]])
+    decode = p.sidecars["decode"]
+    assert p.settle(lambda: "ledger_degraded" in p.kinds("decode"))
+    (degraded,) = [f for f in p.sinks["decode"].findings if f.kind == "ledger_degraded"]
+    assert degraded.severity == "warning" and degraded.evidence["transfers_waiting"] >= 1
+    assert decode.shared_ledger.degraded and decode.shared_ledger.errors > 0
+    # ingest went on (the ring is drained; findings of what one side sees still come), nothing was paired
+    assert p.kinds("decode") == ["ledger_degraded"]
+    assert decode.pipeline.records_by_kind["FORWARD"] >= 2 and list(decode.pipeline.ledger.pending) == [13]
+    assert p.sidecars["prefill"].shared_ledger.pending_publishes >= 1  # buffered, bounded
+
+    redis_server.start()  # the same port, empty: what prefill buffered is published again
+    assert p.settle(lambda: "transfer_size_mismatch" in p.kinds("decode"), limit_s=30)
+    p.settle(lambda: False, limit_s=0.3)
+    assert p.kinds("decode") == ["ledger_degraded", "transfer_size_mismatch", "unwritten_read"]
+    assert not decode.shared_ledger.degraded and decode.shared_ledger.recoveries >= 1
+    assert p.kinds("prefill").count("ledger_degraded") <= 1 and "transfer_size_mismatch" not in p.kinds("prefill")
+
+
+def test_bad_ledger_settings_fail_at_start_naming_the_setting(tmp_path):
+    assert parse_ledger_url("memory") is None and parse_ledger_url("") is None
+    assert parse_ledger_url("redis://r:6379/2") == "redis://r:6379/2"
+    for bad in ("redis://r:notaport/0", "http://r:6379/0", "redis:///0", "redis://r:6379/x"):
+        with pytest.raises(LedgerConfigError, match="--ledger"):
+            parse_ledger_url(bad)
+    with pytest.raises(LedgerConfigError, match="KVGUARD_LEDGER"):
+        parse_ledger_url("redis://r:x/0", "KVGUARD_LEDGER")
+    with pytest.raises(ValueError, match="--ledger-cluster"):
+        Sidecar(str(tmp_path), ledger="redis://127.0.0.1:1/0", ledger_cluster="a:b")
+    with pytest.raises(ValueError, match="--orphan-timeout-s"):
+        Sidecar(str(tmp_path), orphan_timeout_s=0)
+
+
+def test_the_cli_reads_kvguard_ledger_and_names_a_bad_value(tmp_path):
+    env = {**os.environ, "KVGUARD_LEDGER": "redis://host:port/0"}
+    out = subprocess.run([sys.executable, "-m", "sidecar.cli", "sidecar", "--ring-dir", str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "KVGUARD_LEDGER" in out.stderr and "redis://host:port/0" in out.stderr
