@@ -65,7 +65,8 @@ def test_quick_run_writes_results_and_nulls_what_is_not_implemented(tmp_path, ca
         assert isinstance(res[key], (int, float)) and res[key] > 0, key
     assert res["engine.probe_us_per_step_b256_tier1"] is None
     assert "not implemented" in res["notes"]["engine.probe_us_per_step_b256_tier1"]
-    assert res["digest.gbps"] is None and "not implemented" in res["notes"]["digest.gbps"]
+    assert res["digest.gbps"] > 0 and 0 < res["ratio.digest_over_raw_xxh3"] == pytest.approx(
+        res["digest.gbps"] / res["digest.raw_same_bytes_gbps"])
     assert res["sidecar.findings_on_clean_stream"] == 0
     assert {p["axis"] for p in res["details"]["scaling"]} == {"batch", "context_tokens", "page_size", "ranks"}
     table = capsys.readouterr().out
