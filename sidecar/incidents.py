@@ -30,7 +30,7 @@ SEVERITY_RANK = {"info": 0, "warning": 1, CRITICAL: 2}
 READER_KINDS = {"unwritten_read", "foreign_read", "use_after_free", "late_write", "transfer_size_mismatch",
                 "checksum_mismatch", "ttft_anomaly", "cross_tenant_prefix_share"}
 # resolve after a quiet period rather than with their reader (a ttft verdict is made as the request ends)
-QUIET_KINDS = {"events_lost", "double_free", "ttft_anomaly"}
+QUIET_KINDS = {"events_lost", "double_free", "ttft_anomaly", "ledger_degraded"}  # ledger_degraded repeats while it lasts
 
 
 def incident_key(f: Finding) -> tuple:

@@ -95,3 +95,27 @@ class KVGuardCollector(Collector):
             apply_errors = CounterMetricFamily("kvguard_apply_errors", "Records the sidecar failed to apply")
             apply_errors.add_metric([], pipeline.apply_errors)
             yield apply_errors
+            yield from ledger_metrics(pipeline.ledger, getattr(svc, "shared_ledger", None))
+
+
+def ledger_metrics(ledger, shared):
+    """The transfer ledger (sidecar/ledger): pairing outcomes and the shared ledger's health."""
+    transfers = CounterMetricFamily("kvguard_transfers", "Completed KV transfers by how they were judged",
+                                    labels=["outcome"])
+    transfers.add_metric(["paired"], ledger.paired)
+    transfers.add_metric(["unverified"], ledger.unverified)
+    yield transfers
+    digests = CounterMetricFamily("kvguard_transfer_digests", "Transfers whose two ends' digests were both "
+                                  "complete", labels=["outcome"])
+    digests.add_metric(["compared"], ledger.digests_compared)
+    digests.add_metric(["incomparable"], ledger.digests_incomparable)
+    yield digests
+    degraded = GaugeMetricFamily("kvguard_ledger_degraded", "1 while the shared transfer ledger is unreachable")
+    degraded.add_metric([], 1 if shared is not None and shared.degraded else 0)
+    yield degraded
+    errors = CounterMetricFamily("kvguard_ledger_errors", "Shared transfer ledger problems, by reason",
+                                 labels=["reason"])
+    for reason, attr in (("redis", "errors"), ("queue_full", "queue_dropped"), ("outbox_full", "outbox_dropped"),
+                         ("bad_fact", "bad_facts")):
+        errors.add_metric([reason], getattr(shared, attr) if shared is not None else 0)
+    yield errors
