@@ -103,9 +103,14 @@ def test_layout_independent(alg):
     a = dg.pool_view(Pool(kv, a_slots, 512, 4))
     b = dg.pool_view(Pool(kv, b_slots, 512, 16))
     c = dg.pool_view(Pool(kv, c_slots, 512, 8, layout="hnd"))
+    # token-granular slots in any order (a page-size-1 allocator): the gather-by-token path
+    d_slots = [int(x) for x in rng.permutation(np.arange(1, 512))[:50]]
+    d = dg.pool_view(Pool(kv, d_slots, 512, 4))
     digests = {dg.transfer_digest(a, a_slots, 0, alg), dg.transfer_digest(b, b_slots, 0, alg),
-               dg.transfer_digest(c, c_slots, 0, alg)}
+               dg.transfer_digest(c, c_slots, 0, alg), dg.transfer_digest(d, d_slots, 0, alg)}
     assert len(digests) == 1
+    if alg == dg.UNIT_BYTES:
+        assert digests == {reference(kv, 0, 50)}
 
 
 @pytest.mark.parametrize("alg", [dg.UNIT_BYTES, dg.DEVICE_REDUCED])
