@@ -109,8 +109,10 @@ class SharedLedger:
         self.cluster = cluster
         self.pod = pod or f"{socket.gethostname()}:{os.getpid()}"
         self.ttl_s = ttl_s
-        self.client = client or redis.Redis.from_url(url, socket_timeout=timeout_s,
-                                                     socket_connect_timeout=timeout_s)
+        # a password from the environment (a Secret), so that the URL in the ConfigMap carries none
+        password = os.environ.get("KVGUARD_LEDGER_PASSWORD") or None
+        self.client = client or redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                                     **({"password": password} if password else {}))
         self.poll_interval_s = poll_interval_s
         self.max_outbox, self.max_watch = max_outbox, max_watch
         self._commands: queue.Queue = queue.Queue(maxsize=queue_size)
