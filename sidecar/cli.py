@@ -169,8 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ledger-cluster", default=os.environ.get("KVGUARD_CLUSTER", "default"),
                    help="name of this deployment in a shared ledger, so that two clusters sharing one Redis "
                    "never pair each other's transfers (default $KVGUARD_CLUSTER, else 'default')")
-    p.add_argument("--orphan-timeout-s", type=float, default=60.0, help="report decode pages reserved for a "
-                   "transfer whose prefill never reported within this many seconds (orphan_transfer; default 60)")
+    p.add_argument("--orphan-timeout-s", type=float, default=120.0, help="report decode pages reserved for a "
+                   "transfer whose prefill never reported within this many seconds (orphan_transfer; default 120)")
     p.add_argument("--history-events", type=_positive_int, default=1 << 20,
                    help="events kept for timelines (40 bytes each; default 1048576)")
     from .recorder import DEFAULT_MAX_BYTES, parse_bytes, parse_seconds

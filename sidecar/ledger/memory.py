@@ -105,7 +105,7 @@ class Pairing:
 
 class TransferLedger:
     def __init__(self, max_rooms: int = 100_000, max_closed: int = 10_000, grace_ns: int = 2_000_000_000,
-                 orphan_timeout_ns: int = 60_000_000_000):
+                 orphan_timeout_ns: int = 120_000_000_000):
         self.rooms: dict[int, RoomState] = {}
         # receiver reported success before the sender's last chunk was applied: the adapter emits
         # XFER_SEND after send_kv_chunk returns, and Mooncake's transfer thread may finish first
