@@ -180,6 +180,7 @@ def test_a_normal_transfer_across_pods_is_paired_and_raises_nothing(pods):
     p.settle(lambda: False, limit_s=0.3)
     assert p.kinds("decode") == [] and p.kinds("prefill") == []
     assert (p.ledger("decode").paired, p.ledger("decode").unverified) == (1, 0)
+    assert p.ledger("prefill").rooms == {}  # the sender's finished room is retired to the bounded closed set
 
 
 def test_the_incident_across_pods_is_caught_once_by_the_decode_sidecar_only(pods):

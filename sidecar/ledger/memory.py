@@ -211,6 +211,13 @@ class TransferLedger:
             return None
         return state if self._orphaned(state, ts_ns) else None
 
+    def on_sender_done(self, req_key: int, room: int) -> None:
+        """The sender finished a transfer whose receiver is not in view (another pod): keep the room
+        among the bounded closed ones rather than the live ones."""
+        state = self.rooms.get(room)
+        if state is not None and state.req_key == req_key and state.reserved_pages is None:
+            self._close(self.rooms.pop(room))
+
     # ------------------------------------------------------------------ receiver side
     def on_reserve(self, engine_id: int, x: wire.XferReserve, ts_ns: int) -> RoomState:
         state = self._room(x.room, x.req_key)
