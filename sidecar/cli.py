@@ -132,6 +132,7 @@ COMMAND_MODULES: list[tuple[str, str]] = [
     ("sidecar.model_cli", "register"),
     ("sidecar.replay", "register"),
     ("sidecar.dashboards_cli", "register"),
+    ("sidecar.canary_cli", "register"),
 ]
 
 
