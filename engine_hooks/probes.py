@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from . import tier1 as tier1_mod
 from . import wire
 from .ring import DEFAULT_CAPACITY, RingWriter, ring_dir
 
@@ -28,6 +29,7 @@ log = logging.getLogger("kvguard.probes")
 
 KVGUARD_VERSION = "0.1.0"
 HEARTBEAT_INTERVAL_NS = 1_000_000_000
+MAX_CACHED_KEYS = 1 << 16  # rid -> request key cache (cleared when full)
 
 _ROLES = {"unified": wire.Role.UNIFIED, "null": wire.Role.UNIFIED, "prefill": wire.Role.PREFILL, "decode": wire.Role.DECODE}
 _FINISH = {
@@ -78,6 +80,25 @@ class Probes:
         self.calls = 0
         self._last_heartbeat_ns = 0
         self._error_lock = threading.Lock()
+        self._keys: dict = {}  # rid -> request key: hashing every rid of every forward costs more than the rest
+        # Tier 1, the engine's own read check (engine_hooks/tier1.py): created at HELLO when
+        # KVGUARD_TIER1 is on, and fed by the allocation / assignment probes below
+        self.tier1: tier1_mod.Tier1 | None = None
+
+    def request_key(self, rid) -> int:
+        key = self._keys.get(rid)
+        if key is None:
+            if len(self._keys) >= MAX_CACHED_KEYS:
+                self._keys.clear()
+            key = self._keys[rid] = wire.request_key(rid)
+        return key
+
+    def request_keys(self, rids) -> np.ndarray:
+        """uint64 keys of ``rids``, from the cache (one dict lookup each when all are known)."""
+        try:
+            return np.fromiter(map(self._keys.__getitem__, rids), dtype=np.uint64, count=len(rids))
+        except KeyError:
+            return np.fromiter(map(self.request_key, rids), dtype=np.uint64, count=len(rids))
 
     # ------------------------------------------------------------------ helpers
     def _emit(self, kind: wire.Kind, payload: bytes, flags: int = 0) -> None:
@@ -131,6 +152,10 @@ class Probes:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = int(page_size)
+        if self.tier1 is None and tier1_mod.enabled_from_env():
+            self.tier1 = tier1_mod.Tier1(int(pool_pages), self.page_size, on_violation=self._tier1_violation)
+            log.info("kvguard tier1 read check on (%s=1): %d pages of %d tokens", tier1_mod.ENV, int(pool_pages),
+                     self.page_size)
         h = wire.Hello(_ROLES[str(role).lower()], int(tp_rank), os.getpid(), self.page_size, int(pool_pages),
                        int(pool_tokens), int(context_len), int(max_req_input_len), engine_name, engine_version,
                        str(model), KVGUARD_VERSION)
@@ -155,6 +180,8 @@ class Probes:
     def pages_allocated(self, slots) -> None:
         pages = self.slots_to_pages(slots)
         if len(pages):
+            if self.tier1 is not None:
+                self.tier1.allocated(pages)
             self._emit(wire.Kind.ALLOC, wire.pages_payload(pages))
 
     @_guarded
@@ -162,6 +189,8 @@ class Probes:
         free_kind = _FREE[kind]
         pages = np.unique(as_int64(slots)) if free_kind == wire.FreeKind.PAGE_IDS else self.slots_to_pages(slots)
         if len(pages):
+            if self.tier1 is not None:
+                self.tier1.freed(pages)
             self._emit(wire.Kind.FREE, wire.pages_payload(pages, free_kind))
 
     @_guarded
@@ -169,51 +198,72 @@ class Probes:
         row_start, row_end = int(row_start), int(row_end)
         shared_until = min(max(int(shared_until), row_start), row_end)
         pages = self.row_pages(row_start, slots)
-        a = wire.Assign(wire.request_key(rid), row_start, row_end, shared_until, pages)
+        if self.tier1 is not None:
+            self.tier1.assigned(rid, row_start, shared_until, pages)
+        a = wire.Assign(self.request_key(rid), row_start, row_end, shared_until, pages)
         self._emit(wire.Kind.ASSIGN, wire.assign_payload(a))
 
     @_guarded
     def forward(self, rids, seq_lens, written_slots, read_rows=None, mode: int = 0, written_counts=None,
-                rows_are_page_starts: bool = False) -> None:
+                rows_are_page_starts: bool = False, read_pages=None, read_counts=None) -> None:
         """One forward: per request the slots it writes, then the first ``seq_len`` tokens it reads.
 
         ``written_slots``: a list of per-request slot arrays, or (with ``written_counts``)
         one flat array holding them back to back, which is much cheaper at large batches.
-        ``read_rows``: optional per-request actual rows (the engine's req_to_token); with
+        The engine's actual rows, optionally, either as ``read_rows`` (per request; with
         ``rows_are_page_starts`` each entry holds only the slots at positions 0, page_size,
-        2*page_size, ... (one per row page) rather than every slot.
+        2*page_size, ... rather than every slot) or already flat as ``read_pages`` (page
+        ids, requests back to back) with ``read_counts`` (pages per request).
         """
         n = len(rids)
         if n == 0:
             return
         ps = self.page_size
-        keys = np.fromiter((wire.request_key(r) for r in rids), dtype=np.uint64, count=n)
+        keys = self.request_keys(rids)
         if written_counts is None:
             written_counts = [len(w) for w in written_slots]
             written_slots = np.concatenate([as_int64(w) for w in written_slots]) if n else np.zeros(0, np.int64)
         flat = as_int64(written_slots) // ps
         counts = np.asarray(written_counts, dtype=np.int64)
-        # one entry per page per request: drop consecutive repeats inside each request's run
-        keep = np.ones(len(flat), bool)
-        if len(flat) > 1:
-            keep[1:] = flat[1:] != flat[:-1]
-            starts = np.cumsum(counts)[:-1]
-            keep[starts[starts < len(flat)]] = True
-        owner = np.repeat(np.arange(n), counts)
-        write_pages = flat[keep]
-        write_counts = np.bincount(owner[keep], minlength=n).astype(np.uint32)
-        read_counts = read_pages = None
-        if read_rows is not None:
+        if len(flat) == n and (counts == 1).all():  # decode: one token each, nothing to de-duplicate
+            write_pages, write_counts = flat, counts.astype(np.uint32)
+        else:
+            # one entry per page per request: drop consecutive repeats inside each request's run
+            keep = np.ones(len(flat), bool)
+            if len(flat) > 1:
+                keep[1:] = flat[1:] != flat[:-1]
+                starts = np.cumsum(counts)[:-1]
+                keep[starts[starts < len(flat)]] = True
+            owner = np.repeat(np.arange(n), counts)
+            write_pages = flat[keep]
+            write_counts = np.bincount(owner[keep], minlength=n).astype(np.uint32)
+        if read_pages is not None:
+            read_pages = np.asarray(read_pages).reshape(-1)  # int32 stays int32: it goes on the wire as such
+            read_counts = np.asarray(read_counts, dtype=np.uint32)
+        elif read_rows is not None:
             if rows_are_page_starts:
                 rows = [as_int64(r) // ps for r in read_rows]
             else:
                 rows = [self.row_pages(0, r) for r in read_rows]
             read_counts = np.fromiter((len(r) for r in rows), dtype=np.uint32, count=n)
             read_pages = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+        else:
+            read_counts = None
         f = wire.Forward(keys, as_int64(seq_lens).astype(np.uint32), write_counts, write_pages, read_counts,
                          read_pages, mode)
         self._emit(wire.Kind.FORWARD, wire.forward_payload(f))
         self._maybe_heartbeat()
+
+    def _tier1_violation(self, v: "tier1_mod.Violation", reported_total: int) -> None:
+        """Tier 1 found row pages that are not the reader's: one TIER1_VIOLATION record
+        (the engine has already logged and counted it; this is for the sidecar)."""
+        if self.writer is None:
+            return
+        owners = [0 if o is None else self.request_key(o) for o in v.owners]
+        rec = wire.Tier1Violation(self.request_key(v.rid), int(reported_total), int(v.seq_len),
+                                  np.asarray(v.pages, np.int64), np.asarray(v.row_indices, np.uint32),
+                                  np.asarray(owners, np.uint64), np.asarray(v.tags, np.uint8))
+        self._emit(wire.Kind.TIER1_VIOLATION, wire.tier1_violation_payload(rec))
 
     @_guarded
     def transfer_reserved(self, rid: str, room: int, tokens: int, slots) -> None:

@@ -64,6 +64,7 @@ class Kind(enum.IntEnum):
     PROBE_ERROR = 13
     LOST = 14  # never on the wire: readers insert it at a sequence gap (body = records missing)
     XFER_DIGEST = 15  # digest of one end's KV for a transfer (sender: what it sent; receiver: what it reserved)
+    TIER1_VIOLATION = 16  # the engine's own read check (engine_hooks/tier1.py) found a row page not the reader's
 
 
 class Role(enum.IntEnum):
@@ -116,6 +117,14 @@ class Phase(enum.IntEnum):
     TRANSFER = 3
 
 
+class Tier1Tag(enum.IntEnum):
+    """What the engine's page tag said about a page a row named (TIER1_VIOLATION)."""
+
+    FREE = 1  # in the allocator's free list: a use after free
+    ALLOCATED = 2  # handed out but in no request's row yet
+    OTHER_REQUEST = 3  # another live request's own page: a foreign read
+
+
 # Fixed payload parts, after the header. Variable parts follow in the order given.
 HELLO_FIXED = struct.Struct("<BBHIIIQQQ")  # role, _, tp_rank, pid, page_size, pool_pages, pool_tokens, context_len, max_req_input_len
 #   then strings: engine_name, engine_version, model, kvguard_version
@@ -135,6 +144,8 @@ XFER_DIGEST_FIXED = struct.Struct("<QQQIIHHHHBB6x")
 #   req_key, room, digest, token_start, token_end, layers, head_start, head_count, total_heads, side, alg
 REJECT_FIXED = struct.Struct("<QB7x")  # req_key, phase; then string reason
 HEARTBEAT_FIXED = struct.Struct("<QQQ")  # records_written, records_dropped, probe_errors
+TIER1_FIXED = struct.Struct("<QQII")  # reader req_key, violations so far in the engine, seq_len, count
+#   then int32 pages[count], u32 row_page_index[count], u64 owner_keys[count], u8 tags[count] (Tier1Tag)
 PROBE_ERROR_FIXED = struct.Struct("<I4x")  # count of errors so far for this probe; then strings probe, error type
 
 FWD_HAS_ROWS = 1  # FORWARD flags: read_counts/read_pages carry the engine's actual rows
@@ -262,6 +273,19 @@ class XferDigest:
 
 
 @dataclass(slots=True)
+class Tier1Violation:
+    """One reader's row pages that the engine's Tier-1 check refused in one forward."""
+
+    reader_key: int
+    violations_total: int  # violating pages seen by this engine so far, this record included
+    seq_len: int
+    pages: np.ndarray  # int32[n]
+    row_indices: np.ndarray  # uint32[n]: position // page_size in the reader's row
+    owner_keys: np.ndarray  # uint64[n]: the owning request's key for OTHER_REQUEST, else 0
+    tags: np.ndarray  # uint8[n]: Tier1Tag
+
+
+@dataclass(slots=True)
 class Reject:
     req_key: int
     phase: Phase
@@ -369,6 +393,16 @@ def xfer_done_payload(x: XferDone) -> bytes:
 def xfer_digest_payload(x: XferDigest) -> bytes:
     return XFER_DIGEST_FIXED.pack(x.req_key, x.room, x.digest, x.token_start, x.token_end, x.layers,
                                   x.head_start, x.head_count, x.total_heads, int(x.side), int(x.alg))
+
+
+def tier1_violation_payload(v: Tier1Violation) -> bytes:
+    n = len(v.pages)
+    if not len(v.row_indices) == len(v.owner_keys) == len(v.tags) == n:
+        raise ValueError("TIER1_VIOLATION arrays differ in length")
+    return b"".join((TIER1_FIXED.pack(v.reader_key, v.violations_total, v.seq_len, n), _i32(v.pages),
+                     np.ascontiguousarray(v.row_indices, dtype="<u4").tobytes(),
+                     np.ascontiguousarray(v.owner_keys, dtype="<u8").tobytes(),
+                     np.ascontiguousarray(v.tags, dtype="u1").tobytes()))
 
 
 def reject_payload(r: Reject) -> bytes:
@@ -492,6 +526,15 @@ def _decode_xfer_digest(c: _Cursor) -> XferDigest:
     return XferDigest(key, room, Side(side), DigestAlg(alg), digest, t0, t1, layers, h0, hn, htotal)
 
 
+def _decode_tier1_violation(c: _Cursor) -> Tier1Violation:
+    key, total, seq_len, n = c.fixed(TIER1_FIXED)
+    pages, rows, owners, tags = c.array("<i4", n), c.array("<u4", n), c.array("<u8", n), c.array("u1", n)
+    bad = tags[(tags < Tier1Tag.FREE) | (tags > Tier1Tag.OTHER_REQUEST)]
+    if len(bad):
+        raise DecodeError(f"TIER1_VIOLATION tag {int(bad[0])} unknown")
+    return Tier1Violation(key, total, seq_len, pages, rows, owners, tags)
+
+
 def _decode_reject(c: _Cursor) -> Reject:
     key, phase = c.fixed(REJECT_FIXED)
     return Reject(key, Phase(phase), c.string())
@@ -518,6 +561,7 @@ _DECODERS = {
     Kind.XFER_SEND: _decode_xfer_send,
     Kind.XFER_DONE: _decode_xfer_done,
     Kind.XFER_DIGEST: _decode_xfer_digest,
+    Kind.TIER1_VIOLATION: _decode_tier1_violation,
     Kind.REJECT: _decode_reject,
     Kind.HEARTBEAT: _decode_heartbeat,
     Kind.PROBE_ERROR: _decode_probe_error,

@@ -97,6 +97,7 @@ _PAYLOADS = {
     wire.Kind.XFER_SEND: wire.xfer_send_payload,
     wire.Kind.XFER_DONE: wire.xfer_done_payload,
     wire.Kind.XFER_DIGEST: wire.xfer_digest_payload,
+    wire.Kind.TIER1_VIOLATION: wire.tier1_violation_payload,
     wire.Kind.REJECT: wire.reject_payload,
     wire.Kind.HEARTBEAT: wire.heartbeat_payload,
     wire.Kind.PROBE_ERROR: wire.probe_error_payload,

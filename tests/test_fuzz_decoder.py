@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 
 from engine_hooks import wire
 from engine_hooks.probes import Probes
+from engine_hooks.tier1 import Violation
 from sidecar import recorder as rmod
 from sidecar.cli import main
 from sidecar.recorder import RecordingError, RecordingWriter, SegmentReader, decode_chunk, encode_record
@@ -78,6 +79,7 @@ def _corpus():
     p.pages_freed(s([1, 2]), "group")
     p.pages_freed([3], "page_ids")
     p.report_probe_error("forward", RuntimeError("x"))
+    p._tier1_violation(Violation("r-1", 13, [4, 2], [3, 1], ["warm", None], [3, 1]), 2)
     return p.writer.records
 
 

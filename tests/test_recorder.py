@@ -22,6 +22,7 @@ import pytest
 from engine_hooks import wire
 from engine_hooks.probes import Probes
 from engine_hooks.ring import HEADER_BYTES, RingReader, RingWriter
+from engine_hooks.tier1 import Violation
 from sidecar import recorder as rmod
 from sidecar.recorder import (CHUNK_CARRIED, Recorder, RecordingError, RecordingWriter, SegmentHeader,
                               SegmentReader, encode_record, parse_bytes, parse_seconds)
@@ -53,6 +54,7 @@ def every_kind(p: Probes, rid="r-1"):
     p.pages_freed(slots([1, 2]), "group")
     p.pages_freed([3], "page_ids")
     p.report_probe_error("forward", RuntimeError("x"))
+    p._tier1_violation(Violation("r-1", 13, [4], [3], ["r-2"], [3]), 1)
 
 
 def records_of(path):

@@ -34,6 +34,8 @@ SGLANG_DIRS = {v: REPO / ".venv" / "sglang" / v for v in ("0.5.19", "0.5.23")}
 class RecordingProbes:
     """Stands in for engine_hooks.probes.Probes: records (method, args, kwargs)."""
 
+    tier1 = None  # Tier 1 off (tests/test_tier1.py covers it with the real Probes)
+
     def __init__(self):
         self.calls = []
 
@@ -507,9 +509,9 @@ def test_rows_are_sampled_every_nth_forward_and_gather_page_starts_only(probes):
     hook = hr.forward_hook("forward")
     for _ in range(6):
         hook(lambda self, fb: None, runner, fb)
-    rows = [c[1][3] for c in probes.named("forward")]
-    assert [r is not None for r in rows] == [False, False, True, False, False, True]
-    assert arr(rows[2][0]) == [20, 40, 8]  # positions 0, 4, 8: one slot per page
+    rows = [(c[2]["read_pages"], c[2]["read_counts"]) for c in probes.named("forward")]
+    assert [r[0] is not None for r in rows] == [False, False, True, False, False, True]
+    assert arr(rows[2][0]) == [5, 10, 2] and arr(rows[2][1]) == [3]  # positions 0, 4, 8: one page each
 
 
 def test_decode_assigns_only_when_a_token_starts_a_page(probes):
@@ -556,18 +558,18 @@ def test_forward_split_and_rows(probes):
     rt.State.row_sample_every = 1  # rows with every forward (page size 1: every position starts a page)
     assert hook(lambda self, fb: "ran", runner, fb) == "ran"
     (_, args, kwargs), = probes.named("forward")
-    rids, seq_lens, written, read_rows = args
-    assert rids == ["a", "b"] and seq_lens == [5, 3]
-    assert arr(written) == [6, 7, 8, 14] and kwargs["written_counts"] == [3, 1]
-    assert kwargs["rows_are_page_starts"] is True
-    assert [arr(r) for r in read_rows] == [[4, 5, 6, 7, 8], [12, 13, 14]]
+    rids, seq_lens, written = args
+    assert rids == ["a", "b"] and arr(seq_lens) == [5, 3]
+    assert arr(written) == [6, 7, 8, 14] and arr(kwargs["written_counts"]) == [3, 1]
+    # the actual rows, flat (page size 1: every position is its own page), requests back to back
+    assert arr(kwargs["read_pages"]) == [4, 5, 6, 7, 8, 12, 13, 14] and arr(kwargs["read_counts"]) == [5, 3]
     # decode: one slot each; idle batches and draft workers are skipped
     fb2 = types.SimpleNamespace(forward_mode=_Mode(False), rids=["a", "b"], seq_lens_cpu=torch.tensor([5, 3]),
                                 seq_lens=None, out_cache_loc=torch.tensor([8, 14]), extend_seq_lens_cpu=None,
                                 req_pool_indices=torch.tensor([1, 2]))
     hook(lambda self, fb: None, runner, fb2)
     assert arr(probes.named("forward")[-1][1][2]) == [8, 14]
-    assert probes.named("forward")[-1][2]["written_counts"] == [1, 1]
+    assert arr(probes.named("forward")[-1][2]["written_counts"]) == [1, 1]
     runner.is_draft_worker = True
     hook(lambda self, fb: None, runner, fb2)
     assert len(probes.named("forward")) == 2

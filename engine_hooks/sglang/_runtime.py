@@ -233,6 +233,24 @@ def caller_frames(limit: int = 12) -> list:
     return out
 
 
+def host_int64(values, copy: bool = False):
+    """A 1-D int64 numpy array of an engine tensor / list (a view of a CPU int64 tensor
+    unless ``copy``): numpy on the host is far cheaper than Python ints per element."""
+    import numpy as np
+
+    if hasattr(values, "detach"):
+        t = values.detach().reshape(-1)
+        if t.device.type != "cpu":
+            t = t.cpu()
+        a = t.numpy()
+    else:
+        a = np.asarray(values)
+    a = a.reshape(-1)
+    if a.dtype != np.int64:
+        return a.astype(np.int64)
+    return a.copy() if copy else a
+
+
 def to_list(values) -> list:
     if hasattr(values, "tolist"):
         return values.tolist()

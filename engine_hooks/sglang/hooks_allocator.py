@@ -39,8 +39,9 @@ def _alloc_post(outer, result, self, *args, **kwargs):
     if result.numel() == 0:
         return
     ps = int(getattr(self, "page_size", 1) or 1)
-    new_page_slots = result if ps == 1 else result[result % ps == 0]
-    if new_page_slots.numel():
+    slots = rt.host_int64(result)  # numpy on the host: cheaper than torch ops on a few hundred slots
+    new_page_slots = slots if ps == 1 else slots[slots % ps == 0]
+    if len(new_page_slots):
         rt.probes().pages_allocated(new_page_slots)
 
 

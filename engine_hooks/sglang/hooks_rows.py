@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from . import _runtime as rt
 from ._runtime import State
 
@@ -74,10 +76,13 @@ def _pool_alloc_post(result, self, *args, **kwargs):
     if result is None:
         return
     reqs = args[0] if args else kwargs.get("reqs")
+    tier1 = rt.probes().tier1
     for r in reqs or ():
         row = r.kv.req_pool_idx
         if row is not None:
             State.row_rid[int(row)] = r.rid
+            if tier1 is not None:
+                tier1.bind_row(int(row), r.rid)
 
 
 def pool_alloc_hook(name: str):
@@ -93,6 +98,9 @@ def _pool_free_post(token, result, self, *args, **kwargs):
     row, rid = token
     if row is not None and State.row_rid.get(int(row)) == rid:
         del State.row_rid[int(row)]
+        tier1 = rt.probes().tier1
+        if tier1 is not None:
+            tier1.unbind_row(int(row))
 
 
 def pool_free_hook(name: str):
@@ -179,23 +187,29 @@ def _token_per_req(args, kwargs) -> int:
 def _decode_pre(batch, *args, **kwargs):
     if getattr(getattr(batch, "model_config", None), "is_encoder_decoder", False):
         return None  # positions are offset by encoder_lens; not modelled
-    return [int(x) for x in rt.to_list(batch.seq_lens_cpu)]
+    # a copy: the scheduler advances seq_lens after the call
+    return rt.host_int64(batch.seq_lens_cpu, copy=True)
 
 
 def _decode_post(old_lens, result, batch, *args, **kwargs):
     if old_lens is None or not State.hello_done or result is None:
         return
     tpr = _token_per_req(args, kwargs)
-    out = result.reshape(-1).to("cpu")
-    if out.numel() != tpr * len(batch.reqs):
+    n = len(batch.reqs)
+    if result.numel() != tpr * n or len(old_lens) < n:
         return
+    old_lens = old_lens[:n]
+    # one token per request: only requests whose token starts a page get a new row page
+    # (the others' token lands in their current last page, already assigned)
+    starts = np.flatnonzero(old_lens % State.page_size == 0) if tpr == 1 else np.arange(n)
+    if len(starts) == 0:
+        return
+    out = rt.host_int64(result)  # only on page-start steps (a device read on a GPU)
     p = rt.probes()
-    ps = State.page_size
-    for i, r in enumerate(batch.reqs):
-        s = old_lens[i]
-        if tpr == 1 and s % ps:
-            continue  # the token lands in the request's current last page, already assigned
-        p.rows_assigned(r.rid, s, s + tpr, s, out[i * tpr : (i + 1) * tpr])
+    reqs = batch.reqs
+    for i in starts.tolist():
+        s = int(old_lens[i])
+        p.rows_assigned(reqs[i].rid, s, s + tpr, s, out[i * tpr : (i + 1) * tpr])
 
 
 def alloc_for_decode_hook(name: str):
@@ -203,6 +217,25 @@ def alloc_for_decode_hook(name: str):
 
 
 # --------------------------------------------------------------------------- forward
+def _row_page_starts(req_to_token, rows, seq_lens: np.ndarray, ps: int):
+    """(flat page ids, pages per request): each row's slots at positions 0, ps, 2*ps, ...
+    below its seq_len, requests back to back; one strided gather, one mask."""
+    import torch
+
+    counts = -(-seq_lens // ps)
+    width = int(counts.max()) if len(counts) else 0
+    if width <= 0:
+        return np.zeros(0, np.int64), counts
+    idx = rows if isinstance(rows, torch.Tensor) else torch.as_tensor(rows, dtype=torch.int64)
+    block = req_to_token[idx.to(req_to_token.device).long(), : width * ps : ps].cpu().numpy()
+    counts = np.minimum(counts, block.shape[1])
+    # slot -> page in the tensor's own dtype (int32 in SGLang): a shift when ps is a power of two
+    block = block >> (ps.bit_length() - 1) if ps & (ps - 1) == 0 else block // ps
+    if (counts == block.shape[1]).all():
+        return block.reshape(-1), counts
+    return block[np.arange(block.shape[1])[None, :] < counts[:, None]], counts
+
+
 def _forward_pre(self, *args, **kwargs):
     if not State.hello_done or getattr(self, "is_draft_worker", False):
         return
@@ -213,27 +246,27 @@ def _forward_pre(self, *args, **kwargs):
     rids = fb.rids
     if not rids:
         return
-    import torch
-
     n = len(rids)
-    seq_src = fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens
-    seq_lens = [int(x) for x in rt.to_list(seq_src)[:n]]
-    out = fb.out_cache_loc.reshape(-1).to("cpu")
+    p = rt.probes()
+    seq_lens = rt.host_int64(fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens)[:n]
+    out = rt.host_int64(fb.out_cache_loc)
     if mode.is_extend() and fb.extend_seq_lens_cpu is not None:
-        counts = [int(x) for x in list(fb.extend_seq_lens_cpu)[:n]]
+        counts = rt.host_int64(fb.extend_seq_lens_cpu)[:n]
     else:
-        counts = [out.numel() // n] * n
-    if sum(counts) != out.numel():  # padded / speculative layouts we do not model: report no writes
-        out, counts = out[:0], [0] * n
-    read_rows = None
+        counts = np.full(n, len(out) // n, np.int64)
+    if int(counts.sum()) != len(out):  # padded / speculative layouts we do not model: report no writes
+        out, counts = out[:0], np.zeros(n, np.int64)
+    req_to_token = self.req_to_token_pool.req_to_token
+    if p.tier1 is not None:  # the engine's own read check, on the engine's device (engine_hooks/tier1.py)
+        p.tier1.check(req_to_token, fb.req_pool_indices, fb.seq_lens, rids,
+                      max_seq_len=int(seq_lens.max()) if n else 0)
+    read_pages = read_counts = None
     every = State.row_sample_every
     _forward_count[0] += 1
     if every and _forward_count[0] % every == 0:
-        ps = State.page_size
-        rows = [int(x) for x in rt.to_list(fb.req_pool_indices)[:n]]
-        block = _rows_block(self.req_to_token_pool.req_to_token, rows, max(seq_lens) if seq_lens else 0, ps)
-        read_rows = [block[i, : -(-seq_lens[i] // ps)] for i in range(n)]
-    rt.probes().forward(list(rids), seq_lens, out, read_rows, written_counts=counts, rows_are_page_starts=True)
+        read_pages, read_counts = _row_page_starts(req_to_token, fb.req_pool_indices[:n], seq_lens,
+                                                   State.page_size)
+    p.forward(rids, seq_lens, out, written_counts=counts, read_pages=read_pages, read_counts=read_counts)
 
 
 def forward_hook(name: str):
