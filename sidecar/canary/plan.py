@@ -97,8 +97,10 @@ def build_plan(s: Sizing, budget_left: int, per_request: int) -> Plan:
 
     over_pool: list[int] = []
     if s.pool_in and s.context_len and s.pool_in < s.context_len:
-        # NOTE: in a pair, decode must be able to reserve the prompt, or it waits instead of reading.
-        upper = min(s.context_len, int(pool_decode * 0.95), s.max_prompt_tokens)
+        # NOTE: in a pair, decode must be able to reserve the prompt (its pool is the larger one), or it
+        # waits instead of reading; a unified server has one pool, the one being exceeded.
+        decode_cap = int(pool_decode * 0.95) if pool_decode > s.pool_in else s.context_len
+        upper = min(s.context_len, decode_cap, s.max_prompt_tokens)
         if upper > s.pool_in + 1:
             step = (upper - s.pool_in) / (OVER_POOL_LENGTHS + 1)
             over_pool = sorted({int(s.pool_in + step * (k + 1)) for k in range(OVER_POOL_LENGTHS)})
