@@ -293,7 +293,7 @@ class Pipeline:
             self._publish_receiver(state)
             until = ts_ns + self.ledger.orphan_timeout_ns + 2 * self.shared_grace_ns
             self.shared_ledger.watch(x.room, x.req_key, "sender", until)
-        if self.ledger.orphan_now(state, ts_ns):  # prefill had already rejected the prompt
+        if self.ledger.orphan_now(state, ts_ns):  # prefill had already rejected the prompt and ended
             return self._orphan(state, ts_ns)
         return []
 
@@ -316,8 +316,9 @@ class Pipeline:
             return []  # the receiver is in another pod: its sidecar owns the finding
         return self._emit(self.checksum_detector.observe(t, self.engine_ref(t), state, verdict, ts_ns))
 
-    def _sender_gave_up(self, req_key: int, room: int, reason: str, ts_ns: int, local: bool = True) -> list[Finding]:
-        orphan = self.ledger.on_sender_gave_up(req_key, room, reason, ts_ns)
+    def _sender_gave_up(self, req_key: int, room: int, reason: str, ts_ns: int, local: bool = True,
+                        ended: bool = False) -> list[Finding]:
+        orphan = self.ledger.on_sender_gave_up(req_key, room, reason, ts_ns, ended=ended)
         if local:
             self._publish_sender(self.ledger.find(room, req_key))
         return [] if orphan is None else self._orphan(orphan, ts_ns)
@@ -330,7 +331,7 @@ class Pipeline:
         role = self._role(t)
         if role == wire.Role.PREFILL and end.finish in (wire.Finish.ABORT, wire.Finish.REJECT):
             return self._sender_gave_up(end.req_key, info.room,
-                                        "reject" if end.finish == wire.Finish.REJECT else "abort", ts_ns)
+                                        "reject" if end.finish == wire.Finish.REJECT else "abort", ts_ns, ended=True)
         if role == wire.Role.DECODE:
             self.ledger.on_receiver_end(end.req_key, info.room)
         return []
@@ -349,6 +350,7 @@ class Pipeline:
         chunks = [[c.token_start, c.token_end, int(c.is_last), c.num_pages] for c in state.chunks]
         self.shared_ledger.publish("sender", state.room, state.req_key, {
             "began": state.sender_began, "warmup": state.warmup, "gave_up": state.sender_gave_up,
+            "ended": state.sender_ended,
             "chunks": chunks, "digests": state.sender_digest.to_json()})
 
     def _publish_receiver(self, state: RoomState | None) -> None:
@@ -402,8 +404,9 @@ class Pipeline:
                 x = wire.XferDigest(req_key, room, wire.Side.SENDER, alg, digest, t0, t1, layers, h0, hn, total)
                 found += self._judge_digests(self.ledger.on_digest(REMOTE_ENGINE, x), now_ns)
             if fact["gave_up"]:
-                found += self._sender_gave_up(req_key, room, fact["gave_up"], now_ns, local=False)
-        settled = state.compared or state.orphan_reported or bool(state.sender_gave_up)
+                found += self._sender_gave_up(req_key, room, fact["gave_up"], now_ns, local=False,
+                                              ended=fact["ended"])
+        settled = state.compared or state.orphan_reported or state.sender_ended
         if settled or (state.done_status and state.sent_last and not state.receiver_digest.by_alg
                        and self.ledger.pending.get(room) is not state):
             self.shared_ledger.unwatch(room, req_key, "sender")

@@ -177,7 +177,8 @@ def test_decode_holding_pages_for_a_prompt_prefill_rejected_is_an_orphan_at_once
     sidecar.stop()
 
 
-def test_a_reject_seen_before_decode_reserves_is_reported_when_it_does(tmp_path):
+def test_a_reject_seen_before_decode_reserves_is_reported_once_nothing_was_sent(tmp_path):
+    """Without prefill's REQ_END, a rejected sender gets a grace period: it may still send."""
     prefill, decode = engines(tmp_path)
     prefill.request_begin("r-long", "initech", 201, 16, 0, False)
     prefill.rejected("r-long", "admission", "too long")
@@ -185,7 +186,24 @@ def test_a_reject_seen_before_decode_reserves_is_reported_when_it_does(tmp_path)
     decode.pages_allocated(slots([1, 2, 3, 4]))
     decode.transfer_reserved("r-long", 201, 16, slots([1, 2, 3, 4]))
     sidecar, sink = run(tmp_path)
+    assert sink.findings == []
+    sidecar.pipeline.tick(time.monotonic_ns() + 6 * 10**9)
     assert kinds(sink) == ["orphan_transfer"]
+    sidecar.stop()
+
+
+def test_sglang_0_5_19_rejects_and_still_sends_a_placeholder_no_orphan_but_the_short_send(tmp_path):
+    """The incident's order: REJECT, then the 1-token placeholder is prefilled and sent."""
+    prefill, decode = engines(tmp_path)
+    begin(prefill, decode, "r-long", 201, 16, [1, 2, 3, 4], tenant="initech")
+    prefill.rejected("r-long", "admission", "too long")
+    prefill.transfer_sent("r-long", 201, 0, 1, [50], True)
+    prefill.transfer_done("r-long", 201, "sender", "success")
+    prefill.request_end("r-long", "reject", 0, 0, 0, "too long")
+    decode.transfer_done("r-long", 201, "receiver", "success")
+    sidecar, sink = run(tmp_path)
+    sidecar.pipeline.tick(time.monotonic_ns() + 200 * 10**9)
+    assert kinds(sink) == ["transfer_size_mismatch"]
     sidecar.stop()
 
 

@@ -18,7 +18,8 @@ checks those pages' owners at that moment. A sender digest that trails the
 receiver's completion is still compared there.
 
 Orphans: a receiver that reserved pages and still holds them while the sender gave up
-(REJECT: at once; abort: after ``orphan_timeout_ns``) or never showed up at all
+(rejected: when its request ended, or ``REJECT_GRACE_NS`` after the REJECT with no
+chunk; aborted: after ``orphan_timeout_ns``) or never showed up at all
 (no REQ_BEGIN or chunk for the room within ``orphan_timeout_ns``). Timeouts run on
 this sidecar's clock: the receiver's records come from an engine on this host, and
 facts from another pod (sidecar/ledger/shared.py) carry no time that is ever compared.
@@ -30,7 +31,8 @@ written and the transfer is counted as unverified, never alarmed.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +42,9 @@ from engine_hooks import wire
 from .digests import DigestSum, DigestVerdict, Partial
 
 REMOTE_ENGINE = -1  # engine id under which facts from another pod's sidecar are applied
+# a rejected sender may still send (SGLang 0.5.19 sends a 1-token placeholder for the prompt it
+# rejected): without its REQ_END, it has this long to do so before the receiver is an orphan
+REJECT_GRACE_NS = 5_000_000_000
 
 
 @dataclass(slots=True)
@@ -58,8 +63,9 @@ class RoomState:
     chunks: list[SentChunk] = field(default_factory=list)
     sender_engine: int | None = None
     sender_began: bool = False  # the sender's engine began the request (REQ_BEGIN with this room)
-    sender_gave_up: str = ""  # "reject" / "abort": the sender ended without its last chunk
+    sender_gave_up: str = ""  # "reject" / "abort": the sender refused or dropped the request before its last chunk
     sender_gave_up_ns: int = 0
+    sender_ended: bool = False  # ... and its request has ended (nothing can be sent any more)
     warmup: bool = False
     reserved_tokens: int = 0
     reserved_pages: np.ndarray | None = None
@@ -121,7 +127,8 @@ class TransferLedger:
         # the shared ledger is unreachable: no verdict that needs the other pod's facts is made meanwhile
         self.paused = False
         self.max_hold_ns = 10 * grace_ns  # pending rooms kept past their deadline while paused, at most
-        self._orphan_checks: deque[tuple[int, int]] = deque()  # (deadline, room), roughly in time order
+        self._orphan_checks: list[tuple[int, int, int]] = []  # heap of (deadline, seq, room)
+        self._check_seq = 0
         self.paired = 0
         self.unverified = 0
         self.rooms_reused = 0
@@ -196,19 +203,33 @@ class TransferLedger:
         _add_chunk(state, chunk)
         return None
 
-    def on_sender_gave_up(self, req_key: int, room: int, reason: str, ts_ns: int) -> RoomState | None:
-        """The sending request ended without its last chunk (rejected or aborted). Returns the room
-        when its receiver holds pages that nothing will fill: an orphan to report now (reject)."""
+    def _check_at(self, deadline_ns: int, room: int) -> None:
+        self._check_seq += 1
+        heapq.heappush(self._orphan_checks, (deadline_ns, self._check_seq, room))
+        if len(self._orphan_checks) > 4 * self.max_rooms:  # stale entries of long-gone rooms: drop the oldest
+            self._orphan_checks = heapq.nsmallest(2 * self.max_rooms, self._orphan_checks)
+            heapq.heapify(self._orphan_checks)
+
+    def on_sender_gave_up(self, req_key: int, room: int, reason: str, ts_ns: int,
+                          ended: bool = False) -> RoomState | None:
+        """The sending request was rejected or aborted (``ended``: and has ended) before its last
+        chunk. Returns the room when its receiver holds pages that nothing will fill now.
+
+        A REJECT alone is not the end: SGLang 0.5.19 rejects an over-long prompt and still sends a
+        1-token placeholder (the incident), so a rejected sender gets ``REJECT_GRACE_NS`` to send;
+        its REQ_END without a last chunk settles it at once. An abort usually reaches the receiver
+        too: the receiver gets the orphan timeout to end."""
         state = self.find(room, req_key)
         if state is None:
             state = self._room(room, req_key)
-        if state.sent_last or state.sender_gave_up:
+        if state.sent_last:
             return None
         state.sender_began = True
-        state.sender_gave_up, state.sender_gave_up_ns = reason, ts_ns
-        if reason != "reject":  # an abort usually reaches the receiver too: give it the timeout to end
-            self._orphan_checks.append((ts_ns + self.orphan_timeout_ns, room))
-            return None
+        if not state.sender_gave_up or (reason == "reject" and state.sender_gave_up != "reject"):
+            state.sender_gave_up, state.sender_gave_up_ns = reason, ts_ns
+        state.sender_ended = state.sender_ended or ended
+        wait = REJECT_GRACE_NS if state.sender_gave_up == "reject" else self.orphan_timeout_ns
+        self._check_at(state.sender_gave_up_ns + wait, room)
         return state if self._orphaned(state, ts_ns) else None
 
     def on_sender_done(self, req_key: int, room: int) -> None:
@@ -227,12 +248,14 @@ class TransferLedger:
             state.done_status, state.compared, state.orphan_reported = 0, False, False
         state.receiver_engine, state.receiver_key = engine_id, x.req_key
         state.reserved_tokens, state.reserved_pages, state.reserve_ns = x.tokens, x.pages, ts_ns
-        self._orphan_checks.append((ts_ns + self.orphan_timeout_ns, x.room))
+        self._check_at(ts_ns + self.orphan_timeout_ns, x.room)
+        if state.sender_gave_up == "reject":
+            self._check_at(state.sender_gave_up_ns + REJECT_GRACE_NS, x.room)
         return state
 
     def orphan_now(self, state: RoomState, ts_ns: int) -> bool:
-        """Whether a room is an orphan to report right now (a reservation after its prompt was rejected)."""
-        return state.sender_gave_up == "reject" and self._orphaned(state, ts_ns)
+        """Whether a room is an orphan to report right now (a reservation after its sender gave up)."""
+        return bool(state.sender_gave_up) and self._orphaned(state, ts_ns)
 
     def on_receiver_end(self, req_key: int, room: int) -> None:
         """The receiving request ended (aborted, rejected) without a transfer result: nothing is held."""
@@ -318,7 +341,7 @@ class TransferLedger:
         while self._orphan_checks and self._orphan_checks[0][0] <= now_ns:
             if self.paused and self.shared:
                 break  # the other pod's facts may be stuck in the unreachable ledger: judge later
-            _deadline, room = self._orphan_checks.popleft()
+            _deadline, _seq, room = heapq.heappop(self._orphan_checks)
             state = self.rooms.get(room)
             if state is not None and self._orphaned(state, now_ns):
                 out.append(state)
@@ -328,7 +351,7 @@ class TransferLedger:
         if state.orphan_reported or state.warmup or not state.receiver_open or state.sent_last:
             return False
         if state.sender_gave_up == "reject":
-            hit = True
+            hit = state.sender_ended or now_ns - state.sender_gave_up_ns >= REJECT_GRACE_NS
         elif state.sender_gave_up:
             hit = now_ns - max(state.sender_gave_up_ns, state.reserve_ns) >= self.orphan_timeout_ns
         else:

@@ -91,7 +91,7 @@ def valid_fact(fact, side: str, room: int, req_key: int) -> bool:
             isinstance(c, list) and len(c) == 4 and all(type(v) is int and 0 <= v <= MAX_U64 for v in c)
             and c[0] <= c[1] for c in chunks)
         return (ok_chunks and isinstance(fact.get("began"), bool) and isinstance(fact.get("warmup"), bool)
-                and fact.get("gave_up") in ("", "reject", "abort"))
+                and isinstance(fact.get("ended"), bool) and fact.get("gave_up") in ("", "reject", "abort"))
     return type(fact.get("reserved_tokens")) is int and type(fact.get("status")) is int
 
 
