@@ -96,6 +96,7 @@ class KVGuardCollector(Collector):
             apply_errors.add_metric([], pipeline.apply_errors)
             yield apply_errors
             yield from ledger_metrics(pipeline.ledger, getattr(svc, "shared_ledger", None))
+            yield from sink_metrics(pipeline.sinks)
 
 
 def ledger_metrics(ledger, shared):
@@ -119,3 +120,28 @@ def ledger_metrics(ledger, shared):
                          ("bad_fact", "bad_facts")):
         errors.add_metric([reason], getattr(shared, attr) if shared is not None else 0)
     yield errors
+
+
+def sink_metrics(sinks):
+    """Alert delivery (sidecar/sinks/delivery.py): only queued sinks (PagerDuty, Alertmanager)
+    have results; the log and JSON-lines sinks write synchronously and cannot fail quietly."""
+    queued = [s for s in sinks if hasattr(s, "results")]
+    if not queued:  # no alert sink configured: nothing to label these with
+        return
+    events = CounterMetricFamily("kvguard_sink_events", "Alert events by sink, action and result",
+                                 labels=["sink", "action", "result"])
+    retries = CounterMetricFamily("kvguard_sink_retries", "Delivery attempts retried (429, 5xx, timeout, "
+                                  "refused connection)", labels=["sink"])
+    depth = GaugeMetricFamily("kvguard_sink_queue_depth", "Alert events waiting or in delivery", labels=["sink"])
+    capacity = GaugeMetricFamily("kvguard_sink_queue_capacity", "Size of the delivery queue (full: events dropped)",
+                                 labels=["sink"])
+    last = GaugeMetricFamily("kvguard_sink_last_success_timestamp_seconds",
+                             "Unix time of the last delivered event (0: none yet)", labels=["sink"])
+    for sink in queued:
+        for (action, result), n in sorted(sink.results.items()):
+            events.add_metric([sink.name, action, result], n)
+        retries.add_metric([sink.name], sink.counts["retries"])
+        depth.add_metric([sink.name], sink.queue_depth())
+        capacity.add_metric([sink.name], sink.max_queue)
+        last.add_metric([sink.name], sink.last_success_s)
+    yield from (events, retries, depth, capacity, last)

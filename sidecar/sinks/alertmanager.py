@@ -67,5 +67,5 @@ class AlertmanagerTransport:
             raise PermanentError(f"HTTP {resp.status_code}: {resp.text[:200]}")
 
 
-def alertmanager_sink(url: str, **kwargs) -> QueuedSink:
-    return QueuedSink(AlertmanagerTransport(url), "alertmanager", **kwargs)
+def alertmanager_sink(url: str, timeout_s: float = 10.0, **kwargs) -> QueuedSink:
+    return QueuedSink(AlertmanagerTransport(url, timeout_s=timeout_s), "alertmanager", **kwargs)

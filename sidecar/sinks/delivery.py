@@ -5,6 +5,12 @@ raise). A full queue drops the item and counts it. The worker retries what the
 transport says is retryable, with exponential backoff and a deadline, and gives up
 on the rest at once (counted, logged with the reason). Mirrors OpenTelemetry's
 BatchSpanProcessor: the exporter may be slow, the caller must not be.
+
+Every item ends in exactly one result, counted per (action, result) for
+``kvguard_sink_events_total`` (docs/metrics.md): ``delivered``; ``rejected`` (a
+permanent error: the receiver refused it, retrying cannot help); ``gave_up`` (still
+failing when the retry deadline passed); ``dropped`` (the queue was full). Retries,
+the queue depth and the time of the last delivery are exported too.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
+
+ACTIONS = ("trigger", "resolve")
+RESULTS = ("delivered", "rejected", "gave_up", "dropped")
 
 log = logging.getLogger("kvguard.sinks")
 
@@ -51,6 +60,10 @@ class QueuedSink:
         self.retry = retry or RetryPolicy()
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self.counts: Counter = Counter()  # delivered, dropped_queue_full, failed_permanent, failed_retries, retries
+        # (action, result) -> items; every pair present from the start, so the counters export 0
+        self.results: Counter = Counter({(a, r): 0 for a in ACTIONS for r in RESULTS})
+        self.last_success_s = 0.0  # wall-clock time of the last delivery; 0 before the first
+        self.max_queue = max_queue
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvguard-sink-{name}", daemon=True)
         self._thread.start()
@@ -67,6 +80,7 @@ class QueuedSink:
             self._queue.put_nowait(item)
         except queue.Full:
             self.counts["dropped_queue_full"] += 1
+            self.results[(item[0], "dropped")] += 1
             log.error("%s: delivery queue full, dropped a %s", self.name, item[0])
 
     def _run(self) -> None:
@@ -86,20 +100,28 @@ class QueuedSink:
             try:
                 self.transport.deliver(action, item)
                 self.counts["delivered"] += 1
+                self.results[(action, "delivered")] += 1
+                self.last_success_s = time.time()
                 return
             except PermanentError as exc:
                 self.counts["failed_permanent"] += 1
+                self.results[(action, "rejected")] += 1
                 log.error("%s: %s not delivered, not retrying: %s", self.name, action, exc)
                 return
             except RetryableError as exc:
                 delay = next(delays, None)
                 if delay is None or self._stop.is_set() and self._queue.qsize() > 0:
                     self.counts["failed_retries"] += 1
+                    self.results[(action, "gave_up")] += 1
                     log.error("%s: %s not delivered after retries: %s", self.name, action, exc)
                     return
                 self.counts["retries"] += 1
                 log.warning("%s: %s delivery failed (%s); retrying in %.1f s", self.name, action, exc, delay)
                 time.sleep(delay)
+
+    def queue_depth(self) -> int:
+        """Items waiting, plus the one being delivered (retries included)."""
+        return self._queue.unfinished_tasks
 
     def force_flush(self, timeout_s: float = 10.0) -> bool:
         deadline = time.monotonic() + timeout_s

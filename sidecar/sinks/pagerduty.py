@@ -102,5 +102,5 @@ class PagerDutyTransport:
             raise PermanentError(f"HTTP {resp.status_code}: {resp.text[:200]}")
 
 
-def pagerduty_sink(routing_key: str, url: str = DEFAULT_URL, **kwargs) -> QueuedSink:
-    return QueuedSink(PagerDutyTransport(routing_key, url), "pagerduty", **kwargs)
+def pagerduty_sink(routing_key: str, url: str = DEFAULT_URL, timeout_s: float = 10.0, **kwargs) -> QueuedSink:
+    return QueuedSink(PagerDutyTransport(routing_key, url, timeout_s=timeout_s), "pagerduty", **kwargs)
