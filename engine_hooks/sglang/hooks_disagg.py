@@ -308,6 +308,13 @@ def _sender_chunk(sched, req, start: int, end: int, slots, last_chunk: bool) -> 
             return
         st = _Sender(dg.StreamingDigest(s.view, s.head_start, s.alg), start, s)
         Digests.senders[rid] = st
+    if st.setup.alg == dg.DEVICE_REDUCED:
+        # 0.5.23 early send of cached prefix pages under the overlap scheduler: the previous
+        # step's forward may still be writing them on the forward stream; SGLang records an
+        # event for its transfer worker, and our device reads wait on the same event.
+        ev = getattr(getattr(req, "disagg_kv_sender", None), "_early_send_wait_event", None)
+        if ev is not None and hasattr(ev, "wait"):
+            ev.wait()
     st.stream.update(slots)
     st.token_end = end
     if last_chunk:
