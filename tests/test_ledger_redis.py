@@ -50,7 +50,7 @@ class RedisServer:
     def start(self) -> "RedisServer":
         self.proc = subprocess.Popen(
             [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.workdir],
+             "--dir", self.workdir, "--enable-debug-command", "local"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         import redis
 
@@ -311,6 +311,30 @@ def test_redis_down_degrades_without_blocking_and_pairing_resumes_when_it_return
     assert p.kinds("decode") == ["ledger_degraded", "transfer_size_mismatch", "unwritten_read"]
     assert not decode.shared_ledger.degraded and decode.shared_ledger.recoveries >= 1
     assert p.kinds("prefill").count("ledger_degraded") <= 1 and "transfer_size_mismatch" not in p.kinds("prefill")
+
+
+def test_a_slow_redis_degrades_pairing_and_ingest_goes_on(pods, redis_server):
+    """Redis stalls for 3 s (DEBUG SLEEP) -- longer than the 0.5 s socket timeout: the ledger thread
+    times out and reports degraded, while the ingest cycle keeps applying records meanwhile."""
+    import threading
+
+    p = pods()
+    p.begin("r-1", 11, 8, [1, 2])
+    assert p.settle(lambda: p.sidecars["decode"].shared_ledger.published >= 1)
+    import redis
+
+    stall = threading.Thread(target=lambda: redis.Redis(port=redis_server.port).execute_command("DEBUG", "SLEEP", "3"))
+    stall.start()
+    decode = p.sidecars["decode"]
+    allocs = decode.pipeline.records_by_kind["ALLOC"]
+    p.decode.pages_allocated(slots([7]))
+    assert p.settle(lambda: decode.shared_ledger.degraded, limit_s=10)
+    assert decode.pipeline.records_by_kind["ALLOC"] == allocs + 1  # applied while Redis stalled
+    stall.join()
+    p.send("r-1", 11, 8)
+    p.receive("r-1", 11, 8, [1, 2])
+    assert p.settle(lambda: p.ledger("decode").digests_compared == 1 and not decode.shared_ledger.degraded)
+    assert p.kinds("decode") == ["ledger_degraded"]
 
 
 def test_bad_ledger_settings_fail_at_start_naming_the_setting(tmp_path):
