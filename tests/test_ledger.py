@@ -306,3 +306,25 @@ def test_a_reused_room_still_catches_a_short_send(tmp_path):
     assert kinds(sink) == ["transfer_size_mismatch", "unwritten_read"]
     assert {f.reader.rid for f in sink.findings} == {"r-2"}
     sidecar.stop()
+
+
+# ---------------------------------------------------------------------------------- digest sums
+def test_an_end_is_complete_only_when_its_ranks_tile_every_head_exactly():
+    from sidecar.ledger.digests import DigestSum, Partial
+
+    def part(count, digest, total=8):
+        return Partial(count, digest, 0, 8, 2, total)
+
+    tp2 = DigestSum()
+    tp2.add(1, 0, part(4, HALF_A))
+    assert not tp2.complete(1)  # half the heads
+    tp2.add(1, 4, part(4, HALF_B))
+    assert tp2.complete(1) and tp2.value(1) == WHOLE
+    overlap = DigestSum()
+    overlap.add(1, 0, part(4, 1))
+    overlap.add(1, 2, part(6, 2))  # two splits mixed (a rank restarted with another TP size)
+    assert not overlap.complete(1)
+    totals = DigestSum()
+    totals.add(1, 0, part(4, 1, total=8))
+    totals.add(1, 4, part(4, 2, total=16))
+    assert not totals.complete(1) and not DigestSum().complete(1)
