@@ -98,5 +98,8 @@ class Sidecar:
         ok = self._thread is not None and self._thread.is_alive() and age_s is not None and age_s < 5
         with self.lock:
             detail = {"ingest_alive": ok, "last_poll_age_s": age_s, "rings_attached": len(self.rings.readers),
-                      "records_lost": self.rings.stats.records_lost, "ring_errors": self.rings.stats.ring_errors}
+                      "records_lost": self.rings.stats.records_lost, "ring_errors": self.rings.stats.ring_errors,
+                      # pairing across pods may be degraded; the sidecar itself is healthy (no restart helps)
+                      "ledger": "memory" if self.shared_ledger is None else
+                      ("degraded" if self.shared_ledger.degraded else "shared")}
         return ok, detail
