@@ -320,6 +320,8 @@ class Tier1:
         if n == 0:
             return 0
         self.checks += 1
+        if self.checks == 1:
+            log.info("kvguard tier1: first check ran on %s (%d requests)", device, n)
         ps = self.page_size
         if max_seq_len is None:
             max_seq_len = int(seq_lens[:n].max())

@@ -21,6 +21,7 @@ from .detectors.isolation import TenantIsolationDetector
 from .detectors.lifetime import DoubleFreeDetector, WriteDetector
 from .detectors.reads import ReadDetector
 from .detectors.transfers import ChecksumDetector, OrphanDetector, TransferSizeDetector, ledger_degraded_finding
+from .detectors.tier1 import tier1_findings
 from .detectors.ttft import TTFTDetector
 from .findings import WARNING, EngineRef, Finding
 from .history import Event, History
@@ -205,6 +206,8 @@ class Pipeline:
                 self.ledger.on_sender_done(body.req_key, body.room)
         elif kind == wire.Kind.LOST:
             return self._on_lost(t, rec)
+        elif kind == wire.Kind.TIER1_VIOLATION:  # the engine's own read check (sidecar/detectors/tier1.py)
+            return self._emit(tier1_findings(t, self.engine_ref(t), body, ts))
         return []
 
     def _on_forward(self, t: EngineTracker, f: wire.Forward, ts_ns: int) -> list[Finding]:

@@ -367,3 +367,39 @@ def test_real_sglang_objects_clean_steps_a_corrupt_row_and_bad_input(require_sgl
     b = r["bad_input"]
     assert b["enabled"] is False and b["errors"] == 1 and b["forward_result"] == "ran"
     assert b["disabled_hooks"] == [] and b["probe_errors"] == 0
+
+
+# --------------------------------------------------------------------------- the sidecar's side
+def test_the_sidecar_raises_the_engines_tier1_record_as_a_finding(tmp_path, monkeypatch):
+    from sidecar.service import Sidecar
+    from sidecar.sinks.basic import MemorySink
+
+    p = _probes(tmp_path, monkeypatch)
+    p.request_begin("reader", "initech", None, 8, 0, False)
+    p.request_begin("owner", "globex", None, 8, 0, False)
+    p.request_begin("warm", "", None, 8, 0, True)
+    req_to_token = torch.zeros((ROWS, CTX), dtype=torch.int32)
+    for row, rid, first in ((1, "reader", 1), (2, "owner", 3), (3, "warm", 5)):
+        req_to_token[row, :8] = torch.arange(first * PS, first * PS + 8, dtype=torch.int32)
+        p.pages_allocated(req_to_token[row, :8:PS])
+        p.tier1.bind_row(row, rid)
+        p.rows_assigned(rid, 0, 8, 0, req_to_token[row, :8])
+    req_to_token[1, 4:8] = req_to_token[2, 4:8]  # reader -> owner's page 4
+    req_to_token[3, 4:8] = req_to_token[2, 4:8]  # a warmup request reading it is never alarmed
+    p.pages_freed(torch.tensor([2 * PS]))  # reader's own page 2 is freed (and no longer in its row)
+    req_to_token[1, 0:4] = 2 * PS  # ... but its row page 0 now names it: a use after free
+    assert p.tier1.check(req_to_token, torch.tensor([1, 3]), torch.tensor([8, 8]), ["reader", "warm"]) == 3
+    sink = MemorySink()
+    sidecar = Sidecar(str(tmp_path), sinks=[sink], slack_ns=0)
+    try:
+        sidecar.run_once(flush=True)
+    finally:
+        sidecar.stop()
+    by_kind = {f.kind: f for f in sink.findings}
+    assert sorted(by_kind) == ["foreign_read", "use_after_free"], [f.to_dict() for f in sink.findings]
+    f = by_kind["foreign_read"]
+    assert (f.reader.rid, f.reader.tenant, f.pages, f.severity) == ("reader", "initech", [4], "critical")
+    assert [(x.rid, x.tenant, x.pages) for x in f.exposed] == [("owner", "globex", [4])]
+    assert f.evidence["source"] == "engine_tier1" and f.evidence["row_page_indices"] == [1]
+    u = by_kind["use_after_free"]
+    assert (u.reader.rid, u.pages, u.evidence["row_page_indices"]) == ("reader", [2], [0])
