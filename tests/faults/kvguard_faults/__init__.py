@@ -30,7 +30,7 @@ log = logging.getLogger("kvguard.faults")
 FAULT_ENV = "KVGUARD_FAULT"
 DIR_ENV = "KVGUARD_FAULT_DIR"
 
-# unified engine (one process): faults 1-4 of the issue; PD prefill: fault 5
+# unified engine (one process): faults 1-4 of the issue; PD prefill: fault 5; PD decode: flip_received_page
 FAULTS = (
     "use_after_free",
     "double_free",
@@ -39,6 +39,7 @@ FAULTS = (
     "late_write_pool",
     "send_truncated",
     "sender_truncated",
+    "flip_received_page",
 )
 
 

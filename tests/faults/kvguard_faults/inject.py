@@ -19,6 +19,11 @@ PD prefill engine:
     sends the first page only, through the scheduler (``start_send_idx`` = 1 page).
   * ``MooncakeKVSender.send`` (around): ``sender_truncated`` drops all but the first
     page inside the sender, below the scheduler (which believes it sent everything).
+PD decode engine:
+  * ``DecodeTransferQueue._commit_transfer_to_req`` (before): ``flip_received_page``
+    flips one byte in one page the request received. It runs inside
+    ``pop_transferred`` for a request whose transfer polled Success, so always after
+    the KV arrived and before kvguard's ``pop_transferred`` hook hashes it.
 
 Every injection is logged and appended to ``<KVGUARD_FAULT_DIR>/events.jsonl``.
 A failure inside an injector is reported as an ``error`` event and never propagates
@@ -44,9 +49,12 @@ PROCESS_BATCH_RESULT = S + "managers.scheduler.Scheduler.process_batch_result"
 NUM_PAGES_TO_SEND = S + "disaggregation.prefill.PrefillBootstrapQueue._num_pages_to_send"
 SEND_KV_CHUNK_INNER = S + "disaggregation.prefill.SchedulerDisaggregationPrefillMixin._send_kv_chunk"
 MOONCAKE_SEND = S + "disaggregation.mooncake.conn.MooncakeKVSender.send"
+COMMIT_TRANSFER = S + "disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req"
 
 UNIFIED_FAULTS = ("use_after_free", "double_free", "row_corruption", "late_write_forward", "late_write_pool")
 PD_FAULTS = ("send_truncated", "sender_truncated")
+DECODE_FAULTS = ("flip_received_page",)
+FLIP_ROW_PAGE = 1  # the request's row page whose first slot gets the flipped byte (page 0 if shorter)
 
 UAF_FREE_LIST_DEPTH = 20  # freed pages are moved this deep into the free list (see _uaf_free)
 HOLD_STEP_S = 0.05  # scheduler slow-down per step while a fault waits for its next request
@@ -494,6 +502,33 @@ class Driver:
         return original(sender, kv_indices, state_indices, num_kv_tokens=num_kv_tokens, indices_event=indices_event)
 
 
+    # ------------------------------------------------------------------ PD decode
+    def flip_received_page(self, queue, decode_req) -> None:
+        """XOR one byte (K, layer 0, head 0, the low byte of its first element) of the
+        first slot of row page FLIP_ROW_PAGE: a torn or late write into a received page."""
+        req = decode_req.req
+        fault, _role = fault_and_role(getattr(req, "rid", None))
+        if fault != "flip_received_page" or fault not in self.faults or (fault, req.rid) in self.done:
+            return
+        self.done.add((fault, req.rid))
+        torch = _torch()
+        sched = queue.scheduler
+        ps = page_size(sched)
+        n = len(req.origin_input_ids)
+        index = FLIP_ROW_PAGE if n > FLIP_ROW_PAGE * ps else 0
+        position = index * ps
+        slot = row_slots(sched, req, n)[position]
+        pool = sched.token_to_kv_pool_allocator.get_kvcache()
+        layer = 0
+        k = pool.k_buffer[layer]
+        before = int(k[slot].contiguous().view(torch.uint8).reshape(-1)[0])
+        k[slot].view(torch.uint8).reshape(-1)[0] ^= 0x01  # the low mantissa bits of a bf16: never a NaN
+        after = int(k[slot].contiguous().view(torch.uint8).reshape(-1)[0])
+        self.ev.emit(fault, "flipped", rid=req.rid, room=int(req.bootstrap_room), page=slot // ps, slot=slot,
+                     position=position, row_page_index=index, layer=layer, head=0, byte_before=before,
+                     byte_after=after)
+
+
 # --------------------------------------------------------------------------- registration
 _driver: Driver | None = None
 
@@ -537,6 +572,13 @@ def register(faults: set[str], folder: str | None) -> Driver:
                 return d.sender_send(original, sender, kv_indices, state_indices, num_kv_tokens, indices_event)
 
             HookRegistry.register(MOONCAKE_SEND, sender_hook, HookType.AROUND)
+
+    if faults & set(DECODE_FAULTS):
+        def commit_hook(queue, decode_req, *args, **kwargs):
+            d.guarded("flip_received_page", d.flip_received_page, queue, decode_req)
+            return None  # BEFORE hook: the arguments are unchanged
+
+        HookRegistry.register(COMMIT_TRANSFER, commit_hook, HookType.BEFORE)
 
     log.warning("kvguard_faults: TEST-ONLY fault injection armed in pid %d: %s", os.getpid(), ", ".join(sorted(faults)))
     d.ev.emit("plugin", "armed", faults=sorted(faults))

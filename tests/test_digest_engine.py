@@ -1,0 +1,194 @@
+"""Transfer digests on a real SGLang 0.5.23 prefill/decode pair (Mooncake over TCP, CPU).
+
+One pair for every case (module fixture). Prefill runs chunked prefill with 64-token
+chunks, so longer prompts are sent in several chunks and the sender's streaming digest
+is exercised. The sidecar runs in this process with a recorder, and the test reads
+the raw XFER_DIGEST records from the recording (engine_hooks/digest.py,
+docs/wire-format.md "Transfer digests"):
+
+* normal requests: for every room, one sender and one receiver digest over the same
+  tokens, equal; the sidecar reports nothing;
+* the test-only ``flip_received_page`` fault (tests/faults/kvguard_faults) flips one
+  byte of one page decode received, after the transfer arrived and before kvguard
+  hashes it: the two digests differ for that room only, and the sidecar reports one
+  ``checksum_mismatch`` for that request (sidecar/detectors/transfers.py).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine_hooks import wire
+from sidecar.demo.engines import PDPair
+from sidecar.recorder import Recorder, SegmentReader
+from sidecar.service import Sidecar
+from sidecar.sinks.basic import MemorySink
+
+FAULTS_DIR = Path(__file__).resolve().parent / "faults"
+sys.path.insert(0, str(FAULTS_DIR))
+from kvguard_faults import make_rid  # noqa: E402
+
+sys.path.remove(str(FAULTS_DIR))
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
+
+VERSION = "0.5.23"
+PAGE = 4
+CONTEXT = 256
+CHUNK = 64  # --chunked-prefill-size on prefill: a 233-token prompt goes out in 4 chunks
+LAYERS, KV_HEADS = 2, 4  # the tiny GPT-2 (sidecar/demo/model.py)
+WAIT_S = 60.0
+
+
+class Watch:
+    """An in-process sidecar that also records every record it reads."""
+
+    def __init__(self, ring_dir: Path, rec_dir: Path, events_path: Path):
+        self.memory = MemorySink()
+        self.recorder = Recorder(rec_dir)
+        self.events_path = events_path
+        self.sidecar = Sidecar(str(ring_dir), sinks=[self.memory], remove_dead_rings=False,
+                               recorder=self.recorder).start()
+
+    def stop(self) -> None:
+        self.sidecar.stop()
+
+    def settle(self, quiet_s: float = 0.4, max_s: float = 10.0) -> None:
+        """Until the sidecar has read everything the engines wrote (no new record for quiet_s)."""
+        t_end = time.monotonic() + max_s
+        last, since = -1, time.monotonic()
+        while time.monotonic() < t_end:
+            n = sum(self.sidecar.pipeline.records_by_kind.values())
+            if n != last:
+                last, since = n, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                return
+            time.sleep(0.05)
+
+    def digests(self) -> dict[int, dict[str, wire.XferDigest]]:
+        """room -> side name -> its XFER_DIGEST (one per side per room, asserted)."""
+        self.settle()
+        self.recorder.flush()
+        out: dict[int, dict[str, wire.XferDigest]] = {}
+        for path in self.recorder.segments:
+            with SegmentReader(path) as r:
+                for rec, carried in r:
+                    if carried or rec.kind != wire.Kind.XFER_DIGEST:
+                        continue
+                    x = rec.body
+                    side = x.side.name.lower()
+                    assert side not in out.get(x.room, {}), f"two {side} digests for room {x.room}"
+                    out.setdefault(x.room, {})[side] = x
+        return out
+
+    def events(self, event: str) -> list[dict]:
+        import json
+
+        try:
+            lines = self.events_path.read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        return [e for e in map(json.loads, filter(None, lines)) if e["event"] == event]
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory, require_sglang):
+    require_sglang(VERSION)
+    pytest.importorskip("mooncake.engine", reason="Mooncake (mooncake-transfer-engine-non-cuda) not installed")
+    work = tmp_path_factory.mktemp("digest-pd")
+    ring_dir, events_dir = work / "rings", work / "events"
+    ring_dir.mkdir()
+    events_dir.mkdir()
+    watch = Watch(ring_dir, work / "recording", events_dir / "events.jsonl")
+    t0 = time.monotonic()
+    pair = PDPair(VERSION, ring_dir, work / "logs", prefill_pool_tokens=512, decode_pool_tokens=512,
+                  context_length=CONTEXT, prefill_args=["--chunked-prefill-size", str(CHUNK)],
+                  extra_env={"KVGUARD_FAULT": "flip_received_page", "KVGUARD_FAULT_DIR": str(events_dir)},
+                  extra_pythonpath=[FAULTS_DIR])
+    try:
+        pair.start()
+    except BaseException:
+        watch.stop()
+        raise
+    print(f"\nprefill/decode pair ready in {time.monotonic() - t0:.1f} s")
+    try:
+        yield pair, watch
+        assert pair.prefill.is_running() and pair.decode.is_running()
+        assert not watch.events("error"), watch.events("error")
+        assert watch.sidecar.rings.stats.records_lost == 0
+        assert watch.sidecar.pipeline.apply_errors == 0
+    finally:
+        pair.stop()
+        watch.stop()
+
+
+def prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randint(3, 255) for _ in range(n)]
+
+
+def check_pair(rooms: dict, room: int, tokens: int) -> tuple[wire.XferDigest, wire.XferDigest]:
+    assert set(rooms.get(room, {})) == {"sender", "receiver"}, rooms.get(room)
+    s, r = rooms[room]["sender"], rooms[room]["receiver"]
+    for x in (s, r):
+        assert (x.token_start, x.token_end) == (0, tokens)
+        assert (x.layers, x.head_start, x.head_count, x.total_heads) == (LAYERS, 0, KV_HEADS, KV_HEADS)
+        assert x.alg == wire.DigestAlg.XXH3_UNIT_BYTES  # CPU pools
+        assert x.req_key == s.req_key
+    return s, r
+
+
+def test_normal_transfers_digests_match_and_nothing_is_reported(pd):
+    pair, watch = pd
+    rng = random.Random(1)
+    lengths = (3, 64, 150, 233, 17)  # under a page .. four 64-token chunks
+    results = [pair.generate(prompt(rng, n), tenant="acme", max_new_tokens=4) for n in lengths]
+    for r, n in zip(results, lengths):
+        assert r.ok and r.prompt_tokens == n, r.summary()
+    rooms = watch.digests()
+    for r, n in zip(results, lengths):
+        s, d = check_pair(rooms, r.room, n)
+        assert s.digest == d.digest, (n, hex(s.digest), hex(d.digest))
+    assert len({rooms[r.room]["sender"].digest for r in results}) == len(results)  # different KV, different digests
+    assert watch.memory.findings == [], [f.to_dict() for f in watch.memory.findings]
+
+
+def test_flipped_received_page_digests_differ_for_that_room_only(pd):
+    pair, watch = pd
+    rng = random.Random(2)
+    watch.settle()
+    mark = len(watch.memory.findings)
+    before = pair.generate(prompt(rng, 90), tenant="acme", max_new_tokens=4)
+    rid = make_rid("flip_received_page", "r", "1")
+    flipped = pair.generate(prompt(rng, 90), tenant="globex", max_new_tokens=4, rid=rid)
+    after = pair.generate(prompt(rng, 90), tenant="acme", max_new_tokens=4)
+    for r in (before, flipped, after):
+        assert r.ok and r.prompt_tokens == 90, r.summary()
+    t_end = time.monotonic() + WAIT_S
+    while not watch.events("flipped") and time.monotonic() < t_end:
+        time.sleep(0.05)
+    (ev,) = watch.events("flipped")
+    assert ev["rid"] == rid and ev["room"] == flipped.room and ev["byte_before"] != ev["byte_after"]
+    assert ev["row_page_index"] == 1 and ev["position"] == PAGE
+    rooms = watch.digests()
+    s, d = check_pair(rooms, flipped.room, 90)
+    assert s.digest != d.digest
+    assert s.req_key == wire.request_key(rid)
+    for r in (before, after):
+        same_s, same_d = check_pair(rooms, r.room, 90)
+        assert same_s.digest == same_d.digest
+    # the sidecar pairs the two ends: one checksum_mismatch naming the request, its
+    # reserved pages (the flipped one among them: one digest per transfer cannot say
+    # which page) and both digests; nothing else
+    found = watch.memory.findings[mark:]
+    assert [f.kind for f in found] == ["checksum_mismatch"], [f.to_dict() for f in found]
+    f = found[0]
+    assert f.severity == "critical" and f.engine.role == "decode"
+    assert (f.reader.rid, f.reader.tenant, f.reader.bootstrap_room) == (rid, "globex", flipped.room)
+    assert ev["page"] in f.pages and len(f.pages) == 90 // PAGE + 1
+    assert f.evidence["sender_digest"] == f"{s.digest:016x}" and f.evidence["receiver_digest"] == f"{d.digest:016x}"
+    assert f.evidence["sender_tokens"] == [0, 90] and f.evidence["receiver_tokens"] == [0, 90]
