@@ -144,7 +144,7 @@ class PoolView:
         pages = self._whole_pages(slots) if self.layout == "nhd" else None
         for which in ("k", "v") if self.v is not None else ("k",):
             buf = self._host_bytes(which, i)
-            if pages is not None:  # gather whole pages (large contiguous blocks), then cut the tail
+            if pages is not None and buf.flags.c_contiguous:  # whole pages (large blocks), then cut the tail
                 ps = self.page_size
                 rows = buf[: buf.shape[0] // ps * ps].reshape(-1, ps, *buf.shape[1:])[pages]
                 rows = rows.reshape(-1, *buf.shape[1:])[: len(slots)]
