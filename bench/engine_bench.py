@@ -23,7 +23,18 @@ its own time minus the time of the original it wraps (measured inside the wrappe
 the engine's own work is never counted. Clocks: ``thread_time_ns`` (CPU of this thread;
 torch is set to 1 intra-op thread so all work runs here) and ``perf_counter_ns`` (wall).
 
-Tier 1 (the on-device read check) does not exist yet: its figure is reported as null.
+Every batch size is measured twice: without and with Tier 1 (engine_hooks/tier1.py,
+``KVGUARD_TIER1=1``), the in-engine read check: one page-strided gather of the batch's
+rows, a tag gather and a compare per step. On this CPU "device" that work runs on the
+host and is charged to the forward hook; on a GPU it is a few small kernels whose
+host cost is their launches. The setup reports every request's rows through the probes
+(the shared prefixes as SHARED, the private pages as the request's own), so Tier 1
+checks real tags; a bench step with a violation would be a false alarm, and is counted
+(``tier1_violations``, expected 0).
+
+The ring is written through once before measuring: a production ring is warm after
+its first few seconds, and first-touch page faults on a fresh 16 MiB ring would
+otherwise be charged to the first sampled-row steps.
 """
 
 from __future__ import annotations
@@ -110,7 +121,7 @@ def _generated(i: int, batch: int) -> int:
 class Engine:
     """One decode rank's batch of B requests on real SGLang objects, hooks applied."""
 
-    def __init__(self, batch: int, steps: int, ring_dir: str):
+    def __init__(self, batch: int, steps: int, ring_dir: str, tier1: bool = False):
         import torch
         from sglang.srt.mem_cache import allocation
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
@@ -121,6 +132,7 @@ class Engine:
         from engine_hooks.sglang import _runtime as rt
         from engine_hooks.sglang import hooks_allocator as ha
         from engine_hooks.sglang import hooks_rows as hr
+        from engine_hooks.tier1 import Tier1
 
         self.torch, self.hr, self.rt = torch, hr, rt
         self.batch = batch
@@ -132,6 +144,8 @@ class Engine:
         self.probes.hello("decode", 0, PAGE, POOL_PAGES, POOL_PAGES * PAGE, 131_072, 131_072, "sglang", "0.5.23",
                           "bench-glm-mla")
         rt.State.page_size = PAGE
+        if tier1:
+            self.probes.tier1 = Tier1(POOL_PAGES, PAGE, on_violation=self.probes._tier1_violation)
 
         alloc = PagedTokenToKVPoolAllocator(POOL_PAGES * PAGE, PAGE, torch.bfloat16, "cpu", None, False)
         cap = PREFIX_TOKENS + PROMPT_TOKENS + OUTPUT_TOKENS + steps + PAGE
@@ -147,6 +161,14 @@ class Engine:
                 req_pool_idx=i + 1, kv_allocated_len=seq, kv_committed_len=seq, holds_kv=True)))
             seqs.append(seq)
         rt.State.hello_done = True
+        # what the adapter would have reported while these requests were admitted and prefilled
+        for g in prefixes:
+            self.probes.pages_allocated(g)
+        for i, r in enumerate(reqs):
+            row = pool.req_to_token[i + 1, : seqs[i]]
+            self.probes.pages_allocated(row[PREFIX_TOKENS:])
+            hr._pool_alloc_post(True, pool, [r])
+            self.probes.rows_assigned(r.rid, 0, seqs[i], PREFIX_TOKENS, row)
 
         # hooks, wrapped the way HookRegistry wraps them (instance attributes: no global patching)
         self.meters = {n: Meter(n) for n in ("alloc_decode", "write", "alloc_for_decode", "forward")}
@@ -171,6 +193,19 @@ class Engine:
         self.runner = SimpleNamespace(req_to_token_pool=pool, is_draft_worker=False)
         self.pool, self.alloc = pool, alloc
         self.records = self.bytes = 0
+        self.warm_ring()
+        self.records = self.bytes = 0
+
+    def warm_ring(self) -> None:
+        """Write the ring through once (drained as it goes), as a running engine's ring is."""
+        import numpy as np
+
+        from engine_hooks import wire
+
+        filler = wire.pages_payload(np.zeros(16_000, np.int64))
+        for _ in range(self.writer.capacity // len(filler) + 2):
+            self.writer.write(wire.Kind.ALLOC, filler)
+            self.drain()
 
     def forward_batch(self, out_cache_loc):
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -217,9 +252,9 @@ def _best_of(fn, repeat: int) -> tuple[float, float]:
     return statistics.median(cpu) / 1e3, statistics.median(wall) / 1e3
 
 
-def bench_batch(batch: int, steps: int, warmup: int = 3, profile: bool = False) -> dict:
+def bench_batch(batch: int, steps: int, warmup: int = 3, profile: bool = False, tier1: bool = False) -> dict:
     tmp = tempfile.mkdtemp(prefix="kvg-eng-")
-    eng = Engine(batch, steps + warmup, tmp)
+    eng = Engine(batch, steps + warmup, tmp, tier1=tier1)
     try:
         for _ in range(warmup):
             eng.step()
@@ -242,11 +277,14 @@ def bench_batch(batch: int, steps: int, warmup: int = 3, profile: bool = False) 
         m = eng.meters
         own_cpu = sum(x.own_cpu for x in m.values()) / steps / 1e3
         own_wall = sum(x.own_wall for x in m.values()) / steps / 1e3
+        t1 = eng.probes.tier1
         out = {
             "batch": batch,
             "steps": steps,
+            "tier1": tier1,
             "probe_cpu_us_per_step": own_cpu,
             "probe_cpu_us_per_step_median": statistics.median(per_step_cpu) / 1e3,
+            "probe_cpu_us_per_step_max": max(per_step_cpu) / 1e3,
             "probe_wall_us_per_step": own_wall,
             "by_hook_cpu_us": {n: x.own_cpu / steps / 1e3 for n, x in m.items()},
             # the engine's own CPU work inside the hooked alloc_for_decode (context, not kvguard's cost)
@@ -257,9 +295,11 @@ def bench_batch(batch: int, steps: int, warmup: int = 3, profile: bool = False) 
             "dropped_records": eng.writer.dropped_records,
             "probe_errors": eng.probes.probe_errors,
             "disabled_hooks": sorted(eng.rt.disabled_hooks()),
+            "tier1_checks": t1.checks if t1 else 0,
+            "tier1_violations": t1.violations if t1 else 0,
+            "tier1_errors": t1.errors if t1 else 0,
         }
         out["components_cpu_us"] = components(eng, fb)
-        out["proposals"] = proposals(eng, fb)
         if prof:
             from bench.sidecar_bench import top_functions
 
@@ -271,121 +311,26 @@ def bench_batch(batch: int, steps: int, warmup: int = 3, profile: bool = False) 
 
 
 def components(eng: Engine, fb) -> dict:
-    """Where the forward hook's time goes, on the last step's inputs (each part timed alone)."""
-    from engine_hooks import wire
-
-    torch, hr, p = eng.torch, eng.hr, eng.probes
-    n = eng.batch
-    seq_lens = [int(x) for x in fb.seq_lens_cpu.tolist()]
-    rows = [int(x) for x in fb.req_pool_indices.tolist()]
-    out = fb.out_cache_loc.reshape(-1).to("cpu")
-    written = list(torch.split(out, [1] * n))
-    req_to_token = eng.pool.req_to_token
-    block = hr._rows_block(req_to_token, rows, max(seq_lens))
-    read_rows = [block[i, : seq_lens[i]] for i in range(n)]
-    rids = list(fb.rids)
-    repeat = 5 if n >= 64 else 50
-    res = {}
-    res["rows_block_copy"] = _best_of(lambda: hr._rows_block(req_to_token, rows, max(seq_lens)), repeat)[0]
-    res["probes_forward_with_rows"] = _best_of(lambda: p.forward(rids, seq_lens, written, read_rows), repeat)[0]
-    eng.drain()
-    res["probes_forward_without_rows"] = _best_of(lambda: p.forward(rids, seq_lens, written, None), repeat)[0]
-    eng.drain()
-    res["request_keys_xxh3"] = _best_of(lambda: [wire.request_key(r) for r in rids], repeat)[0]
-    res["rows_assigned_x_batch"] = _best_of(
-        lambda: [p.rows_assigned(r, s - 1, s, s - 1, written[i]) for i, (r, s) in enumerate(zip(rids, seq_lens))],
-        repeat)[0]
-    eng.drain()
-    return res
-
-
-def proposals(eng: Engine, fb) -> dict:
-    """Prototypes of cheaper probes on the same inputs, each checked to emit the same bytes.
-
-    Timings include publishing into the ring.
-
-    * ``forward_no_rows``: the FORWARD the adapter would send without rows,
-      built with whole-batch numpy (request keys cached per rid, write pages as one
-      ``out_cache_loc // page_size``), byte-identical to ``Probes.forward(..., None)``.
-    * ``forward_rows_page_strided``: the same FORWARD *with* rows, gathering only each
-      row's page-start columns (``req_to_token[idx, ::page_size]``, 64x fewer elements than
-      the whole token row) and flattening with one mask; byte-identical to what the
-      adapter sends today.
-    * ``assign_page_starts_only``: ``alloc_for_decode``'s ASSIGNs only for requests whose
-      new token starts a page (the others' row pages are already known); ~B/64 records
-      instead of B (the sidecar's verdicts on such streams are checked in
-      tests/test_bench_smoke.py: a clean stream stays clean).
-    """
+    """Parts of the forward hook, each timed alone on the last step's inputs (µs of CPU)."""
     import numpy as np
 
     from engine_hooks import wire
+    from engine_hooks.tier1 import Tier1
 
-    from .workload import CaptureWriter
-
-    torch, p = eng.torch, eng.probes
-    ps = PAGE
-    n = eng.batch
+    hr, p = eng.hr, eng.probes
     rids = list(fb.rids)
-    seq_lens = [int(x) for x in fb.seq_lens_cpu.tolist()]
-    rows = fb.req_pool_indices
-    out = fb.out_cache_loc.reshape(-1)
+    seq = fb.seq_lens_cpu.numpy().astype(np.int64)
     req_to_token = eng.pool.req_to_token
-    block = eng.hr._rows_block(req_to_token, [int(r) for r in rows.tolist()], max(seq_lens))
-    read_rows = [block[i, : seq_lens[i]] for i in range(n)]
-    written = list(torch.split(out, [1] * n))
-
-    def reference(read):
-        real, cap = p.writer, CaptureWriter()
-        p.writer = cap
-        try:
-            p.forward(rids, seq_lens, written, read)
-        finally:
-            p.writer = real
-        return cap.items[0][1]
-
-    key_cache = {r: wire.request_key(r) for r in rids}  # filled at REQ_BEGIN in a real probe
-
-    def no_rows(publish: bool = True) -> bytes:
-        keys = np.fromiter((key_cache[r] for r in rids), np.uint64, n)
-        seq = fb.seq_lens_cpu.numpy().astype(np.uint32)
-        wpages = (out.numpy() // ps).astype(np.int32)
-        f = wire.Forward(keys, seq, np.ones(n, np.uint32), wpages, None, None, 0)
-        payload = wire.forward_payload(f)
-        if publish:
-            p.writer.write(wire.Kind.FORWARD, payload)
-        return payload
-
-    def with_rows(publish: bool = True) -> bytes:
-        keys = np.fromiter((key_cache[r] for r in rids), np.uint64, n)
-        seq = fb.seq_lens_cpu.numpy()
-        counts = -(-seq // ps)
-        pages = (req_to_token[rows, : int(counts.max()) * ps : ps] // ps).numpy()  # one small gather
-        flat = pages[np.arange(pages.shape[1])[None, :] < counts[:, None]]
-        f = wire.Forward(keys, seq.astype(np.uint32), np.ones(n, np.uint32), (out.numpy() // ps).astype(np.int32),
-                         counts.astype(np.uint32), flat, 0)
-        payload = wire.forward_payload(f)
-        if publish:
-            p.writer.write(wire.Kind.FORWARD, payload)
-        return payload
-
-    old = np.asarray(seq_lens) - 1
-
-    def assign_page_starts():
-        starts = np.flatnonzero(old % ps == 0)
-        for i in starts.tolist():
-            p.rows_assigned(rids[i], int(old[i]), int(old[i]) + 1, int(old[i]), written[i])
-
-    repeat = 5 if n >= 64 else 50
-    eng.drain()
+    repeat = 5 if eng.batch >= 64 else 50
     res = {
-        "forward_no_rows_us": _best_of(no_rows, repeat)[0],
-        "forward_no_rows_identical": no_rows(False) == reference(None),
-        "forward_rows_page_strided_us": _best_of(with_rows, repeat)[0],
-        "forward_rows_page_strided_identical": with_rows(False) == reference(read_rows),
-        "assign_page_starts_only_us": _best_of(assign_page_starts, repeat)[0],
-        "assign_page_starts_records": int(np.count_nonzero(old % ps == 0)),
+        "request_keys_hashed": _best_of(lambda: [wire.request_key(r) for r in rids], repeat)[0],
+        "request_keys_cached": _best_of(lambda: p.request_keys(rids), repeat)[0],
+        "row_page_starts_gather": _best_of(
+            lambda: hr._row_page_starts(req_to_token, fb.req_pool_indices, seq, PAGE), repeat)[0],
     }
-    eng.drain()
+    t1 = p.tier1 or Tier1(POOL_PAGES, PAGE)
+    res["tier1_check"] = _best_of(
+        lambda: t1.check(req_to_token, fb.req_pool_indices, fb.seq_lens, rids, int(seq.max())), repeat)[0]
     return res
 
 
@@ -396,9 +341,11 @@ def run(batches=(1, 64, 256), steps: int = 40, profile_batch: int | None = 256) 
     import sglang
 
     results = {"sglang_version": getattr(sglang, "__version__", "?"), "torch_version": torch.__version__,
-               "batches": {}}
+               "batches": {}, "batches_tier1": {}}
     for b in batches:
-        results["batches"][str(b)] = bench_batch(b, steps if b > 1 else steps * 4, profile=(b == profile_batch))
+        n = steps if b > 1 else steps * 4
+        results["batches"][str(b)] = bench_batch(b, n, profile=(b == profile_batch))
+        results["batches_tier1"][str(b)] = bench_batch(b, n, tier1=True)
     return results
 
 

@@ -139,6 +139,7 @@ class Tier1:
         self._pending: collections.deque = collections.deque()
         self._pinned = None
         self._pin_next = 0
+        self._bufs: dict = {}  # CPU only: reused work tensors of the check
 
     # ------------------------------------------------------------------ guard
     def _failed(self, where: str, exc: BaseException) -> None:
@@ -329,18 +330,27 @@ class Tier1:
         if width <= 0:
             return 0
         idx = req_pool_indices[:n].long()
-        slots = req_to_token[idx, : width * ps : ps]  # one gather: the slot starting each row page
-        pages = (slots >> self.shift) if self.shift is not None else torch.div(slots, ps, rounding_mode="floor")
+        cols = req_to_token[:, : width * ps : ps]
+        # one gather: the slot starting each row page. On CPU into reused buffers (fresh
+        # half-megabyte tensors cost page faults every step); on a GPU fresh ones, since a
+        # check in flight keeps its tensors until its count is read back
+        slots = torch.index_select(cols, 0, idx, out=self._buf("slots", (n, width), cols.dtype, device))
+        if self.shift is not None:
+            pages = slots.bitwise_right_shift_(self.shift)
+        else:
+            pages = torch.div(slots, ps, rounding_mode="floor", out=slots)
         pages = pages.clamp_(0, len(self.tags) - 1)  # stale entries past seq_len may hold anything
-        got = self._tags_dev.index_select(0, pages.reshape(-1)).view(n, width)
+        got = torch.index_select(self._tags_dev, 0, pages.view(-1),
+                                 out=self._buf("got", (n * width,), self._tags_dev.dtype, device)).view(n, width)
         reader = self._rows_dev.index_select(0, idx)
         n_pages = (seq_lens[:n] + (ps - 1)) // ps if self.shift is None else (seq_lens[:n] + (ps - 1)) >> self.shift
         n_pages = n_pages * (reader != 0)  # rows bound to no known request are not judged
         if self._arange is None or self._arange.numel() < width or self._arange.device != device:
             self._arange = torch.arange(max(width, 1024), device=device, dtype=n_pages.dtype)
-        bad = got != reader.unsqueeze(1)
-        bad &= got < READABLE_MIN
-        bad &= self._arange[:width].unsqueeze(0) < n_pages.unsqueeze(1)
+        bad = torch.ne(got, reader.unsqueeze(1), out=self._buf("bad", (n, width), torch.bool, device))
+        tmp = torch.lt(got, READABLE_MIN, out=self._buf("tmp", (n, width), torch.bool, device))
+        bad.logical_and_(tmp)
+        bad.logical_and_(torch.lt(self._arange[:width].unsqueeze(0), n_pages.unsqueeze(1), out=tmp))
         count = bad.sum()
         seq_host = seq_lens[:n]
         if device.type == "cpu":
@@ -360,6 +370,19 @@ class Tier1:
         event.record()
         self._pending.append((event, slot, bad, pages, got, list(rids), seq_host))
         return None
+
+    def _buf(self, name: str, shape: tuple, dtype, device):
+        import torch
+
+        if device.type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=device)
+        numel = 1
+        for d in shape:
+            numel *= d
+        b = self._bufs.get(name)
+        if b is None or b.numel() < numel or b.dtype != dtype:
+            b = self._bufs[name] = torch.empty(max(numel, 1 << 16), dtype=dtype)
+        return b[:numel].view(shape)
 
     def _poll(self, block: bool, keep: int = 0) -> None:
         """Look at finished GPU checks (oldest first); with ``block`` wait until at most ``keep`` remain."""

@@ -217,6 +217,18 @@ def alloc_for_decode_hook(name: str):
 
 
 # --------------------------------------------------------------------------- forward
+_gather_buf: list = [None]
+
+
+def _gather_buffer(n: int, width: int, dtype):
+    import torch
+
+    buf = _gather_buf[0]
+    if buf is None or buf.numel() < n * width or buf.dtype != dtype:
+        buf = _gather_buf[0] = torch.empty(max(n * width, 1 << 16), dtype=dtype)
+    return buf[: n * width].view(n, width)
+
+
 def _row_page_starts(req_to_token, rows, seq_lens: np.ndarray, ps: int):
     """(flat page ids, pages per request): each row's slots at positions 0, ps, 2*ps, ...
     below its seq_len, requests back to back; one strided gather, one mask."""
@@ -227,12 +239,20 @@ def _row_page_starts(req_to_token, rows, seq_lens: np.ndarray, ps: int):
     if width <= 0:
         return np.zeros(0, np.int64), counts
     idx = rows if isinstance(rows, torch.Tensor) else torch.as_tensor(rows, dtype=torch.int64)
-    block = req_to_token[idx.to(req_to_token.device).long(), : width * ps : ps].cpu().numpy()
+    cols = req_to_token[:, : width * ps : ps]
+    idx = idx.to(req_to_token.device).long()
+    if req_to_token.device.type == "cpu":  # into a reused buffer: a fresh one costs page faults every time
+        block = torch.index_select(cols, 0, idx, out=_gather_buffer(len(idx), cols.shape[1], cols.dtype)).numpy()
+    else:
+        block = cols.index_select(0, idx).cpu().numpy()
     counts = np.minimum(counts, block.shape[1])
     # slot -> page in the tensor's own dtype (int32 in SGLang): a shift when ps is a power of two
-    block = block >> (ps.bit_length() - 1) if ps & (ps - 1) == 0 else block // ps
+    if ps & (ps - 1) == 0:
+        block = np.right_shift(block, ps.bit_length() - 1, out=block)
+    else:
+        block = block // ps
     if (counts == block.shape[1]).all():
-        return block.reshape(-1), counts
+        return block.reshape(-1).copy(), counts  # a copy: the buffer is reused
     return block[np.arange(block.shape[1])[None, :] < counts[:, None]], counts
 
 
