@@ -1,5 +1,5 @@
 """The incident on the real engine: SGLang 0.5.19 leaks and kvguard names the parties;
-SGLang 0.5.23 rejects the prompt and kvguard stays quiet.
+SGLang 0.5.23 rejects the prompt, nothing is read, and decode's pages held for it are an orphan.
 
 Each test runs a real prefill + decode pair on CPU (Mooncake over TCP) with the kvguard
 plugin loaded by SGLang itself, and a real sidecar draining the rings (~1 minute each).
@@ -30,7 +30,8 @@ def test_sglang_0_5_19_leak_is_caught_with_the_exposed_tenants(tmp_path, require
     assert len(leaked) >= 50 and {s for t in leaked for s in t.sources} <= {"acme", "globex"}
 
     assert sorted(f.kind for f in run.findings) == [
-        "pool_smaller_than_context", "pool_smaller_than_context", "transfer_size_mismatch", "unwritten_read",
+        "checksum_mismatch", "pool_smaller_than_context", "pool_smaller_than_context", "transfer_size_mismatch",
+        "unwritten_read",
     ], [f.to_dict() for f in run.findings]
     pools = {f.engine.role: f for f in run.findings if f.kind == "pool_smaller_than_context"}
     assert pools["prefill"].severity == "critical" and pools["prefill"].evidence["pool_tokens"] == 256
@@ -50,6 +51,13 @@ def test_sglang_0_5_19_leak_is_caught_with_the_exposed_tenants(tmp_path, require
     (size,) = [f for f in run.findings if f.kind == "transfer_size_mismatch"]
     assert size.evidence == {"sent_tokens": 1, "reserved_tokens": 600, "sent_pages": 1, "reserved_pages": 150}
     assert sorted(size.pages) == sorted(read.pages)
+    # both ends' digests (engine_hooks/digest.py): prefill hashed the 1 token it sent, decode the 600 it reserved
+    (digest,) = [f for f in run.findings if f.kind == "checksum_mismatch"]
+    assert digest.severity == "critical" and digest.engine.role == "decode"
+    assert (digest.reader.rid, digest.reader.tenant, digest.reader.bootstrap_room) == (long.rid, "initech", long.room)
+    assert digest.evidence["sender_tokens"] == [0, 1] and digest.evidence["receiver_tokens"] == [0, 600]
+    assert digest.evidence["sender_digest"] != digest.evidence["receiver_digest"]
+    assert len(digest.pages) == 150 and set(read.pages) < set(digest.pages)
     assert run.records_lost == 0
 
 
@@ -60,9 +68,14 @@ def test_sglang_0_5_23_rejects_the_prompt_and_nothing_is_read(tmp_path, require_
     assert not long.ok and long.decode_status == 500 and long.prefill_status == 400
     assert "exceeds the maximum allowed length" in (long.prefill_error or "")
     assert all(r.result.ok for r in run.scenario.normal)
-    # the configuration is as unsafe as before (pool < context); nothing was read or sent wrong
-    assert sorted(f.kind for f in run.findings) == ["pool_smaller_than_context"] * 2, \
+    # the configuration is as unsafe as before (pool < context); nothing was read or sent wrong, but decode
+    # holds the pages it reserved for the prompt prefill rejected (until its waiting timeout): an orphan
+    assert sorted(f.kind for f in run.findings) == ["orphan_transfer"] + ["pool_smaller_than_context"] * 2, \
         [f.to_dict() for f in run.findings]
+    (orphan,) = [f for f in run.findings if f.kind == "orphan_transfer"]
+    assert orphan.severity == "warning" and orphan.engine.role == "decode"
+    assert (orphan.reader.rid, orphan.reader.tenant, orphan.reader.bootstrap_room) == (long.rid, "initech", long.room)
+    assert orphan.evidence["sender"] == "reject" and len(orphan.pages) == 150  # ceil(600 / 4)
     # the sidecar did watch: reads were judged on both engines
     assert run.records_by_kind.get("FORWARD", 0) > 0 and run.records_by_kind.get("XFER_SEND", 0) >= 8
     assert run.records_lost == 0
