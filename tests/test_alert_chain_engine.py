@@ -24,7 +24,8 @@ The receiver must get, for the double free: a trigger with severity critical, th
 alert name and the runbook link, and a dedup_key equal to the SHA-256 of the
 aggregation group key Alertmanager logs for that group; then a resolve with the same
 dedup_key. The sidecar's own PagerDuty sink (incident id as dedup_key) runs beside it
-into the same receiver, under another routing key, and must trigger and resolve too.
+into the same receiver, under another routing key, and must trigger and resolve too,
+with its delivery counters (kvguard_sink_events_total) saying so through Prometheus.
 
 While the double-free incident is open, every Grafana panel query (dashboards/generated)
 runs against this Prometheus; every one returns data except the panels a unified
@@ -448,6 +449,15 @@ def test_a_double_free_pages_through_alertmanager_and_resolves_when_the_incident
     # the foreign-read page stays open: its rule counts findings over 5 minutes
     assert not [e for e in chain.receiver.events if e["dedup_key"] == foreign["dedup_key"]
                 and e["event_action"] == "resolve"]
+
+    # the sidecar's own sink: both incidents triggered and resolved, nothing failed, as
+    # Prometheus sees it on /metrics
+    chain.wait_query("the sink's resolves on /metrics",
+                     'kvguard_sink_events_total{sink="pagerduty",action="resolve",result="delivered"} == 2')
+    assert float(chain.query('sum(kvguard_sink_events_total{sink="pagerduty",action="trigger",'
+                             'result="delivered"})')[0]["value"][1]) == 2
+    assert float(chain.query('sum(kvguard_sink_events_total{result!="delivered"})')[0]["value"][1]) == 0
+    assert not chain.query('ALERTS{alertname="KVGuardAlertDeliveryFailing"}')
 
     assert chain.engine.is_running(), chain.engine.log_tail()
     assert not chain.fault_events("plugin", "error")
