@@ -171,9 +171,10 @@ class Probes:
         self._emit(wire.Kind.REQ_BEGIN, wire.req_begin_payload(r))
 
     @_guarded
-    def request_end(self, rid: str, finish: str, ttft_ns: int, e2e_ns: int, output_tokens: int, reason: str) -> None:
+    def request_end(self, rid: str, finish: str, ttft_ns: int, e2e_ns: int, output_tokens: int, reason: str,
+                    reprefilled: bool = False) -> None:
         r = wire.ReqEnd(wire.request_key(rid), max(0, int(ttft_ns)), max(0, int(e2e_ns)), int(output_tokens),
-                        _FINISH.get(finish, wire.Finish.UNKNOWN), str(reason or ""))
+                        _FINISH.get(finish, wire.Finish.UNKNOWN), str(reason or ""), bool(reprefilled))
         self._emit(wire.Kind.REQ_END, wire.req_end_payload(r))
 
     @_guarded

@@ -130,7 +130,7 @@ HELLO_FIXED = struct.Struct("<BBHIIIQQQ")  # role, _, tp_rank, pid, page_size, p
 #   then strings: engine_name, engine_version, model, kvguard_version
 REQ_BEGIN_FIXED = struct.Struct("<QQIIB7x")  # req_key, room, prompt_tokens, cached_tokens, flags(bit0 warmup)
 #   then strings: rid, tenant
-REQ_END_FIXED = struct.Struct("<QQQIB3x")  # req_key, ttft_ns, e2e_ns, output_tokens, finish
+REQ_END_FIXED = struct.Struct("<QQQIBB2x")  # req_key, ttft_ns, e2e_ns, output_tokens, finish, flags
 #   then string: reason
 PAGES_FIXED = struct.Struct("<IB3x")  # ALLOC/FREE: count, free_kind; then int32[count]
 ASSIGN_FIXED = struct.Struct("<QIIII")  # req_key, row_start, row_end, shared_until, count; then int32[count]
@@ -150,6 +150,7 @@ PROBE_ERROR_FIXED = struct.Struct("<I4x")  # count of errors so far for this pro
 
 FWD_HAS_ROWS = 1  # FORWARD flags: read_counts/read_pages carry the engine's actual rows
 REQ_WARMUP = 1  # REQ_BEGIN flags: warmup / health-check request, never alarmed
+REQ_END_REPREFILLED = 1  # REQ_END flags: KV released and prefilled again before the first token (not comparable TTFT)
 
 
 def request_key(rid: str) -> int:
@@ -193,6 +194,7 @@ class ReqEnd:
     output_tokens: int
     finish: Finish
     reason: str
+    reprefilled: bool = False  # its KV was released before it finished (optimistic PD retry, retraction)
 
 
 @dataclass(slots=True)
@@ -348,7 +350,9 @@ def req_begin_payload(r: ReqBegin) -> bytes:
 
 
 def req_end_payload(r: ReqEnd) -> bytes:
-    return REQ_END_FIXED.pack(r.req_key, r.ttft_ns, r.e2e_ns, r.output_tokens, int(r.finish)) + _str_bytes(r.reason)
+    flags = REQ_END_REPREFILLED if r.reprefilled else 0
+    return REQ_END_FIXED.pack(r.req_key, r.ttft_ns, r.e2e_ns, r.output_tokens, int(r.finish), flags) + \
+        _str_bytes(r.reason)
 
 
 def pages_payload(pages: np.ndarray, free_kind: FreeKind = FreeKind.FREE) -> bytes:
@@ -467,8 +471,8 @@ def _decode_req_begin(c: _Cursor) -> ReqBegin:
 
 
 def _decode_req_end(c: _Cursor) -> ReqEnd:
-    key, ttft, e2e, out, finish = c.fixed(REQ_END_FIXED)
-    return ReqEnd(key, ttft, e2e, out, Finish(finish), c.string())
+    key, ttft, e2e, out, finish, flags = c.fixed(REQ_END_FIXED)
+    return ReqEnd(key, ttft, e2e, out, Finish(finish), c.string(), bool(flags & REQ_END_REPREFILLED))
 
 
 def _decode_pages(c: _Cursor) -> Pages:

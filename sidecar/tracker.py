@@ -99,6 +99,7 @@ class RequestInfo:
     finish: str = ""
     ttft_ns: int = 0
     rejected: str = ""
+    reprefilled: bool = False  # KV released and prefilled again (REQ_END flag): TTFT not comparable
     known: bool = True  # False: a stub for a request whose REQ_BEGIN we never saw (not judged)
 
 
@@ -205,6 +206,7 @@ class EngineTracker:
     def on_request_end(self, r: wire.ReqEnd, ts_ns: int) -> None:
         info = self.requests.get_or_stub(r.req_key)
         info.end_ns, info.finish, info.ttft_ns = ts_ns, r.finish.name.lower(), r.ttft_ns
+        info.reprefilled = r.reprefilled
         row = self.rows.pop(r.req_key, None)
         self.pending_reads.pop(r.req_key, None)
         self.transfer_hold.discard(r.req_key)

@@ -94,3 +94,19 @@ def test_decode_engines_are_not_judged():
     for i in range(10):
         det.observe(1, decode, req(i, 1000, 50_000_000), 0)
     assert det.observe(1, decode, req(99, 1000, 1_000), 0) == []
+
+
+def test_a_request_prefilled_twice_is_neither_judged_nor_learned():
+    """SGLang 0.5.23's optimistic PD prefill retry re-prefills from the prefix cache the
+    first attempt filled, so a 2,000-token prompt gets its first token in milliseconds;
+    the engine flags it (REQ_END ``reprefilled``) and the detector leaves it alone."""
+    det = TTFTDetector()
+    rng = random.Random(3)
+    for r in realistic_stream(rng, 200):
+        det.observe(1, ENGINE, r, 0)
+    samples = len(det.models[1].samples)
+    retried = req(998, 2000, 3_000_000)
+    retried.reprefilled = True
+    assert det.observe(1, ENGINE, retried, 0) == []
+    assert len(det.models[1].samples) == samples
+    assert det.observe(1, ENGINE, req(999, 2000, 3_000_000), 0) != []  # the same timing, not retried: flagged

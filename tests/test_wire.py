@@ -100,3 +100,12 @@ def test_xfer_digest_with_heads_beyond_the_total_is_refused():
     stats = wire.DecodeStats()
     assert wire.decode_stream(_rec(wire.Kind.XFER_DIGEST, wire.xfer_digest_payload(bad)), stats) == []
     assert stats.bad_payload == 1 and "exceed total" in stats.last_error
+
+
+def test_req_end_carries_the_reprefilled_flag_and_old_zero_padding_reads_as_not():
+    end = wire.ReqEnd(9, 10, 20, 8, wire.Finish.STOP, "", reprefilled=True)
+    (rec,) = wire.decode_stream(_rec(wire.Kind.REQ_END, wire.req_end_payload(end)), wire.DecodeStats())
+    assert rec.body.reprefilled is True
+    (rec,) = wire.decode_stream(_rec(wire.Kind.REQ_END, wire.req_end_payload(wire.ReqEnd(9, 10, 20, 8, wire.Finish.STOP,
+                                                                                          ""))), wire.DecodeStats())
+    assert rec.body.reprefilled is False

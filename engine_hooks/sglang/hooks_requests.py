@@ -156,19 +156,41 @@ def _timings_ns(req) -> tuple[int, int]:
     first = getattr(ts, "prefill_finished_time", 0.0) or 0.0
     if not first and State.role == "decode":
         first = getattr(ts, "decode_prebuilt_finish_time", 0.0) or 0.0
-    ttft = int((first - t0) * 1e9) if t0 and first and first >= t0 else 0
+    # TTFT as kvguard reports it is the prefill's own time: from the request's first
+    # forward batch to its first token. Measured from arrival it also held queueing
+    # and (PD prefill) the bootstrap handshake, which made requests that happened not
+    # to wait look implausibly fast next to ones that did (a false ttft_anomaly on the
+    # PD soak). A request that got a first token without ever entering a forward
+    # batch keeps the arrival time as its start: its TTFT is then tiny, as it should be.
+    started = getattr(ts, "forward_entry_time", 0.0) or t0
+    ttft = int((first - started) * 1e9) if started and first and first >= started else 0
     e2e = int((time.perf_counter() - t0) * 1e9) if t0 else 0
     return ttft, e2e
 
 
+# rids whose KV was released while they were unfinished: an optimistic PD prefill
+# retry (0.5.23 ``optimistic_release_and_requeue``) or a retraction. They are
+# prefilled again, partly from the prefix cache they filled themselves, so their TTFT
+# says nothing about prefill speed (REQ_END flag ``reprefilled``). Bounded: entries
+# leave at REQ_END; the oldest go first past the cap (a flag lost, never a record).
+_reprefilled: dict[str, bool] = {}
+_REPREFILLED_CAP = 65536
+
+
 def _release_post(result, req, *args, **kwargs):
-    if not State.hello_done or not req.finished() or req.rid in State.ended:
+    if not State.hello_done or req.rid in State.ended:
+        return
+    if not req.finished():
+        if len(_reprefilled) >= _REPREFILLED_CAP:
+            _reprefilled.pop(next(iter(_reprefilled)))
+        _reprefilled[req.rid] = True
         return
     rt.ensure_begun(req)
     kind, reason = _finish_of(req)
     ttft, e2e = _timings_ns(req)
     State.ended[req.rid] = True
-    rt.probes().request_end(req.rid, kind, ttft, e2e, len(req.output_ids), reason)
+    rt.probes().request_end(req.rid, kind, ttft, e2e, len(req.output_ids), reason,
+                            reprefilled=_reprefilled.pop(req.rid, False))
     State.begun.pop(req.rid, None)
     State.rejected.pop(req.rid, None)
 

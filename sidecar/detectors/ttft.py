@@ -23,7 +23,10 @@ verdicts until ``warmup`` samples were learned (a cold engine's first requests, 
 compilation and cache misses, are learned from, never judged). Flagged samples are
 not learned from, so an ongoing anomaly cannot drag the floor down. Requests that
 were rejected or aborted, or with fewer than ``min_tokens`` uncached tokens (prefix
-cache hits), and warmup requests are neither judged nor learned from.
+cache hits), warmup requests, and requests prefilled more than once (their KV was
+released before they finished: SGLang's optimistic PD prefill retry re-prefills from
+the prefix cache it just filled, so the cached-token count of REQ_BEGIN no longer
+holds; flagged by the engine in REQ_END) are neither judged nor learned from.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ class TTFTDetector:
         uncached = info.prompt_tokens - info.cached_tokens
         if not self.enabled or engine.role == "decode":
             return []  # decode never prefills: its "TTFT" is the transfer wait (the ledger judges transfers)
-        if (info.warmup or not info.known or info.ttft_ns <= 0 or uncached < self.min_tokens
+        if (info.warmup or not info.known or info.reprefilled or info.ttft_ns <= 0 or uncached < self.min_tokens
                 or info.finish not in NORMAL_FINISH):
             return []
         model = self.models.setdefault(engine_id, TTFTModel(self.window))

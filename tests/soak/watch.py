@@ -55,7 +55,9 @@ class Watch:
     def __init__(self, ring_dir: str | Path, max_records: int = 1_000_000):
         self.memory = MemorySink()
         self.keeper = RecordKeeper(max_records)
-        self.sidecar = Sidecar(str(ring_dir), sinks=[self.memory], remove_dead_rings=False, recorder=self.keeper)
+        # every detector on, ttft_anomaly included: the soak is where it must prove no false alarm
+        self.sidecar = Sidecar(str(ring_dir), sinks=[self.memory], remove_dead_rings=False, recorder=self.keeper,
+                               ttft_anomaly=True)
         self.pipeline = self.sidecar.pipeline
 
     def __enter__(self) -> "Watch":
