@@ -463,4 +463,6 @@ class Pipeline:
         for state in self.ledger.orphans(now_ns):
             found += self._orphan(state, now_ns)
         self._resolved(self.incidents.tick(now_ns))
+        for tracker in self.engines.values():
+            tracker.retire_idle_requests(now_ns)
         return found

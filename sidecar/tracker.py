@@ -126,6 +126,7 @@ class RequestDirectory:
         self.max_ended = max_ended
         self._ended: OrderedDict[int, RequestInfo] = OrderedDict()
         self.live: dict[int, RequestInfo] = {}
+        self._stub_seen_ns: dict[int, int] = {}  # first retire_idle scan that saw a live stub
 
     def begin(self, info: RequestInfo) -> None:
         self._ended.pop(info.key, None)
@@ -141,7 +142,24 @@ class RequestDirectory:
             self.live[key] = info
         return info
 
+    def retire_idle(self, now_ns: int, idle_ns: int, holds_kv) -> int:
+        """Move to the ended LRU the live requests begun more than ``idle_ns`` ago that
+        hold nothing (``holds_kv(key)`` false): requests the engine refused or aborted
+        before they held KV never get a REQ_END (SGLang frees nothing for them, and
+        REQ_END follows ``release_kv_cache``), and would otherwise stay live forever.
+        They stay findable by key until the LRU drops them. Returns how many moved."""
+        stale = []
+        for key, info in self.live.items():
+            # stubs (no REQ_BEGIN seen) have no begin time: their age counts from the first scan that saw them
+            since = info.begin_ns or self._stub_seen_ns.setdefault(key, now_ns)
+            if now_ns - since > idle_ns and not holds_kv(key):
+                stale.append(key)
+        for key in stale:
+            self.end(key)
+        return len(stale)
+
     def end(self, key: int) -> RequestInfo | None:
+        self._stub_seen_ns.pop(key, None)
         info = self.live.pop(key, None)
         if info is not None:
             self._ended[key] = info
@@ -172,6 +190,13 @@ class ReadVerdict:
     shared: np.ndarray = None  # legitimately shared prefix-cache pages read (for tenant isolation checks)
 
 
+# A live request that holds no KV and has not ended after this long was refused or
+# aborted before it held any (no REQ_END comes for those): longer than SGLang's 300 s
+# PD waiting timeout, so a request still queued for its transfer is never retired.
+IDLE_REQUEST_NS = 600 * 10**9
+RETIRE_SCAN_NS = 10 * 10**9
+
+
 class EngineTracker:
     """Ownership state of one engine process, updated record by record."""
 
@@ -186,8 +211,20 @@ class EngineTracker:
         self.transfer_hold: set[int] = set()  # decode requests whose incoming KV is not yet accounted
         self.pages_read = 0
         self.pages_unverified = 0
+        self.requests_retired_idle = 0  # live requests that never ended and held nothing (RequestDirectory.retire_idle)
+        self._next_retire_ns = 0
 
     # ------------------------------------------------------------------ lifecycle
+    def retire_idle_requests(self, now_ns: int, idle_ns: int = IDLE_REQUEST_NS) -> int:
+        """Bound the live request directory (at most one scan per ``RETIRE_SCAN_NS``)."""
+        if now_ns < self._next_retire_ns:
+            return 0
+        self._next_retire_ns = now_ns + RETIRE_SCAN_NS
+        moved = self.requests.retire_idle(
+            now_ns, idle_ns, lambda key: key in self.rows or key in self.transfer_hold or key in self.pending_reads)
+        self.requests_retired_idle += moved
+        return moved
+
     def on_hello(self, hello: wire.Hello) -> None:
         self.hello = hello
         self.page_size = hello.page_size

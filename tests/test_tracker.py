@@ -158,3 +158,25 @@ def test_a_read_row_naming_an_impossible_page_is_counted_not_misaligned():
     assert t.pool.pages_out_of_range == 1
     # the row is corrupt: row page 2 names page 2, which the model has at row page 1
     assert (v.unwritten.tolist(), v.foreign.tolist(), v.freed.tolist()) == ([], [2], [])
+
+
+def test_requests_that_never_end_and_hold_nothing_leave_the_live_directory():
+    """SGLang sends no REQ_END for a request refused or aborted before it held KV:
+    such requests are retired to the ended LRU after IDLE_REQUEST_NS (still findable);
+    a request holding a row, or a stub, is judged by the same rule, never sooner."""
+    from sidecar.tracker import IDLE_REQUEST_NS, RETIRE_SCAN_NS
+
+    t = tracker()
+    t.on_request_begin(wire.ReqBegin(A, 77, 900, 0, False, "A", "acme"), 1_000)
+    t.on_reject(wire.Reject(A, wire.Phase.ADMISSION, "too long"))
+    t.on_request_begin(wire.ReqBegin(B, 78, 8, 0, False, "B", "globex"), 1_000)
+    t.on_alloc(np.array([1, 2]))
+    t.on_assign(wire.Assign(B, 0, 8, 0, np.array([1, 2])))
+    stub = t.requests.get_or_stub(wire.request_key("C"))
+    assert t.retire_idle_requests(1_000 + IDLE_REQUEST_NS) == 0  # not idle long enough (and the stub is first seen)
+    now = 1_000 + IDLE_REQUEST_NS + RETIRE_SCAN_NS + 1
+    assert t.retire_idle_requests(now) == 1  # A only: B holds pages, the stub's clock started at the last scan
+    assert A not in t.requests.live and t.requests.get(A).rid == "A" and B in t.requests.live
+    assert t.retire_idle_requests(now + 1) == 0  # at most one scan per RETIRE_SCAN_NS
+    assert t.retire_idle_requests(1_000 + 2 * IDLE_REQUEST_NS + 2 * RETIRE_SCAN_NS) == 1  # the stub
+    assert stub.key not in t.requests.live and t.requests_retired_idle == 2
