@@ -27,7 +27,8 @@ Tag values (int32)::
 
 Rules (mirroring the sidecar's ownership model, but per page rather than per row,
 so coarser and never stricter): ``alloc`` -> ALLOCATED; ``free`` -> FREE; a row
-assignment below ``shared_until`` -> SHARED (a FREE page stays FREE); an own
+assignment below ``shared_until`` -> SHARED (a FREE page stays FREE, and the request's
+own page stays its own: the radix cache re-asserts every prefilled row); an own
 assignment claims pages that are ALLOCATED, UNKNOWN or already the request's
 (another request's page is *not* claimed, so reading it is a violation).
 
@@ -213,7 +214,10 @@ class Tier1:
             if shared.any():
                 sp = self._pages(pages[shared])
                 t = self.tags[sp]
-                self.tags[sp] = np.where(t == FREE, FREE, SHARED)
+                # the radix cache re-asserting a request's own pages (after each prefill chunk,
+                # at release) leaves them its own; another request's page (or one never
+                # claimed) handed over through the cache becomes readable by all
+                self.tags[sp] = np.where((t == FREE) | (t == own), t, SHARED)
                 self._touch(sp)
             if not shared.all():
                 op = self._pages(pages[~shared])
@@ -368,7 +372,8 @@ class Tier1:
         self._pinned[slot : slot + 1].copy_(count.reshape(1), non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._pending.append((event, slot, bad, pages, got, list(rids), seq_host))
+        # the engine may advance its seq_lens in place before this is looked at: keep a copy
+        self._pending.append((event, slot, bad, pages, got, list(rids), seq_host.clone()))
         return None
 
     def _buf(self, name: str, shape: tuple, dtype, device):

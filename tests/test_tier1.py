@@ -403,3 +403,21 @@ def test_the_sidecar_raises_the_engines_tier1_record_as_a_finding(tmp_path, monk
     assert f.evidence["source"] == "engine_tier1" and f.evidence["row_page_indices"] == [1]
     u = by_kind["use_after_free"]
     assert (u.reader.rid, u.pages, u.evidence["row_page_indices"]) == ("reader", [2], [0])
+
+
+def test_the_radix_cache_reasserting_a_rows_own_pages_keeps_them_its_own():
+    """SGLang rewrites a request's prefilled positions with the tree's pages (the same
+    pages) after each chunk and at release, reported as shared. They stay the
+    request's, so another request's row naming them is still a foreign read."""
+    e = Engine()
+    e.t.allocated([1, 2, 3, 4])
+    e.admit("reader", 1)
+    e.admit("owner", 2)
+    e.write_row("reader", 0, [1, 2])
+    e.write_row("owner", 0, [3, 4])
+    e.write_row("owner", 0, [3, 4], shared_until=8)  # the tree re-asserts owner's row
+    e.write_row("reader", 0, [1, 2], shared_until=8)
+    assert e.check({"reader": 8, "owner": 8}) == 0
+    e.req_to_token[1, PS:2 * PS] = e.req_to_token[2, PS:2 * PS]
+    assert e.check({"reader": 8, "owner": 8}) == 1
+    assert [(v.rid, v.pages, v.owners) for v in e.found] == [("reader", [4], ["owner"])]
