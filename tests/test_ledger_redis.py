@@ -251,6 +251,35 @@ def test_a_prefill_that_never_reports_is_an_orphan_after_the_timeout(pods):
     assert f.reader.rid == "r-lost" and f.evidence["sender"] == "never reported"
 
 
+@pytest.mark.parametrize("ahead", [True, False])
+def test_clock_skew_between_pods_changes_nothing(pods, monkeypatch, ahead):
+    """The prefill pod's clock is a day ahead, or started much later (behind): no time of one pod
+    is ever compared with the other's."""
+    import engine_hooks.ring as ring
+
+    real = time.monotonic_ns
+    skew = 86_400 * 10**9 if ahead else -(real() // 2)
+
+    class Skewed:
+        @staticmethod
+        def monotonic_ns():
+            return real() + skew
+
+    p = pods(orphan_timeout_s=1.0)
+    p.begin("r-1", 11, 8, [1, 2])
+    p.begin("r-2", 12, 16, [3, 4, 5, 6])
+    with monkeypatch.context() as m:
+        m.setattr(ring, "time", Skewed)
+        p.send("r-1", 11, 8)
+        p.send("r-2", 12, 1, digest_halves=None)  # the short send must still be caught
+    p.receive("r-1", 11, 8, [1, 2])
+    p.receive("r-2", 12, 16, [3, 4, 5, 6], digest=None)
+    assert p.settle(lambda: p.ledger("decode").digests_compared == 1 and p.ledger("decode").paired == 2)
+    p.settle(lambda: False, limit_s=1.5)  # past the orphan timeout: both senders reported
+    assert p.kinds("decode") == ["transfer_size_mismatch", "unwritten_read"] and p.kinds("prefill") == []
+    assert {f.reader.rid for f in p.sinks["decode"].findings} == {"r-2"}
+
+
 def test_two_clusters_sharing_one_redis_never_pair(pods):
     """Cluster c2's decode serves the same room and rid as cluster c1's prefill, which sends 1 token:
     c2 must not take c1's facts as its sender's."""
