@@ -153,7 +153,8 @@ class Probes:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = int(page_size)
         if self.tier1 is None and tier1_mod.enabled_from_env():
-            self.tier1 = tier1_mod.Tier1(int(pool_pages), self.page_size, on_violation=self._tier1_violation)
+            self.tier1 = tier1_mod.Tier1(int(pool_pages), self.page_size, on_violation=self._tier1_violation,
+                                         on_error=lambda where, exc: self.report_probe_error("tier1." + where, exc))
             log.info("kvguard tier1 read check on (%s=1): %d pages of %d tokens", tier1_mod.ENV, int(pool_pages),
                      self.page_size)
         h = wire.Hello(_ROLES[str(role).lower()], int(tp_rank), os.getpid(), self.page_size, int(pool_pages),

@@ -113,7 +113,7 @@ class Violation:
 
 
 class Tier1:
-    def __init__(self, num_pages: int, page_size: int, on_violation=None):
+    def __init__(self, num_pages: int, page_size: int, on_violation=None, on_error=None):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = int(page_size)
@@ -121,6 +121,7 @@ class Tier1:
         self.tags = np.full(min(max(int(num_pages) + 2, 2), MAX_PAGES), UNKNOWN, np.int32)
         self.row_tags = np.zeros(1024, np.int32)  # 0: row not bound to a known request (not judged)
         self.on_violation = on_violation
+        self.on_error = on_error  # (where, exception) once, when Tier 1 turns itself off
         self.enabled = True
         self.disabled_reason = ""
         self.errors = 0
@@ -150,6 +151,11 @@ class Tier1:
             self.disabled_reason = f"{where}: {type(exc).__name__}: {exc}"
             log.error("kvguard tier1 %s failed; Tier 1 is off for this process (serving is unaffected): %s: %s",
                       where, type(exc).__name__, exc)
+            if self.on_error is not None:
+                try:
+                    self.on_error(where, exc)
+                except Exception:  # noqa: BLE001
+                    pass
 
     # ------------------------------------------------------------------ tags
     def tag_for(self, rid) -> int:

@@ -307,9 +307,12 @@ def test_a_tier1_failure_never_reaches_the_engines_forward(tmp_path, monkeypatch
         assert hook(lambda self, fb: "logits", runner, fb) == "logits"
         assert hook(lambda self, fb: "logits", runner, fb) == "logits"
         assert p.tier1.enabled is False and p.tier1.errors == 1
-        assert rt.disabled_hooks() == set() and p.probe_errors == 0
-        kinds = [r.kind for r in RingReader(p.writer.path).poll().records]
-        assert kinds.count(wire.Kind.FORWARD) == 2
+        assert rt.disabled_hooks() == set() and "forward" not in p.disabled_probes
+        recs = RingReader(p.writer.path).poll().records
+        assert [r.kind for r in recs].count(wire.Kind.FORWARD) == 2
+        # the sidecar hears that Tier 1 is off (counted like any failed probe)
+        (err,) = [r.body for r in recs if r.kind == wire.Kind.PROBE_ERROR]
+        assert (err.probe, err.error, p.probe_errors) == ("tier1.check", "Tier1InputError", 1)
     finally:
         probes_mod.reset_probes_for_tests(None)
         rt.State.reset()
@@ -366,7 +369,7 @@ def test_real_sglang_objects_clean_steps_a_corrupt_row_and_bad_input(require_sgl
     # a float req_to_token: Tier 1 off, counted; the hooks and the engine carry on
     b = r["bad_input"]
     assert b["enabled"] is False and b["errors"] == 1 and b["forward_result"] == "ran"
-    assert b["disabled_hooks"] == [] and b["probe_errors"] == 0
+    assert b["disabled_hooks"] == [] and b["probe_errors"] == 1  # reported once, as tier1.check
 
 
 # --------------------------------------------------------------------------- the sidecar's side
