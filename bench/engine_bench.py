@@ -132,7 +132,6 @@ class Engine:
         from engine_hooks.sglang import _runtime as rt
         from engine_hooks.sglang import hooks_allocator as ha
         from engine_hooks.sglang import hooks_rows as hr
-        from engine_hooks.tier1 import Tier1
 
         self.torch, self.hr, self.rt = torch, hr, rt
         self.batch = batch
@@ -145,7 +144,7 @@ class Engine:
                           "bench-glm-mla")
         rt.State.page_size = PAGE
         if tier1:
-            self.probes.tier1 = Tier1(POOL_PAGES, PAGE, on_violation=self.probes._tier1_violation)
+            self.probes.start_tier1(POOL_PAGES)
 
         alloc = PagedTokenToKVPoolAllocator(POOL_PAGES * PAGE, PAGE, torch.bfloat16, "cpu", None, False)
         cap = PREFIX_TOKENS + PROMPT_TOKENS + OUTPUT_TOKENS + steps + PAGE

@@ -153,10 +153,7 @@ class Probes:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = int(page_size)
         if self.tier1 is None and tier1_mod.enabled_from_env():
-            self.tier1 = tier1_mod.Tier1(int(pool_pages), self.page_size, on_violation=self._tier1_violation,
-                                         on_error=lambda where, exc: self.report_probe_error("tier1." + where, exc))
-            log.info("kvguard tier1 read check on (%s=1): %d pages of %d tokens", tier1_mod.ENV, int(pool_pages),
-                     self.page_size)
+            self.start_tier1(int(pool_pages))
         h = wire.Hello(_ROLES[str(role).lower()], int(tp_rank), os.getpid(), self.page_size, int(pool_pages),
                        int(pool_tokens), int(context_len), int(max_req_input_len), engine_name, engine_version,
                        str(model), KVGUARD_VERSION)
@@ -255,6 +252,14 @@ class Probes:
                          read_pages, mode)
         self._emit(wire.Kind.FORWARD, wire.forward_payload(f))
         self._maybe_heartbeat()
+
+    def start_tier1(self, pool_pages: int) -> "tier1_mod.Tier1":
+        """Create Tier 1 (engine_hooks/tier1.py), fed from now on by the probes below."""
+        self.tier1 = tier1_mod.Tier1(int(pool_pages), self.page_size, on_violation=self._tier1_violation,
+                                     on_error=lambda where, exc: self.report_probe_error("tier1." + where, exc))
+        log.info("kvguard tier1 read check on (%s=1): %d pages of %d tokens", tier1_mod.ENV, int(pool_pages),
+                 self.page_size)
+        return self.tier1
 
     def _tier1_violation(self, v: "tier1_mod.Violation", reported_total: int) -> None:
         """Tier 1 found row pages that are not the reader's: one TIER1_VIOLATION record
