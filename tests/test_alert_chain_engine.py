@@ -430,6 +430,13 @@ def test_a_double_free_pages_through_alertmanager_and_resolves_when_the_incident
     assert foreign["payload"]["severity"] == "critical" and foreign["dedup_key"] != trigger["dedup_key"]
     assert foreign["links"] == [{"href": RUNBOOK.format("KVGuardForeignRead"), "text": "runbook"}]
 
+    # nothing else fired: exactly the two incidents, exactly their two alerts
+    with chain.sidecar.lock:
+        opened = sorted((i.kind, i.severity) for i in chain.sidecar.pipeline.incidents.incidents.values())
+    assert opened == [("double_free", "critical"), ("foreign_read", "critical")]
+    firing = {a["metric"]["alertname"] for a in chain.query('ALERTS{alertstate="firing"}')}
+    assert firing == {"KVGuardDoubleFree", "KVGuardForeignRead"}
+
     # 3. every dashboard panel, while the incident is open
     check_every_panel_query_returns_data(chain)
 
