@@ -75,9 +75,12 @@ class Watch:
         self.settle()
         self.recorder.flush()
         out: dict[int, dict[str, wire.XferDigest]] = {}
+        self.sends: dict[int, list[tuple[int, int]]] = {}  # room -> the chunks prefill sent
         for path in self.recorder.segments:
             with SegmentReader(path) as r:
                 for rec, carried in r:
+                    if not carried and rec.kind == wire.Kind.XFER_SEND:
+                        self.sends.setdefault(rec.body.room, []).append((rec.body.token_start, rec.body.token_end))
                     if carried or rec.kind != wire.Kind.XFER_DIGEST:
                         continue
                     x = rec.body
@@ -154,6 +157,12 @@ def test_normal_transfers_digests_match_and_nothing_is_reported(pd):
         s, d = check_pair(rooms, r.room, n)
         assert s.digest == d.digest, (n, hex(s.digest), hex(d.digest))
     assert len({rooms[r.room]["sender"].digest for r in results}) == len(results)  # different KV, different digests
+    # the longer prompts really went out in several chunks (the streaming sender digest)
+    chunks = {n: watch.sends[r.room] for r, n in zip(results, lengths)}
+    assert chunks[3] == [(0, 3)], chunks
+    for n in (150, 233):
+        starts, ends = [a for a, _ in chunks[n]], [b for _, b in chunks[n]]
+        assert len(chunks[n]) >= 2 and starts == [0] + ends[:-1] and ends[-1] == n, chunks
     assert watch.memory.findings == [], [f.to_dict() for f in watch.memory.findings]
 
 

@@ -408,11 +408,14 @@ class TestPrefillDecodePair:
         ev = watch.wait_event("send_truncated", "truncated")
         assert ev["end_idx"] == PAGE and ev["room"] == r.room
         found = watch.since(mark)
-        assert sorted(f.kind for f in found) == ["transfer_size_mismatch", "unwritten_read"], describe(found)
-        size, read = one(found, "transfer_size_mismatch"), one(found, "unwritten_read")
-        for f in (size, read):
+        assert sorted(f.kind for f in found) == ["checksum_mismatch", "transfer_size_mismatch", "unwritten_read"], \
+            describe(found)
+        size, read, digest = (one(found, k) for k in ("transfer_size_mismatch", "unwritten_read", "checksum_mismatch"))
+        for f in (size, read, digest):
             assert f.engine.role == "decode" and f.severity == "critical"
             assert (f.reader.rid, f.reader.tenant, f.reader.bootstrap_room) == (rid, "initech", r.room)
+        # the two ends' digests cover what each saw: 4 tokens sent, 200 reserved
+        assert digest.evidence["sender_tokens"] == [0, PAGE] and digest.evidence["receiver_tokens"] == [0, 200]
         assert size.evidence == {"sent_tokens": PAGE, "reserved_tokens": 200, "sent_pages": 1, "reserved_pages": 50}
         # 49 reserved pages were never written for it; decode's own first write goes to a 51st page
         assert len(read.pages) == 49 and sorted(read.pages) == sorted(size.pages)
@@ -435,8 +438,12 @@ class TestPrefillDecodePair:
         ev = watch.wait_event("sender_truncated", "truncated")
         assert ev["pages_asked"] == 50 and ev["pages_sent"] == 1 and ev["room"] == r.room
         found = watch.since(mark)
-        if not found:
-            pytest.xfail("kvguard coverage gap: XFER_SEND mirrors send_kv_chunk's token range "
-                         "(req.start_send_idx), not the pages the KV sender actually transferred, so a "
-                         "sender that moves fewer pages than the scheduler asked for looks like a full transfer")
-        assert sorted(f.kind for f in found) == ["transfer_size_mismatch", "unwritten_read"], describe(found)
+        # XFER_SEND mirrors send_kv_chunk's range (200 of 200 tokens: no size mismatch, every
+        # page counted written); the digests see it: prefill hashed the 200 tokens it meant to
+        # send, decode the 200 reserved tokens, of which 196 still hold someone else's KV
+        assert [f.kind for f in found] == ["checksum_mismatch"], describe(found)
+        f = found[0]
+        assert f.engine.role == "decode" and f.severity == "critical"
+        assert (f.reader.rid, f.reader.tenant, f.reader.bootstrap_room) == (rid, "initech", r.room)
+        assert f.evidence["sender_tokens"] == f.evidence["receiver_tokens"] == [0, 200]
+        assert f.evidence["sender_digest"] != f.evidence["receiver_digest"] and len(f.pages) == 50
