@@ -409,3 +409,28 @@ def test_hooks_state_is_bounded(probes, monkeypatch):
     for i in range(5):
         send_chunk(sched, req(f"open{i}", i), 4, False)  # first chunks of transfers that never finish
     assert list(hd.Digests.senders) == ["open2", "open3", "open4"] and hd.Digests.senders.dropped == 2
+
+
+def test_hooks_tp2_prefill_partials_add_up_to_tp1_decode(probes):
+    """Prefill with attention TP 2 (each rank half the kv heads), decode with TP 1."""
+    kv = make_kv(24, seed=18)
+    rng = np.random.default_rng(19)
+    p_slots, d_slots = scattered(24, 128, 4, rng), scattered(24, 128, 4, rng)
+    ranks = []
+    for rank, heads in ((0, slice(0, 2)), (1, slice(2, 4))):
+        sched = engine_side(Pool(kv, p_slots, 128, 4, heads=heads), {3: p_slots})
+        sched.attn_tp_rank, sched.attn_tp_size, sched.tp_size = rank, 2, 2
+        ranks.append(sched)
+        send_chunk(sched, req("tp", 3), 24, True)
+        hd.Digests.setups.clear()  # one process per rank in SGLang: each has its own pool
+    decode = engine_side(Pool(kv, d_slots, 128, 4), {6: d_slots})
+    dr = req("tp", 6)
+    queue = types.SimpleNamespace(scheduler=decode, req_to_token_pool=decode.req_to_token_pool,
+                                  queue=[types.SimpleNamespace(req=dr)])
+    hd._pre_alloc_post((dr, 0, 0, False), torch.as_tensor(d_slots), queue, dr)
+    before = hd._pop_transferred_pre(queue)
+    queue.queue = []
+    hd._pop_transferred_post(before, [dr], queue)
+    r0, r1, whole = (c[1] for c in probes.named("transfer_digest"))
+    assert [x[7:10] for x in (r0, r1, whole)] == [(0, 2, HEADS), (2, 2, HEADS), (0, HEADS, HEADS)]
+    assert (r0[3] + r1[3]) & dg.MASK64 == whole[3] == reference(kv, 0, 24)
