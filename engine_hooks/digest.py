@@ -39,6 +39,8 @@ MASK64 = (1 << 64) - 1
 UNIT_BYTES = "unit_bytes"  # wire.DigestAlg.XXH3_UNIT_BYTES (host pools)
 DEVICE_REDUCED = "device_reduced"  # wire.DigestAlg.XXH3_DEVICE_REDUCED (device pools)
 
+BLOCK_BYTES = 64 << 20  # bound on one layer's temporaries per update (see StreamingDigest.block_tokens)
+
 P1, G1 = (1 << 31) - 1, 16807
 P2, G2 = (1 << 31) - 19, 48271
 
@@ -276,12 +278,23 @@ class StreamingDigest:
 
     def update(self, slots) -> None:
         slots = _as_slots(slots, self.view, self.alg)
-        if len(slots) == 0:
-            return
-        for i in range(self.view.layers):
-            streams = layer_streams(self.view, i, slots, self.alg)
-            for h, hasher in enumerate(self.hashers[i]):
-                hasher.update(streams[h].data)
+        n = len(slots)
+        step = self.block_tokens()
+        for a in range(0, n, step):  # token blocks bound the temporaries (the stream hash does not care)
+            block = slots[a:a + step]
+            for i in range(self.view.layers):
+                streams = layer_streams(self.view, i, block, self.alg)
+                for h, hasher in enumerate(self.hashers[i]):
+                    hasher.update(streams[h].data)
+
+    def block_tokens(self) -> int:
+        """Tokens per block so that one layer's temporaries stay near BLOCK_BYTES (alg 2
+        widens each u32 word to int64 and keeps a few such arrays); whole pages."""
+        v = self.view
+        unit = sum(int(b[0].shape[-1]) * b[0].element_size() for b in (v.k, v.v) if b is not None)
+        per_token = v.heads * unit * (16 if self.alg == DEVICE_REDUCED else 2)
+        tokens = max(1, BLOCK_BYTES // max(1, per_token))
+        return max(v.page_size, tokens // v.page_size * v.page_size)
 
     def digest(self) -> int:
         return sum(h.intdigest() for row in self.hashers for h in row) & MASK64

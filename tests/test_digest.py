@@ -434,3 +434,16 @@ def test_hooks_tp2_prefill_partials_add_up_to_tp1_decode(probes):
     r0, r1, whole = (c[1] for c in probes.named("transfer_digest"))
     assert [x[7:10] for x in (r0, r1, whole)] == [(0, 2, HEADS), (2, 2, HEADS), (0, HEADS, HEADS)]
     assert (r0[3] + r1[3]) & dg.MASK64 == whole[3] == reference(kv, 0, 24)
+
+
+@pytest.mark.parametrize("alg", [dg.UNIT_BYTES, dg.DEVICE_REDUCED])
+def test_token_blocks_bound_temporaries_and_change_nothing(alg, monkeypatch):
+    kv = make_kv(45, seed=20)
+    slots = scattered(45, 256, 4, np.random.default_rng(21))
+    view = dg.pool_view(Pool(kv, slots, 256, 4))
+    whole = dg.transfer_digest(view, slots, 0, alg)
+    monkeypatch.setattr(dg, "BLOCK_BYTES", 1)  # one page per block
+    stream = dg.StreamingDigest(view, 0, alg)
+    assert stream.block_tokens() == 4
+    stream.update(slots)
+    assert stream.digest() == whole
