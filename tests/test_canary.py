@@ -11,6 +11,7 @@ budget tests compare with what actually arrived.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -29,9 +30,12 @@ class FakeEngine:
     """State and behaviour of one fake server; ``mode`` picks the behaviour."""
 
     def __init__(self, mode: str = "healthy", role: str = "null", native: bool = True, bootstrap_port: int = 9001,
-                 status: int = 200, delay_s: float = 0.0, spaced: bool = False, victim_ttft_s: float = 0.0):
+                 status: int = 200, delay_s: float = 0.0, spaced: bool = False, victim_ttft_s: float = 0.0,
+                 wordy: bool = False, ttft_per_token_s: float = 0.0):
         self.mode, self.role, self.native, self.bootstrap_port = mode, role, native, bootstrap_port
         self.status, self.delay_s, self.spaced, self.victim_ttft_s = status, delay_s, spaced, victim_ttft_s
+        self.ttft_per_token_s = ttft_per_token_s  # a plausible engine: prefill time grows with the prompt
+        self.wordy = wordy  # a tokenizer that takes up to 4 lowercase letters per token (others: 1 per character)
         self.requests: list[tuple[str, str, dict, dict]] = []  # (method, path, body, headers)
         self.stale = ""  # the last victim prompt: what a reused page would hold
         self.lock = threading.Lock()
@@ -41,9 +45,12 @@ class FakeEngine:
                 "max_req_input_len": MAX_INPUT, "chunked_prefill_size": 2048, "disaggregation_mode": self.role,
                 "disaggregation_bootstrap_port": self.bootstrap_port}
 
+    def tokens(self, prompt: str) -> int:
+        return len(re.findall(r"[a-z]{1,4}|.", prompt, re.S)) if self.wordy else len(prompt)
+
     def answer(self, prompt: str, max_new: int, tenant: str) -> tuple[int, str, str | None]:
         """(status, output text, error) for one prompt."""
-        n = len(prompt)
+        n = self.tokens(prompt)
         if "a0" in prompt[:12] or tenant.endswith("-a"):  # a victim request
             with self.lock:
                 self.stale = prompt
@@ -112,6 +119,7 @@ def _handler(engine: FakeEngine):
             self.end_headers()
             if tenant.endswith("-a") and engine.victim_ttft_s:
                 time.sleep(engine.victim_ttft_s)
+            time.sleep(engine.ttft_per_token_s * engine.tokens(prompt))
             try:
                 self._stream(prompt, text)
             except (BrokenPipeError, ConnectionResetError):  # the canary cancelled the stream
@@ -121,15 +129,16 @@ def _handler(engine: FakeEngine):
             for i in range(1, len(text) + 1):
                 last = i == len(text)
                 if self.path == "/generate":
-                    meta = {"prompt_tokens": len(prompt), "completion_tokens": i, "cached_tokens": 0,
+                    meta = {"prompt_tokens": engine.tokens(prompt), "completion_tokens": i, "cached_tokens": 0,
                             "finish_reason": {"type": "length"} if last else None}
                     chunk = {"text": text[:i], "meta_info": meta}
                 else:
-                    chunk = {"choices": [{"index": 0, "text": text[i - 1], "finish_reason": "length" if last else None}]}
+                    choice = {"index": 0, "text": text[i - 1], "finish_reason": "length" if last else None}
+                    chunk = {"choices": [choice]}
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 self.wfile.flush()
             if self.path == "/v1/completions":
-                usage = {"choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(text)}}
+                usage = {"choices": [], "usage": {"prompt_tokens": engine.tokens(prompt), "completion_tokens": len(text)}}
                 self.wfile.write(f"data: {json.dumps(usage)}\n\n".encode())
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
@@ -176,7 +185,8 @@ def test_leak_through_the_over_pool_path_exits_3_and_names_the_marker(serve, cap
     for r in leaked:
         frag = r["leak"]["fragment"]
         assert len(frag) >= 10 and any(frag in normalize(v[2]["text"]) for v in victims)
-        assert r["leak"]["blocks"] and all(b.startswith("#" + rep["marker_run"]) for b in r["leak"]["blocks"])
+        assert r["leak"]["blocks"] and all(b.startswith(("#" + rep["marker_run"], "[" + rep["marker_run"]))
+                                           for b in r["leak"]["blocks"])
         assert r["leak"]["blocks"][0] in leaks[0]["message"] or r["leak"]["blocks"][0] in " ".join(
             f["message"] for f in leaks)
     # the over-length prompts were also answered 200: a finding of its own
@@ -215,6 +225,18 @@ def test_text_report_names_model_findings_and_exit(serve, capsys):
     assert "model: fake/echo-model" in out and "requests sent:" in out and "over_pool" in out
 
 
+def test_prompt_sizes_follow_each_tenants_measured_tokenization(serve, capsys):
+    engine = FakeEngine("healthy", wordy=True)  # B's words take ~2 characters a token, A's markers 1
+    rc, rep = run_cli(capsys, "--url", serve(engine))
+    assert rc == 0, rep
+    assert rep["chars_per_token"]["kvguard-canary-a"] == 1.0 and rep["chars_per_token"]["kvguard-canary-b"] > 1.5
+    sent = {e[2]["rid"]: engine.tokens(e[2]["text"]) for e in engine.requests if e[0] == "POST"}
+    over = [sent[r["rid"]] for r in rep["requests"] if r["phase"] == "over_pool"]
+    assert over and all(POOL < n <= CTX for n in over), over  # sized in B's tokens, not A's
+    (ctx,) = [sent[r["rid"]] for r in rep["requests"] if r["phase"] == "over_context"]
+    assert ctx > CTX
+
+
 def test_tokenized_marker_is_still_found(serve, capsys):
     rc, rep = run_cli(capsys, "--url", serve(FakeEngine("leaky", spaced=True)))
     assert rc == 3 and any(r["leak"] for r in rep["requests"])
@@ -238,7 +260,8 @@ def test_ttft_too_short_for_the_prompt_is_a_warning_not_a_leak(serve, capsys):
 
 
 def test_no_ttft_warning_when_timing_is_plausible(serve, capsys):
-    rc, rep = run_cli(capsys, "--url", serve(FakeEngine("healthy")), "--budget", "16")
+    # first tokens after 1 ms per prompt token for everyone: noise would need to be ~1 s to warn
+    rc, rep = run_cli(capsys, "--url", serve(FakeEngine("healthy", ttft_per_token_s=0.001)), "--budget", "16")
     assert rc == 0 and rep["warnings"] == []
 
 
@@ -379,7 +402,8 @@ def test_marker_search_whole_partial_tokenized_and_own_text():
     assert find_leak(victims[1][100:109], "", victims, m) is None  # 9 characters: below the threshold
     assert find_leak(victims[1][100:109], "", victims, m, min_overlap=5) is not None
     header = victims[1][:12]  # the per-request header names one victim
-    assert find_leak(header, "", victims, m, min_overlap=6).victims == [1]
+    named = find_leak(header, "", victims, m, min_overlap=6)
+    assert named.victims == [1] and named.blocks == [header.strip()]
     # B's own prompt text is never blamed on A, and B's filler never matches A
     assert find_leak(whole, whole, victims, m) is None
     import random as r2

@@ -48,6 +48,7 @@ class Reply:
     ttft_s: float | None = None
     latency_s: float = 0.0
     aborted_by_client: bool = False
+    rid: str | None = None  # the request id sent (native API): the sidecar's findings name it too
 
     @property
     def ok(self) -> bool:
@@ -156,8 +157,9 @@ class NativeClient(_Streamer):
 
     def send(self, text: str, *, tenant: str, max_new_tokens: int, abort_after_first: bool = False) -> Reply:
         self.budget.take(what="POST /generate")
-        return self._stream(self.base + "/generate", _native_body(text, max_new_tokens, tenant),
-                            {TENANT_HEADER: tenant}, abort_after_first, Reply(), _native_chunk)
+        body = _native_body(text, max_new_tokens, tenant)
+        return self._stream(self.base + "/generate", body, {TENANT_HEADER: tenant}, abort_after_first,
+                            Reply(rid=body["rid"]), _native_chunk)
 
 
 class PairClient(_Streamer):
@@ -179,7 +181,7 @@ class PairClient(_Streamer):
         # Prefill's answer matters only as a fallback reason: the client sees decode's.
         fp = self._pool.submit(self._prefill_post, {**body, "stream": False})
         reply = self._stream(self.decode + "/generate", body, {TENANT_HEADER: tenant}, abort_after_first,
-                             Reply(), _native_chunk)
+                             Reply(rid=body["rid"]), _native_chunk)
         prefill_error = fp.result()
         if reply.error and prefill_error:
             reply.error += f" (prefill: {prefill_error})"

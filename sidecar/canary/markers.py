@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 import re
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_MIN_OVERLAP = 10  # characters; a chance match of 10 marker characters is ~36**-10
 MARKER_ALPHABET = string.ascii_uppercase + string.digits
@@ -41,6 +41,7 @@ class MarkerSet:
 
     run_id: str
     blocks: list[str]  # "#" + run_id + block index (2, base 36) + random
+    headers: list[str] = field(default_factory=list)  # "[<run> aNNN]" of each victim request made
 
     @classmethod
     def new(cls, rng: random.Random, n_blocks: int = 400) -> MarkerSet:
@@ -61,12 +62,16 @@ class MarkerSet:
     def victim_text(self, request_no: int, chars: int, prefix: str = "") -> str:
         """An A prompt of ``chars`` characters: ``prefix``, a per-request header, then the
         body, aligned so that position q holds body[q] in every A request of the run."""
-        head = prefix + f"[{self.run_id} a{request_no:03d}] "
+        header = f"[{self.run_id} a{request_no:03d}]"
+        if header not in self.headers:
+            self.headers.append(header)
+        head = prefix + header + " "
         return (head + self.body(chars)[len(head):])[:chars]
 
     def blocks_in(self, fragment: str) -> list[str]:
-        """The marker blocks a (normalized) fragment of A's text overlaps."""
-        hits = []
+        """The markers a (normalized) fragment of A's text holds: request headers it
+        contains whole, and body blocks it shares at least 6 characters with."""
+        hits = [h for h in self.headers if normalize(h) in fragment]
         for b in self.blocks:
             nb = normalize(b)
             if _overlap(nb, fragment) >= min(6, len(nb)):

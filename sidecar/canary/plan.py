@@ -9,12 +9,13 @@ Phases, in order (each B request's output is searched for A's markers):
    prompt the pool takes, at most ``--max-prompt-tokens`` and 2048), one at a time,
    enough to pass ~1.5x the decode-side pool through the allocator, so that freed
    pages hold markers when B comes.
-2. ``over_pool`` (B): prompts longer than the pool that must hold them (prefill's
+2. ``near_pool`` (B): just under the pool: must succeed, with B's own text; its
+   ``prompt_tokens`` measure how B's text tokenizes, for the sizes below.
+3. ``over_pool`` (B): prompts longer than the pool that must hold them (prefill's
    in a prefill/decode pair) but within the context length: the incident's path. A
    healthy engine fails them; a 200 whose ``prompt_tokens`` exceed that pool is a
    finding by itself (the KV cannot have been computed).
-3. ``over_context`` (B): context length + 16 tokens: must be an error.
-4. ``near_pool`` (B): just under the pool: must succeed, with B's own text.
+4. ``over_context`` (B): context length + 16 tokens: must be an error.
 5. ``shared_prefix``: A then B with the same public prefix (prefix cache), B's
    continuation its own.
 6. ``abort``: a B stream cancelled after its first chunk, then a B request that
@@ -115,15 +116,16 @@ def build_plan(s: Sizing, budget_left: int, per_request: int) -> Plan:
         return [Probe("victim", "A", victim_tokens, VICTIM_NEW_TOKENS, "ok", "plant markers in the KV pool")
                 for _ in range(n)]
 
-    optional: list[tuple[str, list[Probe]]] = []
+    # near_pool goes first: its answer also measures how B's text tokenizes (over_pool sizes use it)
+    optional: list[tuple[str, list[Probe]]] = [
+        ("near_pool", [Probe("near_pool", "B", max(16, min(fit, s.max_prompt_tokens) - 8), 16, "ok",
+                             "just under the largest prompt the pool takes")])]
     if s.context_len and s.context_len + 16 <= s.max_prompt_tokens:
         optional.append(("over_context", [Probe("over_context", "B", s.context_len + 16, 16, "error",
                                                 "longer than the context length: must be rejected")]))
     else:
         skipped.append(f"over_context: context length {s.context_len} unknown or above --max-prompt-tokens "
                        f"({s.max_prompt_tokens})")
-    optional.append(("near_pool", [Probe("near_pool", "B", max(16, min(fit, s.max_prompt_tokens) - 8), 16, "ok",
-                                         "just under the largest prompt the pool takes")]))
     optional.append(("shared_prefix", [
         Probe("shared_prefix", "A", victim_tokens, VICTIM_NEW_TOKENS, "ok", "markers after a public prefix",
               shared_prefix=True),
@@ -149,7 +151,9 @@ def build_plan(s: Sizing, budget_left: int, per_request: int) -> Plan:
     # Shrink to the budget: optional phases from the end, then over_pool lengths, then victims.
     probes_left = budget_left // per_request
     while True:
-        probes = victims(n_victims) + over(over_pool) + [p for _, ps in optional for p in ps]
+        rest = [p for _, ps in optional for p in ps]
+        near = [p for p in rest if p.phase == "near_pool"]
+        probes = victims(n_victims) + near + over(over_pool) + [p for p in rest if p.phase != "near_pool"]
         if len(probes) <= probes_left:
             break
         if optional:

@@ -39,8 +39,8 @@ class RequestRecord:
     def to_json(self) -> dict[str, Any]:
         r, p = self.reply, self.probe
         return {
-            "index": self.index, "phase": p.phase, "tenant": self.tenant, "role": "victim" if p.tenant == "A"
-            else "prober", "purpose": p.why, "expect": p.expect, "prompt_tokens_planned": p.prompt_tokens,
+            "index": self.index, "rid": r.rid, "phase": p.phase, "tenant": self.tenant,
+            "role": "victim" if p.tenant == "A" else "prober", "purpose": p.why, "expect": p.expect, "prompt_tokens_planned": p.prompt_tokens,
             "prompt_chars": self.prompt_chars, "max_new_tokens": p.max_new_tokens, "status": r.status, "ok": r.ok,
             "error": r.error, "finish_reason": r.finish_reason, "prompt_tokens": r.prompt_tokens,
             "cached_tokens": r.cached_tokens, "completion_tokens": r.completion_tokens,
@@ -75,7 +75,7 @@ class Report:
     servers: list[ServerLimits] = field(default_factory=list)
     sizing: Sizing | None = None
     marker_run: str | None = None
-    chars_per_token: float | None = None
+    chars_per_token: dict[str, float] = field(default_factory=dict)  # per tenant, measured
     requests: list[RequestRecord] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)

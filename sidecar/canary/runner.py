@@ -140,7 +140,9 @@ def _send_plan(opts: Options, rep: Report, client, probes: list[Probe], t_end: f
     markers = MarkerSet.new(rng)
     rep.marker_run = markers.run_id
     victim_prompts: list[str] = []
-    chars_per_token = 1.0  # measured on the first victim answer
+    # Characters per token, per tenant's kind of text (markers and words tokenize differently):
+    # measured on the first successful answer of each; B uses A's until its own is known.
+    ratio: dict[str, float] = {}
     victim_rates: list[float] = []
     i = 0
     while i < len(probes):
@@ -155,7 +157,7 @@ def _send_plan(opts: Options, rep: Report, client, probes: list[Probe], t_end: f
             break
         texts = []
         for p in group:
-            chars = max(1, int(round(p.prompt_tokens * chars_per_token)))
+            chars = max(1, int(round(p.prompt_tokens * ratio.get(p.tenant, ratio.get("A", 1.0)))))
             prefix = SHARED_PREFIX if p.shared_prefix else ""
             if p.tenant == "A":
                 text = markers.victim_text(len(victim_prompts), chars, prefix)
@@ -164,8 +166,12 @@ def _send_plan(opts: Options, rep: Report, client, probes: list[Probe], t_end: f
                 text = filler_text(chars, rng, prefix)
             texts.append(text)
         tenant = {"A": opts.tenant_a, "B": opts.tenant_b}
-        send = lambda pt: client.send(pt[1], tenant=tenant[pt[0].tenant], max_new_tokens=pt[0].max_new_tokens,  # noqa: E731
-                                      abort_after_first=pt[0].abort_after_first)
+
+        def send(pt: tuple[Probe, str]) -> Reply:
+            probe, prompt = pt
+            return client.send(prompt, tenant=tenant[probe.tenant], max_new_tokens=probe.max_new_tokens,
+                               abort_after_first=probe.abort_after_first)
+
         if len(group) == 1:
             replies = [send((group[0], texts[0]))]
         else:
@@ -174,10 +180,10 @@ def _send_plan(opts: Options, rep: Report, client, probes: list[Probe], t_end: f
         for p, text, reply in zip(group, texts, replies):
             rec = RequestRecord(len(rep.requests), p, tenant[p.tenant], len(text), reply)
             rep.requests.append(rec)
+            if reply.ok and reply.prompt_tokens and p.tenant not in ratio and not p.shared_prefix:
+                ratio[p.tenant] = len(text) / reply.prompt_tokens
+                rep.chars_per_token[rec.tenant] = round(ratio[p.tenant], 3)
             if p.tenant == "A" and reply.ok:
-                if reply.prompt_tokens and not victim_rates:
-                    chars_per_token = len(text) / reply.prompt_tokens
-                    rep.chars_per_token = round(chars_per_token, 3)
                 uncached = (reply.prompt_tokens or 0) - (reply.cached_tokens or 0)
                 if reply.ttft_s and uncached > 0:
                     victim_rates.append(reply.ttft_s / uncached)
