@@ -31,17 +31,19 @@ class FakeEngine:
 
     def __init__(self, mode: str = "healthy", role: str = "null", native: bool = True, bootstrap_port: int = 9001,
                  status: int = 200, delay_s: float = 0.0, spaced: bool = False, victim_ttft_s: float = 0.0,
-                 wordy: bool = False, ttft_per_token_s: float = 0.0):
+                 wordy: bool = False, ttft_per_token_s: float = 0.0, served_port: int | None = None):
         self.mode, self.role, self.native, self.bootstrap_port = mode, role, native, bootstrap_port
         self.status, self.delay_s, self.spaced, self.victim_ttft_s = status, delay_s, spaced, victim_ttft_s
         self.ttft_per_token_s = ttft_per_token_s  # a plausible engine: prefill time grows with the prompt
+        self.served_port = served_port  # server_info "port": another port means a router answered for a worker
         self.wordy = wordy  # a tokenizer that takes up to 4 lowercase letters per token (others: 1 per character)
         self.requests: list[tuple[str, str, dict, dict]] = []  # (method, path, body, headers)
         self.stale = ""  # the last victim prompt: what a reused page would hold
         self.lock = threading.Lock()
 
     def server_info(self) -> dict:
-        return {"version": "0.5.19", "max_total_num_tokens": POOL, "context_length": CTX, "page_size": 4,
+        port = {} if self.served_port is None else {"port": self.served_port}
+        return {**port, "version": "0.5.19", "max_total_num_tokens": POOL, "context_length": CTX, "page_size": 4,
                 "max_req_input_len": MAX_INPUT, "chunked_prefill_size": 2048, "disaggregation_mode": self.role,
                 "disaggregation_bootstrap_port": self.bootstrap_port}
 
@@ -312,6 +314,21 @@ def test_prefill_decode_pair_is_driven_like_the_router(serve, capsys):
     assert {b["bootstrap_port"] for b in d_posts} == {8123} and {b["bootstrap_host"] for b in d_posts} == {
         "127.0.0.1"}
     assert rep["requests_sent"] == len(decode.requests) + len(prefill.requests) <= 64
+
+
+def test_a_router_is_recognised_by_the_decode_info_it_relays(serve, capsys):
+    # SGLang's PD router answers /get_server_info with its first decode server's, port included
+    router = FakeEngine("leaky", role="decode", served_port=1)
+    url = serve(router)
+    rc, rep = run_cli(capsys, "--url", url)
+    assert "router" in rep["api"] and any("decode server on port 1" in n for n in rep["notes"])
+    assert any("prefill pool" in u for u in rep["unread"])  # it says what it cannot know through a router
+    # with the prefill server's pool read from --prefill-url, requests still go through the router only
+    prefill = FakeEngine(role="prefill", bootstrap_port=8123)
+    rc, rep = run_cli(capsys, "--url", url, "--prefill-url", serve(prefill))
+    assert rc == 3 and rep["verdict"] == "leak" and rep["limits"]["pool_tokens"] == POOL
+    assert [e for e in prefill.requests if e[0] == "POST"] == []
+    assert all("bootstrap_room" not in e[2] for e in router.requests if e[0] == "POST")
 
 
 def test_a_pair_member_alone_is_refused_with_the_way_out(serve, capsys):

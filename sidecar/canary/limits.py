@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -38,6 +39,7 @@ class ServerLimits:
     page_size: int | None = None
     chunked_prefill_size: int | None = None
     bootstrap_port: int | None = None
+    served_port: int | None = None  # the "port" the answering SGLang server was launched with
     model_id: str | None = None
     unread: list[str] = field(default_factory=list)  # what could not be read, and why
     error: str | None = None  # the server could not be reached at all
@@ -45,7 +47,7 @@ class ServerLimits:
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in (
             "url", "reachable", "native", "role", "version", "pool_tokens", "context_len", "max_req_input_len",
-            "page_size", "chunked_prefill_size", "bootstrap_port", "model_id", "unread", "error")}
+            "page_size", "chunked_prefill_size", "bootstrap_port", "served_port", "model_id", "unread", "error")}
 
 
 def _int(value: Any) -> int | None:
@@ -94,6 +96,7 @@ def read_limits(client: httpx.Client, budget: Budget, base: str) -> ServerLimits
         lim.page_size = _int(info.get("page_size"))
         lim.chunked_prefill_size = _int(info.get("chunked_prefill_size"))
         lim.bootstrap_port = _int(info.get("disaggregation_bootstrap_port"))
+        lim.served_port = _int(info.get("port"))
         if lim.pool_tokens is None:
             lim.unread.append("KV pool size: server info has no max_total_num_tokens")
     else:
@@ -113,3 +116,15 @@ def read_limits(client: httpx.Client, budget: Budget, base: str) -> ServerLimits
     if lim.context_len is None:
         lim.unread.append("context length: neither max_model_len nor context_length was reported")
     return lim
+
+
+def proxied(lim: ServerLimits) -> bool:
+    """True when another server answered for ``lim.url``: SGLang's router in
+    prefill/decode mode returns its first decode server's ``/get_server_info``, whose
+    ``port`` is that server's, not the router's. (A port remapped by a proxy or a
+    Kubernetes Service looks the same; the report says which way it was read.)"""
+    if lim.served_port is None:
+        return False
+    parts = urlsplit(lim.url)
+    url_port = parts.port or (443 if parts.scheme == "https" else 80)
+    return url_port != lim.served_port

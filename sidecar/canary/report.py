@@ -79,6 +79,7 @@ class Report:
     requests: list[RequestRecord] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # how the endpoint was read
     skipped: list[str] = field(default_factory=list)
     could_not_run: str | None = None
     budget_obj: Any = None
@@ -119,7 +120,7 @@ class Report:
             "servers": [x.to_json() for x in self.servers], "unread": self.unread(),
             "marker_run": self.marker_run, "chars_per_token": self.chars_per_token,
             "findings": [{"kind": f.kind, "request": f.request, "message": f.message} for f in self.findings],
-            "warnings": list(self.warnings), "skipped": list(self.skipped),
+            "warnings": list(self.warnings), "notes": list(self.notes), "skipped": list(self.skipped),
             "requests": [r.to_json() for r in self.requests],
         }
 
@@ -132,6 +133,7 @@ def render_text(rep: Report) -> str:
                      f"{srv.page_size or '?'}, chunked prefill {srv.chunked_prefill_size or '?'}")
     for u in rep.unread():
         lines.append(f"  could not read: {u}")
+    lines += [f"  note: {n}" for n in rep.notes]
     if rep.api:
         lines.append(f"  API: {rep.api}")
     lines.append("  " + model_note(rep.model))

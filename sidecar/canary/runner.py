@@ -18,7 +18,7 @@ import httpx
 from ..preflight import normalize_url
 from .budget import Budget, BudgetExhausted
 from .clients import NativeClient, OpenAIClient, PairClient, Reply
-from .limits import ServerLimits, read_limits
+from .limits import ServerLimits, proxied, read_limits
 from .markers import DEFAULT_MIN_OVERLAP, MarkerSet, filler_text, find_leak
 from .plan import DEFAULT_MAX_PROMPT_TOKENS, Probe, Sizing, build_plan
 from .report import Finding, Report, RequestRecord
@@ -82,18 +82,29 @@ def _run(opts: Options, rep: Report, http: httpx.Client, budget: Budget, base: s
         rep.servers.append(pre)
         if pre.error:
             return rep.fail(pre.error)
-        if lim.role != "decode" or pre.role != "prefill":
-            return rep.fail(f"--prefill-url needs --url to be the decode server and --prefill-url the prefill "
-                            f"server; they report roles {lim.role!r} and {pre.role!r}")
-    elif lim.role in ("prefill", "decode"):
+        if pre.role != "prefill":
+            return rep.fail(f"--prefill-url {prefill} reports role {pre.role!r}, not prefill")
+    # Who answers at --url: a decode server itself, or a router showing its first decode
+    # server's info (SGLang's router does): requests go through a router as they are.
+    behind_router = lim.role == "decode" and proxied(lim)
+    if behind_router:
+        rep.notes.append(f"{base} answered with the server info of the decode server on port {lim.served_port}: "
+                         f"treated as a prefill/decode router")
+        if pre is None and opts.pool_tokens is None:
+            lim.unread.append("the prefill pool: a router shows a decode server's info; give --prefill-url "
+                              "(read only) or --pool-tokens with the prefill pool (kvguard preflight --url PREFILL)")
+    elif lim.role in ("prefill", "decode") and not (lim.role == "decode" and pre is not None):
         return rep.fail(f"{base} is the {lim.role} server of a prefill/decode pair: point --url at the router "
                         f"(what clients use), or give --url DECODE --prefill-url PREFILL and the canary sends each "
                         f"request to both, as SGLang's router does")
+    elif pre is not None and lim.role != "decode":
+        return rep.fail(f"--prefill-url needs --url to be a router or the decode server; {base} reports role "
+                        f"{lim.role!r}")
 
     api = opts.api
     if api == "auto":
         api = "native" if lim.native else "openai"
-    model = opts.model or lim.model_id
+    model = opts.model or lim.model_id or (pre.model_id if pre else None)
     rep.model = model
     rep.api = api
     if api == "openai" and not model:
@@ -101,7 +112,7 @@ def _run(opts: Options, rep: Report, http: httpx.Client, budget: Budget, base: s
 
     client: NativeClient | PairClient | OpenAIClient
     per_request = 1
-    if pre is not None:
+    if pre is not None and not behind_router:
         host = urlsplit(prefill).hostname or "127.0.0.1"
         if pre.bootstrap_port is None:
             pre.unread.append("disaggregation_bootstrap_port: not reported; using SGLang's default 8998")
@@ -112,6 +123,8 @@ def _run(opts: Options, rep: Report, http: httpx.Client, budget: Budget, base: s
         client = NativeClient(http, budget, opts.timeout_s, base)
     else:
         client = OpenAIClient(http, budget, opts.timeout_s, base, model)
+    if behind_router:
+        rep.api += " (through a prefill/decode router)"
 
     pool_in = opts.pool_tokens or (pre.pool_tokens if pre else lim.pool_tokens)
     sizing = Sizing(
