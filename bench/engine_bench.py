@@ -261,6 +261,8 @@ def bench_batch(batch: int, steps: int, warmup: int = 3, profile: bool = False, 
         for m in eng.meters.values():
             m.reset()
         eng.records = eng.bytes = 0
+        t1 = eng.probes.tier1
+        checks0 = t1.checks if t1 else 0
         per_step_cpu = []
         prof = cProfile.Profile() if profile else None
         fb = None
@@ -276,7 +278,6 @@ def bench_batch(batch: int, steps: int, warmup: int = 3, profile: bool = False, 
         m = eng.meters
         own_cpu = sum(x.own_cpu for x in m.values()) / steps / 1e3
         own_wall = sum(x.own_wall for x in m.values()) / steps / 1e3
-        t1 = eng.probes.tier1
         out = {
             "batch": batch,
             "steps": steps,
@@ -294,7 +295,7 @@ def bench_batch(batch: int, steps: int, warmup: int = 3, profile: bool = False, 
             "dropped_records": eng.writer.dropped_records,
             "probe_errors": eng.probes.probe_errors,
             "disabled_hooks": sorted(eng.rt.disabled_hooks()),
-            "tier1_checks": t1.checks if t1 else 0,
+            "tier1_checks": t1.checks - checks0 if t1 else 0,  # in the measured steps
             "tier1_violations": t1.violations if t1 else 0,
             "tier1_errors": t1.errors if t1 else 0,
         }
