@@ -54,7 +54,7 @@ class Sizes:
         self.node_steps = 3 if quick else 12
         self.latency_s = 0.8 if quick else 5.0
         self.engine_batches = "1,4" if quick else "1,64,256"
-        self.engine_steps = 2 if quick else 30
+        self.engine_steps = 2 if quick else 64  # 4 sampled-row steps at the default 1 in 16
         self.scale_steps = 2 if quick else 10
         self.raw_repeat = 1 if quick else 5
 
