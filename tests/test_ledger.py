@@ -328,3 +328,20 @@ def test_an_end_is_complete_only_when_its_ranks_tile_every_head_exactly():
     totals.add(1, 0, part(4, 1, total=8))
     totals.add(1, 4, part(4, 2, total=16))
     assert not totals.complete(1) and not DigestSum().complete(1)
+
+
+def test_a_warmup_transfer_with_no_sender_is_not_waited_for_nor_judged(tmp_path):
+    """SGLang's decode warmup uses a fake bootstrap host: its transfer 'succeeds' with no sender."""
+    prefill, decode = engines(tmp_path)
+    decode.request_begin("r-warm", "", 104, 8, 0, True)
+    decode.pages_allocated(slots([7, 8]))
+    decode.rows_assigned("r-warm", 0, 8, 0, slots([7, 8]))
+    decode.transfer_reserved("r-warm", 104, 8, slots([7, 8]))
+    decode.transfer_done("r-warm", 104, "receiver", "success")
+    decode.forward(["r-warm"], [8], [[]], [slots([7, 8])])
+    sidecar, sink = run(tmp_path)
+    sidecar.pipeline.tick(time.monotonic_ns() + 300 * 10**9)
+    ledger = sidecar.pipeline.ledger
+    assert sink.findings == [] and ledger.pending == {}
+    assert (ledger.warmups, ledger.unverified, ledger.paired) == (1, 0, 0)
+    sidecar.stop()

@@ -131,6 +131,7 @@ class TransferLedger:
         self._check_seq = 0
         self.paired = 0
         self.unverified = 0
+        self.warmups = 0  # warmup transfers (no sender by design), taken as written and not judged
         self.rooms_reused = 0
         self.digests_compared = 0
         self.digests_incomparable = 0  # both ends complete, but with no algorithm in common
@@ -276,6 +277,9 @@ class TransferLedger:
         if state is None or state.reserved_pages is None or x.status != wire.XferStatus.SUCCESS:
             return None
         n_reserved = len(state.reserved_pages)
+        if state.warmup and not state.chunks:  # SGLang's fake-bootstrap warmup: no sender exists, nothing to judge
+            self.warmups += 1
+            return self._unverified(state)
         if not state.chunks and not self.expects_sender():
             self.unverified += 1
             return self._unverified(state)
