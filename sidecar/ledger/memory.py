@@ -277,9 +277,12 @@ class TransferLedger:
         if state is None or state.reserved_pages is None or x.status != wire.XferStatus.SUCCESS:
             return None
         n_reserved = len(state.reserved_pages)
-        if state.warmup and not state.chunks:  # SGLang's fake-bootstrap warmup: no sender exists, nothing to judge
+        if state.warmup and not state.chunks:
+            # SGLang's fake-bootstrap warmup: no sender exists and nothing is written into the pages
+            # (their last writer stays whoever wrote them before); its own reads are never alarmed
             self.warmups += 1
-            return self._unverified(state)
+            return Pairing(state.room, state.receiver_key, np.zeros(0, np.int64), 0, state.reserved_tokens, 0,
+                           n_reserved, verified=False, receiver_engine=state.receiver_engine, state=state)
         if not state.chunks and not self.expects_sender():
             self.unverified += 1
             return self._unverified(state)
