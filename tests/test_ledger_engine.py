@@ -1,0 +1,72 @@
+"""The incident across two pods on the real engine: the shared (Redis) ledger lets decode's sidecar catch it.
+
+A real SGLang 0.5.19 prefill/decode pair (Mooncake over TCP, CPU) with each engine's
+ring in its own directory, as in a multi-pod deployment, and one sidecar per
+directory; the two sidecars share only a real redis-server. Before the shared
+ledger, decode's sidecar could not pair the transfer (no prefill in view) and counted
+it as unverified: the leak went unseen. ~1 minute.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from sidecar.demo.engines import PDPair
+from sidecar.demo.scenario import run_incident_scenario
+from sidecar.service import Sidecar
+from sidecar.sinks.basic import MemorySink
+from test_ledger_redis import redis_server  # noqa: F401 - the fixture
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
+
+
+class TwoPodPair(PDPair):
+    """A PDPair whose prefill and decode write their rings into different directories."""
+
+    def __init__(self, version: str, log_dir, ring_dirs: dict[str, str], **kwargs):
+        super().__init__(version, None, log_dir, **kwargs)
+        self.ring_dirs = ring_dirs
+
+    def _start(self, role, pool_tokens, args, wait):
+        self.ring_dir = self.ring_dirs[role]
+        return super()._start(role, pool_tokens, args, wait)
+
+
+def test_the_0_5_19_leak_across_two_pods_is_caught_by_the_decode_sidecar(tmp_path, redis_server,  # noqa: F811
+                                                                       require_sglang):
+    require_sglang("0.5.19")
+    dirs = {role: tmp_path / role for role in ("prefill", "decode")}
+    for d in dirs.values():
+        d.mkdir()
+    sinks = {role: MemorySink() for role in dirs}
+    sidecars = {role: Sidecar(str(d), sinks=[sinks[role]], remove_dead_rings=False, ledger=redis_server.url,
+                              ledger_cluster="pd-test").start() for role, d in dirs.items()}
+    try:
+        with TwoPodPair("0.5.19", tmp_path / "logs", ring_dirs={k: str(v) for k, v in dirs.items()}) as pair:
+            scenario = run_incident_scenario(pair)
+            deadline = time.monotonic() + 30  # the decode sidecar pairs through Redis within a few cycles
+            while time.monotonic() < deadline and "checksum_mismatch" not in {f.kind for f in sinks["decode"].findings}:
+                time.sleep(0.2)
+    finally:
+        for s in sidecars.values():
+            s.stop()
+    long = scenario.long.result
+    assert long.ok and long.prompt_tokens == 600  # what a status-code check sees: success
+
+    decode = sorted(f.kind for f in sinks["decode"].findings)
+    assert decode == ["checksum_mismatch", "pool_smaller_than_context", "transfer_size_mismatch",
+                      "unwritten_read"], [f.to_dict() for f in sinks["decode"].findings]
+    # the prefill pod's sidecar only published: its own engine's config finding, no transfer finding
+    assert sorted(f.kind for f in sinks["prefill"].findings) == ["pool_smaller_than_context"]
+    for f in sinks["decode"].findings:
+        if f.kind != "pool_smaller_than_context":
+            assert (f.reader.rid, f.reader.tenant, f.reader.bootstrap_room) == (long.rid, "initech", long.room)
+    size = next(f for f in sinks["decode"].findings if f.kind == "transfer_size_mismatch")
+    assert size.evidence == {"sent_tokens": 1, "reserved_tokens": 600, "sent_pages": 1, "reserved_pages": 150}
+    read = next(f for f in sinks["decode"].findings if f.kind == "unwritten_read")
+    assert len(read.pages) == 149 and {p.tenant for p in read.exposed} <= {"acme", "globex"} and read.exposed
+    ledger = sidecars["decode"].pipeline.ledger
+    assert ledger.unverified == 0 and ledger.paired >= 9  # 8 normal transfers and the incident's
+    assert sidecars["decode"].shared_ledger.errors == 0 and sidecars["decode"].shared_ledger.bad_facts == 0
