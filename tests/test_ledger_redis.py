@@ -385,3 +385,22 @@ def test_the_cli_reads_kvguard_ledger_and_names_a_bad_value(tmp_path):
     out = subprocess.run([sys.executable, "-m", "sidecar.cli", "sidecar", "--ring-dir", str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "KVGUARD_LEDGER" in out.stderr and "redis://host:port/0" in out.stderr
+
+
+def test_an_idle_sidecar_notices_redis_going_away_and_coming_back(tmp_path, redis_server):
+    from sidecar.ledger.shared import SharedLedger
+
+    link = SharedLedger(redis_server.url, poll_interval_s=0.02).start()
+    try:
+        redis_server.kill()
+        deadline = time.monotonic() + 15  # the idle check runs every 5 s
+        while not link.degraded and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert link.degraded and link.errors >= 1  # with nothing to publish or fetch
+        redis_server.start()
+        deadline = time.monotonic() + 15
+        while link.degraded and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not link.degraded and link.recoveries == 1
+    finally:
+        link.stop()

@@ -41,6 +41,7 @@ SCHEMA = 1
 KEY_PREFIX = "kvguard:ledger:v1"
 SIDES = ("sender", "receiver")
 MAX_U64 = (1 << 64) - 1
+IDLE_PING_NS = 5_000_000_000  # with nothing to publish or fetch, check Redis this often
 
 
 class LedgerConfigError(ValueError):
@@ -123,6 +124,7 @@ class SharedLedger:
         self._thread: threading.Thread | None = None
         self.degraded = False
         self.last_error = ""
+        self._last_io_ns = 0
         # counters (exported as metrics)
         self.errors = 0
         self.queue_dropped = 0
@@ -230,9 +232,11 @@ class SharedLedger:
         sending = list(self._outbox.items())
         watched = list(self._watching.items())
         if not sending and not watched:
-            if self.degraded:
-                self.client.ping()  # find out whether it is back, without anything to send
+            if self.degraded or now - self._last_io_ns >= IDLE_PING_NS:
+                self.client.ping()  # is it (still / again) there? keeps kvguard_ledger_degraded honest when idle
+                self._last_io_ns = now
             return
+        self._last_io_ns = now
         pipe = self.client.pipeline(transaction=False)
         for key, value in sending:
             pipe.hset(key, self.pod, value)
