@@ -42,7 +42,7 @@ _SIDE = {"sender": wire.Side.SENDER, "receiver": wire.Side.RECEIVER}
 _STATUS = {"success": wire.XferStatus.SUCCESS, "failed": wire.XferStatus.FAILED, "aborted": wire.XferStatus.ABORTED}
 _DIGEST_ALG = {"unit_bytes": wire.DigestAlg.XXH3_UNIT_BYTES, "device_reduced": wire.DigestAlg.XXH3_DEVICE_REDUCED}
 _PHASE = {"admission": wire.Phase.ADMISSION, "prefill": wire.Phase.PREFILL, "decode": wire.Phase.DECODE,
-          "transfer": wire.Phase.TRANSFER}
+          "transfer": wire.Phase.TRANSFER, "client_abort": wire.Phase.CLIENT_ABORT}
 
 
 def as_int64(values) -> np.ndarray:

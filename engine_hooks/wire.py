@@ -115,6 +115,7 @@ class Phase(enum.IntEnum):
     PREFILL = 1
     DECODE = 2
     TRANSFER = 3
+    CLIENT_ABORT = 4  # the client (or an operator) aborted it: an AbortReq, not a refusal by the engine
 
 
 class Tier1Tag(enum.IntEnum):

@@ -174,7 +174,8 @@ class Pipeline:
             self._record(ts, eid, Event.REJECT, body.req_key, aux=int(body.phase))
             info = t.requests.get(body.req_key)
             if self._role(t) == wire.Role.PREFILL and info is not None and info.room is not None:
-                return self._sender_gave_up(body.req_key, info.room, "reject", ts)
+                gave_up = "abort" if body.phase == wire.Phase.CLIENT_ABORT else "reject"
+                return self._sender_gave_up(body.req_key, info.room, gave_up, ts)
         elif kind == wire.Kind.HELLO:
             t.on_hello(body)
             log.info("engine %d: %s %s rank %d pid %d, page_size %d, pool %d pages / %d tokens, context %d",

@@ -583,6 +583,11 @@ def test_reject_phase():
     assert hq.reject_phase([("/s/disaggregation/prefill.py", "handle_bootstrap_failure")]) == "transfer"
     assert hq.reject_phase([("/s/disaggregation/decode.py", "process_decode_queue")]) == "decode"
     assert hq.reject_phase([("/s/managers/x.py", "f"), ("/s/managers/y.py", "retract_decode")]) == "decode"
+    # a client's AbortReq goes through the same set_finish_with_abort / prepare_abort: not a refusal
+    assert hq.reject_phase([("/s/managers/schedule_batch.py", "set_finish_with_abort"),
+                            ("/s/managers/scheduler.py", "abort_request")]) == "client_abort"
+    assert hq.reject_phase([("/s/disaggregation/utils.py", "prepare_abort"),
+                            ("/s/managers/scheduler.py", "process_pending_chunked_abort")]) == "client_abort"
 
 
 def test_reject_and_release(probes):

@@ -76,8 +76,17 @@ _ADMISSION_FUNCS = {
 }
 
 
+# Scheduler functions that abort on a client's (or operator's) AbortReq: SGLang
+# tears requests down with the same set_finish_with_abort / prepare_abort it uses
+# to refuse them, so only the caller tells an abort from a refusal.
+_CLIENT_ABORT_FUNCS = {"abort_request", "process_pending_chunked_abort"}
+
+
 def reject_phase(frames) -> str:
     """Where in the engine a request was failed, from its calling frames."""
+    frames = list(frames)
+    if any(func in _CLIENT_ABORT_FUNCS for _f, func in frames):
+        return "client_abort"
     for filename, func in frames:
         path = filename.replace("\\", "/")
         if "/disaggregation/" in path:
@@ -111,8 +120,10 @@ def _set_finish_with_abort_post(token, result, req, *args, **kwargs):
     if token is None:
         return
     error_msg = args[0] if args else kwargs.get("error_msg", "")
-    State.rejected[req.rid] = True
-    rt.probes().rejected(req.rid, reject_phase(rt.caller_frames()), str(error_msg))
+    phase = reject_phase(rt.caller_frames())
+    if phase != "client_abort":  # a client abort ends as "abort", not "reject"
+        State.rejected[req.rid] = True
+    rt.probes().rejected(req.rid, phase, str(error_msg))
 
 
 def set_finish_with_abort_hook(name: str):
@@ -124,8 +135,10 @@ def _prepare_abort_post(result, req, *args, **kwargs):
         return
     error_message = args[0] if args else kwargs.get("error_message", "")
     rt.ensure_begun(req)
-    State.rejected[req.rid] = True
-    rt.probes().rejected(req.rid, reject_phase(rt.caller_frames()), str(error_message))
+    phase = reject_phase(rt.caller_frames())
+    if phase != "client_abort":
+        State.rejected[req.rid] = True
+    rt.probes().rejected(req.rid, phase, str(error_message))
 
 
 def prepare_abort_hook(name: str):
