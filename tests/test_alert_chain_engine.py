@@ -42,7 +42,6 @@ import os
 import random
 import re
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -63,11 +62,7 @@ from test_dashboards import dashboards, expand, targets
 
 REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "alerts" / "kvguard.rules.yaml"
-FAULTS_DIR = Path(__file__).resolve().parent / "faults"
-sys.path.insert(0, str(FAULTS_DIR))
-from kvguard_faults import make_rid  # noqa: E402
-
-sys.path.remove(str(FAULTS_DIR))
+from fault_plugin import FAULTS_DIR, make_rid
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
 

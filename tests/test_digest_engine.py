@@ -17,7 +17,6 @@ docs/wire-format.md "Transfer digests"):
 from __future__ import annotations
 
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -29,11 +28,7 @@ from sidecar.recorder import Recorder, SegmentReader
 from sidecar.service import Sidecar
 from sidecar.sinks.basic import MemorySink
 
-FAULTS_DIR = Path(__file__).resolve().parent / "faults"
-sys.path.insert(0, str(FAULTS_DIR))
-from kvguard_faults import make_rid  # noqa: E402
-
-sys.path.remove(str(FAULTS_DIR))
+from fault_plugin import FAULTS_DIR, make_rid
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,11 +32,7 @@ from sidecar.findings import Finding
 from sidecar.service import Sidecar
 from sidecar.sinks.basic import MemorySink
 
-FAULTS_DIR = Path(__file__).resolve().parent / "faults"
-sys.path.insert(0, str(FAULTS_DIR))
-from kvguard_faults import make_rid  # noqa: E402
-
-sys.path.remove(str(FAULTS_DIR))
+from fault_plugin import FAULTS_DIR, make_rid
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
 

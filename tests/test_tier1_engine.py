@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,11 +25,7 @@ from engine_hooks import wire
 from engine_hooks.ring import RingReader
 from sidecar.demo.engines import start_engine
 
-FAULTS_DIR = Path(__file__).resolve().parent / "faults"
-sys.path.insert(0, str(FAULTS_DIR))
-from kvguard_faults import make_rid  # noqa: E402
-
-sys.path.remove(str(FAULTS_DIR))
+from fault_plugin import FAULTS_DIR, make_rid
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(240)]
 
