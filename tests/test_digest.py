@@ -19,6 +19,7 @@ from engine_hooks import digest as dg  # noqa: E402
 from engine_hooks import probes as probes_mod  # noqa: E402
 from engine_hooks.sglang import _runtime as rt  # noqa: E402
 from engine_hooks.sglang import hooks_disagg as hd  # noqa: E402
+from recording_probes import RecordingProbes  # noqa: E402
 
 LAYERS, HEADS, DK, DV = 3, 4, 8, 6
 CUDA = torch.cuda.is_available()
@@ -250,20 +251,6 @@ def test_device_reduced_on_cuda_equals_cpu():
 
 
 # --------------------------------------------------------------------------- the hooks
-class RecordingProbes:
-    def __init__(self):
-        self.calls = []
-
-    def __getattr__(self, name):
-        def record(*args, **kwargs):
-            self.calls.append((name, args, kwargs))
-
-        return record
-
-    def named(self, name):
-        return [c for c in self.calls if c[0] == name]
-
-
 @pytest.fixture
 def probes():
     stub = RecordingProbes()

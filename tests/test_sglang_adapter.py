@@ -25,30 +25,13 @@ from engine_hooks.sglang import hooks_allocator as ha  # noqa: E402
 from engine_hooks.sglang import hooks_requests as hq  # noqa: E402
 from engine_hooks.sglang import hooks_rows as hr  # noqa: E402
 from engine_hooks.sglang import plugin  # noqa: E402
+from recording_probes import RecordingProbes  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SGLANG_DIRS = {v: REPO / ".venv" / "sglang" / v for v in ("0.5.19", "0.5.23")}
 
 
 # --------------------------------------------------------------------------- helpers
-class RecordingProbes:
-    """Stands in for engine_hooks.probes.Probes: records (method, args, kwargs)."""
-
-    tier1 = None  # Tier 1 off (tests/test_tier1.py covers it with the real Probes)
-
-    def __init__(self):
-        self.calls = []
-
-    def __getattr__(self, name):
-        def record(*args, **kwargs):
-            self.calls.append((name, args, kwargs))
-
-        return record
-
-    def named(self, name):
-        return [c for c in self.calls if c[0] == name]
-
-
 @pytest.fixture
 def probes():
     stub = RecordingProbes()
