@@ -112,7 +112,8 @@ class SoakRun:
                 for kind in ("prefix", "system", "pressure")
             },
             "retractions": {"events": len(self.retractions), "requests": sum(self.retractions)},
-            "findings": [f"{f.kind}/{f.severity} {f.engine.role} {known or 'UNKNOWN'}"
+            "findings": [f"{f.kind}/{f.severity} {f.engine.role} {known or 'UNKNOWN'}: {f.summary} "
+                         f"{json.dumps(f.evidence, default=str)[:600]}"
                          for f, known in zip(self.findings, self.known)],
             "probe_errors": self.probe_errors,
             "rejects_of_aborted_requests": Counter(f"{role} {phase} {reason[:40]}" for role, rid, phase, reason
@@ -158,8 +159,9 @@ def _finish(name: str, watch: Watch, plan, outcomes, timings, logs) -> SoakRun:
         explained=explained,
         known=known,
         probe_errors=watch.probe_errors(),
-        req_end_finish=Counter(f"{roles.get(r.engine_id)}:{r.body.finish.name}" for r in records
-                               if r.kind == wire.Kind.REQ_END),
+        req_end_finish=Counter(f"{roles.get(r.engine_id)}:{r.body.finish.name}"
+                               + (":reprefilled" if r.body.reprefilled else "")
+                               for r in records if r.kind == wire.Kind.REQ_END),
         rejects=[(roles.get(r.engine_id), rid.get(r.body.req_key, "?"), r.body.phase.name, r.body.reason)
                  for r in records if r.kind == wire.Kind.REJECT],
         timings_s=timings,
