@@ -7,8 +7,15 @@ import time
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engine_hooks import wire
+
+from .finding_kinds import possible_findings
 from .incidents import FIRING
 from .pipeline import ROLE_NAMES
+
+# Record kinds the pipeline applies, exported at 0 from the start (PAD is ring filler,
+# never decoded; LOST is the gap marker the readers insert)
+APPLIED_RECORD_KINDS = tuple(k.name for k in wire.Kind if k != wire.Kind.PAD)
 
 
 def firing_by_kind_and_severity(store) -> dict[tuple[str, str], int]:
@@ -21,6 +28,14 @@ def firing_by_kind_and_severity(store) -> dict[tuple[str, str], int]:
     return out
 
 
+def with_zeros(counts, keys) -> dict:
+    """The counts, plus 0 for each key not counted yet: a counter's series exists from
+    the start, so dashboards show 0 rather than "no data"."""
+    out = dict.fromkeys(keys, 0)
+    out.update(counts)
+    return out
+
+
 class KVGuardCollector(Collector):
     def __init__(self, service):
         self.service = service  # sidecar.service.Sidecar: pipeline + ringset, read under its lock
@@ -30,7 +45,7 @@ class KVGuardCollector(Collector):
         with svc.lock:
             pipeline, ingest = svc.pipeline, svc.rings.stats
             records = CounterMetricFamily("kvguard_records", "Records applied, by kind", labels=["kind"])
-            for kind, n in sorted(pipeline.records_by_kind.items()):
+            for kind, n in sorted(with_zeros(pipeline.records_by_kind, APPLIED_RECORD_KINDS).items()):
                 records.add_metric([kind], n)
             yield records
             lost = CounterMetricFamily("kvguard_records_lost", "Records the engines dropped (ring full)")
@@ -56,12 +71,14 @@ class KVGuardCollector(Collector):
             rings.add_metric([], len(svc.rings.readers))
             yield rings
             findings = CounterMetricFamily("kvguard_findings", "Findings raised", labels=["kind", "severity"])
-            for (kind, severity), n in sorted(pipeline.findings_by_kind.items()):
+            # every pair this configuration can raise, at 0 until raised (sidecar/finding_kinds.py)
+            possible = possible_findings(pipeline)
+            for (kind, severity), n in sorted(with_zeros(pipeline.findings_by_kind, possible).items()):
                 findings.add_metric([kind, severity], n)
             yield findings
             incidents = CounterMetricFamily("kvguard_incidents", "Incidents opened (a finding's first occurrence "
                                             "for its kind, engine and reader)", labels=["kind", "severity"])
-            for (kind, severity), n in sorted(pipeline.incidents_by_kind.items()):
+            for (kind, severity), n in sorted(with_zeros(pipeline.incidents_by_kind, possible).items()):
                 incidents.add_metric([kind, severity], n)
             yield incidents
             firing = GaugeMetricFamily("kvguard_incidents_firing", "Incidents not resolved yet",

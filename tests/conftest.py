@@ -31,6 +31,26 @@ def skip_unless_sglang(*versions: str) -> None:
             pytest.skip(reason)
 
 
+@pytest.fixture(autouse=True)
+def findings_are_listed(monkeypatch):
+    """Every finding the pipeline emits, in any test, must be a (kind, severity) that
+    sidecar/finding_kinds.py lists for that pipeline's configuration: /metrics exports
+    those at 0, so a missing entry would leave a dashboard with "no data"."""
+    from sidecar import finding_kinds
+    from sidecar.pipeline import Pipeline
+
+    unlisted = []
+    emit = Pipeline._emit
+
+    def checked_emit(self, findings):
+        unlisted.extend((f.kind, f.severity) for f in findings if finding_kinds.unlisted(self, f))
+        return emit(self, findings)
+
+    monkeypatch.setattr(Pipeline, "_emit", checked_emit)
+    yield
+    assert not unlisted, f"findings missing from sidecar/finding_kinds.py (or raised while switched off): {unlisted}"
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT

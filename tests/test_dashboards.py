@@ -42,6 +42,7 @@ from engine_hooks.probes import Probes
 from engine_hooks.ring import RingWriter
 from sidecar.cli import build_parser
 from sidecar.dashboards_cli import DASHBOARDS_DIR, load_generator
+from sidecar.finding_kinds import possible_findings
 
 GENERATED = DASHBOARDS_DIR / "generated"
 PROVISIONING = DASHBOARDS_DIR / "provisioning"
@@ -315,10 +316,13 @@ def panel_values(stack, dashboard: str, title: str, ref: str = "A") -> dict[tupl
 def test_the_integrity_dashboard_shows_the_incident(stack):
     d = "kvguard-integrity.json"
     found = panel_values(stack, d, "Findings since sidecar start")
-    assert found == {(("kind", "pool_smaller_than_context"), ("severity", "critical")): 1.0,
-                     (("kind", "transfer_size_mismatch"), ("severity", "critical")): 1.0,
-                     (("kind", "ttft_anomaly"), ("severity", "warning")): 1.0,
-                     (("kind", "unwritten_read"), ("severity", "critical")): 1.0}
+    raised = {(("kind", "pool_smaller_than_context"), ("severity", "critical")): 1.0,
+              (("kind", "transfer_size_mismatch"), ("severity", "critical")): 1.0,
+              (("kind", "ttft_anomaly"), ("severity", "warning")): 1.0,
+              (("kind", "unwritten_read"), ("severity", "critical")): 1.0}
+    # every other pair this sidecar can raise shows 0: checked, nothing found (sidecar/finding_kinds.py)
+    zeros = {(("kind", k), ("severity", s)): 0.0 for k, s in possible_findings(stack.sidecar.pipeline)}
+    assert found == {**zeros, **raised}
     assert panel_values(stack, d, "Incidents since sidecar start") == found  # one request each, in this story
     firing = {dict(k)["kind"]: v for k, v in panel_values(stack, d, "Incidents firing, by kind").items()}
     assert firing == {kind: 1.0 for kind in ("pool_smaller_than_context", "transfer_size_mismatch", "ttft_anomaly",

@@ -74,10 +74,13 @@ def q(expr: str, legend: str = "", instant: bool = False, table: bool = False) -
 def raised(metric: str, matchers: str, by: str) -> str:
     """Counter growth per ``$__rate_interval``, including a series' first sample.
 
-    ``increase()`` needs two samples, so a series that appears at 1 (the first finding
-    of a kind: docs/metrics.md, "Counters and first samples") would never show. The
-    ``unless ... offset`` clause shows the value of a series that did not exist one
-    interval earlier, the same rule as the alerts use.
+    The sidecar exports every finding it can raise at 0 from the start, so these
+    panels show 0 rather than "no data", and its growth from 0 is what ``increase()``
+    sees. A series can still appear already nonzero (a new sidecar whose first poll
+    drains findings, a sidecar restart in a scrape gap: docs/metrics.md, "Counters and
+    first samples"), and ``increase()`` needs two samples. The ``unless ... offset``
+    clause shows the value of a series that did not exist one interval earlier, the
+    same rule as the alerts use.
     """
     sel = f"{metric}{{{matchers}}}"
     return (f"sum by ({by}) (increase({sel}[$__rate_interval]) "
