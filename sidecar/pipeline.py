@@ -215,27 +215,28 @@ class Pipeline:
         # a forward writes its new tokens' KV before attention reads the rows
         findings = []
         engine = self.engine_ref(t)
-        w_off = np.concatenate(([0], np.cumsum(f.write_counts, dtype=np.int64)))
-        for i, key in enumerate(f.req_keys.tolist()):
-            if w_off[i + 1] > w_off[i]:
-                written = f.write_pages[w_off[i]:w_off[i + 1]].astype(np.int64)
-                verdict = t.check_write(key, written)
-                if verdict is not None:
-                    findings += self._emit(self.write_detector.observe(t, engine, verdict, ts_ns))
-                t.mark_written(key, written, ts_ns)
+        if t.writes_overlap(f.write_pages):  # a page written twice: the order matters, one request at a time
+            w_off = np.concatenate(([0], np.cumsum(f.write_counts, dtype=np.int64)))
+            for i, key in enumerate(f.req_keys.tolist()):
+                if w_off[i + 1] > w_off[i]:
+                    written = f.write_pages[w_off[i]:w_off[i + 1]].astype(np.int64)
+                    verdict = t.check_write(key, written)
+                    if verdict is not None:
+                        findings += self._emit(self.write_detector.observe(t, engine, verdict, ts_ns))
+                    t.mark_written(key, written, ts_ns)
+        else:  # the whole batch at once: verdicts only for the requests that wrote where they should not
+            for _i, verdict in t.check_writes(f.req_keys, f.write_counts, f.write_pages):
+                findings += self._emit(self.write_detector.observe(t, engine, verdict, ts_ns))
+            t.mark_writes(f.req_keys, f.write_counts, f.write_pages, ts_ns)
         self._record(ts_ns, t.engine_id, Event.WRITE, np.repeat(f.req_keys, f.write_counts), f.write_pages)
         self._record(ts_ns, t.engine_id, Event.READ, f.req_keys, aux=f.seq_lens)
-        r_off = None
-        if f.read_counts is not None:
-            r_off = np.concatenate(([0], np.cumsum(f.read_counts, dtype=np.int64)))
-        for i, key in enumerate(f.req_keys.tolist()):
-            actual = None if r_off is None else f.read_pages[r_off[i]:r_off[i + 1]]
-            verdict = t.classify_read(key, int(f.seq_lens[i]), actual)
-            if verdict is not None:
-                found = self.read_detector.observe(t, engine, verdict, ts_ns)
-                found += self.isolation_detector.observe(t, engine, verdict, ts_ns)
-                if found:
-                    findings += self._emit(found)
+        # the whole batch is judged at once; verdicts come only for requests with something to look at
+        for _i, verdict in t.classify_reads(f.req_keys, f.seq_lens, f.read_counts, f.read_pages,
+                                            want_shared=self.isolation_detector.enabled):
+            found = self.read_detector.observe(t, engine, verdict, ts_ns)
+            found += self.isolation_detector.observe(t, engine, verdict, ts_ns)
+            if found:
+                findings += self._emit(found)
         return findings
 
     def _on_transfer_done(self, t: EngineTracker, x: wire.XferDone, ts_ns: int) -> list[Finding]:

@@ -315,6 +315,67 @@ class EngineTracker:
             return None
         return WriteVerdict(info, freed, foreign)
 
+    def writes_overlap(self, write_pages: np.ndarray) -> bool:
+        """Whether a forward's writes name a page twice: then the order of the writes matters
+        (who wrote last, what a later writer's verdict sees) and they are applied one request
+        at a time (``check_write`` / ``mark_written``) instead of by ``check_writes`` / ``mark_writes``."""
+        return len(write_pages) > 1 and len(np.unique(write_pages)) != len(write_pages)
+
+    def check_writes(self, req_keys: np.ndarray, write_counts: np.ndarray,
+                     write_pages: np.ndarray) -> list[tuple[int, WriteVerdict]]:
+        """``check_write`` for every request of a forward at once (request ``i`` wrote the next
+        ``write_counts[i]`` pages of ``write_pages``); verdicts only for the requests that wrote
+        where they should not have. Same rules and counts as calling ``check_write`` per request,
+        provided no page is written twice (``writes_overlap``)."""
+        if self.hello is None or len(write_pages) == 0:
+            return []
+        infos = [self.requests.get(key) for key in req_keys.tolist()]
+        judged = np.array([info is not None and info.known for info in infos], bool)
+        counts = write_counts.astype(np.int64)
+        pages = write_pages.astype(np.int64)
+        writer = np.repeat(np.arange(len(infos)), counts)
+        judged_page = judged[writer]
+        pool = self.pool
+        valid = (pages >= 0) & (pages < pool.limit)
+        if not valid.all():  # ``ensure`` counts them, for judged writers only (as check_write)
+            pool.pages_out_of_range += int(np.count_nonzero(~valid & judged_page))
+            pages, writer, judged_page = pages[valid], writer[valid], judged_page[valid]
+        pool.ensure(pages)
+        look = judged_page & (pages != PADDING_PAGE)
+        state, owner = pool.state[pages], pool.owner[pages]
+        freed = look & (state == FREE)
+        foreign = look & (state == OWNED) & (owner != req_keys.astype(np.uint64)[writer]) & (owner != 0)
+        bad = freed | foreign
+        if not bad.any():
+            return []
+        out = []
+        for i in np.unique(writer[bad]).tolist():
+            mine = look & (writer == i)
+            out.append((i, WriteVerdict(infos[i], pages[mine & freed], pages[mine & foreign])))
+        return out
+
+    def mark_writes(self, req_keys: np.ndarray, write_counts: np.ndarray, write_pages: np.ndarray,
+                    ts_ns: int) -> None:
+        """``mark_written`` for every request of a forward at once (no page written twice:
+        ``writes_overlap``)."""
+        if len(write_pages) == 0:
+            return
+        pages = write_pages.astype(np.int64)
+        writer = np.repeat(req_keys.astype(np.uint64), write_counts.astype(np.int64))
+        pool = self.pool
+        valid = (pages >= 0) & (pages < pool.limit)
+        if not valid.all():
+            pool.pages_out_of_range += int(np.count_nonzero(~valid))
+            pages, writer = pages[valid], writer[valid]
+        pool.ensure(pages)
+        real = pages != PADDING_PAGE
+        if not real.all():
+            pages, writer = pages[real], writer[real]
+        known = pages[pool.state[pages] != UNKNOWN]
+        pool.written_gen[known] = pool.gen[known]
+        pool.last_writer[pages] = writer
+        pool.last_write_ns[pages] = ts_ns
+
     def mark_written(self, req_key: int, pages: np.ndarray, ts_ns: int) -> None:
         pages = self.pool.ensure(pages.astype(np.int64))
         pages = pages[pages != PADDING_PAGE]
@@ -333,43 +394,109 @@ class EngineTracker:
         return row.pages[:n], row.gens[:n], row.shared[:n]
 
     def classify_read(self, req_key: int, seq_len: int, actual: np.ndarray | None) -> ReadVerdict | None:
-        """Judge one request's read of its first ``seq_len`` tokens in one forward.
+        """Judge one request's read of its first ``seq_len`` tokens in one forward (None: the
+        reader is not judged). ``actual`` are the pages the engine's own row held (when the
+        record carried rows); otherwise the sidecar's model of the row is what was read.
+        A batch of one through ``classify_reads``, so both apply the same rules."""
+        counts = None if actual is None else np.array([len(actual)], np.int64)
+        verdicts = self.classify_reads(np.array([req_key], np.uint64), np.array([seq_len], np.int64), counts,
+                                       actual, every=True)
+        return verdicts[0][1] if verdicts else None
 
-        ``actual`` are the pages the engine's own row held (when the record carried
-        rows); otherwise the sidecar's model of the row is what was read.
+    def classify_reads(self, req_keys: np.ndarray, seq_lens: np.ndarray, read_counts: np.ndarray | None = None,
+                       read_pages: np.ndarray | None = None, want_shared: bool = False,
+                       every: bool = False) -> list[tuple[int, ReadVerdict]]:
+        """Judge every request's read in one forward at once: request ``i`` read its first
+        ``seq_lens[i]`` tokens, i.e. (when the record carried rows) ``read_counts[i]`` pages of
+        ``read_pages`` in request order, else the sidecar's model of its row.
+
+        Returns ``(request index, verdict)`` only for the requests a detector has to look at:
+        a violation or an unverified page (plus, with ``want_shared``, a shared prefix-cache
+        page; with ``every``, every judged request). The clean common case builds nothing per
+        request: the model rows are gathered into one array and every read page is judged by
+        one set of numpy operations (it was a Python loop of ~20 numpy calls per request).
         """
-        info = self.requests.get(req_key)
-        model = self.row_pages_for(req_key, seq_len)
-        if self.hello is None or info is None or model is None or not info.known:
-            self.pages_unverified += 0 if actual is None else len(actual)
-            return None
-        m_pages, m_gens, m_shared = model
-        pages = m_pages if actual is None else actual.astype(np.int64)
-        n = len(pages)
-        if len(m_pages) < n:  # rows the model never saw assigned
-            pad = n - len(m_pages)
-            m_pages = np.concatenate((m_pages, np.full(pad, -2, np.int64)))
-            m_gens = np.concatenate((m_gens, np.zeros(pad, np.uint32)))
-            m_shared = np.concatenate((m_shared, np.zeros(pad, bool)))
-        m_pages, m_gens, m_shared = m_pages[:n], m_gens[:n], m_shared[:n]
-        keep = (pages > PADDING_PAGE) & (pages < self.pool.limit)
-        self.pool.pages_out_of_range += int((pages >= self.pool.limit).sum())
-        pages, m_pages, m_gens, m_shared = pages[keep], m_pages[keep], m_gens[keep], m_shared[keep]
-        self.pool.ensure(pages)
+        have_rows = read_counts is not None
+        rc = read_counts.tolist() if have_rows else None
+        seqs = seq_lens.tolist()
+        ps, rows, directory = self.page_size, self.rows, self.requests
+        infos: list[RequestInfo | None] = []
+        lens: list[int] = []
+        parts_p, parts_g, parts_s = [], [], []
+        unjudged = 0  # actual pages of readers we cannot judge (counted unverified, as before)
+        hello = self.hello
+        for i, key in enumerate(req_keys.tolist()):
+            info = directory.get(key)
+            row = rows.get(key)
+            if hello is None or info is None or row is None or not info.known:
+                infos.append(None)
+                lens.append(0)
+                if have_rows:
+                    unjudged += rc[i]
+                continue
+            infos.append(info)
+            n = min(-(-int(seqs[i]) // ps), len(row.pages))
+            pad = 0
+            if have_rows:
+                n, pad = min(n, rc[i]), max(rc[i] - n, 0)
+            parts_p.append(row.pages[:n])
+            parts_g.append(row.gens[:n])
+            parts_s.append(row.shared[:n])
+            if pad:  # rows the model never saw assigned
+                parts_p.append(np.full(pad, -2, np.int64))
+                parts_g.append(np.zeros(pad, np.uint32))
+                parts_s.append(np.zeros(pad, bool))
+            lens.append(n + pad)
+        self.pages_unverified += unjudged
+        if not parts_p:
+            return []
+        m_pages, m_gens, m_shared = np.concatenate(parts_p), np.concatenate(parts_g), np.concatenate(parts_s)
+        lens_a = np.array(lens, np.int64)
+        reader = np.repeat(np.arange(len(lens)), lens_a)
+        if have_rows:
+            pages = read_pages.astype(np.int64)
+            if unjudged or len(pages) != len(m_pages):
+                pages = pages[np.repeat(lens_a > 0, read_counts.astype(np.int64))]
+        else:
+            pages = m_pages
         pool = self.pool
+        keep = (pages > PADDING_PAGE) & (pages < pool.limit)
+        if not keep.all():
+            pool.pages_out_of_range += int((pages >= pool.limit).sum())
+            pages, m_pages, m_gens, m_shared, reader = pages[keep], m_pages[keep], m_gens[keep], m_shared[keep], reader[keep]
+        pool.ensure(pages)
         state = pool.state[pages]
+        gen = pool.gen[pages]
         known = state != UNKNOWN
-        self.pages_read += int(known.sum())
-        unverified = int((~known).sum())
-        self.pages_unverified += unverified
-        freed = known & (state == FREE)
+        n_known = int(np.count_nonzero(known))
+        self.pages_read += n_known
+        self.pages_unverified += len(pages) - n_known
+        freed = state == FREE  # FREE is known
         # the reader's own page: assigned to it at this generation, and either handed to it
         # through the prefix cache or owned by it (a fresh row entry naming another
         # request's page is not made legitimate by having been written into the row)
-        owned = (pool.owner[pages] == np.uint64(req_key)) & (state == OWNED)
-        mine = (m_pages == pages) & (m_gens == pool.gen[pages]) & (m_shared | owned)
-        foreign = known & ~freed & ~mine
-        written = pool.written_gen[pages] == pool.gen[pages]
-        unwritten = known & ~freed & mine & ~written
-        shared = known & ~freed & mine & written & m_shared
-        return ReadVerdict(info, pages[unwritten], pages[foreign], pages[freed], unverified, pages[shared])
+        owned = (pool.owner[pages] == req_keys.astype(np.uint64)[reader]) & (state == OWNED)
+        mine = (m_pages == pages) & (m_gens == gen) & (m_shared | owned)
+        ok = known & ~freed
+        foreign = ok & ~mine
+        ok_mine = ok & mine
+        written = pool.written_gen[pages] == gen
+        unwritten = ok_mine & ~written
+        look = ~known | freed | foreign | unwritten
+        shared = ok_mine & written & m_shared
+        if want_shared:
+            look |= shared
+        if every:
+            flagged = [i for i, info in enumerate(infos) if info is not None]
+        elif look.any():
+            flagged = np.unique(reader[look]).tolist()
+        else:
+            return []
+        off = np.searchsorted(reader, np.arange(len(lens) + 1)).tolist()
+        out = []
+        for i in flagged:
+            s, e = off[i], off[i + 1]
+            p = pages[s:e]
+            out.append((i, ReadVerdict(infos[i], p[unwritten[s:e]], p[foreign[s:e]], p[freed[s:e]],
+                                       int(np.count_nonzero(~known[s:e])), p[shared[s:e]])))
+        return out

@@ -180,3 +180,80 @@ def test_requests_that_never_end_and_hold_nothing_leave_the_live_directory():
     assert t.retire_idle_requests(now + 1) == 0  # at most one scan per RETIRE_SCAN_NS
     assert t.retire_idle_requests(1_000 + 2 * IDLE_REQUEST_NS + 2 * RETIRE_SCAN_NS) == 1  # the stub
     assert stub.key not in t.requests.live and t.requests_retired_idle == 2
+
+
+def test_whole_batch_judge_matches_one_request_at_a_time():
+    # a batch mixing a clean reader, an unwritten page, a foreign page, a freed page, padding and an
+    # out-of-range page, an unknown reader and a reader without a row: judged at once it gives the
+    # same verdicts and blind-window counts as judged one request at a time
+    def build():
+        t = tracker()
+        for rid in "ABCD":
+            begin(t, rid)
+        t.on_alloc(np.arange(1, 13))
+        for n, rid in enumerate("ABC"):
+            pages = np.arange(1 + 4 * n, 5 + 4 * n)
+            t.on_assign(wire.Assign(wire.request_key(rid), 0, 16, 0, pages))
+            t.mark_written(wire.request_key(rid), pages[:3] if rid == "B" else pages, 1)
+        t.on_free(np.array([12]))
+        return t
+
+    keys = np.array([wire.request_key(r) for r in "ABCDE"], np.uint64)
+    seq = np.array([16, 16, 16, 8, 8], np.uint32)
+    rows = [np.array([1, 2, 3, 4]), np.array([5, 6, 7, 8]), np.array([9, 10, 11, 12, 3, 0, 2**30, 13]),
+            np.array([1]), np.array([2, 3])]
+    counts = np.array([len(r) for r in rows], np.uint32)
+    for actual in (True, False):
+        one, batch = build(), build()
+        singles = [one.classify_read(int(k), int(s), r if actual else None) for k, s, r in zip(keys, seq, rows)]
+        got = dict(batch.classify_reads(keys, seq, counts if actual else None,
+                                        np.concatenate(rows) if actual else None, want_shared=True))
+        every = dict(build().classify_reads(keys, seq, counts if actual else None,
+                                            np.concatenate(rows) if actual else None, every=True))
+        for i, v in enumerate(singles):
+            assert (v is None) == (i not in every)
+            if v is None:
+                continue
+            b = got.get(i) or every[i]
+            assert [x.tolist() for x in (v.unwritten, v.foreign, v.freed, v.shared)] == \
+                   [x.tolist() for x in (b.unwritten, b.foreign, b.freed, b.shared)] and v.unverified == b.unverified
+            clean = not (len(v.unwritten) or len(v.foreign) or len(v.freed) or v.unverified or len(v.shared))
+            assert (i in got) == (not clean)  # clean readers get no verdict object
+        assert (one.pages_read, one.pages_unverified, one.pool.pages_out_of_range) == \
+               (batch.pages_read, batch.pages_unverified, batch.pool.pages_out_of_range)
+        # B read an unwritten page, C a freed one (with the engine's rows also a foreign and an unknown
+        # one); D holds no row and E never began: neither is judged, their pages count as unverified
+        assert sorted(got) == [1, 2]
+
+
+def test_whole_batch_writes_match_one_request_at_a_time():
+    # A writes its own page, B a freed page and one of A's, C (no REQ_BEGIN seen: not judged) a freed
+    # page, D padding and an out-of-range page: the same verdicts, marks and counts either way
+    def build():
+        t = tracker()
+        for rid in "ABD":
+            begin(t, rid)
+        t.on_alloc(np.arange(1, 9))
+        t.on_assign(wire.Assign(A, 0, 8, 0, np.array([1, 2])))
+        t.on_assign(wire.Assign(B, 0, 8, 0, np.array([3, 4])))
+        t.on_free(np.array([5, 6]))
+        return t
+
+    keys = np.array([wire.request_key(r) for r in "ABCD"], np.uint64)
+    writes = [np.array([1]), np.array([3, 5, 2]), np.array([6]), np.array([0, 2**30, 7])]
+    counts = np.array([len(w) for w in writes], np.uint32)
+    one, batch = build(), build()
+    singles = []
+    for k, w in zip(keys.tolist(), writes):
+        singles.append(one.check_write(k, w.astype(np.int64)))
+        one.mark_written(k, w.astype(np.int64), 7)
+    assert not batch.writes_overlap(np.concatenate(writes))
+    got = dict(batch.check_writes(keys, counts, np.concatenate(writes)))
+    batch.mark_writes(keys, counts, np.concatenate(writes), 7)
+    assert sorted(got) == [1] and singles[1] is not None and all(v is None for i, v in enumerate(singles) if i != 1)
+    assert (got[1].freed.tolist(), got[1].foreign.tolist()) == (singles[1].freed.tolist(), [2]) == \
+           ([5], singles[1].foreign.tolist())
+    for name in ("state", "gen", "written_gen", "owner", "last_writer", "last_write_ns"):
+        assert np.array_equal(getattr(one.pool, name), getattr(batch.pool, name)), name
+    assert one.pool.pages_out_of_range == batch.pool.pages_out_of_range == 2  # judged writer D: counted twice, as before
+    assert batch.writes_overlap(np.array([3, 5, 3]))
