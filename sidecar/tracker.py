@@ -274,7 +274,28 @@ class EngineTracker:
         self.pool.owner[pages] = 0
         return already
 
+    def _assign_changes_nothing(self, a: wire.Assign) -> bool:
+        """A one-page ASSIGN that repeats what the row already holds: the SGLang adapter sends
+        one per request per decode step (``alloc_for_decode``), and 63 of 64 name the page the
+        request's previous token already got. Scalar checks instead of ~20 numpy calls; any
+        doubt (a new entry, another generation, a page still to claim) takes the full path."""
+        row = self.rows.get(a.req_key)
+        if row is None or len(a.pages) != 1:
+            return False
+        page = int(a.pages[0])
+        idx = a.row_start // self.page_size
+        pool = self.pool
+        if not (0 <= page < pool.num_pages and idx < len(row.pages) and int(row.pages[idx]) == page):
+            return False
+        shared = a.row_start < a.shared_until  # the entry's first position in this ASSIGN is row_start
+        if bool(row.shared[idx]) != shared or int(row.gens[idx]) != int(pool.gen[page]):
+            return False
+        return shared or int(pool.state[page]) != ALLOCATED  # an ALLOCATED page would be claimed now
+
     def on_assign(self, a: wire.Assign) -> None:
+        if self._assign_changes_nothing(a):
+            self.requests.get_or_stub(a.req_key)
+            return
         pages = self.pool.ensure(a.pages.astype(np.int64))
         if len(pages) != len(a.pages):
             return

@@ -257,3 +257,22 @@ def test_whole_batch_writes_match_one_request_at_a_time():
         assert np.array_equal(getattr(one.pool, name), getattr(batch.pool, name)), name
     assert one.pool.pages_out_of_range == batch.pool.pages_out_of_range == 2  # judged writer D: counted twice, as before
     assert batch.writes_overlap(np.array([3, 5, 3]))
+
+
+def test_per_token_assign_repeating_the_row_changes_nothing_and_a_new_one_still_applies():
+    t = tracker()
+    begin(t, "A")
+    begin(t, "B")
+    t.on_alloc(np.array([1, 2]))
+    t.on_assign(wire.Assign(A, 0, 4, 0, np.array([1])))
+    t.on_assign(wire.Assign(A, 5, 6, 0, np.array([1])))  # token 5 is on row page 1: a new entry
+    assert t.rows[A].pages.tolist() == [1, 1] and t.pool.owner[1] == A
+    t.on_assign(wire.Assign(A, 6, 7, 0, np.array([1])))  # same entry again: nothing changes
+    assert t.rows[A].pages.tolist() == [1, 1]
+    t.on_assign(wire.Assign(A, 7, 8, 8, np.array([1])))  # now said to come from the prefix cache
+    assert t.rows[A].shared.tolist() == [False, True]
+    t.on_assign(wire.Assign(B, 0, 1, 0, np.array([2])))
+    t.on_free(np.array([2]))
+    t.on_alloc(np.array([2]))  # reallocated: B's repeat names a new generation and claims it again
+    t.on_assign(wire.Assign(B, 1, 2, 0, np.array([2])))
+    assert t.rows[B].gens.tolist() == [2] and t.pool.state[2] == OWNED and t.pool.owner[2] == B
