@@ -439,16 +439,18 @@ class EngineTracker:
         """
         have_rows = read_counts is not None
         rc = read_counts.tolist() if have_rows else None
-        seqs = seq_lens.tolist()
-        ps, rows, directory = self.page_size, self.rows, self.requests
+        # row pages each request's seq_len covers (ceil)
+        need = (-(-seq_lens.astype(np.int64) // self.page_size)).tolist()
+        rows_get = self.rows.get
+        live_get, ended_get = self.requests.live.get, self.requests._ended.get  # RequestDirectory.get, inlined
         infos: list[RequestInfo | None] = []
         lens: list[int] = []
         parts_p, parts_g, parts_s = [], [], []
         unjudged = 0  # actual pages of readers we cannot judge (counted unverified, as before)
         hello = self.hello
         for i, key in enumerate(req_keys.tolist()):
-            info = directory.get(key)
-            row = rows.get(key)
+            info = live_get(key) or ended_get(key)
+            row = rows_get(key)
             if hello is None or info is None or row is None or not info.known:
                 infos.append(None)
                 lens.append(0)
@@ -456,13 +458,20 @@ class EngineTracker:
                     unjudged += rc[i]
                 continue
             infos.append(info)
-            n = min(-(-int(seqs[i]) // ps), len(row.pages))
+            n = len(row.pages)
+            if need[i] < n:
+                n = need[i]
             pad = 0
             if have_rows:
                 n, pad = min(n, rc[i]), max(rc[i] - n, 0)
-            parts_p.append(row.pages[:n])
-            parts_g.append(row.gens[:n])
-            parts_s.append(row.shared[:n])
+            if n == len(row.pages):  # the whole row (the common case): no slicing
+                parts_p.append(row.pages)
+                parts_g.append(row.gens)
+                parts_s.append(row.shared)
+            else:
+                parts_p.append(row.pages[:n])
+                parts_g.append(row.gens[:n])
+                parts_s.append(row.shared[:n])
             if pad:  # rows the model never saw assigned
                 parts_p.append(np.full(pad, -2, np.int64))
                 parts_g.append(np.zeros(pad, np.uint32))
@@ -485,7 +494,8 @@ class EngineTracker:
         if not keep.all():
             pool.pages_out_of_range += int((pages >= pool.limit).sum())
             pages, m_pages, m_gens, m_shared, reader = pages[keep], m_pages[keep], m_gens[keep], m_shared[keep], reader[keep]
-        pool.ensure(pages)
+        if len(pages) and int(pages.max()) >= pool.num_pages:  # ids below pool.limit already: only growth is left
+            pool.ensure(pages)
         state = pool.state[pages]
         gen = pool.gen[pages]
         known = state != UNKNOWN
@@ -496,8 +506,12 @@ class EngineTracker:
         # the reader's own page: assigned to it at this generation, and either handed to it
         # through the prefix cache or owned by it (a fresh row entry naming another
         # request's page is not made legitimate by having been written into the row)
-        owned = (pool.owner[pages] == req_keys.astype(np.uint64)[reader]) & (state == OWNED)
-        mine = (m_pages == pages) & (m_gens == gen) & (m_shared | owned)
+        # (ownership is looked up only where it decides: the entry matches and is not a prefix-cache page)
+        mine = (m_pages == pages) & (m_gens == gen)
+        ask = np.flatnonzero(mine & ~m_shared)
+        if len(ask):
+            p_ask = pages[ask]
+            mine[ask] = (pool.owner[p_ask] == req_keys.astype(np.uint64)[reader[ask]]) & (pool.state[p_ask] == OWNED)
         ok = known & ~freed
         foreign = ok & ~mine
         ok_mine = ok & mine
