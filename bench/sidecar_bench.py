@@ -11,9 +11,10 @@ machine do not inflate it; wall time is reported too). One core, end to end.
 Raw baseline (``raw_gather``): a numpy gather + compare over the same page ids (the
 FORWARD read pages of the same stream): ``tags[pages] != expected``.
 
-Prototype (``judge_prototype``): today's per-request read judging against a whole-batch
-version (``judge_forward``) on the same FORWARDs and tracker state, with the counts of
-both compared (a proposal for the lead, docs/performance.md).
+Prototype (``judge_prototype``): read judging one request at a time (``classify_read``,
+the pipeline's path before ``EngineTracker.classify_reads``) against a whole-batch version
+over a prebuilt 2-D row table (``judge_forward``: the next proposal, docs/performance.md)
+on the same FORWARDs and tracker state, with the counts of both compared.
 
 Latency (``latency``): a real ``Sidecar`` (its own ingest thread, default poll interval
 and merge slack) reads a ring written by a separate producer process, which replays the
@@ -277,8 +278,8 @@ def _python_judge(t, f) -> dict:
 
 
 def judge_prototype(stream: Stream, corrupt_pages: int = 3) -> dict:
-    """Time today's per-request read judging (``classify_read`` per request, the loop in
-    ``Pipeline._on_forward``) against ``judge_forward`` on the same FORWARDs and state, and
+    """Time per-request read judging (``classify_read`` per request, the pipeline's loop
+    before ``classify_reads``) against ``judge_forward`` on the same FORWARDs and state, and
     check both give the same counts, on the clean stream and after corrupting pages."""
     pipe = Pipeline([MemorySink()])
     for rec in _records(stream.setup):
