@@ -28,6 +28,9 @@ LOCK := requirements/engine.lock
 # with PYTHONPATH (sidecar/demo/engines.py). 0.5.19 leaks (the incident); 0.5.23 is fixed.
 SGLANG_VERSIONS := 0.5.19 0.5.23
 SGLANG_DIRS := $(foreach v,$(SGLANG_VERSIONS),$(VENV)/sglang/$(v)/.installed)
+# the releases between them: the adapter's engine tests run on every supported version
+SGLANG_TEST_VERSIONS := 0.5.20 0.5.21 0.5.22
+SGLANG_TEST_DIRS := $(foreach v,$(SGLANG_TEST_VERSIONS),$(VENV)/sglang/$(v)/.installed)
 
 # libibverbs1: the Mooncake wheel links libibverbs.so.1 even for TCP transfers.
 # prometheus, prometheus-alertmanager, redis-server: alert-rule tests, Alertmanager
@@ -75,7 +78,7 @@ apt:
 	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq; \
 	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing
 
-test: venv apt
+test: venv apt $(SGLANG_TEST_DIRS)
 	$(PY) -m pytest -q
 
 demo: venv apt

@@ -1,4 +1,4 @@
-"""The SGLang adapter on real engines (CPU): SGLang 0.5.19 and 0.5.23.
+"""The SGLang adapter on real engines (CPU): SGLang 0.5.19 through 0.5.23.
 
 Each test runs a driver in a subprocess with one SGLang version on PYTHONPATH; the
 plugin is discovered through the ``sglang.srt.plugins`` entry point in the engine's
@@ -239,7 +239,12 @@ def _hello(trace, version, role, pool_tokens):
     return h
 
 
-@pytest.mark.parametrize("version", ["0.5.19", "0.5.23"])
+# every release the adapter supports (engine_hooks/sglang/plugin.py SUPPORTED);
+# `make test` installs the three in between next to the demo's 0.5.19 and 0.5.23
+VERSIONS = ["0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
 def test_unified_engine(version, tmp_path):
     records, result = run_engine(version, "unified", tmp_path)
     for rid in ("req-a", "req-b", "req-c", "req-d"):
@@ -288,7 +293,7 @@ def test_unified_engine(version, tmp_path):
     assert any(f.free_kind == wire.FreeKind.GROUP for f in t.of(wire.Kind.FREE))
 
 
-@pytest.mark.parametrize("version", ["0.5.19", "0.5.23"])
+@pytest.mark.parametrize("version", VERSIONS)
 def test_decode_engine_fake_transfer(version, tmp_path):
     records, result = run_engine(version, "decode", tmp_path)
     assert all(r["completion_tokens"] == 6 for r in result.values()), result
@@ -315,7 +320,7 @@ def test_decode_engine_fake_transfer(version, tmp_path):
         assert first_seq(wire.Kind.XFER_RESERVE) < first_seq(wire.Kind.XFER_DONE) < first_seq(wire.Kind.FORWARD)
 
 
-@pytest.mark.parametrize("version", ["0.5.19", "0.5.23"])
+@pytest.mark.parametrize("version", VERSIONS)
 def test_prefill_engine_over_length_prompt(version, tmp_path):
     records, result = run_engine(version, "prefill", tmp_path)
     t = Trace(records)
@@ -339,8 +344,14 @@ def test_prefill_engine_over_length_prompt(version, tmp_path):
         assert done.status == wire.XferStatus.SUCCESS
         (end,) = t.of(wire.Kind.REQ_END, "preq-long")
         assert end.finish == wire.Finish.LENGTH  # SGLang replaced the pending abort
+    elif version == "0.5.20":
+        # 0.5.20 still runs the 1-token placeholder prefill, but no longer sends it: the
+        # client gets the error
+        assert "error" in result["preq-long"], result
+        assert not t.of(wire.Kind.XFER_SEND, "preq-long")
+        assert [(a.row_start, a.row_end) for a in t.of(wire.Kind.ASSIGN, "preq-long")] == [(0, 1)]
     else:
-        # 0.5.23 retires it before bootstrap: nothing is allocated or sent for it
+        # 0.5.21 on retire it before bootstrap: nothing is allocated or sent for it
         assert "error" in result["preq-long"], result
         assert not t.of(wire.Kind.XFER_SEND, "preq-long") and not t.of(wire.Kind.ASSIGN, "preq-long")
 

@@ -119,14 +119,14 @@ _OPTIONAL_FREE_PAGE_IDS = tuple(
     HookSpec(h.target, h.kind, h.factory, h.params, h.area, required=False) for h in _FREE_PAGE_IDS
 )
 
-# version -> (verified on a real engine, hook specs). 0.5.20 .. 0.5.22 are between
-# two verified releases: their specs are the same, every target is checked at load
-# and optional ones are hooked where present.
+# version -> (verified on a real engine, hook specs). Every version here runs the real
+# engine tests (tests/test_sglang_adapter_engine.py: unified, decode, prefill roles);
+# free_page_ids exists from 0.5.20 on.
 SUPPORTED: dict[str, tuple[bool, tuple]] = {
     "0.5.19": (True, _COMMON),
-    "0.5.20": (False, _COMMON + _OPTIONAL_FREE_PAGE_IDS),
-    "0.5.21": (False, _COMMON + _OPTIONAL_FREE_PAGE_IDS),
-    "0.5.22": (False, _COMMON + _OPTIONAL_FREE_PAGE_IDS),
+    "0.5.20": (True, _COMMON + _FREE_PAGE_IDS),
+    "0.5.21": (True, _COMMON + _FREE_PAGE_IDS),
+    "0.5.22": (True, _COMMON + _FREE_PAGE_IDS),
     "0.5.23": (True, _COMMON + _FREE_PAGE_IDS),
 }
 
