@@ -65,6 +65,7 @@ from test_dashboards import dashboards, expand, targets
 REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "alerts" / "kvguard.rules.yaml"
 from fault_plugin import FAULTS_DIR, make_rid
+from prom_queries import PrometheusQueries
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
 
@@ -246,7 +247,7 @@ def group_keys(am_log: Path, alertname: str) -> set[str]:
     return keys
 
 
-class Chain:
+class Chain(PrometheusQueries):
     def __init__(self, stack: ExitStack, work: Path):
         import uvicorn
 
@@ -305,21 +306,6 @@ class Chain:
         print(f"\nengine ready {time.monotonic() - t0:.1f} s after Prometheus and Alertmanager")
 
     # -- Prometheus
-    def api(self, path: str, **params) -> dict:
-        resp = httpx.get(f"{self.prom_url}/api/v1/{path}", params=params, timeout=10)
-        assert resp.status_code == 200, f"{resp.status_code} {resp.text}"
-        body = resp.json()
-        assert body["status"] == "success", body
-        return body["data"]
-
-    def query(self, expr: str) -> list[dict]:
-        data = self.api("query", query=expr)
-        return data["result"] if data["resultType"] in ("vector", "matrix") else [{"value": data["result"]}]
-
-    def query_range(self, expr: str, seconds: int = 30) -> list[dict]:
-        end = time.time()
-        return self.api("query_range", query=expr, start=end - seconds, end=end, step="2s")["result"]
-
     def wait_query(self, what: str, expr: str, timeout_s: float = WAIT_S) -> list[dict]:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

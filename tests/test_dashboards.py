@@ -43,6 +43,7 @@ from engine_hooks.ring import RingWriter
 from sidecar.cli import build_parser
 from sidecar.dashboards_cli import DASHBOARDS_DIR, load_generator
 from sidecar.finding_kinds import possible_findings
+from prom_queries import PrometheusQueries
 
 GENERATED = DASHBOARDS_DIR / "generated"
 PROVISIONING = DASHBOARDS_DIR / "provisioning"
@@ -189,7 +190,7 @@ def traffic(prefill, decode, stop: threading.Event, max_requests: int = 600):
         decode.pages_freed(slots([10, 11]))
 
 
-class Stack:
+class Stack(PrometheusQueries):
     """A sidecar serving /metrics over HTTP, scraped every second by a real Prometheus."""
 
     def __init__(self, tmp: Path):
@@ -241,21 +242,6 @@ class Stack:
             time.sleep(0.5)
         raise AssertionError(f"Prometheus did not scrape {self.target} {n} times in {timeout_s} s: "
                              f"{Path(self.prom_log.name).read_text()}")
-
-    def api(self, path: str, **params) -> dict:
-        resp = httpx.get(f"{self.prom_url}/api/v1/{path}", params=params, timeout=10)
-        assert resp.status_code == 200, f"{resp.status_code} {resp.text}"  # 503 while Prometheus starts
-        body = resp.json()
-        assert body["status"] == "success", body
-        return body["data"]
-
-    def query(self, expr: str) -> list[dict]:
-        data = self.api("query", query=expr)
-        return data["result"] if data["resultType"] in ("vector", "matrix") else [{"value": data["result"]}]
-
-    def query_range(self, expr: str, seconds: int = 30) -> list[dict]:
-        end = time.time()
-        return self.api("query_range", query=expr, start=end - seconds, end=end, step="2s")["result"]
 
     def close(self) -> None:
         self.prometheus.terminate()

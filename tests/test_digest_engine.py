@@ -29,6 +29,7 @@ from sidecar.service import Sidecar
 from sidecar.sinks.basic import MemorySink
 
 from fault_plugin import FAULTS_DIR, make_rid
+from sidecar_settle import wait_until_applied
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
 
@@ -54,16 +55,7 @@ class Watch:
         self.sidecar.stop()
 
     def settle(self, quiet_s: float = 0.4, max_s: float = 10.0) -> None:
-        """Until the sidecar has read everything the engines wrote (no new record for quiet_s)."""
-        t_end = time.monotonic() + max_s
-        last, since = -1, time.monotonic()
-        while time.monotonic() < t_end:
-            n = sum(self.sidecar.pipeline.records_by_kind.values())
-            if n != last:
-                last, since = n, time.monotonic()
-            elif time.monotonic() - since >= quiet_s:
-                return
-            time.sleep(0.05)
+        wait_until_applied(self.sidecar, quiet_s, max_s)
 
     def digests(self) -> dict[int, dict[str, wire.XferDigest]]:
         """room -> side name -> its XFER_DIGEST (one per side per room, asserted)."""

@@ -33,6 +33,7 @@ from sidecar.service import Sidecar
 from sidecar.sinks.basic import MemorySink
 
 from fault_plugin import FAULTS_DIR, make_rid
+from sidecar_settle import wait_until_applied
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
 
@@ -78,18 +79,7 @@ class Watch:
         return list(self.memory.findings[self.checked:])
 
     def settle(self, quiet_s: float = 0.4, max_s: float = 10.0) -> None:
-        """Wait until the sidecar has applied everything the engines wrote (no new
-        record for ``quiet_s``); the engine writes its last records (release, frees)
-        around the time the client gets its answer."""
-        t_end = time.monotonic() + max_s
-        last, since = -1, time.monotonic()
-        while time.monotonic() < t_end:
-            n = sum(self.sidecar.pipeline.records_by_kind.values())
-            if n != last:
-                last, since = n, time.monotonic()
-            elif time.monotonic() - since >= quiet_s:
-                return
-            time.sleep(0.05)
+        wait_until_applied(self.sidecar, quiet_s, max_s)
 
     # -- plugin events
     def events(self, fault: str | None = None, event: str | None = None) -> list[dict]:
