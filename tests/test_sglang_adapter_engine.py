@@ -289,7 +289,9 @@ def test_unified_engine(version, tmp_path):
     (rej,) = t.of(wire.Kind.REJECT, "req-long")
     assert rej.phase == wire.Phase.ADMISSION and "exceeds the maximum allowed length" in rej.reason
     assert ends["req-long"].finish == wire.Finish.REJECT
-    assert [s for s, _w, _r in t.forwards("req-long")] == [1]
+    # its placeholder prefill runs once; with the overlap scheduler the next decode batch
+    # may already be built before the abort is processed, so one decode step can follow
+    assert [s for s, _w, _r in t.forwards("req-long")] in ([1], [1, 2])
     assert any(f.free_kind == wire.FreeKind.GROUP for f in t.of(wire.Kind.FREE))
 
 
