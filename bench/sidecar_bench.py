@@ -158,7 +158,9 @@ def memory(pipe: Pipeline) -> dict:
 
 # --------------------------------------------------------------------------- raw baseline
 def read_pages_per_step(stream: Stream) -> list[np.ndarray]:
-    """The FORWARD read pages of each decode step (the stream must carry rows)."""
+    """The FORWARD read pages of each decode step (the stream must carry rows with every FORWARD)."""
+    if stream.params.rows_every != 1:
+        raise ValueError(f"raw_gather needs rows with every FORWARD (rows_every=1), got {stream.params.rows_every}")
     out = []
     for step in stream.steps:
         for kind, payload, _flags in step:

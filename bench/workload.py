@@ -13,13 +13,18 @@ What it models (one H200 decode rank of a GLM-class MLA model, see the brief's
   1,664 shared + 256 x ~96 private = ~26k of 32,768.
 * Each decode step is what the SGLang adapter (engine_hooks/sglang) emits for one
   ``alloc_for_decode`` + ``ModelRunner.forward``: one ALLOC with the pages the batch
-  starts this step (~4: 256 requests cross a page boundary every 64 steps), one ASSIGN
-  per request (``assign="token"``, what ``alloc_for_decode``'s hook sends today; or
-  ``assign="page"``: only for requests that start a new page), and one FORWARD with 256
-  requests, each writing 1 slot and reading its first ``seq_len`` tokens, with the
-  engine's actual rows (``rows=True``: 256 x 512 x 4 bytes = 512 KiB per step, what the
-  adapter sends today) or without (``rows=False``: seq_lens only; the sidecar judges its
-  own model of each row).
+  starts this step (~4: 256 requests cross a page boundary every 64 steps), ASSIGNs
+  (``assign="page"``, what ``alloc_for_decode``'s hook sends: one per request whose
+  token starts a new page, ~4 per step; or ``assign="token"``: one per request per
+  step, what the adapter sent before), and one FORWARD with 256 requests, each writing
+  1 slot and reading its first ``seq_len`` tokens. Every ``rows_every``-th FORWARD
+  (counting every forward, prefills included, as ``hooks_rows._forward_pre`` does with
+  ``KVGUARD_ROW_SAMPLE_EVERY``, default 16) also carries the engine's actual rows
+  (256 x 512 x 4 bytes = 512 KiB at the reference shape); the others carry seq_lens
+  only and the sidecar judges its own model of each row. ``rows_every=1`` is a row
+  table with every FORWARD (the adapter before it sampled), ``0`` never.
+  The defaults (``rows_every=16``, ``assign="page"``) are exactly what the adapter
+  sends today.
 * Initial requests are staggered (request i has generated i * 1,920 / 256 tokens), so
   one request finishes every 7.5 steps (8 requests/s): FREE of its private pages, REQ_END,
   then a new request arrives: REQ_BEGIN, ALLOC, ASSIGN of its whole row (prefix shared),
@@ -57,14 +62,20 @@ class WorkloadParams:
     prompt_tokens: int = 5_184  # private part of each prompt
     output_tokens: int = 1_920  # decode tokens per request
     steps_per_s: float = 60.0
-    rows: bool = True  # FORWARD carries the engine's rows (the adapter today)
-    assign: str = "token"  # "token": an ASSIGN per request per step (the adapter today); "page": new pages only
+    # the engine's rows ride on every Nth FORWARD (all forwards counted, as the adapter's
+    # KVGUARD_ROW_SAMPLE_EVERY, default 16); 1 = every FORWARD, 0 = never
+    rows_every: int = 16
+    # "page": an ASSIGN only for requests whose token starts a page (the adapter today);
+    # "token": one per request per step (the adapter before, the worst case)
+    assign: str = "page"
 
     def __post_init__(self):
         if self.prefix_tokens % self.page_size:
             raise ValueError(f"prefix_tokens {self.prefix_tokens} must be a multiple of page_size {self.page_size}")
         if self.assign not in ("token", "page"):
             raise ValueError(f"assign must be 'token' or 'page', got {self.assign!r}")
+        if self.rows_every < 0:
+            raise ValueError(f"rows_every must be >= 0 (0 = never), got {self.rows_every}")
         if self.batch < 1 or self.output_tokens < 1:
             raise ValueError("batch and output_tokens must be >= 1")
 
@@ -95,7 +106,12 @@ class WorkloadParams:
     def describe(self) -> str:
         return (f"page {self.page_size}, pool {self.pool_pages} pages, batch {self.batch}, mean context "
                 f"{self.mean_context_tokens:.0f} tokens ({self.mean_context_pages:.0f} pages), "
-                f"{'rows' if self.rows else 'no rows'}, assign per {self.assign}")
+                f"{self.rows_label()}, assign per {self.assign}")
+
+    def rows_label(self) -> str:
+        if self.rows_every == 0:
+            return "no rows"
+        return "rows every forward" if self.rows_every == 1 else f"rows every {self.rows_every}th forward"
 
 
 class CaptureWriter:
@@ -138,6 +154,7 @@ class Workload:
         self.admitted = 0
         self.page_reads = 0  # pages read in FORWARD records so far (sum of ceil(seq_len / page_size))
         self.steps = 0
+        self.forwards = 0  # FORWARDs sent so far (the adapter's row-sample counter)
 
     # ------------------------------------------------------------------ pages
     def _take_pages(self, n: int) -> list:
@@ -149,6 +166,12 @@ class Workload:
         ps = self.p.page_size
         base = np.repeat(np.asarray(pages, np.int64) * ps, ps)
         return (base + np.tile(np.arange(ps, dtype=np.int64), len(pages)))[:tokens]
+
+    def _forward(self, rids, seq_lens, writes, rows) -> None:
+        """One FORWARD; the rows go with every ``rows_every``-th (``hooks_rows._forward_pre``)."""
+        self.forwards += 1
+        every = self.p.rows_every
+        self.probes.forward(rids, seq_lens, writes, rows() if every and self.forwards % every == 0 else None)
 
     def _reads(self, seq: int) -> int:
         return -(-seq // self.p.page_size)
@@ -168,7 +191,7 @@ class Workload:
             pr.request_begin(rid, "system", None, p.prefix_tokens, 0, False)
             pr.pages_allocated(slots[::ps])
             pr.rows_assigned(rid, 0, p.prefix_tokens, 0, slots)
-            pr.forward([rid], [p.prefix_tokens], [slots], [slots] if p.rows else None)
+            self._forward([rid], [p.prefix_tokens], [slots], lambda: [slots])
             self.page_reads += self._reads(p.prefix_tokens)
             pr.request_end(rid, "length", 1_000_000, 1_000_000, 1, "")
             self.prefixes.append(slots)
@@ -191,7 +214,7 @@ class Workload:
         pr.request_begin(rid, f"tenant-{n % 8}", None, p.prefix_tokens + p.prompt_tokens, p.prefix_tokens, False)
         pr.pages_allocated(np.asarray(pages, np.int64) * ps)
         pr.rows_assigned(rid, 0, seq, p.prefix_tokens, slots[:seq])
-        pr.forward([rid], [seq], [slots[p.prefix_tokens:seq]], [slots[:seq]] if p.rows else None)
+        self._forward([rid], [seq], [slots[p.prefix_tokens:seq]], lambda: [slots[:seq]])
         self.page_reads += self._reads(seq)
         self.live.append(_Req(rid, slots, seq, cap, pages))
 
@@ -224,8 +247,8 @@ class Workload:
         for r in self.live:
             r.seq += 1
         seq_lens = [r.seq for r in self.live]
-        pr.forward([r.rid for r in self.live], seq_lens, [r.slots[s:s + 1] for r, s in zip(self.live, positions)],
-                   [r.slots[:r.seq] for r in self.live] if p.rows else None)
+        self._forward([r.rid for r in self.live], seq_lens, [r.slots[s:s + 1] for r, s in zip(self.live, positions)],
+                      lambda: [r.slots[:r.seq] for r in self.live])
         self.page_reads += sum(self._reads(s) for s in seq_lens)
         self.steps += 1
         done = [r for r in self.live if r.seq >= r.cap]

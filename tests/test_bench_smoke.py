@@ -29,9 +29,9 @@ TINY = WorkloadParams(page_size=16, pool_tokens=2048 * 16, batch=6, prefix_group
                       prompt_tokens=40, output_tokens=24)
 
 
-@pytest.mark.parametrize("rows,assign", [(True, "token"), (False, "token"), (False, "page")])
-def test_workload_stream_is_clean_and_fully_judged(rows, assign):
-    stream = capture(replace(TINY, rows=rows, assign=assign), steps=30)  # > output_tokens: requests finish and arrive
+@pytest.mark.parametrize("rows_every,assign", [(16, "page"), (3, "page"), (1, "token"), (0, "token"), (0, "page")])
+def test_workload_stream_is_clean_and_fully_judged(rows_every, assign):
+    stream = capture(replace(TINY, rows_every=rows_every, assign=assign), steps=30)  # > output_tokens: requests end
     r = sidecar_bench.throughput(stream)
     assert r["findings"] == 0 and r["apply_errors"] == 0 and r["dropped_records"] == 0
     assert r["pages_unverified"] == 0
@@ -40,8 +40,31 @@ def test_workload_stream_is_clean_and_fully_judged(rows, assign):
     assert r["memory"]["bytes_per_page"] == 33.0  # state u8 + gen u32 + written_gen u32 + 3 x 8-byte columns
 
 
+def test_adapter_stream_is_what_the_adapter_sends():
+    """Rows with every 16th FORWARD (all forwards counted, as ``hooks_rows._forward_pre``) and an
+    ASSIGN per decode step only for the requests whose token starts a page (``_decode_post``)."""
+    from engine_hooks import wire
+
+    stream = capture(TINY, steps=40)
+    assert (TINY.rows_every, TINY.assign) == (16, "page")
+    forwards = [(kind, payload) for kind, payload, _f in stream.setup + [i for s in stream.steps for i in s]
+                if kind == wire.Kind.FORWARD]
+    with_rows = [i + 1 for i, (_k, payload) in enumerate(forwards)
+                 if wire.decode_stream(wire.encode(wire.Kind.FORWARD, 0, 0, 0, payload),
+                                       wire.DecodeStats())[0].body.read_counts is not None]
+    assert with_rows and all(n % 16 == 0 for n in with_rows) and len(with_rows) == len(forwards) // 16
+    for step in stream.steps:
+        assigns = sum(kind == wire.Kind.ASSIGN for kind, _p, _f in step)
+        allocs = [wire.decode_stream(wire.encode(wire.Kind.ALLOC, 0, 0, 0, p), wire.DecodeStats())[0].body.pages
+                  for kind, p, _f in step if kind == wire.Kind.ALLOC]
+        # decode ASSIGNs are one per new page (admissions add one ASSIGN and one ALLOC each)
+        admitted = sum(kind == wire.Kind.REQ_BEGIN for kind, _p, _f in step)
+        new_pages = len(allocs[0]) if allocs and len(allocs) > admitted else 0
+        assert assigns == new_pages + admitted, (assigns, new_pages, admitted)
+
+
 def test_node_of_rings_and_raw_baseline():
-    stream = capture(TINY, steps=3)
+    stream = capture(replace(TINY, rows_every=1), steps=3)  # the raw gather needs every step's read pages
     r = sidecar_bench.throughput(stream, ranks=3, profile=True)
     assert r["findings"] == 0 and r["pages_judged"] == 3 * sum(stream.step_page_reads)
     assert r["profile"] and "function" in r["profile"][0]
