@@ -223,3 +223,65 @@ def test_a_page_freed_under_a_clean_row_is_judged_again(monkeypatch):
     assert t.judge_epoch == epoch + 1
     assert found[0].freed.tolist() == [1, 3] and found[1].freed.tolist() == [1]
     assert t.pages_read == 4 * 8  # four forwards of two 4-page reads, every page counted each time
+
+
+class _Tap:
+    """A ``RingWriter`` look-alike: records of several engines in one list, in call order."""
+
+    def __init__(self, items: list, engine_id: int):
+        self.items, self.engine_id = items, engine_id
+        self.records_written = self.dropped_records = 0
+
+    def write(self, kind, payload: bytes, pool: int = 0, flags: int = 0) -> bool:
+        self.items.append((self.engine_id, int(kind), payload))
+        self.records_written += 1
+        return True
+
+    write_sticky = write
+
+
+def test_a_provisional_transfer_undone_by_a_trailing_short_send_is_judged_again(monkeypatch):
+    """Decode reads pages a transfer was provisionally taken to have written (the sender's record
+    trails); the sender then says it sent 1 token of 8: those pages are unwritten again, and the
+    next decode step's read must say so with the incremental judge as with the full one."""
+    from engine_hooks.probes import Probes
+
+    def slots(pages):
+        return np.concatenate([np.arange(p * 4, p * 4 + 4) for p in pages])
+
+    items: list = []
+    prefill, decode = Probes(_Tap(items, 1)), Probes(_Tap(items, 2))
+    prefill.hello("prefill", 0, 4, 1024, 4096, 2048, 2048, "sglang", "0.5.19", "tiny")
+    decode.hello("decode", 0, 4, 8, 32, 32, 32, "sglang", "0.5.19", "tiny")
+    for p in (prefill, decode):
+        p.request_begin("r-x", "initech", 12, 8, 0, False)
+    decode.pages_allocated(slots([1, 2, 3]))
+    decode.rows_assigned("r-x", 0, 8, 0, slots([1, 2]))
+    decode.transfer_reserved("r-x", 12, 8, slots([1, 2]))
+    decode.transfer_done("r-x", 12, "receiver", "success")  # before the sender's record: provisional
+    decode.rows_assigned("r-x", 8, 9, 8, slots([3])[:1])
+    for n in (9, 10):  # decode steps judged clean on the provisional marks
+        decode.forward(["r-x"], [n], [slots([3])[n - 9:n - 8]], None)
+    prefill.transfer_sent("r-x", 12, 0, 1, [50], True)  # 1 token after all: page 2 was never written
+    decode.forward(["r-x"], [11], [slots([3])[2:3]], None)
+    records = []
+    for seq, (eid, kind, payload) in enumerate(items):
+        raw = wire.encode(wire.Kind(kind), seq, 1_000 + seq, eid, payload)
+        records.extend(wire.decode_stream(raw, wire.DecodeStats()))
+
+    def replay(incremental):
+        monkeypatch.setattr(tracker_mod, "INCREMENTAL_JUDGE", incremental)
+        pipe = Pipeline([MemorySink()])
+        seen = []
+        emit = pipe._emit
+        pipe._emit = lambda found: (seen.extend(f.to_dict() for f in found), emit(found))[1]
+        for rec in records:
+            pipe.apply(rec)
+        return seen, pipe.engines[2].pages_read
+
+    full, incr = replay(False), replay(True)
+    assert full == incr
+    kinds = [f["kind"] for f in full[0]]
+    # the trailing send's own re-judge (transfer path), then the next decode step's read finds it again
+    assert kinds.count("unwritten_read") == 2 and "transfer_size_mismatch" in kinds
+    assert all(f["pages"] == [2] for f in full[0] if f["kind"] == "unwritten_read")
