@@ -51,7 +51,7 @@ HEAD_STREAMS = "head_streams"  # wire.DigestAlg.XXH3_HEAD_STREAMS (host pools)
 DEVICE_REDUCED = "device_reduced"  # wire.DigestAlg.XXH3_DEVICE_REDUCED (device pools)
 
 BLOCK_BYTES = 64 << 20  # bound on one layer's temporaries per update (see StreamingDigest.block_tokens)
-HOST_BLOCK_BYTES = 1 << 20  # alg 3's reused gather buffer (measured: 0.5-4 MiB alike; whole layers slower)
+HOST_BLOCK_BYTES = 4 << 20  # alg 3: bound on its reused gather buffer (measured: 1-16 MiB within noise, 256 KiB slower)
 
 P1, G1 = (1 << 31) - 1, 16807
 P2, G2 = (1 << 31) - 19, 48271
@@ -212,30 +212,22 @@ class PoolView:
         buf = (self.k if which == "k" else self.v)[0]
         return int(buf.shape[-1]) * buf.element_size()
 
-    def head_rows(self, which: str, i: int, slots: np.ndarray, index: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """alg 3: layer ``i``'s K or V rows of ``slots`` head-major, ``[H, T, row_bytes]``
-        uint8, i.e. each head's stream bytes for these tokens back to back.
-
-        One ``np.take`` of the buffer's flat rows by ``index`` (:meth:`row_index`) into
-        ``out`` (reused): the gather and the head-major order in one pass, a memmove per
-        row, single-threaded (torch's index_select is as fast on one thread but hands
-        work to its intra-op threads; see docs/performance.md "Digest"). ``mode="clip"``
-        because ``np.take`` buffers ``out`` in the default mode; the indices are bounds-
-        checked here instead. A non-contiguous buffer is gathered, then copied."""
+    def flat_rows(self, which: str, i: int) -> np.ndarray | None:
+        """Layer ``i``'s K or V buffer as ``[rows, row_bytes]`` uint8 (a view, no copy),
+        or None when the buffer is not one contiguous block."""
         buf = self._host_bytes(which, i)
-        t, rb = len(slots), buf.shape[-1]
-        if not buf.flags.c_contiguous:
-            if self.layout == "nhd":
-                rows = buf[slots]
-            else:
-                rows = buf[slots // self.page_size, :, slots % self.page_size, :]
-            return np.ascontiguousarray(rows.transpose(1, 0, 2))  # [H, T, row_bytes]
-        flat = buf.reshape(-1, rb)
-        if t and (int(index.min()) < 0 or int(index.max()) >= flat.shape[0]):
-            raise IndexError(f"KV slots outside the pool ({flat.shape[0]} rows)")
-        dst = out[: self.heads * t * rb].reshape(self.heads * t, rb)
-        np.take(flat, index, axis=0, out=dst, mode="clip")
-        return dst.reshape(self.heads, t, rb)
+        return buf.reshape(-1, buf.shape[-1]) if buf.flags.c_contiguous else None
+
+    def head_rows_copied(self, which: str, i: int, slots: np.ndarray) -> np.ndarray:
+        """alg 3 for a non-contiguous buffer: gather the slots' rows, then copy them
+        head-major, ``[H, T, row_bytes]`` (two copies; SGLang's pools never need it)."""
+        buf = self._host_bytes(which, i)
+        if self.layout == "nhd":
+            rows = buf[slots]
+        else:
+            rows = buf[slots // self.page_size, :, slots % self.page_size, :]
+        return np.ascontiguousarray(rows.transpose(1, 0, 2))
+
 
 def pool_view(pool) -> PoolView:
     """A :class:`PoolView` of an SGLang KV pool, or :class:`Unsupported` with the reason."""
@@ -340,14 +332,20 @@ class StreamingDigest:
             parts = ("k",) if view.v is None else ("k", "v")
             self.hashers = [{w: [xxhash.xxh3_64(seed=stream_seed(view.start_layer + i, self.head_start + h, w))
                                  for h in range(view.heads)] for w in parts} for i in range(view.layers)]
+            # per (layer, K/V): the flat rows (None: not contiguous), row bytes, the heads' hashers
+            self._plan = [(view.flat_rows(w, i), view.row_bytes(w), hs, w, i)
+                          for i, per_part in enumerate(self.hashers) for w, hs in per_part.items()]
+            flats = [f for f, *_ in self._plan if f is not None]
+            self._min_rows = min((f.shape[0] for f in flats), default=0) if flats else 1 << 62
         else:
             self.hashers = [[xxhash.xxh3_64(seed=seed(view.start_layer + i, self.head_start + h))
                              for h in range(view.heads)] for i in range(view.layers)]
+        self._step = self.block_tokens()
 
     def update(self, slots) -> None:
         slots = _as_slots(slots, self.view, self.alg)
         n = len(slots)
-        step = self.block_tokens()
+        step = self._step
         for a in range(0, n, step):  # token blocks bound the temporaries (the stream hash does not care)
             block = slots[a:a + step]
             if self.alg == HEAD_STREAMS:
@@ -358,17 +356,34 @@ class StreamingDigest:
                 for h, hasher in enumerate(self.hashers[i]):
                     hasher.update(streams[h].data)
 
-    def _update_head_streams(self, block) -> None:
-        v = self.view
-        index = v.row_index(block)  # the same rows in every layer, K and V alike
-        need = v.heads * len(block) * max(v.row_bytes(w) for w in self.hashers[0])
-        if self._scratch is None or self._scratch.size < need:
-            self._scratch = np.empty(need, dtype=np.uint8)
-        for i, per_part in enumerate(self.hashers):
-            for which, hashers in per_part.items():
-                rows = v.head_rows(which, i, block, index, self._scratch)
-                for h, hasher in enumerate(hashers):
-                    hasher.update(rows[h].data)
+    def _update_head_streams(self, block: np.ndarray) -> None:
+        """alg 3: per layer and K/V, each head's rows of ``block`` into its stream.
+
+        Contiguous buffers: one ``np.take`` of the flat ``[rows, row_bytes]`` view by
+        :meth:`PoolView.row_index` (the same for every layer, K and V alike) writes the
+        rows head-major into a reused buffer: the gather and the head order in one pass,
+        a memmove per row, on this thread only (torch's index_select is as fast on one
+        thread but hands work to its intra-op threads, which under load cost several
+        times more CPU; docs/performance.md "Digest"). ``mode="clip"`` because
+        ``np.take`` buffers ``out`` in its default mode; the indices are bounds-checked
+        once per block here instead."""
+        v, t = self.view, len(block)
+        index = v.row_index(block)
+        if t and (int(block.min()) < 0 or int(index.max()) >= self._min_rows):
+            raise IndexError(f"KV slots outside the pool ({self._min_rows} rows)")
+        heads, scratch = v.heads, self._scratch
+        need = heads * t * max(rb for _, rb, *_ in self._plan)
+        if scratch is None or scratch.size < need:  # grows to one block at most, reused across chunks
+            scratch = self._scratch = np.empty(need, dtype=np.uint8)
+        for flat, rb, hashers, which, i in self._plan:
+            if flat is None:
+                rows = v.head_rows_copied(which, i, block)
+            else:
+                dst = scratch[: heads * t * rb].reshape(heads * t, rb)
+                np.take(flat, index, axis=0, out=dst, mode="clip")
+                rows = dst.reshape(heads, t, rb)
+            for h in range(heads):
+                hashers[h].update(rows[h].data)
 
     def block_tokens(self) -> int:
         """Tokens per block so that one layer's temporaries stay near BLOCK_BYTES (alg 2
