@@ -10,7 +10,7 @@ sum per-(layer, head) stream hashes, so a rank's partial over its kv heads adds 
   and ``V(l, h)`` = its V bytes likewise, seed ``(1 << 32) | (l << 16) | h`` (a latent
   pool has one "head" and no V stream); digest = sum of every K(l, h) and V(l, h).
   Each stream is one head's rows back to back, which a pool buffer yields with one
-  gather (:meth:`PoolView.head_rows`): no interleaving copy.
+  gather (``StreamingDigest._update_head_streams``): no interleaving copy.
 * alg 1 ``unit_bytes`` (host pools until alg 3; still computed for recordings and
   comparisons): unit (l, h, t) = head h's K bytes then V bytes for token t in layer l;
   d(l, h) = xxh3-64, seed ``(l << 16) | h``, over the stream of that head's units in
