@@ -3,17 +3,21 @@
 * ``raw_xxh3``: raw xxh3-64 over page-sized buffers (one layer's KV of one page of a
   GLM-class MLA model, 64 tokens x (512 latent + 64 rope) x 2 bytes = 73,728 bytes;
   256 distinct pages, 18 MiB, larger than the caches): the ceiling of any digest.
-* ``digest_path``: the host digest (alg ``unit_bytes``) of one transfer out of an
-  NHD MHA pool (8 kv heads x 128 dims, bf16, page 16 tokens: 64 KiB of K+V per page and
-  layer), pages scattered in the pool, against raw xxh3 over exactly those bytes as
-  they sit in the pool (each page's K block and V block of each layer, contiguous).
-  The digest must gather the tokens head-major first (the definition is per head in
-  token order), so it pays one copy of the bytes on top of the hashing.
+* ``digest_path``: the host digest (alg ``head_streams``, what the hooks emit for CPU
+  pools) of one transfer out of an NHD MHA pool (8 kv heads x 128 dims, bf16, page 16
+  tokens: 64 KiB of K+V per page and layer), pages scattered in the pool, against raw
+  xxh3 over exactly those bytes as they sit in the pool (each page's K block and V
+  block of each layer, contiguous). The digest must gather each head's rows first (the
+  definition is per head in token order), so it pays one copy of the bytes on top of
+  the hashing. The same transfer under alg 1 (``unit_bytes``, K and V interleaved per
+  token: gather, then an interleaving copy) is timed alongside for comparison.
 * ``tiny_transfer_us``: microseconds per transfer on the tests' tiny GPT-2 (2 layers,
   4 kv heads x 16 dims, bf16) for a given prompt length, sender (in 64-token chunks)
   and receiver (one shot); mostly fixed per-(layer, head) costs at this size.
 
-Times are CPU time of the measuring thread (``thread_time_ns``), best of the rounds.
+Times are CPU time of the whole process (``process_time_ns``, so that work torch
+may hand to its intra-op threads is counted too; nothing else runs meanwhile), best of
+the rounds.
 """
 
 from __future__ import annotations
@@ -33,10 +37,10 @@ def raw_xxh3(page_bytes: int = PAGE_BYTES, pages: int = 256, rounds: int = 8) ->
     h = xxhash.xxh3_64_intdigest
     best = None
     for _ in range(rounds):
-        c0 = time.thread_time_ns()
+        c0 = time.process_time_ns()
         for v in views:
             h(v)
-        cpu = time.thread_time_ns() - c0
+        cpu = time.process_time_ns() - c0
         best = cpu if best is None else min(best, cpu)
     return {"page_bytes": page_bytes, "pages": pages, "gbps": page_bytes * pages / best,  # bytes/ns == GB/s
             "xxhash_version": xxhash.VERSION}
@@ -45,9 +49,9 @@ def raw_xxh3(page_bytes: int = PAGE_BYTES, pages: int = 256, rounds: int = 8) ->
 def _best_ns(fn, rounds: int) -> int:
     best = None
     for _ in range(rounds):
-        c0 = time.thread_time_ns()
+        c0 = time.process_time_ns()
         fn()
-        cpu = time.thread_time_ns() - c0
+        cpu = time.process_time_ns() - c0
         best = cpu if best is None else min(best, cpu)
     return best
 
@@ -70,6 +74,55 @@ def _transfer_slots(tokens: int, pool_slots: int, page_size: int, seed: int = 1)
     n_pages = -(-tokens // page_size)
     pages = rng.permutation(np.arange(1, pool_slots // page_size))[:n_pages]
     return (pages[:, None] * page_size + np.arange(page_size)[None, :]).reshape(-1)[:tokens].astype(np.int64)
+
+
+def gather_alternatives(view, slots: np.ndarray, rounds: int) -> dict:
+    """alg 3 computed the other exact ways we tried (whole transfer, one layer's K or V
+    at a time), each checked equal to ``transfer_digest``; CPU ms of each. The hooks use
+    the fastest single-threaded one (``np_take_head_major``, engine_hooks/digest.py)."""
+    import torch
+
+    from engine_hooks import digest as dg
+
+    index = view.row_index(slots)
+    index_t = torch.as_tensor(index)
+    heads = view.heads
+
+    def digest_of(rows_of) -> int:
+        total = 0
+        for i in range(view.layers):
+            for which in ("k", "v"):
+                rows = rows_of(which, i)  # [H, T, row_bytes], each head's rows contiguous
+                for h in range(heads):
+                    total += xxhash.xxh3_64_intdigest(rows[h].data, seed=dg.stream_seed(i, h, which))
+        return total & dg.MASK64
+
+    def torch_index_select(which, i):  # the same rows as np.take, torch's kernel (may use intra-op threads)
+        flat = torch.from_numpy(view.flat_rows(which, i))
+        return torch.index_select(flat, 0, index_t).numpy().reshape(heads, len(slots), -1)
+
+    def gather_then_copy(which, i):  # token rows (H x row_bytes contiguous per token), then head-major copy
+        return np.ascontiguousarray(view._host_bytes(which, i)[slots].transpose(1, 0, 2))
+
+    def per_head_fancy(which, i):  # one strided fancy-index gather per head
+        buf = view._host_bytes(which, i)
+        return [buf[:, h][slots] for h in range(heads)]
+
+    want = dg.transfer_digest(view, slots, 0, dg.HEAD_STREAMS)
+    out = {"np_take_head_major": _best_ns(lambda: dg.transfer_digest(view, slots, 0, dg.HEAD_STREAMS), rounds)}
+    for name, fn in (("torch_index_select_head_major", torch_index_select),
+                     ("gather_then_head_major_copy", gather_then_copy), ("per_head_fancy_gather", per_head_fancy)):
+        assert digest_of(fn) == want, name  # exact, or it is not an alternative
+        out[name] = _best_ns(lambda fn=fn: digest_of(fn), rounds)
+    scratch = np.empty(heads * len(slots) * view.row_bytes("k"), np.uint8).reshape(heads * len(slots), -1)
+
+    def take_only():  # the gather alone (no hashing): what the copy costs
+        for i in range(view.layers):
+            for which in ("k", "v"):
+                np.take(view.flat_rows(which, i), index, axis=0, out=scratch, mode="clip")
+
+    out["np_take_gather_only"] = _best_ns(take_only, rounds)
+    return {k: v / 1e6 for k, v in out.items()}
 
 
 def digest_path(tokens: int = 4096, layers: int = 8, heads: int = 8, dim: int = 128, page_size: int = 16,
@@ -98,12 +151,17 @@ def digest_path(tokens: int = 4096, layers: int = 8, heads: int = 8, dim: int = 
         for b in blocks:
             h(b)
 
-    digest_ns = _best_ns(lambda: dg.transfer_digest(view, slots_t, 0, dg.UNIT_BYTES), rounds)
+    alg = view.alg()
+    digest_ns = _best_ns(lambda: dg.transfer_digest(view, slots_t, 0, alg), rounds)
     raw_ns = _best_ns(raw_same_bytes, rounds)
+    unit_bytes_ns = _best_ns(lambda: dg.transfer_digest(view, slots_t, 0, dg.UNIT_BYTES), rounds)
+    alternatives = gather_alternatives(view, slots, rounds)
     return {"tokens": tokens, "layers": layers, "kv_heads": heads, "head_dim": dim, "dtype": "bfloat16",
-            "page_size": page_size, "bytes": nbytes, "block_bytes": page_size * heads * dim * 2,
+            "page_size": page_size, "bytes": nbytes, "block_bytes": page_size * heads * dim * 2, "alg": alg,
             "digest_ms": digest_ns / 1e6, "raw_ms": raw_ns / 1e6,
-            "gbps": nbytes / digest_ns, "raw_same_bytes_gbps": nbytes / raw_ns, "ratio": raw_ns / digest_ns}
+            "gbps": nbytes / digest_ns, "raw_same_bytes_gbps": nbytes / raw_ns, "ratio": raw_ns / digest_ns,
+            "unit_bytes_ms": unit_bytes_ns / 1e6, "unit_bytes_ratio": raw_ns / unit_bytes_ns,
+            "alternatives_ms": alternatives}
 
 
 def tiny_transfer_us(tokens: int, rounds: int = 20, chunk: int = 64) -> dict:
@@ -117,20 +175,26 @@ def tiny_transfer_us(tokens: int, rounds: int = 20, chunk: int = 64) -> dict:
     view = dg.pool_view(_Pool(2, 4, 16, pool_slots, page_size))
     slots = torch.as_tensor(_transfer_slots(tokens, pool_slots, page_size))
 
+    alg = view.alg()
+
     def sender():
-        s = dg.StreamingDigest(view, 0, dg.UNIT_BYTES)
+        s = dg.StreamingDigest(view, 0, alg)
         for a in range(0, tokens, chunk):
             s.update(slots[a:a + chunk])
         return s.digest()
 
     def receiver():
+        return dg.transfer_digest(view, slots, 0, alg)
+
+    def receiver_unit_bytes():
         return dg.transfer_digest(view, slots, 0, dg.UNIT_BYTES)
 
     def receiver_device_reduced():
         return dg.transfer_digest(view, slots, 0, dg.DEVICE_REDUCED)
 
     assert sender() == receiver()
-    return {"tokens": tokens, "kv_bytes": tokens * 2 * 4 * 16 * 2 * 2,
+    return {"tokens": tokens, "kv_bytes": tokens * 2 * 4 * 16 * 2 * 2, "alg": alg,
             "sender_chunked_us": _best_ns(sender, rounds) / 1e3,
             "receiver_us": _best_ns(receiver, rounds) / 1e3,
+            "receiver_unit_bytes_us": _best_ns(receiver_unit_bytes, rounds) / 1e3,
             "receiver_device_reduced_on_cpu_us": _best_ns(receiver_device_reduced, rounds) / 1e3}

@@ -132,10 +132,12 @@ class Engine:
         from engine_hooks.sglang import _runtime as rt
         from engine_hooks.sglang import hooks_allocator as ha
         from engine_hooks.sglang import hooks_rows as hr
+        from engine_hooks.sglang import row_sampler
 
         self.torch, self.hr, self.rt = torch, hr, rt
         self.batch = batch
         rt.State.reset()
+        rt.State.row_sampler = row_sampler.from_env()  # what the plugin ships (the budget unless set)
         self.writer = RingWriter(ring_dir)
         self.reader = RingReader(self.writer.path)
         self.probes = probes_mod.Probes(self.writer, page_size=PAGE)
@@ -263,6 +265,7 @@ def bench_batch(batch: int, steps: int, warmup: int = 3, profile: bool = False, 
         eng.records = eng.bytes = 0
         t1 = eng.probes.tier1
         checks0 = t1.checks if t1 else 0
+        samples0 = eng.rt.State.row_sampler.samples
         per_step_cpu = []
         prof = cProfile.Profile() if profile else None
         fb = None
@@ -290,6 +293,7 @@ def bench_batch(batch: int, steps: int, warmup: int = 3, profile: bool = False, 
             # the engine's own CPU work inside the hooked alloc_for_decode (context, not kvguard's cost)
             "engine_alloc_for_decode_cpu_us": (m["alloc_for_decode"].inner_cpu - m["alloc_decode"].own_cpu
                                                - m["write"].own_cpu) / steps / 1e3,
+            "row_samples": eng.rt.State.row_sampler.samples - samples0,  # forwards that carried the rows
             "records_per_step": eng.records / steps,
             "ring_bytes_per_step": eng.bytes / steps,
             "dropped_records": eng.writer.dropped_records,

@@ -252,7 +252,7 @@ def digest_part(sz: Sizes, res: dict, details: dict, log) -> None:
     details["digest"] = raw
     res["digest.raw_xxh3_gbps"] = raw["gbps"]
     res["digest.page_bytes"] = raw["page_bytes"]
-    log("transfer digest (host, unit bytes) vs raw xxh3 on the same bytes")
+    log("transfer digest (host, alg 3 head streams) vs raw xxh3 on the same bytes")
     path = (digest_bench.digest_path(tokens=512, layers=2, rounds=2) if sz.quick
             else digest_bench.digest_path(tokens=4096, layers=8, rounds=5))
     details["digest_path"] = path

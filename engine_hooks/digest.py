@@ -1,16 +1,26 @@
 """Transfer digests: xxh3 over a KV pool's (layer, kv head, token) units.
 
 Pure torch/numpy + xxhash (no engine imports): the SGLang hooks hand in the pool and
-the token slots. The definition (docs/wire-format.md, "Transfer digests"):
+the token slots. The definitions (docs/wire-format.md, "Transfer digests"); all three
+sum per-(layer, head) stream hashes, so a rank's partial over its kv heads adds up
+(mod 2**64) with the other ranks' to the whole, whatever the TP split:
 
-* unit (l, h, t) = head h's K bytes then V bytes for token t in layer l
-  (a latent pool has one "head" and no V);
-* d(l, h) = xxh3-64, seed ``(l << 16) | h``, over the stream of that head's units in
-  token order (alg 1) or over one little-endian u64 per unit (alg 2, below);
-* digest = sum of d(l, h) mod 2**64 over the layers and heads this rank holds.
+* alg 3 ``head_streams`` (host pools, emitted today): per (l, h) two xxh3-64 streams,
+  ``K(l, h)`` = head h's K bytes of every token in token order, seed ``(l << 16) | h``,
+  and ``V(l, h)`` = its V bytes likewise, seed ``(1 << 32) | (l << 16) | h`` (a latent
+  pool has one "head" and no V stream); digest = sum of every K(l, h) and V(l, h).
+  Each stream is one head's rows back to back, which a pool buffer yields with one
+  gather (``StreamingDigest._update_head_streams``): no interleaving copy.
+* alg 1 ``unit_bytes`` (host pools until alg 3; still computed for recordings and
+  comparisons): unit (l, h, t) = head h's K bytes then V bytes for token t in layer l;
+  d(l, h) = xxh3-64, seed ``(l << 16) | h``, over the stream of that head's units in
+  token order; digest = sum of d(l, h).
+* alg 2 ``device_reduced`` (device pools): as alg 1 over one little-endian u64 per
+  unit (below).
 
-Because ``d(l, h)`` is a stream hash, a sender may feed it chunk by chunk
-(:class:`StreamingDigest`) and still equal a receiver that hashes everything at once.
+Every digest is mod 2**64 over the layers and heads this rank holds. Because each part
+is a stream hash, a sender may feed it chunk by chunk (:class:`StreamingDigest`) and
+still equal a receiver that hashes everything at once.
 
 alg 2 (device pools, :func:`reduce_units`): each unit is reduced on the device to
 ``u64 = (r1 << 32) | r2`` where, with the unit's bytes read as little-endian u32 words
@@ -36,10 +46,12 @@ import xxhash
 log = logging.getLogger("kvguard.digest")
 
 MASK64 = (1 << 64) - 1
-UNIT_BYTES = "unit_bytes"  # wire.DigestAlg.XXH3_UNIT_BYTES (host pools)
+UNIT_BYTES = "unit_bytes"  # wire.DigestAlg.XXH3_UNIT_BYTES (host pools before alg 3; no longer emitted)
+HEAD_STREAMS = "head_streams"  # wire.DigestAlg.XXH3_HEAD_STREAMS (host pools)
 DEVICE_REDUCED = "device_reduced"  # wire.DigestAlg.XXH3_DEVICE_REDUCED (device pools)
 
 BLOCK_BYTES = 64 << 20  # bound on one layer's temporaries per update (see StreamingDigest.block_tokens)
+HOST_BLOCK_BYTES = 4 << 20  # alg 3: bound on its reused gather buffer (measured: 1-16 MiB within noise, 256 KiB slower)
 
 P1, G1 = (1 << 31) - 1, 16807
 P2, G2 = (1 << 31) - 19, 48271
@@ -54,8 +66,16 @@ class Unsupported(Exception):
     """This pool or tensor cannot be digested here (the caller skips, logs once, counts)."""
 
 
+V_STREAM = 1 << 32  # alg 3: set in the seed of a head's V stream (its K stream's seed lacks it)
+
+
 def seed(layer: int, head: int) -> int:
     return ((int(layer) << 16) | int(head)) & MASK64
+
+
+def stream_seed(layer: int, head: int, which: str) -> int:
+    """alg 3: the seed of head ``head``'s K (``which="k"``) or V stream in layer ``layer``."""
+    return seed(layer, head) | (V_STREAM if which == "v" else 0)
 
 
 # --------------------------------------------------------------------------- skips
@@ -117,7 +137,7 @@ class PoolView:
     def alg(self) -> str:
         dev = str(getattr(self.device, "type", self.device))
         if dev == "cpu":
-            return UNIT_BYTES
+            return HEAD_STREAMS
         if dev == "cuda":
             return DEVICE_REDUCED
         raise Unsupported(f"KV pool on device {dev!r}")
@@ -176,6 +196,37 @@ class PoolView:
         # [T, H, bytes] views, then one copy into head-major order (cat writes it contiguous)
         byte_parts = [p.reshape(t, self.heads, -1).contiguous().view(torch.uint8).transpose(0, 1) for p in parts]
         return torch.cat(byte_parts, dim=2) if len(byte_parts) > 1 else byte_parts[0].contiguous()
+
+    # ------------------------------------------------------------------- alg 3 (host)
+    def row_index(self, slots: np.ndarray) -> np.ndarray:
+        """For each (head, token) of ``slots``, head-major, the row of a buffer's flat
+        ``[rows, row_bytes]`` view holding that head's bytes for that token: NHD
+        ``slot*H + h``; HND ``((slot // ps)*H + h)*ps + slot % ps``."""
+        hs = np.arange(self.heads, dtype=np.int64)[:, None]
+        if self.layout == "nhd":
+            return (slots[None, :] * self.heads + hs).reshape(-1)
+        ps = self.page_size
+        return (((slots // ps)[None, :] * self.heads + hs) * ps + (slots % ps)[None, :]).reshape(-1)
+
+    def row_bytes(self, which: str) -> int:
+        buf = (self.k if which == "k" else self.v)[0]
+        return int(buf.shape[-1]) * buf.element_size()
+
+    def flat_rows(self, which: str, i: int) -> np.ndarray | None:
+        """Layer ``i``'s K or V buffer as ``[rows, row_bytes]`` uint8 (a view, no copy),
+        or None when the buffer is not one contiguous block."""
+        buf = self._host_bytes(which, i)
+        return buf.reshape(-1, buf.shape[-1]) if buf.flags.c_contiguous else None
+
+    def head_rows_copied(self, which: str, i: int, slots: np.ndarray) -> np.ndarray:
+        """alg 3 for a non-contiguous buffer: gather the slots' rows, then copy them
+        head-major, ``[H, T, row_bytes]`` (two copies; SGLang's pools never need it)."""
+        buf = self._host_bytes(which, i)
+        if self.layout == "nhd":
+            rows = buf[slots]
+        else:
+            rows = buf[slots // self.page_size, :, slots % self.page_size, :]
+        return np.ascontiguousarray(rows.transpose(1, 0, 2))
 
 
 def pool_view(pool) -> PoolView:
@@ -242,7 +293,7 @@ def reduce_units(units):
 
 # --------------------------------------------------------------------------- digests
 def _on_host(view: PoolView, alg: str) -> bool:
-    return alg == UNIT_BYTES and str(getattr(view.device, "type", view.device)) == "cpu"
+    return alg in (UNIT_BYTES, HEAD_STREAMS) and str(getattr(view.device, "type", view.device)) == "cpu"
 
 
 def _as_slots(slots, view: PoolView, alg: str):
@@ -269,34 +320,86 @@ def layer_streams(view: PoolView, i: int, slots, alg: str) -> np.ndarray:
 
 
 class StreamingDigest:
-    """d(l, h) kept open across chunks (the sender's view of a chunked transfer)."""
+    """The per-(layer, head) streams kept open across chunks (the sender's view of a
+    chunked transfer): alg 1/2 one stream per (layer, head), alg 3 a K and a V stream."""
 
     def __init__(self, view: PoolView, head_start: int, alg: str):
         self.view, self.head_start, self.alg = view, int(head_start), alg
-        self.hashers = [[xxhash.xxh3_64(seed=seed(view.start_layer + i, self.head_start + h))
-                         for h in range(view.heads)] for i in range(view.layers)]
+        self._scratch = None
+        if alg == HEAD_STREAMS:
+            if str(getattr(view.device, "type", view.device)) != "cpu":
+                raise Unsupported("alg head_streams hashes host (CPU) pools only")
+            parts = ("k",) if view.v is None else ("k", "v")
+            self.hashers = [{w: [xxhash.xxh3_64(seed=stream_seed(view.start_layer + i, self.head_start + h, w))
+                                 for h in range(view.heads)] for w in parts} for i in range(view.layers)]
+            # per (layer, K/V): the flat rows (None: not contiguous), row bytes, the heads' hashers
+            self._plan = [(view.flat_rows(w, i), view.row_bytes(w), hs, w, i)
+                          for i, per_part in enumerate(self.hashers) for w, hs in per_part.items()]
+            flats = [f for f, *_ in self._plan if f is not None]
+            self._min_rows = min((f.shape[0] for f in flats), default=0) if flats else 1 << 62
+        else:
+            self.hashers = [[xxhash.xxh3_64(seed=seed(view.start_layer + i, self.head_start + h))
+                             for h in range(view.heads)] for i in range(view.layers)]
+        self._step = self.block_tokens()
 
     def update(self, slots) -> None:
         slots = _as_slots(slots, self.view, self.alg)
         n = len(slots)
-        step = self.block_tokens()
+        step = self._step
         for a in range(0, n, step):  # token blocks bound the temporaries (the stream hash does not care)
             block = slots[a:a + step]
+            if self.alg == HEAD_STREAMS:
+                self._update_head_streams(block)
+                continue
             for i in range(self.view.layers):
                 streams = layer_streams(self.view, i, block, self.alg)
                 for h, hasher in enumerate(self.hashers[i]):
                     hasher.update(streams[h].data)
 
+    def _update_head_streams(self, block: np.ndarray) -> None:
+        """alg 3: per layer and K/V, each head's rows of ``block`` into its stream.
+
+        Contiguous buffers: one ``np.take`` of the flat ``[rows, row_bytes]`` view by
+        :meth:`PoolView.row_index` (the same for every layer, K and V alike) writes the
+        rows head-major into a reused buffer: the gather and the head order in one pass,
+        a memmove per row, on this thread only (torch's index_select is as fast on one
+        thread but hands work to its intra-op threads, which under load cost several
+        times more CPU; docs/performance.md "Digest"). ``mode="clip"`` because
+        ``np.take`` buffers ``out`` in its default mode; the indices are bounds-checked
+        once per block here instead."""
+        v, t = self.view, len(block)
+        index = v.row_index(block)
+        if t and (int(block.min()) < 0 or int(index.max()) >= self._min_rows):
+            raise IndexError(f"KV slots outside the pool ({self._min_rows} rows)")
+        heads, scratch = v.heads, self._scratch
+        need = heads * t * max(rb for _, rb, *_ in self._plan)
+        if scratch is None or scratch.size < need:  # grows to one block at most, reused across chunks
+            scratch = self._scratch = np.empty(need, dtype=np.uint8)
+        for flat, rb, hashers, which, i in self._plan:
+            if flat is None:
+                rows = v.head_rows_copied(which, i, block)
+            else:
+                dst = scratch[: heads * t * rb].reshape(heads * t, rb)
+                np.take(flat, index, axis=0, out=dst, mode="clip")
+                rows = dst.reshape(heads, t, rb)
+            for h in range(heads):
+                hashers[h].update(rows[h].data)
+
     def block_tokens(self) -> int:
         """Tokens per block so that one layer's temporaries stay near BLOCK_BYTES (alg 2
         widens each u32 word to int64 and keeps a few such arrays); whole pages."""
         v = self.view
-        unit = sum(int(b[0].shape[-1]) * b[0].element_size() for b in (v.k, v.v) if b is not None)
-        per_token = v.heads * unit * (16 if self.alg == DEVICE_REDUCED else 2)
-        tokens = max(1, BLOCK_BYTES // max(1, per_token))
+        if self.alg == HEAD_STREAMS:  # one reused [H, tokens, row_bytes] buffer; small blocks stay in cache
+            per_token, budget = v.heads * max(v.row_bytes(w) for w in self.hashers[0]), HOST_BLOCK_BYTES
+        else:
+            unit = sum(int(b[0].shape[-1]) * b[0].element_size() for b in (v.k, v.v) if b is not None)
+            per_token, budget = v.heads * unit * (16 if self.alg == DEVICE_REDUCED else 2), BLOCK_BYTES
+        tokens = max(1, budget // max(1, per_token))
         return max(v.page_size, tokens // v.page_size * v.page_size)
 
     def digest(self) -> int:
+        if self.alg == HEAD_STREAMS:
+            return sum(h.intdigest() for per_part in self.hashers for hs in per_part.values() for h in hs) & MASK64
         return sum(h.intdigest() for row in self.hashers for h in row) & MASK64
 
 
@@ -313,6 +416,19 @@ def reference_digest(units_by_layer, start_layer: int = 0, head_start: int = 0) 
     for l, heads in enumerate(units_by_layer):
         for h, units in enumerate(heads):
             total += xxhash.xxh3_64_intdigest(b"".join(units), seed=seed(start_layer + l, head_start + h))
+    return total & MASK64
+
+
+def reference_head_streams(k_rows, v_rows=None, start_layer: int = 0, head_start: int = 0) -> int:
+    """alg 3 straight from the definition, for tests: ``k_rows[l][h][t]`` = head h's K
+    bytes for token t in layer l, ``v_rows`` likewise (None for a latent pool)."""
+    total = 0
+    for l, heads in enumerate(k_rows):
+        for h, rows in enumerate(heads):
+            layer, head = start_layer + l, head_start + h
+            total += xxhash.xxh3_64_intdigest(b"".join(rows), seed=stream_seed(layer, head, "k"))
+            if v_rows is not None:
+                total += xxhash.xxh3_64_intdigest(b"".join(v_rows[l][h]), seed=stream_seed(layer, head, "v"))
     return total & MASK64
 
 

@@ -40,7 +40,8 @@ _FREE = {"free": wire.FreeKind.FREE, "group": wire.FreeKind.GROUP, "deferred": w
          "page_ids": wire.FreeKind.PAGE_IDS}
 _SIDE = {"sender": wire.Side.SENDER, "receiver": wire.Side.RECEIVER}
 _STATUS = {"success": wire.XferStatus.SUCCESS, "failed": wire.XferStatus.FAILED, "aborted": wire.XferStatus.ABORTED}
-_DIGEST_ALG = {"unit_bytes": wire.DigestAlg.XXH3_UNIT_BYTES, "device_reduced": wire.DigestAlg.XXH3_DEVICE_REDUCED}
+_DIGEST_ALG = {"unit_bytes": wire.DigestAlg.XXH3_UNIT_BYTES, "device_reduced": wire.DigestAlg.XXH3_DEVICE_REDUCED,
+               "head_streams": wire.DigestAlg.XXH3_HEAD_STREAMS}
 _PHASE = {"admission": wire.Phase.ADMISSION, "prefill": wire.Phase.PREFILL, "decode": wire.Phase.DECODE,
           "transfer": wire.Phase.TRANSFER, "client_abort": wire.Phase.CLIENT_ABORT}
 

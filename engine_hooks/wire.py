@@ -102,12 +102,14 @@ class XferStatus(enum.IntEnum):
 class DigestAlg(enum.IntEnum):
     """How an XFER_DIGEST was computed; digests of different algorithms are never compared.
 
-    Both are defined over (layer, kv head, token) units so that ends with different
+    All are defined over (layer, kv head, token) units so that ends with different
     tensor-parallel sizes agree (docs/wire-format.md, "Transfer digests").
     """
 
-    XXH3_UNIT_BYTES = 1  # host pools: xxh3-64 over each (layer, head)'s unit bytes in token order
+    XXH3_UNIT_BYTES = 1  # host pools until alg 3 (no longer emitted; decoded for recordings): xxh3-64 over
+    #                      each (layer, head)'s units, K then V bytes per token, in token order
     XXH3_DEVICE_REDUCED = 2  # device pools: units reduced to u64 on the device, then xxh3-64 on the host
+    XXH3_HEAD_STREAMS = 3  # host pools: xxh3-64 over each (layer, head)'s K bytes, and over its V bytes, in token order
 
 
 class Phase(enum.IntEnum):

@@ -112,6 +112,7 @@ class KVGuardCollector(Collector):
             apply_errors = CounterMetricFamily("kvguard_apply_errors", "Records the sidecar failed to apply")
             apply_errors.add_metric([], pipeline.apply_errors)
             yield apply_errors
+            yield from ttft_metrics(pipeline.ttft_detector)
             yield from ledger_metrics(pipeline.ledger, getattr(svc, "shared_ledger", None))
             yield from sink_metrics(pipeline.sinks)
 
@@ -162,3 +163,18 @@ def sink_metrics(sinks):
         capacity.add_metric([sink.name], sink.max_queue)
         last.add_metric([sink.name], sink.last_success_s)
     yield from (events, retries, depth, capacity, last)
+
+
+def ttft_metrics(detector):
+    """ttft_anomaly's deferred verdicts: suspects waiting for later requests, and those the
+    later requests cleared (the engine had sped up). Exported only when the detector is on."""
+    if not detector.enabled:
+        return
+    waiting = GaugeMetricFamily("kvguard_ttft_suspects_waiting", "Requests too fast against the past, waiting "
+                                "for later requests to confirm (ttft_anomaly)")
+    waiting.add_metric([], sum(len(w) for w in detector.suspects.values()))
+    yield waiting
+    cleared = CounterMetricFamily("kvguard_ttft_suspects_cleared", "Suspects that later requests showed to be an "
+                                  "engine speed-up, learned instead of flagged (ttft_anomaly)")
+    cleared.add_metric([], detector.suspects_cleared)
+    yield cleared

@@ -451,13 +451,17 @@ class Pipeline:
         return self._emit([finding])
 
     # ------------------------------------------------------------------ housekeeping
-    def on_engine_gone(self, engine_id: int, ts_ns: int) -> None:
-        """An engine process exited (its ring was retired): close what only it could clear."""
+    def on_engine_gone(self, engine_id: int, ts_ns: int) -> list[Finding]:
+        """An engine process exited (its ring was retired): close what only it could clear.
+        TTFT suspects still waiting for later requests are judged now (no more will come)."""
+        tracker = self.engines.get(engine_id)
+        found = self._emit(self.ttft_detector.on_engine_gone(engine_id, ts_ns)) if tracker is not None else []
         tracker = self.engines.pop(engine_id, None)
         if tracker is not None and self.tracer is not None:
             self.tracer.on_engine_gone(self.engine_ref(tracker), ts_ns)
         if tracker is not None and tracker.hello is not None:
             self._resolved(self.incidents.on_engine_gone(tracker.hello.pid, ts_ns))
+        return found
 
     def tick(self, now_ns: int) -> list[Finding]:
         found = self._tick_shared(now_ns) if self.shared_ledger is not None else []
@@ -465,6 +469,7 @@ class Pipeline:
         found += self._apply_final(self.ledger.expire(now_ns, page_size_of), now_ns)
         for state in self.ledger.orphans(now_ns):
             found += self._orphan(state, now_ns)
+        found += self._emit(self.ttft_detector.tick(now_ns))
         self._resolved(self.incidents.tick(now_ns))
         for tracker in self.engines.values():
             tracker.retire_idle_requests(now_ns)

@@ -52,7 +52,7 @@ class Sidecar:
             now = time.monotonic_ns()
             if not self.rings.pending:  # everything of retired engines has been applied
                 for engine_id in self.rings.take_gone():
-                    self.pipeline.on_engine_gone(engine_id, now)
+                    findings += self.pipeline.on_engine_gone(engine_id, now)
                     if self.recorder is not None:  # replay applies it at the same point in the stream
                         self.recorder.record_engine_gone(engine_id, now)
             findings += self.pipeline.tick(now)

@@ -67,6 +67,33 @@ def reference(kv, t0: int, t1: int, heads=range(HEADS), head_start: int = 0) -> 
     return dg.reference_digest(units, head_start=head_start)
 
 
+def head_rows(kv, t0: int, t1: int, heads=range(HEADS)):
+    """Per layer, per head, per token: the head's K bytes and its V bytes (alg 3's inputs)."""
+    k, v = kv
+    def rows(buf):
+        return [[[buf[layer][t, h].contiguous().view(torch.uint8).numpy().tobytes() for t in range(t0, t1)]
+                 for h in heads] for layer in range(LAYERS)]
+    return rows(k), rows(v)
+
+
+def reference_streams(kv, t0: int, t1: int, heads=range(HEADS), head_start: int = 0) -> int:
+    """alg 3 by the definition: per head, xxh3 of its K rows of all tokens + of its V rows."""
+    k_rows, v_rows = head_rows(kv, t0, t1, heads)
+    return dg.reference_head_streams(k_rows, v_rows, head_start=head_start)
+
+
+def reference_for(alg, kv, t0: int, t1: int, heads=range(HEADS), head_start: int = 0):
+    """The from-the-spec value of ``alg`` (None for alg 2, checked by its own test)."""
+    if alg == dg.UNIT_BYTES:
+        return reference(kv, t0, t1, heads, head_start)
+    if alg == dg.HEAD_STREAMS:
+        return reference_streams(kv, t0, t1, heads, head_start)
+    return None
+
+
+ALGS = [dg.HEAD_STREAMS, dg.UNIT_BYTES, dg.DEVICE_REDUCED]
+
+
 def scattered(n: int, size: int, page_size: int, rng: np.random.Generator) -> list[int]:
     """Slots for n tokens in a paged pool: pages in random order, page-aligned positions."""
     pages = rng.permutation(np.arange(1, size // page_size))[: (n + page_size - 1) // page_size]
@@ -74,12 +101,33 @@ def scattered(n: int, size: int, page_size: int, rng: np.random.Generator) -> li
 
 
 # --------------------------------------------------------------------------- the definition
-def test_unit_bytes_digest_matches_the_definition():
+def test_host_digests_match_the_definition():
+    """Host pools get alg 3 (head_streams); alg 1 (unit_bytes) stays computable."""
     kv = make_kv(37)
     slots = scattered(37, 256, 4, np.random.default_rng(1))
     view = dg.pool_view(Pool(kv, slots, 256, 4))
-    assert view.alg() == dg.UNIT_BYTES and view.heads == HEADS and view.layers == LAYERS
+    assert view.alg() == dg.HEAD_STREAMS and view.heads == HEADS and view.layers == LAYERS
+    assert dg.transfer_digest(view, slots, 0, dg.HEAD_STREAMS) == reference_streams(kv, 0, 37)
     assert dg.transfer_digest(view, slots, 0, dg.UNIT_BYTES) == reference(kv, 0, 37)
+    assert reference_streams(kv, 0, 37) != reference(kv, 0, 37)
+
+
+def test_head_streams_definition_byte_by_byte():
+    """The reference itself, from wire-format.md with no helper: per (l, h) xxh3-64 of the
+    head's K rows in token order, seed (l << 16) | h, plus of its V rows, seed with bit 32."""
+    kv = make_kv(9, seed=30)
+    k, v = kv
+    want = 0
+    for layer in range(LAYERS):
+        for h in range(HEADS):
+            k_bytes = b"".join(k[layer][t, h].view(torch.uint8).numpy().tobytes() for t in range(9))
+            v_bytes = b"".join(v[layer][t, h].view(torch.uint8).numpy().tobytes() for t in range(9))
+            assert len(k_bytes) == 9 * DK * 2 and len(v_bytes) == 9 * DV * 2
+            want += xxhash.xxh3_64_intdigest(k_bytes, seed=(layer << 16) | h)
+            want += xxhash.xxh3_64_intdigest(v_bytes, seed=(1 << 32) | (layer << 16) | h)
+    assert reference_streams(kv, 0, 9) == want % 2**64
+    slots = scattered(9, 64, 4, np.random.default_rng(31))
+    assert dg.transfer_digest(dg.pool_view(Pool(kv, slots, 64, 4)), slots, 0, dg.HEAD_STREAMS) == want % 2**64
 
 
 def test_seeds_use_model_layer_ids():
@@ -93,9 +141,12 @@ def test_seeds_use_model_layer_ids():
     units = [[[k[layer][t, h].view(torch.uint8).numpy().tobytes() + v[layer][t, h].view(torch.uint8).numpy().tobytes()
                for t in range(5)] for h in range(HEADS)] for layer in range(LAYERS)]
     assert shifted == dg.reference_digest(units, start_layer=2)
+    shifted3 = dg.transfer_digest(dg.pool_view(Pool(kv, slots, 64, 4, start_layer=2)), slots, 0, dg.HEAD_STREAMS)
+    assert shifted3 == dg.reference_head_streams(*head_rows(kv, 0, 5), start_layer=2)
+    assert shifted3 != dg.transfer_digest(dg.pool_view(Pool(kv, slots, 64, 4)), slots, 0, dg.HEAD_STREAMS)
 
 
-@pytest.mark.parametrize("alg", [dg.UNIT_BYTES, dg.DEVICE_REDUCED])
+@pytest.mark.parametrize("alg", ALGS)
 def test_layout_independent(alg):
     """Same KV, different page sizes, slot orders and layouts (NHD/HND): same digest."""
     kv = make_kv(50, seed=2)
@@ -110,11 +161,11 @@ def test_layout_independent(alg):
     digests = {dg.transfer_digest(a, a_slots, 0, alg), dg.transfer_digest(b, b_slots, 0, alg),
                dg.transfer_digest(c, c_slots, 0, alg), dg.transfer_digest(d, d_slots, 0, alg)}
     assert len(digests) == 1
-    if alg == dg.UNIT_BYTES:
-        assert digests == {reference(kv, 0, 50)}
+    if alg != dg.DEVICE_REDUCED:
+        assert digests == {reference_for(alg, kv, 0, 50)}
 
 
-@pytest.mark.parametrize("alg", [dg.UNIT_BYTES, dg.DEVICE_REDUCED])
+@pytest.mark.parametrize("alg", ALGS)
 def test_tp2_partial_digests_add_up_to_tp1(alg):
     kv = make_kv(21, seed=4)
     slots = list(range(4, 25))
@@ -125,11 +176,12 @@ def test_tp2_partial_digests_add_up_to_tp1(alg):
     # the head index is the model's, not the rank's: rank 1 pretending to hold heads 0-1 is wrong
     assert (r0 + dg.transfer_digest(dg.pool_view(Pool(kv, slots, 64, 4, heads=slice(2, 4))), slots, 0, alg)) \
         & dg.MASK64 != whole
-    if alg == dg.UNIT_BYTES:
-        assert r0 == reference(kv, 0, 21, heads=range(2)) and r1 == reference(kv, 0, 21, heads=range(2, 4), head_start=2)
+    if alg != dg.DEVICE_REDUCED:
+        assert r0 == reference_for(alg, kv, 0, 21, heads=range(2))
+        assert r1 == reference_for(alg, kv, 0, 21, heads=range(2, 4), head_start=2)
 
 
-@pytest.mark.parametrize("alg", [dg.UNIT_BYTES, dg.DEVICE_REDUCED])
+@pytest.mark.parametrize("alg", ALGS)
 def test_chunked_sender_equals_one_shot_receiver(alg):
     kv = make_kv(45, seed=5)
     rng = np.random.default_rng(6)
@@ -139,9 +191,24 @@ def test_chunked_sender_equals_one_shot_receiver(alg):
         sender.update(sender_slots[a:b])
     receiver = dg.transfer_digest(dg.pool_view(Pool(kv, receiver_slots, 256, 4)), receiver_slots, 0, alg)
     assert sender.digest() == receiver
+    if alg != dg.DEVICE_REDUCED:
+        assert receiver == reference_for(alg, kv, 0, 45)
 
 
-@pytest.mark.parametrize("alg", [dg.UNIT_BYTES, dg.DEVICE_REDUCED])
+@pytest.mark.parametrize("alg", ALGS)
+def test_chunks_of_any_size_on_any_page_size_equal_one_shot(alg):
+    """Chunks that cut pages (odd sizes) on an HND sender vs a page-1, token-scattered receiver."""
+    kv = make_kv(61, seed=32)
+    rng = np.random.default_rng(33)
+    s_slots = scattered(61, 512, 16, rng)
+    r_slots = [int(x) for x in rng.permutation(np.arange(1, 512))[:61]]
+    sender = dg.StreamingDigest(dg.pool_view(Pool(kv, s_slots, 512, 16, layout="hnd")), 0, alg)
+    for a, b in ((0, 7), (7, 30), (30, 31), (31, 61)):
+        sender.update(torch.as_tensor(s_slots[a:b], dtype=torch.int32))  # the engine's int32 slots
+    assert sender.digest() == dg.transfer_digest(dg.pool_view(Pool(kv, r_slots, 512, 1)), r_slots, 0, alg)
+
+
+@pytest.mark.parametrize("alg", ALGS)
 def test_one_flipped_bit_or_a_short_range_changes_the_digest(alg):
     kv = make_kv(30, seed=7)
     slots = list(range(4, 34))
@@ -151,6 +218,51 @@ def test_one_flipped_bit_or_a_short_range_changes_the_digest(alg):
     assert dg.transfer_digest(view, slots[:1], 0, alg) != good  # the incident: 1 token sent, 30 reserved
     pool.v_buffer[1][slots[17]].view(torch.uint8)[0, 3] ^= 0x10
     assert dg.transfer_digest(view, slots, 0, alg) != good
+    pool.v_buffer[1][slots[17]].view(torch.uint8)[0, 3] ^= 0x10  # back
+    assert dg.transfer_digest(view, slots, 0, alg) == good
+    pool.k_buffer[2][slots[29]].view(torch.uint8)[3, 0] ^= 0x01  # the last token's last head, K
+    assert dg.transfer_digest(view, slots, 0, alg) != good
+    pool.k_buffer[2][slots[29]].view(torch.uint8)[3, 0] ^= 0x01
+    pool.k_buffer[0][3].view(torch.uint8)[0, 0] ^= 0xFF  # a slot outside the transfer: no effect
+    assert dg.transfer_digest(view, slots, 0, alg) == good
+
+
+def test_head_streams_swapped_k_and_v_or_heads_change_the_digest():
+    """Seeds separate K from V and head from head: equal bytes moved between them are caught."""
+    g = torch.Generator().manual_seed(34)
+    k = [torch.randn(6, HEADS, DK, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
+    slots = list(range(4, 10))
+    same = dg.transfer_digest(dg.pool_view(Pool((k, [x.clone() for x in k]), slots, 64, 4)), slots, 0,
+                              dg.HEAD_STREAMS)
+    k_stream = dg.reference_head_streams(head_rows((k, k), 0, 6)[0])  # K streams only
+    assert same != (2 * k_stream) & dg.MASK64  # V's seed differs from K's, so V == K does not double K
+    swapped = [x[:, [1, 0, 2, 3]] for x in k]
+    other = dg.transfer_digest(dg.pool_view(Pool((swapped, [x.clone() for x in k]), slots, 64, 4)), slots, 0,
+                               dg.HEAD_STREAMS)
+    assert other != same
+
+
+def test_head_streams_non_contiguous_buffers_take_the_copy_path():
+    """A pool whose per-layer buffers are strided views (not one contiguous block) digests the same."""
+    kv = make_kv(20, seed=35)
+    slots = scattered(20, 128, 4, np.random.default_rng(36))
+    pool = Pool(kv, slots, 128, 4)
+    wide_k = [torch.cat([b, torch.ones_like(b)], dim=2)[:, :, :DK] for b in pool.k_buffer]  # stride 2*DK
+    wide_v = [torch.cat([b, torch.ones_like(b)], dim=2)[:, :, :DV] for b in pool.v_buffer]
+    assert not wide_k[0].is_contiguous()
+    strided = types.SimpleNamespace(k_buffer=wide_k, v_buffer=wide_v, page_size=4)
+    want = reference_streams(kv, 0, 20)
+    assert dg.transfer_digest(dg.pool_view(strided), slots, 0, dg.HEAD_STREAMS) == want
+    assert dg.transfer_digest(dg.pool_view(pool), slots, 0, dg.HEAD_STREAMS) == want
+
+
+def test_head_streams_refuse_slots_outside_the_pool():
+    kv = make_kv(4)
+    view = dg.pool_view(Pool(kv, [4, 5, 6, 7], 64, 4))
+    with pytest.raises(IndexError, match="outside the pool"):
+        dg.transfer_digest(view, [4, 5, 6, 64], 0, dg.HEAD_STREAMS)
+    with pytest.raises(IndexError, match="outside the pool"):
+        dg.transfer_digest(view, [-1], 0, dg.HEAD_STREAMS)
 
 
 def test_device_reduction_matches_its_definition():
@@ -182,6 +294,7 @@ def test_latent_view_hashes_one_head_without_v():
     slots = [5, 6, 7]
     units = [[[kv_buf[layer][s, 0].view(torch.uint8).numpy().tobytes() for s in slots]] for layer in range(2)]
     assert dg.transfer_digest(view, slots, 0, dg.UNIT_BYTES) == dg.reference_digest(units)
+    assert dg.transfer_digest(view, slots, 0, dg.HEAD_STREAMS) == dg.reference_head_streams(units)  # K stream only
 
 
 # --------------------------------------------------------------------------- what is not digested
@@ -314,11 +427,11 @@ def test_hooks_sender_chunks_and_receiver_reservation_agree(probes):
     hd._pop_transferred_post(before, [dr], queue)
     sent, received = probes.named("transfer_digest")
     assert sent[1][2] == "sender" and received[1][2] == "receiver"
-    want = reference(kv, 0, 40)
+    want = reference_streams(kv, 0, 40)
     # rid, room, side, digest, token_start, token_end, layers, head_start, head_count, total_heads
     assert sent[1] == ("r1", 77, "sender", want, 0, 40, LAYERS, 0, HEADS, HEADS)
     assert received[1] == ("r1", 77, "receiver", want, 0, 40, LAYERS, 0, HEADS, HEADS)
-    assert sent[2] == received[2] == {"alg": dg.UNIT_BYTES}
+    assert sent[2] == received[2] == {"alg": dg.HEAD_STREAMS}
     # the receiver's digest goes out before its XFER_DONE; no state is left behind
     names = [c[0] for c in probes.calls]
     assert names.index("transfer_done") > names.index("transfer_digest", names.index("transfer_reserved"))
@@ -420,17 +533,74 @@ def test_hooks_tp2_prefill_partials_add_up_to_tp1_decode(probes):
     hd._pop_transferred_post(before, [dr], queue)
     r0, r1, whole = (c[1] for c in probes.named("transfer_digest"))
     assert [x[7:10] for x in (r0, r1, whole)] == [(0, 2, HEADS), (2, 2, HEADS), (0, HEADS, HEADS)]
-    assert (r0[3] + r1[3]) & dg.MASK64 == whole[3] == reference(kv, 0, 24)
+    assert (r0[3] + r1[3]) & dg.MASK64 == whole[3] == reference_streams(kv, 0, 24)
 
 
-@pytest.mark.parametrize("alg", [dg.UNIT_BYTES, dg.DEVICE_REDUCED])
+@pytest.mark.parametrize("alg", ALGS)
 def test_token_blocks_bound_temporaries_and_change_nothing(alg, monkeypatch):
     kv = make_kv(45, seed=20)
     slots = scattered(45, 256, 4, np.random.default_rng(21))
     view = dg.pool_view(Pool(kv, slots, 256, 4))
     whole = dg.transfer_digest(view, slots, 0, alg)
     monkeypatch.setattr(dg, "BLOCK_BYTES", 1)  # one page per block
+    monkeypatch.setattr(dg, "HOST_BLOCK_BYTES", 1)
     stream = dg.StreamingDigest(view, 0, alg)
     assert stream.block_tokens() == 4
     stream.update(slots)
     assert stream.digest() == whole
+
+
+# --------------------------------------------------------------------------- the ledger, with real digests
+# Real probes -> ring -> Sidecar (tests/test_ledger.py's harness: prefill reports 2 ranks'
+# partials over heads 0-1 and 2-3, decode one rank with all heads), the digests computed
+# here from real pools; the ledger compares only ends complete under a common alg.
+def _ledger_transfer(tmp_path, lt, rid, room, receiver_alg, flip=False):
+    kv = make_kv(8, seed=40 + room)
+    prefill, decode = lt.engines(tmp_path)
+    lt.begin(prefill, decode, rid, room, 8, [1, 2])
+    prefill.transfer_sent(rid, room, 0, 8, [50], True)
+    p_slots = list(range(12, 20))
+    for head_start, heads in ((0, slice(0, 2)), (2, slice(2, 4))):
+        view = dg.pool_view(Pool(kv, p_slots, 64, 4, heads=heads))
+        sender = dg.StreamingDigest(view, head_start, view.alg())
+        sender.update(p_slots[:4])
+        sender.update(p_slots[4:])
+        prefill.transfer_digest(rid, room, "sender", sender.digest(), 0, 8, LAYERS, head_start, 2, HEADS,
+                                alg=view.alg())
+    d_slots = [int(x) for x in lt.slots([1, 2])[:8]]
+    pool = Pool(kv, d_slots, 64, 4)
+    if flip:
+        pool.k_buffer[0][d_slots[5]].view(torch.uint8)[1, 2] ^= 0x04
+    got = dg.transfer_digest(dg.pool_view(pool), d_slots, 0, receiver_alg)
+    decode.transfer_digest(rid, room, "receiver", got, 0, 8, LAYERS, 0, HEADS, HEADS, alg=receiver_alg)
+    decode.transfer_done(rid, room, "receiver", "success")
+    lt.finish(decode, rid, [1, 2], 8)
+    sidecar, sink = lt.run(tmp_path)
+    return sidecar, sink
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_ledger_pairs_head_streams_ends(tmp_path, flip):
+    import test_ledger as lt
+
+    sidecar, sink = _ledger_transfer(tmp_path, lt, "r-3", 103, dg.HEAD_STREAMS, flip=flip)
+    ledger = sidecar.pipeline.ledger
+    assert (ledger.digests_compared, ledger.digests_incomparable) == (1, 0)
+    if flip:
+        (f,) = sink.findings
+        assert f.kind == "checksum_mismatch" and f.evidence["alg"] == "xxh3_head_streams"
+    else:
+        assert sink.findings == []
+    sidecar.stop()
+
+
+@pytest.mark.parametrize("receiver_alg", [dg.DEVICE_REDUCED, dg.UNIT_BYTES])
+def test_ledger_mixed_algorithms_are_not_comparable_not_a_mismatch(tmp_path, receiver_alg):
+    """Host alg 3 on prefill, a GPU decode (alg 2) or an older recording's alg 1: never compared."""
+    import test_ledger as lt
+
+    sidecar, sink = _ledger_transfer(tmp_path, lt, "r-mix", 104, receiver_alg, flip=True)
+    ledger = sidecar.pipeline.ledger
+    assert sink.findings == []
+    assert (ledger.digests_compared, ledger.digests_incomparable) == (0, 1)
+    sidecar.stop()

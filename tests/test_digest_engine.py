@@ -127,7 +127,7 @@ def check_pair(rooms: dict, room: int, tokens: int) -> tuple[wire.XferDigest, wi
     for x in (s, r):
         assert (x.token_start, x.token_end) == (0, tokens)
         assert (x.layers, x.head_start, x.head_count, x.total_heads) == (LAYERS, 0, KV_HEADS, KV_HEADS)
-        assert x.alg == wire.DigestAlg.XXH3_UNIT_BYTES  # CPU pools
+        assert x.alg == wire.DigestAlg.XXH3_HEAD_STREAMS  # CPU pools
         assert x.req_key == s.req_key
     return s, r
 

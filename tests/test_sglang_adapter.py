@@ -25,6 +25,7 @@ from engine_hooks.sglang import hooks_allocator as ha  # noqa: E402
 from engine_hooks.sglang import hooks_requests as hq  # noqa: E402
 from engine_hooks.sglang import hooks_rows as hr  # noqa: E402
 from engine_hooks.sglang import plugin  # noqa: E402
+from engine_hooks.sglang.row_sampler import RowSampler, from_env  # noqa: E402
 from recording_probes import RecordingProbes  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -487,8 +488,7 @@ def test_rows_are_sampled_every_nth_forward_and_gather_page_starts_only(probes):
     fb = types.SimpleNamespace(forward_mode=_Mode(False), rids=["a"], seq_lens_cpu=torch.tensor([9]),
                                seq_lens=None, out_cache_loc=torch.tensor([8]), extend_seq_lens_cpu=None,
                                req_pool_indices=torch.tensor([1]))
-    rt.State.page_size, rt.State.row_sample_every = 4, 3
-    hr._forward_count[0] = 0
+    rt.State.page_size, rt.State.row_sampler = 4, RowSampler(every=3)
     hook = hr.forward_hook("forward")
     for _ in range(6):
         hook(lambda self, fb: None, runner, fb)
@@ -538,7 +538,7 @@ def test_forward_split_and_rows(probes):
                                seq_lens=None, out_cache_loc=torch.tensor([6, 7, 8, 14]),
                                extend_seq_lens_cpu=[3, 1], req_pool_indices=torch.tensor([1, 2]))
     hook = hr.forward_hook("forward")
-    rt.State.row_sample_every = 1  # rows with every forward (page size 1: every position starts a page)
+    rt.State.row_sampler = RowSampler(every=1)  # rows with every forward (page size 1: every position starts a page)
     assert hook(lambda self, fb: "ran", runner, fb) == "ran"
     (_, args, kwargs), = probes.named("forward")
     rids, seq_lens, written = args
@@ -646,3 +646,37 @@ def test_send_kv_chunk_range(probes):
     got = [(c[1][0], c[1][1], c[1][2], c[1][3], arr(c[1][4]), c[1][5], c[2]) for c in probes.named("transfer_sent")]
     assert got == [("p", 9, 0, 8, list(range(40, 48)), False, {"unit": "slots"}),
                    ("p", 9, 8, 10, [48, 49], True, {"unit": "slots"})]
+
+
+def test_row_sampler_fixed_interval_and_budget():
+    fixed = RowSampler(every=3)
+    assert [fixed.due() for _ in range(6)] == [False, False, True, False, False, True]
+    assert not any(RowSampler(every=0).due() for _ in range(100))
+    # a budget of 10 us per forward: a 45 us gather is affordable every 5th forward on average
+    budget = RowSampler(budget_ns=10_000)
+    taken = []
+    for i in range(1000):
+        if budget.due():
+            budget.spent(45_000)
+            taken.append(i)
+    assert taken[0] == 0 and 190 <= len(taken) <= 230  # about 1000 * 10 / 45
+    # a cheap gather (batch 1) goes out with every forward
+    cheap = RowSampler(budget_ns=10_000)
+    assert all(cheap.due() and cheap.spent(2_000) is None for _ in range(50))
+    # however expensive, rows go out at least every max_interval forwards
+    costly = RowSampler(budget_ns=10_000, max_interval=8)
+    hits = [i for i in range(64) if costly.due() and costly.spent(10_000_000) is None]
+    assert [b - a for a, b in zip(hits, hits[1:])] == [8] * (len(hits) - 1)
+
+
+def test_row_sampler_from_env(caplog):
+    assert from_env({}).budget_ns == 30_000  # default: the budget
+    only_every = from_env({"KVGUARD_ROW_SAMPLE_EVERY": "1"})
+    assert (only_every.every, only_every.budget_ns) == (1, 0)  # explicit interval: fixed, as before
+    both = from_env({"KVGUARD_ROW_SAMPLE_EVERY": "32", "KVGUARD_ROW_SAMPLE_BUDGET_US": "50"})
+    assert (both.budget_ns, both.max_interval) == (50_000, 32)
+    off = from_env({"KVGUARD_ROW_SAMPLE_BUDGET_US": "0"})
+    assert (off.every, off.budget_ns) == (16, 0)
+    with caplog.at_level("ERROR", logger="kvguard.sglang"):
+        bad = from_env({"KVGUARD_ROW_SAMPLE_BUDGET_US": "-3"})
+    assert bad.budget_ns == 30_000 and "KVGUARD_ROW_SAMPLE_BUDGET_US='-3'" in caplog.text

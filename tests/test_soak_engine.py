@@ -139,6 +139,7 @@ def _report(run: SoakRun) -> None:
 def _finish(name: str, watch: Watch, plan, outcomes, timings, logs) -> SoakRun:
     """Everything read from the sidecar while the engines are still up."""
     watch.drain()
+    watch.judge_waiting_ttft()
     snapshot = watch.snapshot()
     records = list(watch.keeper.records)
     index = RecordIndex(records)

@@ -36,6 +36,7 @@ from engine_hooks import wire  # noqa: E402
 from engine_hooks.ring import RingReader, RingWriter  # noqa: E402
 from engine_hooks.sglang import _runtime as rt  # noqa: E402
 from engine_hooks.sglang import hooks_rows as hr  # noqa: E402
+from engine_hooks.sglang.row_sampler import RowSampler  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PS = 4  # page size
@@ -295,7 +296,7 @@ def test_a_tier1_failure_never_reaches_the_engines_forward(tmp_path, monkeypatch
     p = _probes(tmp_path, monkeypatch)
     probes_mod.reset_probes_for_tests(p)
     rt.State.reset()
-    rt.State.hello_done, rt.State.page_size, rt.State.row_sample_every = True, PS, 0
+    rt.State.hello_done, rt.State.page_size, rt.State.row_sampler = True, PS, RowSampler(every=0)
     try:
         pool = types.SimpleNamespace(req_to_token=torch.zeros((ROWS, CTX), dtype=torch.float32))
         runner = types.SimpleNamespace(req_to_token_pool=pool, is_draft_worker=False)

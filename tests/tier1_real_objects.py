@@ -58,7 +58,7 @@ def main() -> int:
         }
         # a req_to_token of an unexpected dtype: Tier 1 turns itself off, serving goes on
         eng.pool.req_to_token = rt.float()
-        eng.rt.State.row_sample_every = 0  # this step is about Tier 1 only
+        eng.rt.State.row_sampler = eng.rt.RowSampler(every=0)  # this step is about Tier 1 only
         fb = eng.forward_batch(torch.zeros(8, dtype=torch.int64))
         result = eng.hr.forward_hook("ModelRunner.forward")(lambda runner, fb: "ran", eng.runner, fb)
         out["bad_input"] = {"enabled": t1.enabled, "errors": t1.errors, "forward_result": result,

@@ -21,6 +21,8 @@ import sys
 import threading
 from collections import OrderedDict
 
+from .row_sampler import RowSampler
+
 log = logging.getLogger("kvguard.sglang")
 
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants (0.5.19, 0.5.23)
@@ -161,7 +163,7 @@ class State:
     rejected: _Bounded = _Bounded()  # rid -> True once REJECT went out
     xfer_failed: _Bounded = _Bounded()  # prefill rids whose sender failed (inflight queue)
     tenant_fields: tuple = DEFAULT_TENANT_FIELDS
-    row_sample_every: int = 16  # set from KVGUARD_ROW_SAMPLE_EVERY at load (hooks_rows.row_sample_every)
+    row_sampler: RowSampler = RowSampler()  # set from the environment at load (row_sampler.from_env)
 
     @classmethod
     def reset(cls) -> None:
@@ -174,7 +176,7 @@ class State:
         cls.rejected = _Bounded()
         cls.xfer_failed = _Bounded()
         cls.tenant_fields = tenant_fields_from_env()
-        cls.row_sample_every = 16
+        cls.row_sampler = RowSampler()
         _disabled.clear()
         _errors.clear()
 

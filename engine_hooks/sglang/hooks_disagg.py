@@ -26,14 +26,16 @@ Prefill side (srt/disaggregation/prefill.py, ``SchedulerDisaggregationPrefillMix
 
 Transfer digests (XFER_DIGEST, engine_hooks/digest.py, docs/wire-format.md):
 * sender: ``send_kv_chunk``'s post hook feeds each chunk's slots into per-(layer, head)
-  streaming xxh3 states and emits transfer_digest(sender) with the LAST chunk, over
-  ``[first chunk's start, last chunk's end)``;
+  streaming xxh3 states (a K and a V stream per head on host pools) and emits
+  transfer_digest(sender) with the LAST chunk, over ``[first chunk's start, last
+  chunk's end)``;
 * receiver: ``_pre_alloc`` remembers the slots it reserved (positions
   ``[total_prefix_len, +len(kv_loc))``); ``pop_transferred`` hashes them for each request
   it returns (success), then emits transfer_digest(receiver) before transfer_done.
-Host (CPU) pools: alg ``unit_bytes``; CUDA pools: ``device_reduced``. Warmup (fake)
-transfers and pools/dtypes/TP splits the digest code does not understand are skipped
-(one log line per reason, counted in ``digest.skips``). The digest runs under its own
+Host (CPU) pools: alg ``head_streams`` (alg 3; ``unit_bytes``, alg 1, is no longer
+emitted); CUDA pools: ``device_reduced``. Warmup (fake) transfers and pools/dtypes/TP
+splits the digest code does not understand are skipped (one log line per reason,
+counted in ``digest.skips``). The digest runs under its own
 guard: a failure disables the digest only, never transfer_sent/transfer_done.
 """
 

@@ -24,7 +24,7 @@ attention reads (``seq_lens``), the slots it writes (``out_cache_loc`` split by
 
 from __future__ import annotations
 
-import os
+import time
 
 import numpy as np
 
@@ -45,30 +45,6 @@ def _rows_block(req_to_token, rows: list, length: int, step: int = 1):
     return req_to_token[idx, :length:step].to("cpu", torch.int64)
 
 
-ROW_SAMPLE_ENV = "KVGUARD_ROW_SAMPLE_EVERY"
-
-
-def row_sample_every() -> int:
-    """Send the engine's actual rows (page-table truth) with every Nth forward; 0 = never.
-
-    The sidecar judges every read of every forward against its own model of each
-    request's row (built from the ASSIGN records); the sampled rows additionally catch
-    rows corrupted behind the hooks' back. Default 16: at batch 256 and 32k context a
-    sampled step gathers ~131k page ids (about a millisecond on the host), every other
-    step sends only seq_lens.
-    """
-    raw = os.environ.get(ROW_SAMPLE_ENV, "16")
-    try:
-        value = int(raw)
-        if value < 0:
-            raise ValueError
-    except ValueError:
-        rt.log.error("kvguard: %s=%r is not a non-negative integer; using 16", ROW_SAMPLE_ENV, raw)
-        return 16
-    return value
-
-
-_forward_count = [0]
 
 
 # --------------------------------------------------------------------------- row map
@@ -281,11 +257,12 @@ def _forward_pre(self, *args, **kwargs):
         p.tier1.check(req_to_token, fb.req_pool_indices, fb.seq_lens, rids,
                       max_seq_len=int(seq_lens.max()) if n else 0)
     read_pages = read_counts = None
-    every = State.row_sample_every
-    _forward_count[0] += 1
-    if every and _forward_count[0] % every == 0:
+    sampler = State.row_sampler
+    if sampler.due():  # the engine's actual rows with this forward (engine_hooks/sglang/row_sampler.py)
+        t0 = time.perf_counter_ns()
         read_pages, read_counts = _row_page_starts(req_to_token, fb.req_pool_indices[:n], seq_lens,
                                                    State.page_size)
+        sampler.spent(time.perf_counter_ns() - t0)
     p.forward(rids, seq_lens, out, written_counts=counts, read_pages=read_pages, read_counts=read_counts)
 
 

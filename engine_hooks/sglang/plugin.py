@@ -245,9 +245,9 @@ def load() -> None:
             return
         verified, _ = entry
         rt.State.engine_version = version
-        from .hooks_rows import row_sample_every
+        from .row_sampler import from_env
 
-        rt.State.row_sample_every = row_sample_every()
+        rt.State.row_sampler = from_env()
         from sglang.srt.plugins.hook_registry import HookRegistry
 
         ok, skipped = plan(version)

@@ -17,7 +17,7 @@ from ..ledger import DigestVerdict, Pairing, RoomState
 from ..tracker import EngineTracker
 from .reads import reader_party
 
-ALG_NAMES = {1: "xxh3_unit_bytes", 2: "xxh3_device_reduced"}
+ALG_NAMES = {1: "xxh3_unit_bytes", 2: "xxh3_device_reduced", 3: "xxh3_head_streams"}
 
 
 def _held_pages(state: RoomState) -> list[int]:

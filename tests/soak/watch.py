@@ -57,10 +57,9 @@ class Watch:
     def __init__(self, ring_dir: str | Path, max_records: int = 1_000_000):
         self.memory = MemorySink()
         self.keeper = RecordKeeper(max_records)
-        # the sidecar's defaults: ttft_anomaly (opt-in) stays off. With it on, PD soaks run alone
-        # on the machine raised nothing, but under outside CPU load the window's floor, learned while
-        # prefill was slowed, flagged normal-speed requests once the load went (docs/detectors.md).
-        # KVGUARD_SOAK_TTFT=1 turns it on to measure that.
+        # the sidecar's defaults: ttft_anomaly (opt-in) stays off. KVGUARD_SOAK_TTFT=1 turns it on:
+        # on the PD pair at 8 concurrent clients a prefill that ran alone takes 5-9 ms and one that
+        # overlapped others 45-120 ms, so a timing floor flags the lone ones (docs/detectors.md)
         self.sidecar = Sidecar(str(ring_dir), sinks=[self.memory], remove_dead_rings=False, recorder=self.keeper,
                                ttft_anomaly=os.environ.get("KVGUARD_SOAK_TTFT") == "1")
         self.pipeline = self.sidecar.pipeline
@@ -88,6 +87,15 @@ class Watch:
             elif time.monotonic() - since >= quiet_s:
                 return
             time.sleep(0.1)
+
+    def judge_waiting_ttft(self) -> None:
+        """End of the run: TTFT suspects still waiting for later requests are judged now
+        (as when their engine goes), so the soak cannot end with a verdict outstanding."""
+        with self.sidecar.lock:
+            p = self.pipeline
+            self.ttft_waiting_at_end = sum(len(w) for w in p.ttft_detector.suspects.values())
+            for eid in list(p.engines):
+                p._emit(p.ttft_detector.judge_waiting(eid, time.monotonic_ns()))
 
     # ------------------------------------------------------------------ counters
     def snapshot(self) -> dict[str, Any]:
@@ -124,6 +132,9 @@ class Watch:
                 "ring_last_error": rings.stats.last_error,
                 "ring_decode_errors": dict(decode),
                 "apply_errors": p.apply_errors,
+                "ttft": {"enabled": p.ttft_detector.enabled, "suspects_cleared": p.ttft_detector.suspects_cleared,
+                         "suspects_waiting_at_end": getattr(self, "ttft_waiting_at_end", None),
+                         "samples": {eid: len(m.samples) for eid, m in p.ttft_detector.models.items()}},
                 "records_read": rings.stats.records_read,
                 "engines": engines,
             }
