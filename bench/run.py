@@ -78,7 +78,8 @@ def git_rev() -> str:
 def sidecar_part(sz: Sizes, res: dict, details: dict, log) -> None:
     base = sz.base
     variants = {
-        # what the SGLang adapter sends today: rows with every 16th forward, ASSIGN on new pages only
+        # what the SGLang adapter sends: rows with every 16th forward (its fixed interval; its default
+        # CPU budget samples batch 256 less often, ~1 in 25), ASSIGN on new pages only
         "adapter": replace(base, rows_every=16, assign="page"),
         # the worst case (the adapter before it sampled rows and thinned ASSIGNs): rows with
         # every forward, an ASSIGN per request per step

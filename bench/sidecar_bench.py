@@ -48,7 +48,7 @@ from sidecar.ingest import RingSet
 from sidecar.pipeline import Pipeline
 from sidecar.service import Sidecar
 from sidecar.sinks.basic import MemorySink
-from sidecar.tracker import FREE, OWNED, PADDING_PAGE, UNKNOWN
+from sidecar.tracker import FREE, OWNED, PADDING_PAGE, UNKNOWN, PagePool
 
 from .workload import Stream, WorkloadParams, capture, publish
 
@@ -140,7 +140,7 @@ def top_functions(prof: cProfile.Profile, n: int = 15) -> list[dict]:
 def memory(pipe: Pipeline) -> dict:
     """Tracker bytes per pool page (PagePool arrays), row bytes, and the history buffer."""
     pools = [t.pool for t in pipe.engines.values()]
-    arrays = ("state", "gen", "written_gen", "owner", "last_writer", "last_write_ns")
+    arrays = PagePool.ARRAYS
     pool_bytes = sum(getattr(p, a).nbytes for p in pools for a in arrays)
     pages = sum(p.num_pages for p in pools)
     row_bytes = sum(r.pages.nbytes + r.gens.nbytes + r.shared.nbytes for t in pipe.engines.values()

@@ -18,13 +18,16 @@ What it models (one H200 decode rank of a GLM-class MLA model, see the brief's
   token starts a new page, ~4 per step; or ``assign="token"``: one per request per
   step, what the adapter sent before), and one FORWARD with 256 requests, each writing
   1 slot and reading its first ``seq_len`` tokens. Every ``rows_every``-th FORWARD
-  (counting every forward, prefills included, as ``hooks_rows._forward_pre`` does with
-  ``KVGUARD_ROW_SAMPLE_EVERY``, default 16) also carries the engine's actual rows
-  (256 x 512 x 4 bytes = 512 KiB at the reference shape); the others carry seq_lens
-  only and the sidecar judges its own model of each row. ``rows_every=1`` is a row
-  table with every FORWARD (the adapter before it sampled), ``0`` never.
-  The defaults (``rows_every=16``, ``assign="page"``) are exactly what the adapter
-  sends today.
+  (counting every forward, prefills included, as the adapter's fixed interval does:
+  ``engine_hooks/sglang/row_sampler.py``, ``KVGUARD_ROW_SAMPLE_EVERY``) also carries the
+  engine's actual rows (256 x 512 x 4 bytes = 512 KiB at the reference shape); the
+  others carry seq_lens only and the sidecar judges its own model of each row.
+  ``rows_every=1`` is a row table with every FORWARD (the adapter before it sampled),
+  ``0`` never. The defaults (``rows_every=16``, ``assign="page"``) are what the adapter
+  sends with ``KVGUARD_ROW_SAMPLE_EVERY=16``; under its default CPU budget
+  (``KVGUARD_ROW_SAMPLE_BUDGET_US=30``) a batch of 256 at 32k context gets rows about
+  every 25th forward instead (measured cost, not modelled here), so 16 errs on the side
+  of more sidecar work.
 * Initial requests are staggered (request i has generated i * 1,920 / 256 tokens), so
   one request finishes every 7.5 steps (8 requests/s): FREE of its private pages, REQ_END,
   then a new request arrives: REQ_BEGIN, ALLOC, ASSIGN of its whole row (prefix shared),
@@ -63,7 +66,7 @@ class WorkloadParams:
     output_tokens: int = 1_920  # decode tokens per request
     steps_per_s: float = 60.0
     # the engine's rows ride on every Nth FORWARD (all forwards counted, as the adapter's
-    # KVGUARD_ROW_SAMPLE_EVERY, default 16); 1 = every FORWARD, 0 = never
+    # fixed KVGUARD_ROW_SAMPLE_EVERY); 1 = every FORWARD, 0 = never
     rows_every: int = 16
     # "page": an ASSIGN only for requests whose token starts a page (the adapter today);
     # "token": one per request per step (the adapter before, the worst case)
@@ -168,7 +171,7 @@ class Workload:
         return (base + np.tile(np.arange(ps, dtype=np.int64), len(pages)))[:tokens]
 
     def _forward(self, rids, seq_lens, writes, rows) -> None:
-        """One FORWARD; the rows go with every ``rows_every``-th (``hooks_rows._forward_pre``)."""
+        """One FORWARD; the rows go with every ``rows_every``-th (the adapter's ``RowSampler``, fixed interval)."""
         self.forwards += 1
         every = self.p.rows_every
         self.probes.forward(rids, seq_lens, writes, rows() if every and self.forwards % every == 0 else None)

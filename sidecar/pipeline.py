@@ -263,6 +263,7 @@ class Pipeline:
         if saved is not None:
             pages, gens, written_gen = saved
             unchanged = t.pool.gen[pages] == gens  # not reallocated meanwhile
+            t.pool.changed(pages[unchanged])  # written_gen goes back: logged for the tracker's incremental judge
             t.pool.written_gen[pages[unchanged]] = written_gen[unchanged]  # undo the provisional mark
         if row is not None:
             idx = pairing.written_row_pages[pairing.written_row_pages < len(row.pages)]

@@ -22,10 +22,24 @@ the page, the gen it had when assigned, and whether it came from the prefix cach
 
 Pages we know nothing about (``UNKNOWN``) are never judged: a sidecar that attached
 late, or lost records, reports a blind window instead of guessing.
+
+Judging only what changed (``EngineTracker.classify_reads``): a read verdict is a pure
+function of the reader's row entries and the state (state, gen, owner, written_gen) of
+those pages. Each row remembers up to which entry it was last judged clean
+(``Row.clean_n``); every change of a page's state is logged (``PagePool.changed``) with the
+page's owner at that moment, and before a FORWARD is judged the log invalidates the rows
+whose clean prefix holds a changed page (a private page: its owner; a page some row judged
+clean as a prefix-cache entry: every row). A FORWARD without rows then judges, per
+request, only the entries past its clean prefix; the clean prefix's pages count as read
+and verified (they were, and nothing about them changed). Sampled rows, isolation checks,
+a HELLO, lost records and a change log longer than the pool take the full judge.
+``KVGUARD_JUDGE=full`` judges every page of every read every time (the reference the
+differential test compares against).
 """
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -39,6 +53,19 @@ PADDING_PAGE = 0  # SGLang reserves slot/page 0 as the padding target; never a r
 
 
 MAX_PAGES = 1 << 22  # 4M pages (256M tokens at page size 64): beyond any real pool
+
+JUDGE_ENV = "KVGUARD_JUDGE"
+
+
+def _incremental_judge_from_env() -> bool:
+    """``KVGUARD_JUDGE``: ``incremental`` (default) or ``full``; anything else fails at start-up."""
+    raw = os.environ.get(JUDGE_ENV, "incremental")
+    if raw not in ("incremental", "full"):
+        raise ValueError(f"{JUDGE_ENV}={raw!r}: expected 'incremental' or 'full'")
+    return raw == "incremental"
+
+
+INCREMENTAL_JUDGE = _incremental_judge_from_env()
 
 
 class PagePool:
@@ -56,6 +83,33 @@ class PagePool:
         self.owner = np.zeros(n, np.uint64)
         self.last_writer = np.zeros(n, np.uint64)
         self.last_write_ns = np.zeros(n, np.int64)
+        # some live row judged this page clean as a prefix-cache (shared) entry: a change to it
+        # re-judges every row (who shares a page is not tracked; such changes are rare)
+        self.clean_shared = np.zeros(n, bool)
+        # pages whose state changed since the last incremental judge, with their owner then
+        self.changes: list[tuple[np.ndarray, np.ndarray]] = []
+        self.changes_len = 0
+        self.changes_overflow = False  # too many to replay, or all forgotten: re-judge everything
+
+    ARRAYS = ("state", "gen", "written_gen", "owner", "last_writer", "last_write_ns", "clean_shared")
+
+    def changed(self, pages: np.ndarray) -> None:
+        """Log that state / gen / owner / written_gen of ``pages`` (valid ids) is about to
+        change in a way that can spoil a clean read (``EngineTracker._classify_changed``).
+        Call it BEFORE the change: the owner logged is the one a clean row judged.
+
+        A clean entry is known, not free, the reader's (same gen; shared, or owned by the
+        reader) and written at its gen. Allocation (gen), free (state), a claim (state, owner)
+        and lowering written_gen can spoil that and are logged; a KV write (written_gen :=
+        gen) and a request's pages turning CACHED (its row is gone; CACHED is known and not
+        free for the readers sharing them) cannot, and are not."""
+        if len(pages) == 0 or self.changes_overflow:
+            return
+        self.changes.append((pages, self.owner[pages]))
+        self.changes_len += len(pages)
+        if self.changes_len > len(self.state):  # cheaper to re-judge everything than to replay
+            self.changes_overflow = True
+            self.changes.clear()
 
     @property
     def num_pages(self) -> int:
@@ -69,7 +123,7 @@ class PagePool:
             pages = pages[valid]
         if len(pages) and int(pages.max()) >= self.num_pages:
             new = min(max(int(pages.max()) + 1, 2 * self.num_pages), self.limit)
-            for name in ("state", "gen", "written_gen", "owner", "last_writer", "last_write_ns"):
+            for name in self.ARRAYS:
                 old = getattr(self, name)
                 grown = np.zeros(new, old.dtype)
                 grown[: len(old)] = old
@@ -79,6 +133,7 @@ class PagePool:
     def forget_all(self) -> None:
         """Events were lost: nothing about any page can be trusted until it is reallocated."""
         self.state[:] = UNKNOWN
+        self.changes_overflow = True
 
     def counts_by_state(self) -> dict[str, int]:
         counts = np.bincount(self.state, minlength=len(STATE_NAMES))
@@ -110,6 +165,17 @@ class Row:
     pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     gens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
     shared: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    # entries [0, clean_n) were judged clean (nothing to report) in judge epoch clean_epoch and
+    # none of their pages changed since; clean_reads of them are pages (id > 0) a read counts
+    clean_n: int = 0
+    clean_reads: int = 0
+    clean_epoch: int = -1
+
+    def forget_clean(self, n: int) -> None:
+        """Entries from ``n`` on must be judged again."""
+        if self.clean_n > n:
+            self.clean_n = n
+            self.clean_reads = int(np.count_nonzero(self.pages[:n] > 0))
 
     def ensure(self, n: int) -> None:
         if n > len(self.pages):
@@ -213,6 +279,8 @@ class EngineTracker:
         self.pages_unverified = 0
         self.requests_retired_idle = 0  # live requests that never ended and held nothing (RequestDirectory.retire_idle)
         self._next_retire_ns = 0
+        self.incremental = INCREMENTAL_JUDGE  # judge only what changed (False: every page every time)
+        self.judge_epoch = 0  # bumped to drop every row's clean prefix at once
 
     # ------------------------------------------------------------------ lifecycle
     def retire_idle_requests(self, now_ns: int, idle_ns: int = IDLE_REQUEST_NS) -> int:
@@ -231,6 +299,7 @@ class EngineTracker:
         # page ids run 0..pool_pages (0 is padding); some slack for allocator rounding
         self.pool.limit = min(hello.pool_pages + 1 + 1024, MAX_PAGES)
         self.pool.ensure(np.array([min(hello.pool_pages, self.pool.limit - 1)], np.int64))
+        self.pool.changes_overflow = True  # page size and limit may differ: judge everything again
 
     def on_lost(self) -> None:
         self.pool.forget_all()
@@ -251,6 +320,7 @@ class EngineTracker:
             # what the request still owns was kept by the prefix cache (freed pages are FREE already)
             pages = row.pages[row.pages > 0]
             mine = pages[(self.pool.owner[pages] == np.uint64(r.req_key)) & (self.pool.state[pages] == OWNED)]
+            # (not logged for the incremental judge: CACHED is as good as OWNED for every other reader)
             self.pool.state[mine] = CACHED
         self.requests.end(r.req_key)
 
@@ -261,6 +331,7 @@ class EngineTracker:
     def on_alloc(self, pages: np.ndarray) -> None:
         pages = self.pool.ensure(pages.astype(np.int64))
         pool = self.pool
+        pool.changed(pages)
         pool.gen[pages] += 1
         pool.state[pages] = ALLOCATED
         pool.owner[pages] = 0
@@ -270,6 +341,7 @@ class EngineTracker:
         pages = self.pool.ensure(pages.astype(np.int64))
         pages = pages[pages != PADDING_PAGE]
         already = pages[self.pool.state[pages] == FREE]
+        self.pool.changed(pages)
         self.pool.state[pages] = FREE
         self.pool.owner[pages] = 0
         return already
@@ -303,6 +375,7 @@ class EngineTracker:
         row = self.rows.setdefault(a.req_key, Row())
         first = a.row_start // self.page_size
         idx = np.arange(first, first + len(pages))
+        row.forget_clean(first)  # entries from ``first`` on are rewritten
         row.ensure(first + len(pages))
         positions = np.maximum(idx * self.page_size, a.row_start)
         shared = positions < a.shared_until
@@ -314,6 +387,7 @@ class EngineTracker:
         # a freshly allocated page (or one we could not see allocated) becomes the request's
         claim = fresh[(pool.state[fresh] == ALLOCATED) |
                       ((pool.state[fresh] == OWNED) & (pool.owner[fresh] == np.uint64(a.req_key)))]
+        pool.changed(claim)
         pool.state[claim] = OWNED
         pool.owner[claim] = a.req_key
 
@@ -393,7 +467,7 @@ class EngineTracker:
         if not real.all():
             pages, writer = pages[real], writer[real]
         known = pages[pool.state[pages] != UNKNOWN]
-        pool.written_gen[known] = pool.gen[known]
+        pool.written_gen[known] = pool.gen[known]  # (not logged: see PagePool.changed)
         pool.last_writer[pages] = writer
         pool.last_write_ns[pages] = ts_ns
 
@@ -436,7 +510,19 @@ class EngineTracker:
         page; with ``every``, every judged request). The clean common case builds nothing per
         request: the model rows are gathered into one array and every read page is judged by
         one set of numpy operations (it was a Python loop of ~20 numpy calls per request).
+
+        Unless ``want_shared`` or ``every`` asks for more, a FORWARD without rows (the sidecar's
+        own model is what was read), or whose rows are exactly the model's, has only what
+        changed since each row was last judged judged (``_classify_changed``); the verdicts and
+        counts are the same. Rows that differ from the model anywhere take the full judge.
         """
+        if self.incremental and not want_shared and not every:
+            if read_counts is None:
+                return self._classify_changed(req_keys, seq_lens)
+            unjudged = self._rows_as_modelled(req_keys, seq_lens, read_counts, read_pages)
+            if unjudged is not None:
+                self.pages_unverified += unjudged  # what readers we cannot judge read (as below)
+                return self._classify_changed(req_keys, seq_lens)
         have_rows = read_counts is not None
         rc = read_counts.tolist() if have_rows else None
         # row pages each request's seq_len covers (ceil)
@@ -496,6 +582,32 @@ class EngineTracker:
             pages, m_pages, m_gens, m_shared, reader = pages[keep], m_pages[keep], m_gens[keep], m_shared[keep], reader[keep]
         if len(pages) and int(pages.max()) >= pool.num_pages:  # ids below pool.limit already: only growth is left
             pool.ensure(pages)
+        known, freed, foreign, unwritten, shared = self._judge_pages(pages, m_pages, m_gens, m_shared, reader,
+                                                                     req_keys)
+        look = ~known | freed | foreign | unwritten
+        if want_shared:
+            look |= shared
+        if every:
+            flagged = [i for i, info in enumerate(infos) if info is not None]
+        elif look.any():
+            flagged = np.unique(reader[look]).tolist()
+        else:
+            return []
+        off = np.searchsorted(reader, np.arange(len(lens) + 1)).tolist()
+        out = []
+        for i in flagged:
+            s, e = off[i], off[i + 1]
+            p = pages[s:e]
+            out.append((i, ReadVerdict(infos[i], p[unwritten[s:e]], p[foreign[s:e]], p[freed[s:e]],
+                                       int(np.count_nonzero(~known[s:e])), p[shared[s:e]])))
+        return out
+
+    def _judge_pages(self, pages, m_pages, m_gens, m_shared, reader, req_keys):
+        """The read rules over read ``pages`` (ids in 0 < page < limit, the pool grown to hold
+        them) against the readers' row entries (``m_*``; ``reader`` indexes ``req_keys``).
+        Counts them as read (state known) or unverified; returns per page the masks known,
+        freed, foreign, unwritten and shared (a legitimately read prefix-cache page)."""
+        pool = self.pool
         state = pool.state[pages]
         gen = pool.gen[pages]
         known = state != UNKNOWN
@@ -517,21 +629,184 @@ class EngineTracker:
         ok_mine = ok & mine
         written = pool.written_gen[pages] == gen
         unwritten = ok_mine & ~written
-        look = ~known | freed | foreign | unwritten
         shared = ok_mine & written & m_shared
-        if want_shared:
-            look |= shared
-        if every:
-            flagged = [i for i, info in enumerate(infos) if info is not None]
-        elif look.any():
-            flagged = np.unique(reader[look]).tolist()
+        return known, freed, foreign, unwritten, shared
+
+    # ------------------------------------------------------------------ reads: only what changed
+    def _rows_as_modelled(self, req_keys: np.ndarray, seq_lens: np.ndarray, read_counts: np.ndarray,
+                          read_pages: np.ndarray) -> int | None:
+        """Whether the engine's rows of a FORWARD are exactly the sidecar's model of them: every
+        judged reader read as many pages as the model row covers, the same ones. Then judging
+        the rows is judging the model. Returns the pages read by readers that are not judged
+        (counted unverified), or None where anything differs."""
+        rc = read_counts.astype(np.int64)
+        rcl = rc.tolist()
+        need = (-(-seq_lens.astype(np.int64) // self.page_size)).tolist()
+        rows_get = self.rows.get
+        live_get, ended_get = self.requests.live.get, self.requests._ended.get
+        hello = self.hello
+        parts, judged = [], []
+        unjudged = 0
+        for i, key in enumerate(req_keys.tolist()):
+            info = live_get(key) or ended_get(key)
+            row = rows_get(key)
+            if hello is None or info is None or row is None or not info.known:
+                unjudged += rcl[i]
+                judged.append(False)
+                continue
+            n = len(row.pages)
+            if need[i] < n:
+                n = need[i]
+            if rcl[i] != n:
+                return None
+            parts.append(row.pages if n == len(row.pages) else row.pages[:n])
+            judged.append(True)
+        actual = read_pages if not unjudged else read_pages[np.repeat(np.array(judged, bool), rc)]
+        model = np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else actual[:0]
+        if len(actual) != len(model) or not np.array_equal(actual, model):
+            return None
+        return unjudged
+
+    def _absorb_changes(self) -> None:
+        """Replay the page-change log into the rows' clean prefixes (before judging a FORWARD)."""
+        pool = self.pool
+        if pool.changes_overflow:
+            self._forget_all_clean()
+            return
+        if not pool.changes:
+            return
+        if len(pool.changes) == 1:
+            pages, owners = pool.changes[0]
         else:
+            pages = np.concatenate([c[0] for c in pool.changes])
+            owners = np.concatenate([c[1] for c in pool.changes])
+        pool.changes.clear()
+        pool.changes_len = 0
+        if pool.clean_shared[pages].any():  # a page some row judged clean as a shared entry
+            self._forget_all_clean()
+            return
+        # any other clean entry is a private one: the page's owner (at the change) is its only reader
+        held = owners != 0
+        if not held.any():
+            return
+        pages, owners = pages[held], owners[held]
+        epoch = self.judge_epoch
+        keys = np.unique(owners)
+        for key in keys.tolist():
+            row = self.rows.get(key)
+            if row is None or row.clean_epoch != epoch or row.clean_n == 0:
+                continue
+            head = row.pages[:row.clean_n]
+            mine = pages if len(keys) == 1 else pages[owners == np.uint64(key)]
+            hit = np.flatnonzero(head == mine[0]) if len(mine) == 1 else np.flatnonzero(np.isin(head, mine))
+            if len(hit):
+                row.forget_clean(int(hit[0]))
+
+    def _forget_all_clean(self) -> None:
+        pool = self.pool
+        self.judge_epoch += 1  # every row's clean prefix is void
+        pool.clean_shared[:] = False
+        pool.changes.clear()
+        pool.changes_len = 0
+        pool.changes_overflow = False
+
+    def _classify_changed(self, req_keys: np.ndarray, seq_lens: np.ndarray) -> list[tuple[int, ReadVerdict]]:
+        """``classify_reads`` for a FORWARD without rows, judging per request only the row
+        entries past its clean prefix (``Row.clean_n``). The clean prefix holds nothing to report
+        and its pages count as read (judged known, unchanged since); the rest goes through the
+        same rules (``_judge_pages``), and the prefix grows to the first entry with something to
+        report. Same verdicts, counts and ``pages_out_of_range`` as the full judge."""
+        self._absorb_changes()
+        if self.hello is None:
+            return []  # nobody is judged; without rows nothing counts as unverified either
+        ps = self.page_size
+        need = (-(-seq_lens.astype(np.int64) // ps)).tolist()
+        rows_get = self.rows.get
+        live_get, ended_get = self.requests.live.get, self.requests._ended.get  # RequestDirectory.get, inlined
+        epoch = self.judge_epoch
+        clean_reads = 0
+        dirty = []  # (request index, row, first entry to judge, entries read, clean reads before it)
+        for i, key in enumerate(req_keys.tolist()):
+            info = live_get(key) or ended_get(key)
+            if info is None or not info.known:
+                continue
+            row = rows_get(key)
+            if row is None:
+                continue
+            n = len(row.pages)
+            if need[i] < n:
+                n = need[i]
+            if row.clean_epoch == epoch:
+                c = row.clean_n
+                if c >= n:  # all clean (the common decode step)
+                    clean_reads += row.clean_reads if c == n else int(np.count_nonzero(row.pages[:n] > 0))
+                    continue
+                base = row.clean_reads
+                clean_reads += base
+            else:
+                c = base = 0
+            dirty.append((i, row, c, n, base))
+        self.pages_read += clean_reads
+        if not dirty:
             return []
-        off = np.searchsorted(reader, np.arange(len(lens) + 1)).tolist()
+        if len(dirty) == 1:
+            _i, row, c, n, _base = dirty[0]
+            pages_all, gens_all, shared_all = row.pages[c:n], row.gens[c:n], row.shared[c:n]
+        else:
+            pages_all = np.concatenate([d[1].pages[d[2]:d[3]] for d in dirty])
+            gens_all = np.concatenate([d[1].gens[d[2]:d[3]] for d in dirty])
+            shared_all = np.concatenate([d[1].shared[d[2]:d[3]] for d in dirty])
+        idx = np.array([d[0] for d in dirty], np.int64)
+        seg_len = np.array([d[3] - d[2] for d in dirty], np.int64)
+        seg = np.repeat(np.arange(len(dirty)), seg_len)  # dirty request of each entry
+        pool = self.pool
+        keep = (pages_all > PADDING_PAGE) & (pages_all < pool.limit)
+        all_kept = bool(keep.all())
+        if all_kept:
+            pages, gens, shared_m, seg_k = pages_all, gens_all, shared_all, seg
+        else:
+            pool.pages_out_of_range += int((pages_all >= pool.limit).sum())
+            pages, gens, shared_m, seg_k = pages_all[keep], gens_all[keep], shared_all[keep], seg[keep]
+        if len(pages) and int(pages.max()) >= pool.num_pages:
+            pool.ensure(pages)
+        known, freed, foreign, unwritten, shared = self._judge_pages(pages, pages, gens, shared_m, idx[seg_k],
+                                                                     req_keys)
+        look = ~known | freed | foreign | unwritten
+        # entries with nothing to report: padding / unassigned ids (never read) and clean kept pages
+        if all_kept:
+            bad = look
+        else:
+            bad = pages_all >= pool.limit
+            bad[keep] = look
+        starts = np.concatenate(([0], np.cumsum(seg_len)))
+        good_len = seg_len.copy()  # per dirty request: entries clean from its first one on
+        bad_at = np.flatnonzero(bad)
+        if len(bad_at):
+            who, first = np.unique(seg[bad_at], return_index=True)
+            good_len[who] = bad_at[first] - starts[who]
+        counted = np.concatenate(([0], np.cumsum(pages_all > 0)))
+        newly_counted = counted[starts[:-1] + good_len] - counted[starts[:-1]]
+        newly_clean = np.arange(len(pages_all)) < (starts[:-1] + good_len)[seg]
+        marks = newly_clean & shared_all & (pages_all > 0)
+        if marks.any():
+            pool.clean_shared[pages_all[marks]] = True
+        for j, (_i, row, c, _n, base) in enumerate(dirty):  # (a request twice in a batch: the same values)
+            row.clean_epoch = epoch
+            row.clean_n = c + int(good_len[j])
+            row.clean_reads = base + int(newly_counted[j])
+        if not look.any():
+            return []
         out = []
-        for i in flagged:
-            s, e = off[i], off[i + 1]
+        off = np.searchsorted(seg_k, np.arange(len(dirty) + 1)).tolist()
+        for j in np.unique(seg_k[look]).tolist():
+            i, row, c, _n, _base = dirty[j]
+            s, e = off[j], off[j + 1]
             p = pages[s:e]
-            out.append((i, ReadVerdict(infos[i], p[unwritten[s:e]], p[foreign[s:e]], p[freed[s:e]],
-                                       int(np.count_nonzero(~known[s:e])), p[shared[s:e]])))
+            head = row.pages[:c]
+            shared_pages = p[shared[s:e]]
+            if c:  # the clean prefix's legitimately read prefix-cache pages belong to the verdict too
+                shared_pages = np.concatenate((head[row.shared[:c] & (head > 0)], shared_pages))
+            info = self.requests.get(int(req_keys[i]))
+            out.append((i, ReadVerdict(info, p[unwritten[s:e]], p[foreign[s:e]], p[freed[s:e]],
+                                       int(np.count_nonzero(~known[s:e])), shared_pages)))
         return out

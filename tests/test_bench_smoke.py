@@ -37,11 +37,12 @@ def test_workload_stream_is_clean_and_fully_judged(rows_every, assign):
     assert r["pages_unverified"] == 0
     assert r["pages_judged"] == r["page_reads"] == sum(stream.step_page_reads)
     assert r["records"] == sum(len(s) for s in stream.steps)
-    assert r["memory"]["bytes_per_page"] == 33.0  # state u8 + gen u32 + written_gen u32 + 3 x 8-byte columns
+    # state u8 + gen u32 + written_gen u32 + 3 x 8-byte columns + clean_shared bool
+    assert r["memory"]["bytes_per_page"] == 34.0
 
 
 def test_adapter_stream_is_what_the_adapter_sends():
-    """Rows with every 16th FORWARD (all forwards counted, as ``hooks_rows._forward_pre``) and an
+    """Rows with every 16th FORWARD (all forwards counted, as the adapter's fixed-interval ``RowSampler``) and an
     ASSIGN per decode step only for the requests whose token starts a page (``_decode_post``)."""
     from engine_hooks import wire
 
