@@ -167,9 +167,8 @@ def sink_metrics(sinks):
 
 def ttft_metrics(detector):
     """ttft_anomaly's deferred verdicts: suspects waiting for later requests, and those the
-    later requests cleared (the engine had sped up). Exported only when the detector is on."""
-    if not detector.enabled:
-        return
+    later requests cleared (the engine had sped up). Always exported (0 while the detector
+    is off), so that dashboards and the metrics doc see one fixed set of families."""
     waiting = GaugeMetricFamily("kvguard_ttft_suspects_waiting", "Requests too fast against the past, waiting "
                                 "for later requests to confirm (ttft_anomaly)")
     waiting.add_metric([], sum(len(w) for w in detector.suspects.values()))
