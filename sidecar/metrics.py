@@ -177,3 +177,7 @@ def ttft_metrics(detector):
                                   "engine speed-up, learned instead of flagged (ttft_anomaly)")
     cleared.add_metric([], detector.suspects_cleared)
     yield cleared
+    explained = CounterMetricFamily("kvguard_ttft_suspects_explained", "Suspects whose own forwards wrote their "
+                                    "whole uncached prompt: prefilled, just fast; learned, not flagged (ttft_anomaly)")
+    explained.add_metric([], detector.suspects_explained)
+    yield explained

@@ -63,7 +63,7 @@ class Pipeline:
         self.write_detector = WriteDetector()
         self.double_free_detector = DoubleFreeDetector()
         # off by default: on the real PD soak its model still flagged a normally prefilled request
-        self.ttft_detector = TTFTDetector(enabled=ttft_anomaly)
+        self.ttft_detector = TTFTDetector(enabled=ttft_anomaly, prefill_evidence=self._prompt_pages_written)
         self.isolation_detector = TenantIsolationDetector(isolate_tenants)
         self.records_by_kind: Counter = Counter()
         self.findings_by_kind: Counter = Counter()
@@ -449,6 +449,24 @@ class Pipeline:
         finding = Finding("events_lost", WARNING, engine, None, [], [], rec.ts_ns, summary,
                           {"records_lost": rec.body, "first_missing_seq": rec.seq})
         return self._emit([finding])
+
+    def _prompt_pages_written(self, engine_id: int, info) -> tuple[int, int] | None:
+        """(pages this request's own forwards wrote while its seq_len was within its prompt,
+        pages its uncached prompt spans), from the bounded history; None when the history no
+        longer holds the request's REQ_BEGIN (its forwards may be gone too). Asked only for a
+        ttft suspect, so the scan of the history is rare."""
+        t = self.engines.get(engine_id)
+        if t is None or self.history is None:
+            return None
+        ev = self.history.request_events(info.key, limit=self.history.capacity)
+        ev = ev[ev["engine"] == engine_id]
+        if not (ev["event"] == Event.REQ_BEGIN).any():
+            return None
+        prompt = info.prompt_tokens
+        prefill_ts = ev["ts_ns"][(ev["event"] == Event.READ) & (ev["aux"] <= prompt)]
+        writes = ev[(ev["event"] == Event.WRITE) & np.isin(ev["ts_ns"], prefill_ts)]
+        ps = max(t.page_size, 1)
+        return len(np.unique(writes["page"])), -(-prompt // ps) - info.cached_tokens // ps
 
     # ------------------------------------------------------------------ housekeeping
     def on_engine_gone(self, engine_id: int, ts_ns: int) -> list[Finding]:

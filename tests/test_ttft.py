@@ -185,3 +185,75 @@ def test_a_request_prefilled_twice_is_neither_judged_nor_learned():
     assert len(det.models[1].samples) == samples
     assert det.observe(1, ENGINE, req(999, 2000, 3_000_000), 0) == []  # the same timing, not retried: suspect
     assert [f.reader.rid for f in later_requests(det, rng, 100)] == ["r999"]
+
+
+# ---------------------------------------------------------------------- prefill evidence
+def test_a_suspect_whose_forwards_wrote_its_prompt_is_explained_not_flagged():
+    """The PD soak under concurrency: a prompt prefilled alone is 10x faster than its size
+    class was while prompts overlapped. Its own forwards wrote every uncached prompt page:
+    it was prefilled, just fast. Learned from, never flagged."""
+    asked = []
+    det = TTFTDetector(warmup=5, prefill_evidence=lambda eid, info: asked.append(info.rid) or (25, 25))
+    for i in range(5):
+        det.observe(1, ENGINE, req(i, 100, 100_000_000), 0)
+    assert det.observe(1, ENGINE, req(9, 100, 8_000_000), 7) == []  # 12x below
+    assert det.observe(1, ENGINE, req(10, 100, 1_000_000), 8) == []  # even 100x below: it was written
+    assert asked == ["r9", "r10"] and det.suspects_explained == 2 and det.suspects[1] == []
+    assert len(det.models[1].samples) == 7
+
+
+def test_a_suspect_whose_prompt_was_never_written_is_flagged_with_the_counts():
+    det = TTFTDetector(warmup=5, prefill_evidence=lambda eid, info: (1, 150))  # the 1-token placeholder
+    for i in range(5):
+        det.observe(1, ENGINE, req(i, 600, 100_000_000), 0)
+    (f,) = det.observe(1, ENGINE, req(9, 600, 1_000_000), 7)
+    assert (f.evidence["prompt_pages_written"], f.evidence["uncached_prompt_pages"]) == (1, 150)
+    assert det.suspects_explained == 0
+
+
+def test_no_records_means_timing_alone():
+    det = TTFTDetector(warmup=5, prefill_evidence=lambda eid, info: None)  # history no longer holds it
+    for i in range(5):
+        det.observe(1, ENGINE, req(i, 600, 100_000_000), 0)
+    (f,) = det.observe(1, ENGINE, req(9, 600, 1_000_000), 7)
+    assert f.evidence["prompt_pages_written"] is None and det.suspects_explained == 0
+
+
+def test_the_pipeline_reads_the_prefill_evidence_from_its_records(tmp_path):
+    """Real probes, ring and sidecar: 20 requests whose 64-token prompts take 64 ms, then
+    one prefilled (its forward wrote its 16 pages) in 1.5 ms, and one that claims 64 prompt
+    tokens but ran a one-token forward (the incident's placeholder prefill), in 1 ms. Only
+    the second is a finding, and nothing else is raised."""
+    import numpy as np
+
+    from engine_hooks.probes import Probes
+    from engine_hooks.ring import RingWriter
+    from sidecar.service import Sidecar
+    from sidecar.sinks.basic import MemorySink
+
+    probes = Probes(RingWriter(str(tmp_path), 1 << 20))
+    probes.hello("unified", 0, 4, 1024, 4096, 2048, 2048, "sglang", "0.5.23", "tiny")
+    next_page = [1]
+
+    def serve(rid, ttft_ns, prefilled_tokens=64):
+        pages = np.arange(next_page[0], next_page[0] + 16)
+        next_page[0] += 16
+        slots = (pages[:, None] * 4 + np.arange(4)).reshape(-1)
+        probes.request_begin(rid, "acme", None, 64, 0, False)
+        probes.pages_allocated(slots)
+        probes.rows_assigned(rid, 0, 64, 0, slots)
+        probes.forward([rid], [prefilled_tokens], [slots[:prefilled_tokens]])
+        probes.request_end(rid, "stop", ttft_ns, ttft_ns + 1_000_000, 1, "")
+        probes.pages_freed(slots)
+
+    for i in range(20):
+        serve(f"warm-{i}", 64_000_000)
+    serve("r-alone", 1_500_000)  # 42x below: flagged at once were it not for its writes
+    serve("r-placeholder", 1_000_000, prefilled_tokens=1)
+    sink = MemorySink()
+    sidecar = Sidecar(str(tmp_path), sinks=[sink], slack_ns=0, ttft_anomaly=True)
+    sidecar.run_once(flush=True)
+    found = sink.findings
+    assert [(f.kind, f.reader.rid) for f in found] == [("ttft_anomaly", "r-placeholder")], [f.summary for f in found]
+    assert (found[0].evidence["prompt_pages_written"], found[0].evidence["uncached_prompt_pages"]) == (1, 16)
+    assert sidecar.pipeline.ttft_detector.suspects_explained == 1

@@ -34,6 +34,18 @@ a 2,000-token prompt) is hundreds of times below it. A suspect still waiting aft
 ``max_wait_ns`` (or when its engine goes) is judged against everything learned by
 then (the past window plus the later requests).
 
+Evidence before timing: TTFT also depends on how much other work shares the request's
+forwards (a PD soak at 8 concurrent clients: a prompt prefilled alone in 5-9 ms, its
+size class 45-120 ms when prompts overlapped), so a request can be fast for a good
+reason. Before a suspect waits or is flagged, the sidecar's own records are asked
+(``prefill_evidence``, given by the pipeline): the pages this request's own forwards
+wrote while its seq_len was within its prompt, against the pages its uncached prompt
+spans. A suspect whose forwards wrote its whole uncached prompt (one page of slack) was
+prefilled, just fast: it is learned from (``suspects_explained``), never flagged.
+Only suspects the records cannot explain (prompt pages never written, or the records
+gone from the bounded history) go on to the timing verdict, and a finding carries
+both counts as evidence.
+
 Warm-up: no verdicts until ``warmup`` samples were learned (a cold engine's first
 requests, with compilation and cache misses, are learned from, never judged). Flagged
 requests are not learned from, so an ongoing anomaly cannot drag the floor down.
@@ -94,6 +106,7 @@ class Suspect:
     past_floor_ns: float
     samples: int
     seen_ns: int
+    written: tuple | None = None  # (prompt pages its forwards wrote, pages its uncached prompt spans)
     later: deque = field(default_factory=lambda: deque(maxlen=512))  # (uncached, ttft_ns) of requests ended after it
 
     def comparable(self) -> int:
@@ -103,7 +116,7 @@ class Suspect:
 class TTFTDetector:
     def __init__(self, min_tokens: int = 32, warmup: int = 20, factor: float = 4.0, window: int = 512,
                  enabled: bool = True, confirm: int = 5, certain_factor: float = 32.0,
-                 max_wait_ns: int = 300_000_000_000, max_suspects: int = 256):
+                 max_wait_ns: int = 300_000_000_000, max_suspects: int = 256, prefill_evidence=None):
         self.enabled = enabled
         if factor <= 1:
             raise ValueError(f"ttft factor must be > 1, got {factor}")
@@ -115,6 +128,10 @@ class TTFTDetector:
         self.models: dict[int, TTFTModel] = {}
         self.suspects: dict[int, list[Suspect]] = {}  # engine id -> waiting, oldest first
         self.suspects_cleared = 0  # suspects the later requests showed to be a speed-up, not an anomaly
+        self.suspects_explained = 0  # suspects whose own forwards wrote their whole uncached prompt
+        # (engine_id, RequestInfo) -> (prompt pages its forwards wrote, pages its uncached prompt spans),
+        # or None when the records cannot tell; None: timing alone
+        self.prefill_evidence = prefill_evidence
 
     # ------------------------------------------------------------------ input
     def observe(self, engine_id: int, engine: EngineRef, info: RequestInfo, ts_ns: int) -> list[Finding]:
@@ -132,7 +149,13 @@ class TTFTDetector:
         if len(model.samples) >= self.warmup:
             floor = model.floor_ns(uncached)
             if floor is not None and self._too_fast(info.ttft_ns, uncached, floor, model.floor_ns_per_token()):
-                suspect = Suspect(engine, reader_party(info), info, uncached, floor, len(model.samples), ts_ns)
+                written = self.prefill_evidence(engine_id, info) if self.prefill_evidence is not None else None
+                if written is not None and written[0] + 1 >= written[1]:  # it was prefilled, just fast
+                    self.suspects_explained += 1
+                    model.samples.append((uncached, info.ttft_ns))
+                    return self._settle(engine_id, ts_ns)
+                suspect = Suspect(engine, reader_party(info), info, uncached, floor, len(model.samples), ts_ns,
+                                  written=written)
                 if info.ttft_ns * self.certain_factor < floor:
                     found.append(self._finding(suspect, floor, "past", ts_ns))
                 else:
@@ -205,5 +228,7 @@ class TTFTDetector:
                     "ns_per_token": round(info.ttft_ns / uncached, 1), "floor_ttft_ns": round(floor, 1),
                     "past_floor_ttft_ns": round(s.past_floor_ns, 1), "floor_basis": basis,
                     "later_requests": len(s.later), "factor": self.factor, "samples": s.samples,
+                    "prompt_pages_written": None if s.written is None else s.written[0],
+                    "uncached_prompt_pages": None if s.written is None else s.written[1],
                     "reader_rejected": info.rejected}
         return Finding("ttft_anomaly", WARNING, engine, s.reader, [], [], ts_ns, summary, evidence)

@@ -133,6 +133,7 @@ class Watch:
                 "ring_decode_errors": dict(decode),
                 "apply_errors": p.apply_errors,
                 "ttft": {"enabled": p.ttft_detector.enabled, "suspects_cleared": p.ttft_detector.suspects_cleared,
+                         "suspects_explained": p.ttft_detector.suspects_explained,
                          "suspects_waiting_at_end": getattr(self, "ttft_waiting_at_end", None),
                          "samples": {eid: len(m.samples) for eid, m in p.ttft_detector.models.items()}},
                 "records_read": rings.stats.records_read,
