@@ -161,6 +161,20 @@ class RingWriter:
             record = wire.encode(kind, seq, time.monotonic_ns(), self.engine_id, payload, pool, flags)
             return self._publish(record)
 
+    def write_batch(self, kind: wire.Kind, payloads) -> int:
+        """Publish several records of one kind under one lock hold and one timestamp
+        (each its own record and seq, exactly as ``write`` would); returns how many
+        were written (the others were dropped because the ring is full)."""
+        written = 0
+        with self._lock:
+            ts = time.monotonic_ns()
+            for payload in payloads:
+                seq = self._seq
+                self._seq = seq + 1
+                self._u64[_NEXT_SEQ] = seq + 1
+                written += self._publish(wire.encode(kind, seq, ts, self.engine_id, payload))
+        return written
+
     def write_sticky(self, kind: wire.Kind, payload: bytes) -> bool:
         """Publish a record and keep a copy in the header for consumers that attach later."""
         with self._lock:

@@ -25,6 +25,35 @@ def test_row_pages_take_one_page_per_page_aligned_position(tmp_path):
     assert p.row_pages(2, [22, 23, 36, 37, 38, 39, 12, 13]).tolist() == [5, 9, 3]
     assert p.row_pages(0, np.arange(8, 16)).tolist() == [2, 3]
     assert p.slots_to_pages([9, 8, 4, 40]).tolist() == [1, 2, 10]
+    # the small-array path (sets) and np.unique agree, duplicates and order included
+    big = np.random.default_rng(1).integers(0, 400, 300)
+    assert p.slots_to_pages(big).tolist() == np.unique(big // 4).tolist()
+    assert p.slots_to_pages(big[:40]).tolist() == np.unique(big[:40] // 4).tolist()
+    assert p.slots_to_pages([]).dtype == np.int64 and len(p.slots_to_pages([])) == 0
+
+
+def test_decode_rows_assigned_sends_the_records_rows_assigned_would(tmp_path):
+    torch = __import__("torch")
+    one, batched = probes(tmp_path / "one"), probes(tmp_path / "batched")
+    rids, positions, slots = ["a", "b", "c"], [8, 12, 0], [36, 4, 61]
+    for rid, pos, slot in zip(rids, positions, slots):
+        one.rows_assigned(rid, pos, pos + 1, pos, [slot])
+    batched.decode_rows_assigned(rids, np.array(positions), torch.tensor(slots))
+    a, b = records(one)[1:], records(batched)[1:]
+    assert [r.kind for r in b] == [wire.Kind.ASSIGN] * 3 and [r.seq for r in b] == [1, 2, 3]
+    # the same bodies, byte for byte on the wire (only the timestamps differ)
+    assert [wire.assign_payload(r.body) for r in a] == [wire.assign_payload(r.body) for r in b]
+    assert [r.body.pages.tolist() for r in b] == [[9], [1], [15]]
+    assert [(r.body.row_start, r.body.row_end, r.body.shared_until) for r in b] == [(8, 9, 8), (12, 13, 12),
+                                                                                  (0, 1, 0)]
+    assert one.calls == batched.calls
+
+
+def test_decode_rows_assigned_with_mismatched_lengths_is_a_probe_error(tmp_path):
+    p = probes(tmp_path)
+    p.decode_rows_assigned(["a", "b"], [8], [36, 4])  # never raises into the engine
+    assert p.probe_errors == 1 and "decode_rows_assigned" in p.disabled_probes
+    assert [r.kind for r in records(p)] == [wire.Kind.HELLO, wire.Kind.PROBE_ERROR]
 
 
 def test_a_probe_that_raises_is_counted_reported_disabled_and_never_raises(tmp_path, caplog):

@@ -40,6 +40,22 @@ def test_wrap_around_many_times_loses_nothing(tmp_path):
     assert r.records_lost == 0 and r.stats.corrupt_bytes == 0
 
 
+def test_a_batch_write_is_records_in_order_wrapping_and_dropping_like_single_writes(tmp_path):
+    w = RingWriter(str(tmp_path), 4096)
+    r = RingReader(w.path)
+    seen = []
+    for i in range(300):  # batches of 1-5 records of ~80 bytes: wraps the 4 KiB ring several times
+        assert w.write_batch(wire.Kind.ALLOC, [_alloc(1 + (i + k) % 10) for k in range(1 + i % 5)]) == 1 + i % 5
+        seen += r.poll().records
+    assert [x.seq for x in seen] == list(range(len(seen))) and len(seen) == sum(1 + i % 5 for i in range(300))
+    assert r.records_lost == 0 and r.stats.corrupt_bytes == 0
+    # no reader: a batch larger than the room left keeps what fits and counts the rest as dropped
+    full = RingWriter(str(tmp_path / "full"), 4096)
+    kept = full.write_batch(wire.Kind.ALLOC, [_alloc(20)] * 100)
+    assert 0 < kept < 100 and full.dropped_records == 100 - kept
+    assert len(RingReader(full.path).poll().records) == kept
+
+
 def test_full_ring_drops_counts_and_never_blocks(tmp_path):
     w = RingWriter(str(tmp_path), 4096)
     results = [w.write(wire.Kind.ALLOC, _alloc(20)) for _ in range(100)]  # 120-byte records, no reader

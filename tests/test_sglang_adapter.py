@@ -497,6 +497,16 @@ def test_rows_are_sampled_every_nth_forward_and_gather_page_starts_only(probes):
     assert arr(rows[2][0]) == [5, 10, 2] and arr(rows[2][1]) == [3]  # positions 0, 4, 8: one page each
 
 
+def _decode_assigns(probes):
+    """The decode hook's ASSIGNs as rows_assigned arguments: (rid, start, end, shared_until, slots);
+    Probes.decode_rows_assigned(rids, positions, slots) sends rows_assigned(rid, pos, pos + 1, pos, [slot])."""
+    out = []
+    for _name, (rids, positions, slots), _kw in probes.named("decode_rows_assigned"):
+        assert len(rids) == len(arr(positions)) == len(arr(slots))
+        out += [(r, p, p + 1, p, [s]) for r, p, s in zip(rids, arr(positions), arr(slots))]
+    return out
+
+
 def test_decode_assigns_only_when_a_token_starts_a_page(probes):
     a, b = _req("a", row=1), _req("b", row=2)
     batch = types.SimpleNamespace(reqs=[a, b], seq_lens_cpu=torch.tensor([8, 9]),
@@ -504,8 +514,8 @@ def test_decode_assigns_only_when_a_token_starts_a_page(probes):
     rt.State.page_size = 4
     hook = hr.alloc_for_decode_hook("alloc_for_decode")
     hook(lambda batch, token_per_req: torch.tensor([33, 50]), batch, token_per_req=1)
-    got = [(c[1][0], c[1][1]) for c in probes.named("rows_assigned")]
-    assert got == [("a", 8)]  # b's position 9 lives in its current page
+    got = [(c[0], c[1]) for c in _decode_assigns(probes)]
+    assert got == [("a", 8)] and probes.named("rows_assigned") == []  # b's position 9 lives in its current page
 
 
 def test_alloc_for_decode_rows(probes):
@@ -514,8 +524,19 @@ def test_alloc_for_decode_rows(probes):
                                   model_config=types.SimpleNamespace(is_encoder_decoder=False))
     hook = hr.alloc_for_decode_hook("alloc_for_decode")
     hook(lambda batch, token_per_req: torch.tensor([33, 50]), batch, token_per_req=1)
+    assert _decode_assigns(probes) == [("a", 6, 7, 6, [33]), ("b", 9, 10, 9, [50])]
+
+
+def test_alloc_for_decode_several_tokens_per_request_assigns_every_request(probes):
+    a, b = _req("a", row=1), _req("b", row=2)
+    batch = types.SimpleNamespace(reqs=[a, b], seq_lens_cpu=torch.tensor([6, 9]),
+                                  model_config=types.SimpleNamespace(is_encoder_decoder=False))
+    rt.State.page_size = 4
+    hook = hr.alloc_for_decode_hook("alloc_for_decode")
+    hook(lambda batch, token_per_req: torch.tensor([26, 27, 37, 38]), batch, token_per_req=2)
     got = [(c[1][0], c[1][1], c[1][2], c[1][3], arr(c[1][4])) for c in probes.named("rows_assigned")]
-    assert got == [("a", 6, 7, 6, [33]), ("b", 9, 10, 9, [50])]
+    assert got == [("a", 6, 8, 6, [26, 27]), ("b", 9, 11, 9, [37, 38])]
+    assert probes.named("decode_rows_assigned") == []
 
 
 class _Mode:

@@ -240,14 +240,14 @@ def host_int64(values, copy: bool = False):
     unless ``copy``): numpy on the host is far cheaper than Python ints per element."""
     import numpy as np
 
-    if hasattr(values, "detach"):
-        t = values.detach().reshape(-1)
-        if t.device.type != "cpu":
-            t = t.cpu()
-        a = t.numpy()
+    if getattr(values, "is_cpu", False) and not values.requires_grad:
+        a = values.numpy()  # a CPU tensor: a view (detach/reshape/device checks cost ~2 µs per call)
+    elif hasattr(values, "detach"):
+        a = values.detach().cpu().numpy()
     else:
         a = np.asarray(values)
-    a = a.reshape(-1)
+    if a.ndim != 1:
+        a = a.reshape(-1)
     if a.dtype != np.int64:
         return a.astype(np.int64)
     return a.copy() if copy else a

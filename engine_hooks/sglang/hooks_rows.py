@@ -175,15 +175,19 @@ def _decode_post(old_lens, result, batch, *args, **kwargs):
     if result.numel() != tpr * n or len(old_lens) < n:
         return
     old_lens = old_lens[:n]
-    # one token per request: only requests whose token starts a page get a new row page
-    # (the others' token lands in their current last page, already assigned)
-    starts = np.flatnonzero(old_lens % State.page_size == 0) if tpr == 1 else np.arange(n)
-    if len(starts) == 0:
-        return
-    out = rt.host_int64(result)  # only on page-start steps (a device read on a GPU)
-    p = rt.probes()
     reqs = batch.reqs
-    for i in starts.tolist():
+    if tpr == 1:
+        # one token per request: only requests whose token starts a page get a new row page
+        # (the others' token lands in their current last page, already assigned)
+        starts = (old_lens % State.page_size == 0).nonzero()[0]
+        if len(starts) == 0:
+            return
+        out = rt.host_int64(result)  # only on page-start steps (a device read on a GPU)
+        rt.probes().decode_rows_assigned([reqs[i].rid for i in starts.tolist()], old_lens[starts], out[starts])
+        return
+    out = rt.host_int64(result)
+    p = rt.probes()
+    for i in range(n):
         s = int(old_lens[i])
         p.rows_assigned(reqs[i].rid, s, s + tpr, s, out[i * tpr : (i + 1) * tpr])
 
