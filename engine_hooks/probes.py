@@ -93,6 +93,7 @@ class Probes:
         self._last_heartbeat_ns = 0
         self._error_lock = threading.Lock()
         self._keys: dict = {}  # rid -> request key: hashing every rid of every forward costs more than the rest
+        self._last_batch: tuple = ([], np.zeros(0, np.uint64))  # (rids, keys) of the last request_keys call
         # Tier 1, the engine's own read check (engine_hooks/tier1.py): created at HELLO when
         # KVGUARD_TIER1 is on, and fed by the allocation / assignment probes below
         self.tier1: tier1_mod.Tier1 | None = None
@@ -106,11 +107,20 @@ class Probes:
         return key
 
     def request_keys(self, rids) -> np.ndarray:
-        """uint64 keys of ``rids``, from the cache (one dict lookup each when all are known)."""
+        """uint64 keys of ``rids`` (read-only: the array may be handed out again), from the
+        cache (one dict lookup each when all are known). A decode batch keeps its requests
+        for many steps: the same list as last time costs one list compare (~0.1 µs at batch
+        256, the same string objects) instead of 256 lookups (~10 µs)."""
+        last_rids, last_keys = self._last_batch
+        if type(rids) is list and rids == last_rids:
+            return last_keys
         try:
-            return np.fromiter(map(self._keys.__getitem__, rids), dtype=np.uint64, count=len(rids))
+            keys = np.fromiter(map(self._keys.__getitem__, rids), dtype=np.uint64, count=len(rids))
         except KeyError:
-            return np.fromiter(map(self.request_key, rids), dtype=np.uint64, count=len(rids))
+            keys = np.fromiter(map(self.request_key, rids), dtype=np.uint64, count=len(rids))
+        if type(rids) is list:
+            self._last_batch = (list(rids), keys)
+        return keys
 
     # ------------------------------------------------------------------ helpers
     def _emit(self, kind: wire.Kind, payload: bytes, flags: int = 0) -> None:

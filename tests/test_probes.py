@@ -56,6 +56,18 @@ def test_decode_rows_assigned_with_mismatched_lengths_is_a_probe_error(tmp_path)
     assert [r.kind for r in records(p)] == [wire.Kind.HELLO, wire.Kind.PROBE_ERROR]
 
 
+def test_request_keys_of_a_repeated_batch_are_the_keys_of_that_batch(tmp_path):
+    p = probes(tmp_path)
+    batch = ["a", "b", "c"]
+    want = [wire.request_key(r) for r in batch]
+    assert p.request_keys(batch).tolist() == want
+    assert p.request_keys(list(batch)).tolist() == want  # an equal list: the cached keys
+    batch.append("d")  # the caller's list changed since: recomputed, not the stale keys
+    assert p.request_keys(batch).tolist() == want + [wire.request_key("d")]
+    assert p.request_keys(["c", "a"]).tolist() == [want[2], want[0]]
+    assert p.request_keys(("a",)).tolist() == [want[0]]  # not a list: looked up each time
+
+
 def test_a_probe_that_raises_is_counted_reported_disabled_and_never_raises(tmp_path, caplog):
     p = probes(tmp_path)
     with caplog.at_level(logging.WARNING, logger="kvguard.probes"):
