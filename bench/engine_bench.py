@@ -242,6 +242,16 @@ class Engine:
         self.writer.close(unlink=True)
 
 
+def meter_overhead_cpu_us(calls: int = 2000) -> float:
+    """CPU µs one AROUND Meter charges to the hook it times when hook and original do
+    nothing (its own clock reads): part of every hook's figure, not kvguard's work."""
+    m = Meter("calibration")
+    call = m.around(lambda original, *a: original(*a), lambda: None)
+    for _ in range(calls):
+        call()
+    return m.own_cpu / calls / 1e3
+
+
 def _best_of(fn, repeat: int) -> tuple[float, float]:
     """(CPU µs, wall µs): the median of ``repeat`` calls."""
     cpu, wall = [], []
@@ -303,6 +313,10 @@ def bench_batch(batch: int, steps: int, warmup: int = 3, profile: bool = False, 
             "tier1_violations": t1.violations if t1 else 0,
             "tier1_errors": t1.errors if t1 else 0,
         }
+        # the timers' own share of the figure above: one AROUND meter per alloc_for_decode,
+        # alloc_decode and forward call (the AFTER write meter reads its clocks outside the hook)
+        arounds = sum(m[n].calls for n in ("alloc_for_decode", "alloc_decode", "forward")) / steps
+        out["meter_overhead_cpu_us_per_step"] = meter_overhead_cpu_us() * arounds
         out["components_cpu_us"] = components(eng, fb)
         if prof:
             from bench.sidecar_bench import top_functions
