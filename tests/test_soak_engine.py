@@ -95,6 +95,7 @@ class SoakRun:
     retractions: list[int] = field(default_factory=list)  # #retracted_reqs per log line
     timings_s: dict[str, float] = field(default_factory=dict)
     logs: list[str] = field(default_factory=list)
+    prefill_evidence: dict[str, Any] = field(default_factory=dict)  # Watch.prefill_evidence()
 
     def summary(self) -> dict[str, Any]:
         aborted = {o.req.rid for o in self.outcomes if o.req.kind in ABORT_KINDS}
@@ -112,6 +113,7 @@ class SoakRun:
                 for kind in ("prefix", "system", "pressure")
             },
             "retractions": {"events": len(self.retractions), "requests": sum(self.retractions)},
+            "prefill_evidence": {k: (v[:5] if isinstance(v, list) else v) for k, v in self.prefill_evidence.items()},
             "findings": [f"{f.kind}/{f.severity} {f.engine.role} {known or 'UNKNOWN'}: {f.summary} "
                          f"{json.dumps(f.evidence, default=str)[:600]}"
                          for f, known in zip(self.findings, self.known)],
@@ -141,6 +143,7 @@ def _finish(name: str, watch: Watch, plan, outcomes, timings, logs) -> SoakRun:
     watch.drain()
     watch.judge_waiting_ttft()
     snapshot = watch.snapshot()
+    prefill_evidence = watch.prefill_evidence()
     records = list(watch.keeper.records)
     index = RecordIndex(records)
     findings = list(watch.memory.findings)
@@ -167,6 +170,7 @@ def _finish(name: str, watch: Watch, plan, outcomes, timings, logs) -> SoakRun:
                  for r in records if r.kind == wire.Kind.REJECT],
         timings_s=timings,
         logs=logs,
+        prefill_evidence=prefill_evidence,
     )
 
 
@@ -344,6 +348,18 @@ def test_unified_soak_no_findings(unified_soak):
     check_no_findings(unified_soak)
 
 
+def check_prefill_evidence(run: SoakRun) -> None:
+    """ttft_anomaly's gate, on every request it could judge: the records show each one's
+    forwards writing its whole uncached prompt (docs/detectors.md, "Prefill evidence")."""
+    ev = run.prefill_evidence
+    assert ev["judged"] > 0 and ev["not_in_history"] == 0 and ev["unexplained"] == [], ev
+    assert ev["explained"] == ev["judged"]
+
+
+def test_unified_soak_prefill_evidence_covers_every_prompt(unified_soak):
+    check_prefill_evidence(unified_soak)
+
+
 # ---------------------------------------------------------------------- prefill/decode
 
 
@@ -366,3 +382,7 @@ def test_pd_soak_reads_were_judged(pd_soak):
 
 def test_pd_soak_no_findings(pd_soak):
     check_no_findings(pd_soak)
+
+
+def test_pd_soak_prefill_evidence_covers_every_prompt(pd_soak):
+    check_prefill_evidence(pd_soak)

@@ -26,7 +26,7 @@ from sidecar.findings import Finding
 from sidecar.history import Event
 from sidecar.service import Sidecar
 from sidecar.sinks.basic import MemorySink
-from sidecar.tracker import STATE_NAMES
+from sidecar.tracker import STATE_NAMES, RequestInfo
 
 
 class RecordKeeper:
@@ -96,6 +96,41 @@ class Watch:
             self.ttft_waiting_at_end = sum(len(w) for w in p.ttft_detector.suspects.values())
             for eid in list(p.engines):
                 p._emit(p.ttft_detector.judge_waiting(eid, time.monotonic_ns()))
+
+    def prefill_evidence(self) -> dict[str, Any]:
+        """ttft_anomaly's gate on every request it could judge: for each normally finished,
+        not re-prefilled request with >= 32 uncached prompt tokens on a unified or prefill
+        engine, do the sidecar's records show its forwards writing its whole uncached
+        prompt? On a healthy engine they must, or the gate would let a timing false alarm
+        through (and would misreport the evidence of a real one)."""
+        with self.sidecar.lock:
+            p = self.pipeline
+            begins = {}
+            out = {"judged": 0, "explained": 0, "not_in_history": 0, "unexplained": []}
+            for r in self.keeper.records:
+                if r.kind == wire.Kind.REQ_BEGIN:
+                    begins[(r.engine_id, r.body.req_key)] = r.body
+                    continue
+                if r.kind != wire.Kind.REQ_END or r.body.reprefilled or r.body.finish not in (
+                        wire.Finish.LENGTH, wire.Finish.STOP):
+                    continue
+                b = begins.get((r.engine_id, r.body.req_key))
+                t = p.engines.get(r.engine_id)
+                if b is None or b.warmup or t is None or t.hello is None or t.hello.role == wire.Role.DECODE:
+                    continue
+                if b.prompt_tokens - b.cached_tokens < p.ttft_detector.min_tokens:
+                    continue
+                info = RequestInfo(b.req_key, b.rid, b.tenant, prompt_tokens=b.prompt_tokens,
+                                   cached_tokens=b.cached_tokens)
+                got = p._prompt_pages_written(r.engine_id, info)
+                out["judged"] += 1
+                if got is None:
+                    out["not_in_history"] += 1
+                elif got[0] + 1 >= got[1]:
+                    out["explained"] += 1
+                else:
+                    out["unexplained"].append((b.rid, b.prompt_tokens, b.cached_tokens, *got))
+            return out
 
     # ------------------------------------------------------------------ counters
     def snapshot(self) -> dict[str, Any]:
