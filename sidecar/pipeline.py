@@ -454,7 +454,12 @@ class Pipeline:
         """(pages this request's own forwards wrote while its seq_len was within its prompt,
         pages its uncached prompt spans), from the bounded history; None when the history no
         longer holds the request's REQ_BEGIN (its forwards may be gone too). Asked only for a
-        ttft suspect, so the scan of the history is rare."""
+        ttft suspect, so the scan of the history is rare.
+
+        Page writes are counted per forward, not as distinct pages: with chunked prefill the
+        radix cache may take a chunk's KV over (remapping the row to identical cached pages)
+        and free the request's own pages, which the next chunk then reuses (the soak shows
+        it), so one page can legitimately carry two chunks of the same prompt."""
         t = self.engines.get(engine_id)
         if t is None or self.history is None:
             return None
@@ -466,7 +471,8 @@ class Pipeline:
         prefill_ts = ev["ts_ns"][(ev["event"] == Event.READ) & (ev["aux"] <= prompt)]
         writes = ev[(ev["event"] == Event.WRITE) & np.isin(ev["ts_ns"], prefill_ts)]
         ps = max(t.page_size, 1)
-        return len(np.unique(writes["page"])), -(-prompt // ps) - info.cached_tokens // ps
+        per_forward = np.unique(writes[["ts_ns", "page"]]) if len(writes) else writes
+        return len(per_forward), -(-prompt // ps) - info.cached_tokens // ps
 
     # ------------------------------------------------------------------ housekeeping
     def on_engine_gone(self, engine_id: int, ts_ns: int) -> list[Finding]:

@@ -129,8 +129,31 @@ class Watch:
                 elif got[0] + 1 >= got[1]:
                     out["explained"] += 1
                 else:
-                    out["unexplained"].append((b.rid, b.prompt_tokens, b.cached_tokens, *got))
+                    out["unexplained"].append((b.rid, b.prompt_tokens, b.cached_tokens, *got,
+                                               self._request_trace(r.engine_id, b.req_key)))
             return out
+
+    def _request_trace(self, engine_id: int, key: int, limit: int = 40) -> list[str]:
+        """What the records say about one request: its rows, forwards, end (for a failure message)."""
+        out = []
+        for r in self.keeper.records:
+            b = r.body
+            if r.engine_id != engine_id:
+                continue
+            if r.kind == wire.Kind.ASSIGN and b.req_key == key:
+                out.append(f"#{r.seq} ASSIGN [{b.row_start},{b.row_end}) shared_until={b.shared_until} "
+                           f"pages={b.pages.tolist()[:16]}")
+            elif r.kind == wire.Kind.FORWARD and key in b.req_keys.tolist():
+                keys, wo = b.req_keys.tolist(), 0
+                for i, k in enumerate(keys):
+                    wc = int(b.write_counts[i])
+                    if k == key:
+                        out.append(f"#{r.seq} FORWARD seq_len={int(b.seq_lens[i])} wrote={b.write_pages[wo:wo + wc].tolist()} "
+                                   f"batch={len(keys)}")
+                    wo += wc
+            elif r.kind in (wire.Kind.REQ_BEGIN, wire.Kind.REQ_END, wire.Kind.REJECT) and b.req_key == key:
+                out.append(f"#{r.seq} {r.kind.name} {b}")
+        return out[:limit]
 
     # ------------------------------------------------------------------ counters
     def snapshot(self) -> dict[str, Any]:
