@@ -158,8 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pagerduty-url", default=None, help="Events API endpoint (default: PagerDuty's; for proxies "
                    "and tests)")
     p.add_argument("--alertmanager-url", default=None, help="post alerts to this Alertmanager (http://HOST:9093)")
-    p.add_argument("--ttft-anomaly", action="store_true", help="flag requests whose time to first token is "
-                   "implausibly short for their uncached prompt (ttft_anomaly; experimental, off by default)")
+    p.add_argument("--ttft-anomaly", action=argparse.BooleanOptionalAction, default=True,
+                   help="flag requests whose time to first token is implausibly short for their uncached prompt "
+                   "and whose forwards did not write it (ttft_anomaly; on by default)")
     p.add_argument("--isolate-tenants", action="store_true", help="report prefix-cache pages written by one "
                    "tenant and read by another (cross_tenant_prefix_share); off by default")
     p.add_argument("--api-token-file", default=None, help="file holding the bearer token for /v1 (default: "

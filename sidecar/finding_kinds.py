@@ -15,7 +15,7 @@ from __future__ import annotations
 from .findings import CRITICAL, WARNING
 
 ALWAYS = "always"
-TTFT = "ttft_anomaly"  # kvguard sidecar --ttft-anomaly (Pipeline(ttft_anomaly=True))
+TTFT = "ttft_anomaly"  # on by default; kvguard sidecar --no-ttft-anomaly (Pipeline(ttft_anomaly=False))
 ISOLATION = "isolate_tenants"  # kvguard sidecar --isolate-tenants
 SHARED_LEDGER = "shared_ledger"  # a shared transfer ledger (Redis) is configured
 

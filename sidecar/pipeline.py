@@ -40,7 +40,7 @@ DEGRADED_REPEAT_NS = 30_000_000_000  # a degraded ledger re-reports this often (
 
 class Pipeline:
     def __init__(self, sinks=(), history_events: int = 1 << 20, incidents: IncidentStore | None = None,
-                 isolate_tenants: bool = False, tracer=None, ttft_anomaly: bool = False,
+                 isolate_tenants: bool = False, tracer=None, ttft_anomaly: bool = True,
                  shared_ledger=None, orphan_timeout_s: float = 120.0):
         # sidecar.tracing.TraceRecorder or None: request spans; it is also a sink (findings become span events)
         self.tracer = tracer

@@ -16,7 +16,7 @@ log = logging.getLogger("kvguard.sidecar")
 class Sidecar:
     def __init__(self, ring_dir: str, sinks=(), poll_interval_s: float = 0.01, slack_ns: int = 50_000_000,
                  remove_dead_rings: bool = True, recorder=None, history_events: int = 1 << 20,
-                 isolate_tenants: bool = False, tracer=None, ttft_anomaly: bool = False,
+                 isolate_tenants: bool = False, tracer=None, ttft_anomaly: bool = True,
                  ledger: str = "memory", ledger_cluster: str = "default", orphan_timeout_s: float = 120.0):
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")

@@ -17,7 +17,7 @@ from sidecar.metrics import KVGuardCollector
 from sidecar.pipeline import Pipeline
 from sidecar.service import Sidecar
 
-SWITCHED = {"ttft_anomaly", "cross_tenant_prefix_share", "ledger_degraded"}
+SWITCHED = {"cross_tenant_prefix_share", "ledger_degraded"}  # off by default (ttft_anomaly is on)
 
 
 def scrape(sidecar: Sidecar) -> CollectorRegistry:
@@ -49,6 +49,8 @@ def test_a_fresh_sidecar_exports_every_record_kind_and_every_enabled_finding_at_
 
 
 def test_switching_a_detector_on_gives_its_finding_a_zero_series(tmp_path):
+    assert scrape(Sidecar(str(tmp_path), ttft_anomaly=False)).get_sample_value(
+        "kvguard_findings_total", {"kind": "ttft_anomaly", "severity": WARNING}) is None  # switched off: no series
     reg = scrape(Sidecar(str(tmp_path), ttft_anomaly=True, isolate_tenants=True))
     assert reg.get_sample_value("kvguard_findings_total", {"kind": "ttft_anomaly", "severity": WARNING}) == 0
     assert reg.get_sample_value("kvguard_findings_total", {"kind": "cross_tenant_prefix_share",
@@ -76,7 +78,7 @@ def test_counts_replace_the_zeros(tmp_path):
 
 
 def test_unlisted_flags_an_unknown_kind_a_wrong_severity_and_a_switched_off_detector():
-    off, on = Pipeline(), Pipeline(ttft_anomaly=True, isolate_tenants=True)
+    off, on = Pipeline(ttft_anomaly=False), Pipeline(ttft_anomaly=True, isolate_tenants=True)
     assert unlisted(off, finding("made_up_kind", CRITICAL))
     assert unlisted(off, finding("double_free", WARNING))
     assert unlisted(off, finding("ttft_anomaly", WARNING)) and not unlisted(on, finding("ttft_anomaly", WARNING))

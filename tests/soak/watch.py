@@ -57,11 +57,9 @@ class Watch:
     def __init__(self, ring_dir: str | Path, max_records: int = 1_000_000):
         self.memory = MemorySink()
         self.keeper = RecordKeeper(max_records)
-        # the sidecar's defaults: ttft_anomaly (opt-in) stays off. KVGUARD_SOAK_TTFT=1 turns it on:
-        # on the PD pair at 8 concurrent clients a prefill that ran alone takes 5-9 ms and one that
-        # overlapped others 45-120 ms, so a timing floor flags the lone ones (docs/detectors.md)
+        # the sidecar's defaults, ttft_anomaly included; KVGUARD_SOAK_TTFT=0 turns it off
         self.sidecar = Sidecar(str(ring_dir), sinks=[self.memory], remove_dead_rings=False, recorder=self.keeper,
-                               ttft_anomaly=os.environ.get("KVGUARD_SOAK_TTFT") == "1")
+                               ttft_anomaly=os.environ.get("KVGUARD_SOAK_TTFT", "1") == "1")
         self.pipeline = self.sidecar.pipeline
 
     def __enter__(self) -> "Watch":
