@@ -507,10 +507,14 @@ def _decode_assigns(probes):
     return out
 
 
+def _decode_batch(seq_lens):
+    """A ScheduleBatch-shaped namespace of requests a and b (rows 1 and 2) for alloc_for_decode."""
+    return types.SimpleNamespace(reqs=[_req("a", row=1), _req("b", row=2)], seq_lens_cpu=torch.tensor(seq_lens),
+                                 model_config=types.SimpleNamespace(is_encoder_decoder=False))
+
+
 def test_decode_assigns_only_when_a_token_starts_a_page(probes):
-    a, b = _req("a", row=1), _req("b", row=2)
-    batch = types.SimpleNamespace(reqs=[a, b], seq_lens_cpu=torch.tensor([8, 9]),
-                                  model_config=types.SimpleNamespace(is_encoder_decoder=False))
+    batch = _decode_batch([8, 9])
     rt.State.page_size = 4
     hook = hr.alloc_for_decode_hook("alloc_for_decode")
     hook(lambda batch, token_per_req: torch.tensor([33, 50]), batch, token_per_req=1)
@@ -519,18 +523,14 @@ def test_decode_assigns_only_when_a_token_starts_a_page(probes):
 
 
 def test_alloc_for_decode_rows(probes):
-    a, b = _req("a", row=1), _req("b", row=2)
-    batch = types.SimpleNamespace(reqs=[a, b], seq_lens_cpu=torch.tensor([6, 9]),
-                                  model_config=types.SimpleNamespace(is_encoder_decoder=False))
+    batch = _decode_batch([6, 9])
     hook = hr.alloc_for_decode_hook("alloc_for_decode")
     hook(lambda batch, token_per_req: torch.tensor([33, 50]), batch, token_per_req=1)
     assert _decode_assigns(probes) == [("a", 6, 7, 6, [33]), ("b", 9, 10, 9, [50])]
 
 
 def test_alloc_for_decode_several_tokens_per_request_assigns_every_request(probes):
-    a, b = _req("a", row=1), _req("b", row=2)
-    batch = types.SimpleNamespace(reqs=[a, b], seq_lens_cpu=torch.tensor([6, 9]),
-                                  model_config=types.SimpleNamespace(is_encoder_decoder=False))
+    batch = _decode_batch([6, 9])
     rt.State.page_size = 4
     hook = hr.alloc_for_decode_hook("alloc_for_decode")
     hook(lambda batch, token_per_req: torch.tensor([26, 27, 37, 38]), batch, token_per_req=2)
