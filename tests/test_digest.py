@@ -604,3 +604,36 @@ def test_ledger_mixed_algorithms_are_not_comparable_not_a_mismatch(tmp_path, rec
     assert sink.findings == []
     assert (ledger.digests_compared, ledger.digests_incomparable) == (0, 1)
     sidecar.stop()
+
+
+def _sender_manager(module: str, status: dict):
+    """A KV manager whose class lives in ``module`` (the hook trusts Mooncake's only)."""
+    cls = type("KVManager", (), {"__module__": module})
+    mgr = cls()
+    mgr.request_status = status
+    return types.SimpleNamespace(kv_mgr=mgr)
+
+
+def test_a_chunk_for_a_room_that_already_failed_is_not_reported_sent(probes):
+    """Decode aborted the request and told prefill: Mooncake's add_transfer_request drops
+    the chunk (the room is Failed or already cleared), so nothing lands in decode's pages
+    (which decode may have freed already). The CI soak saw the XFER_SEND of such a
+    dropped chunk raise use_after_free "via transfer" on a healthy engine."""
+    kv = make_kv(8, seed=16)
+    slots = list(range(4, 12))
+    prefill = engine_side(Pool(kv, slots, 64, 4), {1: slots})
+    mooncake = "sglang.srt.disaggregation.mooncake.conn"
+    for status in ({77: 0}, {}):  # KVPoll.Failed; cleared
+        r = req("gone", 1)
+        r.disagg_kv_sender = _sender_manager(mooncake, status)
+        send_chunk(prefill, r, 8, True)
+    assert probes.named("transfer_sent") == [] and probes.named("transfer_digest") == []
+    assert not hd.Digests.senders
+    # still transferring: reported; another backend's manager: reported (never hidden on a guess)
+    live = req("live", 1)
+    live.disagg_kv_sender = _sender_manager(mooncake, {77: 3})
+    send_chunk(prefill, live, 8, True)
+    other = req("other", 1)
+    other.disagg_kv_sender = _sender_manager("sglang.srt.disaggregation.nixl.conn", {77: 0})
+    send_chunk(prefill, other, 8, True)
+    assert [c[1][0] for c in probes.named("transfer_sent")] == ["live", "other"]

@@ -128,15 +128,38 @@ def deferred_release_hook(name: str):
 
 
 # --------------------------------------------------------------------------- prefill
+def _room_already_failed(req) -> bool:
+    """True when the Mooncake sender will drop this chunk without transferring it: its
+    ``add_transfer_request`` (0.5.19-0.5.23) returns early for a room that is unknown or
+    ``KVPoll.Failed`` (decode aborted the request and told prefill so). Only Mooncake's
+    manager is trusted here; anything unexpected reads as "not failed", so a chunk is
+    never hidden on a guess."""
+    mgr = getattr(getattr(req, "disagg_kv_sender", None), "kv_mgr", None)
+    status = getattr(mgr, "request_status", None)
+    if status is None or "mooncake" not in type(mgr).__module__:
+        return False
+    room = _room(req)
+    try:
+        return room not in status or int(status.get(room)) == 0  # KVPoll.Failed == 0 in every version
+    except Exception:  # noqa: BLE001 - a probe never breaks the engine; unknown = not failed
+        return False
+
+
 def _send_pre(self, *args, **kwargs):
     req = _arg(args, kwargs, 0, "req")
-    return req, int(req.start_send_idx or 0)
+    return req, int(req.start_send_idx or 0), _room_already_failed(req)
 
 
 def _send_post(token, result, self, *args, **kwargs):
     if not State.hello_done:
         return
-    req, start = token
+    req, start, dropped = token
+    if dropped:
+        # the room had failed before the call: Mooncake dropped the chunk, nothing was
+        # written into decode's pages (which decode may already have freed); an XFER_SEND
+        # here would be a transfer that never happened (use_after_free "via transfer")
+        Digests.senders.pop(req.rid, None)
+        return
     last_chunk = bool(_arg(args, kwargs, 1, "last_chunk", False))
     end = int(req.start_send_idx or 0)
     if end < start or (end == start and not last_chunk):
