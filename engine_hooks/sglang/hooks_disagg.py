@@ -130,17 +130,18 @@ def deferred_release_hook(name: str):
 # --------------------------------------------------------------------------- prefill
 def _room_already_failed(req) -> bool:
     """True when the Mooncake sender will drop this chunk without transferring it: its
-    ``add_transfer_request`` (0.5.19-0.5.23) returns early for a room that is unknown or
-    ``KVPoll.Failed`` (decode aborted the request and told prefill so). Only Mooncake's
-    manager is trusted here; anything unexpected reads as "not failed", so a chunk is
-    never hidden on a guess."""
+    ``add_transfer_request`` (0.5.19-0.5.23) returns early for a room marked
+    ``KVPoll.Failed`` (decode aborted the request and told prefill so). A room missing
+    from the table is not taken as failed: requests to SGLang's fake bootstrap host
+    (warmup) never enter it and still complete. Only Mooncake's manager is trusted here;
+    anything unexpected reads as "not failed", so a chunk is never hidden on a guess."""
     mgr = getattr(getattr(req, "disagg_kv_sender", None), "kv_mgr", None)
     status = getattr(mgr, "request_status", None)
     if status is None or "mooncake" not in type(mgr).__module__:
         return False
     room = _room(req)
     try:
-        return room not in status or int(status.get(room)) == 0  # KVPoll.Failed == 0 in every version
+        return room in status and int(status.get(room)) == 0  # KVPoll.Failed == 0 in every version
     except Exception:  # noqa: BLE001 - a probe never breaks the engine; unknown = not failed
         return False
 
