@@ -138,19 +138,37 @@ def top_functions(prof: cProfile.Profile, n: int = 15) -> list[dict]:
 
 
 def memory(pipe: Pipeline) -> dict:
-    """Tracker bytes per pool page (PagePool arrays), row bytes, and the history buffer."""
-    pools = [t.pool for t in pipe.engines.values()]
-    arrays = PagePool.ARRAYS
-    pool_bytes = sum(getattr(p, a).nbytes for p in pools for a in arrays)
-    pages = sum(p.num_pages for p in pools)
-    row_bytes = sum(r.pages.nbytes + r.gens.nbytes + r.shared.nbytes for t in pipe.engines.values()
-                    for r in t.rows.values())
+    """Tracker bytes per pool page: the ``PagePool`` (per-page arrays and request-key table),
+    and with the live rows added (their entry arrays, plus the Python objects that hold them:
+    numpy headers, the ``Row``, the rows dict and its keys); and the history buffer."""
+    trackers = list(pipe.engines.values())
+    pools = [t.pool for t in trackers]
+    array_bytes = sum(getattr(p, a).nbytes for p in pools for a in PagePool.ARRAYS)
+    key_bytes = sum(p.keys.nbytes for p in pools)
+    pool_bytes = sum(p.nbytes for p in pools)
+    pages = max(sum(p.num_pages for p in pools), 1)
+    rows = [r for t in trackers for r in t.rows.values()]
+    row_bytes = sum(r.pages.nbytes + r.gens.nbytes + r.shared.nbytes for r in rows)
+    # what Python adds per row: the array headers (data counted above), the Row, the dict slot and key
+    row_object_bytes = sum(sys.getsizeof(r) + sum(sys.getsizeof(a) - (a.nbytes if a.flags.owndata else 0)
+                                                  for a in (r.pages, r.gens, r.shared)) for r in rows)
+    row_object_bytes += sum(sys.getsizeof(t.rows) + sum(sys.getsizeof(k) for k in t.rows) for t in trackers)
+    entries = sum(len(r.pages) for r in rows)
     return {
-        "bytes_per_page": pool_bytes / max(pages, 1),
+        "bytes_per_page": pool_bytes / pages,
+        "bytes_per_page_with_rows": (pool_bytes + row_bytes + row_object_bytes) / pages,
+        "pool_array_bytes_per_page": array_bytes / pages,
         "pool_pages": pages,
         "pool_bytes": pool_bytes,
+        "key_table_bytes": key_bytes,
+        "key_table_keys": sum(len(p.keys) for p in pools),
+        "rows": len(rows),
+        "row_entries": entries,
+        "row_entries_per_pool_page": entries / pages,
         "row_bytes": row_bytes,
-        "row_bytes_per_pool_page": row_bytes / max(pages, 1),
+        "row_bytes_per_entry": row_bytes / max(entries, 1),
+        "row_object_bytes": row_object_bytes,
+        "row_bytes_per_pool_page": row_bytes / pages,
         "history_bytes": pipe.history.events.nbytes if pipe.history is not None else 0,
         "history_events": pipe.history.capacity if pipe.history is not None else 0,
     }

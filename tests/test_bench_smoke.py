@@ -37,8 +37,11 @@ def test_workload_stream_is_clean_and_fully_judged(rows_every, assign):
     assert r["pages_unverified"] == 0
     assert r["pages_judged"] == r["page_reads"] == sum(stream.step_page_reads)
     assert r["records"] == sum(len(s) for s in stream.steps)
-    # state u8 + gen u32 + written_gen u32 + 3 x 8-byte columns + clean_shared bool
-    assert r["memory"]["bytes_per_page"] == 34.0
+    # state u8 + gen u32 + written_gen u32 + owner / last_writer key slots u32 + last write ms u32 + clean_shared bool
+    assert r["memory"]["pool_array_bytes_per_page"] == 22.0
+    # + the request-key table; + the live rows (9 bytes per entry) and their Python objects
+    assert r["memory"]["bytes_per_page_with_rows"] > r["memory"]["bytes_per_page"] > 22.0
+    assert r["memory"]["row_bytes"] == 9 * r["memory"]["row_entries"]
 
 
 def test_adapter_stream_is_what_the_adapter_sends():
@@ -85,6 +88,7 @@ def test_quick_run_writes_results_and_nulls_what_is_not_implemented(tmp_path, ca
     assert run.main(["--quick", "--skip", "latency,engine", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     for key in ("sidecar.page_reads_per_s", "raw.gather_page_reads_per_s", "sidecar.bytes_per_page",
+                "sidecar.bytes_per_page_with_rows",
                 "digest.raw_xxh3_gbps", "sidecar.records_per_s", "ratio.sidecar_over_raw"):
         assert isinstance(res[key], (int, float)) and res[key] > 0, key
     assert res["engine.probe_us_per_step_b256_tier1"] is None
