@@ -286,6 +286,12 @@ class PagePool:
             self.compact_keys()
         return self.keys.intern_one(key)
 
+    def reserve_keys(self, n: int) -> None:
+        """Compact now if ``n`` more keys would reach the threshold (slots taken one at a time
+        then stay valid together)."""
+        if len(self.keys) + n >= self.keys_compact_at:
+            self.compact_keys()
+
     def new_slot(self, key: int) -> np.uint32:
         if len(self.keys) >= self.keys_compact_at:
             self.compact_keys()
@@ -533,6 +539,15 @@ class EngineTracker:
     def on_lost(self) -> None:
         self.pool.forget_all()
 
+    def _slots(self, req_keys: np.ndarray) -> np.ndarray:
+        """Pool slots of a FORWARD's request keys: from the rows for a small batch (a prefill's
+        one or few requests; a table lookup costs ~15 us), else ``PagePool.slots``."""
+        if len(req_keys) > 8:
+            return self.pool.slots(req_keys)
+        self.pool.reserve_keys(len(req_keys))  # so that no slot taken below is renumbered by a compaction
+        rows_get = self.rows.get
+        return np.array([self._slot(key, rows_get(key)) for key in req_keys.tolist()], np.uint32)
+
     def _slot(self, key: int, row: Row | None) -> int:
         """The pool slot of ``key`` (interned), remembered on its row: a live request's ASSIGNs
         and writes need it again and again, and a table lookup costs ~2 us."""
@@ -700,7 +715,7 @@ class EngineTracker:
             return
         pages = write_pages.astype(np.int64)
         pool = self.pool
-        writer = np.repeat(pool.slots(req_keys), write_counts.astype(np.int64))
+        writer = np.repeat(self._slots(req_keys), write_counts.astype(np.int64))
         valid = (pages >= 0) & (pages < pool.limit)
         if not valid.all():
             pool.pages_out_of_range += int(np.count_nonzero(~valid))
@@ -809,7 +824,9 @@ class EngineTracker:
         self.pages_unverified += unjudged
         if not parts_p:
             return []
-        m_pages, m_gens, m_shared = np.concatenate(parts_p), np.concatenate(parts_g), np.concatenate(parts_s)
+        # row pages are int32 (memory); widened once here, not by every gather that indexes with them
+        m_pages = np.concatenate(parts_p, dtype=np.int64)
+        m_gens, m_shared = np.concatenate(parts_g), np.concatenate(parts_s)
         lens_a = np.array(lens, np.int64)
         reader = np.repeat(np.arange(len(lens)), lens_a)
         if have_rows:
@@ -994,9 +1011,10 @@ class EngineTracker:
             return []
         if len(dirty) == 1:
             _i, row, c, n, _base = dirty[0]
-            pages_all, gens_all, shared_all = row.pages[c:n], row.gens[c:n], row.shared[c:n]
+            # (int32 row pages widened once here, not by every gather that indexes with them)
+            pages_all, gens_all, shared_all = row.pages[c:n].astype(np.int64), row.gens[c:n], row.shared[c:n]
         else:
-            pages_all = np.concatenate([d[1].pages[d[2]:d[3]] for d in dirty])
+            pages_all = np.concatenate([d[1].pages[d[2]:d[3]] for d in dirty], dtype=np.int64)
             gens_all = np.concatenate([d[1].gens[d[2]:d[3]] for d in dirty])
             shared_all = np.concatenate([d[1].shared[d[2]:d[3]] for d in dirty])
         idx = np.array([d[0] for d in dirty], np.int64)
