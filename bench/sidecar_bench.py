@@ -148,10 +148,10 @@ def memory(pipe: Pipeline) -> dict:
     pool_bytes = sum(p.nbytes for p in pools)
     pages = max(sum(p.num_pages for p in pools), 1)
     rows = [r for t in trackers for r in t.rows.values()]
-    row_bytes = sum(r.pages.nbytes + r.gens.nbytes + r.shared.nbytes for r in rows)
+    row_bytes = sum(r.pages.nbytes + r.gen_shared.nbytes for r in rows)
     # what Python adds per row: the array headers (data counted above), the Row, the dict slot and key
     row_object_bytes = sum(sys.getsizeof(r) + sum(sys.getsizeof(a) - (a.nbytes if a.flags.owndata else 0)
-                                                  for a in (r.pages, r.gens, r.shared)) for r in rows)
+                                                  for a in (r.pages, r.gen_shared)) for r in rows)
     row_object_bytes += sum(sys.getsizeof(t.rows) + sum(sys.getsizeof(k) for k in t.rows) for t in trackers)
     entries = sum(len(r.pages) for r in rows)
     return {

@@ -22,7 +22,8 @@ write time as u32 milliseconds; the properties of those names read them back exa
 (keys) and in ns. 22 bytes per page in all, with the incremental judge's ``clean_shared``.
 
 Per live request: its row as parallel arrays indexed by row page (position // page_size):
-the page, the gen it had when assigned, and whether it came from the prefix cache.
+the page (int32), and the gen it had when assigned with whether it came from the prefix
+cache (one u32, ``Row.gen_shared``): 8 bytes per entry.
 
 Pages we know nothing about (``UNKNOWN``) are never judged: a sidecar that attached
 late, or lost records, reports a blind window instead of guessing.
@@ -57,6 +58,9 @@ PADDING_PAGE = 0  # SGLang reserves slot/page 0 as the padding target; never a r
 
 
 MAX_PAGES = 1 << 22  # 4M pages (256M tokens at page size 64): beyond any real pool; row entries hold int32 ids
+# a row entry's gen and prefix-cache flag share a u32 (Row.gen_shared): gens wrap at 2**31
+GEN_MASK = np.uint32(0x7FFFFFFF)
+SHARED_BIT = np.uint32(0x80000000)
 KEYS_COMPACT_MIN = 1024  # request keys a pool's KeyTable holds before it first drops unnamed ones
 
 JUDGE_ENV = "KVGUARD_JUDGE"
@@ -388,15 +392,16 @@ class RequestInfo:
 
 @dataclass(slots=True)
 class Row:
-    """A live request's row, one entry per row page: 9 bytes (int32 page: ids are below
-    ``PagePool.limit`` <= ``MAX_PAGES``; -1 = not assigned).
+    """A live request's row, one entry per row page: 8 bytes, an int32 page (ids are below
+    ``PagePool.limit`` <= ``MAX_PAGES``; -1 = not assigned) and a u32 holding the page's gen
+    when assigned (``GEN_MASK``: gens count allocations modulo 2**31) and, in ``SHARED_BIT``,
+    whether it came from the prefix cache. ``gens`` / ``shared`` read them apart.
 
     Every row holds its own copy of its prefix-cache entries: at the reference workload the
     rows' entries are four times the pool (docs/performance.md, "Memory")."""
 
     pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    gens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
-    shared: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    gen_shared: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
     # entries [0, clean_n) were judged clean (nothing to report) in judge epoch clean_epoch and
     # none of their pages changed since; clean_reads of them are pages (id > 0) a read counts
     clean_n: int = 0
@@ -416,8 +421,17 @@ class Row:
         if n > len(self.pages):
             extra = n - len(self.pages)
             self.pages = np.concatenate((self.pages, np.full(extra, -1, np.int32)))
-            self.gens = np.concatenate((self.gens, np.zeros(extra, np.uint32)))
-            self.shared = np.concatenate((self.shared, np.zeros(extra, bool)))
+            self.gen_shared = np.concatenate((self.gen_shared, np.zeros(extra, np.uint32)))
+
+    @property
+    def gens(self) -> np.ndarray:
+        """The gen each entry's page had when assigned."""
+        return self.gen_shared & GEN_MASK
+
+    @property
+    def shared(self) -> np.ndarray:
+        """Whether each entry came from the prefix cache."""
+        return self.gen_shared >= SHARED_BIT
 
 
 class RequestDirectory:
@@ -588,7 +602,7 @@ class EngineTracker:
         pages = self.pool.ensure(pages.astype(np.int64))
         pool = self.pool
         pool.changed(pages)
-        pool.gen[pages] += 1
+        pool.gen[pages] = (pool.gen[pages] + 1) & GEN_MASK  # (a row entry keeps 31 bits of it)
         pool.state[pages] = ALLOCATED
         pool.owner_slot[pages] = 0
 
@@ -616,7 +630,7 @@ class EngineTracker:
         if not (0 <= page < pool.num_pages and idx < len(row.pages) and int(row.pages[idx]) == page):
             return False
         shared = a.row_start < a.shared_until  # the entry's first position in this ASSIGN is row_start
-        if bool(row.shared[idx]) != shared or int(row.gens[idx]) != int(pool.gen[page]):
+        if int(row.gen_shared[idx]) != (int(pool.gen[page]) | (int(SHARED_BIT) if shared else 0)):
             return False
         return shared or int(pool.state[page]) != ALLOCATED  # an ALLOCATED page would be claimed now
 
@@ -636,8 +650,7 @@ class EngineTracker:
         positions = np.maximum(idx * self.page_size, a.row_start)
         shared = positions < a.shared_until
         row.pages[idx] = pages
-        row.gens[idx] = self.pool.gen[pages]
-        row.shared[idx] = shared
+        row.gen_shared[idx] = self.pool.gen[pages] | (shared.astype(np.uint32) << np.uint32(31))
         pool = self.pool
         fresh = pages[~shared]
         # a freshly allocated page (or one we could not see allocated) becomes the request's
@@ -789,7 +802,7 @@ class EngineTracker:
         live_get, ended_get = self.requests.live.get, self.requests._ended.get  # RequestDirectory.get, inlined
         infos: list[RequestInfo | None] = []
         lens: list[int] = []
-        parts_p, parts_g, parts_s = [], [], []
+        parts_p, parts_g = [], []
         unjudged = 0  # actual pages of readers we cannot judge (counted unverified, as before)
         hello = self.hello
         for i, key in enumerate(req_keys.tolist()):
@@ -810,23 +823,20 @@ class EngineTracker:
                 n, pad = min(n, rc[i]), max(rc[i] - n, 0)
             if n == len(row.pages):  # the whole row (the common case): no slicing
                 parts_p.append(row.pages)
-                parts_g.append(row.gens)
-                parts_s.append(row.shared)
+                parts_g.append(row.gen_shared)
             else:
                 parts_p.append(row.pages[:n])
-                parts_g.append(row.gens[:n])
-                parts_s.append(row.shared[:n])
+                parts_g.append(row.gen_shared[:n])
             if pad:  # rows the model never saw assigned
                 parts_p.append(np.full(pad, -2, np.int32))
                 parts_g.append(np.zeros(pad, np.uint32))
-                parts_s.append(np.zeros(pad, bool))
             lens.append(n + pad)
         self.pages_unverified += unjudged
         if not parts_p:
             return []
         # row pages are int32 (memory); widened once here, not by every gather that indexes with them
         m_pages = np.concatenate(parts_p, dtype=np.int64)
-        m_gens, m_shared = np.concatenate(parts_g), np.concatenate(parts_s)
+        m_gens = np.concatenate(parts_g)
         lens_a = np.array(lens, np.int64)
         reader = np.repeat(np.arange(len(lens)), lens_a)
         if have_rows:
@@ -839,10 +849,10 @@ class EngineTracker:
         keep = (pages > PADDING_PAGE) & (pages < pool.limit)
         if not keep.all():
             pool.pages_out_of_range += int((pages >= pool.limit).sum())
-            pages, m_pages, m_gens, m_shared, reader = pages[keep], m_pages[keep], m_gens[keep], m_shared[keep], reader[keep]
+            pages, m_pages, m_gens, reader = pages[keep], m_pages[keep], m_gens[keep], reader[keep]
         if len(pages) and int(pages.max()) >= pool.num_pages:  # ids below pool.limit already: only growth is left
             pool.ensure(pages)
-        known, freed, foreign, unwritten, shared = self._judge_pages(pages, m_pages, m_gens, m_shared, reader,
+        known, freed, foreign, unwritten, shared = self._judge_pages(pages, m_pages, m_gens, reader,
                                                                      req_keys)
         look = ~known | freed | foreign | unwritten
         if want_shared:
@@ -862,9 +872,10 @@ class EngineTracker:
                                        int(np.count_nonzero(~known[s:e])), p[shared[s:e]])))
         return out
 
-    def _judge_pages(self, pages, m_pages, m_gens, m_shared, reader, req_keys):
+    def _judge_pages(self, pages, m_pages, m_gens, reader, req_keys):
         """The read rules over read ``pages`` (ids in 0 < page < limit, the pool grown to hold
-        them) against the readers' row entries (``m_*``; ``reader`` indexes ``req_keys``).
+        them) against the readers' row entries (``m_pages``, ``m_gens`` as ``Row.gen_shared``;
+        ``reader`` indexes ``req_keys``).
         Counts them as read (state known) or unverified; returns per page the masks known,
         freed, foreign, unwritten and shared (a legitimately read prefix-cache page)."""
         pool = self.pool
@@ -879,7 +890,8 @@ class EngineTracker:
         # through the prefix cache or owned by it (a fresh row entry naming another
         # request's page is not made legitimate by having been written into the row)
         # (ownership is looked up only where it decides: the entry matches and is not a prefix-cache page)
-        mine = (m_pages == pages) & (m_gens == gen)
+        mine = (m_pages == pages) & ((m_gens & GEN_MASK) == gen)
+        m_shared = m_gens >= SHARED_BIT
         ask = np.flatnonzero(mine & ~m_shared)
         if len(ask):
             p_ask = pages[ask]
@@ -1012,11 +1024,10 @@ class EngineTracker:
         if len(dirty) == 1:
             _i, row, c, n, _base = dirty[0]
             # (int32 row pages widened once here, not by every gather that indexes with them)
-            pages_all, gens_all, shared_all = row.pages[c:n].astype(np.int64), row.gens[c:n], row.shared[c:n]
+            pages_all, gens_all = row.pages[c:n].astype(np.int64), row.gen_shared[c:n]
         else:
             pages_all = np.concatenate([d[1].pages[d[2]:d[3]] for d in dirty], dtype=np.int64)
-            gens_all = np.concatenate([d[1].gens[d[2]:d[3]] for d in dirty])
-            shared_all = np.concatenate([d[1].shared[d[2]:d[3]] for d in dirty])
+            gens_all = np.concatenate([d[1].gen_shared[d[2]:d[3]] for d in dirty])
         idx = np.array([d[0] for d in dirty], np.int64)
         seg_len = np.array([d[3] - d[2] for d in dirty], np.int64)
         seg = np.repeat(np.arange(len(dirty)), seg_len)  # dirty request of each entry
@@ -1024,13 +1035,13 @@ class EngineTracker:
         keep = (pages_all > PADDING_PAGE) & (pages_all < pool.limit)
         all_kept = bool(keep.all())
         if all_kept:
-            pages, gens, shared_m, seg_k = pages_all, gens_all, shared_all, seg
+            pages, gens, seg_k = pages_all, gens_all, seg
         else:
             pool.pages_out_of_range += int((pages_all >= pool.limit).sum())
-            pages, gens, shared_m, seg_k = pages_all[keep], gens_all[keep], shared_all[keep], seg[keep]
+            pages, gens, seg_k = pages_all[keep], gens_all[keep], seg[keep]
         if len(pages) and int(pages.max()) >= pool.num_pages:
             pool.ensure(pages)
-        known, freed, foreign, unwritten, shared = self._judge_pages(pages, pages, gens, shared_m, idx[seg_k],
+        known, freed, foreign, unwritten, shared = self._judge_pages(pages, pages, gens, idx[seg_k],
                                                                      req_keys)
         look = ~known | freed | foreign | unwritten
         # entries with nothing to report: padding / unassigned ids (never read) and clean kept pages
@@ -1048,7 +1059,7 @@ class EngineTracker:
         counted = np.concatenate(([0], np.cumsum(pages_all > 0)))
         newly_counted = counted[starts[:-1] + good_len] - counted[starts[:-1]]
         newly_clean = np.arange(len(pages_all)) < (starts[:-1] + good_len)[seg]
-        marks = newly_clean & shared_all & (pages_all > 0)
+        marks = newly_clean & (gens_all >= SHARED_BIT) & (pages_all > 0)
         if marks.any():
             pool.clean_shared[pages_all[marks]] = True
         for j, (_i, row, c, _n, base) in enumerate(dirty):  # (a request twice in a batch: the same values)
@@ -1066,7 +1077,7 @@ class EngineTracker:
             head = row.pages[:c]
             shared_pages = p[shared[s:e]]
             if c:  # the clean prefix's legitimately read prefix-cache pages belong to the verdict too
-                shared_pages = np.concatenate((head[row.shared[:c] & (head > 0)], shared_pages))
+                shared_pages = np.concatenate((head[(row.gen_shared[:c] >= SHARED_BIT) & (head > 0)], shared_pages))
             info = self.requests.get(int(req_keys[i]))
             out.append((i, ReadVerdict(info, p[unwritten[s:e]], p[foreign[s:e]], p[freed[s:e]],
                                        int(np.count_nonzero(~known[s:e])), shared_pages)))

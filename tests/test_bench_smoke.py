@@ -39,9 +39,9 @@ def test_workload_stream_is_clean_and_fully_judged(rows_every, assign):
     assert r["records"] == sum(len(s) for s in stream.steps)
     # state u8 + gen u32 + written_gen u32 + owner / last_writer key slots u32 + last write ms u32 + clean_shared bool
     assert r["memory"]["pool_array_bytes_per_page"] == 22.0
-    # + the request-key table; + the live rows (9 bytes per entry) and their Python objects
+    # + the request-key table; + the live rows (8 bytes per entry) and their Python objects
     assert r["memory"]["bytes_per_page_with_rows"] > r["memory"]["bytes_per_page"] > 22.0
-    assert r["memory"]["row_bytes"] == 9 * r["memory"]["row_entries"]
+    assert r["memory"]["row_bytes"] == 8 * r["memory"]["row_entries"]
 
 
 def test_adapter_stream_is_what_the_adapter_sends():
