@@ -1,7 +1,9 @@
 """The narrowed page columns (sidecar/tracker.py, ``KeyTable`` and ``PagePool``): ``owner`` and
 ``last_writer`` are u32 slots of a per-pool request-key table, the last write time u32
-milliseconds. Keys read back exactly whatever the table went through (lookups past its sorted
-index, several slots per key, compaction at any point), and the table stays bounded."""
+milliseconds; a row entry is an int32 page and a u32 holding its gen and prefix-cache flag.
+Keys read back exactly whatever the table went through (lookups past its sorted index, several
+slots per key, compaction at any point), the table stays bounded, and gens wrap at 2**31 on
+both sides of the comparison."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from test_judge_incremental import TINY, Replay, corrupt, decode
 
 from bench.workload import capture
 from engine_hooks import wire
-from sidecar.tracker import KEYS_COMPACT_MIN, NO_SLOT, EngineTracker, KeyTable, RequestDirectory
+from sidecar.tracker import (GEN_MASK, KEYS_COMPACT_MIN, NO_SLOT, SHARED_BIT, EngineTracker, KeyTable, RequestDirectory,
+                            RequestInfo)
 
 
 def test_key_table_finds_every_key_in_and_past_its_sorted_index_and_after_keep():
@@ -93,3 +96,29 @@ def test_last_write_time_keeps_milliseconds_and_survives_49_days():
     assert int(t.pool.last_write_ns[3]) == later  # (whole ms from the first write: exact here)
     assert t0 < int(t.pool.last_write_ns[1]) <= int(t.pool.last_write_ns[2]) < later  # older writes: clamped
     assert t.pool.last_writer[[1, 2, 3]].tolist() == [1, 1, 2]
+
+
+def test_a_row_entry_packs_gen_and_prefix_flag_and_gens_wrap_at_2_31():
+    a, b = 101, 102
+    t = EngineTracker(0, RequestDirectory())
+    t.on_hello(hello(8))
+    t.requests.begin(RequestInfo(a, "r-a"))
+    t.requests.begin(RequestInfo(b, "r-b"))
+    t.on_alloc(np.array([2]))
+    t.on_assign(wire.Assign(b, 0, 16, 0, np.array([2])))
+    t.mark_written(b, np.array([2]), 5)
+    t.on_request_end(wire.ReqEnd(b, 0, 0, 1, wire.Finish.STOP, ""), 6)  # page 2 stays, CACHED
+    t.pool.gen[3] = GEN_MASK  # the last gen before the wrap
+    t.on_alloc(np.array([3]))
+    assert t.pool.gen[3] == 0
+    t.on_assign(wire.Assign(a, 0, 32, 16, np.array([2, 3])))  # page 2 from the prefix cache, 3 its own
+    row = t.rows[a]
+    assert row.pages.dtype == np.int32 and row.gen_shared.dtype == np.uint32 and row.pages.nbytes == 8
+    assert row.gens.tolist() == [1, 0] and row.shared.tolist() == [True, False]
+    assert row.gen_shared.tolist() == [int(SHARED_BIT) | 1, 0]
+    t.mark_written(a, np.array([3]), 7)
+    v = t.classify_read(a, 32, None)
+    assert (v.unwritten.tolist(), v.foreign.tolist(), v.freed.tolist(), v.shared.tolist()) == ([], [], [], [2])
+    t.on_alloc(np.array([3]))  # reallocated under the reader: its entry's gen no longer matches
+    v = t.classify_read(a, 32, None)
+    assert v.foreign.tolist() == [3] and v.shared.tolist() == [2]
