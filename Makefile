@@ -5,6 +5,7 @@
 #
 #   make venv        .venv from requirements/engine.lock, both SGLang versions, kvguard -e
 #   make apt         Debian packages (libibverbs1 for Mooncake; Prometheus, Alertmanager, Redis)
+#   make native      the compiled transfer-digest routine (engine_hooks/native; optional at run time)
 #   make test        venv + apt, then pytest
 #   make demo        the incident demo on the leaking SGLang (0.5.19)
 #   make demo-fixed  the same demo on the fixed SGLang (0.5.23)
@@ -35,11 +36,26 @@ SGLANG_TEST_DIRS := $(foreach v,$(SGLANG_TEST_VERSIONS),$(VENV)/sglang/$(v)/.ins
 # libibverbs1: the Mooncake wheel links libibverbs.so.1 even for TCP transfers.
 # prometheus, prometheus-alertmanager, redis-server: alert-rule tests, Alertmanager
 # delivery and the Redis ledger (~35 MB in all, a few seconds).
-APT_PACKAGES ?= libibverbs1 prometheus prometheus-alertmanager redis-server
+# libxxhash-dev: xxhash.h for the compiled digest routine (`make native`).
+APT_PACKAGES ?= libibverbs1 prometheus prometheus-alertmanager redis-server libxxhash-dev
 
 VENV_STAMP := $(VENV)/.kvguard-venv
 
-.PHONY: venv apt test demo demo-fixed clean distclean
+.PHONY: venv apt native test demo demo-fixed clean distclean
+
+# The compiled alg-3 digest routine. The hooks fall back to the numpy path without it
+# (same digests, about 1.7x slower; engine_hooks/native/__init__.py says which is used);
+# tests, demos and the bench build it so that the path engines should run is the one
+# exercised.
+NATIVE_DIR := engine_hooks/native
+NATIVE_LIBS := $(NATIVE_DIR)/libkvguard_digest.so
+native: $(NATIVE_LIBS)
+
+$(NATIVE_LIBS): $(NATIVE_DIR)/head_streams.c $(NATIVE_DIR)/build.sh | /usr/include/xxhash.h
+	bash $(NATIVE_DIR)/build.sh
+
+/usr/include/xxhash.h:
+	$(MAKE) --no-print-directory apt APT_PACKAGES=libxxhash-dev
 
 venv: $(VENV_STAMP)
 
@@ -78,17 +94,17 @@ apt:
 	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq; \
 	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing
 
-test: venv apt $(SGLANG_TEST_DIRS)
+test: venv apt native $(SGLANG_TEST_DIRS)
 	$(PY) -m pytest -q
 
-demo: venv apt
+demo: venv apt native
 	$(VENV)/bin/kvguard demo
 
-demo-fixed: venv apt
+demo-fixed: venv apt native
 	$(VENV)/bin/kvguard demo --sglang 0.5.23
 
 clean:
-	rm -rf .kvguard-cache .pytest_cache build *.egg-info bench-results.json
+	rm -rf .kvguard-cache .pytest_cache build *.egg-info bench-results.json $(NATIVE_DIR)/*.so
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
@@ -109,5 +125,5 @@ deploy-check: venv apt
 
 # Performance figures (docs/performance.md): prints a table, writes bench-results.json.
 .PHONY: bench
-bench: venv
+bench: venv native
 	$(PY) -m bench.run

@@ -27,6 +27,8 @@ import time
 import numpy as np
 import xxhash
 
+from engine_hooks import native
+
 PAGE_BYTES = 64 * (512 + 64) * 2  # 73,728
 
 
@@ -152,14 +154,42 @@ def digest_path(tokens: int = 4096, layers: int = 8, heads: int = 8, dim: int = 
             h(b)
 
     alg = view.alg()
-    digest_ns = _best_ns(lambda: dg.transfer_digest(view, slots_t, 0, alg), rounds)
-    raw_ns = _best_ns(raw_same_bytes, rounds)
+    lib = native.library()
+    implementation = native.status()
+    digest_ns = _best_ns(lambda: dg.transfer_digest(view, slots_t, 0, alg), rounds)  # what the hooks run
+    raw_py_ns = _best_ns(raw_same_bytes, rounds)
+    raw_c_ns = None
+    if lib is not None:  # the same bytes without Python's per-call cost: the faster raw is the ceiling
+        bufs = [b.view(torch.uint8).numpy().reshape(pool_slots, -1) for b in pool.k_buffer + pool.v_buffer]
+        row = bufs[0].shape[1]
+        full = np.ascontiguousarray(page_starts[: tokens // page_size] * row, dtype=np.int64)
+        tail = tokens - len(full) * page_size  # a last partial page, if any
+
+        def raw_c_same_bytes():
+            for b in bufs:
+                lib.kvg_xxh3_blocks(b.ctypes.data, page_size * row, full.ctypes.data, len(full))
+                if tail:
+                    lib.kvg_xxh3(b.ctypes.data + int(page_starts[-1]) * row, tail * row)
+
+        raw_c_ns = _best_ns(raw_c_same_bytes, rounds)
+    raw_ns = min(raw_py_ns, raw_c_ns or raw_py_ns)
+    contiguous = np.ascontiguousarray(np.concatenate([np.frombuffer(b, np.uint8) for b in blocks]))
+    contiguous_ns = _best_ns(lambda: xxhash.xxh3_64_intdigest(contiguous), rounds)  # if it all lay in one buffer
+    del contiguous
+    with native.forced(False):
+        numpy_ns = _best_ns(lambda: dg.transfer_digest(view, slots_t, 0, alg), rounds)
     unit_bytes_ns = _best_ns(lambda: dg.transfer_digest(view, slots_t, 0, dg.UNIT_BYTES), rounds)
-    alternatives = gather_alternatives(view, slots, rounds)
+    with native.forced(False):
+        alternatives = gather_alternatives(view, slots, rounds)
     return {"tokens": tokens, "layers": layers, "kv_heads": heads, "head_dim": dim, "dtype": "bfloat16",
             "page_size": page_size, "bytes": nbytes, "block_bytes": page_size * heads * dim * 2, "alg": alg,
+            "implementation": implementation, "native": lib is not None,
             "digest_ms": digest_ns / 1e6, "raw_ms": raw_ns / 1e6,
             "gbps": nbytes / digest_ns, "raw_same_bytes_gbps": nbytes / raw_ns, "ratio": raw_ns / digest_ns,
+            "raw_same_bytes_python_gbps": nbytes / raw_py_ns,
+            "raw_same_bytes_native_gbps": None if raw_c_ns is None else nbytes / raw_c_ns,
+            "raw_contiguous_gbps": nbytes / contiguous_ns,
+            "numpy_path_gbps": nbytes / numpy_ns, "numpy_path_ratio": raw_ns / numpy_ns,
             "unit_bytes_ms": unit_bytes_ns / 1e6, "unit_bytes_ratio": raw_ns / unit_bytes_ns,
             "alternatives_ms": alternatives}
 

@@ -9,8 +9,10 @@ sum per-(layer, head) stream hashes, so a rank's partial over its kv heads adds 
   ``K(l, h)`` = head h's K bytes of every token in token order, seed ``(l << 16) | h``,
   and ``V(l, h)`` = its V bytes likewise, seed ``(1 << 32) | (l << 16) | h`` (a latent
   pool has one "head" and no V stream); digest = sum of every K(l, h) and V(l, h).
-  Each stream is one head's rows back to back, which a pool buffer yields with one
-  gather (``StreamingDigest._update_head_streams``): no interleaving copy.
+  Each stream is one head's rows back to back: the compiled routine
+  (engine_hooks/native, ``make native``) feeds them to xxh3 where they lie in the
+  pool; without it one numpy gather per buffer lines them up first
+  (``StreamingDigest._update_head_streams``). Same digests either way.
 * alg 1 ``unit_bytes`` (host pools until alg 3; still computed for recordings and
   comparisons): unit (l, h, t) = head h's K bytes then V bytes for token t in layer l;
   d(l, h) = xxh3-64, seed ``(l << 16) | h``, over the stream of that head's units in
@@ -42,6 +44,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import xxhash
+
+from engine_hooks import native
 
 log = logging.getLogger("kvguard.digest")
 
@@ -218,6 +222,16 @@ class PoolView:
         buf = self._host_bytes(which, i)
         return buf.reshape(-1, buf.shape[-1]) if buf.flags.c_contiguous else None
 
+    def head_stream_plan(self, head_start: int, use_native: bool) -> "HeadStreamPlan":
+        """alg 3's per-(layer, K/V) work list for this pool, built once per head offset
+        (the pool's buffers never move): see :class:`HeadStreamPlan`."""
+        cache = self.__dict__.setdefault("_plans", {})
+        key = (int(head_start), bool(use_native))
+        got = cache.get(key)
+        if got is None:
+            got = cache[key] = HeadStreamPlan.build(self, int(head_start), bool(use_native))
+        return got
+
     def head_rows_copied(self, which: str, i: int, slots: np.ndarray) -> np.ndarray:
         """alg 3 for a non-contiguous buffer: gather the slots' rows, then copy them
         head-major, ``[H, T, row_bytes]`` (two copies; SGLang's pools never need it)."""
@@ -227,6 +241,37 @@ class PoolView:
         else:
             rows = buf[slots // self.page_size, :, slots % self.page_size, :]
         return np.ascontiguousarray(rows.transpose(1, 0, 2))
+
+
+@dataclass
+class HeadStreamPlan:
+    """alg 3 for one pool and head offset. ``entries``: per (layer, K/V) the flat
+    ``[rows, row_bytes]`` view (None: not contiguous), row bytes, the heads' stream
+    seeds (None when the compiled routine takes that buffer), K/V and layer.
+    Contiguous buffers go to the compiled routine when it is used: their states are
+    ``native_seeds``, fed through ``buffers``."""
+
+    entries: list
+    native_seeds: np.ndarray
+    buffers: object  # native.Buffers or None
+    min_rows: int
+
+    @classmethod
+    def build(cls, view: PoolView, head_start: int, use_native: bool) -> "HeadStreamPlan":
+        entries, seeds, native_entries = [], [], []
+        for i in range(view.layers):
+            for w in ("k",) if view.v is None else ("k", "v"):
+                flat = view.flat_rows(w, i)
+                stream_seeds = [stream_seed(view.start_layer + i, head_start + h, w) for h in range(view.heads)]
+                if use_native and flat is not None:
+                    native_entries.append((len(seeds), flat))
+                    seeds += stream_seeds
+                    stream_seeds = None
+                entries.append((flat, view.row_bytes(w), stream_seeds, w, i))
+        flats = [e[0] for e in entries if e[0] is not None]
+        return cls(entries, np.array(seeds, np.uint64),
+                   native.Buffers(view.heads, native_entries) if native_entries else None,
+                   min(f.shape[0] for f in flats) if flats else 1 << 62)
 
 
 def pool_view(pool) -> PoolView:
@@ -329,14 +374,15 @@ class StreamingDigest:
         if alg == HEAD_STREAMS:
             if str(getattr(view.device, "type", view.device)) != "cpu":
                 raise Unsupported("alg head_streams hashes host (CPU) pools only")
-            parts = ("k",) if view.v is None else ("k", "v")
-            self.hashers = [{w: [xxhash.xxh3_64(seed=stream_seed(view.start_layer + i, self.head_start + h, w))
-                                 for h in range(view.heads)] for w in parts} for i in range(view.layers)]
-            # per (layer, K/V): the flat rows (None: not contiguous), row bytes, the heads' hashers
-            self._plan = [(view.flat_rows(w, i), view.row_bytes(w), hs, w, i)
-                          for i, per_part in enumerate(self.hashers) for w, hs in per_part.items()]
-            flats = [f for f, *_ in self._plan if f is not None]
-            self._min_rows = min((f.shape[0] for f in flats), default=0) if flats else 1 << 62
+            self._parts = ("k",) if view.v is None else ("k", "v")
+            lib = native.library()
+            plan = view.head_stream_plan(self.head_start, lib is not None)
+            self._plan, self._min_rows = [], plan.min_rows  # hashers None: the compiled routine's
+            for flat, rb, stream_seeds, w, i in plan.entries:
+                hashers = None if stream_seeds is None else [xxhash.xxh3_64(seed=x) for x in stream_seeds]
+                self._plan.append((flat, rb, hashers, w, i))
+            self._native = None if plan.buffers is None else native.NativeStreams(lib, plan.native_seeds)
+            self._native_buffers = plan.buffers
         else:
             self.hashers = [[xxhash.xxh3_64(seed=seed(view.start_layer + i, self.head_start + h))
                              for h in range(view.heads)] for i in range(view.layers)]
@@ -366,19 +412,25 @@ class StreamingDigest:
         thread but hands work to its intra-op threads, which under load cost several
         times more CPU; docs/performance.md "Digest"). ``mode="clip"`` because
         ``np.take`` buffers ``out`` in its default mode; the indices are bounds-checked
-        once per block here instead."""
+        once per block here instead. With the compiled routine (engine_hooks/native) the
+        same rows go to xxh3 where they lie, by the same index: no copy."""
         v, t = self.view, len(block)
         index = v.row_index(block)
         if t and (int(block.min()) < 0 or int(index.max()) >= self._min_rows):
             raise IndexError(f"KV slots outside the pool ({self._min_rows} rows)")
-        heads, scratch = v.heads, self._scratch
-        need = heads * t * max(rb for _, rb, *_ in self._plan)
-        if scratch is None or scratch.size < need:  # grows to one block at most, reused across chunks
-            scratch = self._scratch = np.empty(need, dtype=np.uint8)
+        heads = v.heads
+        if self._native_buffers is not None:
+            self._native_buffers.update(self._native, index, t)
         for flat, rb, hashers, which, i in self._plan:
+            if hashers is None:  # done above
+                continue
             if flat is None:
                 rows = v.head_rows_copied(which, i, block)
             else:
+                need = heads * t * max(r for _, r, *_ in self._plan)
+                scratch = self._scratch
+                if scratch is None or scratch.size < need:  # grows to one block at most, reused across chunks
+                    scratch = self._scratch = np.empty(need, dtype=np.uint8)
                 dst = scratch[: heads * t * rb].reshape(heads * t, rb)
                 np.take(flat, index, axis=0, out=dst, mode="clip")
                 rows = dst.reshape(heads, t, rb)
@@ -390,7 +442,7 @@ class StreamingDigest:
         widens each u32 word to int64 and keeps a few such arrays); whole pages."""
         v = self.view
         if self.alg == HEAD_STREAMS:  # one reused [H, tokens, row_bytes] buffer; small blocks stay in cache
-            per_token, budget = v.heads * max(v.row_bytes(w) for w in self.hashers[0]), HOST_BLOCK_BYTES
+            per_token, budget = v.heads * max(v.row_bytes(w) for w in self._parts), HOST_BLOCK_BYTES
         else:
             unit = sum(int(b[0].shape[-1]) * b[0].element_size() for b in (v.k, v.v) if b is not None)
             per_token, budget = v.heads * unit * (16 if self.alg == DEVICE_REDUCED else 2), BLOCK_BYTES
@@ -399,7 +451,11 @@ class StreamingDigest:
 
     def digest(self) -> int:
         if self.alg == HEAD_STREAMS:
-            return sum(h.intdigest() for per_part in self.hashers for hs in per_part.values() for h in hs) & MASK64
+            total = 0 if self._native is None else self._native.digest_sum()
+            for _flat, _rb, hashers, _w, _i in self._plan:
+                if hashers is not None:
+                    total += sum(h.intdigest() for h in hashers)
+            return total & MASK64
         return sum(h.intdigest() for row in self.hashers for h in row) & MASK64
 
 

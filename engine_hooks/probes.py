@@ -393,7 +393,9 @@ def _make_probes() -> Probes:
         log.error("kvguard: cannot create ring in %s (KVGUARD_RING_BYTES=%s): %s; probes disabled",
                   ring_dir(), raw_capacity, exc)
         return Probes(None)
-    log.info("kvguard ring %s (%d bytes)", writer.path, writer.capacity)
+    from engine_hooks import native  # here, not at plugin load: the engine's logging is set up by now
+
+    log.info("kvguard ring %s (%d bytes); transfer digests: %s", writer.path, writer.capacity, native.status())
     return Probes(writer)
 
 

@@ -151,6 +151,10 @@ def test_normal_transfers_digests_match_and_nothing_is_reported(pd):
         starts, ends = [a for a, _ in chunks[n]], [b for _, b in chunks[n]]
         assert len(chunks[n]) >= 2 and starts == [0] + ends[:-1] and ends[-1] == n, chunks
     assert watch.memory.findings == [], [f.to_dict() for f in watch.memory.findings]
+    # both engines hashed with the compiled routine (`make test` builds it), not the numpy path
+    for engine in (pair.prefill, pair.decode):
+        lines = [ln for ln in engine.log_path.read_text(errors="replace").splitlines() if "transfer digests:" in ln]
+        assert lines and all("libkvguard_digest" in ln and "in place" in ln for ln in lines), lines
 
 
 def test_flipped_received_page_digests_differ_for_that_room_only(pd):

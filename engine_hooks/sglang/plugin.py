@@ -248,6 +248,9 @@ def load() -> None:
         from .row_sampler import from_env
 
         rt.State.row_sampler = from_env()
+        from engine_hooks import native
+
+        native.library()  # logs which digest routine runs; a bad KVGUARD_DIGEST_NATIVE fails here
         from sglang.srt.plugins.hook_registry import HookRegistry
 
         ok, skipped = plan(version)
