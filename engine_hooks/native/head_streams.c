@@ -117,14 +117,16 @@ static inline void finish_in_place(XXH3_state_t *s, const uint8_t *pending, size
  * accumulators for every row; long tiles keep them in registers but read each head's
  * rows a whole token row apart, which the hardware prefetcher does not follow
  * (TILE 16: 0.55-0.7x of raw xxh3 on the same pages). TILE 2 with the rows AHEAD
- * tokens ahead prefetched: 1.1-1.3x of raw xxh3 over the same pages (which stalls at
- * every page it jumps to), 0.45-0.55x when everything is already in cache. */
+ * tokens ahead prefetched: 0.7-1.3x of raw xxh3 over the same pages (which stalls at
+ * every page it jumps to) depending on the machine's load, the best of the variants
+ * tried side by side; 0.45-0.55x when everything is already in cache, where the
+ * per-row switch between heads' states is what costs. */
 #define HEAD_GROUP 32 /* heads fed together, tile by tile */
 #ifndef TILE
 #define TILE 2 /* tokens per tile */
 #endif
 #ifndef AHEAD
-#define AHEAD 8 /* tokens ahead whose rows are prefetched */
+#define AHEAD 16 /* tokens ahead whose rows are prefetched */
 #endif
 
 static void update_in_place(XXH3_state_t *st, int64_t heads, const uint8_t *base, size_t row_bytes,
