@@ -97,18 +97,22 @@ class KVGuardCollector(Collector):
             pages = GaugeMetricFamily("kvguard_pages", "KV pages by ownership state", labels=["role", "pid", "state"])
             pool = GaugeMetricFamily("kvguard_kv_pool_tokens", "KV pool size in tokens", labels=["role", "pid"])
             ctx = GaugeMetricFamily("kvguard_context_length_tokens", "Engine context length", labels=["role", "pid"])
+            out_of_range = CounterMetricFamily("kvguard_page_ids_out_of_range",
+                                               "Page ids in records past the pool the engine announced (skipped)",
+                                               labels=["role", "pid"])
             for tracker in pipeline.engines.values():
                 h = tracker.hello
                 role = ROLE_NAMES.get(h.role, "unknown") if h else "unknown"
                 pid = str(h.pid) if h else "0"
                 reads.add_metric([role, pid], tracker.pages_read)
                 unverified.add_metric([role, pid], tracker.pages_unverified)
+                out_of_range.add_metric([role, pid], tracker.pool.pages_out_of_range)
                 for state, n in tracker.pool.counts_by_state().items():
                     pages.add_metric([role, pid, state], n)
                 if h:
                     pool.add_metric([role, pid], h.pool_tokens)
                     ctx.add_metric([role, pid], h.context_len)
-            yield from (reads, unverified, pages, pool, ctx)
+            yield from (reads, unverified, out_of_range, pages, pool, ctx)
             apply_errors = CounterMetricFamily("kvguard_apply_errors", "Records the sidecar failed to apply")
             apply_errors.add_metric([], pipeline.apply_errors)
             yield apply_errors

@@ -137,8 +137,10 @@ class Pipeline:
         if kind == wire.Kind.FORWARD:
             return self._on_forward(t, body, rec.ts_ns)
         if kind == wire.Kind.ALLOC:
-            t.on_alloc(body.pages)
-            self._record(ts, eid, Event.ALLOC, 0, body.pages, t.pool.gen[t.pool.ensure(body.pages.astype(np.int64))])
+            t.on_alloc(body.pages)  # counts page ids past the pool's limit (pages_out_of_range) and skips them
+            pages = body.pages.astype(np.int64)
+            pages = pages[(pages >= 0) & (pages < t.pool.limit)]
+            self._record(ts, eid, Event.ALLOC, 0, pages, t.pool.gen[pages])
         elif kind == wire.Kind.ASSIGN:
             t.on_assign(body)
             self._record(ts, eid, Event.ASSIGN, body.req_key, body.pages, aux=body.row_start)
@@ -479,11 +481,14 @@ class Pipeline:
         """An engine process exited (its ring was retired): close what only it could clear.
         TTFT suspects still waiting for later requests are judged now (no more will come)."""
         tracker = self.engines.get(engine_id)
-        found = self._emit(self.ttft_detector.on_engine_gone(engine_id, ts_ns)) if tracker is not None else []
-        tracker = self.engines.pop(engine_id, None)
-        if tracker is not None and self.tracer is not None:
+        if tracker is None:
+            return []
+        # judged while the engine is still here: the prefill-evidence gate reads its history
+        found = self._emit(self.ttft_detector.on_engine_gone(engine_id, ts_ns))
+        del self.engines[engine_id]
+        if self.tracer is not None:
             self.tracer.on_engine_gone(self.engine_ref(tracker), ts_ns)
-        if tracker is not None and tracker.hello is not None:
+        if tracker.hello is not None:
             self._resolved(self.incidents.on_engine_gone(tracker.hello.pid, ts_ns))
         return found
 

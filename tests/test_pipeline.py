@@ -241,3 +241,31 @@ def test_a_send_that_never_comes_is_decided_after_the_grace_period(tmp_path):
     (size,) = [f for f in sink.findings if f.kind == "transfer_size_mismatch"]
     assert size.evidence["sent_tokens"] == 0
     sidecar.stop()
+
+
+def test_page_ids_past_the_pool_are_counted_and_skipped_not_an_apply_error(tmp_path):
+    """An ALLOC naming a page far past the pool the engine announced (a resized pool,
+    an adapter bug): the valid pages are tracked and recorded, the bad id is counted
+    once, exported, and nothing raises."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from engine_hooks import wire
+    from sidecar.history import Event
+    from sidecar.metrics import KVGuardCollector
+
+    _, decode = engines(tmp_path)
+    decode.pages_allocated(np.concatenate([slots([2]), slots([5000])]))  # limit: 8 + 1 + 1024 pages
+    sidecar, findings = run(tmp_path)
+    p = sidecar.pipeline
+    (tracker,) = [t for t in p.engines.values() if t.hello.role == wire.Role.DECODE]
+    assert findings == [] and p.apply_errors == 0
+    assert tracker.pool.pages_out_of_range == 1
+    allocs = p.history.page_events(tracker.engine_id, 2)
+    assert [int(e["event"]) for e in allocs] == [int(Event.ALLOC)]
+    assert len(p.history.page_events(tracker.engine_id, 5000)) == 0
+    registry = CollectorRegistry()
+    registry.register(KVGuardCollector(sidecar))
+    text = generate_latest(registry).decode()
+    assert 'kvguard_page_ids_out_of_range_total{pid="' in text
+    assert any(line.startswith("kvguard_page_ids_out_of_range_total") and line.endswith(" 1.0")
+               for line in text.splitlines()), text
