@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from . import digest_bench, sidecar_bench
+from . import digest_bench, gpu_bench, sidecar_bench
 from .workload import WorkloadParams, capture
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -206,6 +206,31 @@ def scaling_part(sz: Sizes, res: dict, details: dict, log) -> None:
     details["scaling"] = points
 
 
+GPU_KEYS = ("gpu.step_ms", "gpu.tier1_step_ratio", "gpu.tier1_check_us", "gpu.digest_ms_per_transfer",
+            "gpu.digest_step_ratio_one_transfer_per_step")
+TARGET_GPU_STEP_RATIO = 1.01
+
+
+def gpu_part(sz: Sizes, res: dict, details: dict, log) -> None:
+    """Tier 1 and the device digest against a decode-like attention step (bench/gpu_bench.py).
+    Skipped, saying so, without CUDA: the figures are null and ``notes["gpu"]`` says why."""
+    ok, what = gpu_bench.available()
+    if not ok:
+        log(f"GPU section skipped: {what}")
+        for key in GPU_KEYS:
+            res[key] = None
+        res["notes"]["gpu"] = f"skipped: {what}"
+        return
+    shape = gpu_bench.TINY if sz.quick else gpu_bench.Shape()
+    log(f"GPU section on {what}: {shape}")
+    r = gpu_bench.run("cuda", shape)
+    details["gpu"] = r
+    res["gpu.device"] = r["device"]
+    for key in GPU_KEYS:
+        res[key] = r[key.split(".", 1)[1]]
+    res["gpu.tier1_violations"] = r["tier1_violations"]  # a clean batch: must be 0
+
+
 def engine_part(sz: Sizes, res: dict, details: dict, log) -> None:
     sg = os.path.join(REPO, ".venv", "sglang", SGLANG_VERSION)
     if not os.path.isdir(os.path.join(sg, "sglang")):
@@ -345,6 +370,15 @@ def table(res: dict) -> str:
          "<= 1% step (GPU)", "n/a on CPU"),
         ("  Tier-1 check alone (gather + compare), batch 256", _fmt(g("engine.part_tier1_check_us_b256"), " us"), "",
          ""),
+        ("GPU: decode step with / without Tier 1 (attention, batch 256 x 32k, 80 layers)",
+         _fmt(g("gpu.tier1_step_ratio")) if g("gpu.tier1_step_ratio") is not None
+         else "null (" + str(res["notes"].get("gpu", "not measured")) + ")",
+         "<= 1.01", _status(g("gpu.tier1_step_ratio"), TARGET_GPU_STEP_RATIO, False)),
+        ("  GPU step / Tier-1 check alone", f"{_fmt(g('gpu.step_ms'), ' ms')} / {_fmt(g('gpu.tier1_check_us'), ' us')}",
+         "", ""),
+        ("  GPU device digest per transfer (32k tokens, 80 layers); step ratio at 1 per step",
+         f"{_fmt(g('gpu.digest_ms_per_transfer'), ' ms')}; {_fmt(g('gpu.digest_step_ratio_one_transfer_per_step'))}",
+         "", ""),
         ("digest path GB/s (host, 8 heads x 128, bf16; " + ("compiled" if g("digest.native") else "numpy") + ")",
          _fmt(g("digest.gbps")), ">= 80% of raw", _status(g("ratio.digest_over_raw_xxh3"), TARGET_DIGEST_RATIO, True)),
         ("  raw xxh3 GB/s on the same bytes (pages as they lie)", _fmt(g("digest.raw_same_bytes_gbps")), "", ""),
@@ -384,7 +418,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny sizes (seconds): checks the code, not the figures")
     ap.add_argument("--steps", type=int, default=None, help="decode steps per throughput measurement")
     ap.add_argument("--out", default=os.path.join(REPO, "bench-results.json"))
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: digest,sidecar,latency,engine,scaling")
+    ap.add_argument("--skip", default="",
+                    help="comma list of parts to skip: digest,sidecar,latency,engine,scaling,gpu")
     args = ap.parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}
     sz = Sizes(args.quick, args.steps)
@@ -403,7 +438,7 @@ def main(argv=None) -> int:
     res["notes"]["engine.probe_us_per_step_b256_tier1"] = "not measured: the engine part was skipped"
     details: dict = {}
     parts = (("digest", digest_part), ("sidecar", sidecar_part), ("latency", latency_part), ("engine", engine_part),
-             ("scaling", scaling_part))
+             ("scaling", scaling_part), ("gpu", gpu_part))
     for name, fn in parts:
         if name in skip:
             continue

@@ -123,3 +123,36 @@ def test_engine_bench_runs_the_adapter_hooks_on_real_sglang_objects(tmp_path, re
         t = res["batches_tier1"][b]
         assert t["tier1_checks"] == t["steps"] and t["tier1_violations"] == 0 and t["tier1_errors"] == 0
         assert t["probe_errors"] == 0 and t["disabled_hooks"] == []
+
+
+def test_gpu_section_code_runs_on_cpu_at_tiny_sizes():
+    """The GPU section's code, on the CPU at tiny sizes (its figures are not GPU costs
+    and are never reported: without CUDA `make bench` skips the section, next test)."""
+    from bench import gpu_bench
+
+    r = gpu_bench.run("cpu", gpu_bench.TINY)
+    assert r["device"] == "cpu"
+    assert r["tier1_checks"] >= gpu_bench.TINY.steps and r["tier1_violations"] == 0 and r["tier1_errors"] == 0
+    assert r["step_ms"] > 0 and r["tier1_step_ratio"] > 0 and r["digest_ms_per_transfer"] > 0
+
+
+def test_gpu_section_without_cuda_is_null_with_the_reason(monkeypatch):
+    from bench import gpu_bench
+
+    monkeypatch.setattr(gpu_bench, "available", lambda: (False, "no CUDA device (test)"))
+    res: dict = {"notes": {}}
+    run.gpu_part(run.Sizes(True, None), res, {}, lambda msg: None)
+    assert all(res[k] is None for k in run.GPU_KEYS)
+    assert res["notes"]["gpu"] == "skipped: no CUDA device (test)"
+    assert "skipped: no CUDA device (test)" in run.table(res)
+
+
+@pytest.mark.gpu
+def test_gpu_section_on_cuda():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from bench import gpu_bench
+
+    r = gpu_bench.run("cuda", gpu_bench.TINY)
+    assert r["tier1_violations"] == 0 and r["tier1_errors"] == 0 and r["tier1_checks"] >= gpu_bench.TINY.steps
