@@ -89,13 +89,16 @@ def rings_row(d: Dashboard) -> Dashboard:
         .with_panel(graph(
             "Ring errors, corruption and apply errors",
             "Per rate interval: ring files refused (KVGuardRingErrors), undecodable records by reason and "
-            "corrupt bytes (KVGuardRingCorruption), records the model failed to apply (KVGuardApplyErrors). "
+            "corrupt bytes (KVGuardRingCorruption), records the model failed to apply (KVGuardApplyErrors), "
+            "page ids past an engine's announced pool, skipped and unchecked (KVGuardPageIdsOutOfRange). "
             "All should stay 0.",
             q(f"sum(increase(kvguard_ring_errors_total{{{INSTANCE}}}[$__rate_interval]))", "ring files refused"),
             q(f"sum by (reason) (increase(kvguard_records_invalid_total{{{INSTANCE}}}[$__rate_interval]))",
               "invalid records: {{reason}}"),
             q(f"sum(increase(kvguard_ring_corrupt_bytes_total{{{INSTANCE}}}[$__rate_interval]))", "corrupt bytes"),
             q(f"sum(increase(kvguard_apply_errors_total{{{INSTANCE}}}[$__rate_interval]))", "apply errors"),
+            q(f"sum by (role, pid) (increase(kvguard_page_ids_out_of_range_total{{{INSTANCE}}}[$__rate_interval]))",
+              "page ids out of range: {{role}} pid {{pid}}"),
             bars=True, span=16))
         .with_panel(graph(
             "Rings attached", "Engine rings each sidecar watches (one per engine process).",
