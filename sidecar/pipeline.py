@@ -20,6 +20,7 @@ from .detectors.config import PoolContextDetector
 from .detectors.isolation import TenantIsolationDetector
 from .detectors.lifetime import DoubleFreeDetector, WriteDetector
 from .detectors.reads import ReadDetector
+from .provisional import ProvisionalWrite
 from .detectors.transfers import ChecksumDetector, OrphanDetector, TransferSizeDetector, ledger_degraded_finding
 from .detectors.tier1 import tier1_findings
 from .detectors.ttft import TTFTDetector
@@ -251,9 +252,12 @@ class Pipeline:
             # the sender's last chunk is not applied yet (its record may trail the receiver's):
             # take the pages as written for now, remember what they held, decide on the chunk
             if row is not None:
-                pages = row.pages[: pairing.reserved_pages]
-                pages = pages[pages > 0]
-                pairing.state.provisional = (pages, t.pool.gen[pages].copy(), t.pool.written_gen[pages].copy())
+                row_pages = row.pages[: pairing.reserved_pages]
+                idx = np.flatnonzero(row_pages > 0)
+                pages = row_pages[idx].astype(np.int64)
+                pairing.state.provisional = ProvisionalWrite(
+                    pages, t.pool.gen[pages].copy(), t.pool.written_gen[pages].copy(), idx,
+                    t.pool.last_writer[pages].copy(), t.requests.get(pairing.receiver_key))
                 t.pool.written_gen[pages] = t.pool.gen[pages]
             return []
         return self._apply_pairing(t, pairing, ts_ns)
@@ -263,10 +267,16 @@ class Pipeline:
         saved = getattr(pairing.state, "provisional", None)
         found: list[Finding] = []
         if saved is not None:
-            pages, gens, written_gen = saved
-            unchanged = t.pool.gen[pages] == gens  # not reallocated meanwhile
+            pages = saved.pages
+            unchanged = t.pool.gen[pages] == saved.gens  # not reallocated meanwhile
             t.pool.changed(pages[unchanged])  # written_gen goes back: logged for the tracker's incremental judge
-            t.pool.written_gen[pages[unchanged]] = written_gen[unchanged]  # undo the provisional mark
+            t.pool.written_gen[pages[unchanged]] = saved.written_gen[unchanged]  # undo the provisional mark
+            if row is None and pairing.sent_tokens < pairing.reserved_tokens:
+                # the reader ended (and freed its pages) before the sender's facts came: judge
+                # the read it made meanwhile from what its pages held then
+                verdict = saved.late_read_verdict(pairing.written_row_pages)
+                if verdict is not None:
+                    found += self.read_detector.observe(t, self.engine_ref(t), verdict, ts_ns)
         if row is not None:
             idx = pairing.written_row_pages[pairing.written_row_pages < len(row.pages)]
             t.mark_written(pairing.receiver_key, row.pages[idx], ts_ns)

@@ -503,6 +503,7 @@ class ReadVerdict:
     freed: np.ndarray  # free in the allocator while read
     unverified: int  # pages whose state is unknown (blind window)
     shared: np.ndarray = None  # legitimately shared prefix-cache pages read (for tenant isolation checks)
+    unwritten_writers: np.ndarray = None  # a read judged late: the unwritten pages' last writers when read
 
 
 # A live request that holds no KV and has not ended after this long was refused or

@@ -269,3 +269,23 @@ def test_page_ids_past_the_pool_are_counted_and_skipped_not_an_apply_error(tmp_p
     assert 'kvguard_page_ids_out_of_range_total{pid="' in text
     assert any(line.startswith("kvguard_page_ids_out_of_range_total") and line.endswith(" 1.0")
                for line in text.splitlines()), text
+
+
+def test_a_trailing_short_send_after_the_reader_ended_is_still_caught(tmp_path):
+    """Under load the sender's facts can arrive after decode's request already finished
+    and freed its pages (seen on a real two-pod pair with the Redis ledger, whose
+    pairing waits on the prefill pod's publish): the read decode made while waiting is
+    still judged, from what was saved when its pages were taken as written."""
+    prefill, decode = engines(tmp_path)
+    last = pd_request(prefill, decode, "r-acme", "acme", 11, [1, 2], 8, 8)
+    finish(decode, "r-acme", [1, 2, last])
+    _reserve_and_complete(prefill, decode, "r-x", 12, 8, [1, 2])
+    decode.request_end("r-x", "length", 1, 1, 1, "")
+    decode.pages_freed(slots([1, 2]))
+    prefill.transfer_sent("r-x", 12, 0, 1, [50], True)  # 1 token, after decode read and ended
+    sidecar, findings = run(tmp_path)
+    assert sorted(f.kind for f in findings) == ["transfer_size_mismatch", "unwritten_read"]
+    (read,) = [f for f in findings if f.kind == "unwritten_read"]
+    assert read.pages == [2] and [(e.rid, e.tenant) for e in read.exposed] == [("r-acme", "acme")]
+    assert read.reader.rid == "r-x"
+    sidecar.stop()

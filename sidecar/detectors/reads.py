@@ -24,9 +24,13 @@ def reader_party(info: RequestInfo) -> Party:
     return Party(info.rid, info.tenant, info.room)
 
 
-def exposed_parties(tracker: EngineTracker, pages: np.ndarray, reader_key: int, by: str = "last_writer") -> list[Party]:
-    """Group pages by the request whose data (or ownership) they carry, other than the reader."""
-    column = getattr(tracker.pool, by)[pages]
+def exposed_parties(tracker: EngineTracker, pages: np.ndarray, reader_key: int, by: str = "last_writer",
+                    column: np.ndarray | None = None) -> list[Party]:
+    """Group pages by the request whose data (or ownership) they carry, other than the reader.
+    ``column``: those request keys per page as they were when the read happened, when the
+    pool may have moved on since (a read judged late); else the pool's ``by`` column now."""
+    if column is None:
+        column = getattr(tracker.pool, by)[pages]
     parties = []
     for key in np.unique(column):
         key = int(key)
@@ -50,13 +54,15 @@ class ReadDetector:
                                 ("foreign_read", verdict.foreign, "owner"),
                                 ("use_after_free", verdict.freed, "last_writer")):
             if len(pages):
-                out.append(self._finding(tracker, engine, verdict.reader, kind, pages, by, ts_ns))
+                column = verdict.unwritten_writers if kind == "unwritten_read" else None
+                out.append(self._finding(tracker, engine, verdict.reader, kind, pages, by, ts_ns, column))
         return out
 
     def _finding(self, tracker: EngineTracker, engine: EngineRef, reader: RequestInfo, kind: str,
-                 pages: np.ndarray, by: str, ts_ns: int) -> Finding:
-        pages = np.unique(pages)
-        exposed = exposed_parties(tracker, pages, reader.key, by)
+                 pages: np.ndarray, by: str, ts_ns: int, column: np.ndarray | None = None) -> Finding:
+        pages, first = np.unique(pages, return_index=True)
+        column = None if column is None else np.asarray(column)[first]
+        exposed = exposed_parties(tracker, pages, reader.key, by, column)
         if by == "owner":  # also name whoever's data sits there, if not the owner
             named = {p.rid for p in exposed}
             exposed += [p for p in exposed_parties(tracker, pages, reader.key) if p.rid not in named]
