@@ -222,7 +222,12 @@ static void update_gathered(XXH3_state_t *st, int64_t heads, const uint8_t *base
                 XXH3_64bits_update(&st[h], buf, used);
                 used = 0;
             }
-            memcpy(buf + used, row, row_bytes);
+            switch (row_bytes) { /* fixed sizes inline; a libc call per small row costs more than the copy */
+            case 16: memcpy(buf + used, row, 16); break;
+            case 32: memcpy(buf + used, row, 32); break;
+            case 48: memcpy(buf + used, row, 48); break;
+            default: memcpy(buf + used, row, row_bytes);
+            }
             used += row_bytes;
         }
         if (used)
