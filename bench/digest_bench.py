@@ -7,10 +7,13 @@
   pools) of one transfer out of an NHD MHA pool (8 kv heads x 128 dims, bf16, page 16
   tokens: 64 KiB of K+V per page and layer), pages scattered in the pool, against raw
   xxh3 over exactly those bytes as they sit in the pool (each page's K block and V
-  block of each layer, contiguous). The digest must gather each head's rows first (the
-  definition is per head in token order), so it pays one copy of the bytes on top of
-  the hashing. The same transfer under alg 1 (``unit_bytes``, K and V interleaved per
-  token: gather, then an interleaving copy) is timed alongside for comparison.
+  block of each layer, contiguous; the faster of the xxhash package and the compiled
+  library's own loop), digest and raw timed in interleaved rounds. The digest is what
+  the hooks run: the compiled routine (engine_hooks/native) when it loads, which
+  hashes each head's rows where they lie; the numpy path (one gather copy of the
+  bytes, then the hash) is timed alongside, as are the same bytes as one contiguous
+  buffer and alg 1 (``unit_bytes``, K and V interleaved per token: gather, then an
+  interleaving copy).
 * ``tiny_transfer_us``: microseconds per transfer on the tests' tiny GPT-2 (2 layers,
   4 kv heads x 16 dims, bf16) for a given prompt length, sender (in 64-token chunks)
   and receiver (one shot); mostly fixed per-(layer, head) costs at this size.
