@@ -201,17 +201,23 @@ def _reserve_and_complete(prefill, decode, rid, room, tokens, pages):
     decode.forward([rid], [tokens + 1], [[]], None)
 
 
-def test_a_sender_record_trailing_the_receivers_success_is_no_false_alarm(tmp_path):
-    """Mooncake's transfer thread can finish (and decode poll success, and read, and even
-    free the pages) before the prefill adapter emits XFER_SEND for the chunk."""
+def _sender_after_the_reader_ended(tmp_path, sent_tokens: int):
+    """r-x (8 tokens on decode pages 1-2, which acme wrote before) completes, reads, ends
+    and frees its pages; only then does prefill's record of what it sent arrive."""
     prefill, decode = engines(tmp_path)
     last = pd_request(prefill, decode, "r-acme", "acme", 11, [1, 2], 8, 8)
     finish(decode, "r-acme", [1, 2, last])
     _reserve_and_complete(prefill, decode, "r-x", 12, 8, [1, 2])
     decode.request_end("r-x", "length", 1, 1, 1, "")
     decode.pages_freed(slots([1, 2]))
-    prefill.transfer_sent("r-x", 12, 0, 8, [50, 51], True)
-    sidecar, findings = run(tmp_path)
+    prefill.transfer_sent("r-x", 12, 0, sent_tokens, [50, 51][: -(-sent_tokens // 4)], True)
+    return run(tmp_path)
+
+
+def test_a_sender_record_trailing_the_receivers_success_is_no_false_alarm(tmp_path):
+    """Mooncake's transfer thread can finish (and decode poll success, and read, and even
+    free the pages) before the prefill adapter emits XFER_SEND for the chunk."""
+    sidecar, findings = _sender_after_the_reader_ended(tmp_path, 8)
     assert findings == [] and sidecar.pipeline.ledger.pending == {}
     sidecar.stop()
 
@@ -276,14 +282,7 @@ def test_a_trailing_short_send_after_the_reader_ended_is_still_caught(tmp_path):
     and freed its pages (seen on a real two-pod pair with the Redis ledger, whose
     pairing waits on the prefill pod's publish): the read decode made while waiting is
     still judged, from what was saved when its pages were taken as written."""
-    prefill, decode = engines(tmp_path)
-    last = pd_request(prefill, decode, "r-acme", "acme", 11, [1, 2], 8, 8)
-    finish(decode, "r-acme", [1, 2, last])
-    _reserve_and_complete(prefill, decode, "r-x", 12, 8, [1, 2])
-    decode.request_end("r-x", "length", 1, 1, 1, "")
-    decode.pages_freed(slots([1, 2]))
-    prefill.transfer_sent("r-x", 12, 0, 1, [50], True)  # 1 token, after decode read and ended
-    sidecar, findings = run(tmp_path)
+    sidecar, findings = _sender_after_the_reader_ended(tmp_path, 1)  # 1 token of 8
     assert sorted(f.kind for f in findings) == ["transfer_size_mismatch", "unwritten_read"]
     (read,) = [f for f in findings if f.kind == "unwritten_read"]
     assert read.pages == [2] and [(e.rid, e.tenant) for e in read.exposed] == [("r-acme", "acme")]
