@@ -277,7 +277,7 @@ def digest_part(sz: Sizes, res: dict, details: dict, log) -> None:
     log("raw xxh3 over page-sized buffers")
     raw = digest_bench.raw_xxh3(rounds=2 if sz.quick else 8)
     details["digest"] = raw
-    res["digest.raw_xxh3_gbps"] = raw["gbps"]
+    res["digest.raw_xxh3_page_buffers_gbps"] = raw["gbps"]  # separate 73,728-byte buffers: the hash alone
     res["digest.page_bytes"] = raw["page_bytes"]
     log("transfer digest (host, alg 3 head streams) vs raw xxh3 on the same bytes")
     path = (digest_bench.digest_path(tokens=512, layers=2, rounds=2) if sz.quick
@@ -285,6 +285,9 @@ def digest_part(sz: Sizes, res: dict, details: dict, log) -> None:
     details["digest_path"] = path
     res["digest.gbps"] = path["gbps"]
     res["digest.raw_same_bytes_gbps"] = path["raw_same_bytes_gbps"]
+    # the key: raw xxh3 on the same bytes as digest.gbps, so that
+    # digest.gbps / digest.raw_xxh3_gbps is the target's ratio for any tool reading the file
+    res["digest.raw_xxh3_gbps"] = path["raw_same_bytes_gbps"]
     res["ratio.digest_over_raw_xxh3"] = path["ratio"]
     res["digest.native"] = path["native"]
     res["digest.numpy_path_gbps"] = path["numpy_path_gbps"]
@@ -385,7 +388,8 @@ def table(res: dict) -> str:
         ("  numpy path GB/s (no compiled routine), ratio", _fmt(g("digest.numpy_path_gbps")),
          _fmt(g("ratio.digest_numpy_path_over_raw_xxh3")), ""),
         ("  raw xxh3 GB/s, the same bytes as one buffer", _fmt(g("digest.raw_contiguous_gbps")), "", ""),
-        ("raw xxh3 GB/s (73,728-byte pages)", _fmt(g("digest.raw_xxh3_gbps")), "", ""),
+        ("raw xxh3 GB/s, separate 73,728-byte buffers (the hash alone)", _fmt(g("digest.raw_xxh3_page_buffers_gbps")),
+         "", ""),
         ("digest us per transfer, tiny model, 600 / 4096 tokens (receiver)",
          f"{_fmt(g('digest.tiny_receiver_us_600'))} / {_fmt(g('digest.tiny_receiver_us_4096'))} us", "", ""),
         ("ring bytes/s per rank: adapter stream", _fmt(g("workload.adapter.ring_bytes_per_s"), "B"),

@@ -89,12 +89,15 @@ def test_quick_run_writes_results_and_nulls_what_is_not_implemented(tmp_path, ca
     res = json.loads(out.read_text())
     for key in ("sidecar.page_reads_per_s", "raw.gather_page_reads_per_s", "sidecar.bytes_per_page",
                 "sidecar.bytes_per_page_with_rows",
-                "digest.raw_xxh3_gbps", "sidecar.records_per_s", "ratio.sidecar_over_raw"):
+                "digest.raw_xxh3_gbps", "digest.raw_xxh3_page_buffers_gbps", "sidecar.records_per_s",
+                "ratio.sidecar_over_raw"):
         assert isinstance(res[key], (int, float)) and res[key] > 0, key
     assert res["engine.probe_us_per_step_b256_tier1"] is None
     assert "engine part was skipped" in res["notes"]["engine.probe_us_per_step_b256_tier1"]
     assert res["digest.gbps"] > 0 and 0 < res["ratio.digest_over_raw_xxh3"] == pytest.approx(
         res["digest.gbps"] / res["digest.raw_same_bytes_gbps"])
+    # the two keys give the same ratio: raw xxh3 is measured on the digest's bytes
+    assert res["digest.raw_xxh3_gbps"] == res["digest.raw_same_bytes_gbps"]
     assert res["sidecar.findings_on_clean_stream"] == 0
     assert {p["axis"] for p in res["details"]["scaling"]} == {"batch", "context_tokens", "page_size", "ranks"}
     table = capsys.readouterr().out
