@@ -136,8 +136,11 @@ def sidecar_part(sz: Sizes, res: dict, details: dict, log) -> None:
     res["ratio.sidecar_over_node_demand"] = a["page_reads_per_s"] / node_demand
     res["ratio.compact_over_adapter_stream"] = tp["compact"]["page_reads_per_s"] / a["page_reads_per_s"]
     mem = a["memory"]
-    res["sidecar.bytes_per_page"] = mem["bytes_per_page"]
-    res["sidecar.bytes_per_page_with_rows"] = mem["bytes_per_page_with_rows"]  # what the target judges
+    # the issue's key holds all the sidecar's state per pool page (live rows included), what
+    # the target judges; the PagePool alone is sidecar.pool_bytes_per_page
+    res["sidecar.bytes_per_page"] = mem["bytes_per_page_with_rows"]
+    res["sidecar.bytes_per_page_with_rows"] = mem["bytes_per_page_with_rows"]
+    res["sidecar.pool_bytes_per_page"] = mem["bytes_per_page"]
     res["sidecar.row_bytes_per_pool_page"] = mem["row_bytes_per_pool_page"]
     res["sidecar.row_entries_per_pool_page"] = mem["row_entries_per_pool_page"]
     res["sidecar.history_bytes"] = mem["history_bytes"]
@@ -353,7 +356,7 @@ def table(res: dict) -> str:
          f"({g('sidecar.finding_latency_reference_rank_dropped_records')} records dropped)", "", ""),
         ("tracker bytes per pool page, with the live rows", _fmt(g("sidecar.bytes_per_page_with_rows")), "<= 64",
          _status(g("sidecar.bytes_per_page_with_rows"), TARGET_BYTES_PER_PAGE, False)),
-        ("  PagePool alone (page arrays + request-key table)", _fmt(g("sidecar.bytes_per_page")), "", ""),
+        ("  PagePool alone (page arrays + request-key table)", _fmt(g("sidecar.pool_bytes_per_page")), "", ""),
         ("  live rows' entry arrays (row entries per pool page)",
          f"{_fmt(g('sidecar.row_bytes_per_pool_page'))} ({_fmt(g('sidecar.row_entries_per_pool_page'))})", "", ""),
         ("  history (bounded, fixed size)", _fmt((g("sidecar.history_bytes") or 0) / 2**20, " MiB"), "bounded", ""),

@@ -88,7 +88,7 @@ def test_quick_run_writes_results_and_nulls_what_is_not_implemented(tmp_path, ca
     assert run.main(["--quick", "--skip", "latency,engine", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     for key in ("sidecar.page_reads_per_s", "raw.gather_page_reads_per_s", "sidecar.bytes_per_page",
-                "sidecar.bytes_per_page_with_rows",
+                "sidecar.bytes_per_page_with_rows", "sidecar.pool_bytes_per_page",
                 "digest.raw_xxh3_gbps", "digest.raw_xxh3_page_buffers_gbps", "sidecar.records_per_s",
                 "ratio.sidecar_over_raw"):
         assert isinstance(res[key], (int, float)) and res[key] > 0, key
@@ -96,6 +96,8 @@ def test_quick_run_writes_results_and_nulls_what_is_not_implemented(tmp_path, ca
     assert "engine part was skipped" in res["notes"]["engine.probe_us_per_step_b256_tier1"]
     assert res["digest.gbps"] > 0 and 0 < res["ratio.digest_over_raw_xxh3"] == pytest.approx(
         res["digest.gbps"] / res["digest.raw_same_bytes_gbps"])
+    # the memory key holds everything per pool page, live rows included
+    assert res["sidecar.bytes_per_page"] == res["sidecar.bytes_per_page_with_rows"] > res["sidecar.pool_bytes_per_page"]
     # the two keys give the same ratio: raw xxh3 is measured on the digest's bytes
     assert res["digest.raw_xxh3_gbps"] == res["digest.raw_same_bytes_gbps"]
     assert res["sidecar.findings_on_clean_stream"] == 0
