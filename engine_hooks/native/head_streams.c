@@ -9,16 +9,19 @@
  * are fed straight from the pool, so the copy is gone:
  *
  *  - rows whose length is a multiple of xxh3's 64-byte stripe are consumed in place
- *    with xxh3's own stripe routine (XXH3_consumeStripes, from xxhash.h with
- *    XXH_INLINE_ALL); only the last row of each call is copied into the state's
- *    buffer, because xxh3 treats the stream's last bytes specially at digest time;
- *  - other row lengths go through the public XXH3_64bits_update, row by row.
+ *    with xxh3's own accumulate and scramble steps (from xxhash.h with
+ *    XXH_INLINE_ALL), heads in tiles of tokens with the rows ahead prefetched (see
+ *    TILE below); only the last row of each call is copied into the state's buffer,
+ *    because xxh3 treats the stream's last bytes specially at digest time;
+ *  - other row lengths are gathered a few KiB at a time into a stack buffer, which
+ *    goes to the public XXH3_64bits_update.
  *
  * The stream hash does not depend on how its bytes were cut, so the states equal
  * the ones the public API would hold (engine_hooks/native/__init__.py checks that
  * against the Python xxhash package at load and refuses this library if not). The
- * in-place path needs the state layout and stripe routine of xxhash 0.8.1-0.8.x as
- * compiled here; with another xxhash.h the public-update path is compiled instead.
+ * in-place path relies on the state layout and stripe routine of xxhash 0.8.1 (the
+ * version Debian 12 ships); with another xxhash.h the gathered path is compiled for
+ * every row length instead.
  *
  * Nothing here allocates, locks or keeps global state: the caller owns the states
  * (64-byte aligned XXH3_state_t, kvg_state_size() bytes each) and the pool memory.
