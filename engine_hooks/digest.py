@@ -374,7 +374,6 @@ class StreamingDigest:
         if alg == HEAD_STREAMS:
             if str(getattr(view.device, "type", view.device)) != "cpu":
                 raise Unsupported("alg head_streams hashes host (CPU) pools only")
-            self._parts = ("k",) if view.v is None else ("k", "v")
             lib = native.library()
             plan = view.head_stream_plan(self.head_start, lib is not None)
             self._plan, self._min_rows = [], plan.min_rows  # hashers None: the compiled routine's
@@ -383,6 +382,7 @@ class StreamingDigest:
                 self._plan.append((flat, rb, hashers, w, i))
             self._native = None if plan.buffers is None else native.NativeStreams(lib, plan.native_seeds)
             self._native_buffers = plan.buffers
+            self._max_row_bytes = max(rb for _f, rb, *_ in plan.entries)
         else:
             self.hashers = [[xxhash.xxh3_64(seed=seed(view.start_layer + i, self.head_start + h))
                              for h in range(view.heads)] for i in range(view.layers)]
@@ -427,7 +427,7 @@ class StreamingDigest:
             if flat is None:
                 rows = v.head_rows_copied(which, i, block)
             else:
-                need = heads * t * max(r for _, r, *_ in self._plan)
+                need = heads * t * self._max_row_bytes
                 scratch = self._scratch
                 if scratch is None or scratch.size < need:  # grows to one block at most, reused across chunks
                     scratch = self._scratch = np.empty(need, dtype=np.uint8)
@@ -442,7 +442,7 @@ class StreamingDigest:
         widens each u32 word to int64 and keeps a few such arrays); whole pages."""
         v = self.view
         if self.alg == HEAD_STREAMS:  # one reused [H, tokens, row_bytes] buffer; small blocks stay in cache
-            per_token, budget = v.heads * max(v.row_bytes(w) for w in self._parts), HOST_BLOCK_BYTES
+            per_token, budget = v.heads * self._max_row_bytes, HOST_BLOCK_BYTES
         else:
             unit = sum(int(b[0].shape[-1]) * b[0].element_size() for b in (v.k, v.v) if b is not None)
             per_token, budget = v.heads * unit * (16 if self.alg == DEVICE_REDUCED else 2), BLOCK_BYTES

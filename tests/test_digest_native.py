@@ -127,10 +127,10 @@ def test_native_refuses_rows_outside_the_buffer(path):
     flat = np.zeros((10, 64), np.uint8)
     before = streams.digest_sum()
     with pytest.raises(IndexError, match="outside"):
-        streams.update(0, 2, flat, np.array([0, 1, 2, 10], np.int64), 2)
+        native.Buffers(2, [(0, flat)]).update(streams, np.array([0, 1, 2, 10], np.int64), 2)
     assert streams.digest_sum() == before  # nothing consumed
     with pytest.raises(IndexError):
-        streams.update(1, 2, flat, np.array([0, 1, 2, 3], np.int64), 2)  # states 1..3 of 2
+        native.Buffers(2, [(1, flat)]).update(streams, np.array([0, 1, 2, 3], np.int64), 2)  # states 1..3 of 2
 
 
 def test_a_library_that_hashes_differently_is_refused(monkeypatch, caplog):

@@ -31,7 +31,7 @@ log = logging.getLogger("kvguard.digest")
 HERE = Path(__file__).resolve().parent
 LIB_BASE = "libkvguard_digest.so"
 LIB_AVX2 = "libkvguard_digest_avx2.so"
-ABI = 2
+ABI = 3
 ENV = "KVGUARD_DIGEST_NATIVE"
 STATE_ALIGN = 64  # XXH3_state_t is declared 64-byte aligned
 
@@ -64,9 +64,6 @@ def _bind(path: Path):
     lib.kvg_xxh3.restype = ctypes.c_uint64
     lib.kvg_xxh3_blocks.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
     lib.kvg_xxh3_blocks.restype = ctypes.c_uint64
-    lib.kvg_update_head_rows.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
-    lib.kvg_update_head_rows.restype = ctypes.c_int
     lib.kvg_update_buffers.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                        ctypes.c_int64)
@@ -91,8 +88,8 @@ def _self_test(lib) -> None:
         states = NativeStreams(lib, seeds)
         a = 0
         for b in (*cuts, n_rows):
-            if b > a:
-                states.update(0, heads, flat, np.ascontiguousarray(order[:, a:b]).reshape(-1), b - a)
+            if b > a:  # the entry point the hooks use
+                Buffers(heads, [(0, flat)]).update(states, order[:, a:b].reshape(-1), b - a)
                 a = b
         want = sum(xxhash.xxh3_64_intdigest(flat[order[h]].tobytes(), seed=seeds[h]) for h in range(heads))
         got = states.digest_sum()
@@ -182,21 +179,6 @@ class NativeStreams:
         seeds_a = np.ascontiguousarray(seeds, dtype=np.uint64)
         if lib.kvg_reset(self.block_address, seeds_a.ctypes.data, self.n):
             raise OSError("XXH3 reset failed")
-
-    def update(self, first: int, heads: int, flat: np.ndarray, index: np.ndarray, n: int) -> None:
-        """States ``first .. first+heads`` take the rows ``index`` ([heads, n] head-major)
-        of ``flat`` ([rows, row_bytes], C-contiguous uint8), in place."""
-        if not (0 <= first and first + heads <= self.n):
-            raise IndexError(f"states {first}..{first + heads} of {self.n}")
-        if flat.dtype != np.uint8 or flat.ndim != 2 or not flat.flags.c_contiguous:
-            raise ValueError("flat must be a C-contiguous [rows, row_bytes] uint8 array")
-        index = np.ascontiguousarray(index, dtype=np.int64)
-        if index.size != heads * n:
-            raise ValueError(f"index holds {index.size} rows, want {heads} x {n}")
-        rc = self.lib.kvg_update_head_rows(self._block.ctypes.data + first * self._size, heads, flat.ctypes.data,
-                                           flat.shape[0], flat.shape[1], index.ctypes.data, n)
-        if rc:
-            raise IndexError(f"KV rows outside the buffer ({flat.shape[0]} rows)")
 
     def digest_sum(self) -> int:
         return int(self.lib.kvg_digest_sum(self._block.ctypes.data, self.n))

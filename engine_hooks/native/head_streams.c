@@ -31,7 +31,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define KVG_ABI 2
+#define KVG_ABI 3
 #define STRIPE 64
 #define BUFFER 256 /* XXH3_INTERNALBUFFER_SIZE */
 
@@ -264,26 +264,12 @@ static int64_t max_row(const int64_t *index, int64_t count)
 }
 
 /*
- * Feed rows of one flat ``[n_rows, row_bytes]`` buffer into ``heads`` states:
- * head h takes rows ``index[h*n .. h*n + n)`` in that order (index is head-major,
- * ``[heads, n]``, as PoolView.row_index builds it). Rows must be < ``n_rows``:
- * returns -1 without touching anything if one is not.
- */
-int kvg_update_head_rows(void *states, int64_t heads, const void *base, int64_t n_rows,
-                         int64_t row_bytes, const int64_t *index, int64_t n)
-{
-    int64_t top = max_row(index, heads * n);
-    if (top < 0 || (n > 0 && top >= n_rows))
-        return -1;
-    update_rows((XXH3_state_t *)states, heads, (const uint8_t *)base, (size_t)row_bytes, index, n);
-    return 0;
-}
-
-/*
- * The same for ``count`` buffers at once (every layer's K and V: one call per block
- * of tokens instead of one per buffer): buffer k starts at ``bases[k]``, holds
- * ``n_rows[k]`` rows of ``row_bytes[k]``, and feeds states ``firsts[k] ..
- * firsts[k] + heads``. Checked before anything is touched; -1 if a row is out.
+ * Feed rows of ``count`` flat ``[n_rows, row_bytes]`` buffers (every layer's K and V:
+ * one call per block of tokens): buffer k starts at ``bases[k]``, holds ``n_rows[k]``
+ * rows of ``row_bytes[k]``, and feeds states ``firsts[k] .. firsts[k] + heads``; head
+ * h takes rows ``index[h*n .. h*n + n)`` of each buffer in that order (index is
+ * head-major, ``[heads, n]``, as PoolView.row_index builds it). Checked before
+ * anything is touched: -1 if a row is negative or past a buffer.
  */
 int kvg_update_buffers(void *states, int64_t heads, int64_t count, const uint64_t *bases, const int64_t *n_rows,
                        const int64_t *row_bytes, const int64_t *firsts, const int64_t *index, int64_t n)
