@@ -138,9 +138,7 @@ class Pipeline:
         if kind == wire.Kind.FORWARD:
             return self._on_forward(t, body, rec.ts_ns)
         if kind == wire.Kind.ALLOC:
-            t.on_alloc(body.pages)  # counts page ids past the pool's limit (pages_out_of_range) and skips them
-            pages = body.pages.astype(np.int64)
-            pages = pages[(pages >= 0) & (pages < t.pool.limit)]
+            pages = t.on_alloc(body.pages)  # the valid ids: one past the pool's limit is counted and skipped
             self._record(ts, eid, Event.ALLOC, 0, pages, t.pool.gen[pages])
         elif kind == wire.Kind.ASSIGN:
             t.on_assign(body)

@@ -599,13 +599,16 @@ class EngineTracker:
         self.requests.get_or_stub(r.req_key).rejected = f"{r.phase.name.lower()}: {r.reason}"
 
     # ------------------------------------------------------------------ pages
-    def on_alloc(self, pages: np.ndarray) -> None:
+    def on_alloc(self, pages: np.ndarray) -> np.ndarray:
+        """Mark pages allocated (a new generation); returns the valid ones (ids past the
+        pool's limit are counted in ``pages_out_of_range`` and skipped)."""
         pages = self.pool.ensure(pages.astype(np.int64))
         pool = self.pool
         pool.changed(pages)
         pool.gen[pages] = (pool.gen[pages] + 1) & GEN_MASK  # (a row entry keeps 31 bits of it)
         pool.state[pages] = ALLOCATED
         pool.owner_slot[pages] = 0
+        return pages
 
     def on_free(self, pages: np.ndarray) -> np.ndarray:
         """Mark pages free; returns those that were already free (a double free)."""
