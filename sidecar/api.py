@@ -145,22 +145,53 @@ def create_app(sidecar: Sidecar, registry: CollectorRegistry | None = None, api_
                          limit: Annotated[int, Query(ge=1, le=5000)] = 500):
         key = wire.request_key(rid)
         with sidecar.lock:
-            history = sidecar.pipeline.history
-            out = []
-            for engine_id, t in sidecar.pipeline.engines.items():
-                events = [] if history is None else history.request_events(key, limit)
-                events = [e for e in events if int(e["engine"]) == engine_id]
-                info = t.requests.get(key)
-                if info is None and not events:
-                    continue
-                out.append({"engine": engine_id, "role": sidecar.pipeline.engine_ref(t).role,
-                            "tenant": info.tenant if info else None, "finish": info.finish if info else None,
-                            "events": [_event_dict(e, t.requests) for e in events]})
+            out = _request_entries(sidecar, key, rid, limit)
             if not out:
                 raise HTTPException(404, f"request {rid!r} is not in the sidecar's history")
+            # the other end of a disaggregated request, found by its bootstrap_room: behind SGLang's
+            # router a client that sends no rid gets a different rid on prefill and on decode
+            other_key, other_rid = _transfer_peer(sidecar, key)
+            if other_key:
+                out += _request_entries(sidecar, other_key, other_rid, limit)
             return {"rid": rid, "engines": out}
 
     return app
+
+
+def _request_entries(sidecar: Sidecar, key: int, rid: str, limit: int) -> list[dict]:
+    """Per engine that knows the request: its rid there, tenant, finish and recent events."""
+    history = sidecar.pipeline.history
+    out = []
+    for engine_id, t in sidecar.pipeline.engines.items():
+        events = [] if history is None else history.request_events(key, limit)
+        events = [e for e in events if int(e["engine"]) == engine_id]
+        info = t.requests.get(key)
+        if info is None and not events:
+            continue
+        out.append({"engine": engine_id, "role": sidecar.pipeline.engine_ref(t).role, "rid": rid,
+                    "tenant": info.tenant if info else None, "finish": info.finish if info else None,
+                    "events": [_event_dict(e, t.requests) for e in events]})
+    return out
+
+
+def _transfer_peer(sidecar: Sidecar, key: int) -> tuple[int, str]:
+    """(key, rid) of the other end of this request's transfer when its rid differs, else (0, "")."""
+    ledger = sidecar.pipeline.ledger
+    for t in sidecar.pipeline.engines.values():
+        info = t.requests.get(key)
+        if info is None or info.room is None:
+            continue
+        for side in ("sender_key", "receiver_key"):
+            state = ledger.find(info.room, **{side: key})
+            if state is None or getattr(state, side) != key:
+                continue
+            if side == "receiver_key" and state.sender_key and state.sender_key != key:
+                return state.sender_key, state.sender_rid or f"key:{state.sender_key:016x}"
+            if side == "sender_key" and state.receiver_key and state.receiver_key != key:
+                receiver = sidecar.pipeline.engines.get(state.receiver_engine)
+                peer = receiver.requests.get(state.receiver_key) if receiver is not None else None
+                return state.receiver_key, peer.rid if peer is not None else f"key:{state.receiver_key:016x}"
+    return 0, ""
 
 
 def _state_name(state: int) -> str:

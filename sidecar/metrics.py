@@ -117,16 +117,24 @@ class KVGuardCollector(Collector):
             apply_errors.add_metric([], pipeline.apply_errors)
             yield apply_errors
             yield from ttft_metrics(pipeline.ttft_detector)
-            yield from ledger_metrics(pipeline.ledger, getattr(svc, "shared_ledger", None))
+            yield from ledger_metrics(pipeline, getattr(svc, "shared_ledger", None))
             yield from sink_metrics(pipeline.sinks)
 
 
-def ledger_metrics(ledger, shared):
-    """The transfer ledger (sidecar/ledger): pairing outcomes and the shared ledger's health."""
-    transfers = CounterMetricFamily("kvguard_transfers", "Completed KV transfers by how they were judged",
-                                    labels=["outcome"])
-    transfers.add_metric(["paired"], ledger.paired)
-    transfers.add_metric(["unverified"], ledger.unverified)
+def ledger_metrics(pipeline, shared):
+    """The transfer ledger (sidecar/ledger): pairing outcomes per receiving engine and the shared
+    ledger's health. Every decode engine has all four outcome series from its HELLO on (zeros
+    included), so an alert on ``unpaired`` sees the first one as an increase."""
+    ledger = pipeline.ledger
+    transfers = CounterMetricFamily("kvguard_transfers", "Completed KV transfers by receiving engine and how "
+                                    "they were judged (paired, unverified, unpaired, warmup)",
+                                    labels=["role", "pid", "outcome"])
+    for engine_id, tracker in pipeline.engines.items():
+        h = tracker.hello
+        if h is None or h.role != wire.Role.DECODE:
+            continue
+        for outcome in ledger.OUTCOMES:
+            transfers.add_metric(["decode", str(h.pid), outcome], ledger.outcomes[(engine_id, outcome)])
     yield transfers
     digests = CounterMetricFamily("kvguard_transfer_digests", "Transfers whose two ends' digests were both "
                                   "complete", labels=["outcome"])

@@ -91,6 +91,7 @@ class Pipeline:
         """File findings into incidents; deliver the first finding of each new incident."""
         out = []
         for finding in findings:
+            self._name_sender(finding)
             self.findings_by_kind[(finding.kind, finding.severity)] += 1
             _incident, is_new = self.incidents.observe(finding)
             if is_new:
@@ -101,6 +102,18 @@ class Pipeline:
         for finding in out:
             self._deliver("send", finding)
         return out
+
+    def _name_sender(self, finding: Finding) -> None:
+        """A finding about a request with a bootstrap_room also names the prefill request that
+        served the room when its rid differs from the reader's (a client that sent no rid through
+        SGLang's router: each engine drew its own), so both ends can be looked up."""
+        reader = finding.reader
+        if reader is None or reader.bootstrap_room is None or "sender_rid" in finding.evidence:
+            return
+        state = self.ledger.find(reader.bootstrap_room)
+        if state is not None and state.sender_rid and state.sender_rid != reader.rid:
+            finding.evidence["sender_rid"] = state.sender_rid
+            finding.evidence["sender_tenant"] = state.sender_tenant
 
     def _deliver(self, method: str, item) -> None:
         for sink in self.sinks:
@@ -153,7 +166,8 @@ class Pipeline:
             t.on_request_begin(body, rec.ts_ns)
             self._record(ts, eid, Event.REQ_BEGIN, body.req_key, aux=body.prompt_tokens)
             if body.room != wire.NO_ROOM and self._role(t) == wire.Role.PREFILL:
-                self._publish_sender(self.ledger.on_sender_begin(eid, body.req_key, body.room, body.warmup))
+                self._publish_sender(self.ledger.on_sender_begin(eid, body.req_key, body.room, body.warmup,
+                                                                 rid=body.rid, tenant=body.tenant))
             if self.tracer is not None:
                 self.tracer.on_request_begin(self.engine_ref(t), t.requests.get(body.req_key))
         elif kind == wire.Kind.REQ_END:
@@ -193,7 +207,7 @@ class Pipeline:
             final = self.ledger.on_send(rec.engine_id, body, receiver_t.page_size if receiver_t else t.page_size)
             if final is not None:
                 found += self._apply_final([final], ts)
-            self._publish_sender(self.ledger.find(body.room, body.req_key))
+            self._publish_sender(self.ledger.find(body.room, sender_key=body.req_key))
             return found
         elif kind == wire.Kind.XFER_RESERVE:
             return self._on_reserve(t, body, ts)
@@ -202,7 +216,7 @@ class Pipeline:
         elif kind == wire.Kind.XFER_DONE:
             if body.side == wire.Side.RECEIVER:
                 found = self._on_transfer_done(t, body, rec.ts_ns)
-                self._publish_receiver(self.ledger.find(body.room, body.req_key))
+                self._publish_receiver(self.ledger.find(body.room, receiver_key=body.req_key))
                 return found
             if self.shared_ledger is not None:  # a prefill pod: its rooms have no receiver here, retire them
                 self.ledger.on_sender_done(body.req_key, body.room)
@@ -308,18 +322,18 @@ class Pipeline:
         if self.shared_ledger is not None and not state.warmup:
             self._publish_receiver(state)
             until = ts_ns + self.ledger.orphan_timeout_ns + 2 * self.shared_grace_ns
-            self.shared_ledger.watch(x.room, x.req_key, "sender", until)
+            self.shared_ledger.watch(x.room, "sender", until)
         if self.ledger.orphan_now(state, ts_ns):  # prefill had already rejected the prompt and ended
             return self._orphan(state, ts_ns)
         return []
 
     def _on_digest(self, engine_id: int, x: wire.XferDigest, ts_ns: int) -> list[Finding]:
         hit = self.ledger.on_digest(engine_id, x)
-        state = self.ledger.find(x.room, x.req_key)
         if x.side == wire.Side.SENDER:
+            state = self.ledger.find(x.room, sender_key=x.req_key)
             self._publish_sender(state)
         else:
-            self._publish_receiver(state)
+            self._publish_receiver(self.ledger.find(x.room, receiver_key=x.req_key))
         return self._judge_digests(hit, ts_ns)
 
     def _judge_digests(self, hit, ts_ns: int) -> list[Finding]:
@@ -336,7 +350,7 @@ class Pipeline:
                         ended: bool = False) -> list[Finding]:
         orphan = self.ledger.on_sender_gave_up(req_key, room, reason, ts_ns, ended=ended)
         if local:
-            self._publish_sender(self.ledger.find(room, req_key))
+            self._publish_sender(self.ledger.find(room, sender_key=req_key))
         return [] if orphan is None else self._orphan(orphan, ts_ns)
 
     def _transfer_end(self, t: EngineTracker, info, end: wire.ReqEnd, ts_ns: int) -> list[Finding]:
@@ -357,16 +371,16 @@ class Pipeline:
         if t is None:
             return []
         if self.shared_ledger is not None:
-            self.shared_ledger.unwatch(state.room, state.receiver_key, "sender")
+            self.shared_ledger.unwatch(state.room, "sender")
         return self._emit(self.orphan_detector.observe(t, self.engine_ref(t), state, self.orphan_timeout_s, ts_ns))
 
     def _publish_sender(self, state: RoomState | None) -> None:
-        if self.shared_ledger is None or state is None or state.warmup or not state.req_key:
+        if self.shared_ledger is None or state is None or state.warmup or not state.sender_key:
             return
         chunks = [[c.token_start, c.token_end, int(c.is_last), c.num_pages] for c in state.chunks]
-        self.shared_ledger.publish("sender", state.room, state.req_key, {
+        self.shared_ledger.publish("sender", state.room, state.sender_key, {
             "began": state.sender_began, "warmup": state.warmup, "gave_up": state.sender_gave_up,
-            "ended": state.sender_ended,
+            "ended": state.sender_ended, "rid": state.sender_rid, "tenant": state.sender_tenant,
             "chunks": chunks, "digests": state.sender_digest.to_json()})
 
     def _publish_receiver(self, state: RoomState | None) -> None:
@@ -381,9 +395,9 @@ class Pipeline:
         link = self.shared_ledger
         degraded = link.degraded  # read first: a recovery's results are queued before the flag flips back
         found: list[Finding] = []
-        for room, req_key, side, facts in link.take_results():
+        for room, side, facts in link.take_results():
             if side == "sender":
-                found += self._apply_remote_sender(room, req_key, facts, now_ns)
+                found += self._apply_remote_sender(room, facts, now_ns)
         self.ledger.paused = degraded
         if not degraded:
             self._degraded_reported_ns = 0
@@ -393,39 +407,52 @@ class Pipeline:
             found += self._emit([ledger_degraded_finding(link.display_url, link.last_error, waiting, now_ns)])
         return found
 
-    def _apply_remote_sender(self, room: int, req_key: int, facts: list[dict], now_ns: int) -> list[Finding]:
+    def _apply_remote_sender(self, room: int, facts: list[dict], now_ns: int) -> list[Finding]:
         """The sender's facts from another pod, applied like local records. Their chunks are not
         checked as late writes: without comparing two pods' clocks nothing orders them against
-        decode's frees."""
-        state = self.ledger.find(room, req_key)
+        decode's frees. Facts are matched to the receiver's story by room; a sender key the story
+        already knows selects its facts, and facts of two sending requests for one room that the
+        story cannot tell apart are set aside (counted) rather than guessed."""
+        state = self.ledger.find(room)
         if state is None or state.receiver_engine is None or state.receiver_engine == REMOTE_ENGINE:
             return []  # nothing of ours waits for these facts (any more)
+        by_key: dict[int, list[dict]] = {}
+        for fact in facts:
+            by_key.setdefault(int(fact["req_key"], 16), []).append(fact)
+        if state.sender_key:
+            sender_key, facts = state.sender_key, by_key.get(state.sender_key, [])
+        elif len(by_key) == 1:
+            (sender_key, facts), = by_key.items()
+        else:
+            self.ledger.rooms_ambiguous += 1
+            return []
         t = self.engines.get(state.receiver_engine)
         page_size = t.page_size if t is not None else 1
         found: list[Finding] = []
         for fact in facts:
             if fact["began"]:
-                self.ledger.on_sender_begin(REMOTE_ENGINE, req_key, room, fact["warmup"])
+                self.ledger.on_sender_begin(REMOTE_ENGINE, sender_key, room, fact["warmup"],
+                                            rid=fact.get("rid", ""), tenant=fact.get("tenant", ""))
             for t0, t1, last, n_pages in fact["chunks"]:
                 if (t0, t1, last) in state.remote_chunks:
                     continue
                 state.remote_chunks.add((t0, t1, last))
                 if self.ledger.rooms.get(room) is not state and self.ledger.pending.get(room) is not state:
                     continue  # decided already (closed): nothing to pair
-                x = wire.XferSend(req_key, room, 0, t0, t1, bool(last), np.zeros(n_pages, np.int64))
+                x = wire.XferSend(sender_key, room, 0, t0, t1, bool(last), np.zeros(n_pages, np.int64))
                 final = self.ledger.on_send(REMOTE_ENGINE, x, page_size)
                 if final is not None:
                     found += self._apply_final([final], now_ns)
             for alg, h0, hn, digest, t0, t1, layers, total in fact["digests"]:
-                x = wire.XferDigest(req_key, room, wire.Side.SENDER, alg, digest, t0, t1, layers, h0, hn, total)
+                x = wire.XferDigest(sender_key, room, wire.Side.SENDER, alg, digest, t0, t1, layers, h0, hn, total)
                 found += self._judge_digests(self.ledger.on_digest(REMOTE_ENGINE, x), now_ns)
             if fact["gave_up"]:
-                found += self._sender_gave_up(req_key, room, fact["gave_up"], now_ns, local=False,
+                found += self._sender_gave_up(sender_key, room, fact["gave_up"], now_ns, local=False,
                                               ended=fact["ended"])
         settled = state.compared or state.orphan_reported or state.sender_ended
         if settled or (state.done_status and state.sent_last and not state.receiver_digest.by_alg
                        and self.ledger.pending.get(room) is not state):
-            self.shared_ledger.unwatch(room, req_key, "sender")
+            self.shared_ledger.unwatch(room, "sender")
         return found
 
     def _late_send(self, x: wire.XferSend, ts_ns: int) -> list[Finding]:
@@ -494,6 +521,7 @@ class Pipeline:
         # judged while the engine is still here: the prefill-evidence gate reads its history
         found = self._emit(self.ttft_detector.on_engine_gone(engine_id, ts_ns))
         del self.engines[engine_id]
+        self.ledger.forget_engine(engine_id)
         if self.tracer is not None:
             self.tracer.on_engine_gone(self.engine_ref(tracker), ts_ns)
         if tracker.hello is not None:

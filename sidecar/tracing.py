@@ -18,14 +18,16 @@ the ingest thread and must not block or raise. Spans are handed to a
 once per kind of error and counted in ``counts["errors"]``, and ingestion goes on.
 
     engine records (CLOCK_MONOTONIC ns)        spans (Unix epoch ns)
-    REQ_BEGIN rid=r ------------------------>  start "decode request", trace id = xxh3_128(r)
+    REQ_BEGIN rid=r room=m ----------------->  start "decode request", trace id = xxh3_128("room:m")
     FORWARD ... finding(reader r) ---------->  event "kvguard.finding" (+ status ERROR if critical)
     REQ_END  rid=r finish=length ----------->  end, gen_ai.response.finish_reasons=["length"]
 
-NOTE: the trace id is derived from the rid, so the prefill span and the decode span of
-one disaggregated request (same rid on both engines) are in one trace, and a
-``traceidratio`` sampler keeps or drops both together. The spans are siblings without
-a common parent (kvguard does not see the client's request).
+NOTE: the trace id is derived from what both ends of one disaggregated request share,
+its ``bootstrap_room`` (from the rid for a request without one), so the prefill span and
+the decode span are in one trace even when each engine drew its own rid (a client that
+sends no rid through SGLang's router), and a ``traceidratio`` sampler keeps or drops
+both together. The spans are siblings without a common parent (kvguard does not see
+the client's request).
 
 NOTE: records carry the engine host's ``CLOCK_MONOTONIC``; spans need wall-clock
 time. The offset between the two clocks is read once at start-up (the sidecar runs on
@@ -96,14 +98,14 @@ INCIDENT_ID = "kvguard.incident.id"
 
 
 class RidTraceIds(RandomIdGenerator):
-    """Trace ids from the rid for request spans; random ones otherwise."""
+    """Trace ids from a request's identity (trace_source) for request spans; random ones otherwise."""
 
     def __init__(self):
         self._next = threading.local()
 
-    def use(self, rid: str | None) -> None:
-        """The next trace id generated on this thread is the rid's (None: a random one)."""
-        self._next.trace_id = 0 if rid is None else trace_id_for(rid)
+    def use(self, source: str | None) -> None:
+        """The next trace id generated on this thread is the source's (None: a random one)."""
+        self._next.trace_id = 0 if source is None else trace_id_for(source)
 
     def generate_trace_id(self) -> int:
         trace_id = getattr(self._next, "trace_id", 0)
@@ -111,8 +113,14 @@ class RidTraceIds(RandomIdGenerator):
         return trace_id or super().generate_trace_id()
 
 
-def trace_id_for(rid: str) -> int:
-    return xxhash.xxh3_128_intdigest(rid.encode()) or 1  # 0 is the invalid trace id
+def trace_id_for(source: str) -> int:
+    return xxhash.xxh3_128_intdigest(source.encode()) or 1  # 0 is the invalid trace id
+
+
+def trace_source(rid: str, room: int | None) -> str:
+    """What a request's trace id is derived from: its bootstrap_room, the one identity both
+    ends of a disaggregated request share (their rids may differ), else its rid."""
+    return rid if room is None else f"room:{room}"
 
 
 class TraceRecorder:
@@ -183,7 +191,8 @@ class TraceRecorder:
         stale = self._open.pop(key, None)
         if stale is not None:  # the same rid began again on this engine (a retry): the old one never ended
             self._close(stale, ts_ns)
-        span = self._start(f"{engine.role} request", info.rid, request_attributes(engine, info, begin_seen),
+        span = self._start(f"{engine.role} request", trace_source(info.rid, info.room),
+                           request_attributes(engine, info, begin_seen),
                            self._wall(ts_ns))
         self._open[key] = span
         self.counts["spans_started"] += 1
@@ -211,7 +220,8 @@ class TraceRecorder:
             attrs = engine_attributes(f.engine)
             if f.reader is not None:
                 attrs.update({GEN_AI_RESPONSE_ID: f.reader.rid, TENANT: f.reader.tenant})
-            span = self._start(FINDING_EVENT, f.reader.rid if f.reader else None, attrs, at)
+            source = None if f.reader is None else trace_source(f.reader.rid, f.reader.bootstrap_room)
+            span = self._start(FINDING_EVENT, source, attrs, at)
         span.add_event(FINDING_EVENT, finding_attributes(f), timestamp=at)
         if f.severity == CRITICAL:
             span.set_attribute(ERROR_TYPE, f.kind)
@@ -222,10 +232,10 @@ class TraceRecorder:
         else:
             self.counts["finding_events"] += 1
 
-    def _start(self, name: str, rid: str | None, attributes: dict, start_ns: int) -> trace.Span:
-        """A root span (never a child of whatever is current), in the rid's trace when given."""
-        if rid is not None:
-            self._ids.use(rid)
+    def _start(self, name: str, source: str | None, attributes: dict, start_ns: int) -> trace.Span:
+        """A root span (never a child of whatever is current), in the source's trace when given."""
+        if source is not None:
+            self._ids.use(source)
         try:
             return self.tracer.start_span(name, context=Context(), kind=SpanKind.INTERNAL, attributes=attributes,
                                           start_time=start_ns)

@@ -295,14 +295,18 @@ def test_two_clusters_sharing_one_redis_never_pair(pods):
 def test_values_written_by_something_else_are_counted_and_ignored(pods, redis_server):
     p = pods()
     client = redis_server.client()
-    key = room_key("c1", 11, wire.request_key("r-1"), "sender")
-    # another program's value, an older schema, and a sender fact claiming another room
+    key = room_key("c1", 11, "sender")
+    # another program's value, an older schema, a sender fact claiming another room, one without a
+    # request key, and one whose rid is not a bounded string
+    fake = {"v": 2, "side": "sender", "room": 11, "req_key": f"{wire.request_key('r-9'):016x}", "began": True,
+            "warmup": False, "gave_up": "reject", "ended": True, "chunks": [], "digests": []}
     client.hset(key, "intruder", b"\x00not json")
-    client.hset(key, "old", json.dumps({"v": 0, "side": "sender"}))
-    client.hset(key, "liar", json.dumps({"v": 1, "side": "sender", "room": 12, "req_key": "0", "began": True,
-                                         "warmup": False, "gave_up": "reject", "chunks": [], "digests": []}))
+    client.hset(key, "old", json.dumps({"v": 1, "side": "sender"}))
+    client.hset(key, "liar", json.dumps({**fake, "room": 12}))
+    client.hset(key, "keyless", json.dumps({**fake, "req_key": "0"}))
+    client.hset(key, "huge", json.dumps({**fake, "rid": "x" * 10_000}))
     p.begin("r-1", 11, 8, [1, 2])
-    assert p.settle(lambda: p.sidecars["decode"].shared_ledger.bad_facts >= 3)
+    assert p.settle(lambda: p.sidecars["decode"].shared_ledger.bad_facts >= 5)
     assert p.kinds("decode") == []  # the fake "reject" was not believed
     p.send("r-1", 11, 8)
     p.receive("r-1", 11, 8, [1, 2])

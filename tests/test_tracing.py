@@ -105,16 +105,22 @@ def test_span_times_are_the_engine_monotonic_times_on_the_wall_clock(rec, spans)
     assert abs(span.end_time - now_wall) < 50_000_000 and span.end_time - span.start_time == 2_000_000_000
 
 
-def test_prefill_and_decode_spans_of_one_request_share_the_trace_derived_from_the_rid(rec, spans):
-    for engine in (PREFILL, DECODE):
-        rec.on_request_begin(engine, request())
-        rec.on_request_end(engine, ended(request(), 1_100_000_000))
-    rec.on_request_begin(DECODE, request("r-other"))
-    rec.on_request_end(DECODE, ended(request("r-other"), 1_100_000_000))
-    prefill, decode, other = spans.get_finished_spans()
+def test_prefill_and_decode_spans_of_one_request_share_the_trace_derived_from_the_room(rec, spans):
+    # through SGLang's router a client that sends no rid gets a different rid on each engine:
+    # the room is what both ends share
+    rec.on_request_begin(PREFILL, request("r-prefill-side"))
+    rec.on_request_end(PREFILL, ended(request("r-prefill-side"), 1_100_000_000))
+    rec.on_request_begin(DECODE, request())
+    rec.on_request_end(DECODE, ended(request(), 1_100_000_000))
+    rec.on_request_begin(DECODE, request("r-other", room=14))
+    rec.on_request_end(DECODE, ended(request("r-other", room=14), 1_100_000_000))
+    rec.on_request_begin(DECODE, request("r-unified", room=None))
+    rec.on_request_end(DECODE, ended(request("r-unified", room=None), 1_100_000_000))
+    prefill, decode, other, unified = spans.get_finished_spans()
     assert (prefill.name, decode.name) == ("prefill request", "decode request")
-    assert prefill.context.trace_id == decode.context.trace_id == xxhash.xxh3_128_intdigest(b"r-initech")
-    assert other.context.trace_id == xxhash.xxh3_128_intdigest(b"r-other")
+    assert prefill.context.trace_id == decode.context.trace_id == xxhash.xxh3_128_intdigest(b"room:13")
+    assert other.context.trace_id == xxhash.xxh3_128_intdigest(b"room:14")
+    assert unified.context.trace_id == xxhash.xxh3_128_intdigest(b"r-unified")  # no room: the rid's
     assert prefill.context.span_id != decode.context.span_id and prefill.parent is decode.parent is None
 
 
@@ -184,7 +190,7 @@ def test_a_finding_for_a_request_whose_span_is_closed_gets_a_span_in_that_reques
     rec.on_finding(unwritten_read())  # the request began before the sidecar attached
     (span,) = spans.get_finished_spans()
     assert span.name == "kvguard.finding" and span.start_time == span.end_time
-    assert span.context.trace_id == xxhash.xxh3_128_intdigest(b"r-initech")
+    assert span.context.trace_id == xxhash.xxh3_128_intdigest(b"room:13")  # the reader's room, as its span's
     assert span.attributes["gen_ai.response.id"] == "r-initech" and span.attributes["kvguard.tenant"] == "initech"
     assert span.status.status_code == StatusCode.ERROR and span.events[0].attributes["kvguard.finding.pages"] == 3
     assert rec.counts["finding_spans"] == 1
@@ -344,7 +350,7 @@ def test_spans_reach_an_otlp_collector_configured_by_the_standard_variables(monk
     assert resource["service.name"] == "kvguard-gpu-node-7"
     (span,) = [s for scope in resource_spans.scope_spans for s in scope.spans]
     assert span.name == "decode request" and span.status.code == 2  # STATUS_CODE_ERROR
-    assert int.from_bytes(span.trace_id, "big") == xxhash.xxh3_128_intdigest(b"r-initech")
+    assert int.from_bytes(span.trace_id, "big") == xxhash.xxh3_128_intdigest(f"room:{info.room}".encode())
     attrs = {a.key: a.value for a in span.attributes}
     assert attrs["gen_ai.response.id"].string_value == "r-initech" and attrs["kvguard.request.pages"].int_value == 150
     (event,) = span.events

@@ -7,9 +7,19 @@ pages (row pages ``token_start // page_size`` up to ``ceil(token_end / page_size
 and compares the tokens sent with the tokens reserved. Both ends' digests (summed over
 ranks, sidecar/ledger/digests.py) are compared once both are complete.
 
-A room belongs to one request: the request key (a hash of the rid, the same on both
-ends) is part of its identity, so a reused room number starts a new room, and a
-retried chunk or digest replaces its earlier copy instead of adding to it.
+The two ends are paired by ``bootstrap_room`` alone: it is what SGLang's router (or
+any client) gives both engines for one attempt, while each engine may draw its own rid
+(a client that sends no rid through the router: prefill's and decode's rids differ).
+Each side's request key (a hash of that side's rid) is kept apart, ``sender_key`` and
+``receiver_key``, for reporting and to tell stories apart: an event whose side already
+has another key in the live room means the room number now serves another attempt,
+so the old story is closed and a new one starts. A retried chunk or digest of the
+same attempt replaces its earlier copy instead of adding to it.
+
+Every receiver that completed is accounted once, per receiving engine (``outcomes``):
+*paired* (the sender's chunks were matched), *unverified* (no sender can be expected
+here), *unpaired* (a sender was expected and none of its chunks matched the room
+within the wait: a pairing failure of any cause, visible on its own) or *warmup*.
 
 A room stays known for a while after its receiver finished (``closed``): a sender
 chunk that arrives for it later is a write into pages decode may already have
@@ -32,7 +42,7 @@ written and the transfer is counted as unverified, never alarmed.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,7 +69,9 @@ class SentChunk:
 @dataclass(slots=True)
 class RoomState:
     room: int
-    req_key: int = 0  # the request both ends serve (0 until one end named it)
+    sender_key: int = 0  # the sending request's key (a hash of prefill's rid; 0 until the sender is seen)
+    sender_rid: str = ""  # for reporting: prefill's rid and tenant (the receiver's may differ)
+    sender_tenant: str = ""
     chunks: list[SentChunk] = field(default_factory=list)
     sender_engine: int | None = None
     sender_began: bool = False  # the sender's engine began the request (REQ_BEGIN with this room)
@@ -70,7 +82,7 @@ class RoomState:
     reserved_tokens: int = 0
     reserved_pages: np.ndarray | None = None
     receiver_engine: int | None = None
-    receiver_key: int = 0
+    receiver_key: int = 0  # the receiving request's key (a hash of decode's rid)
     reserve_ns: int = 0
     done_status: int = 0  # receiver's XferStatus once it reported
     receiver_ended: bool = False  # the receiving request ended (abort / reject) before any XFER_DONE
@@ -131,8 +143,11 @@ class TransferLedger:
         self._check_seq = 0
         self.paired = 0
         self.unverified = 0
+        self.unpaired = 0  # a sender was expected and none of its chunks matched the room in time
         self.warmups = 0  # warmup transfers (no sender by design), taken as written and not judged
+        self.outcomes: Counter = Counter()  # (receiver engine id, outcome) -> completed transfers
         self.rooms_reused = 0
+        self.rooms_ambiguous = 0  # another pod published two sending requests for one room: not paired
         self.digests_compared = 0
         self.digests_incomparable = 0  # both ends complete, but with no algorithm in common
 
@@ -140,27 +155,30 @@ class TransferLedger:
     def expects_sender(self) -> bool:
         return self.shared or bool(self.sender_engines_seen)
 
-    def find(self, room: int, req_key: int | None = None) -> RoomState | None:
-        """The live, pending or recently closed state of a room (of this request, when given)."""
+    def find(self, room: int, sender_key: int | None = None, receiver_key: int | None = None) -> RoomState | None:
+        """The live, pending or recently closed story of a room; with a side's key, only a story
+        that side has not named with another key (0: not seen yet)."""
         for table in (self.rooms, self.pending, self.closed):
             state = table.get(room)
-            if state is not None and (req_key is None or not state.req_key or state.req_key == req_key):
+            if state is not None and _fits(state, sender_key, receiver_key):
                 return state
         return None
 
-    def _room(self, room: int, req_key: int) -> RoomState:
+    def _room(self, room: int, sender_key: int = 0, receiver_key: int = 0) -> RoomState:
         state = self.rooms.get(room)
-        if state is not None and req_key and state.req_key and state.req_key != req_key:
-            # the room number now serves another request: the old one's story ends here
+        if state is not None and not _fits(state, sender_key or None, receiver_key or None):
+            # the room number now serves another attempt: the old one's story ends here
             self.rooms_reused += 1
             self._close(self.rooms.pop(room))
             state = None
         if state is None:
             if len(self.rooms) >= self.max_rooms:
                 self.rooms.pop(next(iter(self.rooms)))  # oldest first: dicts keep insertion order
-            state = self.rooms[room] = RoomState(room, req_key)
-        elif req_key and not state.req_key:
-            state.req_key = req_key
+            state = self.rooms[room] = RoomState(room)
+        if sender_key:
+            state.sender_key = sender_key
+        if receiver_key:
+            state.receiver_key = receiver_key
         return state
 
     def _close(self, state: RoomState) -> None:
@@ -174,17 +192,21 @@ class TransferLedger:
         (A receiver that reported success had all the bytes: nothing after that is late.)"""
         state = self.closed.get(x.room)
         if (state is None or state.reserved_pages is None or state.done_status == wire.XferStatus.SUCCESS
-                or (state.receiver_key and state.receiver_key != x.req_key)):
+                or (state.sender_key and state.sender_key != x.req_key)):
             return None
         first, end = x.token_start // page_size, -(-x.token_end // page_size)
         return state, state.reserved_pages[first:min(end, len(state.reserved_pages))].astype(np.int64)
 
     # ------------------------------------------------------------------ sender side
-    def on_sender_begin(self, engine_id: int, req_key: int, room: int, warmup: bool) -> RoomState:
+    def on_sender_begin(self, engine_id: int, req_key: int, room: int, warmup: bool, rid: str = "",
+                        tenant: str = "") -> RoomState:
         self.sender_engines_seen.add(engine_id)
-        state = self.find(room, req_key) or self._room(room, req_key)
+        state = self.find(room, sender_key=req_key) or self._room(room, sender_key=req_key)
+        state.sender_key = req_key
         state.sender_began = True
         state.warmup = state.warmup or warmup
+        state.sender_rid = rid or state.sender_rid
+        state.sender_tenant = tenant or state.sender_tenant
         return state
 
     def on_send(self, engine_id: int, x: wire.XferSend, page_size: int) -> Pairing | None:
@@ -192,13 +214,15 @@ class TransferLedger:
         self.sender_engines_seen.add(engine_id)
         chunk = SentChunk(x.token_start, x.token_end, x.is_last, len(x.pages), x.digest)
         pending = self.pending.get(x.room)
-        if pending is not None and pending.req_key in (0, x.req_key):
+        if pending is not None and pending.sender_key in (0, x.req_key):
+            pending.sender_key = x.req_key
+            pending.sender_engine = engine_id
             _add_chunk(pending, chunk)
             if x.is_last:
                 del self.pending[x.room]
                 return self._pair(pending, page_size)
             return None
-        state = self._room(x.room, x.req_key)
+        state = self._room(x.room, sender_key=x.req_key)
         state.sender_engine = engine_id
         state.sender_began = True
         _add_chunk(state, chunk)
@@ -220,9 +244,8 @@ class TransferLedger:
         1-token placeholder (the incident), so a rejected sender gets ``REJECT_GRACE_NS`` to send;
         its REQ_END without a last chunk settles it at once. An abort usually reaches the receiver
         too: the receiver gets the orphan timeout to end."""
-        state = self.find(room, req_key)
-        if state is None:
-            state = self._room(room, req_key)
+        state = self.find(room, sender_key=req_key) or self._room(room, sender_key=req_key)
+        state.sender_key = req_key
         if state.sent_last:
             return None
         state.sender_began = True
@@ -237,12 +260,12 @@ class TransferLedger:
         """The sender finished a transfer whose receiver is not in view (another pod): keep the room
         among the bounded closed ones rather than the live ones."""
         state = self.rooms.get(room)
-        if state is not None and state.req_key == req_key and state.reserved_pages is None:
+        if state is not None and state.sender_key == req_key and state.reserved_pages is None:
             self._close(self.rooms.pop(room))
 
     # ------------------------------------------------------------------ receiver side
     def on_reserve(self, engine_id: int, x: wire.XferReserve, ts_ns: int) -> RoomState:
-        state = self._room(x.room, x.req_key)
+        state = self._room(x.room, receiver_key=x.req_key)
         if state.reserved_pages is not None:
             self.rooms_reused += 1  # the same request reserved again (a retried transfer): the newest counts
             state.receiver_digest = DigestSum()
@@ -280,11 +303,11 @@ class TransferLedger:
         if state.warmup and not state.chunks:
             # SGLang's fake-bootstrap warmup: no sender exists and nothing is written into the pages
             # (their last writer stays whoever wrote them before); its own reads are never alarmed
-            self.warmups += 1
+            self._count(state, "warmup")
             return Pairing(state.room, state.receiver_key, np.zeros(0, np.int64), 0, state.reserved_tokens, 0,
                            n_reserved, verified=False, receiver_engine=state.receiver_engine, state=state)
         if not state.chunks and not self.expects_sender():
-            self.unverified += 1
+            self._count(state, "unverified")
             return self._unverified(state)
         if not state.sent_last:
             state.deadline_ns = ts_ns + (self.grace_ns if grace_ns is None else grace_ns)
@@ -297,11 +320,11 @@ class TransferLedger:
     # ------------------------------------------------------------------ digests
     def on_digest(self, engine_id: int, x: wire.XferDigest) -> tuple[RoomState, DigestVerdict] | None:
         """Add one rank's partial digest; returns the comparison the first time both ends are complete."""
-        state = self.find(x.room, x.req_key)
-        if state is None:
-            state = self._room(x.room, x.req_key)
+        keys = {"sender_key": x.req_key} if x.side == wire.Side.SENDER else {"receiver_key": x.req_key}
+        state = self.find(x.room, **keys) or self._room(x.room, **keys)
         if x.side == wire.Side.SENDER:
             self.sender_engines_seen.add(engine_id)
+            state.sender_key = x.req_key
         ends = state.sender_digest if x.side == wire.Side.SENDER else state.receiver_digest
         ends.add(int(x.alg), x.head_start, Partial(x.head_count, x.digest, x.token_start, x.token_end, x.layers,
                                                      x.total_heads))
@@ -336,7 +359,8 @@ class TransferLedger:
                 continue
             del self.pending[room]
             if self.shared and not state.chunks:
-                self.unverified += 1
+                # the sender's pod was expected to publish and nothing matched: counted, not judged
+                self._count(state, "unpaired")
                 out.append(self._unverified(state))
             else:
                 out.append(self._pair(state, page_size_of(state.receiver_engine)))
@@ -368,6 +392,18 @@ class TransferLedger:
         return hit
 
     # ------------------------------------------------------------------ outcomes
+    OUTCOMES = ("paired", "unverified", "unpaired", "warmup")
+
+    def _count(self, state: RoomState, outcome: str) -> None:
+        attr = "warmups" if outcome == "warmup" else outcome
+        setattr(self, attr, getattr(self, attr) + 1)
+        self.outcomes[(state.receiver_engine, outcome)] += 1
+
+    def forget_engine(self, engine_id: int) -> None:
+        """The receiving engine is gone: drop its outcome counts (its metric series end with it)."""
+        for outcome in self.OUTCOMES:
+            self.outcomes.pop((engine_id, outcome), None)
+
     def _unverified(self, state: RoomState) -> Pairing:
         n = len(state.reserved_pages)
         return Pairing(state.room, state.receiver_key, np.arange(n), state.reserved_tokens, state.reserved_tokens,
@@ -382,10 +418,18 @@ class TransferLedger:
             written.append(np.arange(first, min(end, n_reserved)))
             sent_tokens = max(sent_tokens, c.token_end)
         rows = np.unique(np.concatenate(written)) if written else np.zeros(0, np.int64)
-        self.paired += 1
+        # no chunk at all: a local sender was expected and none matched (judged as nothing written)
+        self._count(state, "paired" if state.chunks else "unpaired")
         return Pairing(state.room, state.receiver_key, rows, sent_tokens, state.reserved_tokens,
                        sum(c.num_pages for c in state.chunks), n_reserved, verified=True,
                        receiver_engine=state.receiver_engine, state=state)
+
+
+def _fits(state: RoomState, sender_key: int | None, receiver_key: int | None) -> bool:
+    """Whether an event with these keys can belong to this story: a side that already named
+    another key means another attempt uses the room number."""
+    return ((sender_key is None or not state.sender_key or state.sender_key == sender_key)
+            and (receiver_key is None or not state.receiver_key or state.receiver_key == receiver_key))
 
 
 def _add_chunk(state: RoomState, chunk: SentChunk) -> None:

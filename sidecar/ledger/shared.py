@@ -7,12 +7,17 @@ sidecars): the sidecar that sees the **receiver** (decode) owns every transfer f
 (transfer_size_mismatch, checksum_mismatch, orphan_transfer and the reads they
 explain), because the pages are decode's. A sender's sidecar only publishes.
 
-Keys: ``kvguard:ledger:v1:{cluster}:{room}:{req_key:016x}:{side}``, a hash with one
-field per publishing sidecar (its pod id) holding that sidecar's JSON facts for the
-side; every write refreshes the key's TTL. ``cluster`` keeps two deployments that
-share one Redis apart; the request key (a hash of the rid, identical on both ends)
-keeps a reused room number apart. A value that does not parse, has another schema
-version ``v`` or contradicts its key is counted (``bad_facts``) and ignored.
+Keys: ``kvguard:ledger:v2:{cluster}:{room}:{side}``, a hash with one field per
+publishing sidecar (its pod id) holding that sidecar's JSON facts for the side; every
+write refreshes the key's TTL. ``cluster`` keeps two deployments that share one Redis
+apart. The key holds only what both ends share, the ``bootstrap_room``: behind
+SGLang's router a client that sends no rid gets a different rid on each engine, so a
+rid-derived key would never meet its other half. Each fact carries its side's request
+key (and the sender's rid and tenant, for reporting); the receiving sidecar uses it to
+keep to one sending request when a room number was reused within the TTL
+(sidecar/pipeline.py ``_apply_remote_sender``). A value that does not parse, has
+another schema version ``v`` or contradicts its key is counted (``bad_facts``) and
+ignored. (v1 keys also held the rid's hash; the two versions never pair.)
 
 Threading: the ingest thread only calls the non-blocking ``publish`` / ``watch`` /
 ``unwatch`` (a bounded queue; a full queue drops and counts) and ``take_results``.
@@ -37,8 +42,9 @@ from urllib.parse import urlparse
 
 log = logging.getLogger("kvguard.ledger")
 
-SCHEMA = 1
-KEY_PREFIX = "kvguard:ledger:v1"
+SCHEMA = 2
+KEY_PREFIX = "kvguard:ledger:v2"
+MAX_LABEL_CHARS = 256  # a rid or tenant label in a fact
 SIDES = ("sender", "receiver")
 MAX_U64 = (1 << 64) - 1
 IDLE_PING_NS = 5_000_000_000  # with nothing to publish or fetch, check Redis this often
@@ -71,15 +77,25 @@ def parse_ledger_url(value: str, flag: str = "--ledger") -> str | None:
     return value
 
 
-def room_key(cluster: str, room: int, req_key: int, side: str) -> str:
-    return f"{KEY_PREFIX}:{cluster}:{room}:{req_key:016x}:{side}"
+def room_key(cluster: str, room: int, side: str) -> str:
+    return f"{KEY_PREFIX}:{cluster}:{room}:{side}"
 
 
-def valid_fact(fact, side: str, room: int, req_key: int) -> bool:
+def _hex_key(value) -> bool:
+    return isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value)
+
+
+def _label(value) -> bool:
+    return isinstance(value, str) and len(value) <= MAX_LABEL_CHARS
+
+
+def valid_fact(fact, side: str, room: int) -> bool:
     """A fact as this version writes it, for the key it was read from."""
     if not isinstance(fact, dict) or fact.get("v") != SCHEMA or fact.get("side") != side:
         return False
-    if fact.get("room") != room or fact.get("req_key") != f"{req_key:016x}":
+    if fact.get("room") != room or not _hex_key(fact.get("req_key")):
+        return False
+    if side == "sender" and not (_label(fact.get("rid", "")) and _label(fact.get("tenant", ""))):
         return False
     from .digests import DigestSum
 
@@ -117,9 +133,9 @@ class SharedLedger:
         self.poll_interval_s = poll_interval_s
         self.max_outbox, self.max_watch = max_outbox, max_watch
         self._commands: queue.Queue = queue.Queue(maxsize=queue_size)
-        self._results: deque = deque()  # (room, req_key, side, [facts]) for take_results
+        self._results: deque = deque()  # (room, side, [facts]) for take_results
         self._outbox: OrderedDict[str, str] = OrderedDict()  # key -> JSON, newest snapshot per key
-        self._watching: dict[str, list] = {}  # key -> [room, req_key, side, until_ns, last_raw]
+        self._watching: dict[str, list] = {}  # key -> [room, side, until_ns, last_raw]
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.degraded = False
@@ -142,17 +158,18 @@ class SharedLedger:
             self.queue_dropped += 1
 
     def publish(self, side: str, room: int, req_key: int, fact: dict) -> None:
+        """This side's facts of a room; ``req_key`` is this side's own request key (its rid's hash)."""
         fact = {"v": SCHEMA, "side": side, "pod": self.pod, "room": room, "req_key": f"{req_key:016x}", **fact}
-        self._put(("pub", room_key(self.cluster, room, req_key, side), json.dumps(fact, separators=(",", ":"))))
+        self._put(("pub", room_key(self.cluster, room, side), json.dumps(fact, separators=(",", ":"))))
 
-    def watch(self, room: int, req_key: int, side: str, until_ns: int) -> None:
-        """Fetch the ``side`` facts of this transfer every cycle until ``until_ns`` (monotonic) or unwatch."""
-        self._put(("watch", room_key(self.cluster, room, req_key, side), [room, req_key, side, until_ns, None]))
+    def watch(self, room: int, side: str, until_ns: int) -> None:
+        """Fetch the ``side`` facts of this room every cycle until ``until_ns`` (monotonic) or unwatch."""
+        self._put(("watch", room_key(self.cluster, room, side), [room, side, until_ns, None]))
 
-    def unwatch(self, room: int, req_key: int, side: str) -> None:
-        self._put(("unwatch", room_key(self.cluster, room, req_key, side), None))
+    def unwatch(self, room: int, side: str) -> None:
+        self._put(("unwatch", room_key(self.cluster, room, side), None))
 
-    def take_results(self) -> list[tuple[int, int, str, list[dict]]]:
+    def take_results(self) -> list[tuple[int, str, list[dict]]]:
         out = []
         while self._results:
             out.append(self._results.popleft())
@@ -196,7 +213,7 @@ class SharedLedger:
                     self.outbox_dropped += 1
             elif op == "watch":
                 if key in self._watching:
-                    self._watching[key][3] = max(self._watching[key][3], arg[3])
+                    self._watching[key][2] = max(self._watching[key][2], arg[2])
                 elif len(self._watching) < self.max_watch:
                     self._watching[key] = arg
             else:
@@ -227,7 +244,7 @@ class SharedLedger:
 
     def _cycle(self) -> None:
         now = time.monotonic_ns()
-        for key in [k for k, w in self._watching.items() if w[3] < now]:
+        for key in [k for k, w in self._watching.items() if w[2] < now]:
             del self._watching[key]
         sending = list(self._outbox.items())
         watched = list(self._watching.items())
@@ -249,16 +266,16 @@ class SharedLedger:
                 del self._outbox[key]
             self.published += 1
         for (key, w), raw in zip(watched, replies[2 * len(sending):]):
-            if not raw or raw == w[4]:
+            if not raw or raw == w[3]:
                 continue
-            w[4] = raw
+            w[3] = raw
             facts = []
             for field, value in raw.items():
                 try:
                     fact = json.loads(value)
                 except (ValueError, UnicodeDecodeError):
                     fact = None
-                if valid_fact(fact, w[2], w[0], w[1]):
+                if valid_fact(fact, w[1], w[0]):
                     facts.append(fact)
                 else:
                     self.bad_facts += 1
@@ -266,4 +283,4 @@ class SharedLedger:
                                 key, field[:64])
             if facts:
                 self.fetched += 1
-                self._results.append((w[0], w[1], w[2], facts))
+                self._results.append((w[0], w[1], facts))
