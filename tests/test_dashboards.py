@@ -328,6 +328,11 @@ def test_the_pages_dashboard_shows_traffic_and_transfers(stack):
     d = "kvguard-pages.json"
     xfer = {dict(k)["kind"]: v for k, v in panel_values(stack, d, "Transfer records per second, by kind").items()}
     assert sorted(xfer) == ["XFER_DONE", "XFER_RESERVE", "XFER_SEND"] and min(xfer.values()) > 0
+    # every completed transfer paired: the sidecar watches the sender (prefill) itself
+    outcomes = {dict(k)["outcome"]: v
+                for k, v in panel_values(stack, d, "Transfers completed per second, by outcome").items()}
+    assert sorted(outcomes) == ["paired", "unpaired", "unverified", "warmup"] and outcomes["paired"] > 0
+    assert outcomes["unpaired"] == outcomes["unverified"] == outcomes["warmup"] == 0
     reads = {dict(k)["role"]: v for k, v in panel_values(stack, d, "Page reads checked per second, by role").items()}
     assert reads["decode"] > 0
     states = {dict(k)["state"] for k in panel_values(stack, d, "KV pages by ownership state: $role")}

@@ -54,14 +54,23 @@ def transfers_row(d: Dashboard) -> Dashboard:
             "XFER_RESERVE (decode reserved pages for a room), XFER_SEND (prefill sent a chunk), XFER_DONE (either "
             "side finished). Reservations without matching sends: the incident's shape.",
             q(rate(RECORDS, f'kind=~"XFER_RESERVE|XFER_SEND|XFER_DONE", {INSTANCE}', "kind"), "{{kind}}"),
-            unit="ops", span=12))
+            unit="ops", span=8))
+        .with_panel(graph(
+            "Transfers completed per second, by outcome",
+            "Transfers each decode engine received, by how the transfer ledger judged them: paired (matched "
+            "with the sender's chunks, sizes compared), unverified (no sender can be expected: a decode-only "
+            "sidecar without a shared ledger), unpaired (a sender was expected and none matched: a pairing "
+            "failure, KVGuardTransfersUnpaired; should stay 0), warmup (SGLang's warmups, no sender by design).",
+            q(f"sum by (instance, pid, outcome) (rate(kvguard_transfers_total{{{INSTANCE}}}[$__rate_interval]))",
+              "{{instance}} decode pid {{pid}}: {{outcome}}"),
+            unit="ops", span=8))
         .with_panel(graph(
             "Transfer size mismatches",
             "Decode reserved more tokens than prefill sent for a room (transfer_size_mismatch, critical): the "
             "unfilled pages still hold earlier requests' KV.",
             q(raised("kvguard_findings_total", f'kind="transfer_size_mismatch", {INSTANCE}', "instance"),
               "{{instance}}"),
-            bars=True, span=12))
+            bars=True, span=8))
     )
 
 
