@@ -55,6 +55,9 @@ class Pipeline:
         self.ledger.shared = shared_ledger is not None
         self.orphan_timeout_s = orphan_timeout_s
         self.shared_grace_ns = SHARED_GRACE_NS
+        # while Redis is unreachable, a finished receiver is held up to 10 waits past its own
+        # (docs/detectors.md: 100 s), not 10 of the embedded ledger's 2 s grace
+        self.ledger.max_hold_ns = 10 * SHARED_GRACE_NS
         self._degraded_reported_ns = 0
         self.checksum_detector = ChecksumDetector()
         self.orphan_detector = OrphanDetector()
