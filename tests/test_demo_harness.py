@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -66,6 +67,8 @@ def test_engine_env(tmp_path, require_sglang):
     assert env["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] == "7"
     assert env["KVGUARD_RING_DIR"] == str(tmp_path / "ring") and (tmp_path / "ring").is_dir()
     assert env["KVGUARD_SGLANG_CPU_COMPAT"] == "1" and env["TRITON_INTERPRET"] == "1"
+    # the tenant through the router arrives as extra_key (tenant_payload(routed=True))
+    assert env["KVGUARD_SGLANG_TENANT_FIELDS"] == "routing_key,extra_key"
     with pytest.raises(ValueError, match="version"):
         engines.sglang_dir("0.4.0")
 
@@ -97,3 +100,151 @@ def test_plain_engine_generates(tiny_model_dir, tmp_path, require_sglang):
         engine.stop()
     assert not engine.is_running()
     assert engines._group_members(engine.proc.pid) == []
+
+
+# ---------------------------------------------------------------- the router and routed requests
+
+
+def test_router_args_and_tenant_fields():
+    args = engines.router_args("http://127.0.0.1:1", 998, "http://127.0.0.1:2", 3, 4, ["--disable-retries"])
+    assert args[:5] == ["--pd-disaggregation", "--prefill", "http://127.0.0.1:1", "998", "--decode"]
+    assert args[args.index("--port") + 1] == "3" and args[args.index("--prometheus-port") + 1] == "4"
+    assert args[args.index("--host") + 1] == "127.0.0.1" and args[-1] == "--disable-retries"
+    # the router drops routing_key from a /generate body but forwards extra_key (engine_hooks/sglang/README.md)
+    assert engines.tenant_payload("acme") == {"routing_key": "acme"}
+    assert engines.tenant_payload("acme", routed=True) == {"routing_key": "acme", "extra_key": "acme"}
+    assert engines.tenant_payload(None, routed=True) == {}
+
+
+def test_ids_from_decode_error():
+    err = ("Decode transfer failed for request rank=0 decode_req.req.rid='341174a0b48344f0' "
+           "decode_req.req.bootstrap_room=1296586503722359421 with exception KVTransferError(bootstrap_room="
+           "1296586503722359421): Request 1296586503722359421 timed out after 20.0s in KVPoll.WaitingForInput")
+    assert engines.ids_from_error(err) == ("341174a0b48344f0", 1296586503722359421)
+    assert engines.ids_from_error("No prefill workers available") == (None, None)
+    assert engines.ids_from_error(None) == (None, None)
+
+
+class FakeRouter:
+    """A local HTTP server answering /generate the way SGLang's router does: 503 for the
+    first ``unready`` requests, 400 for the smoke body, decode's JSON or SSE stream otherwise."""
+
+    def __init__(self, unready: int = 2, chunks: int = 50):
+        import http.server
+        import threading
+
+        self.bodies: list[dict] = []
+        self.stream_closed_after: list[int] = []
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code, obj):
+                data = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                fake.bodies.append(body)
+                if len(fake.bodies) <= unready:
+                    return self._send(503, {"error": {"message": "No prefill workers available"}})
+                if body["sampling_params"].get("temperature", 0) < 0:
+                    return self._send(400, {"error": {"message": "temperature must be a non-negative number"}})
+                meta = {"id": body.get("rid", "decode-rid-1"), "prompt_tokens": len(body["input_ids"])}
+                if not body.get("stream"):
+                    return self._send(200, {"output_ids": [0, 0], "meta_info": {
+                        **meta, "completion_tokens": 2, "finish_reason": {"type": "length"}}})
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.end_headers()
+                sent = 0
+                try:
+                    for i in range(chunks):
+                        chunk = {"output_ids": [0] * (i + 1), "meta_info": {**meta, "completion_tokens": i + 1}}
+                        self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                        self.wfile.flush()
+                        sent += 1
+                        time.sleep(0.02)
+                    self.wfile.write(b"data: [DONE]\n\n")
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+                fake.stream_closed_after.append(sent)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_router(tmp_path):
+    import subprocess
+    import sys
+
+    fake = FakeRouter()
+    # a stand-in process group for the router's, stopped like the real one
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    router = engines.Router(fake.port, 0, tmp_path / "router.log", proc)
+    try:
+        yield fake, router
+    finally:
+        router.stop(timeout_s=5)
+        fake.close()
+
+
+def test_router_is_ready_once_a_request_comes_back_from_an_engine(fake_router):
+    fake, router = fake_router
+    assert router.wait_ready(10) > 0
+    # two 503s ("No prefill workers available"), then the engines' 400 for the smoke body
+    assert len(fake.bodies) == 3 and all(b == engines.ROUTER_SMOKE_BODY for b in fake.bodies)
+    router.stop(timeout_s=5)
+    assert not router.is_running() and engines._group_members(router.proc.pid) == []
+
+
+def _routed_pair(router, require_sglang, tmp_path) -> engines.PDPair:
+    require_sglang("0.5.23")
+    pair = engines.PDPair("0.5.23", None, tmp_path / "logs")
+    pair.prefill = pair.decode = object()  # not used through the router
+    pair.router = router
+    return pair
+
+
+def test_routed_generate_sends_no_rid_and_reads_decodes_rid(fake_router, require_sglang, tmp_path):
+    fake, router = fake_router
+    router.wait_ready(10)
+    pair = _routed_pair(router, require_sglang, tmp_path)
+    r = pair.generate([5, 6, 7], tenant="acme", max_new_tokens=2)
+    body = fake.bodies[-1]
+    assert "rid" not in body and not any(k.startswith("bootstrap_") for k in body)
+    assert body["routing_key"] == body["extra_key"] == "acme" and body["stream"] is False
+    assert r.ok and r.routed and r.rid == "decode-rid-1" and r.room is None and r.prefill_status is None
+    assert (r.prompt_tokens, r.completion_tokens, r.output_ids) == (3, 2, [0, 0])
+    # a client rid goes through (both engines then use it); a room cannot be chosen
+    assert pair.generate([5, 6], rid="mine").rid == "mine" and fake.bodies[-1]["rid"] == "mine"
+    with pytest.raises(ValueError, match="bootstrap_room"):
+        pair.generate([5], room=7)
+    with pytest.raises(ValueError, match="stream"):
+        pair.generate([5], disconnect_after_chunks=2)
+
+
+def test_routed_stream_cut_mid_way_closes_the_connection(fake_router, require_sglang, tmp_path):
+    fake, router = fake_router
+    router.wait_ready(10)
+    pair = _routed_pair(router, require_sglang, tmp_path)
+    full = pair.generate([5, 6, 7], tenant="acme", stream=True)
+    assert full.ok and full.chunks == 50 and not full.disconnected and full.ttft_s is not None
+    cut = pair.generate([5, 6, 7], tenant="acme", stream=True, disconnect_after_chunks=3)
+    assert cut.disconnected and cut.chunks == 3 and cut.completion_tokens == 3 and cut.rid == "decode-rid-1"
+    deadline = time.monotonic() + 5
+    while len(fake.stream_closed_after) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert fake.stream_closed_after[0] == 50 and fake.stream_closed_after[1] < 50  # the server saw the client go
