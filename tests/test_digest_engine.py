@@ -99,7 +99,9 @@ def pd(tmp_path_factory, require_sglang):
     pair = PDPair(VERSION, ring_dir, work / "logs", prefill_pool_tokens=512, decode_pool_tokens=512,
                   context_length=CONTEXT, prefill_args=["--chunked-prefill-size", str(CHUNK)],
                   extra_env={"KVGUARD_FAULT": "flip_received_page", "KVGUARD_FAULT_DIR": str(events_dir)},
-                  extra_pythonpath=[FAULTS_DIR])
+                  extra_pythonpath=[FAULTS_DIR],
+                  # direct: each case looks its digests up by the room the client chose
+                  router=False)
     try:
         pair.start()
     except BaseException:

@@ -337,7 +337,9 @@ def pd(tmp_path_factory, require_sglang):
     t0 = time.monotonic()
     pair = PDPair(VERSION, ring_dir, work / "logs", prefill_pool_tokens=PREFILL_POOL, decode_pool_tokens=DECODE_POOL,
                   context_length=CONTEXT, extra_env=fault_env(events_dir, "send_truncated,sender_truncated"),
-                  extra_pythonpath=[FAULTS_DIR])
+                  extra_pythonpath=[FAULTS_DIR],
+                  # direct: the faults fire by rid and the checks name the room the client chose
+                  router=False)
     try:
         pair.start()
     except BaseException:
