@@ -17,7 +17,13 @@ The command reads two endpoints of each server (no request is generated):
   server actually enforces.
 
 Verified on SGLang 0.5.19 and 0.5.23 HTTP servers (same top-level fields; see
-docs/preflight.md). Exit codes, worst over all ``--url`` values:
+docs/preflight.md).
+
+A ``--url`` may also be SGLang's router (``sglang-router``; it answers ``/server_info``
+with 404): preflight lists its workers (``GET /workers``) and checks each one
+directly, one report per worker with its URL and role (sidecar/preflight_router.py).
+
+Exit codes, worst over all ``--url`` values and the workers behind them:
 
 - 0 ``safe``: pool >= context length;
 - 2 ``pool_smaller_than_context``;
@@ -44,6 +50,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from . import preflight_router as router
 from .detectors.config import PoolVsContext, severity_for
 
 EXIT_SAFE = 0
@@ -72,7 +79,14 @@ _SNIPPET = 120
 
 
 class PreflightError(Exception):
-    """The server's answer cannot be judged; the message is the one-line reason."""
+    """The server's answer cannot be judged; the message is the one-line reason.
+
+    ``status`` is the HTTP status when the server answered with one other than 200.
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 # ---------------------------------------------------------------- the report
@@ -96,6 +110,8 @@ class Report:
     server_info_context_length: int | None = None  # the launch value, often null
     model_max_len: int | None = None  # /v1/models max_model_len (effective)
     notes: list[str] = field(default_factory=list)
+    router: str | None = None  # the router URL this server was listed by (None: given directly)
+    router_worker_type: str | None = None  # its type in the router's list: prefill, decode, regular
 
     @property
     def exit_code(self) -> int:
@@ -126,6 +142,8 @@ class Report:
             "server_info_context_length": self.server_info_context_length,
             "model_max_len": self.model_max_len,
             "notes": list(self.notes),
+            "router": self.router,
+            "router_worker_type": self.router_worker_type,
         }
 
 
@@ -244,7 +262,8 @@ def _get_json(client: httpx.Client, base: str, path: str, deadline: float, timeo
         if r.status_code in (401, 403):
             hint = f" (the server wants a bearer token: --bearer-token-file or ${TOKEN_ENV})"
         body = _one_line(r.text, _SNIPPET)
-        raise PreflightError(f"GET {path} answered HTTP {r.status_code}{hint}" + (f": {body}" if body else ""))
+        raise PreflightError(f"GET {path} answered HTTP {r.status_code}{hint}" + (f": {body}" if body else ""),
+                             status=r.status_code)
     try:
         return r.json()
     except ValueError:
@@ -369,13 +388,58 @@ def _evaluate(rep: Report, info: Any, models: Any, models_error: str | None) -> 
                       f"({c.ratio:.2f}x)")
 
 
+def _probe(client: httpx.Client, base: str, deadline: float, timeout_s: float,
+           follow_router: bool) -> tuple[str, Any]:
+    """``("server", (server_info, models, models_error))`` or ``("router", GET /workers body)``.
+
+    SGLang's router answers ``/server_info`` with 404 and lists its workers at ``/workers``
+    (sidecar/preflight_router.py). Raises PreflightError when the URL is neither.
+    """
+    try:
+        info = _get_json(client, base, SERVER_INFO_PATH, deadline, timeout_s)
+    except PreflightError as exc:
+        if exc.status != 404 or not follow_router:
+            raise
+        try:
+            body = _get_json(client, base, router.WORKERS_PATH, deadline, timeout_s)
+        except PreflightError as wexc:
+            if wexc.status == 404:
+                raise PreflightError(f"{exc}; GET {router.WORKERS_PATH} answered HTTP 404 too: neither an SGLang "
+                                     f"server nor SGLang's router at this URL") from None
+            raise PreflightError(f"{exc}; as SGLang's router: {wexc}") from None
+        if not router.is_router_listing(body):
+            raise PreflightError(f"{exc}; GET {router.WORKERS_PATH} answered without a router's 'workers' list: "
+                                 f"neither an SGLang server nor SGLang's router at this URL")
+        return "router", body
+    if follow_router and isinstance(info, dict) and "max_total_num_tokens" not in info:
+        # Not a server's answer. A router that answers /server_info itself must still be
+        # checked through its workers, never judged (or passed) on its own answer.
+        try:
+            body = _get_json(client, base, router.WORKERS_PATH, deadline, timeout_s)
+        except PreflightError:
+            body = None
+        if router.is_router_listing(body):
+            return "router", body
+    models, models_error = None, None
+    try:
+        models = _get_json(client, base, MODELS_PATH, deadline, timeout_s)
+    except PreflightError as exc:
+        models_error = str(exc)
+    return "server", (info, models, models_error)
+
+
 def check(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, token: str | None = None,
-          transport: httpx.BaseTransport | None = None) -> Report:
-    """Read and judge one server. ``url`` is a raw ``--url`` value. Never raises."""
+          transport: httpx.BaseTransport | None = None, follow_router: bool = True) -> list[Report]:
+    """Read and judge one ``--url`` (a raw value). Never raises.
+
+    An SGLang server gives one report. SGLang's router gives one report per worker it
+    lists, each read directly with its own ``timeout_s`` (plus a report with role
+    ``router`` when the list is empty, malformed or lacks a prefill/decode side).
+    """
     try:
         base = normalize_url(url)
     except ValueError as exc:
-        return Report(url if isinstance(url, str) else repr(url), reason=str(exc))  # one line: repr()s
+        return [Report(url if isinstance(url, str) else repr(url), reason=str(exc))]  # one line: repr()s
     shown = display_url(base)
     headers = {"Accept": "application/json", "User-Agent": "kvguard-preflight"}
     if token:
@@ -383,19 +447,16 @@ def check(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, token: str | None =
     deadline = time.monotonic() + timeout_s
     try:
         with httpx.Client(headers=headers, timeout=timeout_s, follow_redirects=False, transport=transport) as client:
-            info = _get_json(client, base, SERVER_INFO_PATH, deadline, timeout_s)
-            models, models_error = None, None
-            try:
-                models = _get_json(client, base, MODELS_PATH, deadline, timeout_s)
-            except PreflightError as exc:
-                models_error = str(exc)
+            kind, answer = _probe(client, base, deadline, timeout_s, follow_router)
     except PreflightError as exc:
-        return Report(shown, reason=str(exc))
+        return [Report(shown, reason=_one_line(exc))]
     except Exception as exc:  # noqa: BLE001 - a gate must answer "unknown", never a traceback
-        return Report(shown, reason=f"unexpected error: {type(exc).__name__}: {_one_line(exc, 200)}")
-    rep = evaluate(shown, info, models, models_error)
+        return [Report(shown, reason=f"unexpected error: {type(exc).__name__}: {_one_line(exc, 200)}")]
+    if kind == "router":
+        return router.check_workers(shown, answer, timeout_s=timeout_s, token=token, transport=transport)
+    rep = evaluate(shown, *answer)
     rep.reason = _one_line(rep.reason)
-    return rep
+    return [rep]
 
 
 # ---------------------------------------------------------------- output
@@ -424,8 +485,14 @@ _FIX = ("Fix: give the KV cache at least the context length (drop or raise a --m
 
 def render_text(rep: Report) -> str:
     """The plain-words story of one report."""
+    behind = None
+    if rep.router is not None and rep.role != router.ROUTER_ROLE:
+        behind = f"{rep.router} (listed as {rep.router_worker_type or 'a worker of no type'})"
     if rep.verdict == UNKNOWN:
-        return f"{rep.url}: cannot tell: {rep.reason}"
+        if behind is None:
+            return f"{rep.url}: cannot tell: {rep.reason}"
+        return "\n".join([f"{rep.url}: cannot tell: {rep.reason}", f"  behind router:      {behind}"]
+                         + [f"  note: {n}" for n in rep.notes])
     word = "SAFE" if rep.verdict == SAFE else f"POOL SMALLER THAN CONTEXT ({rep.severity})"
     role = rep.role or "not reported"
     if rep.role in ("prefill", "decode"):
@@ -444,6 +511,8 @@ def render_text(rep: Report) -> str:
         "  max request input:  "
         + (f"{rep.max_req_input_len} tokens" if rep.max_req_input_len is not None else "not reported"),
     ]
+    if behind is not None:
+        lines.append(f"  behind router:      {behind}")
     if rep.verdict == SAFE:
         lines.append(
             "  means: every prompt the context length allows fits in the KV pool. The pool is shared by all "
@@ -469,15 +538,16 @@ def run(urls: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S, token_file
     try:
         token = read_token(token_file, environ)
     except ValueError as exc:
-        reports = [Report(u, reason=_one_line(exc)) for u in urls]
+        groups = [[Report(u, reason=_one_line(exc))] for u in urls]
     else:
         with ThreadPoolExecutor(max_workers=max(1, min(_MAX_WORKERS, len(urls)))) as pool:
-            reports = list(pool.map(lambda u: check(u, timeout_s=timeout_s, token=token, transport=transport), urls))
+            groups = list(pool.map(lambda u: check(u, timeout_s=timeout_s, token=token, transport=transport), urls))
+    reports = [r for g in groups for r in g]
     if as_json:
         for r in reports:
             out.write(json.dumps(r.to_json(), sort_keys=False) + "\n")
     else:
-        out.write("\n\n".join(render_text(r) for r in reports) + "\n")
+        out.write("\n\n".join(router.render_group(g) for g in groups) + "\n")
         if len(reports) > 1:
             counts = {v: sum(r.verdict == v for r in reports) for v in (SAFE, POOL_SMALLER, UNKNOWN)}
             out.write(f"\n{len(reports)} servers: {counts[SAFE]} safe, {counts[POOL_SMALLER]} pool smaller than "
@@ -522,14 +592,17 @@ def register(subparsers) -> argparse.ArgumentParser:
         help="deploy gate: compare a live SGLang server's KV pool with its context length",
         description="Read GET /server_info and GET /v1/models of each SGLang server and compare the KV pool "
                     "(max_total_num_tokens) with the context length the server enforces (max_model_len). "
-                    "Exit 0: pool >= context on every server; 2: some pool is smaller than its context; "
-                    "1: cannot tell (the reason is printed). With several --url values the worst wins (2 > 1 > 0).",
+                    "A --url of SGLang's router (sglang-router) checks every worker it lists (GET /workers), "
+                    "each directly. Exit 0: pool >= context on every server; 2: some pool is smaller than its "
+                    "context; 1: cannot tell (the reason is printed). With several servers the worst wins "
+                    "(2 > 1 > 0).",
     )
     p.add_argument("--url", action="append", required=True, metavar="URL",
-                   help="server base URL, http://HOST:PORT (repeat for each prefill and decode server)")
+                   help="server base URL, http://HOST:PORT (repeat for each prefill and decode server), or the URL "
+                        "of SGLang's router: every worker it lists is checked")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per server on stdout (url, role, pool_tokens, context_len, "
-                        "max_req_input_len, page_size, verdict, reason, ...)")
+                        "max_req_input_len, page_size, verdict, reason, ..., router)")
     p.add_argument("--timeout", type=_timeout_arg, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help=f"give each server at most this long (default {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--bearer-token-file", default=None, metavar="PATH",

@@ -61,7 +61,7 @@ _DROP = object()
 
 
 class Stub:
-    """A local HTTP server answering from ``routes``: path -> (status, body, content type[, delay_s])."""
+    """A local HTTP server answering from ``routes``: path -> (status, body, content type or None[, delay_s])."""
 
     def __init__(self) -> None:
         self.routes: dict[str, tuple] = {}
@@ -79,7 +79,8 @@ class Stub:
                     body = json.dumps(body).encode()
                 try:
                     self.send_response(status)
-                    self.send_header("Content-Type", ctype)
+                    if ctype is not None:  # SGLang's router answers 404/401 with no body and no content type
+                        self.send_header("Content-Type", ctype)
                     self.send_header("Content-Length", str(len(body)))
                     self.end_headers()
                     self.wfile.write(body)
@@ -156,7 +157,7 @@ def test_real_shapes_pool_smaller(stub, shape):
         "page_size": 4, "verdict": "pool_smaller_than_context", "reason": r["reason"], "exit_code": 2,
         "ratio": 0.125, "severity": "critical" if role == "prefill" else "warning",
         "version": shape.split("-")[0], "context_source": "/v1/models", "server_info_context_length": 2048,
-        "model_max_len": 2048, "notes": r["notes"],
+        "model_max_len": 2048, "notes": r["notes"], "router": None, "router_worker_type": None,
     }  # fmt: skip
     assert "256" in r["reason"] and "2048" in r["reason"] and "longer than 250 tokens" in r["reason"]
     # 0.5.19 predates the upstream fixes: the prefill report says so
