@@ -1,9 +1,13 @@
 """``kvguard demo``: the 2026 KV exposure on a real SGLang prefill/decode pair, caught.
 
 Starts the sidecar (in this process) on a fresh ring directory, a real SGLang
-prefill + decode pair on CPU with the kvguard plugin, replays the incident
-(sidecar/demo/scenario.py) and tells what happened in plain words: who read what,
-whose data it was, and what the client received.
+prefill + decode pair on CPU with the kvguard plugin and SGLang's router in front of
+it, replays the incident (sidecar/demo/scenario.py) through the router as clients
+send it (no request ids: each engine draws its own) and tells what happened in plain
+words: who read what, whose data it was, and what the client received.
+
+The terminal gets progress lines (stderr) and the report (stdout; JSON lines with
+``--json``); library and engine logs go to files in the work directory's ``logs``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..findings import Finding
@@ -24,6 +29,11 @@ from ..sinks.basic import MemorySink
 log = logging.getLogger("kvguard.demo")
 
 READ_KINDS = ("unwritten_read", "foreign_read", "use_after_free")
+# The demo's router: SGLang's defaults except retries. With retries the fixed release's
+# rejected prompt would be sent 5 times (each attempt a new room whose decode
+# reservation waits out SGLANG_DISAGGREGATION_WAITING_TIMEOUT): 5 orphan_transfer
+# findings and 100 s for one client request.
+DEMO_ROUTER_ARGS = ("--disable-retries",)
 
 
 def page_ranges(pages: list[int]) -> str:
@@ -54,11 +64,28 @@ def describe_client(result) -> str:
     return text
 
 
-def describe_finding(f: Finding) -> list[str]:
+def client_requests(scenario) -> dict[str, str]:
+    """decode's rid -> how the report names the client request it served ("client request 9:
+    initech's 600-token prompt"). Through the router the client chose no rid: the rid it
+    learns is decode's (meta_info id), the one decode's findings name."""
+    out = {}
+    for i, r in enumerate(scenario.requests, 1):
+        if r.result.rid:
+            out[r.result.rid] = f"client request {i}: {r.result.tenant}'s {len(r.prompt)}-token prompt"
+    return out
+
+
+def describe_finding(f: Finding, clients: dict[str, str] | None = None) -> list[str]:
+    clients = clients or {}
     lines = [f"  [{f.severity}] {f.kind} on {f.engine.role} rank {f.engine.rank} (pid {f.engine.pid})"]
     if f.reader is not None:
         lines.append(f"    reader:  request {f.reader.rid} of tenant {f.reader.tenant or '?'} "
                      f"(bootstrap_room {f.reader.bootstrap_room})")
+        if f.reader.rid in clients:
+            lines.append(f"             = {clients[f.reader.rid]}")
+        sender = f.evidence.get("sender_rid")
+        if sender:
+            lines.append(f"             prefill served that room as request {sender} (each engine drew its own rid)")
     if f.kind in READ_KINDS:
         lines.append(f"    it read {len(f.pages)} pages that were not written for it: {page_ranges(f.pages)}")
     elif f.pages:
@@ -66,7 +93,8 @@ def describe_finding(f: Finding) -> list[str]:
     if f.exposed:
         lines.append("    those pages still held the KV of earlier requests:")
         for party in f.exposed:
-            lines.append(f"      tenant {party.tenant or '?':8s} request {party.rid}: {len(party.pages)} pages "
+            seen = f" = {clients[party.rid].split(':')[0]}" if party.rid in clients else ""
+            lines.append(f"      tenant {party.tenant or '?':8s} request {party.rid}{seen}: {len(party.pages)} pages "
                          f"({page_ranges(party.pages)})")
     if f.kind == "pool_smaller_than_context":
         lines.append(f"    {f.summary}")
@@ -81,14 +109,18 @@ def tell_story(run: DemoRun, out) -> None:
     version, scenario, findings = run.version, run.scenario, run.findings
     say = lambda s="": print(s, file=out)  # noqa: E731
     long = scenario.long
+    clients = client_requests(scenario)
     say()
-    say(f"== kvguard demo: SGLang {version}, prefill/decode pair on CPU (Mooncake over TCP) ==")
+    say(f"== kvguard demo: SGLang {version}, prefill/decode pair on CPU (Mooncake over TCP) behind SGLang's router ==")
     say(f"prefill KV pool {scenario.prefill_pool_tokens} tokens, context length 2048: the pool is smaller than "
         f"the context, as in the incident; decode KV pool {scenario.decode_pool_tokens} tokens")
+    say("clients send no request ids: the router picks a bootstrap room, prefill and decode each draw their own rid")
     tenants = sorted({r.result.tenant for r in scenario.normal})
     ok = sum(r.result.ok for r in scenario.normal)
-    say(f"1. tenants {' and '.join(tenants)} sent {len(scenario.normal)} normal requests: {ok} completed normally")
-    say(f"2. tenant {long.result.tenant} sent a {long.result.prompt_len}-token prompt, longer than the prefill pool")
+    say(f"1. tenants {' and '.join(tenants)} sent {len(scenario.normal)} normal requests (client requests "
+        f"1-{len(scenario.normal)}): {ok} completed normally")
+    say(f"2. tenant {long.result.tenant} sent a {long.result.prompt_len}-token prompt, longer than the prefill pool "
+        f"(client request {len(scenario.requests)})")
     say(f"   the client received: {describe_client(long.result)}")
     if run.echo_lag and long.result.ok:
         tell_words(run, say)
@@ -101,7 +133,7 @@ def tell_story(run: DemoRun, out) -> None:
     else:
         say(f"kvguard found {len(findings)} problem(s):")
         for f in findings:
-            for line in describe_finding(f):
+            for line in describe_finding(f, clients):
                 say(line)
     say()
     if reads:
@@ -114,6 +146,10 @@ def tell_story(run: DemoRun, out) -> None:
     elif not long.result.ok:
         say("What happened: the over-length prompt was rejected with an error and no request read foreign or "
             "unwritten KV pages: this SGLang version carries the fix.")
+        if any("exceeds the maximum allowed length" in line for line in scenario.evidence.get("prefill", [])):
+            say("  (prefill refused the prompt, its log says 'exceeds the maximum allowed length'; decode, which had "
+                "reserved pages for it, waited for KV that never came and failed the request: the error the "
+                "client got through the router)")
 
 
 def expected(version: str, scenario, findings: list[Finding]) -> tuple[bool, str]:
@@ -145,21 +181,27 @@ INITECH_TEXT = "initech quarterly TPS report, draft 3: all cover sheets must be 
 
 
 def capture_incident(sglang_version: str, work: str, progress=sys.stderr, words: bool = False) -> DemoRun:
-    """Sidecar + real PD pair + the incident scenario; everything stopped on return.
+    """Sidecar + real PD pair behind SGLang's router + the incident scenario; everything
+    stopped on return.
 
     ``words``: serve the echo model (real weights whose output copies the prompt token
     ``lag`` positions back) with prompts laid out so that the leaked KV shows up as
     another tenant's words (sidecar/demo/scenario.py WORDS_DEMO, docs/echo-model.md).
+    ``progress``: where the progress lines go (a file; None: nowhere).
     """
     from .engines import PDPair
     from .scenario import WORDS_DEMO, run_incident_scenario, words_demo_prompts
+
+    def say(line: str) -> None:
+        if progress is not None:
+            print(line, file=progress, flush=True)
 
     pair_kwargs, scenario_kwargs, lag = {}, {}, None
     if words:
         from .echo_model import echo_model_dir, encode_text
 
         lag = WORDS_DEMO["lag"]
-        print(f"building the echo model (lag {lag})...", file=progress)
+        say(f"building the echo model (lag {lag}): its output copies the prompt token {lag} positions back")
         pair_kwargs = {"model_dir": echo_model_dir(lag), "load_format": "auto"}
         long_text = (INITECH_TEXT * 10)[: WORDS_DEMO["long_prompt_len"]]
         scenario_kwargs = {"normal_prompts": words_demo_prompts(), "long_prompt": encode_text(long_text),
@@ -170,12 +212,14 @@ def capture_incident(sglang_version: str, work: str, progress=sys.stderr, words:
     memory = MemorySink()
     sidecar = Sidecar(ring_dir, sinks=[memory], remove_dead_rings=False).start()
     try:
-        print(f"starting SGLang {sglang_version} prefill + decode on CPU (about a minute)... logs: {log_dir}",
-              file=progress)
-        with PDPair(sglang_version, ring_dir, log_dir, **pair_kwargs) as pair:
-            print(f"engines up in {pair.startup_s:.0f} s; replaying the incident", file=progress)
-            scenario = run_incident_scenario(pair, **scenario_kwargs)
+        say(f"starting SGLang {sglang_version} prefill + decode on CPU with the kvguard plugin (a minute or two)")
+        with PDPair(sglang_version, ring_dir, log_dir, router_args=DEMO_ROUTER_ARGS, progress=say,
+                    **pair_kwargs) as pair:
+            say(f"all up in {pair.startup_s:.0f} s; kvguard's sidecar is watching both engines")
+            say("replaying the incident through the router, as the clients sent it:")
+            scenario = run_incident_scenario(pair, progress=lambda line: say("  " + line), **scenario_kwargs)
             time.sleep(0.5)  # let the sidecar drain what the last steps wrote
+            say("stopping the router and the engines")
     finally:
         sidecar.stop()
     pipeline = sidecar.pipeline
@@ -214,21 +258,48 @@ def tell_words(run: DemoRun, say) -> None:
                 f"{decode_text([t.token for t in toks])!r}")
 
 
+@contextmanager
+def library_logs_to(path: str):
+    """Send every log record (httpx's request lines, the harness, the sidecar) to ``path``
+    instead of the terminal while the block runs."""
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.handlers = [handler]
+    try:
+        yield
+    finally:
+        root.handlers = saved
+        handler.close()
+
+
 def run_demo(sglang_version: str = "0.5.19", as_json: bool = False, workdir: str | None = None,
              keep: bool = False, words: bool = True) -> int:
+    """The demo as ``kvguard demo`` runs it. The work directory (rings, logs) is removed
+    afterwards unless it was given, ``keep`` is set, or the run failed or was unexpected."""
     work = workdir or tempfile.mkdtemp(prefix="kvguard-demo-")
+    log_dir = os.path.join(work, "logs")
+    os.makedirs(log_dir, exist_ok=True)
     t0 = time.monotonic()
+    print(f"kvguard demo on SGLang {sglang_version}; engine, router and library logs: {log_dir}", file=sys.stderr,
+          flush=True)
+    ok, why, run = False, "the demo did not finish", None
     try:
-        run = capture_incident(sglang_version, work, words=words)
+        with library_logs_to(os.path.join(log_dir, "kvguard-demo.log")):
+            run = capture_incident(sglang_version, work, words=words)
+        ok, why = expected(sglang_version, run.scenario, run.findings)
     finally:
-        if not keep and workdir is None:
+        if keep or workdir is not None or not ok:
+            if workdir is None:
+                print(f"logs kept in {log_dir}", file=sys.stderr)
+        else:
             shutil.rmtree(work, ignore_errors=True)
     if as_json:
         for f in run.findings:
             print(json.dumps(f.to_dict()), flush=True)
     else:
         tell_story(run, sys.stdout)
-    ok, why = expected(sglang_version, run.scenario, run.findings)
     print(f"demo finished in {time.monotonic() - t0:.0f} s" + ("" if ok else f"; UNEXPECTED: {why}"),
           file=sys.stderr)
     return 0 if ok else 1

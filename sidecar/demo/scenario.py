@@ -23,7 +23,7 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from sidecar.demo.engines import Engine, GenerateResult, PDPair
 
@@ -135,6 +135,15 @@ class ScenarioResult:
         }
 
 
+def _tell(progress: Callable[[str], None] | None, n: int, total: int, req: ScenarioRequest) -> None:
+    if progress is None:
+        return
+    r = req.result
+    answer = f"HTTP {r.decode_status}" if r.decode_status is not None else "no answer"
+    answer += f", {r.completion_tokens} tokens generated" if r.ok else f": {(r.error or '').strip()[:80]}"
+    progress(f"request {n}/{total}: {r.tenant}, {len(req.prompt)} tokens -> {answer} ({r.latency_s:.1f} s)")
+
+
 def collect_evidence(engine: Engine | None, patterns: tuple[str, ...], max_lines: int = 20) -> list[str]:
     """Log lines of ``engine`` matching any of ``patterns`` (first ``max_lines``)."""
     if engine is None:
@@ -169,6 +178,7 @@ def run_incident_scenario(
     normal_prompts: Sequence[Sequence[int]] | None = None,
     long_prompt: Sequence[int] | None = None,
     long_max_new_tokens: int | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> ScenarioResult:
     """Normal requests from ``normal_tenants`` (round-robin, in waves of
     ``concurrency`` at once), a pause of ``settle_s`` for decode to free their pages,
@@ -189,7 +199,9 @@ def run_incident_scenario(
     ``normal_prompts`` / ``long_prompt`` replace the random prompts (then
     ``num_normal`` / ``normal_prompt_len`` / ``long_prompt_len`` are ignored);
     ``long_max_new_tokens`` overrides ``max_new_tokens`` for the long request
-    (see :data:`WORDS_DEMO` for the echo model).
+    (see :data:`WORDS_DEMO` for the echo model). ``progress`` gets one line per request
+    answered. Requests go through ``pair.generate``: to SGLang's router with no rid when
+    the pair has one (each request's ``result.rid`` is then decode's rid).
     """
     if pair.prefill is None or pair.decode is None:
         raise RuntimeError("the PDPair is not started")
@@ -209,13 +221,19 @@ def run_incident_scenario(
             futures = [
                 pool.submit(pair.generate, p, tenant=t, max_new_tokens=max_new_tokens, stream=stream) for t, p in wave
             ]
-            requests += [ScenarioRequest("normal", f.result(), p) for f, (_, p) in zip(futures, wave)]
+            for f, (_, p) in zip(futures, wave):
+                requests.append(ScenarioRequest("normal", f.result(), p))
+                _tell(progress, len(requests), len(prompts) + 1, requests[-1])
     time.sleep(settle_s)
     long_ids = list(long_prompt) if long_prompt is not None else make_prompt(long_prompt_len, rng)
+    if progress is not None:
+        progress(f"request {len(prompts) + 1}/{len(prompts) + 1}: {long_tenant}, {len(long_ids)} tokens "
+                 f"(longer than the prefill pool)...")
     r = pair.generate(
         long_ids, tenant=long_tenant, max_new_tokens=long_max_new_tokens or max_new_tokens, stream=stream
     )
     requests.append(ScenarioRequest("long", r, long_ids))
+    _tell(progress, len(requests), len(requests), requests[-1])
     duration = time.monotonic() - t0
     evidence = {
         "prefill": collect_evidence(pair.prefill, EVIDENCE_PATTERNS["prefill"]),
