@@ -20,7 +20,8 @@ in front of SGLang 0.5.23 servers, in prefill/decode mode (``--pd-disaggregation
 
   ``worker_type`` is ``prefill``, ``decode`` or ``regular``. With ``--api-key`` on the
   router, ``/workers`` wants ``Authorization: Bearer <key>`` (401 with an empty body
-  otherwise); workers given on the router's command line share that key.
+  otherwise); per the router's README, workers given on its command line share that
+  key, so preflight sends the same token to them.
 - A worker that could not be registered (down when the router started, or still
   starting) is **absent** from the list: nothing lists the workers the router was
   told about but has not registered. Registration runs in the background after the
@@ -30,11 +31,13 @@ in front of SGLang 0.5.23 servers, in prefill/decode mode (``--pd-disaggregation
   ``is_healthy: true`` until the next health check (60 s by default). Preflight
   therefore reads every worker itself and trusts nothing the router says about it
   beyond its URL and type.
-- With ``--dp-aware`` each DP rank is listed as its own worker, ``BASE_URL@RANK``;
-  the ranks share one HTTP server, which is checked once.
+- With ``--dp-aware`` each DP rank is registered as its own worker, ``BASE_URL@RANK``
+  (from the router's source, create_dp_aware_workers; not run on CPU); the ranks
+  share one HTTP server, which is checked once.
 
-This module only parses and judges the router's list; :mod:`sidecar.preflight`
-does the HTTP and checks each worker as it checks any server.
+This module parses the router's list and checks each worker with
+:func:`sidecar.preflight.check`, as any server is checked (imported at call time:
+:mod:`sidecar.preflight` imports this module).
 """
 
 from __future__ import annotations
