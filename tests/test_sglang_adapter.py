@@ -624,10 +624,14 @@ def test_reject_and_release(probes):
 
 def test_tenant_fields(monkeypatch, probes):
     r = _req("x", routing_key=None, extra_key="ek")
-    assert rt.tenant_of(r) == ""
-    monkeypatch.setenv(rt.TENANT_FIELDS_ENV, "routing_key,extra_key")
+    monkeypatch.delenv(rt.TENANT_FIELDS_ENV, raising=False)
     rt.State.tenant_fields = rt.tenant_fields_from_env()
-    assert rt.tenant_of(r) == "ek"
+    assert rt.tenant_of(r) == "ek"  # the default reads extra_key after routing_key (what the router forwards)
+    assert rt.tenant_of(_req("y", routing_key="rk", extra_key="ek")) == "rk"
+    monkeypatch.setenv(rt.TENANT_FIELDS_ENV, "routing_key")
+    rt.State.tenant_fields = rt.tenant_fields_from_env()
+    assert rt.tenant_of(r) == ""
+    rt.State.tenant_fields = rt.DEFAULT_TENANT_FIELDS  # as the rest of the module expects
     assert rt.is_warmup(_req("HEALTH_CHECK_123")) and not rt.is_warmup(_req("abc"))
 
 

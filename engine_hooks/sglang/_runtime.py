@@ -28,7 +28,9 @@ log = logging.getLogger("kvguard.sglang")
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants (0.5.19, 0.5.23)
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils (0.5.19, 0.5.23)
 TENANT_FIELDS_ENV = "KVGUARD_SGLANG_TENANT_FIELDS"
-DEFAULT_TENANT_FIELDS = ("routing_key",)
+# routing_key: a /generate body field; extra_key: what SGLang's router (sglang-router 0.3.2)
+# still forwards to both workers of a prefill/decode pair (it drops routing_key from /generate)
+DEFAULT_TENANT_FIELDS = ("routing_key", "extra_key")
 MAX_TRACKED = 1 << 16  # bound on per-request bookkeeping (requests that never end)
 
 
