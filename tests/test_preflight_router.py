@@ -8,7 +8,6 @@ router in front of a real SGLang 0.5.23 prefill/decode pair on CPU.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import signal
@@ -427,37 +426,22 @@ def test_parse_workers_counts_types():
 # ---------------------------------------------------------------- the real router
 
 
-class _RealRouter:
-    """``python -m sglang_router.launch_router`` (test-only; its own process group)."""
+class _RegularRouter:
+    """``sglang_router.launch_router --worker-urls ...`` (regular mode; test-only: the demo
+    harness's :class:`engines.Router` is the prefill/decode one). Its own process group."""
 
-    def __init__(self, args: list[str], log_dir: Path) -> None:
+    def __init__(self, worker_urls: list[str], log_dir: Path) -> None:
         self.port = engines.free_port()
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"router-{self.port}.log"
+        self.log_path = log_dir / f"sglang-router-regular-{self.port}.log"
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "sglang_router.launch_router", *args, "--host", "127.0.0.1",
-                 "--port", str(self.port), "--prometheus-port", str(engines.free_port()),
+                [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+                 "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-port", str(engines.free_port()),
                  "--prometheus-host", "127.0.0.1"],
                 cwd=log_dir, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)  # fmt: skip
         self.url = f"http://127.0.0.1:{self.port}"
-
-    def wait_workers(self, n: int, timeout_s: float = 60.0) -> None:
-        """Until ``GET /workers`` lists ``n`` workers (the router registers them in the background)."""
-        deadline = time.monotonic() + timeout_s
-        last = "no answer"
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"router exited: {self.log_path.read_text(errors='replace')[-3000:]}"
-            try:
-                r = httpx.get(self.url + "/workers", timeout=2)
-                last = r.text[:300]
-                if r.status_code == 200 and len(r.json()["workers"]) == n:
-                    return
-            except httpx.HTTPError as exc:
-                last = repr(exc)
-            time.sleep(0.3)
-        raise AssertionError(f"router lists no {n} workers after {timeout_s:.0f} s (last: {last})")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -469,35 +453,48 @@ class _RealRouter:
                 self.proc.wait()
 
 
+def wait_workers(url: str, n: int, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Until the router at ``url`` lists ``n`` workers (it registers them in the background)."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the router at {url} exited with {proc.returncode}"
+        try:
+            r = httpx.get(url + "/workers", timeout=2)
+            last = f"HTTP {r.status_code}: {r.text[:300]}"
+            if r.status_code == 200 and len(r.json()["workers"]) == n:
+                return
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(0.3)
+    raise AssertionError(f"the router at {url} does not list {n} workers after {timeout_s:.0f} s (last: {last})")
+
+
 @pytest.mark.engine
 @pytest.mark.timeout(480)
 def test_real_router_in_front_of_sglang_0_5_23_pd(tiny_model_dir, tmp_path, require_sglang, capsys, monkeypatch):
     """Preflight through sglang-router 0.3.2 reports the prefill (pool 256 < context 2048) and
-    the decode (pool 4096) workers separately, in PD and in regular mode."""
+    the decode (pool 4096) workers separately, in PD mode and in regular mode."""
     require_sglang("0.5.23")
-    if importlib.util.find_spec("sglang_router") is None:
-        pytest.skip("sglang-router is not installed in this Python (run `make venv`: requirements/engine.lock)")
+    if missing := engines.router_available():
+        pytest.skip(missing)
     monkeypatch.delenv("KVGUARD_BEARER_TOKEN", raising=False)
     monkeypatch.delenv("KVGUARD_BEARER_TOKEN_FILE", raising=False)
     t0 = time.monotonic()
     logs = tmp_path / "logs"
     with engines.PDPair("0.5.23", None, logs, prefill_pool_tokens=256, decode_pool_tokens=4096,
-                        model_dir=tiny_model_dir, context_length=2048) as pair:
-        assert pair.prefill is not None and pair.decode is not None
-        P, D = pair.prefill.url, pair.decode.url
-        pd = _RealRouter(["--pd-disaggregation", "--prefill", P, str(pair.bootstrap_port), "--decode", D], logs)
+                        model_dir=tiny_model_dir, context_length=2048, router=True) as pair:
+        assert pair.prefill is not None and pair.decode is not None and pair.router is not None
+        P, D, R = pair.prefill.url, pair.decode.url, pair.router.url
+        wait_workers(R, 2, pair.router.proc)
+        assert httpx.get(R + "/server_info", timeout=5).status_code == 404  # what tells a router from a server
+        assert cli.main(["preflight", "--url", R, "--json"]) == 2
+        reports = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+        assert cli.main(["preflight", "--url", R]) == 2
+        text = capsys.readouterr().out
+        regular = _RegularRouter([P, D], logs)
         try:
-            pd.wait_workers(2)
-            assert httpx.get(pd.url + "/server_info", timeout=5).status_code == 404  # what detection relies on
-            assert cli.main(["preflight", "--url", pd.url, "--json"]) == 2
-            reports = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-            assert cli.main(["preflight", "--url", pd.url]) == 2
-            text = capsys.readouterr().out
-        finally:
-            pd.stop()
-        regular = _RealRouter(["--worker-urls", P, D], logs)
-        try:
-            regular.wait_workers(2)
+            wait_workers(regular.url, 2, regular.proc)
             assert cli.main(["preflight", "--url", regular.url, "--json"]) == 2
             reg_reports = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
         finally:
@@ -505,15 +502,14 @@ def test_real_router_in_front_of_sglang_0_5_23_pd(tiny_model_dir, tmp_path, requ
     assert [{k: r[k] for k in ("url", "role", "verdict", "severity", "pool_tokens", "context_len", "version",
                                "router", "router_worker_type")} for r in reports] == [
         {"url": P, "role": "prefill", "verdict": "pool_smaller_than_context", "severity": "critical",
-         "pool_tokens": 256, "context_len": 2048, "version": "0.5.23", "router": pd.url,
-         "router_worker_type": "prefill"},
+         "pool_tokens": 256, "context_len": 2048, "version": "0.5.23", "router": R, "router_worker_type": "prefill"},
         {"url": D, "role": "decode", "verdict": "safe", "severity": None, "pool_tokens": 4096, "context_len": 2048,
-         "version": "0.5.23", "router": pd.url, "router_worker_type": "decode"},
+         "version": "0.5.23", "router": R, "router_worker_type": "decode"},
     ]  # fmt: skip
     assert reports[0]["reason"].startswith("KV pool holds 256 tokens but the context length is 2048 (0.12x)")
-    assert text.startswith(f"{pd.url}: SGLang router listing 2 workers (1 prefill, 1 decode)")
+    assert text.startswith(f"{R}: SGLang router listing 2 workers (1 prefill, 1 decode)")
     assert f"{P}: POOL SMALLER THAN CONTEXT (critical)" in text and f"{D}: SAFE" in text
     # regular mode: the same two servers, typed "regular" by the router, their own roles reported
     assert sorted((r["url"], r["role"], r["verdict"], r["router_worker_type"]) for r in reg_reports) == sorted([
         (P, "prefill", "pool_smaller_than_context", "regular"), (D, "decode", "safe", "regular")])
-    print(f"engine test: {time.monotonic() - t0:.1f} s (pair start-up {pair.startup_s:.1f} s)")
+    print(f"engine test: {time.monotonic() - t0:.1f} s (pair and router start-up {pair.startup_s:.1f} s)")
