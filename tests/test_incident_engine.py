@@ -1,8 +1,11 @@
 """The incident on the real engine: SGLang 0.5.19 leaks and kvguard names the parties;
 SGLang 0.5.23 rejects the prompt, nothing is read, and decode's pages held for it are an orphan.
 
-Each test runs a real prefill + decode pair on CPU (Mooncake over TCP) with the kvguard
-plugin loaded by SGLang itself, and a real sidecar draining the rings (~1 minute each).
+Each test runs the demo's setup (sidecar/demo/run.py capture_incident): a real prefill +
+decode pair on CPU (Mooncake over TCP) with the kvguard plugin loaded by SGLang itself,
+SGLang's router (sglang-router) in front of it, and a real sidecar draining the rings
+(~1-2 minutes each). Clients send no rid: each engine draws its own, so prefill and
+decode rids differ for every request, and the findings name both.
 """
 
 import pytest
@@ -18,7 +21,10 @@ def test_sglang_0_5_19_leak_is_caught_with_the_exposed_tenants(tmp_path, require
     require_sglang("0.5.19")
     run = capture_incident("0.5.19", str(tmp_path), words=True)
     long = run.scenario.long.result
+    # through the router: decode's rids, drawn by the engine (32 hex digits), not chosen by the client
     normal_rids = {r.result.rid: r.result.tenant for r in run.scenario.normal}
+    assert all(r.result.routed and len(r.result.rid) == 32 for r in run.scenario.requests), \
+        [r.result.summary() for r in run.scenario.requests]
 
     # what a status-code check sees: success
     assert long.ok and long.prompt_tokens == 600
@@ -38,7 +44,11 @@ def test_sglang_0_5_19_leak_is_caught_with_the_exposed_tenants(tmp_path, require
     assert pools["decode"].severity == "warning" and pools["decode"].evidence["context_len"] == 2048
     (read,) = [f for f in run.findings if f.kind == "unwritten_read"]
     assert read.severity == "critical" and read.engine.role == "decode"
-    assert (read.reader.rid, read.reader.tenant, read.reader.bootstrap_room) == (long.rid, "initech", long.room)
+    # the reader is the client's request (decode's rid from the router's answer); the router chose its room
+    assert (read.reader.rid, read.reader.tenant) == (long.rid, "initech") and read.reader.bootstrap_room
+    room = read.reader.bootstrap_room
+    # prefill drew another rid for the same room: the pairing went by room alone, and the finding names both
+    assert read.evidence["sender_rid"] not in (None, long.rid) and read.evidence["sender_tenant"] == "initech"
     # decode reserved ceil(600/4) = 150 pages; the transfer filled the first; 149 were read unwritten
     assert len(read.pages) == 149
     assert read.exposed, "the stale pages must name whose data they held"
@@ -49,12 +59,15 @@ def test_sglang_0_5_19_leak_is_caught_with_the_exposed_tenants(tmp_path, require
     assert len(exposed_pages) == len(set(exposed_pages)) and set(exposed_pages) <= set(read.pages)
 
     (size,) = [f for f in run.findings if f.kind == "transfer_size_mismatch"]
-    assert size.evidence == {"sent_tokens": 1, "reserved_tokens": 600, "sent_pages": 1, "reserved_pages": 150}
+    assert size.evidence == {"sent_tokens": 1, "reserved_tokens": 600, "sent_pages": 1, "reserved_pages": 150,
+                             "sender_rid": read.evidence["sender_rid"], "sender_tenant": "initech"}
+    assert (size.reader.rid, size.reader.bootstrap_room) == (long.rid, room)
     assert sorted(size.pages) == sorted(read.pages)
     # both ends' digests (engine_hooks/digest.py): prefill hashed the 1 token it sent, decode the 600 it reserved
     (digest,) = [f for f in run.findings if f.kind == "checksum_mismatch"]
     assert digest.severity == "critical" and digest.engine.role == "decode"
-    assert (digest.reader.rid, digest.reader.tenant, digest.reader.bootstrap_room) == (long.rid, "initech", long.room)
+    assert (digest.reader.rid, digest.reader.tenant, digest.reader.bootstrap_room) == (long.rid, "initech", room)
+    assert digest.evidence["sender_rid"] == read.evidence["sender_rid"]
     assert digest.evidence["sender_tokens"] == [0, 1] and digest.evidence["receiver_tokens"] == [0, 600]
     assert digest.evidence["sender_digest"] != digest.evidence["receiver_digest"]
     assert len(digest.pages) == 150 and set(read.pages) < set(digest.pages)
@@ -65,8 +78,11 @@ def test_sglang_0_5_23_rejects_the_prompt_and_nothing_is_read(tmp_path, require_
     require_sglang("0.5.23")
     run = capture_incident("0.5.23", str(tmp_path))
     long = run.scenario.long.result
-    assert not long.ok and long.decode_status == 500 and long.prefill_status == 400
-    assert "exceeds the maximum allowed length" in (long.prefill_error or "")
+    # through the router the client gets decode's answer: its reservation waited for KV that never came
+    assert not long.ok and long.routed and long.decode_status == 500 and "WaitingForInput" in long.error
+    assert long.room is not None  # decode's error names the room (and its rid)
+    # prefill refused the prompt (the router does not relay prefill's 400 when decode fails too)
+    assert any("exceeds the maximum allowed length" in line for line in run.scenario.evidence["prefill"])
     assert all(r.result.ok for r in run.scenario.normal)
     # the configuration is as unsafe as before (pool < context); nothing was read or sent wrong, but decode
     # holds the pages it reserved for the prompt prefill rejected (until its waiting timeout): an orphan
@@ -75,6 +91,8 @@ def test_sglang_0_5_23_rejects_the_prompt_and_nothing_is_read(tmp_path, require_
     (orphan,) = [f for f in run.findings if f.kind == "orphan_transfer"]
     assert orphan.severity == "warning" and orphan.engine.role == "decode"
     assert (orphan.reader.rid, orphan.reader.tenant, orphan.reader.bootstrap_room) == (long.rid, "initech", long.room)
+    # prefill saw the same room under its own rid (it refused the prompt): both are named
+    assert orphan.evidence["sender_rid"] not in (None, long.rid) and orphan.evidence["sender_tenant"] == "initech"
     assert orphan.evidence["sender"] == "reject" and len(orphan.pages) == 150  # ceil(600 / 4)
     # the sidecar did watch: reads were judged on both engines
     assert run.records_by_kind.get("FORWARD", 0) > 0 and run.records_by_kind.get("XFER_SEND", 0) >= 8
