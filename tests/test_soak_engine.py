@@ -12,8 +12,12 @@ draining the engines' rings:
   mid-stream and while queued, streams closed by the client), and bursts of longer
   generations that outgrow the pool: SGLang retracts requests (checked in its log);
 * a prefill/decode pair over Mooncake TCP (prefill pool 512, decode pool 1024, context
-  512), ``KVGUARD_SOAK_PD_REQUESTS`` (default 300) requests from 8 client threads with
-  shared prefixes, rejections and aborts on both ends.
+  512) behind SGLang's own router (``sglang-router``), ``KVGUARD_SOAK_PD_REQUESTS``
+  (default 300) requests from 8 client threads sent to the router as users send them,
+  with no rid: each worker draws its own, so the sidecar must pair the two ends by
+  bootstrap_room. Shared prefixes, rejections, client disconnects (the router passes
+  them to both workers), aborts at decode by the rid the client learned, and clients
+  that give up before the first chunk and retry (a new room).
 
 What is asserted, per run: the clients saw what the engine should do; no record lost,
 no ring or decode error, no probe error; every probe fired; the tracker judged page
@@ -30,7 +34,6 @@ import os
 import re
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
@@ -42,8 +45,8 @@ from engine_hooks import wire
 from sidecar.demo.engines import PDPair, start_engine
 from soak.known import KnownFalseAlarm, RecordIndex, known_false_alarm
 from soak.watch import Watch
-from soak.workload import (ABORT_KINDS, PD_MIX, UNIFIED_MIX, Limits, Outcome, make_plan, mix_summary,
-                           outcome_summary, run_plan, send_pd, send_unified)
+from soak.workload import (ABORT_KINDS, ROUTED_MIX, UNIFIED_MIX, Limits, Outcome, make_plan, mix_summary,
+                           outcome_summary, run_plan, send_routed, send_unified)
 
 VERSION = "0.5.23"
 REQUESTS = int(os.environ.get("KVGUARD_SOAK_REQUESTS", "2000"))
@@ -96,6 +99,7 @@ class SoakRun:
     timings_s: dict[str, float] = field(default_factory=dict)
     logs: list[str] = field(default_factory=list)
     prefill_evidence: dict[str, Any] = field(default_factory=dict)  # Watch.prefill_evidence()
+    rids_by_room: dict[int, dict[str, set]] = field(default_factory=dict)  # room -> role -> rids (REQ_BEGIN)
 
     def summary(self) -> dict[str, Any]:
         aborted = {o.req.rid for o in self.outcomes if o.req.kind in ABORT_KINDS}
@@ -154,6 +158,10 @@ def _finish(name: str, watch: Watch, plan, outcomes, timings, logs) -> SoakRun:
         explained.append(watch.explain(f) if budget[k is not None] >= 0 else "")
     roles = {r.engine_id: wire.Role(r.body.role).name.lower() for r in records if r.kind == wire.Kind.HELLO}
     rid = {r.body.req_key: r.body.rid for r in records if r.kind == wire.Kind.REQ_BEGIN}
+    rids_by_room: dict[int, dict[str, set]] = {}
+    for r in records:
+        if r.kind == wire.Kind.REQ_BEGIN and r.body.room != wire.NO_ROOM and not r.body.warmup:
+            rids_by_room.setdefault(r.body.room, {}).setdefault(roles.get(r.engine_id), set()).add(r.body.rid)
     return SoakRun(
         name=name,
         plan_mix=mix_summary(plan),
@@ -171,6 +179,7 @@ def _finish(name: str, watch: Watch, plan, outcomes, timings, logs) -> SoakRun:
         timings_s=timings,
         logs=logs,
         prefill_evidence=prefill_evidence,
+        rids_by_room=rids_by_room,
     )
 
 
@@ -226,13 +235,11 @@ def pd_soak(tmp_path_factory, require_sglang) -> SoakRun:
             t1 = time.monotonic()
             info = pair.prefill.server_info()
             limits = Limits(CONTEXT_LEN, int(info["max_req_input_len"]))
-            plan = make_plan(PD_REQUESTS, limits, mix=PD_MIX, seed=SEED + 1, phase="pd-")
-            with ThreadPoolExecutor(PD_CONCURRENCY, thread_name_prefix="soak-prefill") as prefill_pool:
-                send = send_pd(pair.prefill.url, pair.decode.url, pair.bootstrap_port, prefill_pool, seed=SEED)
-                outcomes = run_plan(plan, send, PD_CONCURRENCY)
+            plan = make_plan(PD_REQUESTS, limits, mix=ROUTED_MIX, seed=SEED + 1, phase="pd-")
+            outcomes = run_plan(plan, send_routed(pair.router.url, pair.decode.url), PD_CONCURRENCY)
             t2 = time.monotonic()
             run = _finish("pd", watch, plan, outcomes, {"engine_startup": t1 - t0, "requests": t2 - t1},
-                          [str(pair.prefill.log_path), str(pair.decode.log_path)])
+                          [str(pair.prefill.log_path), str(pair.decode.log_path), str(pair.router.log_path)])
     run.timings_s["total"] = time.monotonic() - t0
     run.timings_s["requests_per_s"] = PD_REQUESTS / run.timings_s["requests"]
     _report(run)
@@ -245,21 +252,22 @@ EXPECTED_KINDS = ("HELLO", "REQ_BEGIN", "REQ_END", "ALLOC", "ASSIGN", "FORWARD",
 PD_KINDS = ("XFER_RESERVE", "XFER_SEND", "XFER_DONE")
 
 
-def check_clients(run: SoakRun, pd: bool) -> None:
-    """Each kind of request got what the engine should give it."""
+def check_clients(run: SoakRun, pd: bool, routed: bool = False) -> None:
+    """Each kind of request got what the engine should give it (routed: what the router
+    answered; prefill's own answer is not seen by the client)."""
     bad = []
     for o in run.outcomes:
         k = o.req.kind
         if k == "reject":
             good = o.status == 400 and "exceeds the maximum allowed length" in (o.error or "")
-            if pd:
+            if pd and not routed:
                 good = good and o.prefill_status == 400
         elif k == "too_long":
             good = o.status == 400 and "context length" in (o.error or "")
         elif k in ABORT_KINDS:
             good = o.status == 200 and o.error is None and o.finish in ("abort", "closed", "length", "stop")
         else:
-            good = o.ok and (not pd or o.prefill_status == 200)
+            good = o.ok and (not pd or routed or o.prefill_status == 200)
         if not good:
             bad.append((k, o.req.rid, len(o.req.input_ids), o.status, o.finish, o.error, o.prefill_status,
                         o.prefill_error))
@@ -268,7 +276,7 @@ def check_clients(run: SoakRun, pd: bool) -> None:
     shared = [o for o in run.outcomes if o.req.kind in ("prefix", "system")]
     hits = [o for o in shared if (o.cached_tokens or 0) > 0]
     assert len(hits) >= max(3, 0.1 * len(shared)), f"only {len(hits)} of {len(shared)} shared-prefix requests hit"
-    for kind in ("abort_api", "abort_queued"):
+    for kind in ("abort_api",) if routed else ("abort_api", "abort_queued"):
         assert any(o.req.kind == kind and o.finish == "abort" for o in run.outcomes), f"no {kind} request aborted"
 
 
@@ -292,6 +300,19 @@ def check_reads_judged(run: SoakRun) -> None:
     assert sum(e["pages_read"] for e in engines.values()) > 0, engines
     unverified = {name: e["pages_unverified"] for name, e in engines.items() if e["pages_unverified"]}
     assert not unverified, f"reads not verified (the sidecar attached before the engines: none expected) {unverified}"
+
+
+def check_rejects_routed(run: SoakRun) -> None:
+    """check_rejects for rids the engines drew: the client never learns prefill's rid, nor decode's
+    for a refused or early-closed request, so rejections are matched by count and cause: one
+    admission REJECT on each engine per prompt over max_req_input_len, any other REJECT at most one
+    per engine for each request the client aborted or closed early."""
+    over = [r for r in run.rejects if r[2] == "ADMISSION" and "exceeds the maximum allowed length" in r[3]]
+    n_over = sum(o.req.kind == "reject" for o in run.outcomes)
+    assert Counter(r[0] for r in over) == Counter({"prefill": n_over, "decode": n_over}), over
+    others = [r for r in run.rejects if r not in over]
+    n_aborted = sum(o.req.kind in (*ABORT_KINDS, "retry") for o in run.outcomes)
+    assert all(n <= n_aborted for n in Counter(r[0] for r in others).values()), (n_aborted, others[:10])
 
 
 def check_rejects(run: SoakRun, engines: int) -> None:
@@ -364,7 +385,9 @@ def test_unified_soak_prefill_evidence_covers_every_prompt(unified_soak):
 
 
 def test_pd_soak_clients_saw_the_engines_behave(pd_soak):
-    check_clients(pd_soak, pd=True)
+    check_clients(pd_soak, pd=True, routed=True)
+    kinds = Counter(o.req.kind for o in pd_soak.outcomes)
+    assert sum(kinds.values()) == PD_REQUESTS and set(kinds) == set(ROUTED_MIX), kinds
 
 
 def test_pd_soak_sidecar_lost_nothing_and_probes_all_fired(pd_soak):
@@ -372,7 +395,22 @@ def test_pd_soak_sidecar_lost_nothing_and_probes_all_fired(pd_soak):
     check_probes_fired(pd_soak, EXPECTED_KINDS + PD_KINDS)
     by_kind = pd_soak.snapshot["records_by_kind"]
     assert by_kind["HELLO"] == 2, by_kind
-    check_rejects(pd_soak, engines=2)  # prefill and decode both refuse it at admission
+    check_rejects_routed(pd_soak)  # prefill and decode both refuse it at admission
+
+
+def test_pd_soak_through_the_router_paired_every_transfer_although_the_rids_differed(pd_soak):
+    """The proof that pairing by room was exercised: the workers drew different rids for one
+    room (the client sent none), and every completed transfer was paired, none unpaired."""
+    rooms = pd_soak.rids_by_room
+    both = {room: ends for room, ends in rooms.items() if "prefill" in ends and "decode" in ends}
+    assert len(both) >= 0.8 * PD_REQUESTS, (len(both), len(rooms))
+    same = [(room, ends) for room, ends in both.items() if ends["prefill"] & ends["decode"]]
+    assert not same, f"{len(same)} rooms had one rid on both ends (the client's?): {same[:3]}"
+    t = pd_soak.snapshot["transfers"]
+    assert t["paired"] >= 0.8 * PD_REQUESTS and t["unpaired"] == 0 and t["unverified"] == 0, t
+    decode_rids = {o.engine_rid for o in pd_soak.outcomes if o.ok}
+    assert decode_rids <= {rid for ends in both.values() for rid in ends["decode"]}  # what clients saw
+    assert sum(o.attempts == 2 and o.ok for o in pd_soak.outcomes) > 0  # retried requests completed
 
 
 def test_pd_soak_reads_were_judged(pd_soak):

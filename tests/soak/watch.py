@@ -193,6 +193,9 @@ class Watch:
                          "suspects_waiting_at_end": getattr(self, "ttft_waiting_at_end", None),
                          "samples": {eid: len(m.samples) for eid, m in p.ttft_detector.models.items()}},
                 "records_read": rings.stats.records_read,
+                "transfers": {"paired": p.ledger.paired, "unverified": p.ledger.unverified,
+                              "unpaired": p.ledger.unpaired, "warmup": p.ledger.warmups,
+                              "rooms_reused": p.ledger.rooms_reused},
                 "engines": engines,
             }
 

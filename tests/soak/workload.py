@@ -2,7 +2,7 @@
 
 A plan is a seeded list of :class:`Planned` requests; :func:`run_plan` sends it
 with a pool of client threads to a plain SGLang server (``send_unified``) or to a
-prefill/decode pair (``send_pd``) and returns one :class:`Outcome` per request.
+prefill/decode pair behind SGLang's router (``send_routed``) and returns one :class:`Outcome` per request.
 
 Request kinds (``UNIFIED_MIX`` / ``PD_MIX`` give the weights; new tokens are 1-8
 unless said otherwise; token ids are random in 3..255):
@@ -27,8 +27,17 @@ abort_api      streamed, 8-64 tokens, 24-64 new; POST /abort_request after 1-3 c
 abort_close    the same; the client closes the stream after 1-3 chunks (SGLang
                aborts a disconnected stream ~2 s later, if it is still running)
 abort_queued   streamed; /abort_request right after the request is sent, usually
-               while it is still queued (PD: to both engines, before the transfer)
+               while it is still queued (PD: to both engines, before the transfer;
+               routed: the client closes the stream before its first chunk)
+retry          routed only: streamed, the client gives up before the first chunk
+               and sends the same body again (the router draws a new room)
 =============  ==================================================================
+
+Routed PD (``send_routed``, SGLang's router in front of the pair): the client sends no
+rid and no bootstrap fields, as users do; each worker draws its own rid and the router
+adds one room. The only rid the client learns is decode's (``meta_info.id``): an
+``abort_api`` request is aborted at decode with it (an operator's abort), and
+disconnects reach both workers through the router.
 
 Request ids are all the same length: SGLang's abort matches rids by *prefix*
 (``req.rid.startswith(abort.rid)``), so "soak-1" would also abort "soak-10".
@@ -81,6 +90,8 @@ PD_MIX: dict[str, float] = {
     "abort_close": 0.06,
     "abort_queued": 0.04,
 }
+# Through SGLang's router (no rids): the same, plus clients that give up and retry
+ROUTED_MIX: dict[str, float] = {**PD_MIX, "short": 0.32, "retry": 0.04}
 ABORT_KINDS = ("abort_api", "abort_close", "abort_queued")
 
 
@@ -104,7 +115,7 @@ class Planned:
 
     @property
     def stream(self) -> bool:
-        return self.kind in ABORT_KINDS
+        return self.kind in ABORT_KINDS or self.kind == "retry"
 
 
 @dataclass
@@ -120,6 +131,8 @@ class Outcome:
     latency_s: float = 0.0
     prefill_status: int | None = None  # PD only
     prefill_error: str | None = None
+    engine_rid: str | None = None  # routed: the rid decode drew (meta_info.id), the only one the client sees
+    attempts: int = 1  # routed retry: requests sent for this planned one
 
     @property
     def ok(self) -> bool:
@@ -194,6 +207,8 @@ def make_plan(n: int, limits: Limits, *, mix: dict[str, float] = UNIFIED_MIX, se
             ids = _tokens(rng, rng.randint(8, 64))
             mnt = rng.randint(24, 64)
             abort_after = 0 if kind == "abort_queued" else rng.randint(1, 3)
+        elif kind == "retry":
+            ids = (rng.choice(prefixes[tenant]) if rng.random() < 0.5 else []) + _tokens(rng, rng.randint(4, 64))
         else:
             raise ValueError(f"unknown request kind {kind!r}")
         plan.append(Planned(i, kind, _rid(phase, i), tenant, ids, mnt, abort_after))
@@ -216,15 +231,15 @@ def mix_summary(plan: Sequence[Planned]) -> dict[str, Any]:
 # ------------------------------------------------------------------ HTTP
 
 
-def body_of(p: Planned, **extra: Any) -> dict[str, Any]:
+def body_of(p: Planned, with_rid: bool = True, **extra: Any) -> dict[str, Any]:
     return {
-        "rid": p.rid,
+        **({"rid": p.rid} if with_rid else {}),
         "input_ids": p.input_ids,
         # NOTE: no ignore_eos: with it SGLang's admission reserves every new token
         # (ratio 1.0) and never has to retract. The dummy model does not stop early.
         "sampling_params": {"max_new_tokens": p.max_new_tokens, "temperature": 0.0},
         "stream": p.stream,
-        **tenant_payload(p.tenant),
+        **tenant_payload(p.tenant, routed=not with_rid),  # through the router the tenant rides in extra_key
         **extra,
     }
 
@@ -242,6 +257,7 @@ def _error_text(resp: httpx.Response) -> str:
 
 def _fill_meta(out: Outcome, body: dict[str, Any] | None) -> None:
     meta = (body or {}).get("meta_info") or {}
+    out.engine_rid = meta.get("id", out.engine_rid)
     fr = meta.get("finish_reason")
     out.finish = fr.get("type") if isinstance(fr, dict) else fr
     out.prompt_tokens = meta.get("prompt_tokens")
@@ -275,8 +291,10 @@ def _plain(client: httpx.Client, url: str, body: dict[str, Any], out: Outcome, t
 
 
 def _streamed(client: httpx.Client, url: str, abort_urls: Sequence[str], body: dict[str, Any], out: Outcome,
-              timeout_s: float) -> None:
-    """Stream; abort as the request's kind says (the abort itself is never an error)."""
+              timeout_s: float, routed: bool = False) -> None:
+    """Stream; abort as the request's kind says (the abort itself is never an error). ``routed``:
+    the client knows no rid until decode's first chunk names it, so a queued abort is a close
+    before the first chunk and ``abort_api`` aborts decode's rid at ``abort_urls``."""
     p = out.req
     last = None
     try:
@@ -286,6 +304,9 @@ def _streamed(client: httpx.Client, url: str, abort_urls: Sequence[str], body: d
                 r.read()
                 out.error = _error_text(r)
                 return
+            if routed and p.kind in ("abort_queued", "retry"):
+                out.finish = "closed"
+                return  # leaving the block closes the connection before any chunk
             if p.kind == "abort_queued":
                 for u in abort_urls:
                     post_abort(client, u, p.rid)
@@ -305,8 +326,9 @@ def _streamed(client: httpx.Client, url: str, abort_urls: Sequence[str], body: d
                 if out.chunks == p.abort_after:
                     if p.kind == "abort_close":
                         break  # leaving the block closes the connection mid-stream
+                    rid = (chunk.get("meta_info") or {}).get("id") if routed else p.rid
                     for u in abort_urls:
-                        post_abort(client, u, p.rid)
+                        post_abort(client, u, rid)
     except (httpx.HTTPError, ValueError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
     _fill_meta(out, last)
@@ -339,32 +361,22 @@ def send_unified(url: str, timeout_s: float = 300.0) -> Callable[[Planned], Outc
     return send
 
 
-def send_pd(prefill_url: str, decode_url: str, bootstrap_port: int, prefill_pool: ThreadPoolExecutor,
-            timeout_s: float = 300.0, seed: int = 0) -> Callable[[Planned], Outcome]:
-    """Like SGLang's router: the same body with one bootstrap_room to both engines at once.
-    Mid-generation aborts go to decode only (prefill has already sent everything);
-    ``abort_queued`` aborts both ends right away (bootstrap / pre-allocation / transfer)."""
-    rooms = random.Random(seed)
-    room_lock = threading.Lock()
+def send_routed(router_url: str, decode_url: str, timeout_s: float = 300.0) -> Callable[[Planned], Outcome]:
+    """As users send through SGLang's router: one request, no rid, no bootstrap fields (the
+    router adds bootstrap_host/port/room and forwards to a prefill and a decode worker)."""
 
     def send(p: Planned) -> Outcome:
-        with room_lock:
-            room = rooms.randrange(1, 2**63)
         out = Outcome(p)
         t0 = time.monotonic()
-        boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port, "bootstrap_room": room}
-        pre = Outcome(p)
-        pre_body = {**body_of(p, **boot), "stream": False}
-        # _client() is per thread: the prefill pool's threads have their own
-        fut = prefill_pool.submit(lambda: _plain(_client(), prefill_url, pre_body, pre, timeout_s))
-        body = body_of(p, **boot)
-        if p.stream:
-            targets = [decode_url, prefill_url] if p.kind == "abort_queued" else [decode_url]
-            _streamed(_client(), decode_url, targets, body, out, timeout_s)
+        body = body_of(p, with_rid=False)
+        if p.kind == "retry":  # gives up before the first chunk, then sends the same body again
+            _streamed(_client(), router_url, [], body, out, timeout_s, routed=True)
+            out = Outcome(p, attempts=2)
+            _plain(_client(), router_url, {**body, "stream": False}, out, timeout_s)
+        elif p.stream:
+            _streamed(_client(), router_url, [decode_url], body, out, timeout_s, routed=True)
         else:
-            _plain(_client(), decode_url, body, out, timeout_s)
-        fut.result()
-        out.prefill_status, out.prefill_error = pre.status, pre.error
+            _plain(_client(), router_url, body, out, timeout_s)
         out.latency_s = time.monotonic() - t0
         return out
 
