@@ -70,7 +70,9 @@ TENANT_FIELD = "routing_key"
 # NOTE: extra_key also scopes SGLang's prefix cache to the tenant (no cross-tenant
 # prefix hits), which the demo's prompts never have anyway.
 ROUTED_TENANT_FIELDS = ("routing_key", "extra_key")
-ENGINE_TENANT_FIELDS = "routing_key,extra_key"  # KVGUARD_SGLANG_TENANT_FIELDS of the engines started here
+# KVGUARD_SGLANG_TENANT_FIELDS of the engines started here (the plugin's default too; pinned
+# because the harness relies on it)
+ENGINE_TENANT_FIELDS = "routing_key,extra_key"
 
 
 def tenant_payload(tenant: str | None, routed: bool = False) -> dict[str, Any]:
