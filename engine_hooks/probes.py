@@ -24,7 +24,7 @@ import numpy as np
 
 from . import tier1 as tier1_mod
 from . import wire
-from .ring import DEFAULT_CAPACITY, RingWriter, ring_dir
+from .ring import DEFAULT_CAPACITY, RingSpaceError, RingWriter, ring_dir
 
 log = logging.getLogger("kvguard.probes")
 
@@ -70,7 +70,11 @@ def _guarded(method):
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        if not self.enabled or name in self.disabled_probes:
+        if not self.enabled:
+            if self.no_ring_reason:
+                self._dropped_for_want_of_a_ring()
+            return None
+        if name in self.disabled_probes:
             return None
         try:
             return method(self, *args, **kwargs)
@@ -83,9 +87,17 @@ def _guarded(method):
 
 
 class Probes:
-    def __init__(self, writer: RingWriter | None, page_size: int = 1):
+    """``Probes(None)`` is a no-op. With ``no_ring_reason`` (the ring could not be made: a
+    full ring volume, a bad directory) it also counts, in ``dropped_no_ring``, the probe
+    records it does not write (one per probe call), and logs the running total now and
+    then so that an engine log shows the blind engine long after its startup line."""
+
+    def __init__(self, writer: RingWriter | None, page_size: int = 1, no_ring_reason: str = ""):
         self.writer = writer
         self.enabled = writer is not None
+        self.no_ring_reason = no_ring_reason if writer is None else ""
+        self.dropped_no_ring = 0
+        self._next_drop_note = 1000
         self.page_size = page_size
         self.disabled_probes: set[str] = set()
         self.probe_errors = 0
@@ -123,6 +135,15 @@ class Probes:
         return keys
 
     # ------------------------------------------------------------------ helpers
+    def _dropped_for_want_of_a_ring(self) -> None:
+        n = self.dropped_no_ring = self.dropped_no_ring + 1
+        if n >= self._next_drop_note:
+            self._next_drop_note = n * 1000
+            try:
+                log.warning("kvguard: %d probe records dropped so far: no ring (%s)", n, self.no_ring_reason)
+            except Exception:  # noqa: BLE001 - the engine must never see our failures
+                pass
+
     def _emit(self, kind: wire.Kind, payload: bytes, flags: int = 0) -> None:
         self.calls += 1
         self.writer.write(kind, payload, flags=flags)
@@ -369,9 +390,10 @@ _probes_lock = threading.Lock()
 def get_probes() -> Probes:
     """The process-wide Probes; its ring is created on first use in ``$KVGUARD_RING_DIR``.
 
-    ``KVGUARD_DISABLE=1`` gives a no-op instance. A ring that cannot be created (bad
-    directory, bad ``KVGUARD_RING_BYTES``) is logged once and also gives a no-op
-    instance: kvguard must never stop the engine from serving.
+    ``KVGUARD_DISABLE=1`` gives a no-op instance. A ring that cannot be created (no room
+    for it on the ring volume, bad directory, bad ``KVGUARD_RING_BYTES``) is logged once
+    and also gives a no-op instance, which counts the records it drops
+    (``Probes.dropped_no_ring``): kvguard must never stop the engine from serving.
     """
     global _probes
     if _probes is not None:
@@ -389,10 +411,15 @@ def _make_probes() -> Probes:
     raw_capacity = os.environ.get("KVGUARD_RING_BYTES", str(DEFAULT_CAPACITY))
     try:
         writer = RingWriter(ring_dir(), int(raw_capacity))
+    except RingSpaceError as exc:  # a full ring volume: one line, then no-op probes that count their drops
+        log.error("kvguard: %s; KV integrity is NOT monitored in this engine process (pid %d): its probes run "
+                  "without a ring and count the records they drop. Free the ring volume (rings of exited engines "
+                  "that no sidecar removed?) or raise its size, then restart the engine", exc, os.getpid())
+        return Probes(None, no_ring_reason=str(exc))
     except (OSError, ValueError) as exc:
         log.error("kvguard: cannot create ring in %s (KVGUARD_RING_BYTES=%s): %s; probes disabled",
                   ring_dir(), raw_capacity, exc)
-        return Probes(None)
+        return Probes(None, no_ring_reason=f"cannot create ring in {ring_dir()}: {exc}")
     from engine_hooks import native  # here, not at plugin load: the engine's logging is set up by now
 
     log.info("kvguard ring %s (%d bytes); transfer digests: %s", writer.path, writer.capacity, native.status())

@@ -38,6 +38,12 @@ a reader never sees a half-written record; a producer that dies mid-record leave
 fit before the end of the data area is preceded by a PAD record (or, when fewer
 than 32 bytes remain, by nothing: readers skip such a tail) and written at offset 0.
 
+Space: the producer allocates the whole file (``posix_fallocate``) before it maps it, so
+no later store can fault for want of space (a sparse file on a full tmpfs gets the
+writer killed by SIGBUS at its first store to an unbacked page). When the space cannot
+be reserved no ring is made (``RingSpaceError``, the ``.init`` file removed): the probes
+run without a ring and count what they drop (``engine_hooks/probes.py``).
+
 Full ring: the producer drops the record, bumps ``dropped_records`` and never
 waits. The dropped record still consumed a sequence number, so the consumer sees
 exactly where the gap is.
@@ -57,6 +63,7 @@ counted corrupt bytes, never as a wrong record.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import mmap
@@ -89,6 +96,20 @@ MAX_STICKY_BYTES = HEADER_BYTES - _STICKY_OFF
 
 class RingError(RuntimeError):
     """A ring file this reader will not attach to; the message says why."""
+
+
+class RingSpaceError(OSError):
+    """The ring's space could not be reserved (``posix_fallocate``): no ring is made."""
+
+    def __init__(self, directory: str, size: int, err: int | None):
+        err = err or 0
+        name = errno.errorcode.get(err, str(err))
+        super().__init__(err, f"cannot reserve {size} bytes for a ring in {directory}: {name} "
+                              f"({os.strerror(err) if err else 'unknown error'})")
+        self.directory, self.size = directory, size
+
+    def __str__(self) -> str:
+        return self.strerror
 
 
 def ring_dir() -> str:
@@ -126,19 +147,30 @@ class RingWriter:
         # the header is written under a name readers ignore, then the file is renamed:
         # a reader never sees a ring without its header
         tmp_path = self.path + ".init"
+        size = HEADER_BYTES + capacity
         fd = os.open(tmp_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
         try:
             # group-writable whatever the umask: the sidecar may run as another user of the
             # pod's shared group, and it writes read_pos into the header
             os.fchmod(fd, 0o660)
-            os.ftruncate(fd, HEADER_BYTES + capacity)
-            self._mm = mmap.mmap(fd, HEADER_BYTES + capacity)
+            # every page of the ring is allocated now, not at its first store: a sparse file
+            # (ftruncate) on a full filesystem gets the engine killed by SIGBUS at the first
+            # write to a page the filesystem cannot back (tmpfs, a memory emptyDir)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                raise RingSpaceError(directory, size, exc.errno) from exc
+            self._mm = mmap.mmap(fd, size)
             # liveness: a shared lock held for the producer's lifetime. The kernel drops it
             # when the process dies, and unlike a pid it means the same thing in every
             # container of the pod (no shared pid namespace needed)
             fcntl.flock(fd, fcntl.LOCK_SH)
         except BaseException:
             os.close(fd)
+            try:  # a ring that could not be made leaves nothing behind (its space is given back)
+                os.unlink(tmp_path)
+            except OSError:
+                pass
             raise
         self._lock_fd = fd
         self._mm[: _FIXED.size] = _FIXED.pack(
