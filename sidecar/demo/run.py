@@ -85,7 +85,7 @@ def describe_finding(f: Finding, clients: dict[str, str] | None = None) -> list[
             lines.append(f"             = {clients[f.reader.rid]}")
         sender = f.evidence.get("sender_rid")
         if sender:
-            lines.append(f"             prefill served that room as request {sender} (each engine drew its own rid)")
+            lines.append(f"             prefill knew that room as request {sender} (each engine drew its own rid)")
     if f.kind in READ_KINDS:
         lines.append(f"    it read {len(f.pages)} pages that were not written for it: {page_ranges(f.pages)}")
     elif f.pages:
