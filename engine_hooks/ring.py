@@ -353,7 +353,9 @@ class RingReader:
         """Decode what the producer published since the last poll (at most ``max_bytes``)."""
         write_pos = int(self._u64[_WRITE_POS])
         if write_pos - self.read_pos > self.capacity or write_pos < self.read_pos:
-            self.stats.corrupt_bytes += abs(write_pos - self.read_pos)
+            # what was skipped cannot exceed what the ring holds: a garbage write_pos (2^64-ish)
+            # must not become 1.8e19 corrupt bytes
+            self.stats.corrupt_bytes += min(abs(write_pos - self.read_pos), self.capacity)
             self.stats.last_error = f"write_pos {write_pos} inconsistent with read_pos {self.read_pos}: resynchronised"
             self.read_pos = write_pos
             self._u64[_READ_POS] = write_pos
