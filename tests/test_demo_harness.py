@@ -1,4 +1,5 @@
-"""The demo harness: tiny model files, engine command lines, and one real engine."""
+"""The demo harness: tiny model files, engine and router command lines, routed requests against a
+fake router, the demo report, and one real engine."""
 
 from __future__ import annotations
 
@@ -248,3 +249,64 @@ def test_routed_stream_cut_mid_way_closes_the_connection(fake_router, require_sg
     while len(fake.stream_closed_after) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert fake.stream_closed_after[0] == 50 and fake.stream_closed_after[1] < 50  # the server saw the client go
+
+
+# ---------------------------------------------------------------- the demo's report
+
+
+def _scenario(long_rid="dec-long", long_ok=True):
+    from sidecar.demo.scenario import ScenarioRequest, ScenarioResult
+
+    def result(rid, tenant, n, ok=True):
+        return engines.GenerateResult(rid=rid, room=None, tenant=tenant, prompt_len=n, prefill_status=None,
+                                      decode_status=200 if ok else 500, routed=True,
+                                      error=None if ok else "timed out in KVPoll.WaitingForInput",
+                                      decode_json={"meta_info": {"id": rid, "prompt_tokens": n,
+                                                                 "completion_tokens": 8, "finish_reason": "length"}})
+
+    reqs = [ScenarioRequest("normal", result(f"dec-{i}", ("acme", "globex")[i % 2], 200), [5] * 200)
+            for i in range(2)]
+    reqs.append(ScenarioRequest("long", result(long_rid, "initech", 600, long_ok), [5] * 600))
+    return ScenarioResult("0.5.19", 256, 1024, 250, reqs, 1.0)
+
+
+def test_report_maps_findings_to_client_requests_by_decodes_rid():
+    import io
+
+    from sidecar.demo.run import DemoRun, tell_story
+    from sidecar.findings import EngineRef, Finding, Party
+
+    read = Finding("unwritten_read", "critical", EngineRef("decode", 0, 42), Party("dec-long", "initech", 77),
+                   [2, 3, 4], [Party("dec-0", "acme", pages=[2, 3]), Party("dec-1", "globex", pages=[4])], 0,
+                   "read unwritten", {"sender_rid": "pre-long", "sender_tenant": "initech"})
+    out = io.StringIO()
+    tell_story(DemoRun("0.5.19", _scenario(), [read], {}, 0), out)
+    text = out.getvalue()
+    assert "behind SGLang's router" in text and "(client request 3)" in text
+    assert "reader:  request dec-long of tenant initech (bootstrap_room 77)" in text
+    assert "= client request 3: initech's 600-token prompt" in text
+    assert "prefill knew that room as request pre-long" in text
+    assert "request dec-0 = client request 1: 2 pages (2-3)" in text and "dec-1 = client request 2" in text
+    assert "Whom to notify: tenant(s) acme, globex" in text
+
+
+def test_library_logs_go_to_the_demo_log_not_the_terminal(tmp_path, capsys):
+    import logging
+
+    from sidecar.demo.run import library_logs_to
+
+    root = logging.getLogger()
+    handler = logging.StreamHandler()  # what `kvguard`'s basicConfig installs: stderr
+    root.addHandler(handler)
+    level = root.level
+    root.setLevel(logging.INFO)
+    try:
+        with library_logs_to(str(tmp_path / "demo.log")):
+            logging.getLogger("httpx").info('HTTP Request: POST http://127.0.0.1:1/generate "HTTP/1.1 200 OK"')
+        logging.getLogger("kvguard.test").info("after the demo")
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    err = capsys.readouterr().err
+    assert "HTTP Request" not in err and "after the demo" in err  # the terminal's handler is back afterwards
+    assert "httpx: HTTP Request: POST" in (tmp_path / "demo.log").read_text()
