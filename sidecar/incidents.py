@@ -4,7 +4,9 @@ An incident is keyed by (kind, engine, reader) — for findings without a reader
 (double_free, events_lost, pool_smaller_than_context) by (kind, engine). Its id is
 stable (a hash of that key), so a restarted sidecar or an offline replay names the
 same incident the same way. Repeats update ``count``, ``last_seen_ns`` and the union
-of pages and exposed parties; they are not re-delivered.
+of pages and exposed parties; they are not re-delivered. An events_lost incident also
+adds up its gaps: ``evidence.records_lost`` is the total of every gap it grouped (its
+summary says so), each finding keeps its own gap's size.
 
 Resolution: a read/write incident resolves when its reader request ends (the
 condition cannot recur for that request); a config incident when the engine says
@@ -67,6 +69,8 @@ class Incident:
 
     def absorb(self, f: Finding, max_findings: int) -> None:
         self.count += 1
+        if self.kind == "events_lost":
+            self._add_gap(f)
         self.last_seen_ns = max(self.last_seen_ns, f.first_seen_ns)
         if SEVERITY_RANK.get(f.severity, 0) > SEVERITY_RANK.get(self.severity, 0):
             self.severity = f.severity
@@ -76,6 +80,21 @@ class Incident:
             entry["pages"].update(party.pages)
         if len(self.findings) < max_findings:
             self.findings.append(f.to_dict())
+
+    def _add_gap(self, f: Finding) -> None:
+        """events_lost: the incident is the engine's blind window, so its evidence and summary
+        carry the total of every gap it grouped (each finding keeps its own gap's size)."""
+        if self.count == 1:  # the evidence is the first finding's: its gap is counted already
+            self.evidence["gaps"] = 1
+        else:
+            self.evidence["records_lost"] = self.evidence.get("records_lost", 0) + f.evidence.get("records_lost", 0)
+            self.evidence["gaps"] = self.evidence.get("gaps", 1) + 1
+            self.evidence["last_missing_seq"] = f.evidence.get("first_missing_seq")
+            self.evidence["engine_records_lost_total"] = f.evidence.get("engine_records_lost_total")
+        total, gaps = self.evidence.get("records_lost", 0), self.evidence["gaps"]
+        self.summary = (f"{self.engine['role']} rank {self.engine['rank']}: {total} records lost in {gaps} "
+                        f"gap{'s' if gaps != 1 else ''} (ring full or unreadable); page ownership is unknown until "
+                        f"pages are reallocated: reads in these windows are not verified")
 
     def tenants_exposed(self) -> list[str]:
         return sorted({e["tenant"] or "?" for e in self.exposed.values()})

@@ -74,6 +74,7 @@ class Pipeline:
         self.incidents_by_kind: Counter = Counter()
         self.findings_suppressed = 0
         self.records_lost = 0
+        self.records_lost_by_engine: dict[int, int] = {}  # engine id -> records lost since first seen
         self.apply_errors = 0
 
     # ------------------------------------------------------------------ helpers
@@ -481,13 +482,17 @@ class Pipeline:
         return self._emit(found)
 
     def _on_lost(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+        """One gap (a LOST marker): its own size, and the engine's running total, go into the
+        finding; the incident that groups an engine's gaps adds them up (sidecar/incidents.py)."""
         self.records_lost += rec.body
+        total = self.records_lost_by_engine[t.engine_id] = self.records_lost_by_engine.get(t.engine_id, 0) + rec.body
         t.on_lost()
         engine = self.engine_ref(t)
-        summary = (f"{engine.role} rank {engine.rank}: {rec.body} records lost (ring full or unreadable); page ownership is "
-                   f"unknown until pages are reallocated: reads in this window are not verified")
+        summary = (f"{engine.role} rank {engine.rank}: {rec.body} records lost in this gap, {total} on this engine "
+                   f"so far (ring full or unreadable); page ownership is unknown until pages are reallocated: "
+                   f"reads in this window are not verified")
         finding = Finding("events_lost", WARNING, engine, None, [], [], rec.ts_ns, summary,
-                          {"records_lost": rec.body, "first_missing_seq": rec.seq})
+                          {"records_lost": rec.body, "first_missing_seq": rec.seq, "engine_records_lost_total": total})
         return self._emit([finding])
 
     def _prompt_pages_written(self, engine_id: int, info) -> tuple[int, int] | None:
@@ -524,6 +529,7 @@ class Pipeline:
         # judged while the engine is still here: the prefill-evidence gate reads its history
         found = self._emit(self.ttft_detector.on_engine_gone(engine_id, ts_ns))
         del self.engines[engine_id]
+        self.records_lost_by_engine.pop(engine_id, None)
         self.ledger.forget_engine(engine_id)
         if self.tracer is not None:
             self.tracer.on_engine_gone(self.engine_ref(tracker), ts_ns)
