@@ -117,6 +117,7 @@ class KVGuardCollector(Collector):
             apply_errors.add_metric([], pipeline.apply_errors)
             yield apply_errors
             yield from ttft_metrics(pipeline.ttft_detector)
+            yield from recording_metrics(getattr(svc, "recorder", None))
             yield from ledger_metrics(pipeline, getattr(svc, "shared_ledger", None))
             yield from sink_metrics(pipeline.sinks)
 
@@ -175,6 +176,30 @@ def sink_metrics(sinks):
         capacity.add_metric([sink.name], sink.max_queue)
         last.add_metric([sink.name], sink.last_success_s)
     yield from (events, retries, depth, capacity, last)
+
+
+def recording_metrics(recorder):
+    """--record-dir (sidecar/recorder.py): whether records are being recorded. A failing
+    recording (a full disk) never stops detection and is logged once per streak, so these
+    are what tells an operator that the recording has a hole. Always exported (0 with no
+    --record-dir), so that an alert and the metrics doc see one fixed set of families."""
+    stats = recorder.stats if recorder is not None else None
+    enabled = GaugeMetricFamily("kvguard_recording_enabled", "1 when the sidecar records the record stream "
+                                "(--record-dir)")
+    enabled.add_metric([], 1 if recorder is not None else 0)
+    yield enabled
+    failing = GaugeMetricFamily("kvguard_recording_failing", "1 while the recording cannot be written (full disk, "
+                                "I/O error): records are not recorded until a write succeeds again")
+    failing.add_metric([], 1 if recorder is not None and recorder.failing else 0)
+    yield failing
+    errors = CounterMetricFamily("kvguard_recording_write_errors", "Recording writes that failed (each streak is "
+                                 "logged once)")
+    errors.add_metric([], stats.write_errors if stats is not None else 0)
+    yield errors
+    missing = CounterMetricFamily("kvguard_recording_records_not_recorded", "Records applied but missing from "
+                                  "the recording (write or encode errors; replay reports the gap)")
+    missing.add_metric([], stats.records_not_recorded if stats is not None else 0)
+    yield missing
 
 
 def ttft_metrics(detector):

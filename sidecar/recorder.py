@@ -694,6 +694,12 @@ class Recorder(_Writer):
         except OSError:
             pass
 
+    @property
+    def failing(self) -> bool:
+        """True from a failed write (a full disk, a lost mount) until a segment opens again:
+        records are not being recorded (kvguard_recording_failing)."""
+        return self._failing
+
     def _unencodable(self) -> None:
         self._not_recorded(1)
 
