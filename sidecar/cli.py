@@ -69,10 +69,7 @@ def ledger_settings(args) -> dict:
 
 
 def cmd_sidecar(args) -> int:
-    import uvicorn
-
-    from .api import create_app
-    from .service import Sidecar
+    from .lockfile import RingDirBusy, lock_ring_dir
     from .sinks.basic import JsonLinesSink, LogSink
 
     sinks = [LogSink()] + ([JsonLinesSink(sys.stdout)] if args.json else [])
@@ -81,6 +78,38 @@ def cmd_sidecar(args) -> int:
     except ValueError as exc:  # bad configuration fails at start-up, naming the setting
         print(f"kvguard sidecar: {exc}", file=sys.stderr)
         return 2
+    token = load_api_token(args.api_token_file)
+    from .tracing import from_env as tracing_from_env
+
+    try:
+        tracer = tracing_from_env()  # OTEL_* variables; None (off) unless an exporter or an endpoint is set
+        ledger = ledger_settings(args)
+    except ValueError as exc:  # a bad tracing or ledger setting: named with its value
+        print(f"kvguard sidecar: {exc}", file=sys.stderr)
+        return 2
+    # one sidecar per ring directory: a second one would split every ring's records with the
+    # first. Taken before anything touches shared state (the recorder closes segments left open)
+    try:
+        lock_fd = lock_ring_dir(args.ring_dir)
+    except RingDirBusy as exc:
+        print(f"kvguard sidecar: {exc}", file=sys.stderr)
+        return 3
+    except OSError as exc:
+        print(f"kvguard sidecar: --ring-dir {args.ring_dir}: cannot create its lock file: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _run_sidecar(args, sinks, token, tracer, ledger)
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)  # the lock goes with it (the kernel would release it at exit anyway)
+
+
+def _run_sidecar(args, sinks, token, tracer, ledger: dict) -> int:
+    import uvicorn
+
+    from .api import create_app
+    from .service import Sidecar
+
     recorder = None
     if args.record_dir:
         from .recorder import Recorder, RecordingError
@@ -90,18 +119,10 @@ def cmd_sidecar(args) -> int:
         except (RecordingError, ValueError) as exc:
             print(f"kvguard sidecar: --record-dir: {exc}", file=sys.stderr)
             return 2
-    token = load_api_token(args.api_token_file)
-    from .tracing import from_env as tracing_from_env
-
-    try:
-        tracer = tracing_from_env()  # OTEL_* variables; None (off) unless an exporter or an endpoint is set
-    except ValueError as exc:
-        print(f"kvguard sidecar: {exc}", file=sys.stderr)
-        return 2
     try:
         sidecar = Sidecar(args.ring_dir, sinks=sinks, recorder=recorder, history_events=args.history_events,
                           isolate_tenants=args.isolate_tenants, tracer=tracer, ttft_anomaly=args.ttft_anomaly,
-                          **ledger_settings(args)).start()
+                          **ledger).start()
     except ValueError as exc:  # a bad ledger setting: named with its value
         print(f"kvguard sidecar: {exc}", file=sys.stderr)
         return 2
@@ -112,9 +133,16 @@ def cmd_sidecar(args) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     logging.getLogger("kvguard").info("kvguard sidecar: rings in %s, serving http://%s:%d", args.ring_dir, host, port)
     try:
+        # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again: SIGTERM
+        # reaches main()'s handler (exit 0 once this finally has run), SIGINT is a KeyboardInterrupt (130)
         server.run()
     finally:
-        sidecar.stop()
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut this short
+        try:
+            sidecar.stop()  # drain the rings, finish the recording's segment, close rings and sinks
+            logging.getLogger("kvguard").info("kvguard sidecar: stopped cleanly")
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 
@@ -197,17 +225,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+class Terminated(Exception):
+    """SIGTERM: the ordinary way to stop a service (Kubernetes, systemd). Raised out of whatever
+    runs, so that its ``finally`` blocks shut down cleanly; the process then exits 0."""
+
+
+def _terminate(signum, frame):
+    raise Terminated(f"signal {signum}")
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.func(args)
+    except Terminated:  # asked to stop, and stopped cleanly: not a failure
+        return 0
     except KeyboardInterrupt:
         return 130
 
