@@ -98,6 +98,10 @@ class RingError(RuntimeError):
     """A ring file this reader will not attach to; the message says why."""
 
 
+class RingTruncated(RingError):
+    """An attached ring's file shrank below what the reader mapped: retire it, untouched."""
+
+
 class RingSpaceError(OSError):
     """The ring's space could not be reserved (``posix_fallocate``): no ring is made."""
 
@@ -269,41 +273,58 @@ class PollResult:
 
 
 class RingReader:
-    """The consumer end of one ring file."""
+    """The consumer end of one ring file.
+
+    The ring file can shrink under the reader (truncated by anyone with write access):
+    a load from a mapped page past the new end of file is SIGBUS, which would kill the
+    whole sidecar. So the mapping is only ever touched for the header's 8-byte counters,
+    each time right after ``fstat`` showed the file still covers it (``_check``); the
+    header's fixed fields, the sticky record and the data area are copied with ``pread``,
+    which returns short instead of faulting. A ring found shorter than its mapping raises
+    ``RingTruncated`` and is never touched through the mapping again (``close`` too).
+    """
 
     def __init__(self, path: str):
         self.path = path
+        self._u64 = None
+        self.truncated = ""  # why the mapping must not be touched any more ("" while it may)
         try:
-            size = os.path.getsize(path)
-        except OSError as exc:
-            raise RingError(f"{path}: cannot stat: {exc}") from exc
-        if size < HEADER_BYTES:
-            raise RingError(f"{path}: {size} bytes, shorter than a ring header ({HEADER_BYTES})")
-        try:
-            with open(path, "r+b") as f:
-                self._mm = mmap.mmap(f.fileno(), size)
-            self._lock_fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDWR)
         except PermissionError as exc:
             raise RingError(f"{path}: permission denied ({exc.strerror}): the sidecar must be able to write the "
                             f"ring header (run it as the engine's user or group; rings are created mode 0660)") from exc
-        magic, version, header_size, capacity, pid, engine_id, start_ns, ticks = _FIXED.unpack_from(self._mm, 0)
-        problem = None
-        if magic != RING_MAGIC:
-            problem = f"bad magic {magic!r}, not a kvguard ring"
-        elif version != RING_VERSION:
-            problem = f"ring layout version {version}; this sidecar reads version {RING_VERSION}: upgrade the sidecar"
-        elif header_size != HEADER_BYTES or capacity < 4096 or capacity & (capacity - 1):
-            problem = f"implausible header (header_size {header_size}, capacity {capacity})"
-        elif size < HEADER_BYTES + capacity:
-            problem = f"file is {size} bytes, header says {HEADER_BYTES + capacity}"
-        if problem:
-            self._mm.close()
-            os.close(self._lock_fd)
-            raise RingError(f"{path}: {problem}")
+        except FileNotFoundError as exc:
+            raise RingError(f"{path}: cannot open: {exc}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES:
+                raise RingError(f"{path}: {size} bytes, shorter than a ring header ({HEADER_BYTES})")
+            fixed = os.pread(fd, _FIXED.size, 0)  # copied, not mapped: a file cut meanwhile reads short
+            if len(fixed) < _FIXED.size:
+                raise RingError(f"{path}: truncated while being attached")
+            magic, version, header_size, capacity, pid, engine_id, start_ns, ticks = _FIXED.unpack(fixed)
+            problem = None
+            if magic != RING_MAGIC:
+                problem = f"bad magic {magic!r}, not a kvguard ring"
+            elif version != RING_VERSION:
+                problem = f"ring layout version {version}; this sidecar reads version {RING_VERSION}: upgrade the sidecar"
+            elif header_size != HEADER_BYTES or capacity < 4096 or capacity & (capacity - 1):
+                problem = f"implausible header (header_size {header_size}, capacity {capacity})"
+            elif size < HEADER_BYTES + capacity:
+                problem = f"file is {size} bytes, header says {HEADER_BYTES + capacity}"
+            if problem:
+                raise RingError(f"{path}: {problem}")
+            self._size = HEADER_BYTES + capacity  # what is mapped; the file must stay at least this long
+            self._mm = mmap.mmap(fd, self._size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd = fd  # also the liveness lock's fd (see producer_alive)
         self.capacity, self.pid, self.engine_id = capacity, pid, engine_id
         self.start_ns, self.proc_start_ticks = start_ns, ticks
         self._mask = capacity - 1
         self._u64 = np.frombuffer(self._mm, dtype="<u8", count=HEADER_BYTES // 8)
+        self._check()
         self._u64[_CONSUMER_PID] = os.getpid()
         self.read_pos = int(self._u64[_READ_POS])
         # a previous consumer left read_pos and the next sequence it expected: resume there
@@ -312,13 +333,35 @@ class RingReader:
         self.stats = wire.DecodeStats()
         self.records_lost = 0
 
+    def _check(self) -> None:
+        """Raise ``RingTruncated`` unless the file still covers the whole mapping (call it
+        right before touching the mapping: a load past the end of file is SIGBUS)."""
+        if not self.truncated:
+            size = os.fstat(self._lock_fd).st_size
+            if size >= self._size:
+                return
+            self.truncated = (f"{self.path}: truncated to {size} bytes while attached (the ring is {self._size} "
+                              f"bytes): not read again")
+            self._u64 = None  # nothing may reach the mapping any more
+        raise RingTruncated(self.truncated)
+
+    def _pread(self, offset: int, length: int) -> bytes:
+        """``length`` bytes of the file at ``offset``: a copy that cannot fault."""
+        data = os.pread(self._lock_fd, length, offset)
+        if len(data) < length:
+            self._check()  # the file shrank: raises
+            raise RingTruncated(f"{self.path}: read {len(data)} of {length} bytes at offset {offset}: not read again")
+        return data
+
     @property
     def dropped_records(self) -> int:
         """The producer's own count of dropped records (includes drops before we attached)."""
+        self._check()
         return int(self._u64[_DROPPED_RECORDS])
 
     @property
     def backlog_bytes(self) -> int:
+        self._check()
         return int(self._u64[_WRITE_POS]) - self.read_pos
 
     def producer_alive(self) -> bool:
@@ -344,13 +387,17 @@ class RingReader:
 
     def sticky_records(self) -> list:
         """The header's copy of the engine's HELLO (decoded), or [] if none."""
-        (length,) = struct.unpack_from("<I", self._mm, _STICKY_LEN_OFF)
+        raw = self._pread(_STICKY_LEN_OFF, HEADER_BYTES - _STICKY_LEN_OFF)
+        (length,) = struct.unpack_from("<I", raw, 0)
         if not 0 < length <= MAX_STICKY_BYTES:
             return []
-        return wire.decode_stream(self._mm[_STICKY_OFF:_STICKY_OFF + length], wire.DecodeStats())
+        start = _STICKY_OFF - _STICKY_LEN_OFF
+        return wire.decode_stream(raw[start:start + length], wire.DecodeStats())
 
     def poll(self, max_bytes: int = 8 << 20) -> PollResult:
-        """Decode what the producer published since the last poll (at most ``max_bytes``)."""
+        """Decode what the producer published since the last poll (at most ``max_bytes``).
+        Raises ``RingTruncated`` (and reads nothing more) if the file shrank under us."""
+        self._check()
         write_pos = int(self._u64[_WRITE_POS])
         if write_pos - self.read_pos > self.capacity or write_pos < self.read_pos:
             # what was skipped cannot exceed what the ring holds: a garbage write_pos (2^64-ish)
@@ -369,10 +416,10 @@ class RingReader:
                 self.read_pos += tail
                 continue
             chunk = min(tail, write_pos - self.read_pos)
-            start = HEADER_BYTES + offset
-            data = self._mm[start : start + chunk]
+            data = self._pread(HEADER_BYTES + offset, chunk)
             records.extend(wire.decode_stream(data, self.stats, short_tail_ok=chunk == tail))
             self.read_pos += chunk
+        self._check()  # decoding took a while: the header must still be there to store read_pos
         self._u64[_READ_POS] = self.read_pos
         return self._mark_gaps(records)
 
@@ -395,8 +442,9 @@ class RingReader:
     def close(self) -> None:
         if self._u64 is not None:
             try:
+                self._check()
                 self._u64[_CONSUMER_PID] = 0
-            except (ValueError, TypeError):
+            except (RingTruncated, ValueError, TypeError, OSError):
                 pass
         self._u64 = None
         try:

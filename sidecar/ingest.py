@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine_hooks import wire
-from engine_hooks.ring import RING_SUFFIX, RingError, RingReader
+from engine_hooks.ring import RING_SUFFIX, RingError, RingReader, RingTruncated
 
 log = logging.getLogger("kvguard.ingest")
 
@@ -87,13 +87,17 @@ class RingSet:
             return
         self.readers[path] = reader
         self.stats.rings_attached += 1
-        if reader.resumed:  # the HELLO was consumed by our predecessor: replay the header's copy first
-            for rec in reader.sticky_records():
-                heapq.heappush(self._heap, (rec.ts_ns, next(self._tiebreak), rec))
-        dropped = reader.dropped_records
+        try:
+            sticky = reader.sticky_records() if reader.resumed else []
+            dropped, backlog = reader.dropped_records, reader.backlog_bytes
+        except RingTruncated as exc:  # cut between the reader's checks and these
+            self._retire_truncated(path, reader, exc)
+            return
+        for rec in sticky:  # the HELLO was consumed by our predecessor: replay the header's copy first
+            heapq.heappush(self._heap, (rec.ts_ns, next(self._tiebreak), rec))
         self.stats.dropped_before_attach[path] = dropped
         log.info("attached ring %s (engine pid %d, engine_id %d, %d bytes backlog, %d records already dropped%s)",
-                 path, reader.pid, reader.engine_id, reader.backlog_bytes, dropped,
+                 path, reader.pid, reader.engine_id, backlog, dropped,
                  f"; resuming at seq {reader.next_seq}: page state before it is unknown, reads of those pages "
                  f"are counted as unverified until the pages are reallocated" if reader.resumed else "")
 
@@ -107,18 +111,45 @@ class RingSet:
         """Drain every attached ring into the merge buffer; retire rings of dead engines."""
         self.scan()
         for path, reader in list(self.readers.items()):
-            alive = reader.producer_alive()
-            result = reader.poll()
-            self.stats.records_read += len(result.records)
-            self.stats.records_lost += result.lost
-            for rec in result.records:
-                heapq.heappush(self._heap, (rec.ts_ns, next(self._tiebreak), rec))
-            if not alive and reader.backlog_bytes == 0:
-                self._detach(path, reader)
+            try:
+                alive = reader.producer_alive()
+                result = reader.poll()
+                self.stats.records_read += len(result.records)
+                self.stats.records_lost += result.lost
+                for rec in result.records:
+                    heapq.heappush(self._heap, (rec.ts_ns, next(self._tiebreak), rec))
+                if not alive and reader.backlog_bytes == 0:
+                    self._detach(path, reader)
+            except RingTruncated as exc:  # reading its mapping now would be SIGBUS: the sidecar would die
+                self._retire_truncated(path, reader, exc)
+
+    def _retire_truncated(self, path: str, reader: RingReader, exc: RingTruncated) -> None:
+        """A ring whose file shrank under us: counted as a ring error, closed without
+        touching its mapping, its engine's state closed (no more records can come from
+        it), the file left as it is and not attached again until it changes."""
+        self._error(f"retiring ring: {exc}; engine pid {reader.pid} (engine_id {reader.engine_id}) is no longer "
+                    f"watched (kvguard never shrinks a ring: something else cut the file)")
+        self._forget(path, reader)
+        try:
+            self.refused[path] = os.path.getmtime(path)
+        except OSError:
+            pass
 
     def _detach(self, path: str, reader: RingReader) -> None:
         log.info("engine pid %d exited; ring %s drained (%d records lost in total) and %s", reader.pid, path,
                  reader.records_lost, "removed" if self.remove_dead else "kept")
+        self._forget(path, reader)
+        if self.remove_dead:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        else:
+            self.retired.add(path)
+
+    def _forget(self, path: str, reader: RingReader) -> None:
+        """Fold a retired reader's counters into the totals, close it, and let the
+        pipeline close its engine's state (``take_gone``)."""
         for reason in self.stats.retired_invalid:
             self.stats.retired_invalid[reason] += getattr(reader.stats, reason)
         self.stats.retired_corrupt_bytes += reader.stats.corrupt_bytes
@@ -128,13 +159,6 @@ class RingSet:
         del self.readers[path]
         self.gone.append(reader.engine_id)
         self.stats.rings_detached += 1
-        if self.remove_dead:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        else:
-            self.retired.add(path)
 
     def ready(self, now_ns: int | None = None, flush: bool = False) -> list[wire.Record]:
         """Records old enough to be processed in global time order (all of them if ``flush``)."""

@@ -47,7 +47,8 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     mode = sys.argv[1]
     p = probes_mod.get_probes()
-    p.hello("unified", 0, PAGE, POOL_PAGES, POOL_PAGES * PAGE, 4096, 4096, "synthetic", "0", "none")
+    p.hello("unified", 0, PAGE, POOL_PAGES, POOL_PAGES * PAGE, POOL_PAGES * PAGE, POOL_PAGES * PAGE, "synthetic", "0",
+            "none")
     calls = 1
     writer = p.writer
     if mode == "fill":

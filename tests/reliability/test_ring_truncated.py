@@ -1,0 +1,139 @@
+"""Issue 14, item 2: a ring truncated while the sidecar is attached must not kill it.
+
+The real ``kvguard sidecar`` process watches two synthetic engines (the project's own
+probes and ring writer). One ring is truncated under it, to 4 KiB (header intact, data
+area gone) or to 0 (header gone). A read of a mapped page past the end of the file is
+SIGBUS: the sidecar used to die at its next poll with nothing in its log. Now it checks
+the file's size before touching the mapping, retires that ring with an error line and
+``kvguard_ring_errors_total``, and keeps checking the healthy engine's reads.
+
+The truncation is made deterministic: the sidecar is stopped (SIGSTOP) while the victim
+writes a backlog, the victim is stopped (it still holds its ring, so it is alive to the
+sidecar), the ring is truncated, and only then does the sidecar go on (SIGCONT).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ENGINE = HERE / "synthetic_engine.py"
+KVGUARD = Path(sys.executable).parent / "kvguard"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def checked_reads(metrics: str, pid: int) -> float:
+    m = re.search(r'^kvguard_page_reads_checked_total\{[^}]*pid="%d"[^}]*\} (\S+)$' % pid, metrics, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def counter(metrics: str, name: str) -> float:
+    m = re.search(r"^%s (\S+)$" % re.escape(name), metrics, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def wait_for(what: str, cond, timeout: float, proc: subprocess.Popen, log: Path):
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"the sidecar died while waiting for {what}: {died_of(proc.returncode)}\n"
+                                 f"its log:\n{log.read_text()[-3000:]}")
+        try:
+            value = cond()
+        except httpx.HTTPError:
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}; sidecar log:\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+
+
+def died_of(rc: int) -> str:
+    return f"killed by {signal.Signals(-rc).name} (returncode {rc})" if rc < 0 else f"exit {rc}"
+
+
+@pytest.fixture
+def procs():
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in reversed(started):
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+        p.wait(timeout=10)
+        for f in (p.stdout, p.stderr):
+            if f is not None:
+                f.close()
+
+
+def start_engine(ring_dir: Path, procs: list) -> tuple[subprocess.Popen, str]:
+    env = dict(os.environ, KVGUARD_RING_DIR=str(ring_dir), KVGUARD_RING_BYTES=str(1 << 20))
+    env.pop("KVGUARD_DISABLE", None)
+    p = subprocess.Popen([sys.executable, str(ENGINE), "loop"], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True)
+    procs.append(p)
+    path = p.stdout.readline().strip()
+    assert path, "the synthetic engine made no ring"
+    return p, path
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [4096, 0], ids=["to-4KiB", "to-0"])
+def test_the_sidecar_survives_a_ring_truncated_under_it(tmp_path, procs, size):
+    ring_dir = tmp_path / "rings"
+    ring_dir.mkdir()
+    healthy, _ = start_engine(ring_dir, procs)
+    victim, victim_ring = start_engine(ring_dir, procs)
+    port = free_port()
+    log = tmp_path / "sidecar.log"
+    with open(log, "w") as out:
+        sidecar = subprocess.Popen([str(KVGUARD), "sidecar", "--ring-dir", str(ring_dir),
+                                    "--listen", f"127.0.0.1:{port}"], stdout=out, stderr=subprocess.STDOUT)
+    procs.append(sidecar)
+    url = f"http://127.0.0.1:{port}/metrics"
+
+    def metrics() -> str:
+        return httpx.get(url, timeout=2).text
+
+    wait_for("both engines' reads checked",
+             lambda: all(checked_reads(m, p.pid) > 0 for m in [metrics()] for p in (healthy, victim)), 20, sidecar,
+             log)
+
+    sidecar.send_signal(signal.SIGSTOP)  # the victim writes a backlog the sidecar has not read
+    time.sleep(0.3)
+    victim.send_signal(signal.SIGSTOP)  # still holds its ring: alive to the sidecar
+    time.sleep(0.05)
+    os.truncate(victim_ring, size)
+    sidecar.send_signal(signal.SIGCONT)
+
+    first = wait_for("a scrape after the truncation", metrics, 10, sidecar, log)
+    before = checked_reads(first, healthy.pid)
+    wait_for("the truncated ring to be retired and counted",
+             lambda: counter(metrics(), "kvguard_ring_errors_total") >= 1, 10, sidecar, log)
+    # the healthy engine's reads keep being checked
+    wait_for("the healthy engine's reads to keep being checked",
+             lambda: checked_reads(metrics(), healthy.pid) > before + 50, 10, sidecar, log)
+    text = log.read_text()
+    line = next((ln for ln in text.splitlines() if victim_ring in ln and "truncated" in ln), None)
+    assert line is not None and "ERROR" in line and f"{size} bytes" in line, text[-3000:]
+    final = metrics()
+    # refused once, not retried every scan: the file has not changed since
+    assert counter(final, "kvguard_ring_errors_total") == 1 and counter(final, "kvguard_rings_attached") == 1
+    assert sum("retiring ring" in ln for ln in text.splitlines()) == 1
+    assert sidecar.poll() is None
