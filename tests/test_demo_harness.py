@@ -300,6 +300,9 @@ def test_library_logs_go_to_the_demo_log_not_the_terminal(tmp_path, capsys):
     root.addHandler(handler)
     level = root.level
     root.setLevel(logging.INFO)
+    httpx_log = logging.getLogger("httpx")
+    httpx_level = httpx_log.level  # another test's CLI (preflight, canary) may have quietened httpx
+    httpx_log.setLevel(logging.NOTSET)
     try:
         with library_logs_to(str(tmp_path / "demo.log")):
             logging.getLogger("httpx").info('HTTP Request: POST http://127.0.0.1:1/generate "HTTP/1.1 200 OK"')
@@ -307,6 +310,7 @@ def test_library_logs_go_to_the_demo_log_not_the_terminal(tmp_path, capsys):
     finally:
         root.removeHandler(handler)
         root.setLevel(level)
+        httpx_log.setLevel(httpx_level)
     err = capsys.readouterr().err
     assert "HTTP Request" not in err and "after the demo" in err  # the terminal's handler is back afterwards
     assert "httpx: HTTP Request: POST" in (tmp_path / "demo.log").read_text()
