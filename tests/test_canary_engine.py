@@ -39,8 +39,10 @@ TENANT_A, TENANT_B = "kvguard-canary-a", "kvguard-canary-b"
 
 
 def _pair(version: str, tmp_path, ring_dir=None) -> PDPair:
+    # the canary's own router-less PD mode (--url decode --prefill-url prefill) posts to both
+    # engines itself, so no router is started in front of the pair
     return PDPair(version, ring_dir, tmp_path / "logs", model_dir=echo_model_dir(WORDS_DEMO["lag"]),
-                  load_format="auto", waiting_timeout_s=WAITING_TIMEOUT_S)
+                  load_format="auto", waiting_timeout_s=WAITING_TIMEOUT_S, router=False)
 
 
 def _canary(capsys, pair: PDPair, *extra: str) -> tuple[int, dict]:
