@@ -68,6 +68,7 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 import struct
 import threading
 import time
@@ -84,6 +85,12 @@ RING_VERSION = 1
 HEADER_BYTES = 4096
 DEFAULT_RING_DIR = "/dev/shm/kvguard"
 DEFAULT_CAPACITY = 16 << 20
+# the largest data area a ring may have: the writer refuses more, the reader refuses a header
+# claiming more (a garbage or hostile header must not make the sidecar map or copy gigabytes)
+MAX_CAPACITY = 1 << 30
+# a reader copies at most this much of the data area at once (more only for one record that is
+# longer, up to wire.MAX_RECORD_BYTES): its memory does not grow with the ring's capacity
+READ_CHUNK_BYTES = 8 << 20
 RING_SUFFIX = ".ring"
 
 _FIXED = struct.Struct("<8sIIQIIQQ")  # magic .. proc_start_ticks
@@ -133,8 +140,9 @@ def proc_start_ticks(pid: int) -> int:
 
 
 def _check_capacity(capacity: int) -> int:
-    if capacity < 4096 or capacity & (capacity - 1):
-        raise ValueError(f"KVGUARD_RING_BYTES: capacity must be a power of two >= 4096, got {capacity}")
+    if capacity < 4096 or capacity & (capacity - 1) or capacity > MAX_CAPACITY:
+        raise ValueError(f"KVGUARD_RING_BYTES: capacity must be a power of two from 4096 to {MAX_CAPACITY} "
+                         f"(1 GiB), got {capacity}")
     return capacity
 
 
@@ -289,14 +297,18 @@ class RingReader:
         self._u64 = None
         self.truncated = ""  # why the mapping must not be touched any more ("" while it may)
         try:
-            fd = os.open(path, os.O_RDWR)
+            # never through a symbolic link, never blocking (a FIFO swapped in after the caller's lstat)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except PermissionError as exc:
             raise RingError(f"{path}: permission denied ({exc.strerror}): the sidecar must be able to write the "
                             f"ring header (run it as the engine's user or group; rings are created mode 0660)") from exc
         except FileNotFoundError as exc:
             raise RingError(f"{path}: cannot open: {exc}") from exc
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise RingError(f"{path}: not a regular file (mode {st.st_mode:o})")
+            size = st.st_size
             if size < HEADER_BYTES:
                 raise RingError(f"{path}: {size} bytes, shorter than a ring header ({HEADER_BYTES})")
             fixed = os.pread(fd, _FIXED.size, 0)  # copied, not mapped: a file cut meanwhile reads short
@@ -310,6 +322,9 @@ class RingReader:
                 problem = f"ring layout version {version}; this sidecar reads version {RING_VERSION}: upgrade the sidecar"
             elif header_size != HEADER_BYTES or capacity < 4096 or capacity & (capacity - 1):
                 problem = f"implausible header (header_size {header_size}, capacity {capacity})"
+            elif capacity > MAX_CAPACITY:
+                problem = (f"implausible header: capacity {capacity} bytes, more than a ring may have "
+                           f"({MAX_CAPACITY}): not mapped")
             elif size < HEADER_BYTES + capacity:
                 problem = f"file is {size} bytes, header says {HEADER_BYTES + capacity}"
             if problem:
@@ -416,12 +431,32 @@ class RingReader:
                 self.read_pos += tail
                 continue
             chunk = min(tail, write_pos - self.read_pos)
-            data = self._pread(HEADER_BYTES + offset, chunk)
-            records.extend(wire.decode_stream(data, self.stats, short_tail_ok=chunk == tail))
-            self.read_pos += chunk
+            if chunk <= READ_CHUNK_BYTES:
+                data = self._pread(HEADER_BYTES + offset, chunk)
+                records.extend(wire.decode_stream(data, self.stats, short_tail_ok=chunk == tail))
+                self.read_pos += chunk
+            else:  # a copy no bigger than READ_CHUNK_BYTES (or one record), however much is published
+                self.read_pos += self._read_bounded(offset, chunk, records)
         self._check()  # decoding took a while: the header must still be there to store read_pos
         self._u64[_READ_POS] = self.read_pos
         return self._mark_gaps(records)
+
+    def _read_bounded(self, offset: int, avail: int, records: list) -> int:
+        """Decode the whole records at the start of ``avail`` published bytes at ``offset``
+        without copying more than ``READ_CHUNK_BYTES`` (or the one record there, when it is
+        longer); returns the bytes consumed. Bytes that start no valid record are counted
+        as corrupt up to ``avail``, exactly as one big copy would have counted them."""
+        data = self._pread(HEADER_BYTES + offset, READ_CHUNK_BYTES)
+        whole = wire.whole_records(data)
+        if whole == 0:
+            length = wire.record_length(data)
+            if not length or length > avail:
+                self.stats.corrupt_bytes += avail
+                self.stats.last_error = f"no valid record header at byte {offset} of the data area"
+                return avail
+            data, whole = self._pread(HEADER_BYTES + offset, length), length  # one record longer than a chunk
+        records.extend(wire.decode_stream(data, self.stats, end=whole))
+        return whole
 
     def _mark_gaps(self, records: list) -> PollResult:
         """Insert a LOST marker where sequence numbers jump, so state can resync there."""

@@ -598,6 +598,30 @@ def read_header(buf, pos: int, end: int) -> tuple | None:
     return head
 
 
+def record_length(buf, pos: int = 0) -> int:
+    """The length of a record whose header starts at ``pos`` when the header is structurally
+    valid (magic, alignment, at most ``MAX_RECORD_BYTES``) whether or not the whole record is in
+    ``buf``; 0 otherwise."""
+    if len(buf) - pos < HEADER_SIZE:
+        return 0
+    magic, _version, _kind, length = HEADER.unpack_from(buf, pos)[:4]
+    if magic != MAGIC or length < HEADER_SIZE or length % ALIGN or length > MAX_RECORD_BYTES:
+        return 0
+    return length
+
+
+def whole_records(buf, start: int = 0, end: int | None = None) -> int:
+    """Bytes of ``buf[start:end]`` taken by the complete, structurally valid records at its start
+    (where a bounded read of a longer stream may stop without cutting a record)."""
+    end = len(buf) if end is None else end
+    pos = start
+    while True:
+        length = record_length(buf, pos)
+        if not length or pos + length > end:
+            return pos - start
+        pos += length
+
+
 def decode_stream(buf, stats: DecodeStats, start: int = 0, end: int | None = None,
                   short_tail_ok: bool = False) -> list[Record]:
     """Decode back-to-back records from ``buf[start:end]``.
