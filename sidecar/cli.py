@@ -10,6 +10,8 @@ import sys
 
 from engine_hooks.ring import ring_dir
 
+from .ingest import DEFAULT_MAX_RINGS, fd_limit, raise_fd_limit
+
 
 def _positive_int(value: str) -> int:
     if not value.isdigit() or int(value) < 1:
@@ -119,15 +121,21 @@ def _run_sidecar(args, sinks, token, tracer, ledger: dict) -> int:
         except (RecordingError, ValueError) as exc:
             print(f"kvguard sidecar: --record-dir: {exc}", file=sys.stderr)
             return 2
+    raise_fd_limit(args.max_rings)  # the soft limit up to the hard one, as far as --max-rings needs
     try:
         sidecar = Sidecar(args.ring_dir, sinks=sinks, recorder=recorder, history_events=args.history_events,
                           isolate_tenants=args.isolate_tenants, tracer=tracer, ttft_anomaly=args.ttft_anomaly,
-                          **ledger).start()
+                          max_rings=args.max_rings, **ledger).start()
     except ValueError as exc:  # a bad ledger setting: named with its value
         print(f"kvguard sidecar: {exc}", file=sys.stderr)
         return 2
     if token is None:
         logging.getLogger("kvguard").warning("no API token configured: /v1 (incidents, timelines) answers 403")
+    cap = sidecar.rings.ring_cap
+    if cap < args.max_rings:
+        logging.getLogger("kvguard").warning(
+            "the file descriptor limit (%d) allows %d attached rings, fewer than --max-rings %d: rings past %d wait "
+            "(raise the limit: ulimit -n)", fd_limit(), cap, args.max_rings, cap)
     host, port = args.listen
     app = create_app(sidecar, api_token=token)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
@@ -201,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "never pair each other's transfers (default $KVGUARD_CLUSTER, else 'default')")
     p.add_argument("--orphan-timeout-s", type=float, default=120.0, help="report decode pages reserved for a "
                    "transfer whose prefill never reported within this many seconds (orphan_transfer; default 120)")
+    p.add_argument("--max-rings", type=_positive_int, default=DEFAULT_MAX_RINGS,
+                   help="most engine rings attached at once; more are counted in kvguard_ring_errors_total and "
+                        "wait until one detaches (default %(default)s; each ring holds 2 file descriptors, and a "
+                        "lower file descriptor limit lowers it)")
     p.add_argument("--history-events", type=_positive_int, default=1 << 20,
                    help="events kept for timelines (40 bytes each; default 1048576)")
     from .recorder import DEFAULT_MAX_BYTES, parse_bytes, parse_seconds

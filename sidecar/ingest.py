@@ -5,6 +5,15 @@ has exited (or whose pid now belongs to another process) are drained one last ti
 then closed and removed. Bad ring files are refused once with a clear log line and a
 counter, never retried until the file changes.
 
+Every ``*.ring`` entry is handled on its own, and nothing one entry does can stop the
+others: only regular files are attached (``lstat``; symbolic links are never followed,
+directories, FIFOs and devices are refused), any ``OSError`` on an entry refuses that
+entry (one log line, one count in ``kvguard_ring_errors_total``, looked at again only
+when its inode, size or mtime changes), and at most ``max_rings`` rings (fewer if the
+file descriptor limit says so; EMFILE the same) are attached: the rest wait, counted
+once, until one detaches. The directory is listed only when its mtime changed (and
+once a second), so thousands of junk entries cost nothing between changes.
+
 Records of all rings are merged by their monotonic timestamps and released only once
 they are ``slack_ns`` old, so that causally ordered events on different engines (a
 prefill send before the decode's "transfer complete") are processed in that order.
@@ -12,10 +21,13 @@ prefill send before the decode's "transfer complete") are processed in that orde
 
 from __future__ import annotations
 
+import errno
 import heapq
 import itertools
 import logging
 import os
+import resource
+import stat
 import time
 from dataclasses import dataclass, field
 
@@ -39,67 +51,192 @@ class IngestStats:
     retired_corrupt_bytes: int = 0
 
 
+# At most this many rings attached at once (``--max-rings``); the file descriptor limit may
+# lower it (each attached ring holds FDS_PER_RING descriptors, FD_RESERVE are kept for the
+# HTTP server, logs and the recording). Rings past the cap wait, counted once, until one detaches.
+DEFAULT_MAX_RINGS = 1024
+FDS_PER_RING = 2  # the ring's own fd (the liveness lock) and the one mmap keeps (a dup)
+FD_RESERVE = 128
+# the directory is listed again only when its mtime changed, and at least this often (entries
+# refused earlier are looked at again then, by (inode, size, mtime), never re-read unchanged)
+RESCAN_S = 1.0
+# a directory mtime this recent may still hide a change made in the same clock tick: list again
+MTIME_TRUST_NS = 100_000_000
+
+
+def _entry_key(st: os.stat_result) -> tuple[int, int, int]:
+    """What must change before a refused entry is looked at again."""
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _kind_of(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return f"not a regular file (mode {mode:o})"
+
+
+def fd_limit() -> int:
+    try:
+        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):
+        return 1 << 20
+
+
+def raise_fd_limit(max_rings: int) -> int:
+    """Raise the soft file descriptor limit (up to the hard one) to what ``max_rings`` rings
+    need; returns the soft limit now. Never fails: a limit it cannot raise lowers the ring cap."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = max_rings * FDS_PER_RING + FD_RESERVE
+        if soft != resource.RLIM_INFINITY and soft < want:
+            new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+            if new > soft:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+                soft = new
+    except (OSError, ValueError):
+        pass
+    return fd_limit()
+
+
 class RingSet:
-    def __init__(self, directory: str, slack_ns: int = 50_000_000, remove_dead: bool = True):
+    def __init__(self, directory: str, slack_ns: int = 50_000_000, remove_dead: bool = True,
+                 max_rings: int = DEFAULT_MAX_RINGS, rescan_s: float = RESCAN_S):
+        if max_rings < 1:
+            raise ValueError(f"--max-rings must be >= 1, got {max_rings}")
         self.directory = directory
         self.slack_ns = slack_ns
         self.remove_dead = remove_dead
+        self.max_rings = max_rings
+        self.rescan_s = rescan_s
         self.readers: dict[str, RingReader] = {}
-        self.refused: dict[str, float] = {}  # path -> mtime when refused
+        # path -> (inode, size, mtime_ns) when refused: looked at again only once that changes
+        self.refused: dict[str, tuple[int, int, int]] = {}
+        # rings not attached for want of room (the cap, or file descriptors): counted and logged
+        # once, attached when room frees up
+        self.waiting: set[str] = set()
         self.retired: set[str] = set()  # rings of exited engines left on disk (remove_dead=False): never re-read
         self.stats = IngestStats()
         self._heap: list = []
         self._tiebreak = itertools.count()
         self._warned_missing_dir = False
+        self._dir_mtime_ns: int | None = None  # the directory's mtime when it was last listed (trusted)
+        self._next_rescan = 0.0
         self.gone: list[int] = []  # engine ids retired since the last take_gone()
+
+    @property
+    def ring_cap(self) -> int:
+        """Rings that may be attached at once: ``max_rings``, lowered to what the fd limit allows."""
+        return max(1, min(self.max_rings, (fd_limit() - FD_RESERVE) // FDS_PER_RING))
 
     # ------------------------------------------------------------------ discovery
     def scan(self) -> None:
+        """Attach new rings. The directory is listed only when it changed (or every ``rescan_s``):
+        thousands of junk entries cost nothing between changes. Every entry is handled on its own:
+        whatever it is and whatever fails, the others are still attached and drained."""
+        now = time.monotonic()
         try:
+            before_ns = time.time_ns()
+            dir_mtime = os.stat(self.directory).st_mtime_ns
+            if dir_mtime == self._dir_mtime_ns and now < self._next_rescan:
+                return
             names = os.listdir(self.directory)
         except FileNotFoundError:
             if not self._warned_missing_dir:
                 log.warning("ring directory %s does not exist yet; waiting for engines", self.directory)
                 self._warned_missing_dir = True
+            self._dir_mtime_ns = None
             return
         except OSError as exc:
             self._error(f"cannot list ring directory {self.directory}: {exc}")
+            self._next_rescan = now + self.rescan_s  # said once per rescan, not every poll
+            self._dir_mtime_ns = None
             return
         self._warned_missing_dir = False
+        # a change in the same clock tick as the mtime we saw would leave it unchanged: trust it only if older
+        self._dir_mtime_ns = dir_mtime if dir_mtime < before_ns - MTIME_TRUST_NS else None
+        self._next_rescan = now + self.rescan_s
+        present = set()
+        no_fds = False
+        cap = self.ring_cap
         for name in sorted(names):
             path = os.path.join(self.directory, name)
             if not name.endswith(RING_SUFFIX) or path in self.readers or path in self.retired:
                 continue
+            present.add(path)
             try:
-                mtime = os.path.getmtime(path)
-            except OSError:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue  # gone since the listing
+            except OSError as exc:
+                self._refuse(path, None, f"cannot stat: {exc}")
                 continue
-            if self.refused.get(path) == mtime:
+            key = _entry_key(st)
+            if path in self.refused:
+                if self.refused[path] == key:
+                    continue
+                del self.refused[path]  # changed: looked at again
+            if not stat.S_ISREG(st.st_mode):
+                self._refuse(path, key, f"{_kind_of(st.st_mode)}, not a regular file: only ring files the "
+                                        f"engines create are attached (symbolic links are never followed)")
                 continue
-            self._attach(path, mtime)
+            if no_fds or len(self.readers) >= cap:
+                self._wait(path, "too many open files" if no_fds else
+                           f"{len(self.readers)} rings attached, the most this sidecar attaches at once "
+                           f"(--max-rings {self.max_rings}, file descriptor limit {fd_limit()})")
+                continue
+            no_fds = self._attach(path, key)
+        self.refused = {p: k for p, k in self.refused.items() if p in present}
+        self.waiting &= present
 
-    def _attach(self, path: str, mtime: float) -> None:
+    def _refuse(self, path: str, key: tuple | None, why: str) -> None:
+        """Refuse an entry: one log line and one count, not again until it changes."""
+        self.waiting.discard(path)
+        self.refused[path] = key if key is not None else (-1, -1, -1)
+        self._error(f"refusing ring: {path}: {why}")
+
+    def _wait(self, path: str, why: str) -> None:
+        """No room for this ring now: counted and logged once, attached when room frees up."""
+        if path not in self.waiting:
+            self.waiting.add(path)
+            self._error(f"not attaching ring {path} for now: {why}; its engine is unwatched until a ring detaches")
+
+    def _attach(self, path: str, key: tuple) -> bool:
+        """Attach one ring; True when the process ran out of file descriptors (attach no more now)."""
         try:
             reader = RingReader(path)
         except RingError as exc:
-            self.refused[path] = mtime
-            self._error(f"refusing ring: {exc}")
-            return
+            self._refuse(path, key, str(exc).removeprefix(f"{path}: "))
+            return False
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+                self._wait(path, f"{os.strerror(exc.errno)} ({errno.errorcode[exc.errno]})")
+                self._next_rescan = 0.0  # try again at the next poll that finds room
+                self._dir_mtime_ns = None
+                return True
+            self._refuse(path, key, f"cannot open: {exc}")
+            return False
+        was_waiting = path in self.waiting
+        self.waiting.discard(path)
         self.readers[path] = reader
         self.stats.rings_attached += 1
         try:
             sticky = reader.sticky_records() if reader.resumed else []
             dropped, backlog = reader.dropped_records, reader.backlog_bytes
-        except RingTruncated as exc:  # cut between the reader's checks and these
-            self._retire_truncated(path, reader, exc)
-            return
+        except (RingError, OSError) as exc:  # cut between the reader's checks and these
+            self._retire_broken(path, reader, exc)
+            return False
         for rec in sticky:  # the HELLO was consumed by our predecessor: replay the header's copy first
             heapq.heappush(self._heap, (rec.ts_ns, next(self._tiebreak), rec))
         self.stats.dropped_before_attach[path] = dropped
-        log.info("attached ring %s (engine pid %d, engine_id %d, %d bytes backlog, %d records already dropped%s)",
+        log.info("attached ring %s (engine pid %d, engine_id %d, %d bytes backlog, %d records already dropped%s%s)",
                  path, reader.pid, reader.engine_id, backlog, dropped,
                  f"; resuming at seq {reader.next_seq}: page state before it is unknown, reads of those pages "
-                 f"are counted as unverified until the pages are reallocated" if reader.resumed else "")
+                 f"are counted as unverified until the pages are reallocated" if reader.resumed else "",
+                 "; it had been waiting for room" if was_waiting else "")
+        return False
 
     def _error(self, message: str) -> None:
         self.stats.ring_errors += 1
@@ -120,18 +257,24 @@ class RingSet:
                     heapq.heappush(self._heap, (rec.ts_ns, next(self._tiebreak), rec))
                 if not alive and reader.backlog_bytes == 0:
                     self._detach(path, reader)
-            except RingTruncated as exc:  # reading its mapping now would be SIGBUS: the sidecar would die
-                self._retire_truncated(path, reader, exc)
+            except (RingError, OSError) as exc:  # RingTruncated: reading its mapping now would be SIGBUS
+                self._retire_broken(path, reader, exc)
 
-    def _retire_truncated(self, path: str, reader: RingReader, exc: RingTruncated) -> None:
-        """A ring whose file shrank under us: counted as a ring error, closed without
-        touching its mapping, its engine's state closed (no more records can come from
-        it), the file left as it is and not attached again until it changes."""
-        self._error(f"retiring ring: {exc}; engine pid {reader.pid} (engine_id {reader.engine_id}) is no longer "
-                    f"watched (kvguard never shrinks a ring: something else cut the file)")
+    def _retire_broken(self, path: str, reader: RingReader, exc: Exception) -> None:
+        """A ring that cannot be read any more (its file shrank under us, or an I/O error):
+        counted as a ring error, closed without touching its mapping, its engine's state
+        closed (no more records can come from it), the file left as it is and not attached
+        again until it changes. The other rings are not affected."""
+        if isinstance(exc, RingTruncated):
+            why = f"{exc}; engine pid {reader.pid} (engine_id {reader.engine_id}) is no longer watched (kvguard " \
+                  f"never shrinks a ring: something else cut the file)"
+        else:
+            why = f"{path}: cannot read it: {exc}; engine pid {reader.pid} (engine_id {reader.engine_id}) is no " \
+                  f"longer watched"
+        self._error(f"retiring ring: {why}")
         self._forget(path, reader)
         try:
-            self.refused[path] = os.path.getmtime(path)
+            self.refused[path] = _entry_key(os.lstat(path))
         except OSError:
             pass
 
@@ -159,6 +302,9 @@ class RingSet:
         del self.readers[path]
         self.gone.append(reader.engine_id)
         self.stats.rings_detached += 1
+        if self.waiting:  # room for a ring that was waiting: list the directory at the next poll
+            self._dir_mtime_ns = None
+            self._next_rescan = 0.0
 
     def ready(self, now_ns: int | None = None, flush: bool = False) -> list[wire.Record]:
         """Records old enough to be processed in global time order (all of them if ``flush``)."""

@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 
-from .ingest import RingSet
+from .ingest import DEFAULT_MAX_RINGS, RingSet
 from .ledger.shared import SharedLedger, parse_ledger_url
 from .pipeline import Pipeline
 
@@ -17,7 +17,8 @@ class Sidecar:
     def __init__(self, ring_dir: str, sinks=(), poll_interval_s: float = 0.01, slack_ns: int = 50_000_000,
                  remove_dead_rings: bool = True, recorder=None, history_events: int = 1 << 20,
                  isolate_tenants: bool = False, tracer=None, ttft_anomaly: bool = True,
-                 ledger: str = "memory", ledger_cluster: str = "default", orphan_timeout_s: float = 120.0):
+                 ledger: str = "memory", ledger_cluster: str = "default", orphan_timeout_s: float = 120.0,
+                 max_rings: int = DEFAULT_MAX_RINGS):
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
         if orphan_timeout_s <= 0:
@@ -27,7 +28,7 @@ class Sidecar:
         url = parse_ledger_url(ledger)
         if url is not None:
             self.shared_ledger = SharedLedger(url, cluster=ledger_cluster)
-        self.rings = RingSet(ring_dir, slack_ns=slack_ns, remove_dead=remove_dead_rings)
+        self.rings = RingSet(ring_dir, slack_ns=slack_ns, remove_dead=remove_dead_rings, max_rings=max_rings)
         self.pipeline = Pipeline(sinks, history_events=history_events, isolate_tenants=isolate_tenants,
                                  tracer=tracer, ttft_anomaly=ttft_anomaly, shared_ledger=self.shared_ledger,
                                  orphan_timeout_s=orphan_timeout_s)
