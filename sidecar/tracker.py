@@ -44,6 +44,7 @@ differential test compares against).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine_hooks import wire
+
+log = logging.getLogger("kvguard.tracker")
 
 UNKNOWN, FREE, ALLOCATED, OWNED, CACHED = 0, 1, 2, 3, 4
 STATE_NAMES = {UNKNOWN: "unknown", FREE: "free", ALLOCATED: "allocated", OWNED: "owned", CACHED: "cached"}
@@ -61,6 +64,12 @@ MAX_PAGES = 1 << 22  # 4M pages (256M tokens at page size 64): beyond any real p
 # a row entry's gen and prefix-cache flag share a u32 (Row.gen_shared): gens wrap at 2**31
 GEN_MASK = np.uint32(0x7FFFFFFF)
 SHARED_BIT = np.uint32(0x80000000)
+# A request's row has one entry per page of its context: an ASSIGN placing pages past what the
+# engine can hold (its HELLO's context length or pool, whichever is larger, plus ROW_SLACK_PAGES)
+# is skipped and its pages counted in ``pages_out_of_range``: one 40-byte record must not make the
+# sidecar allocate gigabytes of row. Before any HELLO, rows are bounded by ROW_ENTRIES_BEFORE_HELLO.
+ROW_SLACK_PAGES = 1024
+ROW_ENTRIES_BEFORE_HELLO = 1 << 20
 KEYS_COMPACT_MIN = 1024  # request keys a pool's KeyTable holds before it first drops unnamed ones
 
 JUDGE_ENV = "KVGUARD_JUDGE"
@@ -531,6 +540,8 @@ class EngineTracker:
         self._next_retire_ns = 0
         self.incremental = INCREMENTAL_JUDGE  # judge only what changed (False: every page every time)
         self.judge_epoch = 0  # bumped to drop every row's clean prefix at once
+        self.row_limit = ROW_ENTRIES_BEFORE_HELLO  # row entries (pages) a request may have (on_hello)
+        self.assigns_out_of_range = 0  # ASSIGNs skipped for it (their pages are in pages_out_of_range)
 
     # ------------------------------------------------------------------ lifecycle
     def retire_idle_requests(self, now_ns: int, idle_ns: int = IDLE_REQUEST_NS) -> int:
@@ -550,6 +561,8 @@ class EngineTracker:
         self.pool.limit = min(hello.pool_pages + 1 + 1024, MAX_PAGES)
         self.pool.ensure(np.array([min(hello.pool_pages, self.pool.limit - 1)], np.int64))
         self.pool.changes_overflow = True  # page size and limit may differ: judge everything again
+        tokens = max(hello.context_len, hello.pool_tokens, hello.pool_pages * hello.page_size)
+        self.row_limit = min(-(-tokens // max(self.page_size, 1)) + ROW_SLACK_PAGES, MAX_PAGES)
 
     def on_lost(self) -> None:
         self.pool.forget_all()
@@ -639,6 +652,9 @@ class EngineTracker:
         return shared or int(pool.state[page]) != ALLOCATED  # an ALLOCATED page would be claimed now
 
     def on_assign(self, a: wire.Assign) -> None:
+        if a.row_start // self.page_size + len(a.pages) > self.row_limit or a.row_end > self.row_limit * self.page_size:
+            self._assign_out_of_range(a)
+            return
         if self._assign_changes_nothing(a):
             self.requests.get_or_stub(a.req_key)
             return
@@ -665,6 +681,18 @@ class EngineTracker:
         pool.changed(claim)
         pool.state[claim] = OWNED
         pool.owner_slot[claim] = self._slot(a.req_key, row)
+
+    def _assign_out_of_range(self, a: wire.Assign) -> None:
+        """Skip an ASSIGN whose positions lie past any row this engine can have (counted, its first
+        one logged): the row it asks for is never allocated."""
+        self.pool.pages_out_of_range += max(len(a.pages), 1)
+        self.assigns_out_of_range += 1
+        if self.assigns_out_of_range == 1:
+            log.warning("engine %d: ASSIGN of request key %016x places %d pages at row positions [%d, %d), past the "
+                        "%d tokens a row can hold (the HELLO's context length or pool%s): skipped and counted in "
+                        "kvguard_page_ids_out_of_range_total (logged once per engine)", self.engine_id, a.req_key,
+                        len(a.pages), a.row_start, a.row_end, self.row_limit * self.page_size,
+                        "" if self.hello is not None else "; no HELLO seen yet")
 
     def check_write(self, req_key: int, pages: np.ndarray, require_known_writer: bool = True) -> WriteVerdict | None:
         """Judge KV writes before they are applied (None: nothing to judge). A late transfer
