@@ -124,6 +124,7 @@ class RingSet:
         self._warned_missing_dir = False
         self._dir_mtime_ns: int | None = None  # the directory's mtime when it was last listed (trusted)
         self._next_rescan = 0.0
+        self._list_error_until = 0.0
         self.gone: list[int] = []  # engine ids retired since the last take_gone()
 
     @property
@@ -150,22 +151,31 @@ class RingSet:
             self._dir_mtime_ns = None
             return
         except OSError as exc:
-            self._error(f"cannot list ring directory {self.directory}: {exc}")
-            self._next_rescan = now + self.rescan_s  # said once per rescan, not every poll
+            if now >= self._list_error_until:  # said (and counted) once per rescan, not every poll
+                self._error(f"cannot list ring directory {self.directory}: {exc}")
+                self._list_error_until = now + self.rescan_s
             self._dir_mtime_ns = None
             return
         self._warned_missing_dir = False
         # a change in the same clock tick as the mtime we saw would leave it unchanged: trust it only if older
         self._dir_mtime_ns = dir_mtime if dir_mtime < before_ns - MTIME_TRUST_NS else None
-        self._next_rescan = now + self.rescan_s
+        # a full scan looks at refused and waiting entries again; between them only new names cost anything
+        full = now >= self._next_rescan
+        if full:
+            self._next_rescan = now + self.rescan_s
         present = set()
         no_fds = False
         cap = self.ring_cap
         for name in sorted(names):
+            if not name.endswith(RING_SUFFIX):
+                continue
             path = os.path.join(self.directory, name)
-            if not name.endswith(RING_SUFFIX) or path in self.readers or path in self.retired:
+            if path in self.readers or path in self.retired:
                 continue
             present.add(path)
+            if path in self.refused or path in self.waiting:
+                if not full or (path in self.waiting and (no_fds or len(self.readers) >= cap)):
+                    continue  # unchanged, or still no room: no system call for it
             try:
                 st = os.lstat(path)
             except FileNotFoundError:
@@ -188,8 +198,9 @@ class RingSet:
                            f"(--max-rings {self.max_rings}, file descriptor limit {fd_limit()})")
                 continue
             no_fds = self._attach(path, key)
-        self.refused = {p: k for p, k in self.refused.items() if p in present}
-        self.waiting &= present
+        if full:  # entries gone from the directory are forgotten (a later file of that name is new)
+            self.refused = {p: k for p, k in self.refused.items() if p in present}
+            self.waiting &= present
 
     def _refuse(self, path: str, key: tuple | None, why: str) -> None:
         """Refuse an entry: one log line and one count, not again until it changes."""
@@ -213,9 +224,7 @@ class RingSet:
         except OSError as exc:
             if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
                 self._wait(path, f"{os.strerror(exc.errno)} ({errno.errorcode[exc.errno]})")
-                self._next_rescan = 0.0  # try again at the next poll that finds room
-                self._dir_mtime_ns = None
-                return True
+                return True  # tried again at the next full scan, or when a ring detaches
             self._refuse(path, key, f"cannot open: {exc}")
             return False
         was_waiting = path in self.waiting
