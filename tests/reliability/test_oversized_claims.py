@@ -122,3 +122,30 @@ def test_a_huge_ring_header_never_becomes_resident_memory(tmp_path, procs, capac
             assert counter(final, "kvguard_rings_attached") == 2
     finally:
         os.close(fd)
+
+
+def test_a_backlog_larger_than_one_copy_is_read_whole_records_at_a_time(tmp_path):
+    """The bounded copy (8 MiB at a time) never cuts a record: a 32 MiB ring holding 12 MiB of
+    small records and one 10 MB record reads back every record, in order, with nothing corrupt."""
+    from engine_hooks.ring import READ_CHUNK_BYTES, RingReader
+
+    w = RingWriter(str(tmp_path), 32 << 20, engine_id=7)
+    small = np.arange(1000, dtype=np.int64)
+    sizes = []
+    for i in range(3000):  # ~4 KB each
+        sizes.append(1000)
+        assert w.write(wire.Kind.ALLOC, wire.pages_payload(small + i))
+        if i == 1500:
+            big = np.arange(2_500_000, dtype=np.int64)  # one record longer than a copy
+            assert len(wire.pages_payload(big)) > READ_CHUNK_BYTES
+            sizes.append(len(big))
+            assert w.write(wire.Kind.ALLOC, wire.pages_payload(big))
+    r = RingReader(w.path)
+    got = []
+    while r.backlog_bytes:
+        got += [rec for rec in r.poll(max_bytes=64 << 20).records]
+    assert [len(rec.body.pages) for rec in got] == sizes
+    assert [rec.seq for rec in got] == list(range(len(sizes)))
+    assert r.stats.corrupt_bytes == 0 and r.stats.bad_payload == 0 and r.records_lost == 0
+    r.close()
+    w.close(unlink=True)
