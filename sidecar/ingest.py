@@ -79,10 +79,12 @@ def _kind_of(mode: int) -> str:
 
 
 def fd_limit() -> int:
+    """The soft file descriptor limit (1 << 20 when unlimited or unknown)."""
     try:
-        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     except (OSError, ValueError):
         return 1 << 20
+    return 1 << 20 if soft == resource.RLIM_INFINITY or soft < 0 else soft
 
 
 def raise_fd_limit(max_rings: int) -> int:

@@ -153,3 +153,14 @@ def test_thousands_of_junk_entries_are_refused_once_and_cost_no_cpu_afterwards(t
     assert sum("refusing ring" in ln for ln in sidecar.log_text().splitlines()) == n
     # before the fix every poll (100 a second) stat()ed every entry: 64% of a core for 5,000
     assert with_junk - baseline < 0.1, f"{with_junk:.0%} of a core with {n} junk entries, {baseline:.0%} without"
+
+
+def test_an_unlimited_fd_limit_leaves_the_cap_at_max_rings(monkeypatch):
+    import resource
+
+    from sidecar.ingest import RingSet
+
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert RingSet("/nonexistent", max_rings=1024).ring_cap == 1024  # RLIM_INFINITY is -1: not a cap of 1
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (256, 256))
+    assert RingSet("/nonexistent", max_rings=1024).ring_cap == 64  # (256 - 128 reserved) / 2 per ring
