@@ -124,18 +124,20 @@ class KVGuardCollector(Collector):
 
 def ledger_metrics(pipeline, shared):
     """The transfer ledger (sidecar/ledger): pairing outcomes per receiving engine and the shared
-    ledger's health. Every decode engine has all four outcome series from its HELLO on (zeros
-    included), so an alert on ``unpaired`` sees the first one as an increase."""
+    ledger's health. Every engine has all four outcome series from its HELLO on, zeros included
+    (only decode engines receive; the others' stay at 0, as the zero series of every panel and
+    alert expect), so an alert on ``unpaired`` sees the first one as an increase."""
     ledger = pipeline.ledger
     transfers = CounterMetricFamily("kvguard_transfers", "Completed KV transfers by receiving engine and how "
                                     "they were judged (paired, unverified, unpaired, warmup)",
                                     labels=["role", "pid", "outcome"])
     for engine_id, tracker in pipeline.engines.items():
         h = tracker.hello
-        if h is None or h.role != wire.Role.DECODE:
+        if h is None:
             continue
         for outcome in ledger.OUTCOMES:
-            transfers.add_metric(["decode", str(h.pid), outcome], ledger.outcomes[(engine_id, outcome)])
+            transfers.add_metric([ROLE_NAMES.get(h.role, "unknown"), str(h.pid), outcome],
+                                 ledger.outcomes[(engine_id, outcome)])
     yield transfers
     digests = CounterMetricFamily("kvguard_transfer_digests", "Transfers whose two ends' digests were both "
                                   "complete", labels=["outcome"])

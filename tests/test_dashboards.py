@@ -329,8 +329,9 @@ def test_the_pages_dashboard_shows_traffic_and_transfers(stack):
     xfer = {dict(k)["kind"]: v for k, v in panel_values(stack, d, "Transfer records per second, by kind").items()}
     assert sorted(xfer) == ["XFER_DONE", "XFER_RESERVE", "XFER_SEND"] and min(xfer.values()) > 0
     # every completed transfer paired: the sidecar watches the sender (prefill) itself
-    outcomes = {dict(k)["outcome"]: v
-                for k, v in panel_values(stack, d, "Transfers completed per second, by outcome").items()}
+    by_engine = panel_values(stack, d, "Transfers completed per second, by outcome")
+    assert all(v == 0 for k, v in by_engine.items() if dict(k)["role"] == "prefill")  # sends, never receives
+    outcomes = {dict(k)["outcome"]: v for k, v in by_engine.items() if dict(k)["role"] == "decode"}
     assert sorted(outcomes) == ["paired", "unpaired", "unverified", "warmup"] and outcomes["paired"] > 0
     assert outcomes["unpaired"] == outcomes["unverified"] == outcomes["warmup"] == 0
     reads = {dict(k)["role"]: v for k, v in panel_values(stack, d, "Page reads checked per second, by role").items()}

@@ -43,7 +43,11 @@ def read_and_end(decode, pages, tokens, d_rid=DECODE_RID):
 
 def transfers_metric(sidecar) -> dict[str, float]:
     (family,) = [m for m in KVGuardCollector(sidecar).collect() if m.name == "kvguard_transfers"]
-    return {s.labels["outcome"]: s.value for s in family.samples if s.name.endswith("_total")}
+    samples = [s for s in family.samples if s.name.endswith("_total")]
+    assert {s.labels["outcome"] for s in samples if s.labels["role"] == "prefill"} == {
+        "paired", "unverified", "unpaired", "warmup"}  # zero series on the engine that only sends
+    assert all(s.value == 0 for s in samples if s.labels["role"] == "prefill")
+    return {s.labels["outcome"]: s.value for s in samples if s.labels["role"] == "decode"}
 
 
 def test_a_clean_transfer_pairs_by_room_although_the_two_rids_differ(tmp_path):

@@ -57,12 +57,13 @@ def transfers_row(d: Dashboard) -> Dashboard:
             unit="ops", span=8))
         .with_panel(graph(
             "Transfers completed per second, by outcome",
-            "Transfers each decode engine received, by how the transfer ledger judged them: paired (matched "
+            "Transfers each engine received (only decode engines receive; others stay at 0), by how the "
+            "transfer ledger judged them: paired (matched "
             "with the sender's chunks, sizes compared), unverified (no sender can be expected: a decode-only "
             "sidecar without a shared ledger), unpaired (a sender was expected and none matched: a pairing "
             "failure, KVGuardTransfersUnpaired; should stay 0), warmup (SGLang's warmups, no sender by design).",
-            q(f"sum by (instance, pid, outcome) (rate(kvguard_transfers_total{{{INSTANCE}}}[$__rate_interval]))",
-              "{{instance}} decode pid {{pid}}: {{outcome}}"),
+            q(f"sum by (instance, role, pid, outcome) (rate(kvguard_transfers_total{{{INSTANCE}}}[$__rate_interval]))",
+              "{{instance}} {{role}} pid {{pid}}: {{outcome}}"),
             unit="ops", span=8))
         .with_panel(graph(
             "Transfer size mismatches",
