@@ -15,36 +15,15 @@ sidecar), the ring is truncated, and only then does the sidecar go on (SIGCONT).
 from __future__ import annotations
 
 import os
-import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-HERE = Path(__file__).resolve().parent
-ENGINE = HERE / "synthetic_engine.py"
-KVGUARD = Path(sys.executable).parent / "kvguard"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def checked_reads(metrics: str, pid: int) -> float:
-    m = re.search(r'^kvguard_page_reads_checked_total\{[^}]*pid="%d"[^}]*\} (\S+)$' % pid, metrics, re.M)
-    return float(m.group(1)) if m else 0.0
-
-
-def counter(metrics: str, name: str) -> float:
-    m = re.search(r"^%s (\S+)$" % re.escape(name), metrics, re.M)
-    return float(m.group(1)) if m else 0.0
+from sidecar_under_test import KVGUARD, checked_reads, counter, died_of, free_port, start_engine, stop_all
 
 
 def wait_for(what: str, cond, timeout: float, proc: subprocess.Popen, log: Path):
@@ -64,33 +43,11 @@ def wait_for(what: str, cond, timeout: float, proc: subprocess.Popen, log: Path)
         time.sleep(0.1)
 
 
-def died_of(rc: int) -> str:
-    return f"killed by {signal.Signals(-rc).name} (returncode {rc})" if rc < 0 else f"exit {rc}"
-
-
 @pytest.fixture
 def procs():
     started: list[subprocess.Popen] = []
     yield started
-    for p in reversed(started):
-        if p.poll() is None:
-            p.send_signal(signal.SIGCONT)
-            p.kill()
-        p.wait(timeout=10)
-        for f in (p.stdout, p.stderr):
-            if f is not None:
-                f.close()
-
-
-def start_engine(ring_dir: Path, procs: list) -> tuple[subprocess.Popen, str]:
-    env = dict(os.environ, KVGUARD_RING_DIR=str(ring_dir), KVGUARD_RING_BYTES=str(1 << 20))
-    env.pop("KVGUARD_DISABLE", None)
-    p = subprocess.Popen([sys.executable, str(ENGINE), "loop"], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, text=True)
-    procs.append(p)
-    path = p.stdout.readline().strip()
-    assert path, "the synthetic engine made no ring"
-    return p, path
+    stop_all(started)
 
 
 @pytest.mark.timeout(60)
