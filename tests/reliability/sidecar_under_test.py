@@ -80,25 +80,30 @@ class Sidecar:
         return self.log.read_text(errors="replace")
 
     def wait_for(self, what: str, cond, timeout: float):
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the sidecar died while waiting for {what}: {died_of(self.proc.returncode)}\n"
-                                     f"its log:\n{self.log_text()[-3000:]}")
-            try:
-                value = cond()
-            except httpx.HTTPError:
-                value = None
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what}; sidecar log:\n{self.log_text()[-3000:]}")
-            time.sleep(0.1)
+        return wait_for(what, cond, timeout, self.proc, self.log)
 
     def reads_keep_being_checked(self, engine_pid: int, more: int = 50, timeout: float = 8) -> None:
         before = checked_reads(self.wait_for("a scrape", self.metrics, timeout), engine_pid)
         self.wait_for("the healthy engine's reads to keep being checked",
                       lambda: checked_reads(self.metrics(), engine_pid) > before + more, timeout)
+
+
+def wait_for(what: str, cond, timeout: float, proc: subprocess.Popen, log: Path):
+    """cond()'s first truthy value; fails with the sidecar's log if it dies or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"the sidecar died while waiting for {what}: {died_of(proc.returncode)}\n"
+                                 f"its log:\n{log.read_text(errors='replace')[-3000:]}")
+        try:
+            value = cond()
+        except httpx.HTTPError:
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}; sidecar log:\n{log.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.1)
 
 
 def stop_all(started: list) -> None:

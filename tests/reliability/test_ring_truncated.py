@@ -18,29 +18,11 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from sidecar_under_test import KVGUARD, checked_reads, counter, died_of, free_port, start_engine, stop_all
-
-
-def wait_for(what: str, cond, timeout: float, proc: subprocess.Popen, log: Path):
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"the sidecar died while waiting for {what}: {died_of(proc.returncode)}\n"
-                                 f"its log:\n{log.read_text()[-3000:]}")
-        try:
-            value = cond()
-        except httpx.HTTPError:
-            value = None
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}; sidecar log:\n{log.read_text()[-3000:]}")
-        time.sleep(0.1)
+from sidecar_under_test import KVGUARD, checked_reads, counter, free_port, start_engine, stop_all, wait_for
 
 
 @pytest.fixture
