@@ -24,8 +24,10 @@ Threading: the ingest thread only calls the non-blocking ``publish`` / ``watch``
 One background thread does all Redis I/O, one pipelined round trip per cycle: it
 coalesces publishes per key into a bounded outbox that survives a Redis outage
 (oldest dropped first, counted), and polls the watched keys of the other side.
-Redis unreachable or slow (``socket_timeout``) -> ``degraded``; the thread retries
-with backoff and flips back after the first good round trip.
+Redis unreachable or slow (``socket_timeout``) for ``degrade_after_s`` in a row ->
+``degraded``: one slow round trip on a loaded node (a 2-core machine running two engines
+answered one poll after more than 0.5 s) is a retry, not an outage worth a finding. The
+thread retries with backoff and flips back after the first good round trip.
 """
 
 from __future__ import annotations
@@ -115,7 +117,8 @@ def valid_fact(fact, side: str, room: int) -> bool:
 class SharedLedger:
     def __init__(self, url: str, cluster: str = "default", pod: str | None = None, ttl_s: int = 900,
                  max_outbox: int = 20_000, max_watch: int = 50_000, queue_size: int = 100_000,
-                 poll_interval_s: float = 0.05, timeout_s: float = 0.5, client=None):
+                 poll_interval_s: float = 0.05, timeout_s: float = 1.0, degrade_after_s: float = 2.0,
+                 client=None):
         import redis
 
         if not cluster or any(c in cluster for c in ": \n"):
@@ -131,6 +134,7 @@ class SharedLedger:
         self.client = client or redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                                      **({"password": password} if password else {}))
         self.poll_interval_s = poll_interval_s
+        self.degrade_after_ns = int(degrade_after_s * 1e9)
         self.max_outbox, self.max_watch = max_outbox, max_watch
         self._commands: queue.Queue = queue.Queue(maxsize=queue_size)
         self._results: deque = deque()  # (room, side, [facts]) for take_results
@@ -221,6 +225,7 @@ class SharedLedger:
 
     def _run(self) -> None:
         backoff = self.poll_interval_s
+        failing_since_ns = 0  # first failure of the current run of failures; 0 while Redis answers
         while not self._stop.is_set():
             self._drain_commands()
             try:
@@ -228,6 +233,13 @@ class SharedLedger:
             except Exception as exc:  # noqa: BLE001 - redis errors, timeouts, refused connections
                 self.errors += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
+                now = time.monotonic_ns()
+                failing_since_ns = failing_since_ns or now
+                if not self.degraded and now - failing_since_ns < self.degrade_after_ns:
+                    log.info("shared ledger %s: round trip failed (%s), retrying", self.display_url, self.last_error)
+                    backoff = min(backoff * 2, 0.5)  # retried within the grace period
+                    self._stop.wait(backoff)
+                    continue
                 if not self.degraded:
                     log.warning("shared ledger %s unreachable (%s): pairing with the other pod is degraded",
                                 self.display_url, self.last_error)
@@ -235,6 +247,7 @@ class SharedLedger:
                 backoff = min(backoff * 2, 2.0)
                 self._stop.wait(backoff)
                 continue
+            failing_since_ns = 0
             if self.degraded:
                 self.degraded = False  # after the results of this good round trip were queued
                 self.recoveries += 1
