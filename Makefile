@@ -95,7 +95,7 @@ apt:
 	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing
 
 test: venv apt native $(SGLANG_TEST_DIRS)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 demo: venv apt native
 	$(VENV)/bin/kvguard demo
