@@ -407,7 +407,13 @@ class RingReader:
         if not 0 < length <= MAX_STICKY_BYTES:
             return []
         start = _STICKY_OFF - _STICKY_LEN_OFF
-        return wire.decode_stream(raw[start:start + length], wire.DecodeStats())
+        out = []
+        for rec in wire.decode_stream(raw[start:start + length], wire.DecodeStats()):
+            if rec.engine_id == self.engine_id:
+                out.append(rec)
+            else:
+                self._foreign(rec)
+        return out
 
     def poll(self, max_bytes: int = 8 << 20) -> PollResult:
         """Decode what the producer published since the last poll (at most ``max_bytes``).
@@ -463,6 +469,9 @@ class RingReader:
         out, lost = [], 0
         expected = 0 if self.next_seq is None else self.next_seq
         for rec in records:
+            if rec.engine_id != self.engine_id:
+                self._foreign(rec)  # never applied, and its seq is not this engine's either
+                continue
             if rec.seq > expected:
                 gap = rec.seq - expected
                 lost += gap
@@ -473,6 +482,14 @@ class RingReader:
         self._u64[_CONSUMER_NEXT_SEQ] = expected
         self.records_lost += lost
         return PollResult(out, lost)
+
+    def _foreign(self, rec) -> None:
+        """A record whose ``engine_id`` is not the one in this ring's header. Records are bound
+        to the ring they come from: a ring writer stamps its own id on everything, so another
+        id is a forgery (or memory corruption) and must not touch another engine's state."""
+        self.stats.foreign_engine += 1
+        self.stats.last_error = (f"{rec.kind.name} seq {rec.seq} stamped engine_id {rec.engine_id} in the ring of "
+                                 f"engine_id {self.engine_id} (pid {self.pid}): skipped")
 
     def close(self) -> None:
         if self._u64 is not None:

@@ -584,6 +584,7 @@ class DecodeStats:
     bad_version: int = 0
     bad_payload: int = 0
     corrupt_bytes: int = 0  # bytes skipped because no valid header could be read
+    foreign_engine: int = 0  # records stamped with another engine's id than their ring's header
     last_error: str = ""
 
 

@@ -47,7 +47,8 @@ class IngestStats:
     last_error: str = ""
     dropped_before_attach: dict = field(default_factory=dict)
     # decode counters of rings already retired, so exported totals never go down
-    retired_invalid: dict = field(default_factory=lambda: {"unknown_kind": 0, "bad_version": 0, "bad_payload": 0})
+    retired_invalid: dict = field(default_factory=lambda: {"unknown_kind": 0, "bad_version": 0, "bad_payload": 0,
+                                                           "foreign_engine": 0})
     retired_corrupt_bytes: int = 0
 
 
@@ -62,6 +63,9 @@ FD_RESERVE = 128
 RESCAN_S = 1.0
 # a directory mtime this recent may still hide a change made in the same clock tick: list again
 MTIME_TRUST_NS = 100_000_000
+
+
+STICKY = -2  # in a refusal key: refused while the inode exists, whatever its size and mtime
 
 
 def _entry_key(st: os.stat_result) -> tuple[int, int, int]:
@@ -187,7 +191,7 @@ class RingSet:
                 continue
             key = _entry_key(st)
             if path in self.refused:
-                if self.refused[path] == key:
+                if self.refused[path] in (key, (key[0], STICKY, STICKY)):
                     continue
                 del self.refused[path]  # changed: looked at again
             if not stat.S_ISREG(st.st_mode):
@@ -228,6 +232,17 @@ class RingSet:
                 self._wait(path, f"{os.strerror(exc.errno)} ({errno.errorcode[exc.errno]})")
                 return True  # tried again at the next full scan, or when a ring detaches
             self._refuse(path, key, f"cannot open: {exc}")
+            return False
+        owner = next((p for p, r in self.readers.items() if r.engine_id == reader.engine_id), None)
+        if owner is not None:
+            # records are bound to their ring by the header's engine_id: a second ring claiming an
+            # attached engine's id could otherwise change that engine's state and raise findings
+            # naming its requests. Refused for as long as this file (inode) exists.
+            other = self.readers[owner]
+            reader.close()
+            self._refuse(path, (key[0], STICKY, STICKY),
+                         f"its header claims engine_id {reader.engine_id} (pid {reader.pid}), which ring {owner} "
+                         f"(engine pid {other.pid}) already has: not attached (a forged or copied ring)")
             return False
         was_waiting = path in self.waiting
         self.waiting.discard(path)
