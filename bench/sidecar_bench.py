@@ -67,12 +67,15 @@ def throughput(stream: Stream, ranks: int = 1, profile: bool = False, ring_bytes
     prof = cProfile.Profile() if profile else None
     dropped = 0
 
-    def consume() -> int:
-        rings.poll()
-        recs = rings.ready(flush=True)
-        for rec in recs:
-            pipe.apply(rec)
-        return len(recs)
+    def consume() -> int:  # as the sidecar's ingest loop does: cycles of bounded reads until no backlog
+        n, more = 0, True
+        while more:
+            more = rings.poll()
+            recs = rings.ready(flush=True)
+            for rec in recs:
+                pipe.apply(rec)
+            n += len(recs)
+        return n
 
     try:
         for i in range(0, len(stream.setup), SETUP_CHUNK):

@@ -523,6 +523,7 @@ def cross_problems(objs: list[dict]) -> list[str]:
                 tp = port.get("targetPort")
                 if isinstance(tp, str) and tp not in names:
                     p.append(f"{kn(s)}: targetPort {tp!r} is not a port of {kn(w)}")
+    p += network_policy_problems(by_kind.get("NetworkPolicy", {}).values(), workloads)
     jobs = alert_job_names()
     for sm in by_kind.get("ServiceMonitor", {}).values():
         sel = sm["spec"]["selector"].get("matchLabels", {})
@@ -541,6 +542,47 @@ def cross_problems(objs: list[dict]) -> list[str]:
             if not s["spec"].get("publishNotReadyAddresses"):
                 p.append(f"{kn(s)}: publishNotReadyAddresses should be true (an unready sidecar must still be "
                          f"scraped, not vanish from the targets)")
+    return p
+
+
+def _allows(rule: dict, port: int, protocol: str = "TCP") -> bool:
+    ports = rule.get("ports")
+    if not ports:
+        return True  # a rule without ports allows every port
+    for pt in ports:
+        if pt.get("protocol", "TCP") != protocol:
+            continue
+        if "port" not in pt:
+            return True
+        if isinstance(pt["port"], int) and pt["port"] <= port <= pt.get("endPort", pt["port"]):
+            return True
+    return False
+
+
+def network_policy_problems(policies, workloads) -> list[str]:
+    """The NetworkPolicy selecting the watched pods: the sidecar's port is not open to
+    everyone, and every port the engine container declares still is (a policy that selects
+    a pod is an allow-list for all its ports: forgetting one cuts the engine off)."""
+    p = []
+    for w in workloads:
+        tmpl = w["spec"]["template"]
+        labels = tmpl["metadata"].get("labels", {})
+        selecting = [np_ for np_ in policies if _selects(np_["spec"]["podSelector"].get("matchLabels", {}), labels)
+                     and "Ingress" in np_["spec"].get("policyTypes", ["Ingress"])]
+        if not selecting:
+            continue
+        rules = [r for np_ in selecting for r in np_["spec"].get("ingress", [])]
+        open_rules = [r for r in rules if not r.get("from")]
+        for c in tmpl["spec"]["containers"]:
+            for pt in c.get("ports", []):
+                port, proto = pt["containerPort"], pt.get("protocol", "TCP")
+                anyone = any(_allows(r, port, proto) for r in open_rules)
+                if c["name"] == SIDECAR and anyone:
+                    p.append(f"{kn(w)}: a NetworkPolicy opens the sidecar's port {port} to everyone")
+                elif c["name"] == SIDECAR and not any(_allows(r, port, proto) for r in rules):
+                    p.append(f"{kn(w)}: no NetworkPolicy rule lets Prometheus reach the sidecar's port {port}")
+                elif c["name"] != SIDECAR and not anyone:
+                    p.append(f"{kn(w)}: the NetworkPolicy cuts {c['name']}'s port {port} off")
     return p
 
 

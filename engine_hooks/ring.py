@@ -437,22 +437,25 @@ class RingReader:
                 self.read_pos += tail
                 continue
             chunk = min(tail, write_pos - self.read_pos)
-            if chunk <= READ_CHUNK_BYTES:
+            # what this poll may still copy: the rest of max_bytes (at least one record header),
+            # never more than READ_CHUNK_BYTES at once
+            cap = min(READ_CHUNK_BYTES, max(limit - self.read_pos, wire.HEADER_SIZE))
+            if chunk <= cap:
                 data = self._pread(HEADER_BYTES + offset, chunk)
                 records.extend(wire.decode_stream(data, self.stats, short_tail_ok=chunk == tail))
                 self.read_pos += chunk
-            else:  # a copy no bigger than READ_CHUNK_BYTES (or one record), however much is published
-                self.read_pos += self._read_bounded(offset, chunk, records)
+            else:  # a copy no bigger than cap (or one record), however much is published
+                self.read_pos += self._read_bounded(offset, chunk, records, cap)
         self._check()  # decoding took a while: the header must still be there to store read_pos
         self._u64[_READ_POS] = self.read_pos
         return self._mark_gaps(records)
 
-    def _read_bounded(self, offset: int, avail: int, records: list) -> int:
+    def _read_bounded(self, offset: int, avail: int, records: list, cap: int = READ_CHUNK_BYTES) -> int:
         """Decode the whole records at the start of ``avail`` published bytes at ``offset``
-        without copying more than ``READ_CHUNK_BYTES`` (or the one record there, when it is
-        longer); returns the bytes consumed. Bytes that start no valid record are counted
-        as corrupt up to ``avail``, exactly as one big copy would have counted them."""
-        data = self._pread(HEADER_BYTES + offset, READ_CHUNK_BYTES)
+        without copying more than ``cap`` (or the one record there, when it is longer);
+        returns the bytes consumed. Bytes that start no valid record are counted as corrupt
+        up to ``avail``, exactly as one big copy would have counted them."""
+        data = self._pread(HEADER_BYTES + offset, cap)
         whole = wire.whole_records(data)
         if whole == 0:
             length = wire.record_length(data)

@@ -70,13 +70,15 @@ def create_app(sidecar: Sidecar, registry: CollectorRegistry | None = None, api_
 
     auth = [Depends(require_token)]
 
+    # The probes run on the event loop itself (async, no thread-pool hop: each hop is a wait
+    # for the GIL, which a saturated ingest thread holds) and never take the ingest lock.
     @app.get("/healthz", responses={503: {"description": "the ingest loop is not running"}})
-    def healthz():
+    async def healthz():
         ok, detail = sidecar.healthy()
         return JSONResponse(detail, status_code=200 if ok else 503)
 
     @app.get("/readyz", responses={503: {"description": "not ready"}})
-    def readyz():
+    async def readyz():
         ok, detail = sidecar.healthy()
         return JSONResponse({"ready": ok, **detail}, status_code=200 if ok else 503)
 

@@ -10,6 +10,7 @@ import sys
 
 from engine_hooks.ring import ring_dir
 
+from .http_server import DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUEST_TIMEOUT_S, check_limits
 from .ingest import DEFAULT_MAX_RINGS, fd_limit, raise_fd_limit
 
 
@@ -86,7 +87,8 @@ def cmd_sidecar(args) -> int:
     try:
         tracer = tracing_from_env()  # OTEL_* variables; None (off) unless an exporter or an endpoint is set
         ledger = ledger_settings(args)
-    except ValueError as exc:  # a bad tracing or ledger setting: named with its value
+        check_limits(args.http_max_connections, args.http_request_timeout_s)
+    except ValueError as exc:  # a bad tracing, ledger or HTTP setting: named with its value
         print(f"kvguard sidecar: {exc}", file=sys.stderr)
         return 2
     # one sidecar per ring directory: a second one would split every ring's records with the
@@ -138,7 +140,13 @@ def _run_sidecar(args, sinks, token, tracer, ledger: dict) -> int:
             "(raise the limit: ulimit -n)", fd_limit(), cap, args.max_rings, cap)
     host, port = args.listen
     app = create_app(sidecar, api_token=token)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    from .http_server import guarded_protocol
+
+    # bounded: at most --http-max-connections open connections, each with a deadline for its
+    # request head (sidecar/http_server.py); requests past the cap are answered 503
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=host, port=port, log_level="warning", limit_concurrency=args.http_max_connections,
+        http=guarded_protocol(args.http_max_connections, args.http_request_timeout_s)))
     logging.getLogger("kvguard").info("kvguard sidecar: rings in %s, serving http://%s:%d", args.ring_dir, host, port)
     try:
         # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again: SIGTERM
@@ -186,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "or /dev/shm/kvguard)")
     p.add_argument("--listen", type=parse_listen, default=("127.0.0.1", 9464), help="HOST:PORT (default "
                    "127.0.0.1:9464)")
+    p.add_argument("--http-max-connections", type=_positive_int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="most HTTP connections open at once; more are closed at once (default %(default)s)")
+    p.add_argument("--http-request-timeout-s", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
+                   help="close a connection that has not sent a complete request head this long after it "
+                        "connected or got its last answer (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object per finding on stdout")
     p.add_argument("--pagerduty", action="store_true", help="page PagerDuty (Events API v2) with the routing key "
                    "in $KVGUARD_PAGERDUTY_ROUTING_KEY")

@@ -10,6 +10,7 @@ from prometheus_client.registry import Collector
 from engine_hooks import wire
 
 from .finding_kinds import possible_findings
+from .http_server import closed_connections
 from .incidents import FIRING
 from .pipeline import ROLE_NAMES
 
@@ -37,89 +38,143 @@ def with_zeros(counts, keys) -> dict:
 
 
 class KVGuardCollector(Collector):
+    """Reads the pipeline and ingest state under the ingest lock, but a scrape never waits
+    for a busy ingest cycle (a saturated sidecar held it for seconds, longer than the
+    probes' timeout): it takes the lock if it is free within ``LOCK_WAIT_S``, else it serves
+    the last snapshot and asks the ingest thread to take a fresh one between two cycles
+    (``refresh_if_wanted``), which the next scrape gets. ``kvguard_metrics_snapshot_age_seconds``
+    says how old the figures are; the ingest loop's own age is read without the lock."""
+
+    LOCK_WAIT_S = 0.05
+    FIRST_LOCK_WAIT_S = 2.0  # nothing to serve yet: wait longer once
+
     def __init__(self, service):
         self.service = service  # sidecar.service.Sidecar: pipeline + ringset, read under its lock
+        self._snapshot: list = []
+        self._snapshot_ns = 0
+        self._wanted = False
+        self.stale_scrapes = 0
+        hooks = getattr(service, "between_cycles", None)
+        if hooks is not None:
+            hooks.append(self.refresh_if_wanted)
+
+    def refresh_if_wanted(self) -> None:
+        """Called by the ingest thread between two cycles (the lock is free, nothing waits)."""
+        if self._wanted:
+            self._wanted = False
+            with self.service.lock:
+                self._take_snapshot()
+
+    def _take_snapshot(self) -> None:  # under the lock
+        self._snapshot = list(self._families(self.service))
+        self._snapshot_ns = time.monotonic_ns()
 
     def collect(self):
         svc = self.service
-        with svc.lock:
-            pipeline, ingest = svc.pipeline, svc.rings.stats
-            records = CounterMetricFamily("kvguard_records", "Records applied, by kind", labels=["kind"])
-            for kind, n in sorted(with_zeros(pipeline.records_by_kind, APPLIED_RECORD_KINDS).items()):
-                records.add_metric([kind], n)
-            yield records
-            lost = CounterMetricFamily("kvguard_records_lost", "Records the engines dropped (ring full)")
-            lost.add_metric([], ingest.records_lost)
-            yield lost
-            bad = CounterMetricFamily("kvguard_records_invalid", "Records skipped as unreadable", labels=["reason"])
-            totals = dict(ingest.retired_invalid)
-            corrupt = ingest.retired_corrupt_bytes
-            for reader in svc.rings.readers.values():
-                for k in totals:
-                    totals[k] += getattr(reader.stats, k)
-                corrupt += reader.stats.corrupt_bytes
-            for k, v in totals.items():
-                bad.add_metric([k], v)
-            yield bad
-            cb = CounterMetricFamily("kvguard_ring_corrupt_bytes", "Ring bytes skipped: no valid record header")
-            cb.add_metric([], corrupt)
-            yield cb
-            errs = CounterMetricFamily("kvguard_ring_errors", "Ring files refused or unreadable")
-            errs.add_metric([], ingest.ring_errors)
-            yield errs
-            rings = GaugeMetricFamily("kvguard_rings_attached", "Engine rings currently attached")
-            rings.add_metric([], len(svc.rings.readers))
-            yield rings
-            findings = CounterMetricFamily("kvguard_findings", "Findings raised", labels=["kind", "severity"])
-            # every pair this configuration can raise, at 0 until raised (sidecar/finding_kinds.py)
-            possible = possible_findings(pipeline)
-            for (kind, severity), n in sorted(with_zeros(pipeline.findings_by_kind, possible).items()):
-                findings.add_metric([kind, severity], n)
-            yield findings
-            incidents = CounterMetricFamily("kvguard_incidents", "Incidents opened (a finding's first occurrence "
-                                            "for its kind, engine and reader)", labels=["kind", "severity"])
-            for (kind, severity), n in sorted(with_zeros(pipeline.incidents_by_kind, possible).items()):
-                incidents.add_metric([kind, severity], n)
-            yield incidents
-            firing = GaugeMetricFamily("kvguard_incidents_firing", "Incidents not resolved yet",
-                                       labels=["kind", "severity"])
-            for (kind, severity), n in sorted(firing_by_kind_and_severity(pipeline.incidents).items()):
-                firing.add_metric([kind, severity], n)
-            yield firing
-            age = GaugeMetricFamily("kvguard_ingest_last_poll_age_seconds",
-                                    "Seconds since the ingest loop last drained the rings")
-            age.add_metric([], (time.monotonic_ns() - svc.last_poll_ns) / 1e9 if svc.last_poll_ns else float("inf"))
-            yield age
-            reads = CounterMetricFamily("kvguard_page_reads_checked", "Page reads judged", labels=["role", "pid"])
-            unverified = CounterMetricFamily("kvguard_page_reads_unverified",
-                                             "Page reads not judged (state unknown: blind window)",
-                                             labels=["role", "pid"])
-            pages = GaugeMetricFamily("kvguard_pages", "KV pages by ownership state", labels=["role", "pid", "state"])
-            pool = GaugeMetricFamily("kvguard_kv_pool_tokens", "KV pool size in tokens", labels=["role", "pid"])
-            ctx = GaugeMetricFamily("kvguard_context_length_tokens", "Engine context length", labels=["role", "pid"])
-            out_of_range = CounterMetricFamily("kvguard_page_ids_out_of_range",
-                                               "Page ids in records past the pool the engine announced (skipped)",
-                                               labels=["role", "pid"])
-            for tracker in pipeline.engines.values():
-                h = tracker.hello
-                role = ROLE_NAMES.get(h.role, "unknown") if h else "unknown"
-                pid = str(h.pid) if h else "0"
-                reads.add_metric([role, pid], tracker.pages_read)
-                unverified.add_metric([role, pid], tracker.pages_unverified)
-                out_of_range.add_metric([role, pid], tracker.pool.pages_out_of_range)
-                for state, n in tracker.pool.counts_by_state().items():
-                    pages.add_metric([role, pid, state], n)
-                if h:
-                    pool.add_metric([role, pid], h.pool_tokens)
-                    ctx.add_metric([role, pid], h.context_len)
-            yield from (reads, unverified, out_of_range, pages, pool, ctx)
-            apply_errors = CounterMetricFamily("kvguard_apply_errors", "Records the sidecar failed to apply")
-            apply_errors.add_metric([], pipeline.apply_errors)
-            yield apply_errors
-            yield from ttft_metrics(pipeline.ttft_detector)
-            yield from recording_metrics(getattr(svc, "recorder", None))
-            yield from ledger_metrics(pipeline, getattr(svc, "shared_ledger", None))
-            yield from sink_metrics(pipeline.sinks)
+        if svc.lock.acquire(timeout=self.LOCK_WAIT_S if self._snapshot_ns else self.FIRST_LOCK_WAIT_S):
+            try:
+                self._take_snapshot()
+            finally:
+                svc.lock.release()
+        else:
+            self.stale_scrapes += 1
+            self._wanted = True
+        yield from self._snapshot
+        now = time.monotonic_ns()
+        age = GaugeMetricFamily("kvguard_ingest_last_poll_age_seconds",
+                                "Seconds since the ingest loop last drained the rings")
+        age.add_metric([], (now - svc.last_poll_ns) / 1e9 if svc.last_poll_ns else float("inf"))
+        yield age
+        snap = GaugeMetricFamily("kvguard_metrics_snapshot_age_seconds",
+                                 "Age of the figures in this scrape (0 unless the ingest cycle was busy)")
+        snap.add_metric([], (now - self._snapshot_ns) / 1e9 if self._snapshot_ns else float("inf"))
+        yield snap
+        stale = CounterMetricFamily("kvguard_metrics_stale_scrapes",
+                                    "Scrapes served from the previous snapshot because ingest was busy")
+        stale.add_metric([], self.stale_scrapes)
+        yield stale
+        closed = CounterMetricFamily("kvguard_http_connections_closed",
+                                     "HTTP connections the sidecar closed: past --http-max-connections, or no "
+                                     "complete request within --http-request-timeout-s", labels=["reason"])
+        for reason, n in sorted(closed_connections.items()):
+            closed.add_metric([reason], n)
+        yield closed
+
+    @staticmethod
+    def _families(svc):
+        pipeline, ingest = svc.pipeline, svc.rings.stats
+        records = CounterMetricFamily("kvguard_records", "Records applied, by kind", labels=["kind"])
+        for kind, n in sorted(with_zeros(pipeline.records_by_kind, APPLIED_RECORD_KINDS).items()):
+            records.add_metric([kind], n)
+        yield records
+        lost = CounterMetricFamily("kvguard_records_lost", "Records the engines dropped (ring full)")
+        lost.add_metric([], ingest.records_lost)
+        yield lost
+        bad = CounterMetricFamily("kvguard_records_invalid", "Records skipped as unreadable", labels=["reason"])
+        totals = dict(ingest.retired_invalid)
+        corrupt = ingest.retired_corrupt_bytes
+        for reader in svc.rings.readers.values():
+            for k in totals:
+                totals[k] += getattr(reader.stats, k)
+            corrupt += reader.stats.corrupt_bytes
+        for k, v in totals.items():
+            bad.add_metric([k], v)
+        yield bad
+        cb = CounterMetricFamily("kvguard_ring_corrupt_bytes", "Ring bytes skipped: no valid record header")
+        cb.add_metric([], corrupt)
+        yield cb
+        errs = CounterMetricFamily("kvguard_ring_errors", "Ring files refused or unreadable")
+        errs.add_metric([], ingest.ring_errors)
+        yield errs
+        rings = GaugeMetricFamily("kvguard_rings_attached", "Engine rings currently attached")
+        rings.add_metric([], len(svc.rings.readers))
+        yield rings
+        findings = CounterMetricFamily("kvguard_findings", "Findings raised", labels=["kind", "severity"])
+        # every pair this configuration can raise, at 0 until raised (sidecar/finding_kinds.py)
+        possible = possible_findings(pipeline)
+        for (kind, severity), n in sorted(with_zeros(pipeline.findings_by_kind, possible).items()):
+            findings.add_metric([kind, severity], n)
+        yield findings
+        incidents = CounterMetricFamily("kvguard_incidents", "Incidents opened (a finding's first occurrence "
+                                        "for its kind, engine and reader)", labels=["kind", "severity"])
+        for (kind, severity), n in sorted(with_zeros(pipeline.incidents_by_kind, possible).items()):
+            incidents.add_metric([kind, severity], n)
+        yield incidents
+        firing = GaugeMetricFamily("kvguard_incidents_firing", "Incidents not resolved yet",
+                                   labels=["kind", "severity"])
+        for (kind, severity), n in sorted(firing_by_kind_and_severity(pipeline.incidents).items()):
+            firing.add_metric([kind, severity], n)
+        yield firing
+        reads = CounterMetricFamily("kvguard_page_reads_checked", "Page reads judged", labels=["role", "pid"])
+        unverified = CounterMetricFamily("kvguard_page_reads_unverified",
+                                         "Page reads not judged (state unknown: blind window)",
+                                         labels=["role", "pid"])
+        pages = GaugeMetricFamily("kvguard_pages", "KV pages by ownership state", labels=["role", "pid", "state"])
+        pool = GaugeMetricFamily("kvguard_kv_pool_tokens", "KV pool size in tokens", labels=["role", "pid"])
+        ctx = GaugeMetricFamily("kvguard_context_length_tokens", "Engine context length", labels=["role", "pid"])
+        out_of_range = CounterMetricFamily("kvguard_page_ids_out_of_range",
+                                           "Page ids in records past the pool the engine announced (skipped)",
+                                           labels=["role", "pid"])
+        for tracker in pipeline.engines.values():
+            h = tracker.hello
+            role = ROLE_NAMES.get(h.role, "unknown") if h else "unknown"
+            pid = str(h.pid) if h else "0"
+            reads.add_metric([role, pid], tracker.pages_read)
+            unverified.add_metric([role, pid], tracker.pages_unverified)
+            out_of_range.add_metric([role, pid], tracker.pool.pages_out_of_range)
+            for state, n in tracker.pool.counts_by_state().items():
+                pages.add_metric([role, pid, state], n)
+            if h:
+                pool.add_metric([role, pid], h.pool_tokens)
+                ctx.add_metric([role, pid], h.context_len)
+        yield from (reads, unverified, out_of_range, pages, pool, ctx)
+        apply_errors = CounterMetricFamily("kvguard_apply_errors", "Records the sidecar failed to apply")
+        apply_errors.add_metric([], pipeline.apply_errors)
+        yield apply_errors
+        yield from ttft_metrics(pipeline.ttft_detector)
+        yield from recording_metrics(getattr(svc, "recorder", None))
+        yield from ledger_metrics(pipeline, getattr(svc, "shared_ledger", None))
+        yield from sink_metrics(pipeline.sinks)
 
 
 def ledger_metrics(pipeline, shared):

@@ -6,11 +6,14 @@ import logging
 import threading
 import time
 
-from .ingest import DEFAULT_MAX_RINGS, RingSet
+from .ingest import CYCLE_BYTES, DEFAULT_MAX_RINGS, RingSet
 from .ledger.shared import SharedLedger, parse_ledger_url
 from .pipeline import Pipeline
 
 log = logging.getLogger("kvguard.sidecar")
+
+STALL_S = 5.0  # no cycle finished for this long, none running: the ingest loop is stuck
+CYCLE_STALL_S = 60.0  # one cycle running this long is stuck too (a saturated one takes seconds)
 
 
 class Sidecar:
@@ -40,10 +43,18 @@ class Sidecar:
         self._thread: threading.Thread | None = None
         self.started_ns = time.monotonic_ns()
         self.last_poll_ns = 0
+        self.cycle_started_ns = 0  # the ingest cycle running now (0 between cycles)
+        self.backlogged = False  # the last cycle left records in a ring: the next one starts at once
+        # called by the ingest thread between two cycles, without the lock held (e.g. a metrics
+        # snapshot a scrape asked for while the lock was busy)
+        self.between_cycles: list = []
 
     def run_once(self, flush: bool = False) -> list:
         with self.lock:
-            self.rings.poll()
+            self.cycle_started_ns = time.monotonic_ns()
+            # a flush (tests, replay, stop) reads as much as a ring poll may copy (8 MiB a ring)
+            self.backlogged = self.rings.poll(max_bytes=(8 << 20) * max(1, len(self.rings.readers)) if flush
+                                              else CYCLE_BYTES)
             findings = []
             records = self.rings.ready(flush=flush)
             if self.recorder is not None:
@@ -60,6 +71,7 @@ class Sidecar:
             if self.recorder is not None:
                 self.recorder.record_tick(now)
             self.last_poll_ns = now
+            self.cycle_started_ns = 0
             return findings
 
     def _loop(self) -> None:
@@ -68,7 +80,13 @@ class Sidecar:
                 self.run_once()
             except Exception:  # noqa: BLE001 - keep ingesting; the failure is logged and visible in /healthz
                 log.exception("ingest cycle failed")
-            self._stop.wait(self.poll_interval_s)
+                self.cycle_started_ns = 0
+            for hook in self.between_cycles:
+                try:
+                    hook()
+                except Exception:  # noqa: BLE001 - a hook's failure never stops ingestion
+                    log.exception("between-cycles hook failed")
+            self._stop.wait(0 if self.backlogged else self.poll_interval_s)
         self.run_once(flush=True)
 
     def start(self) -> "Sidecar":
@@ -95,12 +113,22 @@ class Sidecar:
                 log.exception("sink shutdown failed")
 
     def healthy(self) -> tuple[bool, dict]:
-        age_s = (time.monotonic_ns() - self.last_poll_ns) / 1e9 if self.last_poll_ns else None
-        ok = self._thread is not None and self._thread.is_alive() and age_s is not None and age_s < 5
-        with self.lock:
-            detail = {"ingest_alive": ok, "last_poll_age_s": age_s, "rings_attached": len(self.rings.readers),
-                      "records_lost": self.rings.stats.records_lost, "ring_errors": self.rings.stats.ring_errors,
-                      # pairing across pods may be degraded; the sidecar itself is healthy (no restart helps)
-                      "ledger": "memory" if self.shared_ledger is None else
-                      ("degraded" if self.shared_ledger.degraded else "shared")}
+        """Never takes the ingest lock (a saturated cycle held it for seconds, past the
+        probes' timeout): every figure here is one attribute read. Alive means the ingest
+        thread runs and either finished a cycle in the last ``STALL_S`` or is inside one that
+        started less than ``CYCLE_STALL_S`` ago (a long cycle under load is progress, not a
+        hang a restart would fix)."""
+        now = time.monotonic_ns()
+        age_s = (now - self.last_poll_ns) / 1e9 if self.last_poll_ns else None
+        started = self.cycle_started_ns
+        cycle_s = (now - started) / 1e9 if started else None
+        ok = (self._thread is not None and self._thread.is_alive() and age_s is not None
+              and (age_s < STALL_S or (cycle_s is not None and cycle_s < CYCLE_STALL_S)))
+        stats = self.rings.stats
+        detail = {"ingest_alive": ok, "last_poll_age_s": age_s, "cycle_running_s": cycle_s,
+                  "rings_attached": len(self.rings.readers), "records_lost": stats.records_lost,
+                  "ring_errors": stats.ring_errors,
+                  # pairing across pods may be degraded; the sidecar itself is healthy (no restart helps)
+                  "ledger": "memory" if self.shared_ledger is None else
+                  ("degraded" if self.shared_ledger.degraded else "shared")}
         return ok, detail

@@ -153,7 +153,7 @@ def test_prometheusrule_holds_the_rule_files_groups_unchanged():
 # --------------------------------------------------------------------------- rendering + schemas
 @pytest.mark.parametrize("target,kinds", [
     ("base", {"Deployment", "Service"}),
-    ("common", {"Secret", "ConfigMap", "ServiceMonitor", "PrometheusRule"}),
+    ("common", {"Secret", "ConfigMap", "ServiceMonitor", "PrometheusRule", "NetworkPolicy"}),
     ("unified", {"Deployment", "Service"}),
     ("prefill", {"Deployment", "Service"}),
     ("decode", {"Deployment", "Service"}),
@@ -276,6 +276,22 @@ def test_cross_check_catches_wrong_job_missing_keys_and_dangling_selectors(rende
     assert any("needs configMap kvguard-config" in p for p in check.cross_problems(no_cm))
     stale = changed("PrometheusRule", lambda o: o["spec"]["groups"][0]["rules"].pop())
     assert any("differ from alerts/kvguard.rules.yaml" in p for p in check.generated_problems(stale))
+
+
+def test_the_network_policy_closes_only_the_sidecars_port(rendered):
+    objs = rendered["all"]
+    assert check.network_policy_problems([o for o in objs if o["kind"] == "NetworkPolicy"],
+                                         [o for o in objs if o["kind"] == "Deployment"]) == []
+
+    def changed(fn):
+        return [_mutate(o, fn) if o["kind"] == "NetworkPolicy" else o for o in objs]
+
+    wide = changed(lambda o: o["spec"]["ingress"][0].pop("from"))  # 9464 from anywhere
+    assert any("opens the sidecar's port 9464 to everyone" in p for p in check.cross_problems(wide))
+    cut = changed(lambda o: o["spec"]["ingress"][1]["ports"].pop(0))  # ports 1-9463: the engine's among them
+    assert any("cuts sglang's port" in p for p in check.cross_problems(cut))
+    closed = changed(lambda o: o["spec"]["ingress"].pop(0))
+    assert any("lets Prometheus reach the sidecar's port" in p for p in check.cross_problems(closed))
 
 
 # --------------------------------------------------------------------------- Dockerfiles

@@ -117,11 +117,13 @@ def stop_all(started: list) -> None:
                 f.close()
 
 
-def start_engine(ring_dir: Path, procs: list) -> tuple[subprocess.Popen, str]:
-    """A healthy synthetic engine (one clean request cycle every few ms); its ring path."""
-    env = dict(os.environ, KVGUARD_RING_DIR=str(ring_dir), KVGUARD_RING_BYTES=str(1 << 20))
+def start_engine(ring_dir: Path, procs: list, mode: str = "loop",
+                 ring_bytes: int = 1 << 20) -> tuple[subprocess.Popen, str]:
+    """A healthy synthetic engine (``loop``: one clean request cycle every few ms; ``flood``:
+    as fast as it can); its ring path."""
+    env = dict(os.environ, KVGUARD_RING_DIR=str(ring_dir), KVGUARD_RING_BYTES=str(ring_bytes))
     env.pop("KVGUARD_DISABLE", None)
-    p = subprocess.Popen([sys.executable, str(ENGINE), "loop"], env=env, stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, str(ENGINE), mode], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.DEVNULL, text=True)
     procs.append(p)
     path = p.stdout.readline().strip()

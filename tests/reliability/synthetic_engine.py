@@ -8,6 +8,8 @@ driven with clean request cycles whose reads the sidecar checks.
                                              and exit 0
     python synthetic_engine.py loop          print the ring path, then one request cycle
                                              every few ms until SIGTERM
+    python synthetic_engine.py flood         print the ring path, then request cycles as fast
+                                             as possible until SIGTERM (saturates a sidecar)
 
 Run as a file (tests/ has no __init__); kvguard itself is importable from the venv.
 """
@@ -63,15 +65,17 @@ def main() -> int:
             "dropped_no_ring": getattr(p, "dropped_no_ring", None),
         }), flush=True)
         return 0
-    if mode == "loop":
+    if mode in ("loop", "flood"):
         stop = []
         signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
         print(writer.path if writer is not None else "", flush=True)
+        pause = 0.005 if mode == "loop" else 0.0
         i = 0
         while not stop:
-            cycle(p, i)
+            cycle(p, i, pages=8 if mode == "loop" else 64)
             i += 1
-            time.sleep(0.005)
+            if pause:
+                time.sleep(pause)
         return 0
     raise SystemExit(f"unknown mode {mode!r}")
 

@@ -1,0 +1,127 @@
+"""Issue 14, item 7: the probes answer while the sidecar is saturated, and no client can hold
+its connections open.
+
+- A synthetic engine floods its ring (request cycles as fast as a core allows) beside a
+  healthy one: the real ``kvguard sidecar`` cannot keep up, so its ingest cycles run back to
+  back. ``/healthz`` and ``/metrics`` used to wait on the ingest lock for a whole cycle (8 MiB
+  from each ring): up to 6.9 s, against the manifests' 5 s probe timeout. Now the probes take
+  no lock, a scrape serves the last snapshot when a cycle is busy (its age exported), and a
+  cycle reads about 1 MiB in all.
+- 200 connections that send nothing or half a request head: all stayed open (one fd each,
+  for as long as the client liked). Now past ``--http-max-connections`` they are closed at
+  once and the rest after ``--http-request-timeout-s``; both counted.
+
+The latency bounds here are far above what the sidecar does (a few ms idle, ~0.2 s on an
+overloaded 2-core machine) and far below the failure (seconds): they tell the two apart
+without timing the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import socket
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from sidecar_under_test import counter, healthy_setup, start_engine, stop_all
+
+PROBE_BOUND_S = 1.0  # against the 5 s probe timeout of the manifests; the old sidecar took up to 6.9 s
+
+
+@pytest.fixture
+def procs():
+    started: list[subprocess.Popen] = []
+    yield started
+    stop_all(started)
+
+
+def timed_get(url: str) -> tuple[float, httpx.Response]:
+    t = time.monotonic()
+    reply = httpx.get(url, timeout=30)
+    return time.monotonic() - t, reply
+
+
+@pytest.mark.timeout(120)
+def test_probes_and_scrapes_answer_while_ingest_is_saturated(tmp_path, procs):
+    ring_dir, engine, sidecar = healthy_setup(tmp_path, procs)
+    start_engine(ring_dir, procs, mode="flood", ring_bytes=16 << 20)  # one is more than the sidecar keeps up with
+    base = f"http://127.0.0.1:{sidecar.port}"
+    # saturated: a cycle is running whenever we look, or scrapes are served from a snapshot
+    sidecar.wait_for("the sidecar to be saturated", lambda: counter(sidecar.metrics(), "kvguard_records_lost_total")
+                     > 0 or json.loads(httpx.get(base + "/healthz", timeout=30).text).get("cycle_running_s"), 60)
+    health, scrapes, mid_cycle = [], [], 0
+    t_end = time.monotonic() + 8
+    while time.monotonic() < t_end:
+        took, reply = timed_get(base + "/healthz")
+        assert reply.status_code == 200, reply.text  # a long cycle under load is progress, not a failure
+        health.append(took)
+        mid_cycle += json.loads(reply.text)["cycle_running_s"] is not None
+        took, reply = timed_get(base + "/metrics")
+        assert reply.status_code == 200
+        scrapes.append(took)
+    text = sidecar.metrics()
+    print(f"/healthz: {len(health)} answers, max {max(health) * 1000:.0f} ms; /metrics: max "
+          f"{max(scrapes) * 1000:.0f} ms; {mid_cycle} probes answered mid-cycle; stale scrapes "
+          f"{counter(text, 'kvguard_metrics_stale_scrapes_total'):.0f}")
+    assert mid_cycle > 0  # the probes were answered while a cycle held the ingest lock
+    assert max(health) < PROBE_BOUND_S, health
+    assert max(scrapes) < 2 * PROBE_BOUND_S, scrapes
+    assert counter(text, "kvguard_metrics_snapshot_age_seconds") < 30
+    sidecar.reads_keep_being_checked(engine.pid, timeout=30)
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    readable, _, _ = select.select([sock], [], [], 0)
+    if not readable:
+        return False
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.timeout(90)
+def test_half_open_connections_are_capped_and_timed_out(tmp_path, procs):
+    ring_dir, engine, sidecar = healthy_setup(
+        tmp_path, procs, extra=("--http-max-connections", "32", "--http-request-timeout-s", "2"))
+    pid = sidecar.proc.pid
+    fds_before = open_fds(pid)
+    socks = []
+    try:
+        for i in range(200):
+            s = socket.create_connection(("127.0.0.1", sidecar.port), timeout=5)
+            if i % 2:  # half a request head, never finished
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: sidecar\r\n")
+            socks.append(s)
+        time.sleep(0.5)
+        assert open_fds(pid) < fds_before + 40  # past the cap they were closed at once
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(closed_by_peer(s) for s in socks):
+            time.sleep(0.2)
+        still_open = sum(not closed_by_peer(s) for s in socks)
+        assert still_open == 0, f"{still_open} of 200 idle connections still open after 10 s"
+    finally:
+        for s in socks:
+            s.close()
+    reply = httpx.get(f"http://127.0.0.1:{sidecar.port}/healthz", timeout=5)
+    assert reply.status_code == 200
+    text = sidecar.metrics()
+    over = counter(text, 'kvguard_http_connections_closed_total{reason="over_limit"}')
+    timed_out = counter(text, 'kvguard_http_connections_closed_total{reason="request_timeout"}')
+    assert over >= 150 and timed_out >= 1 and over + timed_out >= 200, text
+    assert open_fds(pid) <= fds_before + 2
+    sidecar.reads_keep_being_checked(engine.pid)
+    # a client that asks properly is answered, on a kept-alive connection too
+    with httpx.Client(base_url=f"http://127.0.0.1:{sidecar.port}", timeout=5) as client:
+        assert [client.get("/healthz").status_code for _ in range(3)] == [200] * 3
+    assert re.search(r"^kvguard_http_connections_closed_total", text, re.M)
