@@ -71,21 +71,62 @@ from .reads import reader_party
 NORMAL_FINISH = ("stop", "length")
 
 
+class Samples:
+    """The last ``window`` (uncached tokens, ttft_ns) pairs as two int64 ring buffers: the
+    floors below are computed over them vectorised (they were a Python pass over a deque of
+    tuples per request end, 40% of a saturated sidecar's time)."""
+
+    __slots__ = ("uncached", "ttft_ns", "_n", "_next")
+
+    def __init__(self, window: int):
+        self.uncached = np.zeros(window, np.int64)
+        self.ttft_ns = np.zeros(window, np.int64)
+        self._n = self._next = 0
+
+    def append(self, sample: tuple[int, int]) -> None:
+        i = self._next
+        self.uncached[i], self.ttft_ns[i] = sample
+        self._next = (i + 1) % len(self.uncached)
+        self._n = min(self._n + 1, len(self.uncached))
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self):  # oldest first
+        start = self._next if self._n == len(self.uncached) else 0
+        for k in range(self._n):
+            i = (start + k) % len(self.uncached)
+            yield int(self.uncached[i]), int(self.ttft_ns[i])
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(uncached, ttft_ns) of the samples held, in no particular order."""
+        return self.uncached[:self._n], self.ttft_ns[:self._n]
+
+
+def _arrays(samples) -> tuple[np.ndarray, np.ndarray]:
+    if isinstance(samples, Samples):
+        return samples.arrays()
+    pairs = np.asarray(list(samples), np.int64).reshape(-1, 2)
+    return pairs[:, 0], pairs[:, 1]
+
+
 def _floor_ns(samples, uncached: int, quantile: float, min_candidates: int) -> float | None:
     """``quantile`` TTFT of samples with between uncached/8 and uncached tokens."""
-    near = [t for n, t in samples if n <= uncached and n * 8 >= uncached]
+    n, t = _arrays(samples)
+    near = t[(n <= uncached) & (n * 8 >= uncached)]
     if len(near) < min_candidates:
         return None
-    return float(np.percentile(np.asarray(near, np.int64), quantile))
+    return float(np.percentile(near, quantile))
 
 
 def _floor_ns_per_token(samples, quantile: float) -> float:
-    return float(np.percentile(np.fromiter((t / n for n, t in samples), float, len(samples)), quantile))
+    n, t = _arrays(samples)
+    return float(np.percentile(t / n, quantile))
 
 
 class TTFTModel:
     def __init__(self, window: int = 512, quantile: float = 10.0):
-        self.samples: deque[tuple[int, int]] = deque(maxlen=window)  # (uncached tokens, ttft_ns)
+        self.samples = Samples(window)  # (uncached tokens, ttft_ns)
         self.quantile = quantile
 
     def floor_ns_per_token(self) -> float:
