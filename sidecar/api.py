@@ -13,7 +13,7 @@ from typing import Annotated
 
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from pydantic import BaseModel
 
 from engine_hooks import wire
@@ -54,7 +54,9 @@ def _event_dict(ev, directory) -> dict:
 
 
 def create_app(sidecar: Sidecar, registry: CollectorRegistry | None = None, api_token: str | None = None) -> FastAPI:
-    registry = registry or CollectorRegistry()
+    if registry is None:
+        registry = CollectorRegistry()
+        ProcessCollector(registry=registry)  # process_resident_memory_bytes, against the memory budget
     registry.register(KVGuardCollector(sidecar))
     app = FastAPI(title="kvguard sidecar", version="0.1.0",
                   description="KV-cache integrity findings, incidents and page/request timelines.")

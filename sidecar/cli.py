@@ -127,8 +127,8 @@ def _run_sidecar(args, sinks, token, tracer, ledger: dict) -> int:
     try:
         sidecar = Sidecar(args.ring_dir, sinks=sinks, recorder=recorder, history_events=args.history_events,
                           isolate_tenants=args.isolate_tenants, tracer=tracer, ttft_anomaly=args.ttft_anomaly,
-                          max_rings=args.max_rings, **ledger).start()
-    except ValueError as exc:  # a bad ledger setting: named with its value
+                          max_rings=args.max_rings, memory_budget=args.memory_budget, **ledger).start()
+    except ValueError as exc:  # a bad ledger setting or a budget too small: named with its value
         print(f"kvguard sidecar: {exc}", file=sys.stderr)
         return 2
     if token is None:
@@ -228,7 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "lower file descriptor limit lowers it)")
     p.add_argument("--history-events", type=_positive_int, default=1 << 20,
                    help="events kept for timelines (40 bytes each; default 1048576)")
+    from .memory_budget import DEFAULT_BUDGET_BYTES
     from .recorder import DEFAULT_MAX_BYTES, parse_bytes, parse_seconds
+
+    p.add_argument("--memory-budget", type=parse_bytes, default=DEFAULT_BUDGET_BYTES,
+                   help="what the sidecar's state may cost, e.g. 384M, 1G (default 384M, for a 512Mi limit): the "
+                        "ended-request directories get what the runtime, the history and the engines' page models "
+                        "leave; kvguard_memory_bytes{part} shows the estimate (docs/operations.md, Sizing)")
 
     p.add_argument("--record-dir", default=None, help="record the record stream into rotating segment files "
                    "here, for `kvguard replay` (docs/recording-api.md); off by default")

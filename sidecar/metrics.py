@@ -168,6 +168,19 @@ class KVGuardCollector(Collector):
                 pool.add_metric([role, pid], h.pool_tokens)
                 ctx.add_metric([role, pid], h.context_len)
         yield from (reads, unverified, out_of_range, pages, pool, ctx)
+        budget = pipeline.memory_budget
+        mem_budget = GaugeMetricFamily("kvguard_memory_budget_bytes", "--memory-budget")
+        mem_budget.add_metric([], budget.total_bytes)
+        yield mem_budget
+        mem = GaugeMetricFamily("kvguard_memory_bytes", "Estimated bytes of the sidecar's state, by part",
+                                labels=["part"])
+        for part, n in budget.usage(pipeline.engines.values()).items():
+            mem.add_metric([part], n)
+        yield mem
+        ended = GaugeMetricFamily("kvguard_ended_requests_capacity", "Ended requests each engine's directory keeps "
+                                  "(the memory budget's share)")
+        ended.add_metric([], budget.ended_per_engine)
+        yield ended
         apply_errors = CounterMetricFamily("kvguard_apply_errors", "Records the sidecar failed to apply")
         apply_errors.add_metric([], pipeline.apply_errors)
         yield apply_errors

@@ -28,6 +28,7 @@ from .findings import WARNING, EngineRef, Finding
 from .history import Event, History
 from .incidents import IncidentStore
 from .ledger import REMOTE_ENGINE, RoomState, TransferLedger
+from .memory_budget import DEFAULT_BUDGET_BYTES, MemoryBudget
 from .tracker import EngineTracker, RequestDirectory
 
 log = logging.getLogger("kvguard.pipeline")
@@ -42,11 +43,13 @@ DEGRADED_REPEAT_NS = 30_000_000_000  # a degraded ledger re-reports this often (
 class Pipeline:
     def __init__(self, sinks=(), history_events: int = 1 << 20, incidents: IncidentStore | None = None,
                  isolate_tenants: bool = False, tracer=None, ttft_anomaly: bool = True,
-                 shared_ledger=None, orphan_timeout_s: float = 120.0):
+                 shared_ledger=None, orphan_timeout_s: float = 120.0, memory_budget: MemoryBudget | None = None):
         # sidecar.tracing.TraceRecorder or None: request spans; it is also a sink (findings become span events)
         self.tracer = tracer
         self.sinks = list(sinks) + ([tracer] if tracer is not None else [])
         self.history = History(history_events) if history_events else None
+        # sizes the engines' ended-request directories (sidecar/memory_budget.py)
+        self.memory_budget = memory_budget or MemoryBudget(DEFAULT_BUDGET_BYTES, history_events)
         self.incidents = incidents or IncidentStore()
         self.engines: dict[int, EngineTracker] = {}
         self.ledger = TransferLedger(orphan_timeout_ns=int(orphan_timeout_s * 1e9))
@@ -81,7 +84,9 @@ class Pipeline:
     def tracker(self, engine_id: int) -> EngineTracker:
         tracker = self.engines.get(engine_id)
         if tracker is None:
-            tracker = self.engines[engine_id] = EngineTracker(engine_id, RequestDirectory())
+            tracker = self.engines[engine_id] = EngineTracker(
+                engine_id, RequestDirectory(self.memory_budget.ended_per_engine))
+            self.memory_budget.size_directories(list(self.engines.values()))
         return tracker
 
     @staticmethod
@@ -197,6 +202,7 @@ class Pipeline:
                 return self._sender_gave_up(body.req_key, info.room, gave_up, ts)
         elif kind == wire.Kind.HELLO:
             t.on_hello(body)
+            self.memory_budget.size_directories(list(self.engines.values()))  # its page model is known now
             log.info("engine %d: %s %s rank %d pid %d, page_size %d, pool %d pages / %d tokens, context %d",
                      rec.engine_id, body.engine_name, ROLE_NAMES.get(body.role), body.tp_rank, body.pid,
                      body.page_size, body.pool_pages, body.pool_tokens, body.context_len)
@@ -529,6 +535,7 @@ class Pipeline:
         # judged while the engine is still here: the prefill-evidence gate reads its history
         found = self._emit(self.ttft_detector.on_engine_gone(engine_id, ts_ns))
         del self.engines[engine_id]
+        self.memory_budget.size_directories(list(self.engines.values()))  # its share goes to the others
         self.records_lost_by_engine.pop(engine_id, None)
         self.ledger.forget_engine(engine_id)
         if self.tracer is not None:

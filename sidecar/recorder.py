@@ -946,9 +946,9 @@ class BadValue(ValueError, argparse.ArgumentTypeError):
     """A flag value that does not parse (argparse prints the message as is)."""
 
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
-               "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40,
-               "tib": 1 << 40}
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "ki": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
+               "mb": 1 << 20, "mi": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gi": 1 << 30,
+               "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "ti": 1 << 40, "tib": 1 << 40}
 _TIME_UNITS = {"": 1, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
 
 

@@ -8,6 +8,7 @@ import time
 
 from .ingest import CYCLE_BYTES, DEFAULT_MAX_RINGS, RingSet
 from .ledger.shared import SharedLedger, parse_ledger_url
+from .memory_budget import DEFAULT_BUDGET_BYTES, MemoryBudget
 from .pipeline import Pipeline
 
 log = logging.getLogger("kvguard.sidecar")
@@ -21,7 +22,7 @@ class Sidecar:
                  remove_dead_rings: bool = True, recorder=None, history_events: int = 1 << 20,
                  isolate_tenants: bool = False, tracer=None, ttft_anomaly: bool = True,
                  ledger: str = "memory", ledger_cluster: str = "default", orphan_timeout_s: float = 120.0,
-                 max_rings: int = DEFAULT_MAX_RINGS):
+                 max_rings: int = DEFAULT_MAX_RINGS, memory_budget: int = DEFAULT_BUDGET_BYTES):
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
         if orphan_timeout_s <= 0:
@@ -34,7 +35,9 @@ class Sidecar:
         self.rings = RingSet(ring_dir, slack_ns=slack_ns, remove_dead=remove_dead_rings, max_rings=max_rings)
         self.pipeline = Pipeline(sinks, history_events=history_events, isolate_tenants=isolate_tenants,
                                  tracer=tracer, ttft_anomaly=ttft_anomaly, shared_ledger=self.shared_ledger,
-                                 orphan_timeout_s=orphan_timeout_s)
+                                 orphan_timeout_s=orphan_timeout_s,
+                                 # raises MemoryBudgetError (a ValueError naming --memory-budget) when too small
+                                 memory_budget=MemoryBudget(memory_budget, history_events))
         # sidecar.recorder.Recorder (or None): records every batch before it is applied; never raises
         self.recorder = recorder
         self.poll_interval_s = poll_interval_s

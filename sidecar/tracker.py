@@ -482,6 +482,16 @@ class RequestDirectory:
             self.end(key)
         return len(stale)
 
+    @property
+    def num_ended(self) -> int:
+        return len(self._ended)
+
+    def resize(self, max_ended: int) -> None:
+        """A new capacity for ended requests (the memory budget's share); the oldest go first."""
+        self.max_ended = max_ended
+        while len(self._ended) > max_ended:
+            self._ended.popitem(last=False)
+
     def end(self, key: int) -> RequestInfo | None:
         self._stub_seen_ns.pop(key, None)
         info = self.live.pop(key, None)

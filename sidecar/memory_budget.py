@@ -1,0 +1,68 @@
+"""The sidecar's memory budget (``--memory-budget``): what the state it keeps may cost.
+
+Most of the sidecar's memory is fixed by what it watches: the Python runtime and its
+libraries, the event history (``--history-events`` x 40 B) and one page model per engine
+(about 64 B per pool page, rows included: docs/performance.md, "Memory"). What grows with
+traffic is the directory of *ended* requests each engine keeps, so that findings about a
+page written by a request that has finished still name its rid and tenant. It was 100,000
+entries per engine whatever the node: about 50 MB per engine, 400 MB on an 8-rank node,
+over the manifests' 512Mi limit. Now its capacity is what the budget leaves after the fixed
+parts, shared between the engines attached, recomputed on every HELLO and engine exit.
+
+The per-entry sizes are measured (tracemalloc; ``tests/test_memory_budget.py`` keeps them
+honest) and rounded up; ``kvguard_memory_bytes{part}`` exports the estimate per part beside
+the process's real RSS (``process_resident_memory_bytes``).
+"""
+
+from __future__ import annotations
+
+MIB = 1 << 20
+DEFAULT_BUDGET_BYTES = 384 * MIB  # the manifests' limit is 512Mi: the rest is merge buffers, copies, slack
+RUNTIME_BYTES = 100 * MIB  # Python, numpy, FastAPI/uvicorn, prometheus-client: ~70-90 MiB measured idle
+HISTORY_EVENT_BYTES = 40
+POOL_BYTES_PER_PAGE = 64  # page arrays + live rows, 57 B measured at the reference workload
+ENDED_REQUEST_BYTES = 600  # a RequestInfo with a 32-character rid in the LRU: 524 B measured
+MIN_ENDED_PER_ENGINE = 1_000
+MAX_ENDED_PER_ENGINE = 100_000  # more names nothing a finding still needs (requests ended minutes ago)
+
+
+class MemoryBudgetError(ValueError):
+    pass
+
+
+class MemoryBudget:
+    def __init__(self, total_bytes: int = DEFAULT_BUDGET_BYTES, history_events: int = 1 << 20):
+        self.total_bytes = int(total_bytes)
+        self.history_bytes = int(history_events) * HISTORY_EVENT_BYTES
+        need = RUNTIME_BYTES + self.history_bytes + MIN_ENDED_PER_ENGINE * ENDED_REQUEST_BYTES
+        if self.total_bytes < need:
+            raise MemoryBudgetError(
+                f"--memory-budget: {self.total_bytes} bytes is less than the sidecar needs before watching any "
+                f"engine: ~{RUNTIME_BYTES // MIB} MiB of runtime + --history-events {history_events} x "
+                f"{HISTORY_EVENT_BYTES} B + {MIN_ENDED_PER_ENGINE} ended requests = {need} bytes "
+                f"({-(-need // MIB)} MiB); raise it or lower --history-events")
+        self.ended_per_engine = MAX_ENDED_PER_ENGINE
+
+    def pools_bytes(self, engines) -> int:
+        return sum(POOL_BYTES_PER_PAGE * (t.hello.pool_pages if t.hello else 0) for t in engines)
+
+    def size_directories(self, engines: list) -> int:
+        """Share what the fixed parts leave between the engines' ended-request directories
+        (trimming them at once); returns the capacity per engine. A node whose page models
+        alone exceed the budget still keeps ``MIN_ENDED_PER_ENGINE`` each (over budget: the
+        usage metric shows it)."""
+        spare = self.total_bytes - RUNTIME_BYTES - self.history_bytes - self.pools_bytes(engines)
+        per_engine = spare // (max(1, len(engines)) * ENDED_REQUEST_BYTES)
+        self.ended_per_engine = int(min(MAX_ENDED_PER_ENGINE, max(MIN_ENDED_PER_ENGINE, per_engine)))
+        for t in engines:
+            t.requests.resize(self.ended_per_engine)
+        return self.ended_per_engine
+
+    def usage(self, engines) -> dict[str, int]:
+        """Estimated bytes by part (the budget counts these)."""
+        ended = live = 0
+        for t in engines:
+            ended += t.requests.num_ended
+            live += len(t.requests.live)
+        return {"runtime": RUNTIME_BYTES, "history": self.history_bytes, "page_models": self.pools_bytes(engines),
+                "ended_requests": ended * ENDED_REQUEST_BYTES, "live_requests": live * ENDED_REQUEST_BYTES}
