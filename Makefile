@@ -9,6 +9,8 @@
 #   make test        venv + apt, then pytest
 #   make demo        the incident demo on the leaking SGLang (0.5.19)
 #   make demo-fixed  the same demo on the fixed SGLang (0.5.23)
+#   make soak-memory 30 min of 8 synthetic ranks: the sidecar's RSS stays flat (not in CI)
+#   make test-reliability  tests/reliability only
 #   make clean       caches and build outputs; `make distclean` also removes .venv
 #
 # NOTE: every pip call is --no-deps. SGLang's and torchvision's metadata pull CUDA
@@ -127,3 +129,17 @@ deploy-check: venv apt
 .PHONY: bench
 bench: venv native
 	$(PY) -m bench.run
+
+# The sidecar's memory over a long run (issue 14): the real sidecar beside 8 synthetic
+# ranks at the reference rate for 30 minutes, RSS sampled every 30 s, flat after warm-up
+# and within --memory-budget. Takes the machine for the whole run; not in `make test`.
+.PHONY: soak-memory
+soak-memory: venv native
+	$(PY) -m bench.soak_memory --minutes $(or $(SOAK_MINUTES),30)
+
+# The reliability suite alone (tests/reliability: the real sidecar process under bad
+# rings, full volumes, forged records, saturation, hostile connections). `make test`
+# runs it too.
+.PHONY: test-reliability
+test-reliability: venv apt native
+	$(PY) -m pytest -q tests/reliability
