@@ -47,11 +47,13 @@ class MemoryBudget:
         return sum(POOL_BYTES_PER_PAGE * (t.hello.pool_pages if t.hello else 0) for t in engines)
 
     def size_directories(self, engines: list) -> int:
-        """Share what the fixed parts leave between the engines' ended-request directories
-        (trimming them at once); returns the capacity per engine. A node whose page models
+        """Share what the fixed parts and the live requests leave between the engines'
+        ended-request directories (trimming them at once); returns the capacity per engine.
+        Called on every HELLO and engine exit, and every few seconds as live requests vary. A node whose page models
         alone exceed the budget still keeps ``MIN_ENDED_PER_ENGINE`` each (over budget: the
         usage metric shows it)."""
-        spare = self.total_bytes - RUNTIME_BYTES - self.history_bytes - self.pools_bytes(engines)
+        live = sum(len(t.requests.live) for t in engines) * ENDED_REQUEST_BYTES  # bounded by the engines' batches
+        spare = self.total_bytes - RUNTIME_BYTES - self.history_bytes - self.pools_bytes(engines) - live
         per_engine = spare // (max(1, len(engines)) * ENDED_REQUEST_BYTES)
         self.ended_per_engine = int(min(MAX_ENDED_PER_ENGINE, max(MIN_ENDED_PER_ENGINE, per_engine)))
         for t in engines:

@@ -31,6 +31,8 @@ from .ledger import REMOTE_ENGINE, RoomState, TransferLedger
 from .memory_budget import DEFAULT_BUDGET_BYTES, MemoryBudget
 from .tracker import EngineTracker, RequestDirectory
 
+BUDGET_RESIZE_NS = 5_000_000_000  # the directories' share follows the live requests this often
+
 log = logging.getLogger("kvguard.pipeline")
 
 ROLE_NAMES = {wire.Role.UNIFIED: "unified", wire.Role.PREFILL: "prefill", wire.Role.DECODE: "decode"}
@@ -50,6 +52,7 @@ class Pipeline:
         self.history = History(history_events) if history_events else None
         # sizes the engines' ended-request directories (sidecar/memory_budget.py)
         self.memory_budget = memory_budget or MemoryBudget(DEFAULT_BUDGET_BYTES, history_events)
+        self._budget_sized_ns = 0
         self.incidents = incidents or IncidentStore()
         self.engines: dict[int, EngineTracker] = {}
         self.ledger = TransferLedger(orphan_timeout_ns=int(orphan_timeout_s * 1e9))
@@ -554,4 +557,7 @@ class Pipeline:
         self._resolved(self.incidents.tick(now_ns))
         for tracker in self.engines.values():
             tracker.retire_idle_requests(now_ns)
+        if now_ns - self._budget_sized_ns >= BUDGET_RESIZE_NS:  # live requests come and go
+            self._budget_sized_ns = now_ns
+            self.memory_budget.size_directories(list(self.engines.values()))
         return found
