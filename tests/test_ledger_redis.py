@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -431,39 +432,40 @@ class FlakyRedis:
         pass
 
 
+@contextmanager
+def failing_link(degrade_after_s: float):
+    """A SharedLedger whose client fails from its first round trip until ``client.failing`` is cleared."""
+    client = FlakyRedis()
+    client.failing = True
+    link = SharedLedger("redis://127.0.0.1:1/0", cluster="c1", poll_interval_s=0.01, degrade_after_s=degrade_after_s,
+                        client=client).start()
+    try:
+        yield client, link
+    finally:
+        link.stop(flush_s=0.1)
+
+
+def wait_until(cond, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not cond():
+        time.sleep(0.01)
+
+
 def test_one_slow_round_trip_is_retried_not_reported_as_degraded():
     # CI's 2-core machine running two engines once answered a poll after more than the socket
     # timeout: one failed round trip, and a ledger_degraded finding on a healthy Redis
-    client = FlakyRedis()
-    client.failing = True  # from the first round trip
-    link = SharedLedger("redis://127.0.0.1:1/0", cluster="c1", poll_interval_s=0.01, degrade_after_s=1.0,
-                        client=client).start()
-    try:
-        deadline = time.monotonic() + 0.5
-        while time.monotonic() < deadline and link.errors < 2:
-            time.sleep(0.01)
+    with failing_link(degrade_after_s=1.0) as (client, link):
+        wait_until(lambda: link.errors >= 2, 0.5)
         client.failing = False
         errors = link.errors
         time.sleep(0.3)
         assert errors >= 1 and not link.degraded and link.recoveries == 0
-    finally:
-        link.stop(flush_s=0.1)
 
 
 def test_failures_that_last_past_the_grace_period_are_degraded_and_recover():
-    client = FlakyRedis()
-    client.failing = True  # from the first round trip
-    link = SharedLedger("redis://127.0.0.1:1/0", cluster="c1", poll_interval_s=0.01, degrade_after_s=0.3,
-                        client=client).start()
-    try:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and not link.degraded:
-            time.sleep(0.01)
+    with failing_link(degrade_after_s=0.3) as (client, link):
+        wait_until(lambda: link.degraded, 5)
         assert link.degraded and "Timeout" in link.last_error
         client.failing = False
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and link.degraded:
-            time.sleep(0.01)
+        wait_until(lambda: not link.degraded, 5)
         assert not link.degraded and link.recoveries == 1
-    finally:
-        link.stop(flush_s=0.1)
