@@ -24,6 +24,7 @@ POOL_BYTES_PER_PAGE = 64  # page arrays + live rows, 57 B measured at the refere
 ENDED_REQUEST_BYTES = 600  # a RequestInfo with a 32-character rid in the LRU: 524 B measured
 MIN_ENDED_PER_ENGINE = 1_000
 MAX_ENDED_PER_ENGINE = 100_000  # more names nothing a finding still needs (requests ended minutes ago)
+MIN_PAGES_MODELLED = 1_024  # an engine's model tracks at least this many pages, whatever the budget
 
 
 class MemoryBudgetError(ValueError):
@@ -43,8 +44,22 @@ class MemoryBudget:
                 f"({-(-need // MIB)} MiB); raise it or lower --history-events")
         self.ended_per_engine = MAX_ENDED_PER_ENGINE
 
+    @staticmethod
+    def pages_modelled(t) -> int:
+        """Pages an engine's model tracks: its pool, or less where the budget capped it."""
+        return min(t.hello.pool_pages, t.pool.limit) if t.hello else 0
+
     def pools_bytes(self, engines) -> int:
-        return sum(POOL_BYTES_PER_PAGE * (t.hello.pool_pages if t.hello else 0) for t in engines)
+        return sum(POOL_BYTES_PER_PAGE * self.pages_modelled(t) for t in engines)
+
+    def pages_allowed(self, others: list) -> int:
+        """The most pages a new engine's model may track beside ``others`` (the engines already
+        modelled) while every engine keeps its minimum of ended requests: a HELLO announcing a
+        pool beyond it (a node bigger than the budget, or a hostile ring) is capped there, its
+        pages past the cap counted out of range and their reads unverified, never allocated."""
+        spare = (self.total_bytes - RUNTIME_BYTES - self.history_bytes - self.pools_bytes(others)
+                 - (len(others) + 1) * MIN_ENDED_PER_ENGINE * ENDED_REQUEST_BYTES)
+        return max(MIN_PAGES_MODELLED, spare // POOL_BYTES_PER_PAGE)
 
     def size_directories(self, engines: list) -> int:
         """Share what the fixed parts and the live requests leave between the engines'

@@ -204,7 +204,13 @@ class Pipeline:
                 gave_up = "abort" if body.phase == wire.Phase.CLIENT_ABORT else "reject"
                 return self._sender_gave_up(body.req_key, info.room, gave_up, ts)
         elif kind == wire.Kind.HELLO:
-            t.on_hello(body)
+            allowed = self.memory_budget.pages_allowed([o for o in self.engines.values() if o is not t])
+            if body.pool_pages > allowed:
+                log.error("engine %d (pid %d) announces a pool of %d pages; --memory-budget %d leaves room to model "
+                          "%d: pages past %d are not tracked (counted in kvguard_page_ids_out_of_range_total, their "
+                          "reads unverified). Raise --memory-budget (and the container's memory limit)",
+                          rec.engine_id, body.pid, body.pool_pages, self.memory_budget.total_bytes, allowed, allowed)
+            t.on_hello(body, max_pages=allowed)
             self.memory_budget.size_directories(list(self.engines.values()))  # its page model is known now
             log.info("engine %d: %s %s rank %d pid %d, page_size %d, pool %d pages / %d tokens, context %d",
                      rec.engine_id, body.engine_name, ROLE_NAMES.get(body.role), body.tp_rank, body.pid,

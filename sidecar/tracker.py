@@ -564,11 +564,12 @@ class EngineTracker:
         self.requests_retired_idle += moved
         return moved
 
-    def on_hello(self, hello: wire.Hello) -> None:
+    def on_hello(self, hello: wire.Hello, max_pages: int = MAX_PAGES) -> None:
+        """``max_pages``: the most pages the memory budget lets this engine's model track."""
         self.hello = hello
         self.page_size = hello.page_size
         # page ids run 0..pool_pages (0 is padding); some slack for allocator rounding
-        self.pool.limit = min(hello.pool_pages + 1 + 1024, MAX_PAGES)
+        self.pool.limit = min(hello.pool_pages + 1 + 1024, MAX_PAGES, max(int(max_pages), 2))
         self.pool.ensure(np.array([min(hello.pool_pages, self.pool.limit - 1)], np.int64))
         self.pool.changes_overflow = True  # page size and limit may differ: judge everything again
         tokens = max(hello.context_len, hello.pool_tokens, hello.pool_pages * hello.page_size)

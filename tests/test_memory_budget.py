@@ -13,6 +13,7 @@ import sys
 import tracemalloc
 import uuid
 
+import numpy as np
 import pytest
 
 from engine_hooks import wire
@@ -118,3 +119,19 @@ def test_the_budget_is_exported_beside_the_real_rss(tmp_path):
     assert "process_resident_memory_bytes" in text
     (capacity,) = re.findall(r"^kvguard_ended_requests_capacity (\S+)$", text, re.M)
     assert float(capacity) == mb.MAX_ENDED_PER_ENGINE
+
+
+def test_a_pool_beyond_the_budget_is_capped_not_allocated():
+    """A HELLO announcing 4M pages (a hostile ring, or a node bigger than the budget) used to
+    allocate its page model whatever the budget (~90 MB each); now the model stops where the
+    budget does, and pages past it are counted out of range."""
+    budget = mb.MemoryBudget(256 * MIB, history_events=1 << 16)
+    p = Pipeline([], history_events=1 << 16, memory_budget=budget)
+    p.apply(hello(4 << 20, 0))
+    (t,) = p.engines.values()
+    allowed = t.pool.limit
+    assert allowed < 4 << 20 and t.pool.num_pages <= allowed
+    used = budget.usage(p.engines.values())
+    assert sum(used.values()) <= budget.total_bytes, used
+    p.apply(wire.Record(wire.Kind.ALLOC, 1, 2, 100, 0, wire.Pages(np.array([allowed + 5], np.int64))))
+    assert t.pool.pages_out_of_range == 1 and t.pool.num_pages <= allowed
