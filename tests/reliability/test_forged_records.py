@@ -85,7 +85,6 @@ def test_records_stamped_with_another_engines_id_change_nothing(tmp_path, procs,
         listed = engines_listed(sidecar.port)
         assert not any(0x7000 <= e < 0x7000 + 20 for e in listed), listed  # no series, no state for made-up ids
         assert len(re.findall(r"^kvguard_page_reads_checked_total\{", final, re.M)) <= 2
-        assert "stamped engine_id" in sidecar.log_text() or "foreign" in final
     finally:
         hostile.close(unlink=True)
 

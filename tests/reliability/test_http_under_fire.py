@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import select
 import socket
 import subprocess
@@ -124,4 +123,3 @@ def test_half_open_connections_are_capped_and_timed_out(tmp_path, procs):
     # a client that asks properly is answered, on a kept-alive connection too
     with httpx.Client(base_url=f"http://127.0.0.1:{sidecar.port}", timeout=5) as client:
         assert [client.get("/healthz").status_code for _ in range(3)] == [200] * 3
-    assert re.search(r"^kvguard_http_connections_closed_total", text, re.M)
