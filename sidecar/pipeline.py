@@ -54,6 +54,7 @@ class Pipeline:
         self.memory_budget = memory_budget or MemoryBudget(DEFAULT_BUDGET_BYTES, history_events)
         self._budget_sized_ns = 0
         self.incidents = incidents or IncidentStore()
+        self.incidents.max_bytes = self.memory_budget.incidents_bytes  # the budget's share
         self.engines: dict[int, EngineTracker] = {}
         self.ledger = TransferLedger(orphan_timeout_ns=int(orphan_timeout_s * 1e9))
         # sidecar.ledger.shared.SharedLedger or None: the other pod's transfer facts (docs/detectors.md)
@@ -160,6 +161,8 @@ class Pipeline:
         t = self.tracker(rec.engine_id)
         body, kind = rec.body, rec.kind
         ts, eid = rec.ts_ns, rec.engine_id
+        if t.unseen_since_loss:  # requests live at a gap: each record naming one shows it outlived it
+            t.on_named(body)
         if kind == wire.Kind.FORWARD:
             return self._on_forward(t, body, rec.ts_ns)
         if kind == wire.Kind.ALLOC:
@@ -455,6 +458,8 @@ class Pipeline:
             for t0, t1, last, n_pages in fact["chunks"]:
                 if (t0, t1, last) in state.remote_chunks:
                     continue
+                if state.overflowed:  # (sidecar/ledger/memory.py MAX_CHUNKS_PER_ROOM) nothing more is kept
+                    break
                 state.remote_chunks.add((t0, t1, last))
                 if self.ledger.rooms.get(room) is not state and self.ledger.pending.get(room) is not state:
                     continue  # decided already (closed): nothing to pair
@@ -501,7 +506,7 @@ class Pipeline:
         finding; the incident that groups an engine's gaps adds them up (sidecar/incidents.py)."""
         self.records_lost += rec.body
         total = self.records_lost_by_engine[t.engine_id] = self.records_lost_by_engine.get(t.engine_id, 0) + rec.body
-        t.on_lost()
+        t.on_lost(rec.ts_ns)
         engine = self.engine_ref(t)
         summary = (f"{engine.role} rank {engine.rank}: {rec.body} records lost in this gap, {total} on this engine "
                    f"so far (ring full or unreadable); page ownership is unknown until pages are reallocated: "

@@ -208,7 +208,7 @@ class Replay:
             if expected is not None and rec.seq > expected:
                 gap = rec.seq - expected
                 self.stats.records_missing += gap
-                self.pipeline.tracker(eid).on_lost()
+                self.pipeline.tracker(eid).on_lost(rec.ts_ns)
                 self._problem(f"{self._path}: engine {eid}: records {expected}..{rec.seq - 1} ({gap}) are not in "
                               f"the recording; its page state was reset there, findings in that window may be missing")
             elif expected is not None and rec.seq < expected:

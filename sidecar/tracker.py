@@ -530,6 +530,14 @@ class ReadVerdict:
 # PD waiting timeout, so a request still queued for its transfer is never retired.
 IDLE_REQUEST_NS = 600 * 10**9
 RETIRE_SCAN_NS = 10 * 10**9
+# A request live when records were lost, and named by no record since for this long, ended
+# in the gap: its REQ_END (and FREEs) were among the lost records. A running request is
+# named by every decode forward; one waiting for its KV transfer is held (``transfer_hold``)
+# unless its hold fell in the gap too, and retiring it then is harmless (its reads go
+# unverified, it stays findable by key in the ended LRU). Without this, every gap of an
+# overloaded sidecar left its requests live with their rows (~4 KB each) forever: 93k of
+# them, 500 MiB, in a 17-minute soak (issue 14).
+LOST_UNSEEN_NS = 60 * 10**9
 
 
 class EngineTracker:
@@ -547,6 +555,9 @@ class EngineTracker:
         self.pages_read = 0
         self.pages_unverified = 0
         self.requests_retired_idle = 0  # live requests that never ended and held nothing (RequestDirectory.retire_idle)
+        # live request key -> time of the first gap (LOST) since a record last named it (LOST_UNSEEN_NS)
+        self.unseen_since_loss: dict[int, int] = {}
+        self.requests_retired_after_loss = 0  # of those, retired with their rows: their end fell in a gap
         self._next_retire_ns = 0
         self.incremental = INCREMENTAL_JUDGE  # judge only what changed (False: every page every time)
         self.judge_epoch = 0  # bumped to drop every row's clean prefix at once
@@ -559,10 +570,41 @@ class EngineTracker:
         if now_ns < self._next_retire_ns:
             return 0
         self._next_retire_ns = now_ns + RETIRE_SCAN_NS
-        moved = self.requests.retire_idle(
+        moved = self._retire_unseen_since_loss(now_ns) if self.unseen_since_loss else 0
+        idle = self.requests.retire_idle(
             now_ns, idle_ns, lambda key: key in self.rows or key in self.transfer_hold or key in self.pending_reads)
-        self.requests_retired_idle += moved
+        self.requests_retired_idle += idle
+        return moved + idle
+
+    def _retire_unseen_since_loss(self, now_ns: int) -> int:
+        """End the requests live at a gap that no record named for ``LOST_UNSEEN_NS`` since
+        (their row dropped: the pages it named are UNKNOWN since the gap, reallocation tells
+        their next owner). A request still waiting on its transfer or on a deferred read is kept."""
+        moved = 0
+        live = self.requests.live
+        for key, since in list(self.unseen_since_loss.items()):
+            if key not in live:
+                del self.unseen_since_loss[key]
+            elif now_ns - since > LOST_UNSEEN_NS and key not in self.transfer_hold and key not in self.pending_reads:
+                del self.unseen_since_loss[key]
+                self.rows.pop(key, None)
+                self.requests.end(key)
+                moved += 1
+        self.requests_retired_after_loss += moved
         return moved
+
+    def on_named(self, body) -> None:
+        """A record named these requests (a FORWARD's batch, or one request): they outlived the
+        gap. Called only while some request is unseen since one (``unseen_since_loss``)."""
+        keys = getattr(body, "req_keys", None)
+        pop = self.unseen_since_loss.pop
+        if keys is not None:
+            for key in keys.tolist():
+                pop(key, None)
+        else:
+            key = getattr(body, "req_key", None)
+            if key is not None:
+                pop(key, None)
 
     def on_hello(self, hello: wire.Hello, max_pages: int = MAX_PAGES) -> None:
         """``max_pages``: the most pages the memory budget lets this engine's model track."""
@@ -575,8 +617,14 @@ class EngineTracker:
         tokens = max(hello.context_len, hello.pool_tokens, hello.pool_pages * hello.page_size)
         self.row_limit = min(-(-tokens // max(self.page_size, 1)) + ROW_SLACK_PAGES, MAX_PAGES)
 
-    def on_lost(self) -> None:
+    def on_lost(self, ts_ns: int | None = None) -> None:
+        """Records were lost: page states are unknown, and every live request may have ended in
+        the gap (``ts_ns``: when; None, a hole in a recording, marks no request)."""
         self.pool.forget_all()
+        if ts_ns is not None:
+            mark = self.unseen_since_loss.setdefault
+            for key in self.requests.live:
+                mark(key, ts_ns)
 
     def _slots(self, req_keys: np.ndarray) -> np.ndarray:
         """Pool slots of a FORWARD's request keys: from the rows for a small batch (a prefill's

@@ -276,3 +276,35 @@ def test_per_token_assign_repeating_the_row_changes_nothing_and_a_new_one_still_
     t.on_alloc(np.array([2]))  # reallocated: B's repeat names a new generation and claims it again
     t.on_assign(wire.Assign(B, 1, 2, 0, np.array([2])))
     assert t.rows[B].gens.tolist() == [2] and t.pool.state[2] == OWNED and t.pool.owner[2] == B
+
+
+def test_requests_whose_end_fell_in_a_gap_are_retired_with_their_rows():
+    """Issue 14: a request live when records were lost, and named by no record for
+    LOST_UNSEEN_NS since, ended in the gap (its REQ_END was lost): it leaves the live directory
+    and its row is dropped. One named after the gap (a forward, an ASSIGN), or waiting for its
+    transfer, is kept; without a gap nothing is retired however long a request lives."""
+    from sidecar.tracker import LOST_UNSEEN_NS, RETIRE_SCAN_NS
+
+    t = tracker()
+    C, D = wire.request_key("C"), wire.request_key("D")
+    for n, rid in enumerate("ABCD"):
+        begin(t, rid)
+        t.on_alloc(np.array([1 + n]))
+        t.on_assign(wire.Assign(wire.request_key(rid), 0, 4, 0, np.array([1 + n])))
+    assert t.retire_idle_requests(10 * LOST_UNSEEN_NS) == 0  # no gap: live as long as they like
+    t.on_lost(100)
+    assert set(t.unseen_since_loss) == {A, B, C, D}
+    t.on_named(wire.Forward(np.array([B], np.uint64), np.array([4], np.uint32), np.zeros(1, np.uint32),
+                            np.zeros(0, np.int32), None, None))
+    t.on_named(wire.Assign(C, 4, 8, 0, np.array([9])))
+    t.transfer_hold.add(D)
+    t._next_retire_ns = 0
+    assert t.retire_idle_requests(100 + LOST_UNSEEN_NS) == 0  # not unseen long enough
+    t._next_retire_ns = 0
+    assert t.retire_idle_requests(101 + LOST_UNSEEN_NS + RETIRE_SCAN_NS) == 1  # A only
+    assert A not in t.requests.live and A not in t.rows and t.requests.get(A).rid == "A"  # still findable
+    assert {B, C, D} <= set(t.requests.live) and {B, C, D} <= set(t.rows)
+    assert t.requests_retired_after_loss == 1 and set(t.unseen_since_loss) == {D}  # held: asked again later
+    # a request retired wrongly that reads again is not judged against a model it no longer has
+    v = t.classify_read(A, 4, np.array([1]))
+    assert v is None
