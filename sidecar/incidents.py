@@ -28,6 +28,14 @@ import xxhash
 from .findings import CRITICAL, Finding
 
 FIRING, RESOLVED = "firing", "resolved"
+# What the store's memory estimate charges (tracemalloc-measured and rounded up:
+# tests/test_incidents.py keeps them honest). A bug that fires for every request of a busy
+# engine makes thousands of incidents, each keeping its first findings with their page
+# lists: 10,000 x 20 findings of a 150-page read were ~1.5 GB before the store had a byte bound.
+INCIDENT_BYTES = 4_000  # an Incident with its dicts and summary, no page ids
+STORED_FINDING_BYTES = 3_000  # one finding kept as a dict (Finding.to_dict), no page ids
+PAGE_ID_BYTES = 40  # a page id kept in a set (the incident's unions) or a list (a stored finding): ~35 B measured
+DEFAULT_MAX_BYTES = 32 << 20
 SEVERITY_RANK = {"info": 0, "warning": 1, CRITICAL: 2}
 READER_KINDS = {"unwritten_read", "foreign_read", "use_after_free", "late_write", "transfer_size_mismatch",
                 "checksum_mismatch", "ttft_anomaly", "cross_tenant_prefix_share"}
@@ -66,6 +74,7 @@ class Incident:
     resolved_ns: int = 0
     resolution: str = ""
     findings: list = field(default_factory=list)  # the first few findings, as dicts
+    nbytes: int = INCIDENT_BYTES  # the memory estimate (IncidentStore.max_bytes)
 
     def absorb(self, f: Finding, max_findings: int) -> None:
         self.count += 1
@@ -74,12 +83,22 @@ class Incident:
         self.last_seen_ns = max(self.last_seen_ns, f.first_seen_ns)
         if SEVERITY_RANK.get(f.severity, 0) > SEVERITY_RANK.get(self.severity, 0):
             self.severity = f.severity
+        ids = len(self.pages)
         self.pages.update(f.pages)
+        ids = len(self.pages) - ids
         for party in f.exposed:
-            entry = self.exposed.setdefault(party.rid, {"rid": party.rid, "tenant": party.tenant, "pages": set()})
+            entry = self.exposed.get(party.rid)
+            if entry is None:
+                entry = self.exposed[party.rid] = {"rid": party.rid, "tenant": party.tenant, "pages": set()}
+                self.nbytes += STORED_FINDING_BYTES // 4  # the party's dict
+            before = len(entry["pages"])
             entry["pages"].update(party.pages)
+            ids += len(entry["pages"]) - before
         if len(self.findings) < max_findings:
             self.findings.append(f.to_dict())
+            ids += len(f.pages) + sum(len(p.pages) for p in f.exposed)
+            self.nbytes += STORED_FINDING_BYTES
+        self.nbytes += ids * PAGE_ID_BYTES
 
     def _add_gap(self, f: Finding) -> None:
         """events_lost: the incident is the engine's blind window, so its evidence and summary
@@ -115,15 +134,21 @@ class Incident:
 
 
 class IncidentStore:
-    """Bounded store of incidents (oldest resolved ones go first). No I/O."""
+    """Bounded store of incidents: at most ``max_incidents``, and at most ``max_bytes`` by its
+    estimate (the memory budget's share: sidecar/memory_budget.py). Past either, the oldest
+    resolved incident goes first, else the oldest firing one other than the incident just
+    updated (``evicted`` counts them). No I/O."""
 
     def __init__(self, max_incidents: int = 10_000, max_findings_per_incident: int = 20,
-                 quiet_resolve_ns: int = 300 * 10**9):
+                 quiet_resolve_ns: int = 300 * 10**9, max_bytes: int = DEFAULT_MAX_BYTES):
         self.max_incidents = max_incidents
         self.max_findings = max_findings_per_incident
+        self.max_bytes = max_bytes
         self.quiet_resolve_ns = quiet_resolve_ns
         self.incidents: OrderedDict[str, Incident] = OrderedDict()
         self._by_reader: dict[tuple, set[str]] = {}
+        self.nbytes = 0  # the estimate of every incident kept
+        self.evicted = 0
 
     def observe(self, f: Finding) -> tuple[Incident, bool]:
         """File a finding; returns (incident, is_new). A resolved incident that recurs fires again."""
@@ -141,17 +166,28 @@ class IncidentStore:
                                                       "pid": f.engine.pid},
                            reader, FIRING, f.first_seen_ns, f.first_seen_ns, 0, f.summary, evidence=dict(f.evidence))
             self.incidents[iid] = inc
-            self._evict()
+            self.nbytes += inc.nbytes
         elif inc.state == RESOLVED:
             inc.state, inc.resolved_ns, inc.resolution = FIRING, 0, ""
+        before = inc.nbytes
         inc.absorb(f, self.max_findings)
+        self.nbytes += inc.nbytes - before
+        self._evict(keep=iid)
         return inc, is_new
 
-    def _evict(self) -> None:
-        while len(self.incidents) > self.max_incidents:
+    def _evict(self, keep: str) -> None:
+        while (len(self.incidents) > self.max_incidents or self.nbytes > self.max_bytes) and len(self.incidents) > 1:
             victim = next((i for i in self.incidents.values() if i.state == RESOLVED), None)
-            victim = victim or next(iter(self.incidents.values()))
+            victim = victim or next(i for i in self.incidents.values() if i.id != keep)
             del self.incidents[victim.id]
+            self.nbytes -= victim.nbytes
+            self.evicted += 1
+            if victim.reader is not None:  # its reader's end has nothing left to resolve
+                ids = self._by_reader.get((victim.engine["pid"], victim.reader["rid"]))
+                if ids is not None:
+                    ids.discard(victim.id)
+                    if not ids:
+                        del self._by_reader[(victim.engine["pid"], victim.reader["rid"])]
 
     def on_request_end(self, pid: int, rid: str, ts_ns: int) -> list[Incident]:
         resolved = []

@@ -174,13 +174,17 @@ class KVGuardCollector(Collector):
         yield mem_budget
         mem = GaugeMetricFamily("kvguard_memory_bytes", "Estimated bytes of the sidecar's state, by part",
                                 labels=["part"])
-        for part, n in budget.usage(pipeline.engines.values()).items():
+        for part, n in budget.usage(pipeline.engines.values(), pipeline.incidents).items():
             mem.add_metric([part], n)
         yield mem
         ended = GaugeMetricFamily("kvguard_ended_requests_capacity", "Ended requests each engine's directory keeps "
                                   "(the memory budget's share)")
         ended.add_metric([], budget.ended_per_engine)
         yield ended
+        evicted = CounterMetricFamily("kvguard_incidents_evicted", "Incidents dropped from the store to stay within "
+                                      "its bounds (count, and the memory budget's share): oldest resolved first")
+        evicted.add_metric([], pipeline.incidents.evicted)
+        yield evicted
         apply_errors = CounterMetricFamily("kvguard_apply_errors", "Records the sidecar failed to apply")
         apply_errors.add_metric([], pipeline.apply_errors)
         yield apply_errors

@@ -68,3 +68,49 @@ def test_history_keeps_the_newest_events_in_time_order():
     req = h.request_events(5)
     assert [(int(e["event"]), int(e["page"]), int(e["aux"])) for e in req] == [
         (Event.WRITE, 0, 0), (Event.WRITE, 1, 0), (Event.READ, -1, 9)]
+
+
+def storm_read(i: int, pages: int = 150, ts: int = 1) -> Finding:
+    """A realistic critical read: a 32-hex rid, 150 pages read unwritten, three exposed parties
+    (the incident's demo read is 149 pages), page ids past the small-int cache."""
+    base = 10_000 + (i * 151) % 20_000
+    ids = list(range(base, base + pages))
+    exposed = [Party(f"{i:08x}{k:024x}", f"tenant-{k}", None, ids[k::3]) for k in range(3)]
+    return Finding("unwritten_read", "critical", ENGINE, Party(f"{i:032x}", "initech", 7), ids, exposed, ts,
+                   f"decode rank 0: request {i:032x} of tenant initech read {pages} pages nothing wrote for it",
+                   {"sender_rid": f"{i:032x}", "sender_tenant": "initech"})
+
+
+def test_the_store_estimate_is_not_below_what_incidents_cost():
+    """INCIDENT_BYTES, STORED_FINDING_BYTES and PAGE_ID_BYTES are measured, rounded up: the
+    estimate the byte bound applies is at least what the incidents take (and not 3x more)."""
+    import tracemalloc
+
+    store = IncidentStore(max_incidents=10**9, max_bytes=1 << 40)
+    n = 400
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        for i in range(n):
+            for repeat in range(3):  # repeats store their findings, with their page lists
+                store.observe(storm_read(i, ts=1 + repeat))
+        after, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    print(f"{(after - before) / n:.0f} B per incident measured, {store.nbytes / n:.0f} estimated")
+    assert after - before <= store.nbytes < 3 * (after - before)
+
+
+def test_a_storm_of_incidents_stays_within_the_byte_bound_and_keeps_the_newest():
+    store = IncidentStore(max_bytes=2 << 20)
+    ids = [store.observe(storm_read(i, ts=i))[0].id for i in range(2_000)]
+    assert store.nbytes <= 2 << 20 and store.evicted > 0
+    assert store.nbytes == sum(i.nbytes for i in store.incidents.values())  # the running total is exact
+    assert ids[-1] in store.incidents and ids[0] not in store.incidents  # the oldest went first
+    kept = len(store.incidents)
+    # a resolved incident goes before any firing one, however old
+    store.on_request_end(42, f"{1_999:032x}", 10**9)
+    store.observe(storm_read(5_000, ts=10**9))
+    assert ids[-1] not in store.incidents and ids[-2] in store.incidents and len(store.incidents) <= kept
+    # an evicted reader's end finds nothing to resolve, and nothing is left behind for it
+    assert store.on_request_end(42, f"{0:032x}", 10**9) == [] and len(store._by_reader) <= len(store.incidents)
