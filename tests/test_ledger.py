@@ -345,3 +345,35 @@ def test_a_warmup_transfer_with_no_sender_is_not_waited_for_nor_judged(tmp_path)
     assert sink.findings == [] and ledger.pending == {}
     assert (ledger.warmups, ledger.unverified, ledger.paired) == (1, 0, 0)
     sidecar.stop()
+
+
+def test_a_sender_flooding_one_room_with_chunks_is_bounded_and_not_judged():
+    """Issue 14: a ring sending ever new token ranges for one room grew its chunk list (and the
+    scan each chunk costs) without bound. Past MAX_CHUNKS_PER_ROOM the room keeps nothing
+    more, and its receiver is counted unverified, never judged on a part of the chunks; a
+    digest with more partial ranges than any engine has heads never completes."""
+    from engine_hooks import wire
+    from sidecar.ledger.digests import MAX_PARTS, DigestSum, Partial
+    from sidecar.ledger.memory import MAX_CHUNKS_PER_ROOM, TransferLedger
+
+    ledger = TransferLedger()
+    ledger.on_reserve(2, wire.XferReserve(22, 7, 64, np.arange(1, 17)), 0)
+    for i in range(MAX_CHUNKS_PER_ROOM + 500):
+        ledger.on_send(1, wire.XferSend(11, 7, 0, i, i + 1, False, np.zeros(1, np.int64)), 4)
+    state = ledger.find(7)
+    assert len(state.chunks) == MAX_CHUNKS_PER_ROOM and state.overflowed
+    ledger.on_send(1, wire.XferSend(11, 7, 0, 0, 64, True, np.zeros(16, np.int64)), 4)  # the last chunk, dropped too
+    pairing = ledger.on_receiver_done(wire.XferDone(22, 7, wire.Side.RECEIVER, wire.XferStatus.SUCCESS), 4, 10)
+    if pairing is None or pairing.provisional:  # the last chunk was not kept: the room waits, then is decided
+        (pairing,) = ledger.expire(10 + 10 * ledger.grace_ns, lambda _: 4)
+    assert not pairing.verified and ledger.unverified == 1 and ledger.paired == ledger.unpaired == 0
+    # a room within the bound is judged as before
+    ledger.on_reserve(2, wire.XferReserve(23, 8, 8, np.arange(20, 22)), 0)
+    ledger.on_send(1, wire.XferSend(12, 8, 0, 0, 8, True, np.zeros(2, np.int64)), 4)
+    pairing = ledger.on_receiver_done(wire.XferDone(23, 8, wire.Side.RECEIVER, wire.XferStatus.SUCCESS), 4, 20)
+    assert pairing.verified and ledger.paired == 1
+
+    digest = DigestSum()
+    for start in range(MAX_PARTS + 100):
+        digest.add(1, start, Partial(1, 5, 0, 8, 2, 10**6))  # one head of a million, again and again
+    assert len(digest.by_alg[1]) == MAX_PARTS and not digest.complete(1)

@@ -24,12 +24,20 @@ class Partial:
     total_heads: int
 
 
+# partial digests (distinct head ranges) one end of a room may have per algorithm: one per TP
+# rank that sends, at most one per kv head
+MAX_PARTS = 1024
+
+
 @dataclass(slots=True)
 class DigestSum:
     by_alg: dict[int, dict[int, Partial]] = field(default_factory=dict)  # alg -> head_start -> partial
 
     def add(self, alg: int, head_start: int, part: Partial) -> None:
-        self.by_alg.setdefault(int(alg), {})[int(head_start)] = part
+        parts = self.by_alg.setdefault(int(alg), {})
+        if len(parts) >= MAX_PARTS and int(head_start) not in parts:
+            return  # past any real head count (a broken or hostile writer): the sum never completes
+        parts[int(head_start)] = part
 
     def complete(self, alg: int) -> bool:
         parts = self.by_alg.get(alg)

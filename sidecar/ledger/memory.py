@@ -55,6 +55,11 @@ REMOTE_ENGINE = -1  # engine id under which facts from another pod's sidecar are
 # a rejected sender may still send (SGLang 0.5.19 sends a 1-token placeholder for the prompt it
 # rejected): without its REQ_END, it has this long to do so before the receiver is an orphan
 REJECT_GRACE_NS = 5_000_000_000
+# distinct token ranges one room's sender may send: SGLang sends one chunk per prefill chunk
+# (context / --chunked-prefill-size: 2,048 for a 128k context in 64-token chunks). A ring
+# sending more (a hostile or broken writer) made the room's list, and the linear scan each
+# chunk costs, grow without bound; past this the room is taken as written and not judged.
+MAX_CHUNKS_PER_ROOM = 4096
 
 
 @dataclass(slots=True)
@@ -93,6 +98,7 @@ class RoomState:
     compared: bool = False
     orphan_reported: bool = False
     remote_chunks: set = field(default_factory=set)  # (start, end, last) of chunks applied from another pod
+    overflowed: bool = False  # the sender sent more than MAX_CHUNKS_PER_ROOM ranges: not judged
 
     @property
     def sent_last(self) -> bool:
@@ -410,6 +416,9 @@ class TransferLedger:
                        n, n, verified=False, receiver_engine=state.receiver_engine, state=state)
 
     def _pair(self, state: RoomState, page_size: int) -> Pairing:
+        if state.overflowed:  # chunks were not kept: whatever the verdict, it would rest on a part of them
+            self._count(state, "unverified")
+            return self._unverified(state)
         n_reserved = len(state.reserved_pages)
         written: list[np.ndarray] = []
         sent_tokens = 0
@@ -438,4 +447,7 @@ def _add_chunk(state: RoomState, chunk: SentChunk) -> None:
         if (c.token_start, c.token_end) == (chunk.token_start, chunk.token_end):
             state.chunks[i] = chunk
             return
+    if len(state.chunks) >= MAX_CHUNKS_PER_ROOM:
+        state.overflowed = True
+        return
     state.chunks.append(chunk)
