@@ -11,6 +11,7 @@
 #   make demo-fixed  the same demo on the fixed SGLang (0.5.23)
 #   make soak-memory 30 min of 8 synthetic ranks: the sidecar's RSS stays flat (not in CI)
 #   make test-reliability  tests/reliability only
+#   make test-versions  the adapter's engine tests on all five supported SGLang releases
 #   make clean       caches and build outputs; `make distclean` also removes .venv
 #
 # NOTE: every pip call is --no-deps. SGLang's and torchvision's metadata pull CUDA
@@ -31,7 +32,8 @@ LOCK := requirements/engine.lock
 # with PYTHONPATH (sidecar/demo/engines.py). 0.5.19 leaks (the incident); 0.5.23 is fixed.
 SGLANG_VERSIONS := 0.5.19 0.5.23
 SGLANG_DIRS := $(foreach v,$(SGLANG_VERSIONS),$(VENV)/sglang/$(v)/.installed)
-# the releases between them: the adapter's engine tests run on every supported version
+# the releases between them: `make test-versions` runs the adapter's engine tests on
+# every supported version (`make test` on 0.5.19 and 0.5.23)
 SGLANG_TEST_VERSIONS := 0.5.20 0.5.21 0.5.22
 SGLANG_TEST_DIRS := $(foreach v,$(SGLANG_TEST_VERSIONS),$(VENV)/sglang/$(v)/.installed)
 
@@ -96,8 +98,13 @@ apt:
 	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq; \
 	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing
 
-test: venv apt native $(SGLANG_TEST_DIRS)
-	$(PY) -m pytest -q --durations=30
+test: venv apt native
+	$(PY) -m pytest -q --durations=30 -m "not sweep"
+
+# The adapter's engine tests on every SGLang release it supports (0.5.19 through 0.5.23).
+.PHONY: test-versions
+test-versions: venv apt native $(SGLANG_TEST_DIRS)
+	$(PY) -m pytest -q tests/test_sglang_adapter_engine.py
 
 demo: venv apt native
 	$(VENV)/bin/kvguard demo
