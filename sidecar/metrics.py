@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -99,6 +100,15 @@ class KVGuardCollector(Collector):
         for reason, n in sorted(closed_connections.items()):
             closed.add_metric([reason], n)
         yield closed
+        frozen = GaugeMetricFamily("kvguard_gc_frozen_objects", "Objects in the garbage collector's permanent "
+                                   "generation (sidecar/gc_policy.py): long-lived state no collection walks")
+        frozen.add_metric([], gc.get_freeze_count())
+        yield frozen
+        policy = getattr(svc, "gc_freeze", None)
+        pauses = CounterMetricFamily("kvguard_gc_freeze_pause_seconds", "Seconds the periodic full collection "
+                                     "and freeze held the process (sidecar/gc_policy.py)")
+        pauses.add_metric([], policy.pause_s_total if policy is not None else 0.0)
+        yield pauses
 
     @staticmethod
     def _families(svc):

@@ -51,6 +51,7 @@ class Sidecar:
         # called by the ingest thread between two cycles, without the lock held (e.g. a metrics
         # snapshot a scrape asked for while the lock was busy)
         self.between_cycles: list = []
+        self.gc_freeze = None  # sidecar.gc_policy.GcFreeze where the process runs one (`kvguard sidecar`)
 
     def run_once(self, flush: bool = False) -> list:
         with self.lock:

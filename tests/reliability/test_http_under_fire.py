@@ -30,6 +30,7 @@ import pytest
 
 from sidecar_under_test import counter, healthy_setup, start_engine, stop_all
 
+HEALTHZ_BOUND_S = 0.1  # issue 14: /healthz answers within 100 ms while the sidecar is saturated
 PROBE_BOUND_S = 1.0  # against the 5 s probe timeout of the manifests; the old sidecar took up to 6.9 s
 
 
@@ -46,6 +47,20 @@ def timed_get(url: str) -> tuple[float, httpx.Response]:
     return time.monotonic() - t, reply
 
 
+def probe(port: int, path: str = "/healthz") -> tuple[float, int, dict]:
+    """One HTTP probe as the kubelet sends it: a fresh connection, one GET, read to the end.
+    (httpx.get itself spends ~50 ms building a client: it is not what is measured.)"""
+    t = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: sidecar\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    took = time.monotonic() - t
+    head, _, body = data.partition(b"\r\n\r\n")
+    return took, int(head.split()[1]), json.loads(body)
+
+
 @pytest.mark.timeout(120)
 def test_probes_and_scrapes_answer_while_ingest_is_saturated(tmp_path, procs):
     ring_dir, engine, sidecar = healthy_setup(tmp_path, procs)
@@ -55,21 +70,28 @@ def test_probes_and_scrapes_answer_while_ingest_is_saturated(tmp_path, procs):
     sidecar.wait_for("the sidecar to be saturated", lambda: counter(sidecar.metrics(), "kvguard_records_lost_total")
                      > 0 or json.loads(httpx.get(base + "/healthz", timeout=30).text).get("cycle_running_s"), 60)
     health, scrapes, mid_cycle = [], [], 0
-    t_end = time.monotonic() + 8
+    t_end = time.monotonic() + 12
     while time.monotonic() < t_end:
-        took, reply = timed_get(base + "/healthz")
-        assert reply.status_code == 200, reply.text  # a long cycle under load is progress, not a failure
-        health.append(took)
-        mid_cycle += json.loads(reply.text)["cycle_running_s"] is not None
+        for _ in range(4):
+            took, status, detail = probe(sidecar.port)
+            assert status == 200, detail  # a long cycle under load is progress, not a failure
+            health.append(took)
+            mid_cycle += detail["cycle_running_s"] is not None
+            time.sleep(0.02)
         took, reply = timed_get(base + "/metrics")
         assert reply.status_code == 200
         scrapes.append(took)
     text = sidecar.metrics()
-    print(f"/healthz: {len(health)} answers, max {max(health) * 1000:.0f} ms; /metrics: max "
-          f"{max(scrapes) * 1000:.0f} ms; {mid_cycle} probes answered mid-cycle; stale scrapes "
-          f"{counter(text, 'kvguard_metrics_stale_scrapes_total'):.0f}")
+    health.sort()
+    p95 = health[int(len(health) * 0.95)]
+    print(f"/healthz: {len(health)} answers, p50 {health[len(health) // 2] * 1000:.0f} ms, p95 {p95 * 1000:.0f} ms, "
+          f"max {health[-1] * 1000:.0f} ms; /metrics: max {max(scrapes) * 1000:.0f} ms; {mid_cycle} probes answered "
+          f"mid-cycle; stale scrapes {counter(text, 'kvguard_metrics_stale_scrapes_total'):.0f}; frozen objects "
+          f"{counter(text, 'kvguard_gc_frozen_objects'):.0f}")
     assert mid_cycle > 0  # the probes were answered while a cycle held the ingest lock
-    assert max(health) < PROBE_BOUND_S, health
+    # issue 14: every probe within 100 ms while saturated. Full garbage collections held the
+    # process 100-600 ms (sidecar/gc_policy.py); the slowest probe here is now ~20 ms
+    assert health[-1] < HEALTHZ_BOUND_S, health
     assert max(scrapes) < 2 * PROBE_BOUND_S, scrapes
     assert counter(text, "kvguard_metrics_snapshot_age_seconds") < 30
     sidecar.reads_keep_being_checked(engine.pid, timeout=30)
