@@ -12,6 +12,7 @@
 #   make soak-memory 30 min of 8 synthetic ranks: the sidecar's RSS stays flat (not in CI)
 #   make test-reliability  tests/reliability only
 #   make test-versions  the adapter's engine tests on all five supported SGLang releases
+#   make fuzz        coverage-guided fuzzing of the record path, FUZZ_SECONDS (600) long
 #   make clean       caches and build outputs; `make distclean` also removes .venv
 #
 # NOTE: every pip call is --no-deps. SGLang's and torchvision's metadata pull CUDA
@@ -100,6 +101,17 @@ apt:
 
 test: venv apt native
 	$(PY) -m pytest -q --durations=30 -m "not sweep"
+
+# Coverage-guided fuzzing of the record path (tests/fuzz, atheris/libFuzzer), longer than
+# the bounded run in `make test`; the corpus grows in .kvguard-cache/fuzz-corpus.
+# `make fuzz-seeds` merges it into the committed seeds (tests/fuzz/seeds.b64).
+FUZZ_SECONDS ?= 600
+.PHONY: fuzz fuzz-seeds
+fuzz: venv
+	$(PY) tests/fuzz/run.py --seconds $(FUZZ_SECONDS) --corpus .kvguard-cache/fuzz-corpus
+
+fuzz-seeds: venv
+	$(PY) tests/fuzz/run.py --seconds $(FUZZ_SECONDS) --corpus .kvguard-cache/fuzz-corpus --update-seeds
 
 # The adapter's engine tests on every SGLang release it supports (0.5.19 through 0.5.23).
 .PHONY: test-versions
