@@ -25,8 +25,10 @@ ENDED_REQUEST_BYTES = 600  # a RequestInfo with a 32-character rid in the LRU: 5
 MIN_ENDED_PER_ENGINE = 1_000
 MAX_ENDED_PER_ENGINE = 100_000  # more names nothing a finding still needs (requests ended minutes ago)
 MIN_PAGES_MODELLED = 1_024  # an engine's model tracks at least this many pages, whatever the budget
-# the incident store's share (sidecar/incidents.py IncidentStore.max_bytes): 1/16 of the budget,
-# 1 to 32 MiB (24 MiB at the default budget: ~400 incidents of a 150-page read, 20 findings each)
+# the incident store's share (sidecar/incidents.py IncidentStore.max_bytes) and the transfer
+# ledger's (sidecar/ledger/memory.py TransferLedger.max_bytes): 1/16 of the budget each, 1 to
+# 32 MiB (24 MiB at the default budget: ~400 incidents of a 150-page read with 20 findings each;
+# ~10,000 rooms in flight of 600 tokens at page size 4, five times an 8-rank node's batches)
 INCIDENTS_SHARE = 16
 MIN_INCIDENTS_BYTES = 1 * MIB
 MAX_INCIDENTS_BYTES = 32 * MIB
@@ -45,12 +47,15 @@ class MemoryBudget:
         self.total_bytes = int(total_bytes)
         self.history_bytes = int(history_events) * HISTORY_EVENT_BYTES
         self.incidents_bytes = incidents_bytes(self.total_bytes)
-        need = RUNTIME_BYTES + self.history_bytes + self.incidents_bytes + MIN_ENDED_PER_ENGINE * ENDED_REQUEST_BYTES
+        self.ledger_bytes = incidents_bytes(self.total_bytes)  # the same share
+        self.shares_bytes = self.incidents_bytes + self.ledger_bytes
+        need = RUNTIME_BYTES + self.history_bytes + self.shares_bytes + MIN_ENDED_PER_ENGINE * ENDED_REQUEST_BYTES
         if self.total_bytes < need:
             raise MemoryBudgetError(
                 f"--memory-budget: {self.total_bytes} bytes is less than the sidecar needs before watching any "
                 f"engine: ~{RUNTIME_BYTES // MIB} MiB of runtime + --history-events {history_events} x "
-                f"{HISTORY_EVENT_BYTES} B + {self.incidents_bytes // MIB} MiB of incidents + {MIN_ENDED_PER_ENGINE} "
+                f"{HISTORY_EVENT_BYTES} B + {self.shares_bytes // MIB} MiB of incidents and transfer rooms + "
+                f"{MIN_ENDED_PER_ENGINE} "
                 f"ended requests = {need} bytes ({-(-need // MIB)} MiB); raise it or lower --history-events")
         self.ended_per_engine = MAX_ENDED_PER_ENGINE
 
@@ -67,7 +72,7 @@ class MemoryBudget:
         modelled) while every engine keeps its minimum of ended requests: a HELLO announcing a
         pool beyond it (a node bigger than the budget, or a hostile ring) is capped there, its
         pages past the cap counted out of range and their reads unverified, never allocated."""
-        spare = (self.total_bytes - RUNTIME_BYTES - self.history_bytes - self.incidents_bytes - self.pools_bytes(others)
+        spare = (self.total_bytes - RUNTIME_BYTES - self.history_bytes - self.shares_bytes - self.pools_bytes(others)
                  - (len(others) + 1) * MIN_ENDED_PER_ENGINE * ENDED_REQUEST_BYTES)
         return max(MIN_PAGES_MODELLED, spare // POOL_BYTES_PER_PAGE)
 
@@ -78,7 +83,7 @@ class MemoryBudget:
         alone exceed the budget still keeps ``MIN_ENDED_PER_ENGINE`` each (over budget: the
         usage metric shows it)."""
         live = sum(len(t.requests.live) for t in engines) * ENDED_REQUEST_BYTES  # bounded by the engines' batches
-        spare = (self.total_bytes - RUNTIME_BYTES - self.history_bytes - self.incidents_bytes
+        spare = (self.total_bytes - RUNTIME_BYTES - self.history_bytes - self.shares_bytes
                  - self.pools_bytes(engines) - live)
         per_engine = spare // (max(1, len(engines)) * ENDED_REQUEST_BYTES)
         self.ended_per_engine = int(min(MAX_ENDED_PER_ENGINE, max(MIN_ENDED_PER_ENGINE, per_engine)))
@@ -86,13 +91,14 @@ class MemoryBudget:
             t.requests.resize(self.ended_per_engine)
         return self.ended_per_engine
 
-    def usage(self, engines, incidents=None) -> dict[str, int]:
-        """Estimated bytes by part (the budget counts these); ``incidents``: the IncidentStore
-        (its own estimate, bounded by ``incidents_bytes``)."""
+    def usage(self, engines, incidents=None, ledger=None) -> dict[str, int]:
+        """Estimated bytes by part (the budget counts these); ``incidents``: the IncidentStore,
+        ``ledger``: the TransferLedger (their own estimates, bounded by their shares)."""
         ended = live = 0
         for t in engines:
             ended += t.requests.num_ended
             live += len(t.requests.live)
         return {"runtime": RUNTIME_BYTES, "history": self.history_bytes, "page_models": self.pools_bytes(engines),
                 "ended_requests": ended * ENDED_REQUEST_BYTES, "live_requests": live * ENDED_REQUEST_BYTES,
-                "incidents": incidents.nbytes if incidents is not None else 0}
+                "incidents": incidents.nbytes if incidents is not None else 0,
+                "transfer_rooms": ledger.nbytes if ledger is not None else 0}

@@ -184,7 +184,7 @@ class KVGuardCollector(Collector):
         yield mem_budget
         mem = GaugeMetricFamily("kvguard_memory_bytes", "Estimated bytes of the sidecar's state, by part",
                                 labels=["part"])
-        for part, n in budget.usage(pipeline.engines.values(), pipeline.incidents).items():
+        for part, n in budget.usage(pipeline.engines.values(), pipeline.incidents, pipeline.ledger).items():
             mem.add_metric([part], n)
         yield mem
         ended = GaugeMetricFamily("kvguard_ended_requests_capacity", "Ended requests each engine's directory keeps "
@@ -226,6 +226,10 @@ def ledger_metrics(pipeline, shared):
     digests.add_metric(["compared"], ledger.digests_compared)
     digests.add_metric(["incomparable"], ledger.digests_incomparable)
     yield digests
+    evicted = CounterMetricFamily("kvguard_transfer_rooms_evicted", "Transfer rooms dropped to stay within the "
+                                  "ledger's bounds (its share of --memory-budget, 100,000 rooms): oldest first")
+    evicted.add_metric([], ledger.rooms_evicted)
+    yield evicted
     degraded = GaugeMetricFamily("kvguard_ledger_degraded", "1 while the shared transfer ledger is unreachable")
     degraded.add_metric([], 1 if shared is not None and shared.degraded else 0)
     yield degraded

@@ -56,7 +56,8 @@ class Pipeline:
         self.incidents = incidents or IncidentStore()
         self.incidents.max_bytes = self.memory_budget.incidents_bytes  # the budget's share
         self.engines: dict[int, EngineTracker] = {}
-        self.ledger = TransferLedger(orphan_timeout_ns=int(orphan_timeout_s * 1e9))
+        self.ledger = TransferLedger(orphan_timeout_ns=int(orphan_timeout_s * 1e9),
+                                     max_bytes=self.memory_budget.ledger_bytes)  # the budget's share
         # sidecar.ledger.shared.SharedLedger or None: the other pod's transfer facts (docs/detectors.md)
         self.shared_ledger = shared_ledger
         self.ledger.shared = shared_ledger is not None

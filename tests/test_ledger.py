@@ -377,3 +377,62 @@ def test_a_sender_flooding_one_room_with_chunks_is_bounded_and_not_judged():
     for start in range(MAX_PARTS + 100):
         digest.add(1, start, Partial(1, 5, 0, 8, 2, 10**6))  # one head of a million, again and again
     assert len(digest.by_alg[1]) == MAX_PARTS and not digest.complete(1)
+
+
+def test_rooms_stay_within_the_byte_bound_and_an_evicted_receivers_pages_are_never_judged_unwritten(tmp_path):
+    """Issue 14: the ledger's rooms are bounded by its share of the memory budget. A room
+    dropped while its receiver waited is remembered, so that the receiver's result takes its
+    pages as written (counted unverified) rather than leaving them unwritten: its first read
+    would otherwise be a critical unwritten_read about a healthy transfer."""
+    from sidecar.ledger.memory import ROOM_BYTES
+
+    prefill, decode = engines(tmp_path)
+    begin(prefill, decode, "r-1", 101, 8, [1, 2])  # the oldest room
+    for i in range(60):  # later transfers reserve rooms (and never finish here)
+        rid = f"x-{i:02d}"
+        for p in (prefill, decode):
+            p.request_begin(rid, "acme", 300 + i, 8, 0, False)
+        decode.transfer_reserved(rid, 300 + i, 8, slots([20 + i % 10, 30 + i % 10]))
+    send(prefill, "r-1", 101, 8)
+    receive(decode, "r-1", 101, 8)
+    finish(decode, "r-1", [1, 2], 8)
+    sink = MemorySink()
+    sidecar = Sidecar(str(tmp_path), sinks=[sink], slack_ns=0)
+    ledger = sidecar.pipeline.ledger
+    ledger.max_bytes = 12 * ROOM_BYTES
+    sidecar.run_once(flush=True)
+    assert ledger.rooms_evicted > 0 and ledger.nbytes <= ledger.max_bytes
+    # the running charge is refunded only at a recount: it never understates what is held
+    assert sum(s.nbytes for s in ledger._held().values()) <= ledger.nbytes
+    assert 101 not in ledger.rooms
+    assert sink.findings == [], [f.to_dict() for f in sink.findings]  # r-1 read its pages: not unwritten
+    assert ledger.unverified == 1 and ledger.paired == 0
+    sidecar.stop()
+
+
+def test_the_room_estimate_is_not_below_what_rooms_cost():
+    """ROOM_BYTES, CHUNK_BYTES and PART_BYTES are measured (tracemalloc) and rounded up."""
+    import tracemalloc
+
+    from engine_hooks import wire
+    from sidecar.ledger.memory import TransferLedger
+
+    ledger = TransferLedger(max_rooms=10**9, max_bytes=1 << 40)
+    n = 2_000
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        for room in range(n):  # a 600-token prompt at page size 4: 150 pages, 4 chunks, 2 ranks' digests a side
+            ledger.on_reserve(2, wire.XferReserve(room + 1, room, 600, np.arange(150, dtype=np.int64)), 0)
+            for c in range(4):
+                ledger.on_send(1, wire.XferSend(room + 7, room, 0, 150 * c, 150 * (c + 1), c == 3,
+                                                np.zeros(38, np.int64)), 4)
+            for side in (wire.Side.SENDER, wire.Side.RECEIVER):
+                for rank in range(2):
+                    ledger.on_digest(1, wire.XferDigest(room + 7 if side == wire.Side.SENDER else room + 1, room,
+                                                        side, wire.DigestAlg(2), rank, 0, 600, 2, 4 * rank, 4, 8))
+        after, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    print(f"{(after - before) / n:.0f} B per room measured, {ledger.nbytes / n:.0f} charged")
+    assert after - before <= ledger.nbytes < 3 * (after - before)

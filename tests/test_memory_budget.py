@@ -80,7 +80,7 @@ def test_eight_ranks_share_the_budget_and_the_directories_stay_within_it():
 
 
 def test_a_smaller_budget_trims_what_is_kept_at_once():
-    budget = mb.MemoryBudget(176 * MIB, history_events=1 << 16)
+    budget = mb.MemoryBudget(192 * MIB, history_events=1 << 16)
     p = Pipeline([], history_events=1 << 16, memory_budget=budget)
     p.apply(hello(1024, 0))
     t = next(iter(p.engines.values()))

@@ -60,6 +60,14 @@ REJECT_GRACE_NS = 5_000_000_000
 # sending more (a hostile or broken writer) made the room's list, and the linear scan each
 # chunk costs, grow without bound; past this the room is taken as written and not judged.
 MAX_CHUNKS_PER_ROOM = 4096
+# What the ledger's byte bound charges (``TransferLedger.max_bytes``, the memory budget's share),
+# rounded up from tracemalloc (tests/test_ledger.py): a room, a chunk, a partial digest, and the
+# reserved page ids as their array holds them.
+ROOM_BYTES = 1_200
+CHUNK_BYTES = 150
+PART_BYTES = 250
+DEFAULT_MAX_BYTES = 32 << 20
+MAX_FORGOTTEN = 16_384  # rooms evicted with a receiver waiting: remembered so that its result is unverified
 
 
 @dataclass(slots=True)
@@ -99,6 +107,7 @@ class RoomState:
     orphan_reported: bool = False
     remote_chunks: set = field(default_factory=set)  # (start, end, last) of chunks applied from another pod
     overflowed: bool = False  # the sender sent more than MAX_CHUNKS_PER_ROOM ranges: not judged
+    nbytes: int = ROOM_BYTES  # the byte bound's charge for this room (what it was charged as it grew)
 
     @property
     def sent_last(self) -> bool:
@@ -129,8 +138,17 @@ class Pairing:
 
 class TransferLedger:
     def __init__(self, max_rooms: int = 100_000, max_closed: int = 10_000, grace_ns: int = 2_000_000_000,
-                 orphan_timeout_ns: int = 120_000_000_000):
+                 orphan_timeout_ns: int = 120_000_000_000, max_bytes: int = DEFAULT_MAX_BYTES):
         self.rooms: dict[int, RoomState] = {}
+        # the byte bound: rooms are charged as they grow; past max_bytes the charge is recounted
+        # exactly and the oldest rooms go (closed ones first) down to 3/4 of it
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.rooms_evicted = 0  # rooms dropped to stay within max_bytes or max_rooms
+        # room -> (receiver key, reserved pages) of rooms evicted while their receiver waited: its
+        # result is then an unverified pairing (its pages taken as written), never silence, which
+        # would leave them unwritten and alarm on the receiver's first read
+        self.forgotten: OrderedDict[int, tuple[int, int, int | None]] = OrderedDict()
         # receiver reported success before the sender's last chunk was applied: the adapter emits
         # XFER_SEND after send_kv_chunk returns, and Mooncake's transfer thread may finish first
         self.pending: dict[int, RoomState] = {}
@@ -179,13 +197,50 @@ class TransferLedger:
             state = None
         if state is None:
             if len(self.rooms) >= self.max_rooms:
-                self.rooms.pop(next(iter(self.rooms)))  # oldest first: dicts keep insertion order
+                self._evict(next(iter(self.rooms)))  # oldest first: dicts keep insertion order
             state = self.rooms[room] = RoomState(room)
+            self._charge(state, 0)
         if sender_key:
             state.sender_key = sender_key
         if receiver_key:
             state.receiver_key = receiver_key
         return state
+
+    # ------------------------------------------------------------------ the byte bound
+    def _charge(self, state: RoomState, grew: int) -> None:
+        """``state`` grew by ``grew`` bytes (0: it is new, charged its base)."""
+        if grew:
+            state.nbytes += grew
+        self.nbytes += grew or state.nbytes
+        if self.nbytes > self.max_bytes:
+            self._make_room()
+
+    def _held(self) -> dict[int, RoomState]:
+        held = {id(s): s for table in (self.closed, self.pending, self.rooms) for s in table.values()}
+        return held
+
+    def _make_room(self) -> None:
+        """Recount what is held (rooms leave the tables without a refund), then drop the oldest
+        rooms, decided ones first, until 3/4 of the bound is left: the next recount is far off."""
+        self.nbytes = sum(s.nbytes for s in self._held().values())
+        target = self.max_bytes * 3 // 4
+        while self.nbytes > target and self.closed:
+            room, state = self.closed.popitem(last=False)
+            if self.pending.get(room) is not state:
+                self.nbytes -= state.nbytes
+                self.rooms_evicted += 1
+        while self.nbytes > target and len(self.rooms) > 1:
+            self._evict(next(iter(self.rooms)))
+
+    def _evict(self, room: int) -> None:
+        state = self.rooms.pop(room)
+        self.nbytes -= state.nbytes
+        self.rooms_evicted += 1
+        if state.receiver_open:
+            self.forgotten[room] = (state.receiver_key, len(state.reserved_pages), state.receiver_engine)
+            self.forgotten.move_to_end(room)
+            while len(self.forgotten) > MAX_FORGOTTEN:
+                self.forgotten.popitem(last=False)
 
     def _close(self, state: RoomState) -> None:
         self.closed[state.room] = state
@@ -223,7 +278,8 @@ class TransferLedger:
         if pending is not None and pending.sender_key in (0, x.req_key):
             pending.sender_key = x.req_key
             pending.sender_engine = engine_id
-            _add_chunk(pending, chunk)
+            if _add_chunk(pending, chunk):
+                self._charge(pending, CHUNK_BYTES)
             if x.is_last:
                 del self.pending[x.room]
                 return self._pair(pending, page_size)
@@ -231,7 +287,8 @@ class TransferLedger:
         state = self._room(x.room, sender_key=x.req_key)
         state.sender_engine = engine_id
         state.sender_began = True
-        _add_chunk(state, chunk)
+        if _add_chunk(state, chunk):
+            self._charge(state, CHUNK_BYTES)
         return None
 
     def _check_at(self, deadline_ns: int, room: int) -> None:
@@ -277,7 +334,10 @@ class TransferLedger:
             state.receiver_digest = DigestSum()
             state.done_status, state.compared, state.orphan_reported = 0, False, False
         state.receiver_engine, state.receiver_key = engine_id, x.req_key
+        grew = int(x.pages.nbytes) - (int(state.reserved_pages.nbytes) if state.reserved_pages is not None else 0)
         state.reserved_tokens, state.reserved_pages, state.reserve_ns = x.tokens, x.pages, ts_ns
+        if grew > 0:
+            self._charge(state, grew)
         self._check_at(ts_ns + self.orphan_timeout_ns, x.room)
         if state.sender_gave_up == "reject":
             self._check_at(state.sender_gave_up_ns + REJECT_GRACE_NS, x.room)
@@ -303,6 +363,14 @@ class TransferLedger:
         if state is not None and state.reserved_pages is not None:
             state.done_status = int(x.status)
             self._close(state)
+        if (state is None or state.reserved_pages is None) and x.status == wire.XferStatus.SUCCESS:
+            # (a sender's chunk may have made the room again since: it holds no reservation)
+            forgot = self.forgotten.pop(x.room, None)
+            if forgot is not None and forgot[0] == x.req_key:  # evicted while it waited: not judged
+                key, n, engine = forgot
+                self.unverified += 1
+                self.outcomes[(engine, "unverified")] += 1
+                return Pairing(x.room, key, np.arange(n), 0, 0, n, n, verified=False, receiver_engine=engine)
         if state is None or state.reserved_pages is None or x.status != wire.XferStatus.SUCCESS:
             return None
         n_reserved = len(state.reserved_pages)
@@ -332,8 +400,11 @@ class TransferLedger:
             self.sender_engines_seen.add(engine_id)
             state.sender_key = x.req_key
         ends = state.sender_digest if x.side == wire.Side.SENDER else state.receiver_digest
+        parts = sum(len(p) for p in ends.by_alg.values())
         ends.add(int(x.alg), x.head_start, Partial(x.head_count, x.digest, x.token_start, x.token_end, x.layers,
                                                      x.total_heads))
+        if sum(len(p) for p in ends.by_alg.values()) > parts:
+            self._charge(state, PART_BYTES)
         return self.compare(state)
 
     def compare(self, state: RoomState) -> tuple[RoomState, DigestVerdict] | None:
@@ -441,13 +512,15 @@ def _fits(state: RoomState, sender_key: int | None, receiver_key: int | None) ->
             and (receiver_key is None or not state.receiver_key or state.receiver_key == receiver_key))
 
 
-def _add_chunk(state: RoomState, chunk: SentChunk) -> None:
-    """A chunk for a token range already seen (a retried send) replaces the earlier one."""
+def _add_chunk(state: RoomState, chunk: SentChunk) -> bool:
+    """A chunk for a token range already seen (a retried send) replaces the earlier one.
+    Returns whether the room holds one more chunk."""
     for i, c in enumerate(state.chunks):
         if (c.token_start, c.token_end) == (chunk.token_start, chunk.token_end):
             state.chunks[i] = chunk
-            return
+            return False
     if len(state.chunks) >= MAX_CHUNKS_PER_ROOM:
         state.overflowed = True
-        return
+        return False
     state.chunks.append(chunk)
+    return True

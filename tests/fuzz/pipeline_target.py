@@ -149,6 +149,7 @@ def check(pipeline: Pipeline, peak_limit: dict) -> None:
         for row in t.rows.values():
             assert len(row.pages) <= t.row_limit, (len(row.pages), t.row_limit)
     ledger = pipeline.ledger
+    assert ledger.nbytes <= ledger.max_bytes, (ledger.nbytes, ledger.max_bytes)
     for table in (ledger.rooms, ledger.pending, ledger.closed):
         for state in table.values():
             assert len(state.chunks) <= MAX_CHUNKS_PER_ROOM
