@@ -34,7 +34,8 @@ MIN_INCIDENTS_BYTES = 1 * MIB
 MAX_INCIDENTS_BYTES = 32 * MIB
 
 
-def incidents_bytes(total_bytes: int) -> int:
+def share_bytes(total_bytes: int) -> int:
+    """The incident store's and the transfer ledger's share each (INCIDENTS_SHARE)."""
     return min(MAX_INCIDENTS_BYTES, max(MIN_INCIDENTS_BYTES, total_bytes // INCIDENTS_SHARE))
 
 
@@ -46,8 +47,8 @@ class MemoryBudget:
     def __init__(self, total_bytes: int = DEFAULT_BUDGET_BYTES, history_events: int = 1 << 20):
         self.total_bytes = int(total_bytes)
         self.history_bytes = int(history_events) * HISTORY_EVENT_BYTES
-        self.incidents_bytes = incidents_bytes(self.total_bytes)
-        self.ledger_bytes = incidents_bytes(self.total_bytes)  # the same share
+        self.incidents_bytes = share_bytes(self.total_bytes)
+        self.ledger_bytes = share_bytes(self.total_bytes)
         self.shares_bytes = self.incidents_bytes + self.ledger_bytes
         need = RUNTIME_BYTES + self.history_bytes + self.shares_bytes + MIN_ENDED_PER_ENGINE * ENDED_REQUEST_BYTES
         if self.total_bytes < need:

@@ -145,7 +145,7 @@ class TransferLedger:
         self.max_bytes = max_bytes
         self.nbytes = 0
         self.rooms_evicted = 0  # rooms dropped to stay within max_bytes or max_rooms
-        # room -> (receiver key, reserved pages) of rooms evicted while their receiver waited: its
+        # room -> (receiver key, reserved pages, receiving engine) of rooms evicted while their receiver waited: its
         # result is then an unverified pairing (its pages taken as written), never silence, which
         # would leave them unwritten and alarm on the receiver's first read
         self.forgotten: OrderedDict[int, tuple[int, int, int | None]] = OrderedDict()
@@ -216,8 +216,8 @@ class TransferLedger:
             self._make_room()
 
     def _held(self) -> dict[int, RoomState]:
-        held = {id(s): s for table in (self.closed, self.pending, self.rooms) for s in table.values()}
-        return held
+        """Every room held, once (a room can be both closed and pending)."""
+        return {id(s): s for table in (self.closed, self.pending, self.rooms) for s in table.values()}
 
     def _make_room(self) -> None:
         """Recount what is held (rooms leave the tables without a refund), then drop the oldest
@@ -368,8 +368,7 @@ class TransferLedger:
             forgot = self.forgotten.pop(x.room, None)
             if forgot is not None and forgot[0] == x.req_key:  # evicted while it waited: not judged
                 key, n, engine = forgot
-                self.unverified += 1
-                self.outcomes[(engine, "unverified")] += 1
+                self._count_outcome(engine, "unverified")
                 return Pairing(x.room, key, np.arange(n), 0, 0, n, n, verified=False, receiver_engine=engine)
         if state is None or state.reserved_pages is None or x.status != wire.XferStatus.SUCCESS:
             return None
@@ -472,9 +471,12 @@ class TransferLedger:
     OUTCOMES = ("paired", "unverified", "unpaired", "warmup")
 
     def _count(self, state: RoomState, outcome: str) -> None:
+        self._count_outcome(state.receiver_engine, outcome)
+
+    def _count_outcome(self, receiver_engine: int | None, outcome: str) -> None:
         attr = "warmups" if outcome == "warmup" else outcome
         setattr(self, attr, getattr(self, attr) + 1)
-        self.outcomes[(state.receiver_engine, outcome)] += 1
+        self.outcomes[(receiver_engine, outcome)] += 1
 
     def forget_engine(self, engine_id: int) -> None:
         """The receiving engine is gone: drop its outcome counts (its metric series end with it)."""
