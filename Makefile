@@ -30,7 +30,7 @@ PIP := $(PY) -m pip
 LOCK := requirements/engine.lock
 
 # Each version goes into its own --target folder; engine subprocesses choose one
-# with PYTHONPATH (sidecar/demo/engines.py). 0.5.19 leaks (the incident); 0.5.23 is fixed.
+# with PYTHONPATH (demo/engines.py). 0.5.19 leaks (the incident); 0.5.23 is fixed.
 SGLANG_VERSIONS := 0.5.19 0.5.23
 SGLANG_DIRS := $(foreach v,$(SGLANG_VERSIONS),$(VENV)/sglang/$(v)/.installed)
 # the releases between them: `make test-versions` runs the adapter's engine tests on
@@ -83,8 +83,10 @@ $(VENV)/sglang/%/.installed: | $(VENV)/bin/python
 	fi
 	touch $@
 
-$(VENV_STAMP): $(VENV)/.lock-installed $(SGLANG_DIRS) pyproject.toml
-	$(PIP) install --no-deps -e .
+# kvguard (kvguard.sidecar, kvguard.engine_hooks) and kvguard-demo (kvguard.demo, demo/),
+# both editable; built with the lock's setuptools (no build isolation, no download).
+$(VENV_STAMP): $(VENV)/.lock-installed $(SGLANG_DIRS) pyproject.toml demo/pyproject.toml
+	$(PIP) install --no-deps --no-build-isolation -e . -e ./demo
 	touch $@
 
 # Installs only what dpkg does not already report as installed; one apt-get update.

@@ -30,7 +30,7 @@ import time
 import numpy as np
 import xxhash
 
-from engine_hooks import native
+from kvguard.engine_hooks import native
 
 PAGE_BYTES = 64 * (512 + 64) * 2  # 73,728
 
@@ -100,7 +100,7 @@ def gather_alternatives(view, slots: np.ndarray, rounds: int) -> dict:
     the fastest single-threaded one (``np_take_head_major``, engine_hooks/digest.py)."""
     import torch
 
-    from engine_hooks import digest as dg
+    from kvguard.engine_hooks import digest as dg
 
     index = view.row_index(slots)
     index_t = torch.as_tensor(index)
@@ -147,7 +147,7 @@ def digest_path(tokens: int = 4096, layers: int = 8, heads: int = 8, dim: int = 
                 rounds: int = 5) -> dict:
     import torch
 
-    from engine_hooks import digest as dg
+    from kvguard.engine_hooks import digest as dg
 
     pool_slots = 2 * tokens + page_size
     pool = _Pool(layers, heads, dim, pool_slots, page_size)
@@ -215,10 +215,10 @@ def digest_path(tokens: int = 4096, layers: int = 8, heads: int = 8, dim: int = 
 
 
 def tiny_transfer_us(tokens: int, rounds: int = 20, chunk: int = 64) -> dict:
-    """The tests' tiny GPT-2 (sidecar/demo/model.py): 2 layers, 4 kv heads x 16 dims."""
+    """The tests' tiny GPT-2 (demo/model.py): 2 layers, 4 kv heads x 16 dims."""
     import torch
 
-    from engine_hooks import digest as dg
+    from kvguard.engine_hooks import digest as dg
 
     page_size = 4
     pool_slots = 2 * tokens + page_size * 4

@@ -2,7 +2,7 @@
 
 Run in a subprocess with SGLang on PYTHONPATH (``bench/run.py`` does)::
 
-    PYTHONPATH=.venv/sglang/0.5.23:sidecar/demo/shim python -m bench.engine_bench --json out.json
+    PYTHONPATH=.venv/sglang/0.5.23:demo/shim python -m bench.engine_bench --json out.json
 
 What one decode step is here, per batch size B (1, 64, 256), at the reference shape
 (page 64, pool 32,768 pages, mean context 32k tokens, 4 shared 26,624-token prefixes):
@@ -127,12 +127,12 @@ class Engine:
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-        from engine_hooks import probes as probes_mod
-        from engine_hooks.ring import RingReader, RingWriter
-        from engine_hooks.sglang import _runtime as rt
-        from engine_hooks.sglang import hooks_allocator as ha
-        from engine_hooks.sglang import hooks_rows as hr
-        from engine_hooks.sglang import row_sampler
+        from kvguard.engine_hooks import probes as probes_mod
+        from kvguard.engine_hooks.ring import RingReader, RingWriter
+        from kvguard.engine_hooks.sglang import _runtime as rt
+        from kvguard.engine_hooks.sglang import hooks_allocator as ha
+        from kvguard.engine_hooks.sglang import hooks_rows as hr
+        from kvguard.engine_hooks.sglang import row_sampler
 
         self.torch, self.hr, self.rt = torch, hr, rt
         self.batch = batch
@@ -201,7 +201,7 @@ class Engine:
         """Write the ring through once (drained as it goes), as a running engine's ring is."""
         import numpy as np
 
-        from engine_hooks import wire
+        from kvguard.engine_hooks import wire
 
         filler = wire.pages_payload(np.zeros(16_000, np.int64))
         for _ in range(self.writer.capacity // len(filler) + 2):
@@ -234,7 +234,7 @@ class Engine:
         self.bytes += self.reader.read_pos - before
 
     def close(self) -> None:
-        from engine_hooks import probes as probes_mod
+        from kvguard.engine_hooks import probes as probes_mod
 
         probes_mod.reset_probes_for_tests(None)
         self.rt.State.reset()
@@ -332,8 +332,8 @@ def components(eng: Engine, fb) -> dict:
     """Parts of the forward hook, each timed alone on the last step's inputs (µs of CPU)."""
     import numpy as np
 
-    from engine_hooks import wire
-    from engine_hooks.tier1 import Tier1
+    from kvguard.engine_hooks import wire
+    from kvguard.engine_hooks.tier1 import Tier1
 
     hr, p = eng.hr, eng.probes
     rids = list(fb.rids)

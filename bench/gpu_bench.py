@@ -104,8 +104,8 @@ def run(device: str = "cuda", shape: Shape = Shape()) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from engine_hooks import digest as dg
-    from engine_hooks.tier1 import Tier1
+    from kvguard.engine_hooks import digest as dg
+    from kvguard.engine_hooks.tier1 import Tier1
 
     dev = torch.device(device)
     s = shape

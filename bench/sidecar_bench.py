@@ -41,14 +41,14 @@ import time
 
 import numpy as np
 
-from engine_hooks import wire
-from engine_hooks.probes import Probes
-from engine_hooks.ring import RingWriter
-from sidecar.ingest import RingSet
-from sidecar.pipeline import Pipeline
-from sidecar.service import Sidecar
-from sidecar.sinks.basic import MemorySink
-from sidecar.tracker import FREE, OWNED, PADDING_PAGE, UNKNOWN, PagePool
+from kvguard.engine_hooks import wire
+from kvguard.engine_hooks.probes import Probes
+from kvguard.engine_hooks.ring import RingWriter
+from kvguard.sidecar.ingest import RingSet
+from kvguard.sidecar.pipeline import Pipeline
+from kvguard.sidecar.service import Sidecar
+from kvguard.sidecar.sinks.basic import MemorySink
+from kvguard.sidecar.tracker import FREE, OWNED, PADDING_PAGE, UNKNOWN, PagePool
 
 from .workload import Stream, WorkloadParams, capture, publish
 

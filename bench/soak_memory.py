@@ -41,7 +41,7 @@ MIB = 1 << 20
 def engine_main(rank: int, output_tokens: int) -> int:
     """One synthetic rank: the reference workload, paced at its step rate, until SIGTERM."""
     from bench.workload import Workload, WorkloadParams
-    from engine_hooks.probes import get_probes
+    from kvguard.engine_hooks.probes import get_probes
 
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))

@@ -51,8 +51,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from engine_hooks import wire
-from engine_hooks.probes import Probes
+from kvguard.engine_hooks import wire
+from kvguard.engine_hooks.probes import Probes
 
 
 @dataclass(frozen=True)

@@ -296,7 +296,7 @@ def sidecar_args(container: dict):
     """The sidecar's command line parsed by kvguard's own parser (sidecar.cli)."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from sidecar.cli import build_parser
+    from kvguard.sidecar.cli import build_parser
 
     args = list(container.get("command", [])[1:] if container.get("command") else []) + list(container.get("args", []))
     parser = build_parser()

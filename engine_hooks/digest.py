@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from engine_hooks import native
+from kvguard.engine_hooks import native
 
 log = logging.getLogger("kvguard.digest")
 

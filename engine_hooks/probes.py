@@ -420,7 +420,7 @@ def _make_probes() -> Probes:
         log.error("kvguard: cannot create ring in %s (KVGUARD_RING_BYTES=%s): %s; probes disabled",
                   ring_dir(), raw_capacity, exc)
         return Probes(None, no_ring_reason=f"cannot create ring in {ring_dir()}: {exc}")
-    from engine_hooks import native  # here, not at plugin load: the engine's logging is set up by now
+    from kvguard.engine_hooks import native  # here, not at plugin load: the engine's logging is set up by now
 
     log.info("kvguard ring %s (%d bytes); transfer digests: %s", writer.path, writer.capacity, native.status())
     return Probes(writer)

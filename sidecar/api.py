@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from pydantic import BaseModel
 
-from engine_hooks import wire
+from kvguard.engine_hooks import wire
 
 from .history import Event
 from .metrics import KVGuardCollector

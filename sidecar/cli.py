@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-from engine_hooks.ring import ring_dir
+from kvguard.engine_hooks.ring import ring_dir
 
 from .http_server import DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUEST_TIMEOUT_S, check_limits
 from .ingest import DEFAULT_MAX_RINGS, fd_limit, raise_fd_limit
@@ -168,22 +168,39 @@ def _run_sidecar(args, sinks, token, tracer, ledger: dict) -> int:
     return 0
 
 
-def cmd_demo(args) -> int:
-    from .demo.run import run_demo
-
-    return run_demo(sglang_version=args.sglang, as_json=args.json, workdir=args.workdir, keep=args.keep,
-                    words=not args.dummy_weights)
-
-
 # Commands that live in their own modules register themselves: module path -> the
 # name of a function ``register(subparsers)`` that adds a subparser with ``func`` set.
 COMMAND_MODULES: list[tuple[str, str]] = [
-    ("sidecar.preflight", "register"),
-    ("sidecar.model_cli", "register"),
-    ("sidecar.replay", "register"),
-    ("sidecar.dashboards_cli", "register"),
-    ("sidecar.canary_cli", "register"),
+    ("kvguard.sidecar.preflight", "register"),
+    ("kvguard.sidecar.replay", "register"),
+    ("kvguard.sidecar.dashboards_cli", "register"),
+    ("kvguard.sidecar.canary.cli", "register"),
 ]
+
+
+# `kvguard demo` and `kvguard model` come from the kvguard-demo distribution (demo/),
+# which engine and sidecar images do not install; without it they say where it is.
+DEMO_COMMANDS = {"demo": "catch the 2026 KV exposure on a real SGLang prefill/decode pair on CPU",
+                 "model": "write test models for the engine demos and tests"}
+
+
+def _register_demo(sub) -> None:
+    try:
+        from kvguard.demo.cli import register
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("kvguard.demo"):
+            raise
+        for name, help_text in DEMO_COMMANDS.items():
+            p = sub.add_parser(name, help=f"{help_text} (needs kvguard-demo)")
+            p.set_defaults(func=_demo_missing)
+        return
+    register(sub)
+
+
+def _demo_missing(args) -> int:
+    print(f"kvguard {args.command}: the kvguard-demo package is not installed "
+          "(from a checkout: `make venv`, or pip install -e . -e demo/)", file=sys.stderr)
+    return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for module, func in COMMAND_MODULES:
         getattr(importlib.import_module(module), func)(sub)
+    _register_demo(sub)
 
     p = sub.add_parser("sidecar", help="watch engine rings, raise findings, serve /metrics and /healthz")
     p.add_argument("--ring-dir", default=ring_dir(), help="directory of engine rings (default $KVGUARD_RING_DIR "
@@ -250,15 +268,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "e.g. 90m, 24h, 7d (default: only --record-max-bytes bounds the recording)")
     p.set_defaults(func=cmd_sidecar)
 
-    p = sub.add_parser("demo", help="catch the 2026 KV exposure on a real SGLang prefill/decode pair on CPU")
-    p.add_argument("--sglang", default="0.5.19", choices=["0.5.19", "0.5.23"],
-                   help="0.5.19 still leaks (default); 0.5.23 has the fix")
-    p.add_argument("--json", action="store_true", help="print the findings as JSON lines instead of the story")
-    p.add_argument("--workdir", default=None, help="where logs and rings go (default: a temporary directory)")
-    p.add_argument("--keep", action="store_true", help="keep the work directory")
-    p.add_argument("--dummy-weights", action="store_true", help="serve a dummy-weight model (the leak shows as "
-                   "pages only) instead of the echo model (the leak shows as another tenant's words)")
-    p.set_defaults(func=cmd_demo)
     return parser
 
 

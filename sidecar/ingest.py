@@ -31,8 +31,8 @@ import stat
 import time
 from dataclasses import dataclass, field
 
-from engine_hooks import wire
-from engine_hooks.ring import RING_SUFFIX, RingError, RingReader, RingTruncated
+from kvguard.engine_hooks import wire
+from kvguard.engine_hooks.ring import RING_SUFFIX, RingError, RingReader, RingTruncated
 
 log = logging.getLogger("kvguard.ingest")
 

@@ -8,7 +8,7 @@ import time
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine_hooks import wire
+from kvguard.engine_hooks import wire
 
 from .finding_kinds import possible_findings
 from .http_server import closed_connections

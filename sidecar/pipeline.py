@@ -14,7 +14,7 @@ from collections import Counter
 
 import numpy as np
 
-from engine_hooks import wire
+from kvguard.engine_hooks import wire
 
 from .detectors.config import PoolContextDetector
 from .detectors.isolation import TenantIsolationDetector

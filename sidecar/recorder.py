@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from engine_hooks import wire
+from kvguard.engine_hooks import wire
 
 log = logging.getLogger("kvguard.recorder")
 

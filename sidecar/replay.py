@@ -31,7 +31,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from engine_hooks import wire
+from kvguard.engine_hooks import wire
 
 from .findings import Finding
 from .pipeline import Pipeline

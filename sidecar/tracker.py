@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine_hooks import wire
+from kvguard.engine_hooks import wire
 
 log = logging.getLogger("kvguard.tracker")
 

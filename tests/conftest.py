@@ -1,7 +1,7 @@
 """Shared fixtures.
 
 Engine tests (``@pytest.mark.engine``) run real SGLang HTTP servers on CPU
-(sidecar/demo/engines.py). They need the per-version SGLang folders that
+(demo/engines.py). They need the per-version SGLang folders that
 ``make venv`` installs under ``.venv/sglang/<version>``; without them they are
 *skipped with the reason*, never passed.
 """
@@ -36,8 +36,8 @@ def findings_are_listed(monkeypatch):
     """Every finding the pipeline emits, in any test, must be a (kind, severity) that
     sidecar/finding_kinds.py lists for that pipeline's configuration: /metrics exports
     those at 0, so a missing entry would leave a dashboard with "no data"."""
-    from sidecar import finding_kinds
-    from sidecar.pipeline import Pipeline
+    from kvguard.sidecar import finding_kinds
+    from kvguard.sidecar.pipeline import Pipeline
 
     unlisted = []
     emit = Pipeline._emit
@@ -59,7 +59,7 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny dummy-weight GPT-2 (context 2048) for SGLang, written once per session."""
-    from sidecar.demo.model import write_tiny_gpt2
+    from kvguard.demo.model import write_tiny_gpt2
 
     return write_tiny_gpt2(tmp_path_factory.mktemp("models") / "tiny-gpt2-2048", n_positions=2048)
 
@@ -68,3 +68,19 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def require_sglang():
     """``require_sglang("0.5.23")`` inside a test: skip (with the reason) unless installed."""
     return skip_unless_sglang
+
+
+@pytest.fixture(scope="session")
+def kvguard_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel an image build makes (``pip wheel --no-deps .``), built once per session
+    from this checkout with the venv's setuptools (no network)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("wheel")
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(REPO_ROOT)],
+        capture_output=True, text=True)
+    assert build.returncode == 0, build.stdout + build.stderr
+    (wheel,) = out.glob("kvguard-*.whl")
+    return wheel

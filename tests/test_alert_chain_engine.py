@@ -56,10 +56,10 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from sidecar.demo.engines import free_port, start_engine
-from sidecar.service import Sidecar
-from sidecar.sinks.delivery import RetryPolicy
-from sidecar.sinks.pagerduty import pagerduty_sink
+from kvguard.demo.engines import free_port, start_engine
+from kvguard.sidecar.service import Sidecar
+from kvguard.sidecar.sinks.delivery import RetryPolicy
+from kvguard.sidecar.sinks.pagerduty import pagerduty_sink
 from test_dashboards import dashboards, expand, targets
 
 REPO = Path(__file__).resolve().parents[1]
@@ -251,7 +251,7 @@ class Chain(PrometheusQueries):
     def __init__(self, stack: ExitStack, work: Path):
         import uvicorn
 
-        from sidecar.api import create_app
+        from kvguard.sidecar.api import create_app
 
         self.work = work
         ring_dir, self.events_dir = work / "rings", work / "fault-events"

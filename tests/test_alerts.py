@@ -34,8 +34,8 @@ import numpy as np
 import pytest
 import yaml
 
-from engine_hooks.probes import Probes
-from engine_hooks.ring import RingWriter
+from kvguard.engine_hooks.probes import Probes
+from kvguard.engine_hooks.ring import RingWriter
 
 REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "alerts" / "kvguard.rules.yaml"
@@ -220,7 +220,7 @@ def test_a_real_prometheus_scraping_a_real_sidecar_fires_exactly_the_expected_al
     ring_dir, port, prom_port = tmp_path / "rings", free_port(), free_port()
     ring_dir.mkdir()
     sidecar = subprocess.Popen(
-        [sys.executable, "-m", "sidecar.cli", "sidecar", "--ring-dir", str(ring_dir), "--listen",
+        [sys.executable, "-m", "kvguard.sidecar.cli", "sidecar", "--ring-dir", str(ring_dir), "--listen",
          f"127.0.0.1:{port}", "--json"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     procs = [sidecar]
     try:

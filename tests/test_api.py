@@ -7,11 +7,11 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
-from engine_hooks.probes import Probes
-from engine_hooks.ring import RingWriter
-from sidecar.api import create_app
-from sidecar.cli import build_parser, parse_listen
-from sidecar.service import Sidecar
+from kvguard.engine_hooks.probes import Probes
+from kvguard.engine_hooks.ring import RingWriter
+from kvguard.sidecar.api import create_app
+from kvguard.sidecar.cli import build_parser, parse_listen
+from kvguard.sidecar.service import Sidecar
 
 
 def test_metrics_expose_records_pool_and_context(tmp_path):

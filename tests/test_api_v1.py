@@ -5,10 +5,10 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
-from engine_hooks.probes import Probes
-from engine_hooks.ring import RingWriter
-from sidecar.api import create_app
-from sidecar.service import Sidecar
+from kvguard.engine_hooks.probes import Probes
+from kvguard.engine_hooks.ring import RingWriter
+from kvguard.sidecar.api import create_app
+from kvguard.sidecar.service import Sidecar
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

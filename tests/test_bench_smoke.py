@@ -47,7 +47,7 @@ def test_workload_stream_is_clean_and_fully_judged(rows_every, assign):
 def test_adapter_stream_is_what_the_adapter_sends():
     """Rows with every 16th FORWARD (all forwards counted, as the adapter's fixed-interval ``RowSampler``) and an
     ASSIGN per decode step only for the requests whose token starts a page (``_decode_post``)."""
-    from engine_hooks import wire
+    from kvguard.engine_hooks import wire
 
     stream = capture(TINY, steps=40)
     assert (TINY.rows_every, TINY.assign) == (16, "page")

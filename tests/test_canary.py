@@ -19,9 +19,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from sidecar.canary.markers import MarkerSet, find_leak, filler_text, normalize
-from sidecar.canary.plan import Sizing, build_plan
-from sidecar.cli import main
+from kvguard.sidecar.canary.markers import MarkerSet, find_leak, filler_text, normalize
+from kvguard.sidecar.canary.plan import Sizing, build_plan
+from kvguard.sidecar.cli import main
 
 POOL, CTX, MAX_INPUT = 256, 2048, 250
 

@@ -1,6 +1,6 @@
 """``kvguard canary`` against real SGLang prefill/decode pairs serving the echo model.
 
-The incident's configuration (sidecar/demo/engines.py PDPair defaults: prefill pool
+The incident's configuration (demo/engines.py PDPair defaults: prefill pool
 256 tokens, decode pool 1024, context 2048, page size 4, Mooncake over TCP on CPU)
 with the echo GPT-2 of the words demo (lag 413, real weights), so KV read from
 another request comes back as that request's characters. The canary is pointed at
@@ -25,12 +25,12 @@ import time
 
 import pytest
 
-from sidecar.cli import main
-from sidecar.demo.echo_model import echo_model_dir
-from sidecar.demo.engines import PDPair
-from sidecar.demo.scenario import WORDS_DEMO
-from sidecar.service import Sidecar
-from sidecar.sinks.basic import MemorySink
+from kvguard.sidecar.cli import main
+from kvguard.demo.echo_model import echo_model_dir
+from kvguard.demo.engines import PDPair
+from kvguard.demo.scenario import WORDS_DEMO
+from kvguard.sidecar.service import Sidecar
+from kvguard.sidecar.sinks.basic import MemorySink
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
 

@@ -38,11 +38,11 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from engine_hooks.probes import Probes
-from engine_hooks.ring import RingWriter
-from sidecar.cli import build_parser
-from sidecar.dashboards_cli import DASHBOARDS_DIR, load_generator
-from sidecar.finding_kinds import possible_findings
+from kvguard.engine_hooks.probes import Probes
+from kvguard.engine_hooks.ring import RingWriter
+from kvguard.sidecar.cli import build_parser
+from kvguard.sidecar.dashboards_cli import DASHBOARDS_DIR, load_generator
+from kvguard.sidecar.finding_kinds import possible_findings
 from prom_queries import PrometheusQueries
 
 GENERATED = DASHBOARDS_DIR / "generated"
@@ -196,8 +196,8 @@ class Stack(PrometheusQueries):
     def __init__(self, tmp: Path):
         import uvicorn
 
-        from sidecar.api import create_app
-        from sidecar.service import Sidecar
+        from kvguard.sidecar.api import create_app
+        from kvguard.sidecar.service import Sidecar
 
         ring_dir = str(tmp / "rings")
         os.makedirs(ring_dir)

@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from sidecar.demo import engines
-from sidecar.demo.model import VOCAB_SIZE, write_tiny_gpt2
+from kvguard.demo import engines
+from kvguard.demo.model import VOCAB_SIZE, write_tiny_gpt2
 
 
 def test_tiny_model_files_load(tiny_model_dir):
@@ -255,7 +255,7 @@ def test_routed_stream_cut_mid_way_closes_the_connection(fake_router, require_sg
 
 
 def _scenario(long_rid="dec-long", long_ok=True):
-    from sidecar.demo.scenario import ScenarioRequest, ScenarioResult
+    from kvguard.demo.scenario import ScenarioRequest, ScenarioResult
 
     def result(rid, tenant, n, ok=True):
         return engines.GenerateResult(rid=rid, room=None, tenant=tenant, prompt_len=n, prefill_status=None,
@@ -273,8 +273,8 @@ def _scenario(long_rid="dec-long", long_ok=True):
 def test_report_maps_findings_to_client_requests_by_decodes_rid():
     import io
 
-    from sidecar.demo.run import DemoRun, tell_story
-    from sidecar.findings import EngineRef, Finding, Party
+    from kvguard.demo.run import DemoRun, tell_story
+    from kvguard.sidecar.findings import EngineRef, Finding, Party
 
     read = Finding("unwritten_read", "critical", EngineRef("decode", 0, 42), Party("dec-long", "initech", 77),
                    [2, 3, 4], [Party("dec-0", "acme", pages=[2, 3]), Party("dec-1", "globex", pages=[4])], 0,
@@ -293,7 +293,7 @@ def test_report_maps_findings_to_client_requests_by_decodes_rid():
 def test_library_logs_go_to_the_demo_log_not_the_terminal(tmp_path, capsys):
     import logging
 
-    from sidecar.demo.run import library_logs_to
+    from kvguard.demo.run import library_logs_to
 
     root = logging.getLogger()
     handler = logging.StreamHandler()  # what `kvguard`'s basicConfig installs: stderr

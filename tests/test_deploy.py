@@ -26,6 +26,7 @@ import sysconfig
 import tempfile
 import threading
 import time
+import zipfile
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
@@ -335,7 +336,7 @@ def _python_for(uid: int, gid: int, env: dict) -> str | None:
             continue
         probe = subprocess.run(
             ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", py, "-c",
-             "import sys, numpy, xxhash, fastapi, uvicorn, sidecar.cli; print(sys.version_info[:2])"],
+             "import sys, numpy, xxhash, fastapi, uvicorn, kvguard.sidecar.cli; print(sys.version_info[:2])"],
             env=env, capture_output=True, text=True, cwd="/")
         if probe.returncode == 0 and probe.stdout.strip() == str(sys.version_info[:2]):
             return py
@@ -347,8 +348,8 @@ def _python_for(uid: int, gid: int, env: dict) -> str | None:
 ENGINE_CODE = """
 import sys, time
 import numpy as np
-from engine_hooks.probes import Probes
-from engine_hooks.ring import RingWriter
+from kvguard.engine_hooks.probes import Probes
+from kvguard.engine_hooks.ring import RingWriter
 p = Probes(RingWriter(sys.argv[1], 1 << 16))
 p.hello("prefill", 0, 4, 64, 256, 2048, 2048, "sglang", "0.5.23", "tiny")
 p.request_begin("r-acme", "acme", None, 8, 0, False)
@@ -389,7 +390,8 @@ def pod_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_pod_shaped_run_sidecar_ingests_the_engines_ring_with_the_manifests_uids(rendered, pod_dir):
+def test_pod_shaped_run_sidecar_ingests_the_engines_ring_with_the_manifests_uids(rendered, pod_dir, kvguard_wheel,
+                                                                                 request):
     """The prefill pod as rendered: engine and sidecar as the manifest's uids, in one pid
     namespace (shareProcessNamespace), the sidecar started with the manifest's own command
     line (paths moved under pod_dir, --listen on loopback, PagerDuty pointed at a local
@@ -406,8 +408,15 @@ def test_pod_shaped_run_sidecar_ingests_the_engines_ring_with_the_manifests_uids
     s_uid, s_gid = side_sc["runAsUser"], side_sc["runAsGroup"]
     assert pod["shareProcessNamespace"] is True  # this test runs both in one pid namespace
 
+    # kvguard as the image has it: the wheel, installed (here: unpacked where both uids read it)
+    site = Path(tempfile.mkdtemp(prefix="kvg-wheel-"))
+    request.addfinalizer(lambda: shutil.rmtree(site, ignore_errors=True))
+    with zipfile.ZipFile(kvguard_wheel) as z:
+        z.extractall(site)
+    for d in [site, *(p for p in site.rglob("*") if p.is_dir())]:
+        os.chmod(d, 0o755)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/nonexistent",
-           "PYTHONPATH": os.pathsep.join([sysconfig.get_paths()["purelib"], str(REPO)]),
+           "PYTHONPATH": os.pathsep.join([str(site), sysconfig.get_paths()["purelib"]]),
            "PYTHONDONTWRITEBYTECODE": "1"}
     py = _python_for(s_uid, s_gid, env)
     if py is None:
@@ -446,7 +455,7 @@ def test_pod_shaped_run_sidecar_ingests_the_engines_ring_with_the_manifests_uids
         return subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", py, *argv],
                                 env=env, cwd="/", **kw)
 
-    sidecar = as_uid(s_uid, s_gid, ["-m", "sidecar.cli", *args], stdout=subprocess.PIPE,
+    sidecar = as_uid(s_uid, s_gid, ["-m", "kvguard.sidecar.cli", *args], stdout=subprocess.PIPE,
                      stderr=subprocess.PIPE, text=True)
     engine = None
     try:
@@ -487,7 +496,7 @@ def test_pod_shaped_run_sidecar_ingests_the_engines_ring_with_the_manifests_uids
         sidecar.wait(timeout=15)
 
         # docs/operations.md: the notification list from a replay of the recordings
-        replay = subprocess.run([sys.executable, "-m", "sidecar.cli", "replay", "--json", str(vols["recordings"])],
+        replay = subprocess.run([sys.executable, "-m", "kvguard.sidecar.cli", "replay", "--json", str(vols["recordings"])],
                                 cwd=REPO, capture_output=True, text=True, timeout=60)
         assert replay.returncode == 0, replay.stderr
         rows = set()

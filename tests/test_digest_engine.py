@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from engine_hooks import wire
-from sidecar.demo.engines import PDPair
-from sidecar.recorder import Recorder, SegmentReader
-from sidecar.service import Sidecar
-from sidecar.sinks.basic import MemorySink
+from kvguard.engine_hooks import wire
+from kvguard.demo.engines import PDPair
+from kvguard.sidecar.recorder import Recorder, SegmentReader
+from kvguard.sidecar.service import Sidecar
+from kvguard.sidecar.sinks.basic import MemorySink
 
 from fault_plugin import FAULTS_DIR, make_rid
 from sidecar_settle import wait_until_applied
@@ -37,7 +37,7 @@ VERSION = "0.5.23"
 PAGE = 4
 CONTEXT = 256
 CHUNK = 64  # --chunked-prefill-size on prefill: a 233-token prompt goes out in 4 chunks
-LAYERS, KV_HEADS = 2, 4  # the tiny GPT-2 (sidecar/demo/model.py)
+LAYERS, KV_HEADS = 2, 4  # the tiny GPT-2 (demo/model.py)
 WAIT_S = 60.0
 
 

@@ -15,8 +15,8 @@ import xxhash
 
 torch = pytest.importorskip("torch")
 
-from engine_hooks import digest as dg  # noqa: E402
-from engine_hooks import native  # noqa: E402
+from kvguard.engine_hooks import digest as dg  # noqa: E402
+from kvguard.engine_hooks import native  # noqa: E402
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The hand-built GPT-2 "echo" model (sidecar/demo/echo_model.py, ``kvguard model echo``).
+"""The hand-built GPT-2 "echo" model (demo/echo_model.py, ``kvguard model echo``).
 
 Fast tests build it, load it in transformers and check that greedy generation copies
 the prompt token ``lag`` positions back (float32 and bfloat16). The engine test serves
@@ -15,9 +15,9 @@ import sys
 import httpx
 import pytest
 
-from sidecar import cli
-from sidecar.demo import echo_model, engines
-from sidecar.demo.echo_model import (
+from kvguard.sidecar import cli
+from kvguard.demo import echo_model, engines
+from kvguard.demo.echo_model import (
     attribute_echo,
     decode_text,
     encode_text,
@@ -38,7 +38,7 @@ def gpt2_lm_head_model():
 
     Importing it pulls in torchvision (via transformers.image_utils), whose PyPI wheel
     is a CUDA build: with CPU torch its fake-op registration fails unless the two op
-    schemas exist. Same test-only shim the engine subprocesses get (sidecar/demo/shim).
+    schemas exist. Same test-only shim the engine subprocesses get (demo/shim).
     """
     if "kvguard_torchvision_shim" not in sys.modules:
         spec = importlib.util.spec_from_file_location("kvguard_torchvision_shim",

@@ -27,10 +27,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sidecar.demo.engines import PDPair, start_engine
-from sidecar.findings import Finding
-from sidecar.service import Sidecar
-from sidecar.sinks.basic import MemorySink
+from kvguard.demo.engines import PDPair, start_engine
+from kvguard.sidecar.findings import Finding
+from kvguard.sidecar.service import Sidecar
+from kvguard.sidecar.sinks.basic import MemorySink
 
 from fault_plugin import FAULTS_DIR, make_rid
 from sidecar_settle import wait_until_applied

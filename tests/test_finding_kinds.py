@@ -9,13 +9,13 @@ that the findings the pipeline emits are the ones sidecar/finding_kinds.py lists
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from engine_hooks.probes import Probes
-from engine_hooks.ring import RingWriter
-from sidecar.finding_kinds import FINDING_KINDS, possible_findings, unlisted
-from sidecar.findings import CRITICAL, WARNING, EngineRef, Finding
-from sidecar.metrics import KVGuardCollector
-from sidecar.pipeline import Pipeline
-from sidecar.service import Sidecar
+from kvguard.engine_hooks.probes import Probes
+from kvguard.engine_hooks.ring import RingWriter
+from kvguard.sidecar.finding_kinds import FINDING_KINDS, possible_findings, unlisted
+from kvguard.sidecar.findings import CRITICAL, WARNING, EngineRef, Finding
+from kvguard.sidecar.metrics import KVGuardCollector
+from kvguard.sidecar.pipeline import Pipeline
+from kvguard.sidecar.service import Sidecar
 
 SWITCHED = {"cross_tenant_prefix_share", "ledger_degraded"}  # off by default (ttft_anomaly is on)
 

@@ -31,13 +31,13 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_hooks import wire
-from engine_hooks.probes import Probes
-from engine_hooks.tier1 import Violation
-from sidecar import recorder as rmod
-from sidecar.cli import main
-from sidecar.recorder import RecordingError, RecordingWriter, SegmentReader, decode_chunk, encode_record
-from sidecar.replay import Replay
+from kvguard.engine_hooks import wire
+from kvguard.engine_hooks.probes import Probes
+from kvguard.engine_hooks.tier1 import Violation
+from kvguard.sidecar import recorder as rmod
+from kvguard.sidecar.cli import main
+from kvguard.sidecar.recorder import RecordingError, RecordingWriter, SegmentReader, decode_chunk, encode_record
+from kvguard.sidecar.replay import Replay
 
 FAST = settings(max_examples=100, deadline=None, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -26,9 +26,9 @@ import numpy as np
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from engine_hooks import wire
-from engine_hooks.probes import Probes
-from engine_hooks.ring import HEADER_BYTES, READ_CHUNK_BYTES, RingError, RingReader, RingWriter
+from kvguard.engine_hooks import wire
+from kvguard.engine_hooks.probes import Probes
+from kvguard.engine_hooks.ring import HEADER_BYTES, READ_CHUNK_BYTES, RingError, RingReader, RingWriter
 
 SETTINGS = settings(max_examples=150, deadline=None, database=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

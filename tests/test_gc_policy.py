@@ -11,8 +11,8 @@ import uuid
 
 import pytest
 
-from sidecar.gc_policy import GcFreeze
-from sidecar.tracker import RequestDirectory, RequestInfo
+from kvguard.sidecar.gc_policy import GcFreeze
+from kvguard.sidecar.tracker import RequestDirectory, RequestInfo
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """The incident on the real engine: SGLang 0.5.19 leaks and kvguard names the parties;
 SGLang 0.5.23 rejects the prompt, nothing is read, and decode's pages held for it are an orphan.
 
-Each test runs the demo's setup (sidecar/demo/run.py capture_incident): a real prefill +
+Each test runs the demo's setup (demo/run.py capture_incident): a real prefill +
 decode pair on CPU (Mooncake over TCP) with the kvguard plugin loaded by SGLang itself,
 SGLang's router (sglang-router) in front of it, and a real sidecar draining the rings
 (~1-2 minutes each). Clients send no rid: each engine draws its own, so prefill and
@@ -10,8 +10,8 @@ decode rids differ for every request, and the findings name both.
 
 import pytest
 
-from sidecar.demo.echo_model import attribute_echo, decode_text
-from sidecar.demo.run import capture_incident
+from kvguard.demo.echo_model import attribute_echo, decode_text
+from kvguard.demo.run import capture_incident
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
 

@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from sidecar.findings import EngineRef, Finding, Party
-from sidecar.history import Event, History
-from sidecar.incidents import FIRING, RESOLVED, IncidentStore, incident_id, incident_key
+from kvguard.sidecar.findings import EngineRef, Finding, Party
+from kvguard.sidecar.history import Event, History
+from kvguard.sidecar.incidents import FIRING, RESOLVED, IncidentStore, incident_id, incident_key
 
 ENGINE = EngineRef("decode", 0, 42)
 

@@ -7,12 +7,12 @@ import sys
 
 import numpy as np
 
-from engine_hooks import wire
-from engine_hooks.probes import Probes
-from engine_hooks.ring import RingWriter
-from sidecar.ingest import RingSet
-from sidecar.service import Sidecar
-from sidecar.sinks.basic import MemorySink
+from kvguard.engine_hooks import wire
+from kvguard.engine_hooks.probes import Probes
+from kvguard.engine_hooks.ring import RingWriter
+from kvguard.sidecar.ingest import RingSet
+from kvguard.sidecar.service import Sidecar
+from kvguard.sidecar.sinks.basic import MemorySink
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,7 +30,7 @@ def test_missing_directory_is_waited_for_then_rings_are_picked_up(tmp_path, capl
 
 
 def test_a_dead_engines_ring_is_drained_then_removed(tmp_path):
-    code = ("from engine_hooks.probes import Probes; from engine_hooks.ring import RingWriter; "
+    code = ("from kvguard.engine_hooks.probes import Probes; from kvguard.engine_hooks.ring import RingWriter; "
             f"p = Probes(RingWriter({str(tmp_path)!r}, 4096)); p.pages_allocated([4, 8])")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
     rings = RingSet(str(tmp_path), slack_ns=0)
@@ -86,7 +86,7 @@ def test_overflow_is_a_blind_window_finding_not_a_false_read(tmp_path):
 
 
 def test_a_retired_ring_kept_on_disk_is_not_read_again(tmp_path):
-    code = ("from engine_hooks.probes import Probes; from engine_hooks.ring import RingWriter; "
+    code = ("from kvguard.engine_hooks.probes import Probes; from kvguard.engine_hooks.ring import RingWriter; "
             f"p = Probes(RingWriter({str(tmp_path)!r}, 4096)); "
             "p.hello('prefill', 0, 4, 64, 256, 2048, 250, 'sglang', '0.5.19', 'tiny')")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -3,10 +3,10 @@ prefix-cache page written by one tenant and read by another is reported (only th
 
 import numpy as np
 
-from engine_hooks.probes import Probes
-from engine_hooks.ring import RingWriter
-from sidecar.service import Sidecar
-from sidecar.sinks.basic import MemorySink
+from kvguard.engine_hooks.probes import Probes
+from kvguard.engine_hooks.ring import RingWriter
+from kvguard.sidecar.service import Sidecar
+from kvguard.sidecar.sinks.basic import MemorySink
 
 
 def shared_prefix_stream(tmp_path, second_tenant):

@@ -25,11 +25,11 @@ if str(REPO) not in sys.path:  # bench/ is a folder of the repo, not part of the
     sys.path.insert(0, str(REPO))
 
 from bench.workload import WorkloadParams, capture  # noqa: E402
-from engine_hooks import wire  # noqa: E402
-from sidecar import tracker as tracker_mod  # noqa: E402
-from sidecar.pipeline import Pipeline  # noqa: E402
-from sidecar.sinks.basic import MemorySink  # noqa: E402
-from sidecar.tracker import EngineTracker  # noqa: E402
+from kvguard.engine_hooks import wire  # noqa: E402
+from kvguard.sidecar import tracker as tracker_mod  # noqa: E402
+from kvguard.sidecar.pipeline import Pipeline  # noqa: E402
+from kvguard.sidecar.sinks.basic import MemorySink  # noqa: E402
+from kvguard.sidecar.tracker import EngineTracker  # noqa: E402
 
 TINY = WorkloadParams(page_size=16, pool_tokens=1024 * 16, batch=6, prefix_groups=2, prefix_tokens=128,
                       prompt_tokens=40, output_tokens=40)
@@ -244,7 +244,7 @@ def test_a_provisional_transfer_undone_by_a_trailing_short_send_is_judged_again(
     """Decode reads pages a transfer was provisionally taken to have written (the sender's record
     trails); the sender then says it sent 1 token of 8: those pages are unwritten again, and the
     next decode step's read must say so with the incremental judge as with the full one."""
-    from engine_hooks.probes import Probes
+    from kvguard.engine_hooks.probes import Probes
 
     def slots(pages):
         return np.concatenate([np.arange(p * 4, p * 4 + 4) for p in pages])

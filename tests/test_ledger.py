@@ -11,10 +11,10 @@ import time
 
 import numpy as np
 
-from engine_hooks.probes import Probes
-from engine_hooks.ring import RingWriter
-from sidecar.service import Sidecar
-from sidecar.sinks.basic import MemorySink
+from kvguard.engine_hooks.probes import Probes
+from kvguard.engine_hooks.ring import RingWriter
+from kvguard.sidecar.service import Sidecar
+from kvguard.sidecar.sinks.basic import MemorySink
 
 MASK = (1 << 64) - 1
 HALF_A, HALF_B = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F  # two ranks' partial digests
@@ -310,7 +310,7 @@ def test_a_reused_room_still_catches_a_short_send(tmp_path):
 
 # ---------------------------------------------------------------------------------- digest sums
 def test_an_end_is_complete_only_when_its_ranks_tile_every_head_exactly():
-    from sidecar.ledger.digests import DigestSum, Partial
+    from kvguard.sidecar.ledger.digests import DigestSum, Partial
 
     def part(count, digest, total=8):
         return Partial(count, digest, 0, 8, 2, total)
@@ -352,9 +352,9 @@ def test_a_sender_flooding_one_room_with_chunks_is_bounded_and_not_judged():
     scan each chunk costs) without bound. Past MAX_CHUNKS_PER_ROOM the room keeps nothing
     more, and its receiver is counted unverified, never judged on a part of the chunks; a
     digest with more partial ranges than any engine has heads never completes."""
-    from engine_hooks import wire
-    from sidecar.ledger.digests import MAX_PARTS, DigestSum, Partial
-    from sidecar.ledger.memory import MAX_CHUNKS_PER_ROOM, TransferLedger
+    from kvguard.engine_hooks import wire
+    from kvguard.sidecar.ledger.digests import MAX_PARTS, DigestSum, Partial
+    from kvguard.sidecar.ledger.memory import MAX_CHUNKS_PER_ROOM, TransferLedger
 
     ledger = TransferLedger()
     ledger.on_reserve(2, wire.XferReserve(22, 7, 64, np.arange(1, 17)), 0)
@@ -384,7 +384,7 @@ def test_rooms_stay_within_the_byte_bound_and_an_evicted_receivers_pages_are_nev
     dropped while its receiver waited is remembered, so that the receiver's result takes its
     pages as written (counted unverified) rather than leaving them unwritten: its first read
     would otherwise be a critical unwritten_read about a healthy transfer."""
-    from sidecar.ledger.memory import ROOM_BYTES
+    from kvguard.sidecar.ledger.memory import ROOM_BYTES
 
     prefill, decode = engines(tmp_path)
     begin(prefill, decode, "r-1", 101, 8, [1, 2])  # the oldest room
@@ -414,8 +414,8 @@ def test_the_room_estimate_is_not_below_what_rooms_cost():
     """ROOM_BYTES, CHUNK_BYTES and PART_BYTES are measured (tracemalloc) and rounded up."""
     import tracemalloc
 
-    from engine_hooks import wire
-    from sidecar.ledger.memory import TransferLedger
+    from kvguard.engine_hooks import wire
+    from kvguard.sidecar.ledger.memory import TransferLedger
 
     ledger = TransferLedger(max_rooms=10**9, max_bytes=1 << 40)
     n = 2_000

@@ -22,12 +22,12 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from engine_hooks import wire
-from engine_hooks.probes import Probes
-from engine_hooks.ring import RingWriter
-from sidecar.ledger.shared import LedgerConfigError, parse_ledger_url, room_key
-from sidecar.service import Sidecar
-from sidecar.sinks.basic import MemorySink
+from kvguard.engine_hooks import wire
+from kvguard.engine_hooks.probes import Probes
+from kvguard.engine_hooks.ring import RingWriter
+from kvguard.sidecar.ledger.shared import LedgerConfigError, parse_ledger_url, room_key
+from kvguard.sidecar.service import Sidecar
+from kvguard.sidecar.sinks.basic import MemorySink
 
 REDIS_SERVER = "/usr/bin/redis-server"
 MASK = (1 << 64) - 1
@@ -256,7 +256,7 @@ def test_a_prefill_that_never_reports_is_an_orphan_after_the_timeout(pods):
 def test_clock_skew_between_pods_changes_nothing(pods, monkeypatch, ahead):
     """The prefill pod's clock is a day ahead, or started much later (behind): no time of one pod
     is ever compared with the other's."""
-    import engine_hooks.ring as ring
+    import kvguard.engine_hooks.ring as ring
 
     real = time.monotonic_ns
     skew = 86_400 * 10**9 if ahead else -(real() // 2)
@@ -388,13 +388,13 @@ def test_bad_ledger_settings_fail_at_start_naming_the_setting(tmp_path):
 
 def test_the_cli_reads_kvguard_ledger_and_names_a_bad_value(tmp_path):
     env = {**os.environ, "KVGUARD_LEDGER": "redis://host:port/0"}
-    out = subprocess.run([sys.executable, "-m", "sidecar.cli", "sidecar", "--ring-dir", str(tmp_path)],
+    out = subprocess.run([sys.executable, "-m", "kvguard.sidecar.cli", "sidecar", "--ring-dir", str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "KVGUARD_LEDGER" in out.stderr and "redis://host:port/0" in out.stderr
 
 
 def test_an_idle_sidecar_notices_redis_going_away_and_coming_back(tmp_path, redis_server):
-    from sidecar.ledger.shared import SharedLedger
+    from kvguard.sidecar.ledger.shared import SharedLedger
 
     link = SharedLedger(redis_server.url, poll_interval_s=0.02).start()
     try:
@@ -412,7 +412,7 @@ def test_an_idle_sidecar_notices_redis_going_away_and_coming_back(tmp_path, redi
         link.stop()
 
 
-from sidecar.ledger.shared import SharedLedger  # noqa: E402
+from kvguard.sidecar.ledger.shared import SharedLedger  # noqa: E402
 
 
 class FlakyRedis:

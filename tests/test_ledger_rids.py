@@ -7,8 +7,8 @@ probes, rings and Sidecar (tests/test_ledger.py's layout: one sidecar sees both 
 
 import time
 
-from engine_hooks.probes import Probes  # noqa: F401 - the engines() helper builds them
-from sidecar.metrics import KVGuardCollector
+from kvguard.engine_hooks.probes import Probes  # noqa: F401 - the engines() helper builds them
+from kvguard.sidecar.metrics import KVGuardCollector
 from test_ledger import HALF_A, HALF_B, WHOLE, engines, kinds, run, slots
 
 PREFILL_RID, DECODE_RID = "p-4c1d", "d-9e02"  # what each worker drew for one routed request
@@ -136,7 +136,7 @@ def test_a_request_timeline_includes_the_other_end_found_by_room(tmp_path):
     from fastapi.testclient import TestClient
     from prometheus_client import CollectorRegistry
 
-    from sidecar.api import create_app
+    from kvguard.sidecar.api import create_app
 
     prefill, decode = engines(tmp_path)
     routed_begin(prefill, decode, 7007, 8, [1, 2])

@@ -2,10 +2,10 @@
 
 import numpy as np
 
-from engine_hooks.probes import Probes
-from engine_hooks.ring import RingWriter
-from sidecar.service import Sidecar
-from sidecar.sinks.basic import MemorySink
+from kvguard.engine_hooks.probes import Probes
+from kvguard.engine_hooks.ring import RingWriter
+from kvguard.sidecar.service import Sidecar
+from kvguard.sidecar.sinks.basic import MemorySink
 
 
 def engine(tmp_path):

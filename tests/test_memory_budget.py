@@ -16,10 +16,10 @@ import uuid
 import numpy as np
 import pytest
 
-from engine_hooks import wire
-from sidecar import memory_budget as mb
-from sidecar.pipeline import Pipeline
-from sidecar.tracker import RequestDirectory, RequestInfo
+from kvguard.engine_hooks import wire
+from kvguard.sidecar import memory_budget as mb
+from kvguard.sidecar.pipeline import Pipeline
+from kvguard.sidecar.tracker import RequestDirectory, RequestInfo
 
 MIB = 1 << 20
 
@@ -97,10 +97,10 @@ def test_a_smaller_budget_trims_what_is_kept_at_once():
 def test_a_budget_below_the_fixed_parts_fails_at_start_naming_the_flag(tmp_path):
     with pytest.raises(mb.MemoryBudgetError, match="--memory-budget.*--history-events"):
         mb.MemoryBudget(64 * MIB, history_events=1 << 20)
-    out = subprocess.run([sys.executable, "-m", "sidecar.cli", "sidecar", "--ring-dir", str(tmp_path),
+    out = subprocess.run([sys.executable, "-m", "kvguard.sidecar.cli", "sidecar", "--ring-dir", str(tmp_path),
                           "--memory-budget", "120Mi"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--memory-budget" in out.stderr and "--history-events" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "sidecar.cli", "sidecar", "--ring-dir", str(tmp_path),
+    out = subprocess.run([sys.executable, "-m", "kvguard.sidecar.cli", "sidecar", "--ring-dir", str(tmp_path),
                           "--memory-budget", "lots"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--memory-budget" in out.stderr and "lots" in out.stderr
 
@@ -108,8 +108,8 @@ def test_a_budget_below_the_fixed_parts_fails_at_start_naming_the_flag(tmp_path)
 def test_the_budget_is_exported_beside_the_real_rss(tmp_path):
     from fastapi.testclient import TestClient
 
-    from sidecar.api import create_app
-    from sidecar.service import Sidecar
+    from kvguard.sidecar.api import create_app
+    from kvguard.sidecar.service import Sidecar
 
     sidecar = Sidecar(str(tmp_path), memory_budget=256 * MIB)
     sidecar.pipeline.apply(hello(4096, 0))

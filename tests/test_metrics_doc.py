@@ -28,13 +28,13 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_hooks import wire
-from engine_hooks.probes import KVGUARD_VERSION, Probes
-from engine_hooks.ring import RingWriter
-from sidecar.api import create_app
-from sidecar.service import Sidecar
-from sidecar.sinks.delivery import RetryPolicy
-from sidecar.sinks.pagerduty import pagerduty_sink
+from kvguard.engine_hooks import wire
+from kvguard.engine_hooks.probes import KVGUARD_VERSION, Probes
+from kvguard.engine_hooks.ring import RingWriter
+from kvguard.sidecar.api import create_app
+from kvguard.sidecar.service import Sidecar
+from kvguard.sidecar.sinks.delivery import RetryPolicy
+from kvguard.sidecar.sinks.pagerduty import pagerduty_sink
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 SECTION = re.compile(r"^### `(?P<name>[a-z_:]+)`\n(?P<body>(?:- .*\n(?:  .*\n)*)+)", re.M)

@@ -13,10 +13,10 @@ import time
 
 import numpy as np
 
-from engine_hooks.probes import Probes
-from engine_hooks.ring import RingWriter
-from sidecar.service import Sidecar
-from sidecar.sinks.basic import MemorySink
+from kvguard.engine_hooks.probes import Probes
+from kvguard.engine_hooks.ring import RingWriter
+from kvguard.sidecar.service import Sidecar
+from kvguard.sidecar.sinks.basic import MemorySink
 
 
 def engines(tmp_path, prefill_pool_tokens=4096):
@@ -255,9 +255,9 @@ def test_page_ids_past_the_pool_are_counted_and_skipped_not_an_apply_error(tmp_p
     once, exported, and nothing raises."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from engine_hooks import wire
-    from sidecar.history import Event
-    from sidecar.metrics import KVGuardCollector
+    from kvguard.engine_hooks import wire
+    from kvguard.sidecar.history import Event
+    from kvguard.sidecar.metrics import KVGuardCollector
 
     _, decode = engines(tmp_path)
     decode.pages_allocated(np.concatenate([slots([2]), slots([5000])]))  # limit: 8 + 1 + 1024 pages

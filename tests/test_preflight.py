@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from sidecar import cli, preflight
-from sidecar.demo import engines
+from kvguard.sidecar import cli, preflight
+from kvguard.demo import engines
 
 # Trimmed from real answers (tiny GPT-2, --max-total-tokens 256 --context-length 2048
 # --page-size 4), SGLang 0.5.19 as a prefill server and 0.5.23 as a plain one. The full
@@ -441,7 +441,7 @@ def test_usage_errors_exit_1_not_2(argv, capsys):
 
 
 def test_malformed_url_from_the_shell_has_no_traceback(repo_root):
-    p = subprocess.run([sys.executable, "-m", "sidecar.cli", "preflight", "--url", "localhost:30000"],
+    p = subprocess.run([sys.executable, "-m", "kvguard.sidecar.cli", "preflight", "--url", "localhost:30000"],
                        cwd=repo_root, capture_output=True, text=True, timeout=60)
     assert p.returncode == 1
     assert "Traceback" not in p.stdout + p.stderr

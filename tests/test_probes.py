@@ -4,9 +4,9 @@ import logging
 
 import numpy as np
 
-from engine_hooks import wire
-from engine_hooks.probes import Probes, get_probes, reset_probes_for_tests
-from engine_hooks.ring import RingReader, RingWriter
+from kvguard.engine_hooks import wire
+from kvguard.engine_hooks.probes import Probes, get_probes, reset_probes_for_tests
+from kvguard.engine_hooks.ring import RingReader, RingWriter
 
 
 def probes(tmp_path, page_size=4):

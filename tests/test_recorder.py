@@ -19,16 +19,16 @@ import time
 import numpy as np
 import pytest
 
-from engine_hooks import wire
-from engine_hooks.probes import Probes
-from engine_hooks.ring import HEADER_BYTES, RingReader, RingWriter
-from engine_hooks.tier1 import Violation
-from sidecar import recorder as rmod
-from sidecar.recorder import (CHUNK_CARRIED, Recorder, RecordingError, RecordingWriter, SegmentHeader,
+from kvguard.engine_hooks import wire
+from kvguard.engine_hooks.probes import Probes
+from kvguard.engine_hooks.ring import HEADER_BYTES, RingReader, RingWriter
+from kvguard.engine_hooks.tier1 import Violation
+from kvguard.sidecar import recorder as rmod
+from kvguard.sidecar.recorder import (CHUNK_CARRIED, Recorder, RecordingError, RecordingWriter, SegmentHeader,
                               SegmentReader, encode_record, parse_bytes, parse_seconds)
-from sidecar.replay import replay
-from sidecar.service import Sidecar
-from sidecar.sinks.basic import MemorySink
+from kvguard.sidecar.replay import replay
+from kvguard.sidecar.service import Sidecar
+from kvguard.sidecar.sinks.basic import MemorySink
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -389,7 +389,7 @@ def test_the_sidecar_records_every_batch_it_applies(tmp_path):
 
 # --------------------------------------------------------------------------- CLI and docs
 def test_cli_flags(tmp_path, capsys):
-    from sidecar.cli import build_parser, main
+    from kvguard.sidecar.cli import build_parser, main
 
     args = build_parser().parse_args(["sidecar", "--record-dir", str(tmp_path), "--record-max-bytes", "64M",
                                       "--record-max-age", "2h"])
@@ -427,7 +427,7 @@ def test_the_documented_example_runs_as_written(tmp_path):
     lines = out.stdout.splitlines()
     assert lines == ["unwritten_read warning [1, 2]", "events_lost warning []", "4"]
     assert all(f"# {line}" in example for line in lines)  # what the page promises is what it prints
-    cli = subprocess.run([sys.executable, "-m", "sidecar.cli", "replay", "example.kvgrec"], cwd=tmp_path,
+    cli = subprocess.run([sys.executable, "-m", "kvguard.sidecar.cli", "replay", "example.kvgrec"], cwd=tmp_path,
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=60)
     assert cli.returncode == 0, cli.stderr
     assert "unwritten_read" in cli.stdout and "findings: 2 (events_lost 1, unwritten_read 1)" in cli.stdout

@@ -17,14 +17,14 @@ import sys
 import numpy as np
 import pytest
 
-from engine_hooks import wire
-from engine_hooks.probes import Probes
-from engine_hooks.ring import RingWriter
-from sidecar.cli import main
-from sidecar.recorder import Recorder, RecordingError, RecordingWriter, SegmentHeader, SegmentReader
-from sidecar.replay import Replay, replay
-from sidecar.service import Sidecar
-from sidecar.sinks.basic import MemorySink
+from kvguard.engine_hooks import wire
+from kvguard.engine_hooks.probes import Probes
+from kvguard.engine_hooks.ring import RingWriter
+from kvguard.sidecar.cli import main
+from kvguard.sidecar.recorder import Recorder, RecordingError, RecordingWriter, SegmentHeader, SegmentReader
+from kvguard.sidecar.replay import Replay, replay
+from kvguard.sidecar.service import Sidecar
+from kvguard.sidecar.sinks.basic import MemorySink
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,7 +57,7 @@ def finish(decode, rid, pages):
 
 def short_lived_engine(ring_dir):
     """A real engine process that says hello (pool < context) and exits: its ring is retired."""
-    code = ("from engine_hooks.probes import Probes; from engine_hooks.ring import RingWriter; "
+    code = ("from kvguard.engine_hooks.probes import Probes; from kvguard.engine_hooks.ring import RingWriter; "
             f"p = Probes(RingWriter({str(ring_dir)!r}, 4096)); "
             "p.hello('prefill', 1, 4, 16, 64, 4096, 4096, 'sglang', '0.5.19', 'tiny')")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})

@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from engine_hooks import wire
-from engine_hooks.ring import HEADER_BYTES, RingError, RingReader, RingWriter
+from kvguard.engine_hooks import wire
+from kvguard.engine_hooks.ring import HEADER_BYTES, RingError, RingReader, RingWriter
 
 
 def _alloc(n):
@@ -90,8 +90,8 @@ def test_a_record_is_invisible_until_write_pos_moves(tmp_path):
 def test_producer_dying_mid_record_leaves_no_half_record(tmp_path):
     code = f"""
 import os, numpy as np
-from engine_hooks import wire
-from engine_hooks.ring import RingWriter
+from kvguard.engine_hooks import wire
+from kvguard.engine_hooks.ring import RingWriter
 w = RingWriter({str(tmp_path)!r}, 4096)
 w.write(wire.Kind.ALLOC, wire.pages_payload(np.arange(3)))
 rec = wire.encode(wire.Kind.ALLOC, 1, 0, w.engine_id, wire.pages_payload(np.arange(9)))

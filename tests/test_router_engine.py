@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from sidecar.demo.engines import PDPair
-from sidecar.service import Sidecar
-from sidecar.sinks.basic import MemorySink
+from kvguard.demo.engines import PDPair
+from kvguard.sidecar.service import Sidecar
+from kvguard.sidecar.sinks.basic import MemorySink
 
 from sidecar_settle import wait_until_applied
 

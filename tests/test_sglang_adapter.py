@@ -19,13 +19,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine_hooks import probes as probes_mod  # noqa: E402
-from engine_hooks.sglang import _runtime as rt  # noqa: E402
-from engine_hooks.sglang import hooks_allocator as ha  # noqa: E402
-from engine_hooks.sglang import hooks_requests as hq  # noqa: E402
-from engine_hooks.sglang import hooks_rows as hr  # noqa: E402
-from engine_hooks.sglang import plugin  # noqa: E402
-from engine_hooks.sglang.row_sampler import RowSampler, from_env  # noqa: E402
+from kvguard.engine_hooks import probes as probes_mod  # noqa: E402
+from kvguard.engine_hooks.sglang import _runtime as rt  # noqa: E402
+from kvguard.engine_hooks.sglang import hooks_allocator as ha  # noqa: E402
+from kvguard.engine_hooks.sglang import hooks_requests as hq  # noqa: E402
+from kvguard.engine_hooks.sglang import hooks_rows as hr  # noqa: E402
+from kvguard.engine_hooks.sglang import plugin  # noqa: E402
+from kvguard.engine_hooks.sglang.row_sampler import RowSampler, from_env  # noqa: E402
 from recording_probes import RecordingProbes  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -201,10 +201,10 @@ def test_disable_env_registers_nothing(monkeypatch):
 
 def test_cpu_compat(monkeypatch, caplog):
     called = []
-    stub = types.ModuleType("engine_hooks.sglang.cpu_compat")
+    stub = types.ModuleType("kvguard.demo.cpu_compat")
     stub.apply = lambda: called.append(1) or {}
-    monkeypatch.setitem(sys.modules, "engine_hooks.sglang.cpu_compat", stub)
-    import engine_hooks.sglang as pkg
+    monkeypatch.setitem(sys.modules, "kvguard.demo.cpu_compat", stub)
+    import kvguard.demo as pkg
 
     monkeypatch.setattr(pkg, "cpu_compat", stub, raising=False)
     monkeypatch.delenv(plugin.CPU_COMPAT_ENV, raising=False)
@@ -234,7 +234,7 @@ def test_real_targets_resolve(version, tmp_path):
     shim.write_text(TORCHVISION_SHIM)
     code = (
         "import sglang\n"
-        "from engine_hooks.sglang import plugin\n"
+        "from kvguard.engine_hooks.sglang import plugin\n"
         "v = plugin.sglang_version(); ok, skipped = plugin.plan(v)\n"
         "print(v, len(ok), len(skipped))\n"
         "for s, why in skipped: print('SKIPPED', s.target, why)\n"
@@ -637,7 +637,7 @@ def test_tenant_fields(monkeypatch, probes):
 
 # --------------------------------------------------------------------------- disaggregation
 def test_pop_transferred_classifies(probes):
-    from engine_hooks.sglang import hooks_disagg as hd
+    from kvguard.engine_hooks.sglang import hooks_disagg as hd
 
     ok, bad, waiting = _req("ok", bootstrap_room=1), _req("bad", bootstrap_room=2), _req("wait", bootstrap_room=3)
     queue = types.SimpleNamespace(queue=[types.SimpleNamespace(req=r) for r in (ok, bad, waiting)])
@@ -653,7 +653,7 @@ def test_pop_transferred_classifies(probes):
 
 
 def test_send_kv_chunk_range(probes):
-    from engine_hooks.sglang import hooks_disagg as hd
+    from kvguard.engine_hooks.sglang import hooks_disagg as hd
 
     pool = FakePool()
     pool.req_to_token[1, :10] = torch.arange(40, 50)

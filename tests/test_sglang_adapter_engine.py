@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_hooks import wire
-from engine_hooks.ring import RingReader
+from kvguard.engine_hooks import wire
+from kvguard.engine_hooks.ring import RingReader
 
 pytestmark = pytest.mark.engine
 

@@ -10,11 +10,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from sidecar.findings import EngineRef, Finding, Party
-from sidecar.incidents import IncidentStore, incident_id, incident_key
-from sidecar.sinks.alertmanager import alertmanager_sink
-from sidecar.sinks.delivery import RetryPolicy
-from sidecar.sinks.pagerduty import load_routing_key, pagerduty_sink
+from kvguard.sidecar.findings import EngineRef, Finding, Party
+from kvguard.sidecar.incidents import IncidentStore, incident_id, incident_key
+from kvguard.sidecar.sinks.alertmanager import alertmanager_sink
+from kvguard.sidecar.sinks.delivery import RetryPolicy
+from kvguard.sidecar.sinks.pagerduty import load_routing_key, pagerduty_sink
 
 KEY = "R0UT1NGKEY0123456789abcdefABCDEF"
 FAST = RetryPolicy(initial_s=0.01, max_s=0.05, deadline_s=0.5)
@@ -155,7 +155,7 @@ def test_alertmanager_gets_a_firing_then_resolved_alert(receiver):
 
 
 def test_the_sidecar_refuses_to_start_with_a_bad_routing_key(monkeypatch, capsys):
-    from sidecar.cli import main
+    from kvguard.sidecar.cli import main
 
     monkeypatch.setenv("KVGUARD_PAGERDUTY_ROUTING_KEY", "not-a-key")
     assert main(["sidecar", "--pagerduty", "--ring-dir", "/nonexistent"]) == 2
@@ -170,8 +170,8 @@ def sink_samples(sink) -> dict[tuple, float]:
     from prometheus_client import CollectorRegistry
     from prometheus_client.parser import text_string_to_metric_families
 
-    from sidecar.api import create_app
-    from sidecar.service import Sidecar
+    from kvguard.sidecar.api import create_app
+    from kvguard.sidecar.service import Sidecar
 
     with tempfile.TemporaryDirectory() as ring_dir:
         sidecar = Sidecar(ring_dir, sinks=[sink])
@@ -269,9 +269,9 @@ def test_a_refused_connection_and_a_full_queue_are_exported():
 def test_a_hanging_receiver_never_holds_up_detection():
     """While the receiver holds the sink's worker, the sidecar keeps ingesting and the
     scrape shows the backlog; once it answers, everything is delivered."""
-    from engine_hooks.probes import Probes
-    from engine_hooks.ring import RingWriter
-    from sidecar.service import Sidecar
+    from kvguard.engine_hooks.probes import Probes
+    from kvguard.engine_hooks.ring import RingWriter
+    from kvguard.sidecar.service import Sidecar
 
     release, arrived = threading.Event(), []
 

@@ -41,8 +41,8 @@ from typing import Any
 
 import pytest
 
-from engine_hooks import wire
-from sidecar.demo.engines import PDPair, start_engine
+from kvguard.engine_hooks import wire
+from kvguard.demo.engines import PDPair, start_engine
 from soak.known import KnownFalseAlarm, RecordIndex, known_false_alarm
 from soak.watch import Watch
 from soak.workload import (ABORT_KINDS, ROUTED_MIX, UNIFIED_MIX, Limits, Outcome, make_plan, mix_summary,

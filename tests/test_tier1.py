@@ -30,13 +30,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine_hooks import probes as probes_mod  # noqa: E402
-from engine_hooks import tier1 as t1  # noqa: E402
-from engine_hooks import wire  # noqa: E402
-from engine_hooks.ring import RingReader, RingWriter  # noqa: E402
-from engine_hooks.sglang import _runtime as rt  # noqa: E402
-from engine_hooks.sglang import hooks_rows as hr  # noqa: E402
-from engine_hooks.sglang.row_sampler import RowSampler  # noqa: E402
+from kvguard.engine_hooks import probes as probes_mod  # noqa: E402
+from kvguard.engine_hooks import tier1 as t1  # noqa: E402
+from kvguard.engine_hooks import wire  # noqa: E402
+from kvguard.engine_hooks.ring import RingReader, RingWriter  # noqa: E402
+from kvguard.engine_hooks.sglang import _runtime as rt  # noqa: E402
+from kvguard.engine_hooks.sglang import hooks_rows as hr  # noqa: E402
+from kvguard.engine_hooks.sglang.row_sampler import RowSampler  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PS = 4  # page size
@@ -375,8 +375,8 @@ def test_real_sglang_objects_clean_steps_a_corrupt_row_and_bad_input(require_sgl
 
 # --------------------------------------------------------------------------- the sidecar's side
 def test_the_sidecar_raises_the_engines_tier1_record_as_a_finding(tmp_path, monkeypatch):
-    from sidecar.service import Sidecar
-    from sidecar.sinks.basic import MemorySink
+    from kvguard.sidecar.service import Sidecar
+    from kvguard.sidecar.sinks.basic import MemorySink
 
     p = _probes(tmp_path, monkeypatch)
     p.request_begin("reader", "initech", None, 8, 0, False)

@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine_hooks import wire
-from engine_hooks.ring import RingReader
-from sidecar.demo.engines import start_engine
+from kvguard.engine_hooks import wire
+from kvguard.engine_hooks.ring import RingReader
+from kvguard.demo.engines import start_engine
 
 from fault_plugin import FAULTS_DIR, make_rid
 

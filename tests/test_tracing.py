@@ -20,11 +20,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.semconv._incubating.attributes import error_attributes, gen_ai_attributes
 from opentelemetry.trace import StatusCode
 
-from sidecar import tracing
-from sidecar.findings import EngineRef, Finding, Party
-from sidecar.incidents import incident_id, incident_key
-from sidecar.tracing import TraceRecorder, from_env
-from sidecar.tracker import RequestInfo
+from kvguard.sidecar import tracing
+from kvguard.sidecar.findings import EngineRef, Finding, Party
+from kvguard.sidecar.incidents import incident_id, incident_key
+from kvguard.sidecar.tracing import TraceRecorder, from_env
+from kvguard.sidecar.tracker import RequestInfo
 
 DECODE = EngineRef("decode", 0, 4242)
 PREFILL = EngineRef("prefill", 0, 4141)
@@ -360,7 +360,7 @@ def test_spans_reach_an_otlp_collector_configured_by_the_standard_variables(monk
 
 # ---------------------------------------------------------------------- through the pipeline
 def wired() -> bool:
-    from sidecar.service import Sidecar
+    from kvguard.sidecar.service import Sidecar
 
     return "tracer" in inspect.signature(Sidecar.__init__).parameters
 
@@ -386,9 +386,9 @@ def pd_request(prefill, decode, rid, tenant, room, pages, tokens, sent_tokens):
 @pytest.mark.skipif(not wired(), reason="pipeline.py does not call the TraceRecorder yet (Sidecar(tracer=...), "
                                         "docs/tracing.md 'Wiring')")
 def test_the_incident_through_a_real_sidecar_is_two_traces(tmp_path, spans):
-    from engine_hooks.probes import Probes
-    from engine_hooks.ring import RingWriter
-    from sidecar.service import Sidecar
+    from kvguard.engine_hooks.probes import Probes
+    from kvguard.engine_hooks.ring import RingWriter
+    from kvguard.sidecar.service import Sidecar
 
     prefill, decode = Probes(RingWriter(str(tmp_path), 1 << 16)), Probes(RingWriter(str(tmp_path), 1 << 16))
     prefill.hello("prefill", 0, 4, 64, 256, 2048, 2048, "sglang", "0.5.19", "tiny")  # pool < context

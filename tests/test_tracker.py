@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from engine_hooks import wire
-from sidecar.tracker import ALLOCATED, CACHED, FREE, OWNED, UNKNOWN, EngineTracker, RequestDirectory
+from kvguard.engine_hooks import wire
+from kvguard.sidecar.tracker import ALLOCATED, CACHED, FREE, OWNED, UNKNOWN, EngineTracker, RequestDirectory
 
 A, B = wire.request_key("A"), wire.request_key("B")
 
@@ -164,7 +164,7 @@ def test_requests_that_never_end_and_hold_nothing_leave_the_live_directory():
     """SGLang sends no REQ_END for a request refused or aborted before it held KV:
     such requests are retired to the ended LRU after IDLE_REQUEST_NS (still findable);
     a request holding a row, or a stub, is judged by the same rule, never sooner."""
-    from sidecar.tracker import IDLE_REQUEST_NS, RETIRE_SCAN_NS
+    from kvguard.sidecar.tracker import IDLE_REQUEST_NS, RETIRE_SCAN_NS
 
     t = tracker()
     t.on_request_begin(wire.ReqBegin(A, 77, 900, 0, False, "A", "acme"), 1_000)
@@ -283,7 +283,7 @@ def test_requests_whose_end_fell_in_a_gap_are_retired_with_their_rows():
     LOST_UNSEEN_NS since, ended in the gap (its REQ_END was lost): it leaves the live directory
     and its row is dropped. One named after the gap (a forward, an ASSIGN), or waiting for its
     transfer, is kept; without a gap nothing is retired however long a request lives."""
-    from sidecar.tracker import LOST_UNSEEN_NS, RETIRE_SCAN_NS
+    from kvguard.sidecar.tracker import LOST_UNSEEN_NS, RETIRE_SCAN_NS
 
     t = tracker()
     C, D = wire.request_key("C"), wire.request_key("D")

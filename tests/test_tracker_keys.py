@@ -13,8 +13,8 @@ import numpy as np
 from test_judge_incremental import TINY, Replay, corrupt, decode
 
 from bench.workload import capture
-from engine_hooks import wire
-from sidecar.tracker import (GEN_MASK, KEYS_COMPACT_MIN, NO_SLOT, SHARED_BIT, EngineTracker, KeyTable, RequestDirectory,
+from kvguard.engine_hooks import wire
+from kvguard.sidecar.tracker import (GEN_MASK, KEYS_COMPACT_MIN, NO_SLOT, SHARED_BIT, EngineTracker, KeyTable, RequestDirectory,
                             RequestInfo)
 
 

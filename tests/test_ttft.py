@@ -2,9 +2,9 @@
 
 import random
 
-from sidecar.detectors.ttft import TTFTDetector
-from sidecar.findings import EngineRef
-from sidecar.tracker import RequestInfo
+from kvguard.sidecar.detectors.ttft import TTFTDetector
+from kvguard.sidecar.findings import EngineRef
+from kvguard.sidecar.tracker import RequestInfo
 
 ENGINE = EngineRef("prefill", 0, 1)
 US = 1_000
@@ -226,10 +226,10 @@ def test_the_pipeline_reads_the_prefill_evidence_from_its_records(tmp_path):
     the second is a finding, and nothing else is raised."""
     import numpy as np
 
-    from engine_hooks.probes import Probes
-    from engine_hooks.ring import RingWriter
-    from sidecar.service import Sidecar
-    from sidecar.sinks.basic import MemorySink
+    from kvguard.engine_hooks.probes import Probes
+    from kvguard.engine_hooks.ring import RingWriter
+    from kvguard.sidecar.service import Sidecar
+    from kvguard.sidecar.sinks.basic import MemorySink
 
     probes = Probes(RingWriter(str(tmp_path), 1 << 20))
     probes.hello("unified", 0, 4, 1024, 4096, 2048, 2048, "sglang", "0.5.23", "tiny")

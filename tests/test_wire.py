@@ -5,7 +5,7 @@ import struct
 import numpy as np
 import pytest
 
-from engine_hooks import wire
+from kvguard.engine_hooks import wire
 
 
 def _rec(kind, payload, seq=0):

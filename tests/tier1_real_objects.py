@@ -23,7 +23,7 @@ def main() -> int:
     import torch
 
     from bench.engine_bench import PAGE, Engine
-    from engine_hooks import wire
+    from kvguard.engine_hooks import wire
 
     torch.set_num_threads(1)
     out = {}

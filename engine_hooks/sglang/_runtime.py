@@ -36,7 +36,7 @@ MAX_TRACKED = 1 << 16  # bound on per-request bookkeeping (requests that never e
 
 def probes():
     """The process-wide Probes (looked up each time so tests can swap it)."""
-    from engine_hooks import probes as probes_mod
+    from kvguard.engine_hooks import probes as probes_mod
 
     return probes_mod.get_probes()
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from engine_hooks import digest as dg
+from kvguard.engine_hooks import digest as dg
 
 from . import _runtime as rt
 from ._runtime import State

@@ -214,7 +214,8 @@ def _apply_cpu_compat() -> None:
     if os.environ.get(CPU_COMPAT_ENV, "") not in ("1", "true", "yes"):
         return
     try:
-        from . import cpu_compat
+        # in the kvguard-demo distribution (demo/), never in an engine image's install
+        from kvguard.demo import cpu_compat
 
         cpu_compat.apply()
     except Exception as exc:  # noqa: BLE001 - missing or broken shim must not stop the engine
@@ -248,7 +249,7 @@ def load() -> None:
         from .row_sampler import from_env
 
         rt.State.row_sampler = from_env()
-        from engine_hooks import native
+        from kvguard.engine_hooks import native
 
         native.library()  # logs which digest routine runs; a bad KVGUARD_DIGEST_NATIVE fails here
         from sglang.srt.plugins.hook_registry import HookRegistry

@@ -2,7 +2,7 @@
 
 - :class:`NativeClient`: SGLang ``POST /generate`` (a unified server, or a router
   that does the prefill/decode dispatch itself). The tenant goes in ``routing_key``,
-  the field kvguard's SGLang adapter reads (sidecar/demo/engines.py tenant_payload),
+  the field kvguard's SGLang adapter reads (demo/engines.py tenant_payload),
   so the sidecar's findings name the same tenants as the canary's report.
 - :class:`PairClient`: a prefill/decode pair without a router: the same
   ``/generate`` body with one random ``bootstrap_room`` and the prefill server's

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine_hooks import wire
+from kvguard.engine_hooks import wire
 
 from ..findings import CRITICAL, WARNING, EngineRef, Finding
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine_hooks import wire
+from kvguard.engine_hooks import wire
 
 from ..findings import CRITICAL, EngineRef, Finding, Party
 from ..tracker import EngineTracker

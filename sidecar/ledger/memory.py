@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine_hooks import wire
+from kvguard.engine_hooks import wire
 
 from .digests import DigestSum, DigestVerdict, Partial
 

@@ -34,10 +34,10 @@ import atheris
 with atheris.instrument_imports(include=["engine_hooks", "sidecar"]):
     import numpy as np
 
-    from engine_hooks import wire
-    from sidecar.ledger.memory import MAX_CHUNKS_PER_ROOM
-    from sidecar.memory_budget import MIB, MemoryBudget
-    from sidecar.pipeline import Pipeline
+    from kvguard.engine_hooks import wire
+    from kvguard.sidecar.ledger.memory import MAX_CHUNKS_PER_ROOM
+    from kvguard.sidecar.memory_budget import MIB, MemoryBudget
+    from kvguard.sidecar.pipeline import Pipeline
 
 ENGINE = 1234
 RIDS = ["a", "b", "c", "d", "e"]

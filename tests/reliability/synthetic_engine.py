@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from engine_hooks import probes as probes_mod
+from kvguard.engine_hooks import probes as probes_mod
 
 PAGE = 4
 POOL_PAGES = 256

@@ -104,7 +104,7 @@ def test_more_rings_than_it_may_attach_are_counted_once_and_never_stop_the_other
     n = 100
     # one process holds 100 live rings (each alive: its writer holds the ring's lock)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from engine_hooks.ring import RingWriter; "
+        [sys.executable, "-c", "import sys, time; from kvguard.engine_hooks.ring import RingWriter; "
          f"ws = [RingWriter({str(ring_dir)!r}, 4096, engine_id=1000 + i) for i in range({n})]; "
          "print('ready', flush=True); time.sleep(300)"], stdout=subprocess.PIPE, text=True)
     procs.append(holder)
@@ -158,7 +158,7 @@ def test_thousands_of_junk_entries_are_refused_once_and_cost_no_cpu_afterwards(t
 def test_an_unlimited_fd_limit_leaves_the_cap_at_max_rings(monkeypatch):
     import resource
 
-    from sidecar.ingest import RingSet
+    from kvguard.sidecar.ingest import RingSet
 
     monkeypatch.setattr(resource, "getrlimit", lambda _which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     assert RingSet("/nonexistent", max_rings=1024).ring_cap == 1024  # RLIM_INFINITY is -1: not a cap of 1

@@ -23,8 +23,8 @@ import httpx
 import numpy as np
 import pytest
 
-from engine_hooks import wire
-from engine_hooks.ring import RingWriter
+from kvguard.engine_hooks import wire
+from kvguard.engine_hooks.ring import RingWriter
 from sidecar_under_test import counter, healthy_setup, stop_all
 
 POOL_PAGES = 256  # the synthetic engine's pool (synthetic_engine.POOL_PAGES)

@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from sidecar.memory_budget import ENDED_REQUEST_BYTES, RUNTIME_BYTES
+from kvguard.sidecar.memory_budget import ENDED_REQUEST_BYTES, RUNTIME_BYTES
 from sidecar_under_test import counter, healthy_setup, start_engine, stop_all, vm_hwm_mb
 
 MIB = 1 << 20

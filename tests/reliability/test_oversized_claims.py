@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine_hooks import wire
-from engine_hooks.ring import HEADER_BYTES, RING_MAGIC, RING_VERSION, RingWriter
+from kvguard.engine_hooks import wire
+from kvguard.engine_hooks.ring import HEADER_BYTES, RING_MAGIC, RING_VERSION, RingWriter
 from sidecar_under_test import counter, healthy_setup, stop_all, vm_hwm_mb
 
 PEAK_MB = 300
@@ -127,7 +127,7 @@ def test_a_huge_ring_header_never_becomes_resident_memory(tmp_path, procs, capac
 def test_a_backlog_larger_than_one_copy_is_read_whole_records_at_a_time(tmp_path):
     """The bounded copy (8 MiB at a time) never cuts a record: a 32 MiB ring holding 12 MiB of
     small records and one 10 MB record reads back every record, in order, with nothing corrupt."""
-    from engine_hooks.ring import READ_CHUNK_BYTES, RingReader
+    from kvguard.engine_hooks.ring import READ_CHUNK_BYTES, RingReader
 
     w = RingWriter(str(tmp_path), 32 << 20, engine_id=7)
     small = np.arange(1000, dtype=np.int64)

@@ -22,8 +22,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_hooks.probes import Probes
-from engine_hooks.ring import RingWriter
+from kvguard.engine_hooks.probes import Probes
+from kvguard.engine_hooks.ring import RingWriter
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "reliability-test-token"
@@ -45,7 +45,7 @@ class SidecarProc:
         token_file.write_text(TOKEN)
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sidecar.cli", "sidecar", "--ring-dir", str(ring_dir), "--listen",
+            [sys.executable, "-m", "kvguard.sidecar.cli", "sidecar", "--ring-dir", str(ring_dir), "--listen",
              f"127.0.0.1:{self.port}", "--api-token-file", str(token_file), *extra],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
         if wait:

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine_hooks import wire
-from sidecar.findings import Finding
+from kvguard.engine_hooks import wire
+from kvguard.sidecar.findings import Finding
 
 TTFT = "ttft_per_token_model"
 SEND_ORDER = "send_stamped_after_receiver_done"

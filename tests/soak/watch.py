@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from engine_hooks import wire
-from sidecar.findings import Finding
-from sidecar.history import Event
-from sidecar.service import Sidecar
-from sidecar.sinks.basic import MemorySink
-from sidecar.tracker import STATE_NAMES, RequestInfo
+from kvguard.engine_hooks import wire
+from kvguard.sidecar.findings import Finding
+from kvguard.sidecar.history import Event
+from kvguard.sidecar.service import Sidecar
+from kvguard.sidecar.sinks.basic import MemorySink
+from kvguard.sidecar.tracker import STATE_NAMES, RequestInfo
 
 
 class RecordKeeper:

@@ -57,7 +57,7 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
-from sidecar.demo.engines import tenant_payload
+from kvguard.demo.engines import tenant_payload
 
 TENANTS = ("acme", "globex", "initech")
 MIN_TOKEN, MAX_TOKEN = 3, 255  # 0/1/2 are <unk>/<s>/</s> in the tiny model

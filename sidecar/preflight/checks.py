@@ -21,7 +21,7 @@ docs/preflight.md).
 
 A ``--url`` may also be SGLang's router (``sglang-router``; it answers ``/server_info``
 with 404): preflight lists its workers (``GET /workers``) and checks each one
-directly, one report per worker with its URL and role (sidecar/preflight_router.py).
+directly, one report per worker with its URL and role (sidecar/preflight/router.py).
 
 Exit codes, worst over all ``--url`` values and the workers behind them:
 
@@ -37,21 +37,18 @@ Usage errors of this sub-command exit 1 too, never 2: exit 2 is the verdict
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
-import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import IO, Any, Sequence
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from . import preflight_router as router
-from .detectors.config import PoolVsContext, severity_for
+from . import router
+from ..detectors.config import PoolVsContext, severity_for
 
 EXIT_SAFE = 0
 EXIT_UNKNOWN = 1
@@ -393,7 +390,7 @@ def _probe(client: httpx.Client, base: str, deadline: float, timeout_s: float,
     """``("server", (server_info, models, models_error))`` or ``("router", GET /workers body)``.
 
     SGLang's router answers ``/server_info`` with 404 and lists its workers at ``/workers``
-    (sidecar/preflight_router.py). Raises PreflightError when the URL is neither.
+    (sidecar/preflight/router.py). Raises PreflightError when the URL is neither.
     """
     try:
         info = _get_json(client, base, SERVER_INFO_PATH, deadline, timeout_s)
@@ -457,157 +454,3 @@ def check(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, token: str | None =
     rep = evaluate(shown, *answer)
     rep.reason = _one_line(rep.reason)
     return [rep]
-
-
-# ---------------------------------------------------------------- output
-
-
-_MEANING = {
-    "prefill": (
-        "This is the 2026 incident's configuration: a prefill node whose pool is smaller than the context. "
-        "Such prompts are rejected on prefill; SGLang up to 0.5.19 still handed them to decode, which read "
-        "pages other requests had written and answered HTTP 200 with their data. On fixed versions the "
-        "clients get errors for prompts the context length promises."
-    ),
-    "decode": (
-        "Decode rejects prompts longer than its pool after prefill may already have done the work; clients "
-        "get errors for prompts the context length promises. Check the prefill servers too."
-    ),
-    "unified": (
-        "The server rejects prompts longer than its pool although the context length promises them; "
-        "clients see errors, and any disaggregated deployment of this configuration is exposed."
-    ),
-}
-_FIX = ("Fix: give the KV cache at least the context length (drop or raise a --max-total-tokens cap, raise "
-        "--mem-fraction-static, spread the weights over more GPUs) or advertise less (--context-length at most "
-        "the pool).")
-
-
-def render_text(rep: Report) -> str:
-    """The plain-words story of one report."""
-    behind = None
-    if rep.router is not None and rep.role != router.ROUTER_ROLE:
-        behind = f"{rep.router} (listed as {rep.router_worker_type or 'a worker of no type'})"
-    if rep.verdict == UNKNOWN:
-        if behind is None:
-            return f"{rep.url}: cannot tell: {rep.reason}"
-        return "\n".join([f"{rep.url}: cannot tell: {rep.reason}", f"  behind router:      {behind}"]
-                         + [f"  note: {n}" for n in rep.notes])
-    word = "SAFE" if rep.verdict == SAFE else f"POOL SMALLER THAN CONTEXT ({rep.severity})"
-    role = rep.role or "not reported"
-    if rep.role in ("prefill", "decode"):
-        role += " (prefill/decode disaggregation)"
-    elif rep.role == "unified":
-        role += " (not disaggregated)"
-    lines = [
-        f"{rep.url}: {word}",
-        f"  SGLang version:     {rep.version or 'not reported'}",
-        f"  role:               {role}",
-        f"  KV pool:            {rep.pool_tokens} tokens"
-        + (f" (page size {rep.page_size})" if rep.page_size is not None else ""),
-        f"  context length:     {rep.context_len} tokens (from {rep.context_source}"
-        + (" max_model_len)" if rep.context_source == MODELS_PATH else " context_length)"),
-        f"  pool / context:     {rep.ratio:.2f}x",
-        "  max request input:  "
-        + (f"{rep.max_req_input_len} tokens" if rep.max_req_input_len is not None else "not reported"),
-    ]
-    if behind is not None:
-        lines.append(f"  behind router:      {behind}")
-    if rep.verdict == SAFE:
-        lines.append(
-            "  means: every prompt the context length allows fits in the KV pool. The pool is shared by all "
-            "running requests: a pool equal to the context holds one full-length request at a time "
-            "(the incident's fix sized it at ~2x).")
-    else:
-        lines.append(f"  means: {rep.reason}. " + _MEANING.get(rep.role or "", _MEANING["unified"]))
-        lines.append(f"  {_FIX}")
-    lines += [f"  note: {n}" for n in rep.notes]
-    return "\n".join(lines)
-
-
-def worst_exit(reports: Sequence[Report]) -> int:
-    """0 safe < 1 unknown < 2 pool smaller: a known-unsafe server outranks an unreadable one."""
-    return max((r.exit_code for r in reports), default=EXIT_UNKNOWN)
-
-
-def run(urls: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S, token_file: str | None = None,
-        as_json: bool = False, out: IO[str] | None = None, environ: dict[str, str] | None = None,
-        transport: httpx.BaseTransport | None = None) -> int:
-    """Check every URL (in parallel), print one report each (text, or one JSON object per line)."""
-    out = out or sys.stdout
-    try:
-        token = read_token(token_file, environ)
-    except ValueError as exc:
-        groups = [[Report(u, reason=_one_line(exc))] for u in urls]
-    else:
-        with ThreadPoolExecutor(max_workers=max(1, min(_MAX_WORKERS, len(urls)))) as pool:
-            groups = list(pool.map(lambda u: check(u, timeout_s=timeout_s, token=token, transport=transport), urls))
-    reports = [r for g in groups for r in g]
-    if as_json:
-        for r in reports:
-            out.write(json.dumps(r.to_json(), sort_keys=False) + "\n")
-    else:
-        out.write("\n\n".join(router.render_group(g) for g in groups) + "\n")
-        if len(reports) > 1:
-            counts = {v: sum(r.verdict == v for r in reports) for v in (SAFE, POOL_SMALLER, UNKNOWN)}
-            out.write(f"\n{len(reports)} servers: {counts[SAFE]} safe, {counts[POOL_SMALLER]} pool smaller than "
-                      f"context, {counts[UNKNOWN]} cannot tell; exit {worst_exit(reports)}\n")
-    out.flush()
-    return worst_exit(reports)
-
-
-# ---------------------------------------------------------------- command line
-
-
-def cmd_preflight(args: argparse.Namespace) -> int:
-    import logging
-
-    if not getattr(args, "verbose", False):
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
-    return run(args.url, timeout_s=args.timeout, token_file=args.bearer_token_file, as_json=args.json)
-
-
-def _exit_1_on_usage_errors(p: argparse.ArgumentParser) -> None:
-    """argparse exits 2 on usage errors; here 2 means "pool smaller than context"."""
-
-    def error(message: str):
-        p.print_usage(sys.stderr)
-        p.exit(EXIT_UNKNOWN, f"{p.prog}: error: {message}\n")
-
-    parse_known_args = p.parse_known_args
-
-    def strict_parse_known_args(args=None, namespace=None):
-        ns, extras = parse_known_args(args, namespace)
-        if extras:
-            error(f"unrecognized arguments: {' '.join(extras)}")
-        return ns, extras
-
-    p.error = error  # type: ignore[method-assign]
-    p.parse_known_args = strict_parse_known_args  # type: ignore[method-assign]
-
-
-def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "preflight",
-        help="deploy gate: compare a live SGLang server's KV pool with its context length",
-        description="Read GET /server_info and GET /v1/models of each SGLang server and compare the KV pool "
-                    "(max_total_num_tokens) with the context length the server enforces (max_model_len). "
-                    "A --url of SGLang's router (sglang-router) checks every worker it lists (GET /workers), "
-                    "each directly. Exit 0: pool >= context on every server; 2: some pool is smaller than its "
-                    "context; 1: cannot tell (the reason is printed). With several servers the worst wins "
-                    "(2 > 1 > 0).",
-    )
-    p.add_argument("--url", action="append", required=True, metavar="URL",
-                   help="server base URL, http://HOST:PORT (repeat for each prefill and decode server), or the URL "
-                        "of SGLang's router: every worker it lists is checked")
-    p.add_argument("--json", action="store_true",
-                   help="one JSON object per server on stdout (url, role, pool_tokens, context_len, "
-                        "max_req_input_len, page_size, verdict, reason, ..., router)")
-    p.add_argument("--timeout", type=_timeout_arg, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                   help=f"give each server at most this long (default {DEFAULT_TIMEOUT_S:g})")
-    p.add_argument("--bearer-token-file", default=None, metavar="PATH",
-                   help=f"send 'Authorization: Bearer <token>' with the token in PATH (default ${TOKEN_FILE_ENV}, "
-                        f"else the token in ${TOKEN_ENV})")
-    p.set_defaults(func=cmd_preflight)
-    _exit_1_on_usage_errors(p)
-    return p

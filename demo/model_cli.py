@@ -1,7 +1,7 @@
 """``kvguard model``: write test models for the engine demos and tests.
 
 ``kvguard model echo --lag L OUT_DIR`` writes the hand-built GPT-2 "echo" model of
-:mod:`sidecar.demo.echo_model` (real weights, no training): its greedy output copies
+:mod:`kvguard.demo.echo_model` (real weights, no training): its greedy output copies
 the prompt token ``L`` positions back, so a KV leak shows up as other requests'
 tokens in the completion (docs/echo-model.md). Serve it with real weights (no
 ``--load-format dummy``).
@@ -30,7 +30,7 @@ def _exit_1_on_usage_errors(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_model_echo(args: argparse.Namespace) -> int:
-    from .demo import echo_model
+    from . import echo_model
 
     try:
         echo_model.validate(args.lag, args.n_positions, args.dtype, args.seed_search)
@@ -52,7 +52,7 @@ def cmd_model_echo(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    from .demo.echo_model import DEFAULT_DTYPE, DEFAULT_N_POSITIONS, DEFAULT_SEED_SEARCH, DTYPES
+    from .echo_model import DEFAULT_DTYPE, DEFAULT_N_POSITIONS, DEFAULT_SEED_SEARCH, DTYPES
 
     p = subparsers.add_parser(
         "model",

@@ -36,8 +36,8 @@ in front of SGLang 0.5.23 servers, in prefill/decode mode (``--pd-disaggregation
   share one HTTP server, which is checked once.
 
 This module parses the router's list and checks each worker with
-:func:`sidecar.preflight.check`, as any server is checked (imported at call time:
-:mod:`sidecar.preflight` imports this module).
+:func:`kvguard.sidecar.preflight.checks.check`, as any server is checked (imported at call time:
+:mod:`.checks` imports this module).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import httpx
 
 if TYPE_CHECKING:
-    from .preflight import Report
+    from .checks import Report
 
 WORKERS_PATH = "/workers"
 
@@ -190,7 +190,7 @@ def check_workers(shown: str, body: Any, *, timeout_s: float, token: str | None,
     the list is empty or malformed, or names prefill workers and no decode worker (or
     the reverse). Never raises.
     """
-    from . import preflight as pf  # preflight imports this module at load time
+    from . import checks as pf  # checks imports this module at load time
 
     try:
         listing = parse_workers(body)
@@ -223,7 +223,7 @@ def check_workers(shown: str, body: Any, *, timeout_s: float, token: str | None,
 
 def render_group(group: Sequence[Report]) -> str:
     """The text of one ``--url``'s reports; a router's start with a line naming it and what it lists."""
-    from . import preflight as pf
+    from . import render as pf
 
     text = "\n\n".join(pf.render_text(r) for r in group)
     if not group or group[0].router is None:

@@ -2,7 +2,7 @@
 
 Test and demo only. The kvguard SGLang plugin calls :func:`apply` in every engine
 scheduler process when ``KVGUARD_SGLANG_CPU_COMPAT=1`` (set by
-``sidecar/demo/engines.py``); production engines never set it.
+``demo/engines.py``); production engines never set it.
 
 What it changes:
   * ``MooncakeKVSender.supports_host_tensor_indices = False`` (SGLang >= 0.5.21).

@@ -2,7 +2,7 @@
 
 Starts the sidecar (in this process) on a fresh ring directory, a real SGLang
 prefill + decode pair on CPU with the kvguard plugin and SGLang's router in front of
-it, replays the incident (sidecar/demo/scenario.py) through the router as clients
+it, replays the incident (demo/scenario.py) through the router as clients
 send it (no request ids: each engine draws its own) and tells what happened in plain
 words: who read what, whose data it was, and what the client received.
 
@@ -22,9 +22,9 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ..findings import Finding
-from ..service import Sidecar
-from ..sinks.basic import MemorySink
+from kvguard.sidecar.findings import Finding
+from kvguard.sidecar.service import Sidecar
+from kvguard.sidecar.sinks.basic import MemorySink
 
 log = logging.getLogger("kvguard.demo")
 
@@ -186,7 +186,7 @@ def capture_incident(sglang_version: str, work: str, progress=sys.stderr, words:
 
     ``words``: serve the echo model (real weights whose output copies the prompt token
     ``lag`` positions back) with prompts laid out so that the leaked KV shows up as
-    another tenant's words (sidecar/demo/scenario.py WORDS_DEMO, docs/echo-model.md).
+    another tenant's words (demo/scenario.py WORDS_DEMO, docs/echo-model.md).
     ``progress``: where the progress lines go (a file; None: nowhere).
     """
     from .engines import PDPair

@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import httpx
 
-from sidecar.demo.model import write_tiny_gpt2
+from kvguard.demo.model import write_tiny_gpt2
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class EngineStartError(RuntimeError):
 
 
 def repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
+    return Path(__file__).resolve().parents[1]
 
 
 def shim_dir() -> Path:

@@ -1,6 +1,6 @@
 """Test/demo-only start-up shim for SGLang engine subprocesses on CPU.
 
-Put this folder on PYTHONPATH of engine subprocesses only (sidecar/demo/engines.py
+Put this folder on PYTHONPATH of engine subprocesses only (demo/engines.py
 does); never on an engine image. Python imports ``sitecustomize`` at start-up.
 
 Why: PyPI's torchvision wheels are CUDA builds. With the CPU torch build its C

@@ -51,7 +51,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from sidecar.demo import model as tiny_model
+from kvguard.demo import model as tiny_model
 
 VOCAB_SIZE = tiny_model.VOCAB_SIZE  # 256
 N_EMBD = 1024
@@ -310,7 +310,7 @@ def write_echo_gpt2(
 
 def echo_model_dir(lag: int, n_positions: int = DEFAULT_N_POSITIONS, dtype: str = DEFAULT_DTYPE) -> Path:
     """The echo model for ``lag``, cached under ``<repo>/.kvguard-cache/models``."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     d = root / ".kvguard-cache" / "models" / f"echo-gpt2-lag{lag}-{n_positions}-{dtype}"
     write_echo_gpt2(d, lag, n_positions=n_positions, dtype=dtype)
     return d

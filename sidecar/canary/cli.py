@@ -7,11 +7,11 @@ import json
 import logging
 import sys
 
-from .canary.budget import DEFAULT_BUDGET
-from .canary.markers import DEFAULT_MIN_OVERLAP
-from .canary.plan import DEFAULT_MAX_PROMPT_TOKENS
-from .canary.report import EXIT_COULD_NOT_RUN, render_text
-from .canary.runner import DEFAULT_TIME_LIMIT_S, DEFAULT_TIMEOUT_S, Options, run_canary
+from .budget import DEFAULT_BUDGET
+from .markers import DEFAULT_MIN_OVERLAP
+from .plan import DEFAULT_MAX_PROMPT_TOKENS
+from .report import EXIT_COULD_NOT_RUN, render_text
+from .runner import DEFAULT_TIME_LIMIT_S, DEFAULT_TIMEOUT_S, Options, run_canary
 
 
 def _positive(kind):

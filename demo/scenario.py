@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from sidecar.demo.engines import Engine, GenerateResult, PDPair
+from kvguard.demo.engines import Engine, GenerateResult, PDPair
 
 NORMAL_TENANTS = ("acme", "globex")
 LONG_TENANT = "initech"
@@ -53,7 +53,7 @@ def make_prompt(length: int, rng: random.Random) -> list[int]:
     return [rng.randint(MIN_TOKEN_ID, MAX_TOKEN_ID) for _ in range(length)]
 
 
-# The leak in words, with the echo GPT-2 (sidecar/demo/echo_model.py, docs/echo-model.md)
+# The leak in words, with the echo GPT-2 (demo/echo_model.py, docs/echo-model.md)
 # on the default pools (prefill 256, decode 1024 tokens, page size 4), SGLang 0.5.19.
 # Decode's allocator gives the 600-token prompt pages 1-150; with these lengths they were
 # last written by requests #4 (acme), #5 (globex) and #6 (acme), and positions 188-254
@@ -78,7 +78,7 @@ _WORDS = {
 def words_demo_prompts(tenants: tuple[str, ...] = NORMAL_TENANTS) -> list[list[int]]:
     """The normal requests' prompts for :data:`WORDS_DEMO`: each tenant's confidential text,
     repeated to the request's length, as echo-model token ids (one per character)."""
-    from sidecar.demo.echo_model import encode_text
+    from kvguard.demo.echo_model import encode_text
 
     prompts = []
     for i, n in enumerate(WORDS_DEMO["normal_prompt_lens"]):
