@@ -194,7 +194,7 @@ def digest_path(tokens: int = 4096, layers: int = 8, heads: int = 8, dim: int = 
     digest_ns, raw_py_ns, raw_c_ns = best["digest"], best["raw_py"], best.get("raw_c")
     raw_ns = min(raw_py_ns, raw_c_ns or raw_py_ns)
     contiguous = np.ascontiguousarray(np.concatenate([np.frombuffer(b, np.uint8) for b in blocks]))
-    contiguous_ns = _best_ns(lambda: xxhash.xxh3_64_intdigest(contiguous), rounds)  # if it all lay in one buffer
+    contiguous_ns = _best_ns(lambda c=contiguous: xxhash.xxh3_64_intdigest(c), rounds)  # if it all lay in one buffer
     del contiguous
     with native.forced(False):
         numpy_ns = _best_ns(lambda: dg.transfer_digest(view, slots_t, 0, alg), rounds)

@@ -98,7 +98,7 @@ class WorkloadParams:
     def page_reads_per_s(self) -> float:
         return self.batch * self.mean_context_pages * self.steps_per_s
 
-    def with_context(self, tokens: int) -> "WorkloadParams":
+    def with_context(self, tokens: int) -> WorkloadParams:
         """The same mix (prefix : prompt : output) scaled to a mean context of ``tokens``."""
         f = tokens / 32_768
         ps = self.page_size
@@ -194,7 +194,7 @@ class Workload:
             pr.request_begin(rid, "system", None, p.prefix_tokens, 0, False)
             pr.pages_allocated(slots[::ps])
             pr.rows_assigned(rid, 0, p.prefix_tokens, 0, slots)
-            self._forward([rid], [p.prefix_tokens], [slots], lambda: [slots])
+            self._forward([rid], [p.prefix_tokens], [slots], lambda slots=slots: [slots])
             self.page_reads += self._reads(p.prefix_tokens)
             pr.request_end(rid, "length", 1_000_000, 1_000_000, 1, "")
             self.prefixes.append(slots)

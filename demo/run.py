@@ -107,7 +107,7 @@ def describe_finding(f: Finding, clients: dict[str, str] | None = None) -> list[
 
 def tell_story(run: DemoRun, out) -> None:
     version, scenario, findings = run.version, run.scenario, run.findings
-    say = lambda s="": print(s, file=out)  # noqa: E731
+    say = lambda s="": print(s, file=out)
     long = scenario.long
     clients = client_requests(scenario)
     say()

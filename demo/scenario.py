@@ -21,9 +21,10 @@ from __future__ import annotations
 import random
 import re
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from kvguard.demo.engines import Engine, GenerateResult, PDPair
 

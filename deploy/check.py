@@ -30,7 +30,6 @@ installed once (pip --no-deps --target) into .kvguard-cache/deploy-tools.
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import json
 import os
@@ -130,7 +129,6 @@ def tool_versions() -> dict[str, str]:
         v["kubernetes-validate"] = f"{kv.version.__version__} ({Path(kv.__file__).parent})"
     except ToolMissing as exc:
         v["kubernetes-validate"] = f"missing: {exc}"
-    import jsonschema
     from importlib.metadata import version
 
     v["jsonschema"] = version("jsonschema")
@@ -161,7 +159,7 @@ def kubernetes_validate():
     """The kubernetes_validate module: installed, or installed once from requirements/deploy.lock."""
     try:
         import kubernetes_validate as kv
-        import kubernetes_validate.version  # noqa: F401
+        import kubernetes_validate.version
         return kv
     except ImportError:
         pass
@@ -192,7 +190,7 @@ def kubernetes_validate():
         tmp.rename(target)
     sys.path.insert(0, str(target))
     import kubernetes_validate as kv
-    import kubernetes_validate.version  # noqa: F401
+    import kubernetes_validate.version
 
     return kv
 
@@ -800,6 +798,7 @@ def sidecar_closure() -> dict[str, str]:
     metadata); the rest from the installed distributions' metadata, markers evaluated.
     """
     from importlib.metadata import PackageNotFoundError, distribution
+
     from packaging.requirements import Requirement
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]

@@ -222,7 +222,7 @@ class PoolView:
         buf = self._host_bytes(which, i)
         return buf.reshape(-1, buf.shape[-1]) if buf.flags.c_contiguous else None
 
-    def head_stream_plan(self, head_start: int, use_native: bool) -> "HeadStreamPlan":
+    def head_stream_plan(self, head_start: int, use_native: bool) -> HeadStreamPlan:
         """alg 3's per-(layer, K/V) work list for this pool, built once per head offset
         (the pool's buffers never move): see :class:`HeadStreamPlan`."""
         cache = self.__dict__.setdefault("_plans", {})
@@ -257,7 +257,7 @@ class HeadStreamPlan:
     min_rows: int
 
     @classmethod
-    def build(cls, view: PoolView, head_start: int, use_native: bool) -> "HeadStreamPlan":
+    def build(cls, view: PoolView, head_start: int, use_native: bool) -> HeadStreamPlan:
         entries, seeds, native_entries = [], [], []
         for i in range(view.layers):
             for w in ("k",) if view.v is None else ("k", "v"):
@@ -469,9 +469,9 @@ def transfer_digest(view: PoolView, slots, head_start: int, alg: str) -> int:
 def reference_digest(units_by_layer, start_layer: int = 0, head_start: int = 0) -> int:
     """Straight from the definition, for tests: ``units_by_layer[l][h][t]`` = unit bytes."""
     total = 0
-    for l, heads in enumerate(units_by_layer):
+    for li, heads in enumerate(units_by_layer):
         for h, units in enumerate(heads):
-            total += xxhash.xxh3_64_intdigest(b"".join(units), seed=seed(start_layer + l, head_start + h))
+            total += xxhash.xxh3_64_intdigest(b"".join(units), seed=seed(start_layer + li, head_start + h))
     return total & MASK64
 
 
@@ -479,12 +479,12 @@ def reference_head_streams(k_rows, v_rows=None, start_layer: int = 0, head_start
     """alg 3 straight from the definition, for tests: ``k_rows[l][h][t]`` = head h's K
     bytes for token t in layer l, ``v_rows`` likewise (None for a latent pool)."""
     total = 0
-    for l, heads in enumerate(k_rows):
+    for li, heads in enumerate(k_rows):
         for h, rows in enumerate(heads):
-            layer, head = start_layer + l, head_start + h
+            layer, head = start_layer + li, head_start + h
             total += xxhash.xxh3_64_intdigest(b"".join(rows), seed=stream_seed(layer, head, "k"))
             if v_rows is not None:
-                total += xxhash.xxh3_64_intdigest(b"".join(v_rows[l][h]), seed=stream_seed(layer, head, "v"))
+                total += xxhash.xxh3_64_intdigest(b"".join(v_rows[li][h]), seed=stream_seed(layer, head, "v"))
     return total & MASK64
 
 

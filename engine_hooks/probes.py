@@ -324,7 +324,7 @@ class Probes:
         self._emit(wire.Kind.FORWARD, wire.forward_payload(f))
         self._maybe_heartbeat()
 
-    def start_tier1(self, pool_pages: int) -> "tier1_mod.Tier1":
+    def start_tier1(self, pool_pages: int) -> tier1_mod.Tier1:
         """Create Tier 1 (engine_hooks/tier1.py), fed from now on by the probes below."""
         self.tier1 = tier1_mod.Tier1(int(pool_pages), self.page_size, on_violation=self._tier1_violation,
                                      on_error=lambda where, exc: self.report_probe_error("tier1." + where, exc))
@@ -332,7 +332,7 @@ class Probes:
                  self.page_size)
         return self.tier1
 
-    def _tier1_violation(self, v: "tier1_mod.Violation", reported_total: int) -> None:
+    def _tier1_violation(self, v: tier1_mod.Violation, reported_total: int) -> None:
         """Tier 1 found row pages that are not the reader's: one TIER1_VIOLATION record
         (the engine has already logged and counted it; this is for the sidecar)."""
         if self.writer is None:

@@ -20,15 +20,15 @@ from .detectors.config import PoolContextDetector
 from .detectors.isolation import TenantIsolationDetector
 from .detectors.lifetime import DoubleFreeDetector, WriteDetector
 from .detectors.reads import ReadDetector
-from .provisional import ProvisionalWrite
-from .detectors.transfers import ChecksumDetector, OrphanDetector, TransferSizeDetector, ledger_degraded_finding
 from .detectors.tier1 import tier1_findings
+from .detectors.transfers import ChecksumDetector, OrphanDetector, TransferSizeDetector, ledger_degraded_finding
 from .detectors.ttft import TTFTDetector
 from .findings import WARNING, EngineRef, Finding
 from .history import Event, History
 from .incidents import IncidentStore
 from .ledger import REMOTE_ENGINE, RoomState, TransferLedger
 from .memory_budget import DEFAULT_BUDGET_BYTES, MemoryBudget
+from .provisional import ProvisionalWrite
 from .tracker import EngineTracker, RequestDirectory
 
 BUDGET_RESIZE_NS = 5_000_000_000  # the directories' share follows the live requests this often
@@ -153,7 +153,7 @@ class Pipeline:
         self.records_by_kind[rec.kind.name] += 1
         try:
             return self._apply(rec)
-        except Exception:  # noqa: BLE001
+        except Exception:
             self.apply_errors += 1
             log.exception("kvguard could not apply %s seq %d of engine %d", rec.kind.name, rec.seq, rec.engine_id)
             return []
@@ -561,7 +561,7 @@ class Pipeline:
 
     def tick(self, now_ns: int) -> list[Finding]:
         found = self._tick_shared(now_ns) if self.shared_ledger is not None else []
-        page_size_of = lambda eid: self.engines[eid].page_size if eid in self.engines else 1  # noqa: E731
+        page_size_of = lambda eid: self.engines[eid].page_size if eid in self.engines else 1
         found += self._apply_final(self.ledger.expire(now_ns, page_size_of), now_ns)
         for state in self.ledger.orphans(now_ns):
             found += self._orphan(state, now_ns)

@@ -210,7 +210,7 @@ class SegmentHeader:
         return ts_ns + self.created_realtime_ns - self.created_monotonic_ns
 
     @classmethod
-    def unpack(cls, raw: bytes, path: str = "") -> "SegmentHeader":
+    def unpack(cls, raw: bytes, path: str = "") -> SegmentHeader:
         where = f"{path}: " if path else ""
         if not raw:
             raise RecordingError(f"{where}empty file, not a kvguard recording")
@@ -275,7 +275,7 @@ class EngineWriter:
     LOST marker a ring reader would have inserted.
     """
 
-    def __init__(self, owner: "_Writer", engine_id: int):
+    def __init__(self, owner: _Writer, engine_id: int):
         self._owner = owner
         self.engine_id = engine_id
         self.records_written = 0

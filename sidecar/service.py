@@ -82,18 +82,18 @@ class Sidecar:
         while not self._stop.is_set():
             try:
                 self.run_once()
-            except Exception:  # noqa: BLE001 - keep ingesting; the failure is logged and visible in /healthz
+            except Exception:
                 log.exception("ingest cycle failed")
                 self.cycle_started_ns = 0
             for hook in self.between_cycles:
                 try:
                     hook()
-                except Exception:  # noqa: BLE001 - a hook's failure never stops ingestion
+                except Exception:
                     log.exception("between-cycles hook failed")
             self._stop.wait(0 if self.backlogged else self.poll_interval_s)
         self.run_once(flush=True)
 
-    def start(self) -> "Sidecar":
+    def start(self) -> Sidecar:
         if self.shared_ledger is not None:
             self.shared_ledger.start()
         self._thread = threading.Thread(target=self._loop, name="kvguard-ingest", daemon=True)
@@ -113,7 +113,7 @@ class Sidecar:
         for sink in self.pipeline.sinks:
             try:
                 sink.shutdown()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("sink shutdown failed")
 
     def healthy(self) -> tuple[bool, dict]:

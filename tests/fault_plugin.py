@@ -16,7 +16,7 @@ FAULTS_DIR = Path(__file__).resolve().parent / "faults"
 
 sys.path.insert(0, str(FAULTS_DIR))
 try:
-    from kvguard_faults import make_rid  # noqa: E402
+    from kvguard_faults import make_rid
 finally:
     sys.path.remove(str(FAULTS_DIR))
 

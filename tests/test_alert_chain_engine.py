@@ -54,18 +54,18 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from fault_plugin import FAULTS_DIR, make_rid
+from prom_queries import PrometheusQueries
 from prometheus_client import CollectorRegistry
+from test_dashboards import dashboards, expand, targets
 
 from kvguard.demo.engines import free_port, start_engine
 from kvguard.sidecar.service import Sidecar
 from kvguard.sidecar.sinks.delivery import RetryPolicy
 from kvguard.sidecar.sinks.pagerduty import pagerduty_sink
-from test_dashboards import dashboards, expand, targets
 
 REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "alerts" / "kvguard.rules.yaml"
-from fault_plugin import FAULTS_DIR, make_rid
-from prom_queries import PrometheusQueries
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
 
@@ -91,7 +91,7 @@ class EventsV2Receiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's name
+            def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if self.path != "/v2/enqueue":
                     return self._answer(404, {"status": "not found"})

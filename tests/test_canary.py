@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from kvguard.sidecar.canary.markers import MarkerSet, find_leak, filler_text, normalize
+from kvguard.sidecar.canary.markers import MarkerSet, filler_text, find_leak, normalize
 from kvguard.sidecar.canary.plan import Sizing, build_plan
 from kvguard.sidecar.cli import main
 

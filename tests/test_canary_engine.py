@@ -25,10 +25,10 @@ import time
 
 import pytest
 
-from kvguard.sidecar.cli import main
 from kvguard.demo.echo_model import echo_model_dir
 from kvguard.demo.engines import PDPair
 from kvguard.demo.scenario import WORDS_DEMO
+from kvguard.sidecar.cli import main
 from kvguard.sidecar.service import Sidecar
 from kvguard.sidecar.sinks.basic import MemorySink
 

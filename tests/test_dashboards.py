@@ -36,6 +36,7 @@ import httpx
 import numpy as np
 import pytest
 import yaml
+from prom_queries import PrometheusQueries
 from prometheus_client import CollectorRegistry
 
 from kvguard.engine_hooks.probes import Probes
@@ -43,7 +44,6 @@ from kvguard.engine_hooks.ring import RingWriter
 from kvguard.sidecar.cli import build_parser
 from kvguard.sidecar.dashboards_cli import DASHBOARDS_DIR, load_generator
 from kvguard.sidecar.finding_kinds import possible_findings
-from prom_queries import PrometheusQueries
 
 GENERATED = DASHBOARDS_DIR / "generated"
 PROVISIONING = DASHBOARDS_DIR / "provisioning"
@@ -422,7 +422,7 @@ def test_push_uploads_every_dashboard_with_the_token(grafana, token_file, capsys
                    f"kvguard-pages.json: {grafana.url}/d/kvguard-pages/kvguard-pages-transfers-ttft "
                    f"(uid kvguard-pages, version 1)"]
     sent = {body["dashboard"]["uid"]: (path, auth, body) for path, auth, body in grafana.seen}
-    for name, d in dashboards().items():
+    for d in dashboards().values():
         path, auth, body = sent[d["uid"]]
         assert path == "/api/dashboards/db" and auth == f"Bearer {TOKEN}"
         assert body["dashboard"] == {**d, "id": None}

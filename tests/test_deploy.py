@@ -369,7 +369,7 @@ time.sleep(60)
 class _PagerDuty(BaseHTTPRequestHandler):
     events: list = []
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         type(self).events.append(json.loads(body))
         self.send_response(202)

@@ -15,11 +15,12 @@ import xxhash
 
 torch = pytest.importorskip("torch")
 
+from recording_probes import RecordingProbes  # noqa: E402
+
 from kvguard.engine_hooks import digest as dg  # noqa: E402
 from kvguard.engine_hooks import probes as probes_mod  # noqa: E402
 from kvguard.engine_hooks.sglang import _runtime as rt  # noqa: E402
 from kvguard.engine_hooks.sglang import hooks_disagg as hd  # noqa: E402
-from recording_probes import RecordingProbes  # noqa: E402
 
 LAYERS, HEADS, DK, DV = 3, 4, 8, 6
 CUDA = torch.cuda.is_available()

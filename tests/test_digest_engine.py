@@ -21,15 +21,14 @@ import time
 from pathlib import Path
 
 import pytest
+from fault_plugin import FAULTS_DIR, make_rid
+from sidecar_settle import wait_until_applied
 
-from kvguard.engine_hooks import wire
 from kvguard.demo.engines import PDPair
+from kvguard.engine_hooks import wire
 from kvguard.sidecar.recorder import Recorder, SegmentReader
 from kvguard.sidecar.service import Sidecar
 from kvguard.sidecar.sinks.basic import MemorySink
-
-from fault_plugin import FAULTS_DIR, make_rid
-from sidecar_settle import wait_until_applied
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
 

@@ -15,7 +15,6 @@ import sys
 import httpx
 import pytest
 
-from kvguard.sidecar import cli
 from kvguard.demo import echo_model, engines
 from kvguard.demo.echo_model import (
     attribute_echo,
@@ -24,6 +23,7 @@ from kvguard.demo.echo_model import (
     expected_echo,
     write_echo_gpt2,
 )
+from kvguard.sidecar import cli
 
 
 def random_prompt(n: int, seed: int) -> list[int]:

@@ -26,14 +26,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fault_plugin import FAULTS_DIR, make_rid
+from sidecar_settle import wait_until_applied
 
 from kvguard.demo.engines import PDPair, start_engine
 from kvguard.sidecar.findings import Finding
 from kvguard.sidecar.service import Sidecar
 from kvguard.sidecar.sinks.basic import MemorySink
-
-from fault_plugin import FAULTS_DIR, make_rid
-from sidecar_settle import wait_until_applied
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
 

@@ -62,7 +62,7 @@ class Capture:
 
 def _corpus():
     p = Probes(Capture())
-    s = lambda pages: np.concatenate([np.arange(q * 4, q * 4 + 4) for q in pages])  # noqa: E731
+    s = lambda pages: np.concatenate([np.arange(q * 4, q * 4 + 4) for q in pages])
     p.hello("decode", 1, 4, 64, 256, 512, 512, "sglang", "0.5.23", "tiny")
     p.request_begin("r-1", "acme", 42, 16, 4, False)
     p.request_begin("warm", "", None, 2, 0, True)

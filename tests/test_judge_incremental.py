@@ -135,7 +135,7 @@ class Replay:
         self.pipe._emit = keep
         self.tracker._judge_pages = count
 
-    def run(self, records) -> "Replay":
+    def run(self, records) -> Replay:
         for rec in records:
             self.pipe.apply(rec)
         return self

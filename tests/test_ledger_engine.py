@@ -13,12 +13,12 @@ from __future__ import annotations
 import time
 
 import pytest
+from test_ledger_redis import redis_server  # noqa: F401 - the fixture
 
 from kvguard.demo.engines import PDPair
 from kvguard.demo.scenario import run_incident_scenario
 from kvguard.sidecar.service import Sidecar
 from kvguard.sidecar.sinks.basic import MemorySink
-from test_ledger_redis import redis_server  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
 

@@ -48,7 +48,7 @@ class RedisServer:
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc = None
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         self.proc = subprocess.Popen(
             [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.workdir, "--enable-debug-command", "local"],

@@ -7,9 +7,10 @@ probes, rings and Sidecar (tests/test_ledger.py's layout: one sidecar sees both 
 
 import time
 
+from test_ledger import HALF_A, HALF_B, WHOLE, engines, kinds, run, slots
+
 from kvguard.engine_hooks.probes import Probes  # noqa: F401 - the engines() helper builds them
 from kvguard.sidecar.metrics import KVGuardCollector
-from test_ledger import HALF_A, HALF_B, WHOLE, engines, kinds, run, slots
 
 PREFILL_RID, DECODE_RID = "p-4c1d", "d-9e02"  # what each worker drew for one routed request
 

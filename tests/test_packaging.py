@@ -16,7 +16,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT, skip_unless_sglang
 
 MAPPED = {"kvguard": "kvguard", "kvguard.engine_hooks": "engine_hooks", "kvguard.sidecar": "sidecar"}

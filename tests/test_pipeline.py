@@ -105,7 +105,7 @@ def test_a_repeated_bad_read_is_delivered_once(tmp_path):
     last = pd_request(prefill, decode, "r-acme", "acme", 11, [1, 2], 8, 8)
     finish(decode, "r-acme", [1, 2, last])
     last = pd_request(prefill, decode, "r-initech", "initech", 13, [1, 2], 8, 1)
-    for step in range(5):
+    for _ in range(5):
         decode.forward(["r-initech"], [9], [[last * 4 + 1]], [slots([1, 2, last])[:9]])
     sidecar, findings = run(tmp_path)
     assert [f.kind for f in findings].count("unwritten_read") == 1

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from kvguard.sidecar import cli, preflight
 from kvguard.demo import engines
+from kvguard.sidecar import cli, preflight
 
 # Trimmed from real answers (tiny GPT-2, --max-total-tokens 256 --context-length 2048
 # --page-size 4), SGLang 0.5.19 as a prefill server and 0.5.23 as a plain one. The full
@@ -69,7 +69,7 @@ class Stub:
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 stub.requests.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
                 status, body, ctype, *rest = stub.routes.get(self.path, (404, b'{"detail":"Not Found"}',
                                                                          "application/json"))

@@ -21,9 +21,9 @@ import httpx
 import pytest
 from test_preflight import REAL_MODELS, Stub, free_closed_port, models, run_json, run_text, server_info
 
+from kvguard.demo import engines
 from kvguard.sidecar import cli
 from kvguard.sidecar.preflight import router as preflight_router
-from kvguard.demo import engines
 
 # Captured from sglang-router 0.3.2 (python -m sglang_router.launch_router) in front of
 # a SGLang 0.5.23 prefill/decode pair on CPU (model path shortened), PD mode

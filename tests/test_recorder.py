@@ -24,8 +24,17 @@ from kvguard.engine_hooks.probes import Probes
 from kvguard.engine_hooks.ring import HEADER_BYTES, RingReader, RingWriter
 from kvguard.engine_hooks.tier1 import Violation
 from kvguard.sidecar import recorder as rmod
-from kvguard.sidecar.recorder import (CHUNK_CARRIED, Recorder, RecordingError, RecordingWriter, SegmentHeader,
-                              SegmentReader, encode_record, parse_bytes, parse_seconds)
+from kvguard.sidecar.recorder import (
+    CHUNK_CARRIED,
+    Recorder,
+    RecordingError,
+    RecordingWriter,
+    SegmentHeader,
+    SegmentReader,
+    encode_record,
+    parse_bytes,
+    parse_seconds,
+)
 from kvguard.sidecar.replay import replay
 from kvguard.sidecar.service import Sidecar
 from kvguard.sidecar.sinks.basic import MemorySink

@@ -18,12 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from sidecar_settle import wait_until_applied
 
 from kvguard.demo.engines import PDPair
 from kvguard.sidecar.service import Sidecar
 from kvguard.sidecar.sinks.basic import MemorySink
-
-from sidecar_settle import wait_until_applied
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
 

@@ -318,7 +318,7 @@ def test_decode_engine_fake_transfer(version, tmp_path):
         assert fwd[0][0] == 31 and fwd[0][2] == res.pages.tolist()  # attention reads the reserved pages
         (end,) = t.of(wire.Kind.REQ_END, rid)
         assert end.finish == wire.Finish.LENGTH
-        def first_seq(kind):
+        def first_seq(kind, begin=begin):
             return min(r.seq for r in records if r.kind == kind and (
                 begin.req_key in r.body.req_keys.tolist() if kind == wire.Kind.FORWARD
                 else r.body.req_key == begin.req_key))

@@ -40,13 +40,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from kvguard.engine_hooks import wire
-from kvguard.demo.engines import PDPair, start_engine
 from soak.known import KnownFalseAlarm, RecordIndex, known_false_alarm
 from soak.watch import Watch
-from soak.workload import (ABORT_KINDS, ROUTED_MIX, UNIFIED_MIX, Limits, Outcome, make_plan, mix_summary,
-                           outcome_summary, run_plan, send_routed, send_unified)
+from soak.workload import (
+    ABORT_KINDS,
+    ROUTED_MIX,
+    UNIFIED_MIX,
+    Limits,
+    Outcome,
+    make_plan,
+    mix_summary,
+    outcome_summary,
+    run_plan,
+    send_routed,
+    send_unified,
+)
+
+from kvguard.demo.engines import PDPair, start_engine
+from kvguard.engine_hooks import wire
 
 VERSION = "0.5.23"
 REQUESTS = int(os.environ.get("KVGUARD_SOAK_REQUESTS", "2000"))

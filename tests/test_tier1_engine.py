@@ -20,12 +20,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fault_plugin import FAULTS_DIR, make_rid
 
+from kvguard.demo.engines import start_engine
 from kvguard.engine_hooks import wire
 from kvguard.engine_hooks.ring import RingReader
-from kvguard.demo.engines import start_engine
-
-from fault_plugin import FAULTS_DIR, make_rid
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(240)]
 

@@ -14,8 +14,16 @@ from test_judge_incremental import TINY, Replay, corrupt, decode
 
 from bench.workload import capture
 from kvguard.engine_hooks import wire
-from kvguard.sidecar.tracker import (GEN_MASK, KEYS_COMPACT_MIN, NO_SLOT, SHARED_BIT, EngineTracker, KeyTable, RequestDirectory,
-                            RequestInfo)
+from kvguard.sidecar.tracker import (
+    GEN_MASK,
+    KEYS_COMPACT_MIN,
+    NO_SLOT,
+    SHARED_BIT,
+    EngineTracker,
+    KeyTable,
+    RequestDirectory,
+    RequestInfo,
+)
 
 
 def test_key_table_finds_every_key_in_and_past_its_sorted_index_and_after_keep():

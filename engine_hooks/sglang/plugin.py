@@ -264,5 +264,5 @@ def load() -> None:
             registered.append(spec.target)
         log.info("kvguard: SGLang %s (%s): %d hooks registered, %d skipped", version,
                  "verified" if verified else "unverified release, targets checked", len(ok), len(skipped))
-    except Exception as exc:  # noqa: BLE001 - a plugin failure must never stop the engine
+    except Exception as exc:
         log.exception("kvguard: SGLang plugin failed to load, no KV integrity monitoring: %r", exc)

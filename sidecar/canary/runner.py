@@ -180,7 +180,7 @@ def _send_plan(opts: Options, rep: Report, client, probes: list[Probe], t_end: f
             texts.append(text)
         tenant = {"A": opts.tenant_a, "B": opts.tenant_b}
 
-        def send(pt: tuple[Probe, str]) -> Reply:
+        def send(pt: tuple[Probe, str], tenant: dict[str, str] = tenant) -> Reply:
             probe, prompt = pt
             return client.send(prompt, tenant=tenant[probe.tenant], max_new_tokens=probe.max_new_tokens,
                                abort_after_first=probe.abort_after_first)

@@ -184,7 +184,7 @@ class SharedLedger:
         return len(self._outbox) + self._commands.qsize()
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "SharedLedger":
+    def start(self) -> SharedLedger:
         self._thread = threading.Thread(target=self._run, name="kvguard-ledger", daemon=True)
         self._thread.start()
         return self

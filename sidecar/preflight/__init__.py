@@ -6,8 +6,21 @@ context length (the incident's precondition), directly or through SGLang's route
 - :mod:`.render`: the plain-words story; :mod:`.cli`: the command.
 """
 
-from .checks import (EXIT_CODES, EXIT_POOL_SMALLER, EXIT_SAFE, EXIT_UNKNOWN, POOL_SMALLER, SAFE, UNKNOWN,
-                     PreflightError, Report, check, evaluate, normalize_url, read_token)
+from .checks import (
+                     EXIT_CODES,
+                     EXIT_POOL_SMALLER,
+                     EXIT_SAFE,
+                     EXIT_UNKNOWN,
+                     POOL_SMALLER,
+                     SAFE,
+                     UNKNOWN,
+                     PreflightError,
+                     Report,
+                     check,
+                     evaluate,
+                     normalize_url,
+                     read_token,
+)
 from .cli import register, run
 from .render import render_text, worst_exit
 

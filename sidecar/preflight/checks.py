@@ -47,8 +47,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from . import router
 from ..detectors.config import PoolVsContext, severity_for
+from . import router
 
 EXIT_SAFE = 0
 EXIT_UNKNOWN = 1
@@ -406,7 +406,7 @@ def _probe(client: httpx.Client, base: str, deadline: float, timeout_s: float,
             raise PreflightError(f"{exc}; as SGLang's router: {wexc}") from None
         if not router.is_router_listing(body):
             raise PreflightError(f"{exc}; GET {router.WORKERS_PATH} answered without a router's 'workers' list: "
-                                 f"neither an SGLang server nor SGLang's router at this URL")
+                                 f"neither an SGLang server nor SGLang's router at this URL") from None
         return "router", body
     if follow_router and isinstance(info, dict) and "max_total_num_tokens" not in info:
         # Not a server's answer. A router that answers /server_info itself must still be

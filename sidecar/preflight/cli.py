@@ -5,14 +5,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, Sequence
+from typing import IO
 
 import httpx
 
 from . import router
-from .checks import (DEFAULT_TIMEOUT_S, EXIT_UNKNOWN, POOL_SMALLER, SAFE, TOKEN_ENV, TOKEN_FILE_ENV, UNKNOWN, Report,
-                     _MAX_WORKERS, _one_line, _timeout_arg, check, read_token)
+from .checks import (
+    _MAX_WORKERS,
+    DEFAULT_TIMEOUT_S,
+    EXIT_UNKNOWN,
+    POOL_SMALLER,
+    SAFE,
+    TOKEN_ENV,
+    TOKEN_FILE_ENV,
+    UNKNOWN,
+    Report,
+    _one_line,
+    _timeout_arg,
+    check,
+    read_token,
+)
 from .render import worst_exit
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from . import router
 from .checks import EXIT_UNKNOWN, MODELS_PATH, SAFE, UNKNOWN, Report
-
 
 _MEANING = {
     "prefill": (

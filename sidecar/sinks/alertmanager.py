@@ -21,7 +21,7 @@ def alert_name(kind: str) -> str:
 
 
 def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat()
+    return dt.datetime.now(dt.UTC).isoformat()
 
 
 def finding_alert(f: Finding) -> dict:

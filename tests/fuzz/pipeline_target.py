@@ -155,7 +155,7 @@ def check(pipeline: Pipeline, peak_limit: dict) -> None:
             assert len(state.chunks) <= MAX_CHUNKS_PER_ROOM
 
 
-def TestOneInput(data: bytes) -> None:  # noqa: N802 - atheris' name
+def TestOneInput(data: bytes) -> None:
     stream = records(data)
     stats = wire.DecodeStats()
     decoded = wire.decode_stream(stream, stats)

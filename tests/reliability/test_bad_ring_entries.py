@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from sidecar_under_test import counter, cpu_seconds, healthy_setup, start_engine, stop_all
 
 # a sysfs attribute whose read fails (EIO) although open(O_RDWR) works: present wherever there is a loopback

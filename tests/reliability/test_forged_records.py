@@ -22,10 +22,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from sidecar_under_test import counter, healthy_setup, stop_all
 
 from kvguard.engine_hooks import wire
 from kvguard.engine_hooks.ring import RingWriter
-from sidecar_under_test import counter, healthy_setup, stop_all
 
 POOL_PAGES = 256  # the synthetic engine's pool (synthetic_engine.POOL_PAGES)
 TOKEN = "forged-records-test"  # the sidecar's /v1 bearer token
@@ -59,7 +59,7 @@ def forge_frees(writer: RingWriter, victim: int, rounds: int, spread_ids: int = 
     ``spread_ids`` made-up ids), from ``writer``'s ring, whose header keeps its own id."""
     pages = wire.pages_payload(np.arange(POOL_PAGES, dtype=np.int64), wire.FreeKind.PAGE_IDS)
     own = writer.engine_id
-    for i in range(rounds):
+    for _ in range(rounds):
         for stamp in [victim] + [0x7000 + k for k in range(spread_ids)]:
             writer.engine_id = stamp  # the header was written with ``own``: only the records lie
             writer.write(wire.Kind.FREE, pages)

@@ -27,7 +27,6 @@ import time
 
 import httpx
 import pytest
-
 from sidecar_under_test import counter, healthy_setup, start_engine, stop_all
 
 HEALTHZ_BOUND_S = 0.1  # issue 14: /healthz answers within 100 ms while the sidecar is saturated

@@ -14,9 +14,9 @@ import re
 import subprocess
 
 import pytest
+from sidecar_under_test import counter, healthy_setup, start_engine, stop_all, vm_hwm_mb
 
 from kvguard.sidecar.memory_budget import ENDED_REQUEST_BYTES, RUNTIME_BYTES
-from sidecar_under_test import counter, healthy_setup, start_engine, stop_all, vm_hwm_mb
 
 MIB = 1 << 20
 BUDGET = 120 * MIB  # just above the fixed parts: ~2,000 ended requests per engine, full in seconds

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from sidecar_under_test import counter, healthy_setup, stop_all, vm_hwm_mb
 
 from kvguard.engine_hooks import wire
 from kvguard.engine_hooks.ring import HEADER_BYTES, RING_MAGIC, RING_VERSION, RingWriter
-from sidecar_under_test import counter, healthy_setup, stop_all, vm_hwm_mb
 
 PEAK_MB = 300
 ROW_START = 1 << 26  # 2^26 row entries of 8 bytes: 512 MB if the row were grown to reach it

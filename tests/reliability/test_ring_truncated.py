@@ -21,7 +21,6 @@ import time
 
 import httpx
 import pytest
-
 from sidecar_under_test import KVGUARD, checked_reads, counter, free_port, start_engine, stop_all, wait_for
 
 

@@ -8,7 +8,6 @@ its stderr, as an operator would.
 
 from __future__ import annotations
 
-import os
 import resource
 import signal
 import socket

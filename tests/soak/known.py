@@ -88,7 +88,7 @@ class RecordIndex:
                 self.rooms[b.room].receiver_done.append((r.ts_ns, b.status))
 
     def engine_of(self, finding: Finding) -> int | None:
-        for (e, key), b in self.begin.items():
+        for (e, _key), b in self.begin.items():
             if finding.reader is not None and b.rid == finding.reader.rid and self.roles.get(e) == {
                 "unified": wire.Role.UNIFIED, "prefill": wire.Role.PREFILL, "decode": wire.Role.DECODE,
             }.get(finding.engine.role):

@@ -13,7 +13,6 @@ into the real pipeline, plus what the test needs to judge and explain a run.
 from __future__ import annotations
 
 import os
-
 import time
 from collections import Counter, deque
 from pathlib import Path
@@ -62,7 +61,7 @@ class Watch:
                                ttft_anomaly=os.environ.get("KVGUARD_SOAK_TTFT", "1") == "1")
         self.pipeline = self.sidecar.pipeline
 
-    def __enter__(self) -> "Watch":
+    def __enter__(self) -> Watch:
         self.sidecar.start()
         return self
 
@@ -213,7 +212,7 @@ class Watch:
     def _describe(self, rec: wire.Record, pages: set[int], keys: set[int], names: dict[int, str]) -> str | None:
         b, k = rec.body, rec.kind
         head = f"{rec.ts_ns} e{rec.engine_id} #{rec.seq} {k.name}"
-        name = lambda key: names.get(key, f"{key:016x}")  # noqa: E731
+        name = lambda key: names.get(key, f"{key:016x}")
         if k == wire.Kind.FORWARD:
             parts, wo, ro = [], 0, 0
             for i, key in enumerate(b.req_keys.tolist()):

@@ -12,7 +12,8 @@ finding and the incident (``GET /v1/incidents``, the alert's ``exposed_tenants``
 
 from __future__ import annotations
 
-from grafana_foundation_sdk.builders import bargauge, common as common_builders, prometheus, stat, text, timeseries
+from grafana_foundation_sdk.builders import bargauge, prometheus, stat, text, timeseries
+from grafana_foundation_sdk.builders import common as common_builders
 from grafana_foundation_sdk.builders.dashboard import (
     Dashboard,
     DatasourceVariable,

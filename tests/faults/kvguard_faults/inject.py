@@ -191,7 +191,7 @@ class Driver:
     def guarded(self, what: str, fn, *args):
         try:
             return fn(*args)
-        except Exception as exc:  # noqa: BLE001 - never break the engine; the test sees the event
+        except Exception as exc:
             log.exception("kvguard_faults: %s failed", what)
             self.ev.emit("plugin", "error", where=what, error=f"{type(exc).__name__}: {exc}")
             return None
@@ -245,7 +245,7 @@ class Driver:
         roles = self._by_role(batch, "late_write_forward")
         if "y" not in roles or "z" not in roles:
             return None
-        (iy, y), (iz, z) = roles["y"], roles["z"]
+        (_, y), (iz, z) = roles["y"], roles["z"]
         if y.rid != st["victim"] or y.finished() or z.finished():
             return None
         ps = page_size(sched)
