@@ -38,7 +38,7 @@ PAGE_BYTES = 64 * (512 + 64) * 2  # 73,728
 def raw_xxh3(page_bytes: int = PAGE_BYTES, pages: int = 256, rounds: int = 8) -> dict:
     rng = np.random.default_rng(0)
     buf = rng.integers(0, 256, page_bytes * pages, dtype=np.uint8)
-    views = [memoryview(buf[i * page_bytes:(i + 1) * page_bytes]) for i in range(pages)]
+    views = [memoryview(buf[i * page_bytes : (i + 1) * page_bytes]) for i in range(pages)]
     h = xxhash.xxh3_64_intdigest
     best = None
     for _ in range(rounds):
@@ -47,8 +47,12 @@ def raw_xxh3(page_bytes: int = PAGE_BYTES, pages: int = 256, rounds: int = 8) ->
             h(v)
         cpu = time.process_time_ns() - c0
         best = cpu if best is None else min(best, cpu)
-    return {"page_bytes": page_bytes, "pages": pages, "gbps": page_bytes * pages / best,  # bytes/ns == GB/s
-            "xxhash_version": xxhash.VERSION}
+    return {
+        "page_bytes": page_bytes,
+        "pages": pages,
+        "gbps": page_bytes * pages / best,  # bytes/ns == GB/s
+        "xxhash_version": xxhash.VERSION,
+    }
 
 
 def _interleaved_best_ns(fns: dict, rounds: int) -> dict:
@@ -128,8 +132,11 @@ def gather_alternatives(view, slots: np.ndarray, rounds: int) -> dict:
 
     want = dg.transfer_digest(view, slots, 0, dg.HEAD_STREAMS)
     out = {"np_take_head_major": _best_ns(lambda: dg.transfer_digest(view, slots, 0, dg.HEAD_STREAMS), rounds)}
-    for name, fn in (("torch_index_select_head_major", torch_index_select),
-                     ("gather_then_head_major_copy", gather_then_copy), ("per_head_fancy_gather", per_head_fancy)):
+    for name, fn in (
+        ("torch_index_select_head_major", torch_index_select),
+        ("gather_then_head_major_copy", gather_then_copy),
+        ("per_head_fancy_gather", per_head_fancy),
+    ):
         assert digest_of(fn) == want, name  # exact, or it is not an alternative
         out[name] = _best_ns(lambda fn=fn: digest_of(fn), rounds)
     scratch = np.empty(heads * len(slots) * view.row_bytes("k"), np.uint8).reshape(heads * len(slots), -1)
@@ -143,8 +150,9 @@ def gather_alternatives(view, slots: np.ndarray, rounds: int) -> dict:
     return {k: v / 1e6 for k, v in out.items()}
 
 
-def digest_path(tokens: int = 4096, layers: int = 8, heads: int = 8, dim: int = 128, page_size: int = 16,
-                rounds: int = 5) -> dict:
+def digest_path(
+    tokens: int = 4096, layers: int = 8, heads: int = 8, dim: int = 128, page_size: int = 16, rounds: int = 5
+) -> dict:
     import torch
 
     from kvguard.engine_hooks import digest as dg
@@ -162,7 +170,7 @@ def digest_path(tokens: int = 4096, layers: int = 8, heads: int = 8, dim: int = 
         raw = buf.view(torch.uint8).numpy().reshape(pool_slots, -1)
         for i, s in enumerate(page_starts):
             n = min(page_size, tokens - i * page_size)
-            blocks.append(memoryview(raw[s:s + n]).cast("B"))
+            blocks.append(memoryview(raw[s : s + n]).cast("B"))
     h = xxhash.xxh3_64_intdigest
 
     def raw_same_bytes():
@@ -201,17 +209,32 @@ def digest_path(tokens: int = 4096, layers: int = 8, heads: int = 8, dim: int = 
     unit_bytes_ns = _best_ns(lambda: dg.transfer_digest(view, slots_t, 0, dg.UNIT_BYTES), rounds)
     with native.forced(False):
         alternatives = gather_alternatives(view, slots, rounds)
-    return {"tokens": tokens, "layers": layers, "kv_heads": heads, "head_dim": dim, "dtype": "bfloat16",
-            "page_size": page_size, "bytes": nbytes, "block_bytes": page_size * heads * dim * 2, "alg": alg,
-            "implementation": implementation, "native": lib is not None,
-            "digest_ms": digest_ns / 1e6, "raw_ms": raw_ns / 1e6,
-            "gbps": nbytes / digest_ns, "raw_same_bytes_gbps": nbytes / raw_ns, "ratio": raw_ns / digest_ns,
-            "raw_same_bytes_python_gbps": nbytes / raw_py_ns,
-            "raw_same_bytes_native_gbps": None if raw_c_ns is None else nbytes / raw_c_ns,
-            "raw_contiguous_gbps": nbytes / contiguous_ns,
-            "numpy_path_gbps": nbytes / numpy_ns, "numpy_path_ratio": raw_ns / numpy_ns,
-            "unit_bytes_ms": unit_bytes_ns / 1e6, "unit_bytes_ratio": raw_ns / unit_bytes_ns,
-            "alternatives_ms": alternatives}
+    return {
+        "tokens": tokens,
+        "layers": layers,
+        "kv_heads": heads,
+        "head_dim": dim,
+        "dtype": "bfloat16",
+        "page_size": page_size,
+        "bytes": nbytes,
+        "block_bytes": page_size * heads * dim * 2,
+        "alg": alg,
+        "implementation": implementation,
+        "native": lib is not None,
+        "digest_ms": digest_ns / 1e6,
+        "raw_ms": raw_ns / 1e6,
+        "gbps": nbytes / digest_ns,
+        "raw_same_bytes_gbps": nbytes / raw_ns,
+        "ratio": raw_ns / digest_ns,
+        "raw_same_bytes_python_gbps": nbytes / raw_py_ns,
+        "raw_same_bytes_native_gbps": None if raw_c_ns is None else nbytes / raw_c_ns,
+        "raw_contiguous_gbps": nbytes / contiguous_ns,
+        "numpy_path_gbps": nbytes / numpy_ns,
+        "numpy_path_ratio": raw_ns / numpy_ns,
+        "unit_bytes_ms": unit_bytes_ns / 1e6,
+        "unit_bytes_ratio": raw_ns / unit_bytes_ns,
+        "alternatives_ms": alternatives,
+    }
 
 
 def tiny_transfer_us(tokens: int, rounds: int = 20, chunk: int = 64) -> dict:
@@ -230,7 +253,7 @@ def tiny_transfer_us(tokens: int, rounds: int = 20, chunk: int = 64) -> dict:
     def sender():
         s = dg.StreamingDigest(view, 0, alg)
         for a in range(0, tokens, chunk):
-            s.update(slots[a:a + chunk])
+            s.update(slots[a : a + chunk])
         return s.digest()
 
     def receiver():
@@ -243,8 +266,12 @@ def tiny_transfer_us(tokens: int, rounds: int = 20, chunk: int = 64) -> dict:
         return dg.transfer_digest(view, slots, 0, dg.DEVICE_REDUCED)
 
     assert sender() == receiver()
-    return {"tokens": tokens, "kv_bytes": tokens * 2 * 4 * 16 * 2 * 2, "alg": alg,
-            "sender_chunked_us": _best_ns(sender, rounds) / 1e3,
-            "receiver_us": _best_ns(receiver, rounds) / 1e3,
-            "receiver_unit_bytes_us": _best_ns(receiver_unit_bytes, rounds) / 1e3,
-            "receiver_device_reduced_on_cpu_us": _best_ns(receiver_device_reduced, rounds) / 1e3}
+    return {
+        "tokens": tokens,
+        "kv_bytes": tokens * 2 * 4 * 16 * 2 * 2,
+        "alg": alg,
+        "sender_chunked_us": _best_ns(sender, rounds) / 1e3,
+        "receiver_us": _best_ns(receiver, rounds) / 1e3,
+        "receiver_unit_bytes_us": _best_ns(receiver_unit_bytes, rounds) / 1e3,
+        "receiver_device_reduced_on_cpu_us": _best_ns(receiver_device_reduced, rounds) / 1e3,
+    }

@@ -142,8 +142,9 @@ class Engine:
         self.reader = RingReader(self.writer.path)
         self.probes = probes_mod.Probes(self.writer, page_size=PAGE)
         probes_mod.reset_probes_for_tests(self.probes)
-        self.probes.hello("decode", 0, PAGE, POOL_PAGES, POOL_PAGES * PAGE, 131_072, 131_072, "sglang", "0.5.23",
-                          "bench-glm-mla")
+        self.probes.hello(
+            "decode", 0, PAGE, POOL_PAGES, POOL_PAGES * PAGE, 131_072, 131_072, "sglang", "0.5.23", "bench-glm-mla"
+        )
         rt.State.page_size = PAGE
         if tier1:
             self.probes.start_tier1(POOL_PAGES)
@@ -158,8 +159,12 @@ class Engine:
             slots = alloc.alloc(math.ceil(private / PAGE) * PAGE)[:private]
             seq = PREFIX_TOKENS + private
             pool.req_to_token[i + 1, :seq] = torch.cat((prefixes[i % PREFIX_GROUPS], slots)).to(torch.int32)
-            reqs.append(SimpleNamespace(rid=f"bench-req-{i}", kv=SimpleNamespace(
-                req_pool_idx=i + 1, kv_allocated_len=seq, kv_committed_len=seq, holds_kv=True)))
+            reqs.append(
+                SimpleNamespace(
+                    rid=f"bench-req-{i}",
+                    kv=SimpleNamespace(req_pool_idx=i + 1, kv_allocated_len=seq, kv_committed_len=seq, holds_kv=True),
+                )
+            )
             seqs.append(seq)
         rt.State.hello_done = True
         # what the adapter would have reported while these requests were admitted and prefilled
@@ -175,22 +180,32 @@ class Engine:
         self.meters = {n: Meter(n) for n in ("alloc_decode", "write", "alloc_for_decode", "forward")}
         m = self.meters
         hooked_alloc_decode = m["alloc_decode"].around(
-            ha.alloc_hook("PagedTokenToKVPoolAllocator.alloc_decode"), PagedTokenToKVPoolAllocator.alloc_decode)
+            ha.alloc_hook("PagedTokenToKVPoolAllocator.alloc_decode"), PagedTokenToKVPoolAllocator.alloc_decode
+        )
         alloc.alloc_decode = lambda *a, **k: hooked_alloc_decode(alloc, *a, **k)
         hooked_write = m["write"].after(hr.write_hook("ReqToTokenPool.write"), ReqToTokenPool.write)
         pool.write = lambda *a, **k: hooked_write(pool, *a, **k)
-        self.alloc_for_decode = m["alloc_for_decode"].around(hr.alloc_for_decode_hook("alloc_for_decode"),
-                                                             allocation.alloc_for_decode)
+        self.alloc_for_decode = m["alloc_for_decode"].around(
+            hr.alloc_for_decode_hook("alloc_for_decode"), allocation.alloc_for_decode
+        )
         self.forward = m["forward"].around(hr.forward_hook("ModelRunner.forward"), lambda runner, fb: None)
 
-        tree_cache = SimpleNamespace(token_to_kv_pool_allocator=alloc, page_size=PAGE,
-                                     supports_prefix_sharing=lambda: False)
+        tree_cache = SimpleNamespace(
+            token_to_kv_pool_allocator=alloc, page_size=PAGE, supports_prefix_sharing=lambda: False
+        )
         self.sched = SimpleNamespace(
-            reqs=reqs, seq_lens=torch.tensor(seqs, dtype=torch.int64), seq_lens_cpu=torch.tensor(seqs),
+            reqs=reqs,
+            seq_lens=torch.tensor(seqs, dtype=torch.int64),
+            seq_lens_cpu=torch.tensor(seqs),
             req_pool_indices=torch.arange(1, batch + 1, dtype=torch.int64),
-            req_pool_indices_cpu=torch.arange(1, batch + 1, dtype=torch.int64), req_to_token_pool=pool,
-            tree_cache=tree_cache, model_config=SimpleNamespace(is_encoder_decoder=False), device="cpu",
-            maybe_evict_swa=lambda: None, encoder_lens=None)
+            req_pool_indices_cpu=torch.arange(1, batch + 1, dtype=torch.int64),
+            req_to_token_pool=pool,
+            tree_cache=tree_cache,
+            model_config=SimpleNamespace(is_encoder_decoder=False),
+            device="cpu",
+            maybe_evict_swa=lambda: None,
+            encoder_lens=None,
+        )
         self.runner = SimpleNamespace(req_to_token_pool=pool, is_draft_worker=False)
         self.pool, self.alloc = pool, alloc
         self.records = self.bytes = 0
@@ -212,11 +227,17 @@ class Engine:
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
         b = self.sched
-        return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=self.batch,
-                            input_ids=self.torch.zeros(self.batch, dtype=self.torch.int64),
-                            req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens, out_cache_loc=out_cache_loc,
-                            seq_lens_sum=int(b.seq_lens_cpu.sum()), seq_lens_cpu=b.seq_lens_cpu,
-                            rids=[r.rid for r in b.reqs])
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=self.batch,
+            input_ids=self.torch.zeros(self.batch, dtype=self.torch.int64),
+            req_pool_indices=b.req_pool_indices,
+            seq_lens=b.seq_lens,
+            out_cache_loc=out_cache_loc,
+            seq_lens_sum=int(b.seq_lens_cpu.sum()),
+            seq_lens_cpu=b.seq_lens_cpu,
+            rids=[r.rid for r in b.reqs],
+        )
 
     def step(self):
         """alloc_for_decode -> seq_lens + 1 -> ModelRunner.forward, as the scheduler does."""
@@ -301,8 +322,11 @@ def bench_batch(batch: int, steps: int, warmup: int = 3, profile: bool = False, 
             "probe_wall_us_per_step": own_wall,
             "by_hook_cpu_us": {n: x.own_cpu / steps / 1e3 for n, x in m.items()},
             # the engine's own CPU work inside the hooked alloc_for_decode (context, not kvguard's cost)
-            "engine_alloc_for_decode_cpu_us": (m["alloc_for_decode"].inner_cpu - m["alloc_decode"].own_cpu
-                                               - m["write"].own_cpu) / steps / 1e3,
+            "engine_alloc_for_decode_cpu_us": (
+                m["alloc_for_decode"].inner_cpu - m["alloc_decode"].own_cpu - m["write"].own_cpu
+            )
+            / steps
+            / 1e3,
             "row_samples": eng.rt.State.row_sampler.samples - samples0,  # forwards that carried the rows
             "records_per_step": eng.records / steps,
             "ring_bytes_per_step": eng.bytes / steps,
@@ -344,11 +368,13 @@ def components(eng: Engine, fb) -> dict:
         "request_keys_hashed": _best_of(lambda: [wire.request_key(r) for r in rids], repeat)[0],
         "request_keys_cached": _best_of(lambda: p.request_keys(rids), repeat)[0],
         "row_page_starts_gather": _best_of(
-            lambda: hr._row_page_starts(req_to_token, fb.req_pool_indices, seq, PAGE), repeat)[0],
+            lambda: hr._row_page_starts(req_to_token, fb.req_pool_indices, seq, PAGE), repeat
+        )[0],
     }
     t1 = p.tier1 or Tier1(POOL_PAGES, PAGE)
     res["tier1_check"] = _best_of(
-        lambda: t1.check(req_to_token, fb.req_pool_indices, fb.seq_lens, rids, int(seq.max())), repeat)[0]
+        lambda: t1.check(req_to_token, fb.req_pool_indices, fb.seq_lens, rids, int(seq.max())), repeat
+    )[0]
     return res
 
 
@@ -361,8 +387,12 @@ def run(batches=(1, 64, 256), steps: int = 40, profile_batch: int | None = None)
     torch.set_num_threads(1)
     import sglang
 
-    results = {"sglang_version": getattr(sglang, "__version__", "?"), "torch_version": torch.__version__,
-               "batches": {}, "batches_tier1": {}}
+    results = {
+        "sglang_version": getattr(sglang, "__version__", "?"),
+        "torch_version": torch.__version__,
+        "batches": {},
+        "batches_tier1": {},
+    }
     for b in batches:
         n = steps if b > 1 else steps * 4
         results["batches"][str(b)] = bench_batch(b, n)
@@ -377,8 +407,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--json", required=True, help="write results here")
-    ap.add_argument("--profile", action="store_true",
-                    help="add a cProfile of the largest batch (a separate run: the figures are measured without it)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="add a cProfile of the largest batch (a separate run: the figures are measured without it)",
+    )
     args = ap.parse_args(argv)
     import logging
     import warnings

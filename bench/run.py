@@ -46,8 +46,16 @@ class Sizes:
         self.quick = quick
         base = WorkloadParams()
         if quick:
-            base = replace(base, batch=8, pool_tokens=4096 * 16, page_size=16, prefix_groups=2, prefix_tokens=256,
-                           prompt_tokens=100, output_tokens=40)
+            base = replace(
+                base,
+                batch=8,
+                pool_tokens=4096 * 16,
+                page_size=16,
+                prefix_groups=2,
+                prefix_tokens=256,
+                prompt_tokens=100,
+                output_tokens=40,
+            )
         self.base = base
         self.steps = steps or (4 if quick else 30)
         self.node_ranks = 2 if quick else 8
@@ -68,8 +76,9 @@ def loadavg() -> list[float]:
 
 def git_rev() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -105,16 +114,19 @@ def sidecar_part(sz: Sizes, res: dict, details: dict, log) -> None:
     log("profiling the sidecar on the adapter stream (cProfile)")
     prof = sidecar_bench.throughput(streams["adapter"], profile=True)
     log("prototype: whole-batch read judge vs classify_read per request, same FORWARDs and state")
-    judge = {name: sidecar_bench.judge_prototype(capture(variants[name], max(2, sz.steps // 3)))
-             for name in ("adapter", "compact")}
+    judge = {
+        name: sidecar_bench.judge_prototype(capture(variants[name], max(2, sz.steps // 3)))
+        for name in ("adapter", "compact")
+    }
     details["sidecar_throughput"] = tp
     details["raw_gather"] = raw
     details["sidecar_profile"] = prof["profile"]
     details["judge_prototype"] = judge
     res["prototype.judge_python_page_reads_per_s"] = judge["compact"]["python_page_reads_per_s"]
     res["prototype.judge_vectorized_page_reads_per_s"] = judge["compact"]["vectorized_page_reads_per_s"]
-    res["prototype.judge_vectorized_agrees"] = all(j["mismatches"] == 0 and j.get("corrupted_agree", True)
-                                                   for j in judge.values())
+    res["prototype.judge_vectorized_agrees"] = all(
+        j["mismatches"] == 0 and j.get("corrupted_agree", True) for j in judge.values()
+    )
 
     a = tp["adapter"]
     res["sidecar.page_reads_per_s"] = a["page_reads_per_s"]
@@ -153,7 +165,6 @@ def sidecar_part(sz: Sizes, res: dict, details: dict, log) -> None:
         res[f"workload.{name}.seconds_buffered_by_16MiB_ring"] = RING_BYTES / per_s
 
 
-
 def latency_part(sz: Sizes, res: dict, details: dict, log) -> None:
     """Finding latency with the real Sidecar loop at three loads (adapter stream)."""
     log(f"finding latency with the real Sidecar loop ({sz.latency_s:.0f} s each: idle, 1/16, 1/4 and 1 rank)")
@@ -161,14 +172,17 @@ def latency_part(sz: Sizes, res: dict, details: dict, log) -> None:
     lat = {}
     for label, frac in (("idle", 0.0), ("sixteenth_rank", 1 / 16), ("quarter_rank", 1 / 4), ("reference_rank", 1.0)):
         lat[label] = sidecar_bench.latency(base, base.steps_per_s * frac, duration_s=sz.latency_s)
-        log(f"  {label}: p50 {lat[label]['p50_ms']} ms, p99 {lat[label]['p99_ms']} ms, sidecar CPU share "
-            f"{lat[label]['sidecar_cpu_share']:.2f}, {lat[label]['producer_dropped']} records dropped")
+        log(
+            f"  {label}: p50 {lat[label]['p50_ms']} ms, p99 {lat[label]['p99_ms']} ms, sidecar CPU share "
+            f"{lat[label]['sidecar_cpu_share']:.2f}, {lat[label]['producer_dropped']} records dropped"
+        )
     details["latency"] = lat
     head = lat["sixteenth_rank"]
     res["sidecar.finding_latency_p50_ms"] = head["p50_ms"]
     res["sidecar.finding_latency_p99_ms"] = head["p99_ms"]
-    res["sidecar.finding_latency_load"] = ("adapter stream of one rank at 1/16 of the reference step rate "
-                                           "(3.75 decode steps/s of batch 256), one ring")
+    res["sidecar.finding_latency_load"] = (
+        "adapter stream of one rank at 1/16 of the reference step rate (3.75 decode steps/s of batch 256), one ring"
+    )
     for label in ("idle", "quarter_rank", "reference_rank"):
         res[f"sidecar.finding_latency_{label}_p50_ms"] = lat[label]["p50_ms"]
         res[f"sidecar.finding_latency_{label}_p99_ms"] = lat[label]["p99_ms"]
@@ -184,11 +198,18 @@ def scaling_part(sz: Sizes, res: dict, details: dict, log) -> None:
     def point(axis, value, params, ranks=1):
         stream = capture(params, sz.scale_steps)
         r = sidecar_bench.throughput(stream, ranks=ranks)
-        points.append({"axis": axis, "value": value, "page_reads_per_s": r["page_reads_per_s"],
-                       "us_per_step_per_rank": r["us_per_step_per_rank"],
-                       "ns_per_page_read": 1e9 / r["page_reads_per_s"],
-                       "us_per_request_forward": r["us_per_step_per_rank"] / params.batch,
-                       "findings": r["findings"], "workload": params.describe()})
+        points.append(
+            {
+                "axis": axis,
+                "value": value,
+                "page_reads_per_s": r["page_reads_per_s"],
+                "us_per_step_per_rank": r["us_per_step_per_rank"],
+                "ns_per_page_read": 1e9 / r["page_reads_per_s"],
+                "us_per_request_forward": r["us_per_step_per_rank"] / params.batch,
+                "findings": r["findings"],
+                "workload": params.describe(),
+            }
+        )
         log(f"  {axis}={value}: {r['page_reads_per_s'] / 1e6:.2f} M page reads/s")
 
     log("scaling (no-rows stream)")
@@ -204,13 +225,18 @@ def scaling_part(sz: Sizes, res: dict, details: dict, log) -> None:
     page_sizes = (4, 16) if sz.quick else (1, 16, 64)
     for ps in page_sizes:
         point("page_size", ps, replace(base, page_size=ps))
-    for ranks in ((1, 2) if sz.quick else (1, 2, 4, 8)):
+    for ranks in (1, 2) if sz.quick else (1, 2, 4, 8):
         point("ranks", ranks, base, ranks=ranks)
     details["scaling"] = points
 
 
-GPU_KEYS = ("gpu.step_ms", "gpu.tier1_step_ratio", "gpu.tier1_check_us", "gpu.digest_ms_per_transfer",
-            "gpu.digest_step_ratio_one_transfer_per_step")
+GPU_KEYS = (
+    "gpu.step_ms",
+    "gpu.tier1_step_ratio",
+    "gpu.tier1_check_us",
+    "gpu.digest_ms_per_transfer",
+    "gpu.digest_step_ratio_one_transfer_per_step",
+)
 TARGET_GPU_STEP_RATIO = 1.01
 
 
@@ -246,11 +272,23 @@ def engine_part(sz: Sizes, res: dict, details: dict, log) -> None:
     log(f"engine probes on real SGLang {SGLANG_VERSION} objects (subprocess; the SGLang import alone takes 10-20 s)")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "engine.json")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [REPO, sg, os.path.join(REPO, "sidecar", "demo", "shim")] + [os.environ.get("PYTHONPATH", "")]).rstrip(
-            os.pathsep))
-        cmd = [sys.executable, "-m", "bench.engine_bench", "--batches", sz.engine_batches, "--steps",
-               str(sz.engine_steps), "--json", out]
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(
+                [REPO, sg, os.path.join(REPO, "sidecar", "demo", "shim")] + [os.environ.get("PYTHONPATH", "")]
+            ).rstrip(os.pathsep),
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.engine_bench",
+            "--batches",
+            sz.engine_batches,
+            "--steps",
+            str(sz.engine_steps),
+            "--json",
+            out,
+        ]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"engine bench failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -273,7 +311,8 @@ def engine_part(sz: Sizes, res: dict, details: dict, log) -> None:
     res["notes"].pop("engine.probe_us_per_step_b256_tier1", None)
     big = max(eng["batches"], key=int)
     res["ratio.engine_probe_over_target_b256"] = (
-        res[f"engine.probe_us_per_step_b{big}"] / TARGET_PROBE_US_B256 if big == "256" else None)
+        res[f"engine.probe_us_per_step_b{big}"] / TARGET_PROBE_US_B256 if big == "256" else None
+    )
 
 
 def digest_part(sz: Sizes, res: dict, details: dict, log) -> None:
@@ -283,8 +322,11 @@ def digest_part(sz: Sizes, res: dict, details: dict, log) -> None:
     res["digest.raw_xxh3_page_buffers_gbps"] = raw["gbps"]  # separate 73,728-byte buffers: the hash alone
     res["digest.page_bytes"] = raw["page_bytes"]
     log("transfer digest (host, alg 3 head streams) vs raw xxh3 on the same bytes")
-    path = (digest_bench.digest_path(tokens=512, layers=2, rounds=2) if sz.quick
-            else digest_bench.digest_path(tokens=4096, layers=8, rounds=5))
+    path = (
+        digest_bench.digest_path(tokens=512, layers=2, rounds=2)
+        if sz.quick
+        else digest_bench.digest_path(tokens=4096, layers=8, rounds=5)
+    )
     details["digest_path"] = path
     res["digest.gbps"] = path["gbps"]
     res["digest.raw_same_bytes_gbps"] = path["raw_same_bytes_gbps"]
@@ -322,87 +364,184 @@ def table(res: dict) -> str:
     g = res.get
     node = g("sidecar.node_ranks", 8)
     rows = [
-        ("sidecar page reads/s, 1 core (adapter stream: rows 1 in 16, ASSIGN per new page)",
-         _fmt(g("sidecar.page_reads_per_s")),
-         ">= 200 M (8-rank node)", _status(g("sidecar.page_reads_per_s"), TARGET_PAGE_READS_PER_S, True)),
-        ("  worst case: rows with every FORWARD + ASSIGN per token", _fmt(g("sidecar.page_reads_per_s_every_step")),
-         "", ""),
+        (
+            "sidecar page reads/s, 1 core (adapter stream: rows 1 in 16, ASSIGN per new page)",
+            _fmt(g("sidecar.page_reads_per_s")),
+            ">= 200 M (8-rank node)",
+            _status(g("sidecar.page_reads_per_s"), TARGET_PAGE_READS_PER_S, True),
+        ),
+        (
+            "  worst case: rows with every FORWARD + ASSIGN per token",
+            _fmt(g("sidecar.page_reads_per_s_every_step")),
+            "",
+            "",
+        ),
         ("  FORWARD without rows, ASSIGN per token", _fmt(g("sidecar.page_reads_per_s_no_rows")), "", ""),
         ("  same, no rows + ASSIGN only on new pages", _fmt(g("sidecar.page_reads_per_s_compact")), "", ""),
         (f"  {node} rings (RingSet merge), adapter stream", _fmt(g("sidecar.page_reads_per_s_node")), "", ""),
         ("raw numpy gather+compare, same page ids", _fmt(g("raw.gather_page_reads_per_s")), "", ""),
         ("ratio sidecar / raw", _fmt(g("ratio.sidecar_over_raw")), "", ""),
-        ("ratio sidecar / 8-rank node demand (63 M/s)", _fmt(g("ratio.sidecar_over_node_demand")),
-         ">= 1 (3.2 with room)", ""),
+        (
+            "ratio sidecar / 8-rank node demand (63 M/s)",
+            _fmt(g("ratio.sidecar_over_node_demand")),
+            ">= 1 (3.2 with room)",
+            "",
+        ),
         ("sidecar records/s (adapter stream)", _fmt(g("sidecar.records_per_s")), "", ""),
-        ("prototype read judge: per request (today) vs whole batch",
-         f"{_fmt(g('prototype.judge_python_page_reads_per_s'))} vs "
-         f"{_fmt(g('prototype.judge_vectorized_page_reads_per_s'))}", "", ""),
-        ("sidecar CPU per decode step per rank", _fmt(g("sidecar.us_per_step_per_rank"), " us"),
-         "<= 2,083 us (8 ranks per 16.7 ms step)", ""),
-        ("finding latency p50 / p99 (1/16 rank load)",
-         f"{_fmt(g('sidecar.finding_latency_p50_ms'))} / {_fmt(g('sidecar.finding_latency_p99_ms'))} ms", "< 100 ms",
-         _status(g("sidecar.finding_latency_p99_ms"), TARGET_LATENCY_MS, False)),
-        ("  idle p50 / p99",
-         f"{_fmt(g('sidecar.finding_latency_idle_p50_ms'))} / {_fmt(g('sidecar.finding_latency_idle_p99_ms'))} ms", "",
-         ""),
-        ("  1/4 rank load p50 / p99",
-         f"{_fmt(g('sidecar.finding_latency_quarter_rank_p50_ms'))} / "
-         f"{_fmt(g('sidecar.finding_latency_quarter_rank_p99_ms'))} ms "
-         f"({g('sidecar.finding_latency_quarter_rank_dropped_records')} records dropped)", "", ""),
-        ("  1 rank reference load p50 / p99",
-         f"{_fmt(g('sidecar.finding_latency_reference_rank_p50_ms'))} / "
-         f"{_fmt(g('sidecar.finding_latency_reference_rank_p99_ms'))} ms "
-         f"({g('sidecar.finding_latency_reference_rank_dropped_records')} records dropped)", "", ""),
-        ("tracker bytes per pool page, with the live rows", _fmt(g("sidecar.bytes_per_page_with_rows")), "<= 64",
-         _status(g("sidecar.bytes_per_page_with_rows"), TARGET_BYTES_PER_PAGE, False)),
+        (
+            "prototype read judge: per request (today) vs whole batch",
+            f"{_fmt(g('prototype.judge_python_page_reads_per_s'))} vs "
+            f"{_fmt(g('prototype.judge_vectorized_page_reads_per_s'))}",
+            "",
+            "",
+        ),
+        (
+            "sidecar CPU per decode step per rank",
+            _fmt(g("sidecar.us_per_step_per_rank"), " us"),
+            "<= 2,083 us (8 ranks per 16.7 ms step)",
+            "",
+        ),
+        (
+            "finding latency p50 / p99 (1/16 rank load)",
+            f"{_fmt(g('sidecar.finding_latency_p50_ms'))} / {_fmt(g('sidecar.finding_latency_p99_ms'))} ms",
+            "< 100 ms",
+            _status(g("sidecar.finding_latency_p99_ms"), TARGET_LATENCY_MS, False),
+        ),
+        (
+            "  idle p50 / p99",
+            f"{_fmt(g('sidecar.finding_latency_idle_p50_ms'))} / {_fmt(g('sidecar.finding_latency_idle_p99_ms'))} ms",
+            "",
+            "",
+        ),
+        (
+            "  1/4 rank load p50 / p99",
+            f"{_fmt(g('sidecar.finding_latency_quarter_rank_p50_ms'))} / "
+            f"{_fmt(g('sidecar.finding_latency_quarter_rank_p99_ms'))} ms "
+            f"({g('sidecar.finding_latency_quarter_rank_dropped_records')} records dropped)",
+            "",
+            "",
+        ),
+        (
+            "  1 rank reference load p50 / p99",
+            f"{_fmt(g('sidecar.finding_latency_reference_rank_p50_ms'))} / "
+            f"{_fmt(g('sidecar.finding_latency_reference_rank_p99_ms'))} ms "
+            f"({g('sidecar.finding_latency_reference_rank_dropped_records')} records dropped)",
+            "",
+            "",
+        ),
+        (
+            "tracker bytes per pool page, with the live rows",
+            _fmt(g("sidecar.bytes_per_page_with_rows")),
+            "<= 64",
+            _status(g("sidecar.bytes_per_page_with_rows"), TARGET_BYTES_PER_PAGE, False),
+        ),
         ("  PagePool alone (page arrays + request-key table)", _fmt(g("sidecar.pool_bytes_per_page")), "", ""),
-        ("  live rows' entry arrays (row entries per pool page)",
-         f"{_fmt(g('sidecar.row_bytes_per_pool_page'))} ({_fmt(g('sidecar.row_entries_per_pool_page'))})", "", ""),
+        (
+            "  live rows' entry arrays (row entries per pool page)",
+            f"{_fmt(g('sidecar.row_bytes_per_pool_page'))} ({_fmt(g('sidecar.row_entries_per_pool_page'))})",
+            "",
+            "",
+        ),
         ("  history (bounded, fixed size)", _fmt((g("sidecar.history_bytes") or 0) / 2**20, " MiB"), "bounded", ""),
     ]
     for b in (1, 64, 256, 4):
         v = g(f"engine.probe_us_per_step_b{b}", "absent")
         if v == "absent":
             continue
-        rows.append((f"engine probe CPU per decode step, batch {b}", _fmt(v, " us"),
-                     "<= 160 us" if b == 256 else "",
-                     _status(v, TARGET_PROBE_US_B256, False) if b == 256 else ""))
+        rows.append(
+            (
+                f"engine probe CPU per decode step, batch {b}",
+                _fmt(v, " us"),
+                "<= 160 us" if b == 256 else "",
+                _status(v, TARGET_PROBE_US_B256, False) if b == 256 else "",
+            )
+        )
     rows += [
         ("  median per step, batch 256", _fmt(g("engine.probe_us_per_step_b256_median"), " us"), "", ""),
-        ("engine probe CPU per step, batch 256, Tier 1 on (CPU device)",
-         _fmt(g("engine.probe_us_per_step_b256_tier1"), " us") if g("engine.probe_us_per_step_b256_tier1") is not None
-         else "null (" + str(res["notes"].get("engine.probe_us_per_step_b256_tier1", "not measured")) + ")",
-         "<= 1% step (GPU)", "n/a on CPU"),
-        ("  Tier-1 check alone (gather + compare), batch 256", _fmt(g("engine.part_tier1_check_us_b256"), " us"), "",
-         ""),
-        ("GPU: decode step with / without Tier 1 (attention, batch 256 x 32k, 80 layers)",
-         _fmt(g("gpu.tier1_step_ratio")) if g("gpu.tier1_step_ratio") is not None
-         else "null (" + str(res["notes"].get("gpu", "not measured")) + ")",
-         "<= 1.01", _status(g("gpu.tier1_step_ratio"), TARGET_GPU_STEP_RATIO, False)),
-        ("  GPU step / Tier-1 check alone", f"{_fmt(g('gpu.step_ms'), ' ms')} / {_fmt(g('gpu.tier1_check_us'), ' us')}",
-         "", ""),
-        ("  GPU device digest per transfer (32k tokens, 80 layers); step ratio at 1 per step",
-         f"{_fmt(g('gpu.digest_ms_per_transfer'), ' ms')}; {_fmt(g('gpu.digest_step_ratio_one_transfer_per_step'))}",
-         "", ""),
-        ("digest path GB/s (host, 8 heads x 128, bf16; " + ("compiled" if g("digest.native") else "numpy") + ")",
-         _fmt(g("digest.gbps")), ">= 80% of raw", _status(g("ratio.digest_over_raw_xxh3"), TARGET_DIGEST_RATIO, True)),
+        (
+            "engine probe CPU per step, batch 256, Tier 1 on (CPU device)",
+            _fmt(g("engine.probe_us_per_step_b256_tier1"), " us")
+            if g("engine.probe_us_per_step_b256_tier1") is not None
+            else "null (" + str(res["notes"].get("engine.probe_us_per_step_b256_tier1", "not measured")) + ")",
+            "<= 1% step (GPU)",
+            "n/a on CPU",
+        ),
+        (
+            "  Tier-1 check alone (gather + compare), batch 256",
+            _fmt(g("engine.part_tier1_check_us_b256"), " us"),
+            "",
+            "",
+        ),
+        (
+            "GPU: decode step with / without Tier 1 (attention, batch 256 x 32k, 80 layers)",
+            _fmt(g("gpu.tier1_step_ratio"))
+            if g("gpu.tier1_step_ratio") is not None
+            else "null (" + str(res["notes"].get("gpu", "not measured")) + ")",
+            "<= 1.01",
+            _status(g("gpu.tier1_step_ratio"), TARGET_GPU_STEP_RATIO, False),
+        ),
+        (
+            "  GPU step / Tier-1 check alone",
+            f"{_fmt(g('gpu.step_ms'), ' ms')} / {_fmt(g('gpu.tier1_check_us'), ' us')}",
+            "",
+            "",
+        ),
+        (
+            "  GPU device digest per transfer (32k tokens, 80 layers); step ratio at 1 per step",
+            f"{_fmt(g('gpu.digest_ms_per_transfer'), ' ms')}; {_fmt(g('gpu.digest_step_ratio_one_transfer_per_step'))}",
+            "",
+            "",
+        ),
+        (
+            "digest path GB/s (host, 8 heads x 128, bf16; " + ("compiled" if g("digest.native") else "numpy") + ")",
+            _fmt(g("digest.gbps")),
+            ">= 80% of raw",
+            _status(g("ratio.digest_over_raw_xxh3"), TARGET_DIGEST_RATIO, True),
+        ),
         ("  raw xxh3 GB/s on the same bytes (pages as they lie)", _fmt(g("digest.raw_same_bytes_gbps")), "", ""),
-        ("  numpy path GB/s (no compiled routine), ratio", _fmt(g("digest.numpy_path_gbps")),
-         _fmt(g("ratio.digest_numpy_path_over_raw_xxh3")), ""),
+        (
+            "  numpy path GB/s (no compiled routine), ratio",
+            _fmt(g("digest.numpy_path_gbps")),
+            _fmt(g("ratio.digest_numpy_path_over_raw_xxh3")),
+            "",
+        ),
         ("  raw xxh3 GB/s, the same bytes as one buffer", _fmt(g("digest.raw_contiguous_gbps")), "", ""),
-        ("raw xxh3 GB/s, separate 73,728-byte buffers (the hash alone)", _fmt(g("digest.raw_xxh3_page_buffers_gbps")),
-         "", ""),
-        ("digest us per transfer, tiny model, 600 / 4096 tokens (receiver)",
-         f"{_fmt(g('digest.tiny_receiver_us_600'))} / {_fmt(g('digest.tiny_receiver_us_4096'))} us", "", ""),
-        ("ring bytes/s per rank: adapter stream", _fmt(g("workload.adapter.ring_bytes_per_s"), "B"),
-         f"16 MiB ring = {_fmt(g('workload.adapter.seconds_buffered_by_16MiB_ring'))} s", ""),
-        ("ring bytes/s per rank: worst case (rows every step)", _fmt(g("workload.every_step.ring_bytes_per_s"), "B"),
-         f"16 MiB ring = {_fmt(g('workload.every_step.seconds_buffered_by_16MiB_ring'))} s", ""),
-        ("ring bytes/s per rank: no rows", _fmt(g("workload.no_rows.ring_bytes_per_s"), "B"),
-         f"16 MiB ring = {_fmt(g('workload.no_rows.seconds_buffered_by_16MiB_ring'))} s", ""),
-        ("ring bytes/s per rank: compact", _fmt(g("workload.compact.ring_bytes_per_s"), "B"),
-         f"16 MiB ring = {_fmt(g('workload.compact.seconds_buffered_by_16MiB_ring'))} s", ""),
+        (
+            "raw xxh3 GB/s, separate 73,728-byte buffers (the hash alone)",
+            _fmt(g("digest.raw_xxh3_page_buffers_gbps")),
+            "",
+            "",
+        ),
+        (
+            "digest us per transfer, tiny model, 600 / 4096 tokens (receiver)",
+            f"{_fmt(g('digest.tiny_receiver_us_600'))} / {_fmt(g('digest.tiny_receiver_us_4096'))} us",
+            "",
+            "",
+        ),
+        (
+            "ring bytes/s per rank: adapter stream",
+            _fmt(g("workload.adapter.ring_bytes_per_s"), "B"),
+            f"16 MiB ring = {_fmt(g('workload.adapter.seconds_buffered_by_16MiB_ring'))} s",
+            "",
+        ),
+        (
+            "ring bytes/s per rank: worst case (rows every step)",
+            _fmt(g("workload.every_step.ring_bytes_per_s"), "B"),
+            f"16 MiB ring = {_fmt(g('workload.every_step.seconds_buffered_by_16MiB_ring'))} s",
+            "",
+        ),
+        (
+            "ring bytes/s per rank: no rows",
+            _fmt(g("workload.no_rows.ring_bytes_per_s"), "B"),
+            f"16 MiB ring = {_fmt(g('workload.no_rows.seconds_buffered_by_16MiB_ring'))} s",
+            "",
+        ),
+        (
+            "ring bytes/s per rank: compact",
+            _fmt(g("workload.compact.ring_bytes_per_s"), "B"),
+            f"16 MiB ring = {_fmt(g('workload.compact.seconds_buffered_by_16MiB_ring'))} s",
+            "",
+        ),
     ]
     w = [max(len(r[i]) for r in rows) for i in range(4)]
     head = ("metric", "value", "target", "status")
@@ -425,8 +564,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny sizes (seconds): checks the code, not the figures")
     ap.add_argument("--steps", type=int, default=None, help="decode steps per throughput measurement")
     ap.add_argument("--out", default=os.path.join(REPO, "bench-results.json"))
-    ap.add_argument("--skip", default="",
-                    help="comma list of parts to skip: digest,sidecar,latency,engine,scaling,gpu")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: digest,sidecar,latency,engine,scaling,gpu")
     args = ap.parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}
     sz = Sizes(args.quick, args.steps)
@@ -435,17 +573,30 @@ def main(argv=None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.time() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    res: dict = {"meta.quick": sz.quick, "meta.loadavg_start": loadavg(), "meta.cpus": os.cpu_count(),
-                 "meta.python": platform.python_version(), "meta.numpy": np.__version__, "meta.git": git_rev(),
-                 "meta.time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "meta.workload": sz.base.describe(),
-                 "meta.clock": "sidecar and engine figures are CPU time of the measuring thread (thread_time_ns)",
-                 "notes": {}}
+    res: dict = {
+        "meta.quick": sz.quick,
+        "meta.loadavg_start": loadavg(),
+        "meta.cpus": os.cpu_count(),
+        "meta.python": platform.python_version(),
+        "meta.numpy": np.__version__,
+        "meta.git": git_rev(),
+        "meta.time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "meta.workload": sz.base.describe(),
+        "meta.clock": "sidecar and engine figures are CPU time of the measuring thread (thread_time_ns)",
+        "notes": {},
+    }
     # nothing to measure yet: null with the reason, never an estimate
     res["engine.probe_us_per_step_b256_tier1"] = None
     res["notes"]["engine.probe_us_per_step_b256_tier1"] = "not measured: the engine part was skipped"
     details: dict = {}
-    parts = (("digest", digest_part), ("sidecar", sidecar_part), ("latency", latency_part), ("engine", engine_part),
-             ("scaling", scaling_part), ("gpu", gpu_part))
+    parts = (
+        ("digest", digest_part),
+        ("sidecar", sidecar_part),
+        ("latency", latency_part),
+        ("engine", engine_part),
+        ("scaling", scaling_part),
+        ("gpu", gpu_part),
+    )
     for name, fn in parts:
         if name in skip:
             continue
@@ -457,8 +608,10 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, default=float)
     print(table(res))
-    print(f"\nload average (1/5/15 min) start {res['meta.loadavg_start']}, end {res['meta.loadavg_end']} on "
-          f"{res['meta.cpus']} CPUs; {res['meta.seconds']} s; wrote {args.out}")
+    print(
+        f"\nload average (1/5/15 min) start {res['meta.loadavg_start']}, end {res['meta.loadavg_end']} on "
+        f"{res['meta.cpus']} CPUs; {res['meta.seconds']} s; wrote {args.out}"
+    )
     return 0
 
 

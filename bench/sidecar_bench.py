@@ -80,7 +80,7 @@ def throughput(stream: Stream, ranks: int = 1, profile: bool = False, ring_bytes
     try:
         for i in range(0, len(stream.setup), SETUP_CHUNK):
             for w in writers:
-                dropped += publish(w, stream.setup[i:i + SETUP_CHUNK])
+                dropped += publish(w, stream.setup[i : i + SETUP_CHUNK])
             consume()
         setup_read = sum(t.pages_read for t in pipe.engines.values())
         cpu_ns = wall_ns = records = 0
@@ -134,8 +134,15 @@ def top_functions(prof: cProfile.Profile, n: int = 15) -> list[dict]:
     rows = []
     for (filename, line, name), (_cc, ncalls, tottime, cumtime, _callers) in st.stats.items():
         short = filename.split("/work/main/")[-1] if "/work/main/" in filename else os.path.basename(filename)
-        rows.append({"function": f"{short}:{line}({name})", "ncalls": ncalls, "tottime_s": round(tottime, 4),
-                     "cumtime_s": round(cumtime, 4), "tottime_pct": round(100 * tottime / total, 1)})
+        rows.append(
+            {
+                "function": f"{short}:{line}({name})",
+                "ncalls": ncalls,
+                "tottime_s": round(tottime, 4),
+                "cumtime_s": round(cumtime, 4),
+                "tottime_pct": round(100 * tottime / total, 1),
+            }
+        )
     rows.sort(key=lambda r: r["tottime_s"], reverse=True)
     return rows[:n]
 
@@ -153,8 +160,10 @@ def memory(pipe: Pipeline) -> dict:
     rows = [r for t in trackers for r in t.rows.values()]
     row_bytes = sum(r.pages.nbytes + r.gen_shared.nbytes for r in rows)
     # what Python adds per row: the array headers (data counted above), the Row, the dict slot and key
-    row_object_bytes = sum(sys.getsizeof(r) + sum(sys.getsizeof(a) - (a.nbytes if a.flags.owndata else 0)
-                                                  for a in (r.pages, r.gen_shared)) for r in rows)
+    row_object_bytes = sum(
+        sys.getsizeof(r) + sum(sys.getsizeof(a) - (a.nbytes if a.flags.owndata else 0) for a in (r.pages, r.gen_shared))
+        for r in rows
+    )
     row_object_bytes += sum(sys.getsizeof(t.rows) + sum(sys.getsizeof(k) for k in t.rows) for t in trackers)
     entries = sum(len(r.pages) for r in rows)
     return {
@@ -281,8 +290,13 @@ def judge_forward(t, table: RowTable, f) -> dict:
     mine = (m_pages == pages) & (m_gens == gen) & (m_shared | owned)
     foreign = known & ~freed & ~mine
     unwritten = known & ~freed & mine & (pool.written_gen[pages] != gen)
-    return {"judged": int(known.sum()), "unverified": int((~known).sum()), "freed": int(freed.sum()),
-            "foreign": int(foreign.sum()), "unwritten": int(unwritten.sum())}
+    return {
+        "judged": int(known.sum()),
+        "unverified": int((~known).sum()),
+        "freed": int(freed.sum()),
+        "foreign": int(foreign.sum()),
+        "unwritten": int(unwritten.sum()),
+    }
 
 
 def _python_judge(t, f) -> dict:
@@ -290,7 +304,7 @@ def _python_judge(t, f) -> dict:
     r_off = None if f.read_counts is None else np.concatenate(([0], np.cumsum(f.read_counts, dtype=np.int64)))
     before_read, before_unv = t.pages_read, t.pages_unverified
     for i, key in enumerate(f.req_keys.tolist()):
-        actual = None if r_off is None else f.read_pages[r_off[i]:r_off[i + 1]]
+        actual = None if r_off is None else f.read_pages[r_off[i] : r_off[i + 1]]
         v = t.classify_read(key, int(f.seq_lens[i]), actual)
         if v is not None:
             out["freed"] += len(v.freed)
@@ -328,10 +342,15 @@ def judge_prototype(stream: Stream, corrupt_pages: int = 3) -> dict:
             pages += vec["judged"] + vec["unverified"]
             if py != vec:
                 mismatches.append((py, vec))
-    out = {"page_reads": pages, "python_cpu_s": py_ns / 1e9, "vectorized_cpu_s": vec_ns / 1e9,
-           "python_page_reads_per_s": pages / max(py_ns / 1e9, 1e-9),
-           "vectorized_page_reads_per_s": pages / max(vec_ns / 1e9, 1e-9),
-           "speedup": py_ns / max(vec_ns, 1), "mismatches": len(mismatches)}
+    out = {
+        "page_reads": pages,
+        "python_cpu_s": py_ns / 1e9,
+        "vectorized_cpu_s": vec_ns / 1e9,
+        "python_page_reads_per_s": pages / max(py_ns / 1e9, 1e-9),
+        "vectorized_page_reads_per_s": pages / max(vec_ns / 1e9, 1e-9),
+        "speedup": py_ns / max(vec_ns, 1),
+        "mismatches": len(mismatches),
+    }
     if t is not None and corrupt_pages:
         # corrupt: pages of the first reader become unwritten, a page of the second is freed
         table = RowTable(t)
@@ -350,8 +369,15 @@ INJECT_PAGES = 4  # pages each injected reader reserves and reads unwritten
 MAX_RESERVED_PAGES = 4096  # top of the pool (at most 1/8 of it), never used by the workload: the injections' pages
 
 
-def _producer(ring_dir: str, params: WorkloadParams, steps_per_s: float, duration_s: float, inject_every_s: float,
-              ready_path: str, out_path: str) -> None:
+def _producer(
+    ring_dir: str,
+    params: WorkloadParams,
+    steps_per_s: float,
+    duration_s: float,
+    inject_every_s: float,
+    ready_path: str,
+    out_path: str,
+) -> None:
     """Producer process: generate the stream, replay it in real time, inject violating reads."""
     n_steps = int(math.ceil(steps_per_s * duration_s)) + 1 if steps_per_s > 0 else 0
     reserved = min(MAX_RESERVED_PAGES, params.pool_pages // 8)
@@ -419,8 +445,19 @@ def latency(params: WorkloadParams, steps_per_s: float, duration_s: float = 5.0,
         pickle.dump(params, f)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH")))))
-    cmd = [sys.executable, "-m", "bench.sidecar_bench", "--producer", ring_dir, params_path, str(steps_per_s),
-           str(duration_s), str(inject_every_s), ready_path, out_path]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.sidecar_bench",
+        "--producer",
+        ring_dir,
+        params_path,
+        str(steps_per_s),
+        str(duration_s),
+        str(inject_every_s),
+        ready_path,
+        out_path,
+    ]
     sink = _LatencySink()
     sidecar = Sidecar(ring_dir, sinks=[sink], remove_dead_rings=False)
     backlog = []

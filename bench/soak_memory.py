@@ -102,19 +102,50 @@ def main() -> int:
     port = free_port()
     kvguard = Path(sys.executable).parent / "kvguard"
     try:
-        sidecar = subprocess.Popen([str(kvguard), "sidecar", "--ring-dir", str(ring_dir), "--listen",
-                                    f"127.0.0.1:{port}", "--memory-budget", args.memory_budget],
-                                   stdout=subprocess.DEVNULL, stderr=open(work / "sidecar.log", "w"), env=env)
+        sidecar = subprocess.Popen(
+            [
+                str(kvguard),
+                "sidecar",
+                "--ring-dir",
+                str(ring_dir),
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--memory-budget",
+                args.memory_budget,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=open(work / "sidecar.log", "w"),
+            env=env,
+        )
         procs.append(sidecar)
         for rank in range(args.ranks):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "bench.soak_memory", "--engine", str(rank), "--output-tokens",
-                 str(args.output_tokens)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                env=dict(env, SOAK_STEPS_FILE=str(work / f"steps-{rank}"))))
-        print(f"soak-memory: {args.ranks} ranks, {args.minutes:g} min, --memory-budget {args.memory_budget}, "
-              f"work dir {work}", flush=True)
-        print(f"{'min':>6} {'RSS MiB':>8} {'estimate MiB':>13} {'ended/engine':>13} {'steps/s/rank':>13} "
-              f"{'lost':>10}  estimate by part (MiB)", flush=True)
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "bench.soak_memory",
+                        "--engine",
+                        str(rank),
+                        "--output-tokens",
+                        str(args.output_tokens),
+                    ],
+                    cwd=REPO,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    env=dict(env, SOAK_STEPS_FILE=str(work / f"steps-{rank}")),
+                )
+            )
+        print(
+            f"soak-memory: {args.ranks} ranks, {args.minutes:g} min, --memory-budget {args.memory_budget}, "
+            f"work dir {work}",
+            flush=True,
+        )
+        print(
+            f"{'min':>6} {'RSS MiB':>8} {'estimate MiB':>13} {'ended/engine':>13} {'steps/s/rank':>13} "
+            f"{'lost':>10}  estimate by part (MiB)",
+            flush=True,
+        )
         samples: list[tuple[float, float, float]] = []  # (minutes, RSS MiB, ended-request estimate MiB)
         t0 = time.monotonic()
         last_steps, last_t = 0, t0
@@ -125,8 +156,9 @@ def main() -> int:
                 return 1
             text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
             parts = {k.split('"')[1]: v / MIB for k, v in gauge(text, "kvguard_memory_bytes").items()}
-            steps = sum(int((work / f"steps-{r}").read_text() or 0) for r in range(args.ranks)
-                        if (work / f"steps-{r}").exists())
+            steps = sum(
+                int((work / f"steps-{r}").read_text() or 0) for r in range(args.ranks) if (work / f"steps-{r}").exists()
+            )
             now = time.monotonic()
             rate = (steps - last_steps) / (now - last_t) / args.ranks
             last_steps, last_t = steps, now
@@ -135,14 +167,20 @@ def main() -> int:
             samples.append((elapsed, rss, parts.get("ended_requests", 0.0)))
             ended = gauge(text, "kvguard_ended_requests_capacity").get("", 0)
             lost = gauge(text, "kvguard_records_lost_total").get("", 0)
-            print(f"{elapsed:6.1f} {rss:8.1f} {sum(parts.values()):13.1f} {ended:13.0f} {rate:13.1f} {lost:10.0f}  "
-                  + " ".join(f"{k}={v:.1f}" for k, v in sorted(parts.items())), flush=True)
+            print(
+                f"{elapsed:6.1f} {rss:8.1f} {sum(parts.values()):13.1f} {ended:13.0f} {rate:13.1f} {lost:10.0f}  "
+                + " ".join(f"{k}={v:.1f}" for k, v in sorted(parts.items())),
+                flush=True,
+            )
         warm = [(r, e) for t, r, e in samples if t >= args.minutes / 3]
         if len(warm) < 2:
             print("soak-memory: too few samples after warm-up")
             return 1
-        limit = float(re.fullmatch(r"(\d+)M(i?)", args.memory_budget).group(1)) + 128 \
-            if re.fullmatch(r"\d+Mi?", args.memory_budget) else float("inf")
+        limit = (
+            float(re.fullmatch(r"(\d+)M(i?)", args.memory_budget).group(1)) + 128
+            if re.fullmatch(r"\d+Mi?", args.memory_budget)
+            else float("inf")
+        )
         # the ended-request directories fill up to their share at the rate requests end (on a
         # saturated node that loses records, over more than the warm-up): their growth is
         # bounded and expected. What else grows is a leak.
@@ -150,10 +188,12 @@ def main() -> int:
         filled = warm[-1][1] - warm[0][1]
         flat = growth <= 0.05 * warm[0][0] + 8
         peak = max(r for _t, r, _e in samples)
-        print(f"soak-memory: RSS after warm-up {warm[0][0]:.1f} -> max {max(r for r, _e in warm):.1f} MiB; the ended-"
-              f"request directories grew {filled:+.1f} MiB by the estimate, the rest {growth:+.1f}; peak {peak:.1f} "
-              f"MiB; {'flat' if flat else 'GROWING'}; {'within' if peak <= limit else 'OVER'} budget + 128 MiB "
-              f"({limit:.0f})")
+        print(
+            f"soak-memory: RSS after warm-up {warm[0][0]:.1f} -> max {max(r for r, _e in warm):.1f} MiB; the ended-"
+            f"request directories grew {filled:+.1f} MiB by the estimate, the rest {growth:+.1f}; peak {peak:.1f} "
+            f"MiB; {'flat' if flat else 'GROWING'}; {'within' if peak <= limit else 'OVER'} budget + 128 MiB "
+            f"({limit:.0f})"
+        )
         return 0 if flat and peak <= limit else 1
     finally:
         for p in reversed(procs):

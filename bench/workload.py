@@ -103,13 +103,16 @@ class WorkloadParams:
         f = tokens / 32_768
         ps = self.page_size
         prefix = max(ps, round(26_624 * f / ps) * ps)
-        return replace(self, prefix_tokens=prefix, prompt_tokens=max(1, round(5_184 * f)),
-                       output_tokens=max(2, round(1_920 * f)))
+        return replace(
+            self, prefix_tokens=prefix, prompt_tokens=max(1, round(5_184 * f)), output_tokens=max(2, round(1_920 * f))
+        )
 
     def describe(self) -> str:
-        return (f"page {self.page_size}, pool {self.pool_pages} pages, batch {self.batch}, mean context "
-                f"{self.mean_context_tokens:.0f} tokens ({self.mean_context_pages:.0f} pages), "
-                f"{self.rows_label()}, assign per {self.assign}")
+        return (
+            f"page {self.page_size}, pool {self.pool_pages} pages, batch {self.batch}, mean context "
+            f"{self.mean_context_tokens:.0f} tokens ({self.mean_context_pages:.0f} pages), "
+            f"{self.rows_label()}, assign per {self.assign}"
+        )
 
     def rows_label(self) -> str:
         if self.rows_every == 0:
@@ -184,8 +187,18 @@ class Workload:
         """HELLO, the prefix seeds (written, then kept by the prefix cache), the initial batch."""
         p, pr = self.p, self.probes
         context = min(131_072, p.pool_tokens)  # a pool smaller than the context is a finding of its own
-        pr.hello("decode", self.rank, p.page_size, p.pool_pages, p.pool_tokens, context, context,
-                 "sglang", "0.5.23", "bench-glm-mla")
+        pr.hello(
+            "decode",
+            self.rank,
+            p.page_size,
+            p.pool_pages,
+            p.pool_tokens,
+            context,
+            context,
+            "sglang",
+            "0.5.23",
+            "bench-glm-mla",
+        )
         ps = p.page_size
         for g in range(p.prefix_groups):
             rid = f"seed-{self.rank}-{g}"
@@ -213,17 +226,17 @@ class Workload:
         slots[: p.prefix_tokens] = prefix
         private = seq - p.prefix_tokens
         pages = self._take_pages(math.ceil(private / ps))
-        slots[p.prefix_tokens:seq] = self._page_slots(pages, private)
+        slots[p.prefix_tokens : seq] = self._page_slots(pages, private)
         pr.request_begin(rid, f"tenant-{n % 8}", None, p.prefix_tokens + p.prompt_tokens, p.prefix_tokens, False)
         pr.pages_allocated(np.asarray(pages, np.int64) * ps)
         pr.rows_assigned(rid, 0, seq, p.prefix_tokens, slots[:seq])
-        self._forward([rid], [seq], [slots[p.prefix_tokens:seq]], lambda: [slots[:seq]])
+        self._forward([rid], [seq], [slots[p.prefix_tokens : seq]], lambda: [slots[:seq]])
         self.page_reads += self._reads(seq)
         self.live.append(_Req(rid, slots, seq, cap, pages))
 
     def _finish(self, r: _Req) -> None:
         p, pr = self.p, self.probes
-        pr.pages_freed(r.slots[p.prefix_tokens:r.seq])
+        pr.pages_freed(r.slots[p.prefix_tokens : r.seq])
         pr.request_end(r.rid, "length", 50_000_000, 30_000_000_000, p.output_tokens, "")
         self.free.extend(r.private_pages)
 
@@ -246,12 +259,16 @@ class Workload:
             pr.pages_allocated(np.asarray(new_page_slots, np.int64))
         for r, s in zip(self.live, positions):
             if p.assign == "token" or s % ps == 0:
-                pr.rows_assigned(r.rid, s, s + 1, s, r.slots[s:s + 1])
+                pr.rows_assigned(r.rid, s, s + 1, s, r.slots[s : s + 1])
         for r in self.live:
             r.seq += 1
         seq_lens = [r.seq for r in self.live]
-        self._forward([r.rid for r in self.live], seq_lens, [r.slots[s:s + 1] for r, s in zip(self.live, positions)],
-                      lambda: [r.slots[:r.seq] for r in self.live])
+        self._forward(
+            [r.rid for r in self.live],
+            seq_lens,
+            [r.slots[s : s + 1] for r, s in zip(self.live, positions)],
+            lambda: [r.slots[: r.seq] for r in self.live],
+        )
         self.page_reads += sum(self._reads(s) for s in seq_lens)
         self.steps += 1
         done = [r for r in self.live if r.seq >= r.cap]
@@ -301,8 +318,9 @@ def capture(params: WorkloadParams, steps: int, rank: int = 0, reserve_pages: in
         out.append(writer.items)
         reads.append(w.page_reads - before)
     if probes.probe_errors:
-        raise RuntimeError(f"workload generation hit {probes.probe_errors} probe errors (disabled: "
-                           f"{sorted(probes.disabled_probes)})")
+        raise RuntimeError(
+            f"workload generation hit {probes.probe_errors} probe errors (disabled: {sorted(probes.disabled_probes)})"
+        )
     return Stream(params, setup, out, setup_reads, reads)
 
 

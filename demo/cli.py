@@ -10,19 +10,32 @@ from . import model_cli
 def cmd_demo(args) -> int:
     from .run import run_demo
 
-    return run_demo(sglang_version=args.sglang, as_json=args.json, workdir=args.workdir, keep=args.keep,
-                    words=not args.dummy_weights)
+    return run_demo(
+        sglang_version=args.sglang,
+        as_json=args.json,
+        workdir=args.workdir,
+        keep=args.keep,
+        words=not args.dummy_weights,
+    )
 
 
 def register(sub) -> None:
     model_cli.register(sub)
 
     p = sub.add_parser("demo", help="catch the 2026 KV exposure on a real SGLang prefill/decode pair on CPU")
-    p.add_argument("--sglang", default="0.5.19", choices=["0.5.19", "0.5.23"],
-                   help="0.5.19 still leaks (default); 0.5.23 has the fix")
+    p.add_argument(
+        "--sglang",
+        default="0.5.19",
+        choices=["0.5.19", "0.5.23"],
+        help="0.5.19 still leaks (default); 0.5.23 has the fix",
+    )
     p.add_argument("--json", action="store_true", help="print the findings as JSON lines instead of the story")
     p.add_argument("--workdir", default=None, help="where logs and rings go (default: a temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
-    p.add_argument("--dummy-weights", action="store_true", help="serve a dummy-weight model (the leak shows as "
-                   "pages only) instead of the echo model (the leak shows as another tenant's words)")
+    p.add_argument(
+        "--dummy-weights",
+        action="store_true",
+        help="serve a dummy-weight model (the leak shows as "
+        "pages only) instead of the echo model (the leak shows as another tenant's words)",
+    )
     p.set_defaults(func=cmd_demo)

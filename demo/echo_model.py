@@ -98,8 +98,9 @@ class EchoSpec:
 # ---------------------------------------------------------------- validation
 
 
-def validate(lag: int, n_positions: int = DEFAULT_N_POSITIONS, dtype: str = DEFAULT_DTYPE,
-             seed_search: int = DEFAULT_SEED_SEARCH) -> None:
+def validate(
+    lag: int, n_positions: int = DEFAULT_N_POSITIONS, dtype: str = DEFAULT_DTYPE, seed_search: int = DEFAULT_SEED_SEARCH
+) -> None:
     """ValueError naming the flag and the value for any unusable input."""
     if not isinstance(n_positions, int) or not 2 <= n_positions <= MAX_N_POSITIONS:
         raise ValueError(f"--n-positions must be an integer in 2..{MAX_N_POSITIONS}, got {n_positions!r}")
@@ -297,8 +298,11 @@ def write_echo_gpt2(
     tmp = Path(tempfile.mkdtemp(prefix=".echo-", dir=out))
     try:
         tiny_model._write_files(tmp, n_positions)  # tokenizer + generation config (+ a config replaced below)
-        save_file(echo_state_dict(lag, n_positions, frequencies(seed), dtype), str(tmp / WEIGHTS_FILE),
-                  metadata={"format": "pt"})
+        save_file(
+            echo_state_dict(lag, n_positions, frequencies(seed), dtype),
+            str(tmp / WEIGHTS_FILE),
+            metadata={"format": "pt"},
+        )
         (tmp / "config.json").write_text(json.dumps(echo_config(spec), indent=2))
         names = sorted(p.name for p in tmp.iterdir() if p.name != "config.json") + ["config.json"]
         for name in names:

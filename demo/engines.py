@@ -439,9 +439,7 @@ def start_engine(
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    engine = Engine(
-        version, role, port, log_path, proc, bootstrap_port=bootstrap_port, spawned_at=t0, tmp_dir=tmp_dir
-    )
+    engine = Engine(version, role, port, log_path, proc, bootstrap_port=bootstrap_port, spawned_at=t0, tmp_dir=tmp_dir)
     logger.info("started %s (pid %d), log %s", engine.name, proc.pid, log_path)
     if wait:
         engine.wait_ready(startup_timeout_s)
@@ -600,8 +598,9 @@ def start_router(
             start_new_session=True,
         )
     router = Router(port, metrics_port, log_path, proc, spawned_at=t0)
-    logger.info("started %s (pid %d) in front of %s and %s, log %s", router.name, proc.pid, prefill.name,
-                decode.name, log_path)
+    logger.info(
+        "started %s (pid %d) in front of %s and %s, log %s", router.name, proc.pid, prefill.name, decode.name, log_path
+    )
     if wait:
         router.wait_ready(startup_timeout_s)
         logger.info("%s ready in %.1f s", router.name, router.startup_s)
@@ -902,7 +901,10 @@ class PDPair:
         self.startup_s = time.monotonic() - t0
         logger.info(
             "SGLang %s prefill/decode pair ready in %.1f s (prefill %.1f s, decode %.1f s%s)",
-            self.version, self.startup_s, self.prefill.startup_s, self.decode.startup_s,
+            self.version,
+            self.startup_s,
+            self.prefill.startup_s,
+            self.decode.startup_s,
             f", router {self.router.startup_s:.1f} s" if self.router else "",
         )
         return self
@@ -980,20 +982,23 @@ class PDPair:
             return self._generate_routed(body, rid, tenant, prompt_len, stream, timeout_s, disconnect_after_chunks)
         room = random.randrange(1, 2**63) if room is None else room
         rid = rid or f"kvg-{uuid.uuid4().hex[:16]}"
-        body.update({
-            "rid": rid,
-            "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": self.bootstrap_port,
-            "bootstrap_room": room,
-            **tenant_payload(tenant),
-        })
+        body.update(
+            {
+                "rid": rid,
+                "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": self.bootstrap_port,
+                "bootstrap_room": room,
+                **tenant_payload(tenant),
+            }
+        )
         t0 = time.monotonic()
         with ThreadPoolExecutor(max_workers=2) as pool:
             fp = pool.submit(_post, self.prefill.url + "/generate", body, timeout_s, t0)
             d_body = {**body, "stream": stream}
             if stream:
-                fd = pool.submit(_post_stream, self.decode.url + "/generate", d_body, timeout_s, t0,
-                                 disconnect_after_chunks)
+                fd = pool.submit(
+                    _post_stream, self.decode.url + "/generate", d_body, timeout_s, t0, disconnect_after_chunks
+                )
             else:
                 fd = pool.submit(_post, self.decode.url + "/generate", d_body, timeout_s, t0)
             p, d = fp.result(), fd.result()
@@ -1001,16 +1006,27 @@ class PDPair:
         result.prefill_status, result.prefill_error, result.prefill_latency_s = p.status, p.error, p.latency_s
         return result
 
-    def _generate_routed(self, body: dict[str, Any], rid: str | None, tenant: str | None, prompt_len: int,
-                         stream: bool, timeout_s: float, disconnect_after_chunks: int | None) -> GenerateResult:
+    def _generate_routed(
+        self,
+        body: dict[str, Any],
+        rid: str | None,
+        tenant: str | None,
+        prompt_len: int,
+        stream: bool,
+        timeout_s: float,
+        disconnect_after_chunks: int | None,
+    ) -> GenerateResult:
         assert self.router is not None
         body = {**body, **tenant_payload(tenant, routed=True), "stream": stream}
         if rid is not None:
             body["rid"] = rid  # the router forwards it: both engines then use it
         t0 = time.monotonic()
         url = self.router.url + "/generate"
-        reply = _post_stream(url, body, timeout_s, t0, disconnect_after_chunks) if stream else _post(
-            url, body, timeout_s, t0)
+        reply = (
+            _post_stream(url, body, timeout_s, t0, disconnect_after_chunks)
+            if stream
+            else _post(url, body, timeout_s, t0)
+        )
         result = _result(reply, rid, None, tenant, prompt_len)
         result.routed = True
         result.prefill_status = None

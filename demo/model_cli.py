@@ -64,21 +64,36 @@ def register(subparsers) -> argparse.ArgumentParser:
         "echo",
         help="a GPT-2 whose greedy output copies the prompt token LAG positions back",
         description="Write a 1-layer GPT-2 (vocab 256, one character per token, n_embd 1024) with hand-set "
-                    "weights: safetensors, config.json and tokenizer into OUT_DIR (created if needed; files of "
-                    "the same name are replaced). Its greedy completion of a prompt x is x[-LAG], x[-LAG+1], ...: "
-                    "a request that reads another request's KV answers with that request's tokens. Prompts must "
-                    "be at least LAG tokens; more than LAG new tokens cycle. Serve it with real weights.",
+        "weights: safetensors, config.json and tokenizer into OUT_DIR (created if needed; files of "
+        "the same name are replaced). Its greedy completion of a prompt x is x[-LAG], x[-LAG+1], ...: "
+        "a request that reads another request's KV answers with that request's tokens. Prompts must "
+        "be at least LAG tokens; more than LAG new tokens cycle. Serve it with real weights.",
     )
     e.add_argument("out_dir", metavar="OUT_DIR", help="directory to write the model into")
-    e.add_argument("--lag", type=int, required=True, metavar="L",
-                   help="copy the token L positions back (1 <= L < --n-positions)")
-    e.add_argument("--n-positions", type=int, default=DEFAULT_N_POSITIONS, metavar="N",
-                   help=f"context length: learned positions 0..N-1 (default {DEFAULT_N_POSITIONS})")
-    e.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE,
-                   help=f"weights dtype in the safetensors file and config (default {DEFAULT_DTYPE})")
-    e.add_argument("--seed-search", type=int, default=DEFAULT_SEED_SEARCH, metavar="N",
-                   help="try position-code seeds 0..N-1 and keep the one with the smallest worst sidelobe "
-                        f"(default {DEFAULT_SEED_SEARCH})")
+    e.add_argument(
+        "--lag", type=int, required=True, metavar="L", help="copy the token L positions back (1 <= L < --n-positions)"
+    )
+    e.add_argument(
+        "--n-positions",
+        type=int,
+        default=DEFAULT_N_POSITIONS,
+        metavar="N",
+        help=f"context length: learned positions 0..N-1 (default {DEFAULT_N_POSITIONS})",
+    )
+    e.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=DEFAULT_DTYPE,
+        help=f"weights dtype in the safetensors file and config (default {DEFAULT_DTYPE})",
+    )
+    e.add_argument(
+        "--seed-search",
+        type=int,
+        default=DEFAULT_SEED_SEARCH,
+        metavar="N",
+        help="try position-code seeds 0..N-1 and keep the one with the smallest worst sidelobe "
+        f"(default {DEFAULT_SEED_SEARCH})",
+    )
     e.set_defaults(func=cmd_model_echo)
     _exit_1_on_usage_errors(p)
     _exit_1_on_usage_errors(e)

@@ -54,8 +54,10 @@ def page_ranges(pages: list[int]) -> str:
 
 def describe_client(result) -> str:
     if result.ok:
-        return (f"HTTP {result.decode_status}, a normal completion: finish_reason {result.finish_reason}, "
-                f"prompt_tokens {result.prompt_tokens}, {result.completion_tokens} generated tokens")
+        return (
+            f"HTTP {result.decode_status}, a normal completion: finish_reason {result.finish_reason}, "
+            f"prompt_tokens {result.prompt_tokens}, {result.completion_tokens} generated tokens"
+        )
     error = (result.error or "").strip().replace("\n", " ")
     text = f"HTTP {result.decode_status}, an error: {error[:300]}"
     if result.prefill_status and result.prefill_status != 200:
@@ -79,8 +81,10 @@ def describe_finding(f: Finding, clients: dict[str, str] | None = None) -> list[
     clients = clients or {}
     lines = [f"  [{f.severity}] {f.kind} on {f.engine.role} rank {f.engine.rank} (pid {f.engine.pid})"]
     if f.reader is not None:
-        lines.append(f"    reader:  request {f.reader.rid} of tenant {f.reader.tenant or '?'} "
-                     f"(bootstrap_room {f.reader.bootstrap_room})")
+        lines.append(
+            f"    reader:  request {f.reader.rid} of tenant {f.reader.tenant or '?'} "
+            f"(bootstrap_room {f.reader.bootstrap_room})"
+        )
         if f.reader.rid in clients:
             lines.append(f"             = {clients[f.reader.rid]}")
         sender = f.evidence.get("sender_rid")
@@ -94,14 +98,18 @@ def describe_finding(f: Finding, clients: dict[str, str] | None = None) -> list[
         lines.append("    those pages still held the KV of earlier requests:")
         for party in f.exposed:
             seen = f" = {clients[party.rid].split(':')[0]}" if party.rid in clients else ""
-            lines.append(f"      tenant {party.tenant or '?':8s} request {party.rid}{seen}: {len(party.pages)} pages "
-                         f"({page_ranges(party.pages)})")
+            lines.append(
+                f"      tenant {party.tenant or '?':8s} request {party.rid}{seen}: {len(party.pages)} pages "
+                f"({page_ranges(party.pages)})"
+            )
     if f.kind == "pool_smaller_than_context":
         lines.append(f"    {f.summary}")
     if f.kind == "transfer_size_mismatch":
         e = f.evidence
-        lines.append(f"    prefill sent {e['sent_tokens']} token(s) in {e['sent_pages']} page(s) into a reservation "
-                     f"of {e['reserved_tokens']} tokens ({e['reserved_pages']} pages)")
+        lines.append(
+            f"    prefill sent {e['sent_tokens']} token(s) in {e['sent_pages']} page(s) into a reservation "
+            f"of {e['reserved_tokens']} tokens ({e['reserved_pages']} pages)"
+        )
     return lines
 
 
@@ -112,15 +120,21 @@ def tell_story(run: DemoRun, out) -> None:
     clients = client_requests(scenario)
     say()
     say(f"== kvguard demo: SGLang {version}, prefill/decode pair on CPU (Mooncake over TCP) behind SGLang's router ==")
-    say(f"prefill KV pool {scenario.prefill_pool_tokens} tokens, context length 2048: the pool is smaller than "
-        f"the context, as in the incident; decode KV pool {scenario.decode_pool_tokens} tokens")
+    say(
+        f"prefill KV pool {scenario.prefill_pool_tokens} tokens, context length 2048: the pool is smaller than "
+        f"the context, as in the incident; decode KV pool {scenario.decode_pool_tokens} tokens"
+    )
     say("clients send no request ids: the router picks a bootstrap room, prefill and decode each draw their own rid")
     tenants = sorted({r.result.tenant for r in scenario.normal})
     ok = sum(r.result.ok for r in scenario.normal)
-    say(f"1. tenants {' and '.join(tenants)} sent {len(scenario.normal)} normal requests (client requests "
-        f"1-{len(scenario.normal)}): {ok} completed normally")
-    say(f"2. tenant {long.result.tenant} sent a {long.result.prompt_len}-token prompt, longer than the prefill pool "
-        f"(client request {len(scenario.requests)})")
+    say(
+        f"1. tenants {' and '.join(tenants)} sent {len(scenario.normal)} normal requests (client requests "
+        f"1-{len(scenario.normal)}): {ok} completed normally"
+    )
+    say(
+        f"2. tenant {long.result.tenant} sent a {long.result.prompt_len}-token prompt, longer than the prefill pool "
+        f"(client request {len(scenario.requests)})"
+    )
     say(f"   the client received: {describe_client(long.result)}")
     if run.echo_lag and long.result.ok:
         tell_words(run, say)
@@ -139,17 +153,25 @@ def tell_story(run: DemoRun, out) -> None:
     if reads:
         exposed = sorted({p.tenant or "?" for f in reads for p in f.exposed})
         readers = sorted({f.reader.tenant or "?" for f in reads if f.reader})
-        say(f"What happened: the engine answered {long.result.tenant}'s rejected prompt instead of failing it, "
-            f"and decode attention read KV pages reserved for it that the prefill side never filled.")
-        say(f"Whom to notify: tenant(s) {', '.join(exposed)} (their KV was read by another request) and "
-            f"{', '.join(readers)} (received a response computed over other tenants' data).")
+        say(
+            f"What happened: the engine answered {long.result.tenant}'s rejected prompt instead of failing it, "
+            f"and decode attention read KV pages reserved for it that the prefill side never filled."
+        )
+        say(
+            f"Whom to notify: tenant(s) {', '.join(exposed)} (their KV was read by another request) and "
+            f"{', '.join(readers)} (received a response computed over other tenants' data)."
+        )
     elif not long.result.ok:
-        say("What happened: the over-length prompt was rejected with an error and no request read foreign or "
-            "unwritten KV pages: this SGLang version carries the fix.")
+        say(
+            "What happened: the over-length prompt was rejected with an error and no request read foreign or "
+            "unwritten KV pages: this SGLang version carries the fix."
+        )
         if any("exceeds the maximum allowed length" in line for line in scenario.evidence.get("prefill", [])):
-            say("  (prefill refused the prompt, its log says 'exceeds the maximum allowed length'; decode, which had "
+            say(
+                "  (prefill refused the prompt, its log says 'exceeds the maximum allowed length'; decode, which had "
                 "reserved pages for it, waited for KV that never came and failed the request: the error the "
-                "client got through the router)")
+                "client got through the router)"
+            )
 
 
 def expected(version: str, scenario, findings: list[Finding]) -> tuple[bool, str]:
@@ -204,8 +226,11 @@ def capture_incident(sglang_version: str, work: str, progress=sys.stderr, words:
         say(f"building the echo model (lag {lag}): its output copies the prompt token {lag} positions back")
         pair_kwargs = {"model_dir": echo_model_dir(lag), "load_format": "auto"}
         long_text = (INITECH_TEXT * 10)[: WORDS_DEMO["long_prompt_len"]]
-        scenario_kwargs = {"normal_prompts": words_demo_prompts(), "long_prompt": encode_text(long_text),
-                           "long_max_new_tokens": WORDS_DEMO["long_max_new_tokens"]}
+        scenario_kwargs = {
+            "normal_prompts": words_demo_prompts(),
+            "long_prompt": encode_text(long_text),
+            "long_max_new_tokens": WORDS_DEMO["long_max_new_tokens"],
+        }
 
     ring_dir, log_dir = os.path.join(work, "rings"), os.path.join(work, "logs")
     os.makedirs(ring_dir, exist_ok=True)
@@ -213,8 +238,9 @@ def capture_incident(sglang_version: str, work: str, progress=sys.stderr, words:
     sidecar = Sidecar(ring_dir, sinks=[memory], remove_dead_rings=False).start()
     try:
         say(f"starting SGLang {sglang_version} prefill + decode on CPU with the kvguard plugin (a minute or two)")
-        with PDPair(sglang_version, ring_dir, log_dir, router_args=DEMO_ROUTER_ARGS, progress=say,
-                    **pair_kwargs) as pair:
+        with PDPair(
+            sglang_version, ring_dir, log_dir, router_args=DEMO_ROUTER_ARGS, progress=say, **pair_kwargs
+        ) as pair:
             say(f"all up in {pair.startup_s:.0f} s; kvguard's sidecar is watching both engines")
             say("replaying the incident through the router, as the clients sent it:")
             scenario = run_incident_scenario(pair, progress=lambda line: say("  " + line), **scenario_kwargs)
@@ -223,8 +249,9 @@ def capture_incident(sglang_version: str, work: str, progress=sys.stderr, words:
     finally:
         sidecar.stop()
     pipeline = sidecar.pipeline
-    return DemoRun(sglang_version, scenario, memory.findings, dict(pipeline.records_by_kind),
-                   sidecar.rings.stats.records_lost, lag)
+    return DemoRun(
+        sglang_version, scenario, memory.findings, dict(pipeline.records_by_kind), sidecar.rings.stats.records_lost, lag
+    )
 
 
 def tell_words(run: DemoRun, say) -> None:
@@ -235,8 +262,10 @@ def tell_words(run: DemoRun, say) -> None:
     out = long.result.output_ids
     if not out:
         return
-    earlier = [(f"{r.result.tenant} request {r.result.rid}", list(r.prompt) + list(r.result.output_ids))
-               for r in run.scenario.normal]
+    earlier = [
+        (f"{r.result.tenant} request {r.result.rid}", list(r.prompt) + list(r.result.output_ids))
+        for r in run.scenario.normal
+    ]
     tokens = attribute_echo(out, long.prompt, run.echo_lag, earlier)
     leaked = [t for t in tokens if t.leaked]
     say(f"   the completion text: {decode_text(out)!r}")
@@ -254,8 +283,10 @@ def tell_words(run: DemoRun, say) -> None:
             runs.append((tenants, [t]))
     for tenants, toks in runs:
         if len(toks) >= 3:
-            say(f"     from {tenants}'s prompt (positions {toks[0].position}-{toks[-1].position}): "
-                f"{decode_text([t.token for t in toks])!r}")
+            say(
+                f"     from {tenants}'s prompt (positions {toks[0].position}-{toks[-1].position}): "
+                f"{decode_text([t.token for t in toks])!r}"
+            )
 
 
 @contextmanager
@@ -274,16 +305,24 @@ def library_logs_to(path: str):
         handler.close()
 
 
-def run_demo(sglang_version: str = "0.5.19", as_json: bool = False, workdir: str | None = None,
-             keep: bool = False, words: bool = True) -> int:
+def run_demo(
+    sglang_version: str = "0.5.19",
+    as_json: bool = False,
+    workdir: str | None = None,
+    keep: bool = False,
+    words: bool = True,
+) -> int:
     """The demo as ``kvguard demo`` runs it. The work directory (rings, logs) is removed
     afterwards unless it was given, ``keep`` is set, or the run failed or was unexpected."""
     work = workdir or tempfile.mkdtemp(prefix="kvguard-demo-")
     log_dir = os.path.join(work, "logs")
     os.makedirs(log_dir, exist_ok=True)
     t0 = time.monotonic()
-    print(f"kvguard demo on SGLang {sglang_version}; engine, router and library logs: {log_dir}", file=sys.stderr,
-          flush=True)
+    print(
+        f"kvguard demo on SGLang {sglang_version}; engine, router and library logs: {log_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
     ok, why, run = False, "the demo did not finish", None
     try:
         with library_logs_to(os.path.join(log_dir, "kvguard-demo.log")):
@@ -300,6 +339,5 @@ def run_demo(sglang_version: str = "0.5.19", as_json: bool = False, workdir: str
             print(json.dumps(f.to_dict()), flush=True)
     else:
         tell_story(run, sys.stdout)
-    print(f"demo finished in {time.monotonic() - t0:.0f} s" + ("" if ok else f"; UNEXPECTED: {why}"),
-          file=sys.stderr)
+    print(f"demo finished in {time.monotonic() - t0:.0f} s" + ("" if ok else f"; UNEXPECTED: {why}"), file=sys.stderr)
     return 0 if ok else 1

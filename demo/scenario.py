@@ -69,10 +69,8 @@ WORDS_DEMO = {
     "long_max_new_tokens": 61,
 }
 _WORDS = {
-    "acme": "acme payroll: wire 2,400,000 USD to IBAN DE89370400440532013000 by Friday; "
-            "CFO approval code 7731-ALPHA. ",
-    "globex": "globex board memo: offer 41.50 per share for Initrode, vote on May 3, keep it quiet "
-              "until the filing. ",
+    "acme": "acme payroll: wire 2,400,000 USD to IBAN DE89370400440532013000 by Friday; CFO approval code 7731-ALPHA. ",
+    "globex": "globex board memo: offer 41.50 per share for Initrode, vote on May 3, keep it quiet until the filing. ",
 }
 
 
@@ -228,11 +226,11 @@ def run_incident_scenario(
     time.sleep(settle_s)
     long_ids = list(long_prompt) if long_prompt is not None else make_prompt(long_prompt_len, rng)
     if progress is not None:
-        progress(f"request {len(prompts) + 1}/{len(prompts) + 1}: {long_tenant}, {len(long_ids)} tokens "
-                 f"(longer than the prefill pool)...")
-    r = pair.generate(
-        long_ids, tenant=long_tenant, max_new_tokens=long_max_new_tokens or max_new_tokens, stream=stream
-    )
+        progress(
+            f"request {len(prompts) + 1}/{len(prompts) + 1}: {long_tenant}, {len(long_ids)} tokens "
+            f"(longer than the prefill pool)..."
+        )
+    r = pair.generate(long_ids, tenant=long_tenant, max_new_tokens=long_max_new_tokens or max_new_tokens, stream=stream)
     requests.append(ScenarioRequest("long", r, long_ids))
     _tell(progress, len(requests), len(requests), requests[-1])
     duration = time.monotonic() - t0

@@ -106,12 +106,16 @@ def kustomize_command() -> list[str]:
         out = subprocess.run(["kubectl", "version", "--client"], capture_output=True, text=True).stdout
         cmd = ["kubectl", "kustomize"]
     else:
-        raise ToolMissing("neither kustomize nor kubectl is installed (kubectl >= 1.27 embeds kustomize v5; "
-                          "Debian bookworm's kubernetes-client 1.20 is too old)")
+        raise ToolMissing(
+            "neither kustomize nor kubectl is installed (kubectl >= 1.27 embeds kustomize v5; "
+            "Debian bookworm's kubernetes-client 1.20 is too old)"
+        )
     m = re.search(r"v?(\d+)\.(\d+)\.(\d+)", out.split("Kustomize Version:")[-1])
     if not m or int(m.group(1)) < 5:
-        raise ToolMissing(f"{' '.join(cmd)}: kustomize v5 or newer needed (labels/includeSelectors, patches); "
-                          f"found: {out.strip() or 'no version'}")
+        raise ToolMissing(
+            f"{' '.join(cmd)}: kustomize v5 or newer needed (labels/includeSelectors, patches); "
+            f"found: {out.strip() or 'no version'}"
+        )
     return cmd
 
 
@@ -160,6 +164,7 @@ def kubernetes_validate():
     try:
         import kubernetes_validate as kv
         import kubernetes_validate.version
+
         return kv
     except ImportError:
         pass
@@ -178,13 +183,25 @@ def kubernetes_validate():
             missing.append(f"{name}=={ver}")
         TOOLS_DIR.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=TOOLS_DIR))  # same filesystem: rename is atomic
-        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
-               "--target", str(tmp), *missing]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--target",
+            str(tmp),
+            *missing,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise ToolMissing(f"kubernetes-validate is not installed and `{' '.join(cmd[2:])}` failed "
-                              f"(needs PyPI): {proc.stderr.strip()[-500:]}")
+            raise ToolMissing(
+                f"kubernetes-validate is not installed and `{' '.join(cmd[2:])}` failed "
+                f"(needs PyPI): {proc.stderr.strip()[-500:]}"
+            )
         (tmp / ".complete").write_text(" ".join(missing) + "\n")
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
@@ -206,9 +223,15 @@ def scratch_deploy():
         for name, value in PLACEHOLDER_SECRETS.items():
             (secrets / name).write_text(value)
         (root / "all").mkdir()
-        (root / "all" / "kustomization.yaml").write_text(yaml.safe_dump({
-            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-            "resources": ["../common"] + [f"../{TARGETS[o]}" for o in OVERLAYS]}))
+        (root / "all" / "kustomization.yaml").write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                    "kind": "Kustomization",
+                    "resources": ["../common"] + [f"../{TARGETS[o]}" for o in OVERLAYS],
+                }
+            )
+        )
         yield root
 
 
@@ -275,8 +298,18 @@ def _quantity(q) -> float:
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([A-Za-z]*)", str(q))
     if not m:
         raise ValueError(f"not a quantity: {q!r}")
-    units = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
-             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    units = {
+        "": 1,
+        "m": 1e-3,
+        "k": 1e3,
+        "M": 1e6,
+        "G": 1e9,
+        "T": 1e12,
+        "Ki": 2**10,
+        "Mi": 2**20,
+        "Gi": 2**30,
+        "Ti": 2**40,
+    }
     return float(m.group(1)) * units[m.group(2)]
 
 
@@ -348,8 +381,10 @@ def pod_problems(obj: dict) -> list[str]:
 
     # The pid namespace: the sidecar's liveness check of each ring's producer needs it.
     if pod.get("shareProcessNamespace") is not True:
-        p.append(f"{name}: shareProcessNamespace must be true (the sidecar checks each ring's engine by pid; in "
-                 f"another pid namespace it takes live engines for exited and deletes their rings)")
+        p.append(
+            f"{name}: shareProcessNamespace must be true (the sidecar checks each ring's engine by pid; in "
+            f"another pid namespace it takes live engines for exited and deletes their rings)"
+        )
 
     # The sidecar's command line, as kvguard parses it.
     try:
@@ -384,22 +419,28 @@ def pod_problems(obj: dict) -> list[str]:
             ring_bytes = int(_env(eng).get("KVGUARD_RING_BYTES", {}).get("value", 16 << 20))
             eng_args = eng.get("args", [])
             procs = int(_flag(eng_args, "--tp-size") or _flag(eng_args, "--tp") or 1) * int(
-                _flag(eng_args, "--dp-size") or _flag(eng_args, "--dp") or 1)
+                _flag(eng_args, "--dp-size") or _flag(eng_args, "--dp") or 1
+            )
             need = procs * (ring_bytes + 4096)
             if _quantity(ed["sizeLimit"]) < need:
-                p.append(f"{name}: ring volume sizeLimit {ed['sizeLimit']} < {procs} engine processes x "
-                         f"{ring_bytes} B rings")
+                p.append(
+                    f"{name}: ring volume sizeLimit {ed['sizeLimit']} < {procs} engine processes x {ring_bytes} B rings"
+                )
         if m_side.get("readOnly") or m_eng.get("readOnly"):
-            p.append(f"{name}: the ring volume must be writable in both containers (the sidecar writes its "
-                     f"read position into each ring)")
+            p.append(
+                f"{name}: the ring volume must be writable in both containers (the sidecar writes its "
+                f"read position into each ring)"
+            )
 
     # Files the sidecar reads or writes: on mounts (the root filesystem is read-only).
     secret_items = {}
     for v in volumes.values():
         if "secret" in v:
             secret_items[v["name"]] = {i["path"]: i["key"] for i in v["secret"].get("items", [])} or None
-    for flag, path in (("--api-token-file", a.api_token_file),
-                       ("--pagerduty-routing-key-file", getattr(a, "pagerduty_routing_key_file", None))):
+    for flag, path in (
+        ("--api-token-file", a.api_token_file),
+        ("--pagerduty-routing-key-file", getattr(a, "pagerduty_routing_key_file", None)),
+    ):
         if path is None:
             if flag == "--api-token-file":
                 p.append(f"{name}: sidecar without --api-token-file: /v1 (incidents, exposed tenants) answers 403")
@@ -409,7 +450,7 @@ def pod_problems(obj: dict) -> list[str]:
             p.append(f"{name}: sidecar {flag} {path} is not on a Secret volume")
             continue
         items = secret_items[m["name"]]
-        rel = path[len(m["mountPath"].rstrip("/")) + 1:]
+        rel = path[len(m["mountPath"].rstrip("/")) + 1 :]
         if items is not None and rel not in items:
             p.append(f"{name}: sidecar {flag} {path}: the Secret volume has no item at {rel!r}")
     if a.record_dir:
@@ -437,8 +478,10 @@ def pod_problems(obj: dict) -> list[str]:
     # Rings are created 0644 by the engine and opened read-write by the sidecar: one uid.
     eng_uid = eng.get("securityContext", {}).get("runAsUser", psc.get("runAsUser"))
     if eng_uid != side_uid:
-        p.append(f"{name}: engine runs as uid {eng_uid}, sidecar as {side_uid}: the sidecar cannot open the "
-                 f"engine's rings (created 0644, opened read-write) unless both run as one uid")
+        p.append(
+            f"{name}: engine runs as uid {eng_uid}, sidecar as {side_uid}: the sidecar cannot open the "
+            f"engine's rings (created 0644, opened read-write) unless both run as one uid"
+        )
 
     # Probes and resources.
     if side.get("readinessProbe", {}).get("httpGet", {}).get("path") != "/readyz":
@@ -453,8 +496,10 @@ def pod_problems(obj: dict) -> list[str]:
     if "memory" in res.get("limits", {}):
         history = a.history_events * 40
         if _quantity(res["limits"]["memory"]) < history + 160 * 2**20:
-            p.append(f"{name}: sidecar memory limit {res['limits']['memory']} is below its history "
-                     f"({history >> 20} MiB) + ~160 MiB")
+            p.append(
+                f"{name}: sidecar memory limit {res['limits']['memory']} is below its history "
+                f"({history >> 20} MiB) + ~160 MiB"
+            )
     return p
 
 
@@ -535,11 +580,14 @@ def cross_problems(objs: list[dict]) -> list[str]:
                     p.append(f"{kn(sm)}: endpoint port {ep['port']!r} is not a port of {kn(s)}")
             job = s["metadata"].get("labels", {}).get(sm["spec"].get("jobLabel", ""), s["metadata"]["name"])
             if jobs and job not in jobs:
-                p.append(f"{kn(sm)}: scrapes {kn(s)} as job={job!r}; alerts/kvguard.rules.yaml expects "
-                         f"job={sorted(jobs)}")
+                p.append(
+                    f"{kn(sm)}: scrapes {kn(s)} as job={job!r}; alerts/kvguard.rules.yaml expects job={sorted(jobs)}"
+                )
             if not s["spec"].get("publishNotReadyAddresses"):
-                p.append(f"{kn(s)}: publishNotReadyAddresses should be true (an unready sidecar must still be "
-                         f"scraped, not vanish from the targets)")
+                p.append(
+                    f"{kn(s)}: publishNotReadyAddresses should be true (an unready sidecar must still be "
+                    f"scraped, not vanish from the targets)"
+                )
     return p
 
 
@@ -565,8 +613,12 @@ def network_policy_problems(policies, workloads) -> list[str]:
     for w in workloads:
         tmpl = w["spec"]["template"]
         labels = tmpl["metadata"].get("labels", {})
-        selecting = [np_ for np_ in policies if _selects(np_["spec"]["podSelector"].get("matchLabels", {}), labels)
-                     and "Ingress" in np_["spec"].get("policyTypes", ["Ingress"])]
+        selecting = [
+            np_
+            for np_ in policies
+            if _selects(np_["spec"]["podSelector"].get("matchLabels", {}), labels)
+            and "Ingress" in np_["spec"].get("policyTypes", ["Ingress"])
+        ]
         if not selecting:
             continue
         rules = [r for np_ in selecting for r in np_["spec"].get("ingress", [])]
@@ -604,7 +656,7 @@ def generated_problems(objs: list[dict]) -> list[str]:
     for o in objs:
         if o["kind"] == "ConfigMap" and o["metadata"].get("labels", {}).get("grafana_dashboard") is not None:
             if o["metadata"]["labels"]["grafana_dashboard"] != "1":
-                p.append(f"{kn(o)}: label grafana_dashboard must be \"1\"")
+                p.append(f'{kn(o)}: label grafana_dashboard must be "1"')
             src = o["metadata"].get("annotations", {}).get("kvguard.io/generated-from")
             (data,) = o["data"].values() if len(o.get("data", {})) == 1 else (None,)
             got[src] = data
@@ -643,8 +695,9 @@ def image_problems(objs: list[dict]) -> list[str]:
         for c in o["spec"]["template"]["spec"].get("containers", []):
             ref = c.get("image", "")
             if not _image_pinned(ref):
-                p.append(f"{kn(o)}: container {c['name']} image {ref!r} is not pinned (a tag other than latest, "
-                         f"or a digest)")
+                p.append(
+                    f"{kn(o)}: container {c['name']} image {ref!r} is not pinned (a tag other than latest, or a digest)"
+                )
     return p
 
 
@@ -733,7 +786,7 @@ def dockerfile_problems(which: str) -> list[str]:
             if "pip" in toks[:3] and "install" in toks:
                 if "--no-deps" not in toks:
                     p.append(f"{rel}: `{cmd.strip()}` without --no-deps (versions must come from the pins)")
-                after = toks[toks.index("install") + 1:]
+                after = toks[toks.index("install") + 1 :]
                 skip_next = False
                 for t in after:
                     if skip_next:
@@ -753,7 +806,7 @@ def dockerfile_problems(which: str) -> list[str]:
             p.append(f"{rel}: the final stage needs USER <numeric non-root uid> (runAsNonRoot verifies numeric ids)")
         ep = [r for w, r in final if w == "ENTRYPOINT"]
         if not ep or json.loads(ep[-1]) != ["kvguard"]:
-            p.append(f"{rel}: ENTRYPOINT must be [\"kvguard\"]")
+            p.append(f'{rel}: ENTRYPOINT must be ["kvguard"]')
         p += sidecar_requirements_problems()
     else:
         lock = _pins(ENGINE_LOCK)
@@ -817,8 +870,11 @@ def sidecar_closure() -> dict[str, str]:
             continue
         out[name] = dist.version
         for r in map(Requirement, dist.requires or []):
-            if r.marker is None or r.marker.evaluate({"extra": ""}) or any(
-                    r.marker.evaluate({"extra": e}) for e in req.extras):
+            if (
+                r.marker is None
+                or r.marker.evaluate({"extra": ""})
+                or any(r.marker.evaluate({"extra": e}) for e in req.extras)
+            ):
                 todo.append(r)
     return out
 
@@ -844,8 +900,11 @@ def sidecar_requirements_problems() -> list[str]:
 def lock_problems() -> list[str]:
     """requirements/deploy.lock pins what engine.lock also pins at the same versions."""
     deploy, engine = _pins(DEPLOY_LOCK), _pins(ENGINE_LOCK)
-    return [f"requirements/deploy.lock: {n}=={v} but requirements/engine.lock has {engine[n]}"
-            for n, v in deploy.items() if n in engine and engine[n] != v]
+    return [
+        f"requirements/deploy.lock: {n}=={v} but requirements/engine.lock has {engine[n]}"
+        for n, v in deploy.items()
+        if n in engine and engine[n] != v
+    ]
 
 
 # --------------------------------------------------------------------------- all of it

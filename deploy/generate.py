@@ -62,8 +62,7 @@ _Dumper.add_representer(str, _str)
 
 
 def dump(obj) -> str:
-    return yaml.dump(obj, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100,
-                     allow_unicode=True)
+    return yaml.dump(obj, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100, allow_unicode=True)
 
 
 def sha256(data: bytes) -> str:
@@ -170,13 +169,16 @@ def dashboard_outputs(dash_dir: Path) -> dict[str, str]:
             continue
         uid = board.get("uid")
         if uid and uid in uids:
-            raise GenerateError(f"{src} and {DASHBOARDS_SRC}/{uids[uid].as_posix()} have the same uid {uid!r}: "
-                                f"Grafana would keep only one")
+            raise GenerateError(
+                f"{src} and {DASHBOARDS_SRC}/{uids[uid].as_posix()} have the same uid {uid!r}: "
+                f"Grafana would keep only one"
+            )
         uids[uid] = rel
         name, manifest = dashboard_configmap(rel, text)
         if name in out:
-            raise GenerateError(f"{src} and {DASHBOARDS_SRC}/{owner[name].as_posix()} map to the same ConfigMap "
-                                f"{name[:-5]}: rename one")
+            raise GenerateError(
+                f"{src} and {DASHBOARDS_SRC}/{owner[name].as_posix()} map to the same ConfigMap {name[:-5]}: rename one"
+            )
         out[name], owner[name] = manifest, rel
     kustomization = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
@@ -219,17 +221,21 @@ def stale(repo: Path, files: dict[Path, str]) -> list[Path]:
     out_dir = repo / DASHBOARDS_OUT
     if not out_dir.is_dir():
         return []
-    return sorted(p.relative_to(repo) for p in out_dir.glob(f"{DASHBOARD_PREFIX}*.yaml")
-                  if p.relative_to(repo) not in files)
+    return sorted(
+        p.relative_to(repo) for p in out_dir.glob(f"{DASHBOARD_PREFIX}*.yaml") if p.relative_to(repo) not in files
+    )
 
 
 def warnings(repo: Path = REPO) -> list[str]:
     """Dashboards too large for a client-side `kubectl apply` (use --server-side)."""
     dash_dir = repo / DASHBOARDS_SRC
     notes = [f"{name}: not a Grafana dashboard (no `panels`): not deployed" for name in skipped(dash_dir)]
-    return notes + [f"{DASHBOARDS_SRC}/{rel.as_posix()}: over {CLIENT_SIDE_APPLY_LIMIT} bytes: apply deploy/common with "
-            f"`kubectl apply --server-side` (client-side apply stores a copy in a 256 KiB annotation)"
-            for rel in dashboard_sources(dash_dir) if (dash_dir / rel).stat().st_size > CLIENT_SIDE_APPLY_LIMIT]
+    return notes + [
+        f"{DASHBOARDS_SRC}/{rel.as_posix()}: over {CLIENT_SIDE_APPLY_LIMIT} bytes: apply deploy/common with "
+        f"`kubectl apply --server-side` (client-side apply stores a copy in a 256 KiB annotation)"
+        for rel in dashboard_sources(dash_dir)
+        if (dash_dir / rel).stat().st_size > CLIENT_SIDE_APPLY_LIMIT
+    ]
 
 
 def check(repo: Path = REPO) -> list[str]:

@@ -62,8 +62,20 @@ P2, G2 = (1 << 31) - 19, 48271
 
 # Element types whose bytes we hash as they are stored. Anything else is skipped: a
 # dtype we do not know might not be a plain array of bytes (e.g. packed sub-byte types).
-_KNOWN_DTYPES = {"float16", "bfloat16", "float32", "float64", "uint8", "int8", "int16", "int32",
-                 "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
+_KNOWN_DTYPES = {
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+}
 
 
 class Unsupported(Exception):
@@ -269,9 +281,12 @@ class HeadStreamPlan:
                     stream_seeds = None
                 entries.append((flat, view.row_bytes(w), stream_seeds, w, i))
         flats = [e[0] for e in entries if e[0] is not None]
-        return cls(entries, np.array(seeds, np.uint64),
-                   native.Buffers(view.heads, native_entries) if native_entries else None,
-                   min(f.shape[0] for f in flats) if flats else 1 << 62)
+        return cls(
+            entries,
+            np.array(seeds, np.uint64),
+            native.Buffers(view.heads, native_entries) if native_entries else None,
+            min(f.shape[0] for f in flats) if flats else 1 << 62,
+        )
 
 
 def pool_view(pool) -> PoolView:
@@ -297,8 +312,15 @@ def pool_view(pool) -> PoolView:
     heads = int(k[0].shape[1])
     if int(v[0].shape[1]) != heads:
         raise Unsupported("K and V hold different head counts")
-    return PoolView(list(k), list(v), layout, int(getattr(pool, "page_size", 1) or 1),
-                    int(getattr(pool, "start_layer", 0) or 0), heads, k[0].device)
+    return PoolView(
+        list(k),
+        list(v),
+        layout,
+        int(getattr(pool, "page_size", 1) or 1),
+        int(getattr(pool, "start_layer", 0) or 0),
+        heads,
+        k[0].device,
+    )
 
 
 # --------------------------------------------------------------------------- alg 2 reduction
@@ -384,8 +406,10 @@ class StreamingDigest:
             self._native_buffers = plan.buffers
             self._max_row_bytes = max(rb for _f, rb, *_ in plan.entries)
         else:
-            self.hashers = [[xxhash.xxh3_64(seed=seed(view.start_layer + i, self.head_start + h))
-                             for h in range(view.heads)] for i in range(view.layers)]
+            self.hashers = [
+                [xxhash.xxh3_64(seed=seed(view.start_layer + i, self.head_start + h)) for h in range(view.heads)]
+                for i in range(view.layers)
+            ]
         self._step = self.block_tokens()
 
     def update(self, slots) -> None:
@@ -393,7 +417,7 @@ class StreamingDigest:
         n = len(slots)
         step = self._step
         for a in range(0, n, step):  # token blocks bound the temporaries (the stream hash does not care)
-            block = slots[a:a + step]
+            block = slots[a : a + step]
             if self.alg == HEAD_STREAMS:
                 self._update_head_streams(block)
                 continue

@@ -32,19 +32,39 @@ KVGUARD_VERSION = "0.1.0"
 HEARTBEAT_INTERVAL_NS = 1_000_000_000
 MAX_CACHED_KEYS = 1 << 16  # rid -> request key cache (cleared when full)
 
-_ROLES = {"unified": wire.Role.UNIFIED, "null": wire.Role.UNIFIED, "prefill": wire.Role.PREFILL, "decode": wire.Role.DECODE}
-_FINISH = {
-    "stop": wire.Finish.STOP, "length": wire.Finish.LENGTH, "abort": wire.Finish.ABORT,
-    "reject": wire.Finish.REJECT, "unknown": wire.Finish.UNKNOWN,
+_ROLES = {
+    "unified": wire.Role.UNIFIED,
+    "null": wire.Role.UNIFIED,
+    "prefill": wire.Role.PREFILL,
+    "decode": wire.Role.DECODE,
 }
-_FREE = {"free": wire.FreeKind.FREE, "group": wire.FreeKind.GROUP, "deferred": wire.FreeKind.DEFERRED,
-         "page_ids": wire.FreeKind.PAGE_IDS}
+_FINISH = {
+    "stop": wire.Finish.STOP,
+    "length": wire.Finish.LENGTH,
+    "abort": wire.Finish.ABORT,
+    "reject": wire.Finish.REJECT,
+    "unknown": wire.Finish.UNKNOWN,
+}
+_FREE = {
+    "free": wire.FreeKind.FREE,
+    "group": wire.FreeKind.GROUP,
+    "deferred": wire.FreeKind.DEFERRED,
+    "page_ids": wire.FreeKind.PAGE_IDS,
+}
 _SIDE = {"sender": wire.Side.SENDER, "receiver": wire.Side.RECEIVER}
 _STATUS = {"success": wire.XferStatus.SUCCESS, "failed": wire.XferStatus.FAILED, "aborted": wire.XferStatus.ABORTED}
-_DIGEST_ALG = {"unit_bytes": wire.DigestAlg.XXH3_UNIT_BYTES, "device_reduced": wire.DigestAlg.XXH3_DEVICE_REDUCED,
-               "head_streams": wire.DigestAlg.XXH3_HEAD_STREAMS}
-_PHASE = {"admission": wire.Phase.ADMISSION, "prefill": wire.Phase.PREFILL, "decode": wire.Phase.DECODE,
-          "transfer": wire.Phase.TRANSFER, "client_abort": wire.Phase.CLIENT_ABORT}
+_DIGEST_ALG = {
+    "unit_bytes": wire.DigestAlg.XXH3_UNIT_BYTES,
+    "device_reduced": wire.DigestAlg.XXH3_DEVICE_REDUCED,
+    "head_streams": wire.DigestAlg.XXH3_HEAD_STREAMS,
+}
+_PHASE = {
+    "admission": wire.Phase.ADMISSION,
+    "prefill": wire.Phase.PREFILL,
+    "decode": wire.Phase.DECODE,
+    "transfer": wire.Phase.TRANSFER,
+    "client_abort": wire.Phase.CLIENT_ABORT,
+}
 
 
 def as_int64(values) -> np.ndarray:
@@ -179,8 +199,9 @@ class Probes:
         log.warning("kvguard probe %s failed and is disabled: %s: %s", name, type(exc).__name__, exc)
         if self.writer is not None:
             try:
-                self.writer.write(wire.Kind.PROBE_ERROR,
-                                  wire.probe_error_payload(wire.ProbeError(count, name, type(exc).__name__)))
+                self.writer.write(
+                    wire.Kind.PROBE_ERROR, wire.probe_error_payload(wire.ProbeError(count, name, type(exc).__name__))
+                )
             except Exception:  # noqa: BLE001
                 pass
 
@@ -189,37 +210,84 @@ class Probes:
         if now - self._last_heartbeat_ns >= HEARTBEAT_INTERVAL_NS:
             self._last_heartbeat_ns = now
             w = self.writer
-            self._emit(wire.Kind.HEARTBEAT,
-                       wire.heartbeat_payload(wire.Heartbeat(w.records_written, w.dropped_records, self.probe_errors)))
+            self._emit(
+                wire.Kind.HEARTBEAT,
+                wire.heartbeat_payload(wire.Heartbeat(w.records_written, w.dropped_records, self.probe_errors)),
+            )
 
     # ------------------------------------------------------------------ probes
     @_guarded
-    def hello(self, role: str, tp_rank: int, page_size: int, pool_pages: int, pool_tokens: int, context_len: int,
-              max_req_input_len: int, engine_name: str, engine_version: str, model: str) -> None:
+    def hello(
+        self,
+        role: str,
+        tp_rank: int,
+        page_size: int,
+        pool_pages: int,
+        pool_tokens: int,
+        context_len: int,
+        max_req_input_len: int,
+        engine_name: str,
+        engine_version: str,
+        model: str,
+    ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = int(page_size)
         if self.tier1 is None and tier1_mod.enabled_from_env():
             self.start_tier1(int(pool_pages))
-        h = wire.Hello(_ROLES[str(role).lower()], int(tp_rank), os.getpid(), self.page_size, int(pool_pages),
-                       int(pool_tokens), int(context_len), int(max_req_input_len), engine_name, engine_version,
-                       str(model), KVGUARD_VERSION)
+        h = wire.Hello(
+            _ROLES[str(role).lower()],
+            int(tp_rank),
+            os.getpid(),
+            self.page_size,
+            int(pool_pages),
+            int(pool_tokens),
+            int(context_len),
+            int(max_req_input_len),
+            engine_name,
+            engine_version,
+            str(model),
+            KVGUARD_VERSION,
+        )
         self.calls += 1
         self.writer.write_sticky(wire.Kind.HELLO, wire.hello_payload(h))
 
     @_guarded
-    def request_begin(self, rid: str, tenant: str, bootstrap_room: int | None, prompt_tokens: int,
-                      cached_tokens: int, warmup: bool) -> None:
+    def request_begin(
+        self, rid: str, tenant: str, bootstrap_room: int | None, prompt_tokens: int, cached_tokens: int, warmup: bool
+    ) -> None:
         room = wire.NO_ROOM if bootstrap_room is None else int(bootstrap_room) & wire.NO_ROOM
-        r = wire.ReqBegin(wire.request_key(rid), room, int(prompt_tokens), int(cached_tokens), bool(warmup),
-                          str(rid), str(tenant or ""))
+        r = wire.ReqBegin(
+            wire.request_key(rid),
+            room,
+            int(prompt_tokens),
+            int(cached_tokens),
+            bool(warmup),
+            str(rid),
+            str(tenant or ""),
+        )
         self._emit(wire.Kind.REQ_BEGIN, wire.req_begin_payload(r))
 
     @_guarded
-    def request_end(self, rid: str, finish: str, ttft_ns: int, e2e_ns: int, output_tokens: int, reason: str,
-                    reprefilled: bool = False) -> None:
-        r = wire.ReqEnd(wire.request_key(rid), max(0, int(ttft_ns)), max(0, int(e2e_ns)), int(output_tokens),
-                        _FINISH.get(finish, wire.Finish.UNKNOWN), str(reason or ""), bool(reprefilled))
+    def request_end(
+        self,
+        rid: str,
+        finish: str,
+        ttft_ns: int,
+        e2e_ns: int,
+        output_tokens: int,
+        reason: str,
+        reprefilled: bool = False,
+    ) -> None:
+        r = wire.ReqEnd(
+            wire.request_key(rid),
+            max(0, int(ttft_ns)),
+            max(0, int(e2e_ns)),
+            int(output_tokens),
+            _FINISH.get(finish, wire.Finish.UNKNOWN),
+            str(reason or ""),
+            bool(reprefilled),
+        )
         self._emit(wire.Kind.REQ_END, wire.req_end_payload(r))
 
     @_guarded
@@ -274,8 +342,18 @@ class Probes:
         self.writer.write_batch(wire.Kind.ASSIGN, payloads)
 
     @_guarded
-    def forward(self, rids, seq_lens, written_slots, read_rows=None, mode: int = 0, written_counts=None,
-                rows_are_page_starts: bool = False, read_pages=None, read_counts=None) -> None:
+    def forward(
+        self,
+        rids,
+        seq_lens,
+        written_slots,
+        read_rows=None,
+        mode: int = 0,
+        written_counts=None,
+        rows_are_page_starts: bool = False,
+        read_pages=None,
+        read_counts=None,
+    ) -> None:
         """One forward: per request the slots it writes, then the first ``seq_len`` tokens it reads.
 
         ``written_slots``: a list of per-request slot arrays, or (with ``written_counts``)
@@ -319,17 +397,23 @@ class Probes:
             read_pages = np.concatenate(rows) if rows else np.zeros(0, np.int64)
         else:
             read_counts = None
-        f = wire.Forward(keys, as_int64(seq_lens).astype(np.uint32), write_counts, write_pages, read_counts,
-                         read_pages, mode)
+        f = wire.Forward(
+            keys, as_int64(seq_lens).astype(np.uint32), write_counts, write_pages, read_counts, read_pages, mode
+        )
         self._emit(wire.Kind.FORWARD, wire.forward_payload(f))
         self._maybe_heartbeat()
 
     def start_tier1(self, pool_pages: int) -> tier1_mod.Tier1:
         """Create Tier 1 (engine_hooks/tier1.py), fed from now on by the probes below."""
-        self.tier1 = tier1_mod.Tier1(int(pool_pages), self.page_size, on_violation=self._tier1_violation,
-                                     on_error=lambda where, exc: self.report_probe_error("tier1." + where, exc))
-        log.info("kvguard tier1 read check on (%s=1): %d pages of %d tokens", tier1_mod.ENV, int(pool_pages),
-                 self.page_size)
+        self.tier1 = tier1_mod.Tier1(
+            int(pool_pages),
+            self.page_size,
+            on_violation=self._tier1_violation,
+            on_error=lambda where, exc: self.report_probe_error("tier1." + where, exc),
+        )
+        log.info(
+            "kvguard tier1 read check on (%s=1): %d pages of %d tokens", tier1_mod.ENV, int(pool_pages), self.page_size
+        )
         return self.tier1
 
     def _tier1_violation(self, v: tier1_mod.Violation, reported_total: int) -> None:
@@ -338,9 +422,15 @@ class Probes:
         if self.writer is None:
             return
         owners = [0 if o is None else self.request_key(o) for o in v.owners]
-        rec = wire.Tier1Violation(self.request_key(v.rid), int(reported_total), int(v.seq_len),
-                                  np.asarray(v.pages, np.int64), np.asarray(v.row_indices, np.uint32),
-                                  np.asarray(owners, np.uint64), np.asarray(v.tags, np.uint8))
+        rec = wire.Tier1Violation(
+            self.request_key(v.rid),
+            int(reported_total),
+            int(v.seq_len),
+            np.asarray(v.pages, np.int64),
+            np.asarray(v.row_indices, np.uint32),
+            np.asarray(owners, np.uint64),
+            np.asarray(v.tags, np.uint8),
+        )
         self._emit(wire.Kind.TIER1_VIOLATION, wire.tier1_violation_payload(rec))
 
     @_guarded
@@ -350,16 +440,32 @@ class Probes:
         self._emit(wire.Kind.XFER_RESERVE, wire.xfer_reserve_payload(x))
 
     @_guarded
-    def transfer_sent(self, rid: str, room: int, token_start: int, token_end: int, slots_or_pages, is_last: bool,
-                      unit: str = "pages", digest: int = 0) -> None:
+    def transfer_sent(
+        self,
+        rid: str,
+        room: int,
+        token_start: int,
+        token_end: int,
+        slots_or_pages,
+        is_last: bool,
+        unit: str = "pages",
+        digest: int = 0,
+    ) -> None:
         if unit == "pages":
             pages = as_int64(slots_or_pages)
         elif unit == "slots":
             pages = self.row_pages(int(token_start), slots_or_pages)
         else:
             raise ValueError(f"unit must be 'pages' or 'slots', got {unit!r}")
-        x = wire.XferSend(wire.request_key(rid), int(room) & wire.NO_ROOM, int(digest) & wire.NO_ROOM,
-                          int(token_start), int(token_end), bool(is_last), pages)
+        x = wire.XferSend(
+            wire.request_key(rid),
+            int(room) & wire.NO_ROOM,
+            int(digest) & wire.NO_ROOM,
+            int(token_start),
+            int(token_end),
+            bool(is_last),
+            pages,
+        )
         self._emit(wire.Kind.XFER_SEND, wire.xfer_send_payload(x))
 
     @_guarded
@@ -368,13 +474,34 @@ class Probes:
         self._emit(wire.Kind.XFER_DONE, wire.xfer_done_payload(x))
 
     @_guarded
-    def transfer_digest(self, rid: str, room: int, side: str, digest: int, token_start: int, token_end: int,
-                        layers: int, head_start: int, head_count: int, total_heads: int,
-                        alg: str = "unit_bytes") -> None:
+    def transfer_digest(
+        self,
+        rid: str,
+        room: int,
+        side: str,
+        digest: int,
+        token_start: int,
+        token_end: int,
+        layers: int,
+        head_start: int,
+        head_count: int,
+        total_heads: int,
+        alg: str = "unit_bytes",
+    ) -> None:
         """One end's digest of a transfer's KV (docs/wire-format.md, "Transfer digests")."""
-        x = wire.XferDigest(wire.request_key(rid), int(room) & wire.NO_ROOM, _SIDE[side], _DIGEST_ALG[alg],
-                            int(digest) & wire.NO_ROOM, int(token_start), int(token_end), int(layers),
-                            int(head_start), int(head_count), int(total_heads))
+        x = wire.XferDigest(
+            wire.request_key(rid),
+            int(room) & wire.NO_ROOM,
+            _SIDE[side],
+            _DIGEST_ALG[alg],
+            int(digest) & wire.NO_ROOM,
+            int(token_start),
+            int(token_end),
+            int(layers),
+            int(head_start),
+            int(head_count),
+            int(total_heads),
+        )
         self._emit(wire.Kind.XFER_DIGEST, wire.xfer_digest_payload(x))
 
     @_guarded
@@ -412,13 +539,21 @@ def _make_probes() -> Probes:
     try:
         writer = RingWriter(ring_dir(), int(raw_capacity))
     except RingSpaceError as exc:  # a full ring volume: one line, then no-op probes that count their drops
-        log.error("kvguard: %s; KV integrity is NOT monitored in this engine process (pid %d): its probes run "
-                  "without a ring and count the records they drop. Free the ring volume (rings of exited engines "
-                  "that no sidecar removed?) or raise its size, then restart the engine", exc, os.getpid())
+        log.error(
+            "kvguard: %s; KV integrity is NOT monitored in this engine process (pid %d): its probes run "
+            "without a ring and count the records they drop. Free the ring volume (rings of exited engines "
+            "that no sidecar removed?) or raise its size, then restart the engine",
+            exc,
+            os.getpid(),
+        )
         return Probes(None, no_ring_reason=str(exc))
     except (OSError, ValueError) as exc:
-        log.error("kvguard: cannot create ring in %s (KVGUARD_RING_BYTES=%s): %s; probes disabled",
-                  ring_dir(), raw_capacity, exc)
+        log.error(
+            "kvguard: cannot create ring in %s (KVGUARD_RING_BYTES=%s): %s; probes disabled",
+            ring_dir(),
+            raw_capacity,
+            exc,
+        )
         return Probes(None, no_ring_reason=f"cannot create ring in {ring_dir()}: {exc}")
     from kvguard.engine_hooks import native  # here, not at plugin load: the engine's logging is set up by now
 

@@ -115,8 +115,11 @@ class RingSpaceError(OSError):
     def __init__(self, directory: str, size: int, err: int | None):
         err = err or 0
         name = errno.errorcode.get(err, str(err))
-        super().__init__(err, f"cannot reserve {size} bytes for a ring in {directory}: {name} "
-                              f"({os.strerror(err) if err else 'unknown error'})")
+        super().__init__(
+            err,
+            f"cannot reserve {size} bytes for a ring in {directory}: {name} "
+            f"({os.strerror(err) if err else 'unknown error'})",
+        )
         self.directory, self.size = directory, size
 
     def __str__(self) -> str:
@@ -141,8 +144,9 @@ def proc_start_ticks(pid: int) -> int:
 
 def _check_capacity(capacity: int) -> int:
     if capacity < 4096 or capacity & (capacity - 1) or capacity > MAX_CAPACITY:
-        raise ValueError(f"KVGUARD_RING_BYTES: capacity must be a power of two from 4096 to {MAX_CAPACITY} "
-                         f"(1 GiB), got {capacity}")
+        raise ValueError(
+            f"KVGUARD_RING_BYTES: capacity must be a power of two from 4096 to {MAX_CAPACITY} (1 GiB), got {capacity}"
+        )
     return capacity
 
 
@@ -186,7 +190,13 @@ class RingWriter:
             raise
         self._lock_fd = fd
         self._mm[: _FIXED.size] = _FIXED.pack(
-            RING_MAGIC, RING_VERSION, HEADER_BYTES, capacity, self.pid, self.engine_id, start_ns,
+            RING_MAGIC,
+            RING_VERSION,
+            HEADER_BYTES,
+            capacity,
+            self.pid,
+            self.engine_id,
+            start_ns,
             proc_start_ticks(self.pid),
         )
         os.rename(tmp_path, self.path)
@@ -227,9 +237,9 @@ class RingWriter:
             self._u64[_NEXT_SEQ] = seq + 1
             record = wire.encode(kind, seq, time.monotonic_ns(), self.engine_id, payload)
             if len(record) <= MAX_STICKY_BYTES:
-                self._mm[_STICKY_LEN_OFF:_STICKY_LEN_OFF + 4] = struct.pack("<I", 0)
-                self._mm[_STICKY_OFF:_STICKY_OFF + len(record)] = record
-                self._mm[_STICKY_LEN_OFF:_STICKY_LEN_OFF + 4] = struct.pack("<I", len(record))
+                self._mm[_STICKY_LEN_OFF : _STICKY_LEN_OFF + 4] = struct.pack("<I", 0)
+                self._mm[_STICKY_OFF : _STICKY_OFF + len(record)] = record
+                self._mm[_STICKY_LEN_OFF : _STICKY_LEN_OFF + 4] = struct.pack("<I", len(record))
             return self._publish(record)
 
     def _publish(self, record: bytes) -> bool:
@@ -300,8 +310,10 @@ class RingReader:
             # never through a symbolic link, never blocking (a FIFO swapped in after the caller's lstat)
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except PermissionError as exc:
-            raise RingError(f"{path}: permission denied ({exc.strerror}): the sidecar must be able to write the "
-                            f"ring header (run it as the engine's user or group; rings are created mode 0660)") from exc
+            raise RingError(
+                f"{path}: permission denied ({exc.strerror}): the sidecar must be able to write the "
+                f"ring header (run it as the engine's user or group; rings are created mode 0660)"
+            ) from exc
         except FileNotFoundError as exc:
             raise RingError(f"{path}: cannot open: {exc}") from exc
         try:
@@ -319,12 +331,16 @@ class RingReader:
             if magic != RING_MAGIC:
                 problem = f"bad magic {magic!r}, not a kvguard ring"
             elif version != RING_VERSION:
-                problem = f"ring layout version {version}; this sidecar reads version {RING_VERSION}: upgrade the sidecar"
+                problem = (
+                    f"ring layout version {version}; this sidecar reads version {RING_VERSION}: upgrade the sidecar"
+                )
             elif header_size != HEADER_BYTES or capacity < 4096 or capacity & (capacity - 1):
                 problem = f"implausible header (header_size {header_size}, capacity {capacity})"
             elif capacity > MAX_CAPACITY:
-                problem = (f"implausible header: capacity {capacity} bytes, more than a ring may have "
-                           f"({MAX_CAPACITY}): not mapped")
+                problem = (
+                    f"implausible header: capacity {capacity} bytes, more than a ring may have "
+                    f"({MAX_CAPACITY}): not mapped"
+                )
             elif size < HEADER_BYTES + capacity:
                 problem = f"file is {size} bytes, header says {HEADER_BYTES + capacity}"
             if problem:
@@ -355,8 +371,10 @@ class RingReader:
             size = os.fstat(self._lock_fd).st_size
             if size >= self._size:
                 return
-            self.truncated = (f"{self.path}: truncated to {size} bytes while attached (the ring is {self._size} "
-                              f"bytes): not read again")
+            self.truncated = (
+                f"{self.path}: truncated to {size} bytes while attached (the ring is {self._size} "
+                f"bytes): not read again"
+            )
             self._u64 = None  # nothing may reach the mapping any more
         raise RingTruncated(self.truncated)
 
@@ -408,7 +426,7 @@ class RingReader:
             return []
         start = _STICKY_OFF - _STICKY_LEN_OFF
         out = []
-        for rec in wire.decode_stream(raw[start:start + length], wire.DecodeStats()):
+        for rec in wire.decode_stream(raw[start : start + length], wire.DecodeStats()):
             if rec.engine_id == self.engine_id:
                 out.append(rec)
             else:
@@ -491,8 +509,10 @@ class RingReader:
         to the ring they come from: a ring writer stamps its own id on everything, so another
         id is a forgery (or memory corruption) and must not touch another engine's state."""
         self.stats.foreign_engine += 1
-        self.stats.last_error = (f"{rec.kind.name} seq {rec.seq} stamped engine_id {rec.engine_id} in the ring of "
-                                 f"engine_id {self.engine_id} (pid {self.pid}): skipped")
+        self.stats.last_error = (
+            f"{rec.kind.name} seq {rec.seq} stamped engine_id {rec.engine_id} in the ring of "
+            f"engine_id {self.engine_id} (pid {self.pid}): skipped"
+        )
 
     def close(self) -> None:
         if self._u64 is not None:

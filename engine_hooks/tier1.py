@@ -149,8 +149,12 @@ class Tier1:
         if self.enabled:
             self.enabled = False
             self.disabled_reason = f"{where}: {type(exc).__name__}: {exc}"
-            log.error("kvguard tier1 %s failed; Tier 1 is off for this process (serving is unaffected): %s: %s",
-                      where, type(exc).__name__, exc)
+            log.error(
+                "kvguard tier1 %s failed; Tier 1 is off for this process (serving is unaffected): %s: %s",
+                where,
+                type(exc).__name__,
+                exc,
+            )
             if self.on_error is not None:
                 try:
                     self.on_error(where, exc)
@@ -281,16 +285,18 @@ class Tier1:
         elif self._dirty_pages:
             idx = np.unique(np.concatenate(self._dirty_pages))
             self._dirty_pages.clear()
-            self._tags_dev[torch.from_numpy(idx).to(device, non_blocking=True)] = \
-                torch.from_numpy(self.tags[idx]).to(device, non_blocking=True)
+            self._tags_dev[torch.from_numpy(idx).to(device, non_blocking=True)] = torch.from_numpy(self.tags[idx]).to(
+                device, non_blocking=True
+            )
         if self._rows_dev is None:
             self._rows_dev = torch.from_numpy(self.row_tags).to(device)
             self._dirty_rows.clear()
         elif self._dirty_rows:
             idx = np.unique(np.asarray(self._dirty_rows, np.int64))
             self._dirty_rows.clear()
-            self._rows_dev[torch.from_numpy(idx).to(device, non_blocking=True)] = \
-                torch.from_numpy(self.row_tags[idx]).to(device, non_blocking=True)
+            self._rows_dev[torch.from_numpy(idx).to(device, non_blocking=True)] = torch.from_numpy(
+                self.row_tags[idx]
+            ).to(device, non_blocking=True)
 
     # ------------------------------------------------------------------ the check
     def check(self, req_to_token, req_pool_indices, seq_lens, rids, max_seq_len: int | None = None) -> int | None:
@@ -312,8 +318,7 @@ class Tier1:
         import torch
 
         n = len(rids)
-        for name, t in (("req_to_token", req_to_token), ("req_pool_indices", req_pool_indices),
-                        ("seq_lens", seq_lens)):
+        for name, t in (("req_to_token", req_to_token), ("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens)):
             if not isinstance(t, torch.Tensor):
                 raise Tier1InputError(f"{name} is {type(t).__name__}, not a torch.Tensor")
             if t.dtype not in (torch.int32, torch.int64):
@@ -324,8 +329,10 @@ class Tier1:
         if self.device is not None and device != self.device:
             raise Tier1InputError(f"req_to_token is on {device}, Tier 1 runs on {self.device}")
         if req_pool_indices.device != device or seq_lens.device != device:
-            raise Tier1InputError(f"req_pool_indices on {req_pool_indices.device}, seq_lens on {seq_lens.device}, "
-                                  f"req_to_token on {device}")
+            raise Tier1InputError(
+                f"req_pool_indices on {req_pool_indices.device}, seq_lens on {seq_lens.device}, "
+                f"req_to_token on {device}"
+            )
         self._sync_device(torch, device)
         self._poll(block=False)
         if n == 0:
@@ -350,8 +357,9 @@ class Tier1:
         else:
             pages = torch.div(slots, ps, rounding_mode="floor", out=slots)
         pages = pages.clamp_(0, len(self.tags) - 1)  # stale entries past seq_len may hold anything
-        got = torch.index_select(self._tags_dev, 0, pages.view(-1),
-                                 out=self._buf("got", (n * width,), self._tags_dev.dtype, device)).view(n, width)
+        got = torch.index_select(
+            self._tags_dev, 0, pages.view(-1), out=self._buf("got", (n * width,), self._tags_dev.dtype, device)
+        ).view(n, width)
         reader = self._rows_dev.index_select(0, idx)
         n_pages = (seq_lens[:n] + (ps - 1)) // ps if self.shift is None else (seq_lens[:n] + (ps - 1)) >> self.shift
         n_pages = n_pages * (reader != 0)  # rows bound to no known request are not judged
@@ -432,8 +440,9 @@ class Tier1:
                 self._seen[(rid, int(pg[k]))] = True
             kinds = [TAG_FREE if tg[k] == FREE else TAG_ALLOCATED if tg[k] == ALLOCATED else TAG_OTHER for k in fresh]
             owners = [self._tag_rid.get(int(tg[k])) if kind == TAG_OTHER else None for k, kind in zip(fresh, kinds)]
-            v = Violation(rid, int(seq[i]), [int(pg[k]) for k in fresh], [int(where[k, 1]) for k in fresh],
-                          owners, kinds)
+            v = Violation(
+                rid, int(seq[i]), [int(pg[k]) for k in fresh], [int(where[k, 1]) for k in fresh], owners, kinds
+            )
             self.reported += len(fresh)
             log.error("kvguard tier1 VIOLATION #%d: request %s read %s", self.reported, rid, v.describe())
             if self.on_violation is not None:
@@ -443,5 +452,11 @@ class Tier1:
                     log.warning("kvguard tier1: reporting a violation failed: %s: %s", type(exc).__name__, exc)
 
     def stats(self) -> dict:
-        return {"enabled": self.enabled, "checks": self.checks, "violations": self.violations,
-                "reported": self.reported, "errors": self.errors, "disabled_reason": self.disabled_reason}
+        return {
+            "enabled": self.enabled,
+            "checks": self.checks,
+            "violations": self.violations,
+            "reported": self.reported,
+            "errors": self.errors,
+            "disabled_reason": self.disabled_reason,
+        }

@@ -129,7 +129,9 @@ class Tier1Tag(enum.IntEnum):
 
 
 # Fixed payload parts, after the header. Variable parts follow in the order given.
-HELLO_FIXED = struct.Struct("<BBHIIIQQQ")  # role, _, tp_rank, pid, page_size, pool_pages, pool_tokens, context_len, max_req_input_len
+HELLO_FIXED = struct.Struct(
+    "<BBHIIIQQQ"
+)  # role, _, tp_rank, pid, page_size, pool_pages, pool_tokens, context_len, max_req_input_len
 #   then strings: engine_name, engine_version, model, kvguard_version
 REQ_BEGIN_FIXED = struct.Struct("<QQIIB7x")  # req_key, room, prompt_tokens, cached_tokens, flags(bit0 warmup)
 #   then strings: rid, tenant
@@ -354,8 +356,9 @@ def req_begin_payload(r: ReqBegin) -> bytes:
 
 def req_end_payload(r: ReqEnd) -> bytes:
     flags = REQ_END_REPREFILLED if r.reprefilled else 0
-    return REQ_END_FIXED.pack(r.req_key, r.ttft_ns, r.e2e_ns, r.output_tokens, int(r.finish), flags) + \
-        _str_bytes(r.reason)
+    return REQ_END_FIXED.pack(r.req_key, r.ttft_ns, r.e2e_ns, r.output_tokens, int(r.finish), flags) + _str_bytes(
+        r.reason
+    )
 
 
 def pages_payload(pages: np.ndarray, free_kind: FreeKind = FreeKind.FREE) -> bytes:
@@ -398,22 +401,41 @@ def xfer_done_payload(x: XferDone) -> bytes:
 
 
 def xfer_digest_payload(x: XferDigest) -> bytes:
-    return XFER_DIGEST_FIXED.pack(x.req_key, x.room, x.digest, x.token_start, x.token_end, x.layers,
-                                  x.head_start, x.head_count, x.total_heads, int(x.side), int(x.alg))
+    return XFER_DIGEST_FIXED.pack(
+        x.req_key,
+        x.room,
+        x.digest,
+        x.token_start,
+        x.token_end,
+        x.layers,
+        x.head_start,
+        x.head_count,
+        x.total_heads,
+        int(x.side),
+        int(x.alg),
+    )
 
 
 def tier1_violation_payload(v: Tier1Violation) -> bytes:
     n = len(v.pages)
     if not len(v.row_indices) == len(v.owner_keys) == len(v.tags) == n:
         raise ValueError("TIER1_VIOLATION arrays differ in length")
-    return b"".join((TIER1_FIXED.pack(v.reader_key, v.violations_total, v.seq_len, n), _i32(v.pages),
-                     np.ascontiguousarray(v.row_indices, dtype="<u4").tobytes(),
-                     np.ascontiguousarray(v.owner_keys, dtype="<u8").tobytes(),
-                     np.ascontiguousarray(v.tags, dtype="u1").tobytes()))
+    return b"".join(
+        (
+            TIER1_FIXED.pack(v.reader_key, v.violations_total, v.seq_len, n),
+            _i32(v.pages),
+            np.ascontiguousarray(v.row_indices, dtype="<u4").tobytes(),
+            np.ascontiguousarray(v.owner_keys, dtype="<u8").tobytes(),
+            np.ascontiguousarray(v.tags, dtype="u1").tobytes(),
+        )
+    )
 
 
 def reject_payload(r: Reject) -> bytes:
-    return REJECT_FIXED.pack(r.req_key, int(r.phase), ) + _str_bytes(r.reason)
+    return REJECT_FIXED.pack(
+        r.req_key,
+        int(r.phase),
+    ) + _str_bytes(r.reason)
 
 
 def heartbeat_payload(h: Heartbeat) -> bytes:
@@ -623,8 +645,9 @@ def whole_records(buf, start: int = 0, end: int | None = None) -> int:
         pos += length
 
 
-def decode_stream(buf, stats: DecodeStats, start: int = 0, end: int | None = None,
-                  short_tail_ok: bool = False) -> list[Record]:
+def decode_stream(
+    buf, stats: DecodeStats, start: int = 0, end: int | None = None, short_tail_ok: bool = False
+) -> list[Record]:
     """Decode back-to-back records from ``buf[start:end]``.
 
     Never raises on bad bytes. A record of another contract version or of an unknown

@@ -30,8 +30,10 @@ class ErrorBody(BaseModel):
     detail: str
 
 
-AUTH_RESPONSES = {401: {"model": ErrorBody, "description": "missing or wrong bearer token"},
-                  403: {"model": ErrorBody, "description": "no API token configured on this sidecar"}}
+AUTH_RESPONSES = {
+    401: {"model": ErrorBody, "description": "missing or wrong bearer token"},
+    403: {"model": ErrorBody, "description": "no API token configured on this sidecar"},
+}
 
 
 def _event_dict(ev, directory) -> dict:
@@ -46,8 +48,13 @@ def _event_dict(ev, directory) -> dict:
     if key:
         out["rid"] = info.rid if info else f"key:{key:016x}"
         out["tenant"] = info.tenant if info else ""
-    aux_name = {Event.READ: "seq_len", Event.ASSIGN: "row_start", Event.REQ_BEGIN: "prompt_tokens",
-                Event.TRANSFER_WRITE: "sent_tokens", Event.FREE: "free_kind"}.get(Event(int(ev["event"])))
+    aux_name = {
+        Event.READ: "seq_len",
+        Event.ASSIGN: "row_start",
+        Event.REQ_BEGIN: "prompt_tokens",
+        Event.TRANSFER_WRITE: "sent_tokens",
+        Event.FREE: "free_kind",
+    }.get(Event(int(ev["event"])))
     if aux_name:
         out[aux_name] = int(ev["aux"])
     return out
@@ -58,13 +65,17 @@ def create_app(sidecar: Sidecar, registry: CollectorRegistry | None = None, api_
         registry = CollectorRegistry()
         ProcessCollector(registry=registry)  # process_resident_memory_bytes, against the memory budget
     registry.register(KVGuardCollector(sidecar))
-    app = FastAPI(title="kvguard sidecar", version="0.1.0",
-                  description="KV-cache integrity findings, incidents and page/request timelines.")
+    app = FastAPI(
+        title="kvguard sidecar",
+        version="0.1.0",
+        description="KV-cache integrity findings, incidents and page/request timelines.",
+    )
 
     def require_token(request: Request) -> None:
         if not api_token:
-            raise HTTPException(403, "the /v1 API is disabled: no API token configured (KVGUARD_API_TOKEN or "
-                                     "--api-token-file)")
+            raise HTTPException(
+                403, "the /v1 API is disabled: no API token configured (KVGUARD_API_TOKEN or --api-token-file)"
+            )
         header = request.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_token.encode()):
@@ -84,8 +95,11 @@ def create_app(sidecar: Sidecar, registry: CollectorRegistry | None = None, api_
         ok, detail = sidecar.healthy()
         return JSONResponse({"ready": ok, **detail}, status_code=200 if ok else 503)
 
-    @app.get("/metrics", response_class=Response,
-             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text exposition format"}})
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text exposition format"}},
+    )
     def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -100,8 +114,11 @@ def create_app(sidecar: Sidecar, registry: CollectorRegistry | None = None, api_
             found = sidecar.pipeline.incidents.list(state, kind, tenant, limit)
             return {"incidents": [i.to_dict() for i in found]}
 
-    @app.get("/v1/incidents/{incident_id}", dependencies=auth,
-             responses={**AUTH_RESPONSES, 404: {"model": ErrorBody, "description": "no such incident"}})
+    @app.get(
+        "/v1/incidents/{incident_id}",
+        dependencies=auth,
+        responses={**AUTH_RESPONSES, 404: {"model": ErrorBody, "description": "no such incident"}},
+    )
     def get_incident(incident_id: Annotated[str, Path(pattern=INCIDENT_ID)]):
         with sidecar.lock:
             inc = sidecar.pipeline.incidents.incidents.get(incident_id)
@@ -117,17 +134,31 @@ def create_app(sidecar: Sidecar, registry: CollectorRegistry | None = None, api_
             out = []
             for engine_id, t in sidecar.pipeline.engines.items():
                 h = t.hello
-                out.append({"engine": engine_id, "role": sidecar.pipeline.engine_ref(t).role,
-                            "rank": h.tp_rank if h else None, "pid": h.pid if h else None,
-                            "page_size": t.page_size, "pool_pages": h.pool_pages if h else None,
-                            "context_len": h.context_len if h else None, "pages": t.pool.counts_by_state(),
-                            "live_requests": len(t.rows)})
+                out.append(
+                    {
+                        "engine": engine_id,
+                        "role": sidecar.pipeline.engine_ref(t).role,
+                        "rank": h.tp_rank if h else None,
+                        "pid": h.pid if h else None,
+                        "page_size": t.page_size,
+                        "pool_pages": h.pool_pages if h else None,
+                        "context_len": h.context_len if h else None,
+                        "pages": t.pool.counts_by_state(),
+                        "live_requests": len(t.rows),
+                    }
+                )
             return {"engines": out}
 
-    @app.get("/v1/pages/{engine}/{page}/timeline", dependencies=auth,
-             responses={**AUTH_RESPONSES, 404: {"model": ErrorBody, "description": "no such engine or page"}})
-    def page_timeline(engine: Annotated[int, Path(ge=0, le=2**32 - 1)], page: Annotated[int, Path(ge=0, le=2**31 - 1)],
-                      limit: Annotated[int, Query(ge=1, le=5000)] = 200):
+    @app.get(
+        "/v1/pages/{engine}/{page}/timeline",
+        dependencies=auth,
+        responses={**AUTH_RESPONSES, 404: {"model": ErrorBody, "description": "no such engine or page"}},
+    )
+    def page_timeline(
+        engine: Annotated[int, Path(ge=0, le=2**32 - 1)],
+        page: Annotated[int, Path(ge=0, le=2**31 - 1)],
+        limit: Annotated[int, Query(ge=1, le=5000)] = 200,
+    ):
         with sidecar.lock:
             t = sidecar.pipeline.engines.get(engine)
             if t is None:
@@ -136,17 +167,28 @@ def create_app(sidecar: Sidecar, registry: CollectorRegistry | None = None, api_
                 raise HTTPException(404, f"engine {engine} has no page {page} (pool of {t.pool.num_pages})")
             pool = t.pool
             last = t.requests.get(int(pool.last_writer[page]))
-            now = {"state": _state_name(int(pool.state[page])), "generation": int(pool.gen[page]),
-                   "last_writer": (last.rid if last else None), "last_writer_tenant": (last.tenant if last else None)}
+            now = {
+                "state": _state_name(int(pool.state[page])),
+                "generation": int(pool.gen[page]),
+                "last_writer": (last.rid if last else None),
+                "last_writer_tenant": (last.tenant if last else None),
+            }
             history = sidecar.pipeline.history
-            events = [] if history is None else [_event_dict(e, t.requests)
-                                                 for e in history.page_events(engine, page, limit)]
+            events = (
+                []
+                if history is None
+                else [_event_dict(e, t.requests) for e in history.page_events(engine, page, limit)]
+            )
             return {"engine": engine, "page": page, "now": now, "events": events}
 
-    @app.get("/v1/requests/{rid}/timeline", dependencies=auth,
-             responses={**AUTH_RESPONSES, 404: {"model": ErrorBody, "description": "no such request in history"}})
-    def request_timeline(rid: Annotated[str, Path(min_length=1, max_length=MAX_RID)],
-                         limit: Annotated[int, Query(ge=1, le=5000)] = 500):
+    @app.get(
+        "/v1/requests/{rid}/timeline",
+        dependencies=auth,
+        responses={**AUTH_RESPONSES, 404: {"model": ErrorBody, "description": "no such request in history"}},
+    )
+    def request_timeline(
+        rid: Annotated[str, Path(min_length=1, max_length=MAX_RID)], limit: Annotated[int, Query(ge=1, le=5000)] = 500
+    ):
         key = wire.request_key(rid)
         with sidecar.lock:
             out = _request_entries(sidecar, key, rid, limit)
@@ -172,9 +214,16 @@ def _request_entries(sidecar: Sidecar, key: int, rid: str, limit: int) -> list[d
         info = t.requests.get(key)
         if info is None and not events:
             continue
-        out.append({"engine": engine_id, "role": sidecar.pipeline.engine_ref(t).role, "rid": rid,
-                    "tenant": info.tenant if info else None, "finish": info.finish if info else None,
-                    "events": [_event_dict(e, t.requests) for e in events]})
+        out.append(
+            {
+                "engine": engine_id,
+                "role": sidecar.pipeline.engine_ref(t).role,
+                "rid": rid,
+                "tenant": info.tenant if info else None,
+                "finish": info.finish if info else None,
+                "events": [_event_dict(e, t.requests) for e in events],
+            }
+        )
     return out
 
 
@@ -212,6 +261,9 @@ def _incident_timeline(sidecar: Sidecar, inc, limit: int = 50) -> list[dict]:
     key = wire.request_key(inc.reader["rid"])
     for t in sidecar.pipeline.engines.values():
         if t.hello is not None and t.hello.pid == inc.engine["pid"]:
-            return [_event_dict(e, t.requests) for e in history.request_events(key, limit)
-                    if int(e["engine"]) == t.engine_id]
+            return [
+                _event_dict(e, t.requests)
+                for e in history.request_events(key, limit)
+                if int(e["engine"]) == t.engine_id
+            ]
     return []

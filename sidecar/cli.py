@@ -125,9 +125,18 @@ def _run_sidecar(args, sinks, token, tracer, ledger: dict) -> int:
             return 2
     raise_fd_limit(args.max_rings)  # the soft limit up to the hard one, as far as --max-rings needs
     try:
-        sidecar = Sidecar(args.ring_dir, sinks=sinks, recorder=recorder, history_events=args.history_events,
-                          isolate_tenants=args.isolate_tenants, tracer=tracer, ttft_anomaly=args.ttft_anomaly,
-                          max_rings=args.max_rings, memory_budget=args.memory_budget, **ledger).start()
+        sidecar = Sidecar(
+            args.ring_dir,
+            sinks=sinks,
+            recorder=recorder,
+            history_events=args.history_events,
+            isolate_tenants=args.isolate_tenants,
+            tracer=tracer,
+            ttft_anomaly=args.ttft_anomaly,
+            max_rings=args.max_rings,
+            memory_budget=args.memory_budget,
+            **ledger,
+        ).start()
     except ValueError as exc:  # a bad ledger setting or a budget too small: named with its value
         print(f"kvguard sidecar: {exc}", file=sys.stderr)
         return 2
@@ -143,16 +152,28 @@ def _run_sidecar(args, sinks, token, tracer, ledger: dict) -> int:
     if cap < args.max_rings:
         logging.getLogger("kvguard").warning(
             "the file descriptor limit (%d) allows %d attached rings, fewer than --max-rings %d: rings past %d wait "
-            "(raise the limit: ulimit -n)", fd_limit(), cap, args.max_rings, cap)
+            "(raise the limit: ulimit -n)",
+            fd_limit(),
+            cap,
+            args.max_rings,
+            cap,
+        )
     host, port = args.listen
     app = create_app(sidecar, api_token=token)
     from .http_server import guarded_protocol
 
     # bounded: at most --http-max-connections open connections, each with a deadline for its
     # request head (sidecar/http_server.py); requests past the cap are answered 503
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=host, port=port, log_level="warning", limit_concurrency=args.http_max_connections,
-        http=guarded_protocol(args.http_max_connections, args.http_request_timeout_s)))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            limit_concurrency=args.http_max_connections,
+            http=guarded_protocol(args.http_max_connections, args.http_request_timeout_s),
+        )
+    )
     logging.getLogger("kvguard").info("kvguard sidecar: rings in %s, serving http://%s:%d", args.ring_dir, host, port)
     try:
         # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again: SIGTERM
@@ -180,8 +201,10 @@ COMMAND_MODULES: list[tuple[str, str]] = [
 
 # `kvguard demo` and `kvguard model` come from the kvguard-demo distribution (demo/),
 # which engine and sidecar images do not install; without it they say where it is.
-DEMO_COMMANDS = {"demo": "catch the 2026 KV exposure on a real SGLang prefill/decode pair on CPU",
-                 "model": "write test models for the engine demos and tests"}
+DEMO_COMMANDS = {
+    "demo": "catch the 2026 KV exposure on a real SGLang prefill/decode pair on CPU",
+    "model": "write test models for the engine demos and tests",
+}
 
 
 def _register_demo(sub) -> None:
@@ -198,8 +221,11 @@ def _register_demo(sub) -> None:
 
 
 def _demo_missing(args) -> int:
-    print(f"kvguard {args.command}: the kvguard-demo package is not installed "
-          "(from a checkout: `make venv`, or pip install -e . -e demo/)", file=sys.stderr)
+    print(
+        f"kvguard {args.command}: the kvguard-demo package is not installed "
+        "(from a checkout: `make venv`, or pip install -e . -e demo/)",
+        file=sys.stderr,
+    )
     return 1
 
 
@@ -214,58 +240,126 @@ def build_parser() -> argparse.ArgumentParser:
     _register_demo(sub)
 
     p = sub.add_parser("sidecar", help="watch engine rings, raise findings, serve /metrics and /healthz")
-    p.add_argument("--ring-dir", default=ring_dir(), help="directory of engine rings (default $KVGUARD_RING_DIR "
-                   "or /dev/shm/kvguard)")
-    p.add_argument("--listen", type=parse_listen, default=("127.0.0.1", 9464), help="HOST:PORT (default "
-                   "127.0.0.1:9464)")
-    p.add_argument("--http-max-connections", type=_positive_int, default=DEFAULT_MAX_CONNECTIONS,
-                   help="most HTTP connections open at once; more are closed at once (default %(default)s)")
-    p.add_argument("--http-request-timeout-s", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
-                   help="close a connection that has not sent a complete request head this long after it "
-                        "connected or got its last answer (default %(default)s)")
+    p.add_argument(
+        "--ring-dir",
+        default=ring_dir(),
+        help="directory of engine rings (default $KVGUARD_RING_DIR or /dev/shm/kvguard)",
+    )
+    p.add_argument(
+        "--listen", type=parse_listen, default=("127.0.0.1", 9464), help="HOST:PORT (default 127.0.0.1:9464)"
+    )
+    p.add_argument(
+        "--http-max-connections",
+        type=_positive_int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="most HTTP connections open at once; more are closed at once (default %(default)s)",
+    )
+    p.add_argument(
+        "--http-request-timeout-s",
+        type=float,
+        default=DEFAULT_REQUEST_TIMEOUT_S,
+        help="close a connection that has not sent a complete request head this long after it "
+        "connected or got its last answer (default %(default)s)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per finding on stdout")
-    p.add_argument("--pagerduty", action="store_true", help="page PagerDuty (Events API v2) with the routing key "
-                   "in $KVGUARD_PAGERDUTY_ROUTING_KEY")
-    p.add_argument("--pagerduty-routing-key-file", default=None, help="file holding the PagerDuty routing key "
-                   "(implies --pagerduty)")
-    p.add_argument("--pagerduty-url", default=None, help="Events API endpoint (default: PagerDuty's; for proxies "
-                   "and tests)")
+    p.add_argument(
+        "--pagerduty",
+        action="store_true",
+        help="page PagerDuty (Events API v2) with the routing key in $KVGUARD_PAGERDUTY_ROUTING_KEY",
+    )
+    p.add_argument(
+        "--pagerduty-routing-key-file",
+        default=None,
+        help="file holding the PagerDuty routing key (implies --pagerduty)",
+    )
+    p.add_argument(
+        "--pagerduty-url", default=None, help="Events API endpoint (default: PagerDuty's; for proxies and tests)"
+    )
     p.add_argument("--alertmanager-url", default=None, help="post alerts to this Alertmanager (http://HOST:9093)")
-    p.add_argument("--ttft-anomaly", action=argparse.BooleanOptionalAction, default=True,
-                   help="flag requests whose time to first token is implausibly short for their uncached prompt "
-                   "and whose forwards did not write it (ttft_anomaly; on by default)")
-    p.add_argument("--isolate-tenants", action="store_true", help="report prefix-cache pages written by one "
-                   "tenant and read by another (cross_tenant_prefix_share); off by default")
-    p.add_argument("--api-token-file", default=None, help="file holding the bearer token for /v1 (default: "
-                   "$KVGUARD_API_TOKEN; without one /v1 answers 403)")
-    p.add_argument("--ledger", default=None, help="where transfers are paired: 'memory' (one sidecar sees "
-                   "prefill and decode) or redis://HOST:PORT/DB shared by the prefill and decode pods' sidecars "
-                   "(default $KVGUARD_LEDGER, else memory)")
-    p.add_argument("--ledger-cluster", default=os.environ.get("KVGUARD_CLUSTER", "default"),
-                   help="name of this deployment in a shared ledger, so that two clusters sharing one Redis "
-                   "never pair each other's transfers (default $KVGUARD_CLUSTER, else 'default')")
-    p.add_argument("--orphan-timeout-s", type=float, default=120.0, help="report decode pages reserved for a "
-                   "transfer whose prefill never reported within this many seconds (orphan_transfer; default 120)")
-    p.add_argument("--max-rings", type=_positive_int, default=DEFAULT_MAX_RINGS,
-                   help="most engine rings attached at once; more are counted in kvguard_ring_errors_total and "
-                        "wait until one detaches (default %(default)s; each ring holds 2 file descriptors, and a "
-                        "lower file descriptor limit lowers it)")
-    p.add_argument("--history-events", type=_positive_int, default=1 << 20,
-                   help="events kept for timelines (40 bytes each; default 1048576)")
+    p.add_argument(
+        "--ttft-anomaly",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="flag requests whose time to first token is implausibly short for their uncached prompt "
+        "and whose forwards did not write it (ttft_anomaly; on by default)",
+    )
+    p.add_argument(
+        "--isolate-tenants",
+        action="store_true",
+        help="report prefix-cache pages written by one "
+        "tenant and read by another (cross_tenant_prefix_share); off by default",
+    )
+    p.add_argument(
+        "--api-token-file",
+        default=None,
+        help="file holding the bearer token for /v1 (default: $KVGUARD_API_TOKEN; without one /v1 answers 403)",
+    )
+    p.add_argument(
+        "--ledger",
+        default=None,
+        help="where transfers are paired: 'memory' (one sidecar sees "
+        "prefill and decode) or redis://HOST:PORT/DB shared by the prefill and decode pods' sidecars "
+        "(default $KVGUARD_LEDGER, else memory)",
+    )
+    p.add_argument(
+        "--ledger-cluster",
+        default=os.environ.get("KVGUARD_CLUSTER", "default"),
+        help="name of this deployment in a shared ledger, so that two clusters sharing one Redis "
+        "never pair each other's transfers (default $KVGUARD_CLUSTER, else 'default')",
+    )
+    p.add_argument(
+        "--orphan-timeout-s",
+        type=float,
+        default=120.0,
+        help="report decode pages reserved for a "
+        "transfer whose prefill never reported within this many seconds (orphan_transfer; default 120)",
+    )
+    p.add_argument(
+        "--max-rings",
+        type=_positive_int,
+        default=DEFAULT_MAX_RINGS,
+        help="most engine rings attached at once; more are counted in kvguard_ring_errors_total and "
+        "wait until one detaches (default %(default)s; each ring holds 2 file descriptors, and a "
+        "lower file descriptor limit lowers it)",
+    )
+    p.add_argument(
+        "--history-events",
+        type=_positive_int,
+        default=1 << 20,
+        help="events kept for timelines (40 bytes each; default 1048576)",
+    )
     from .memory_budget import DEFAULT_BUDGET_BYTES
     from .recorder import DEFAULT_MAX_BYTES, parse_bytes, parse_seconds
 
-    p.add_argument("--memory-budget", type=parse_bytes, default=DEFAULT_BUDGET_BYTES,
-                   help="what the sidecar's state may cost, e.g. 384M, 1G (default 384M, for a 512Mi limit): the "
-                        "ended-request directories get what the runtime, the history and the engines' page models "
-                        "leave; kvguard_memory_bytes{part} shows the estimate (docs/operations.md, Sizing)")
+    p.add_argument(
+        "--memory-budget",
+        type=parse_bytes,
+        default=DEFAULT_BUDGET_BYTES,
+        help="what the sidecar's state may cost, e.g. 384M, 1G (default 384M, for a 512Mi limit): the "
+        "ended-request directories get what the runtime, the history and the engines' page models "
+        "leave; kvguard_memory_bytes{part} shows the estimate (docs/operations.md, Sizing)",
+    )
 
-    p.add_argument("--record-dir", default=None, help="record the record stream into rotating segment files "
-                   "here, for `kvguard replay` (docs/recording-api.md); off by default")
-    p.add_argument("--record-max-bytes", type=parse_bytes, default=DEFAULT_MAX_BYTES, help="disk budget of the "
-                   "recording, all segments together, e.g. 512M, 4G (default 1G); oldest segments go first")
-    p.add_argument("--record-max-age", type=parse_seconds, default=None, help="delete segments older than this, "
-                   "e.g. 90m, 24h, 7d (default: only --record-max-bytes bounds the recording)")
+    p.add_argument(
+        "--record-dir",
+        default=None,
+        help="record the record stream into rotating segment files "
+        "here, for `kvguard replay` (docs/recording-api.md); off by default",
+    )
+    p.add_argument(
+        "--record-max-bytes",
+        type=parse_bytes,
+        default=DEFAULT_MAX_BYTES,
+        help="disk budget of the "
+        "recording, all segments together, e.g. 512M, 4G (default 1G); oldest segments go first",
+    )
+    p.add_argument(
+        "--record-max-age",
+        type=parse_seconds,
+        default=None,
+        help="delete segments older than this, "
+        "e.g. 90m, 24h, 7d (default: only --record-max-bytes bounds the recording)",
+    )
     p.set_defaults(func=cmd_sidecar)
 
     return parser
@@ -282,8 +376,11 @@ def _terminate(signum, frame):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.func(args)

@@ -38,8 +38,9 @@ EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_AUTH = 0, 1, 2, 3, 4
 def load_generator(src: Path):
     """Import ``kvguard_dashboards`` from ``src`` (a source tree, not an installed package)."""
     if not (src / "kvguard_dashboards" / "__init__.py").is_file():
-        raise ValueError(f"--src {str(src)!r}: no kvguard_dashboards package there (dashboards/src of the "
-                         f"kvguard source tree)")
+        raise ValueError(
+            f"--src {str(src)!r}: no kvguard_dashboards package there (dashboards/src of the kvguard source tree)"
+        )
     sys.path.insert(0, str(src))
     try:
         return importlib.import_module("kvguard_dashboards")
@@ -59,8 +60,9 @@ def cmd_generate(args) -> int:
         for name in stale:
             print(f"{out / name}: not what dashboards/src generates", file=sys.stderr)
         if stale:
-            print("kvguard dashboards generate: run `kvguard dashboards generate` and commit the result",
-                  file=sys.stderr)
+            print(
+                "kvguard dashboards generate: run `kvguard dashboards generate` and commit the result", file=sys.stderr
+            )
         return EXIT_REFUSED if stale else EXIT_OK
     for name in generator.write_all(out):
         print(out / name)
@@ -87,8 +89,9 @@ def grafana_url(url: str) -> str:
     """Grafana's root URL, checked; a sub-path keeps a trailing slash (grafana-client appends ``api``)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise PushError(EXIT_USAGE, f"--url: expected http(s)://HOST[:PORT][/PATH] (Grafana's root URL), "
-                                    f"got {redact(url)!r}")
+        raise PushError(
+            EXIT_USAGE, f"--url: expected http(s)://HOST[:PORT][/PATH] (Grafana's root URL), got {redact(url)!r}"
+        )
     path = parts.path.rstrip("/")
     return urlunsplit(parts._replace(path=path + "/" if path else ""))
 
@@ -108,8 +111,11 @@ def load_token(path: str | None) -> str | None:
 def load_dashboards(directory: Path) -> list[tuple[str, dict]]:
     files = sorted(directory.glob("*.json")) if directory.is_dir() else []
     if not files:
-        raise PushError(EXIT_USAGE, f"--dir {str(directory)!r}: no dashboard JSON files (run `kvguard dashboards "
-                                    f"generate`, or pass dashboards/generated of the kvguard source tree)")
+        raise PushError(
+            EXIT_USAGE,
+            f"--dir {str(directory)!r}: no dashboard JSON files (run `kvguard dashboards "
+            f"generate`, or pass dashboards/generated of the kvguard source tree)",
+        )
     out = []
     for f in files:
         try:
@@ -129,35 +135,49 @@ def explain(exc: Exception, where: str) -> PushError:
     if isinstance(exc, requests.exceptions.ConnectionError):
         return PushError(EXIT_UNREACHABLE, f"cannot connect to Grafana at {where}: {_reason(exc)}")
     if isinstance(exc, GrafanaServerError):
-        return PushError(EXIT_UNREACHABLE, f"Grafana at {where} failed (HTTP {exc.status_code}: "
-                                           f"{_message(exc.response)}); try again later")
+        return PushError(
+            EXIT_UNREACHABLE,
+            f"Grafana at {where} failed (HTTP {exc.status_code}: {_message(exc.response)}); try again later",
+        )
     if isinstance(exc, GrafanaClientError):
         return _client_error(exc.status_code, exc.response, where)
     if isinstance(exc, GrafanaException):
         return PushError(EXIT_REFUSED, f"Grafana at {where}: {exc.message}")
     if isinstance(exc, ValueError):  # a 2xx that is not JSON: a login page, a proxy
-        return PushError(EXIT_UNREACHABLE, f"{where} answered, but not like Grafana's HTTP API (no JSON): is "
-                                           f"--url Grafana's root URL?")
+        return PushError(
+            EXIT_UNREACHABLE,
+            f"{where} answered, but not like Grafana's HTTP API (no JSON): is --url Grafana's root URL?",
+        )
     return PushError(EXIT_UNREACHABLE, f"upload to {where} failed: {type(exc).__name__}: {exc}")
 
 
 def _client_error(status: int, response, where: str) -> PushError:
     message = _message(response)
     if status == 401:
-        return PushError(EXIT_AUTH, f"Grafana at {where} rejected the credentials (HTTP 401: {message}): check "
-                                    f"--token-file or ${TOKEN_ENV}")
+        return PushError(
+            EXIT_AUTH,
+            f"Grafana at {where} rejected the credentials (HTTP 401: {message}): check --token-file or ${TOKEN_ENV}",
+        )
     if status == 403:
-        return PushError(EXIT_AUTH, f"Grafana at {where} denied the upload (HTTP 403: {message}): the token needs "
-                                    f"the Editor role (or dashboards:write) on the folder")
+        return PushError(
+            EXIT_AUTH,
+            f"Grafana at {where} denied the upload (HTTP 403: {message}): the token needs "
+            f"the Editor role (or dashboards:write) on the folder",
+        )
     if status == 412:
         reason = response.get("status", "") if isinstance(response, dict) else ""
-        hint = {"version-mismatch": "the dashboard was changed in Grafana since (or pushed before); the "
-                                    "repository is the source of truth: re-run with --overwrite to replace it",
-                "name-exists": "another dashboard in that folder has the same title; re-run with --overwrite "
-                               "to replace it, or pick another --folder-uid",
-                "plugin-dashboard": "a plugin owns it; re-run with --overwrite to replace it"}.get(reason, "")
-        return PushError(EXIT_REFUSED, f"Grafana refused it (HTTP 412 {reason or 'precondition failed'}: "
-                                       f"{message})" + (f": {hint}" if hint else ""))
+        hint = {
+            "version-mismatch": "the dashboard was changed in Grafana since (or pushed before); the "
+            "repository is the source of truth: re-run with --overwrite to replace it",
+            "name-exists": "another dashboard in that folder has the same title; re-run with --overwrite "
+            "to replace it, or pick another --folder-uid",
+            "plugin-dashboard": "a plugin owns it; re-run with --overwrite to replace it",
+        }.get(reason, "")
+        return PushError(
+            EXIT_REFUSED,
+            f"Grafana refused it (HTTP 412 {reason or 'precondition failed'}: "
+            f"{message})" + (f": {hint}" if hint else ""),
+        )
     if status == 404:
         return PushError(EXIT_REFUSED, f"Grafana answered 404 ({message}): does --folder-uid exist?")
     return PushError(EXIT_REFUSED, f"Grafana refused it (HTTP {status}: {message})")
@@ -175,8 +195,16 @@ def _reason(exc: BaseException) -> str:
     return m.group(0).strip() if m else type(exc).__name__
 
 
-def push(url: str, token: str | None, dashboards: list[tuple[str, dict]], folder_uid: str | None = None,
-         overwrite: bool = False, timeout_s: float = 10.0, out=None, err=None) -> int:
+def push(
+    url: str,
+    token: str | None,
+    dashboards: list[tuple[str, dict]],
+    folder_uid: str | None = None,
+    overwrite: bool = False,
+    timeout_s: float = 10.0,
+    out=None,
+    err=None,
+) -> int:
     """Upload each dashboard; stop at the first failure that would fail the rest the same way."""
     out, err = out or sys.stdout, err or sys.stderr
     from grafana_client import GrafanaApi
@@ -184,8 +212,7 @@ def push(url: str, token: str | None, dashboards: list[tuple[str, dict]], folder
     api = GrafanaApi.from_url(url, credential=token, timeout=timeout_s)
     where, worst = redact(url), EXIT_OK
     for name, dashboard in dashboards:
-        body = {"dashboard": {**dashboard, "id": None}, "overwrite": overwrite,
-                "message": "kvguard dashboards push"}
+        body = {"dashboard": {**dashboard, "id": None}, "overwrite": overwrite, "message": "kvguard dashboards push"}
         if folder_uid:
             body["folderUid"] = folder_uid
         try:
@@ -197,8 +224,11 @@ def push(url: str, token: str | None, dashboards: list[tuple[str, dict]], folder
             if failure.code in (EXIT_UNREACHABLE, EXIT_AUTH):
                 return failure.code
             continue
-        print(f"{name}: {where.rstrip('/')}{answer.get('url', '')} (uid {answer.get('uid')}, "
-              f"version {answer.get('version')})", file=out)
+        print(
+            f"{name}: {where.rstrip('/')}{answer.get('url', '')} (uid {answer.get('uid')}, "
+            f"version {answer.get('version')})",
+            file=out,
+        )
     return worst
 
 
@@ -224,29 +254,51 @@ def _positive_float(value: str) -> float:
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("dashboards", help="regenerate the Grafana dashboards, or upload them to Grafana",
-                              description="Grafana dashboards as code (docs/dashboards.md).")
+    p = subparsers.add_parser(
+        "dashboards",
+        help="regenerate the Grafana dashboards, or upload them to Grafana",
+        description="Grafana dashboards as code (docs/dashboards.md).",
+    )
     sub = p.add_subparsers(dest="dashboards_command", required=True, metavar="ACTION")
-    g = sub.add_parser("generate", help="write dashboards/generated/*.json from dashboards/src",
-                       description="Run the dashboards-as-code sources and write the JSON Grafana loads.")
+    g = sub.add_parser(
+        "generate",
+        help="write dashboards/generated/*.json from dashboards/src",
+        description="Run the dashboards-as-code sources and write the JSON Grafana loads.",
+    )
     g.add_argument("--src", default=str(DASHBOARDS_DIR / "src"), help="the sources (default: %(default)s)")
-    g.add_argument("--out", default=str(DASHBOARDS_DIR / "generated"), help="where the JSON goes "
-                   "(default: %(default)s)")
-    g.add_argument("--check", action="store_true", help="write nothing; exit 1 if the JSON in --out is not what "
-                   "the sources generate")
+    g.add_argument(
+        "--out", default=str(DASHBOARDS_DIR / "generated"), help="where the JSON goes (default: %(default)s)"
+    )
+    g.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 if the JSON in --out is not what the sources generate",
+    )
     g.set_defaults(func=cmd_generate)
-    u = sub.add_parser("push", help="upload the generated dashboards through Grafana's HTTP API",
-                       description="Upload dashboards/generated/*.json with POST /api/dashboards/db. Exit codes: "
-                                   "0 uploaded, 1 refused by Grafana, 2 bad arguments, 3 Grafana unreachable or "
-                                   "failing, 4 credentials rejected.")
+    u = sub.add_parser(
+        "push",
+        help="upload the generated dashboards through Grafana's HTTP API",
+        description="Upload dashboards/generated/*.json with POST /api/dashboards/db. Exit codes: "
+        "0 uploaded, 1 refused by Grafana, 2 bad arguments, 3 Grafana unreachable or "
+        "failing, 4 credentials rejected.",
+    )
     u.add_argument("--url", required=True, help="Grafana's root URL, e.g. http://grafana:3000")
-    u.add_argument("--token-file", default=None, help=f"file holding a Grafana service account token (default: "
-                   f"${TOKEN_ENV}; without either, user:password in --url or anonymous)")
-    u.add_argument("--dir", default=str(DASHBOARDS_DIR / "generated"), help="the dashboard JSON files "
-                   "(default: %(default)s)")
+    u.add_argument(
+        "--token-file",
+        default=None,
+        help=f"file holding a Grafana service account token (default: "
+        f"${TOKEN_ENV}; without either, user:password in --url or anonymous)",
+    )
+    u.add_argument(
+        "--dir", default=str(DASHBOARDS_DIR / "generated"), help="the dashboard JSON files (default: %(default)s)"
+    )
     u.add_argument("--folder-uid", default=None, help="Grafana folder to put them in (default: General)")
-    u.add_argument("--overwrite", action="store_true", help="replace the dashboards in Grafana even if they were "
-                   "changed there since (the repository is the source of truth)")
+    u.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the dashboards in Grafana even if they were "
+        "changed there since (the repository is the source of truth)",
+    )
     u.add_argument("--timeout", type=_positive_float, default=10.0, help="seconds per request (default 10)")
     u.set_defaults(func=cmd_push)
     return p

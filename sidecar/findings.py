@@ -42,7 +42,11 @@ class Finding:
     def to_dict(self) -> dict:
         reader = None
         if self.reader is not None:
-            reader = {"rid": self.reader.rid, "tenant": self.reader.tenant, "bootstrap_room": self.reader.bootstrap_room}
+            reader = {
+                "rid": self.reader.rid,
+                "tenant": self.reader.tenant,
+                "bootstrap_room": self.reader.bootstrap_room,
+            }
         return {
             "kind": self.kind,
             "severity": self.severity,

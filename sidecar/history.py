@@ -17,10 +17,18 @@ import enum
 
 import numpy as np
 
-EVENT_DTYPE = np.dtype([
-    ("ts_ns", "<i8"), ("req_key", "<u8"), ("engine", "<u4"), ("page", "<i4"), ("gen", "<u4"), ("aux", "<u4"),
-    ("event", "u1"), ("_pad", "V7"),
-])
+EVENT_DTYPE = np.dtype(
+    [
+        ("ts_ns", "<i8"),
+        ("req_key", "<u8"),
+        ("engine", "<u4"),
+        ("page", "<i4"),
+        ("gen", "<u4"),
+        ("aux", "<u4"),
+        ("event", "u1"),
+        ("_pad", "V7"),
+    ]
+)
 assert EVENT_DTYPE.itemsize == 40, EVENT_DTYPE.itemsize
 
 

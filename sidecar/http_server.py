@@ -34,7 +34,9 @@ class HttpConfigError(ValueError):
 
 def check_limits(max_connections: int, request_timeout_s: float) -> None:
     if max_connections < 4:
-        raise HttpConfigError(f"--http-max-connections: expected at least 4 (probes and a scrape), got {max_connections}")
+        raise HttpConfigError(
+            f"--http-max-connections: expected at least 4 (probes and a scrape), got {max_connections}"
+        )
     if not 0 < request_timeout_s <= 300:
         raise HttpConfigError(f"--http-request-timeout-s: expected seconds in (0, 300], got {request_timeout_s}")
 

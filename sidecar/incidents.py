@@ -37,10 +37,23 @@ STORED_FINDING_BYTES = 3_000  # one finding kept as a dict (Finding.to_dict), no
 PAGE_ID_BYTES = 40  # a page id kept in a set (the incident's unions) or a list (a stored finding): ~35 B measured
 DEFAULT_MAX_BYTES = 32 << 20
 SEVERITY_RANK = {"info": 0, "warning": 1, CRITICAL: 2}
-READER_KINDS = {"unwritten_read", "foreign_read", "use_after_free", "late_write", "transfer_size_mismatch",
-                "checksum_mismatch", "ttft_anomaly", "cross_tenant_prefix_share"}
+READER_KINDS = {
+    "unwritten_read",
+    "foreign_read",
+    "use_after_free",
+    "late_write",
+    "transfer_size_mismatch",
+    "checksum_mismatch",
+    "ttft_anomaly",
+    "cross_tenant_prefix_share",
+}
 # resolve after a quiet period rather than with their reader (a ttft verdict is made as the request ends)
-QUIET_KINDS = {"events_lost", "double_free", "ttft_anomaly", "ledger_degraded"}  # ledger_degraded repeats while it lasts
+QUIET_KINDS = {
+    "events_lost",
+    "double_free",
+    "ttft_anomaly",
+    "ledger_degraded",
+}  # ledger_degraded repeats while it lasts
 
 
 def incident_key(f: Finding) -> tuple:
@@ -111,22 +124,35 @@ class Incident:
             self.evidence["last_missing_seq"] = f.evidence.get("first_missing_seq")
             self.evidence["engine_records_lost_total"] = f.evidence.get("engine_records_lost_total")
         total, gaps = self.evidence.get("records_lost", 0), self.evidence["gaps"]
-        self.summary = (f"{self.engine['role']} rank {self.engine['rank']}: {total} records lost in {gaps} "
-                        f"gap{'s' if gaps != 1 else ''} (ring full or unreadable); page ownership is unknown until "
-                        f"pages are reallocated: reads in these windows are not verified")
+        self.summary = (
+            f"{self.engine['role']} rank {self.engine['rank']}: {total} records lost in {gaps} "
+            f"gap{'s' if gaps != 1 else ''} (ring full or unreadable); page ownership is unknown until "
+            f"pages are reallocated: reads in these windows are not verified"
+        )
 
     def tenants_exposed(self) -> list[str]:
         return sorted({e["tenant"] or "?" for e in self.exposed.values()})
 
     def to_dict(self, with_findings: bool = False) -> dict:
         d = {
-            "id": self.id, "kind": self.kind, "severity": self.severity, "state": self.state,
-            "engine": self.engine, "reader": self.reader, "first_seen_ns": self.first_seen_ns,
-            "last_seen_ns": self.last_seen_ns, "count": self.count, "summary": self.summary,
-            "pages": sorted(self.pages), "tenants_exposed": self.tenants_exposed(),
-            "exposed": [{"rid": e["rid"], "tenant": e["tenant"], "pages": sorted(e["pages"])}
-                        for e in self.exposed.values()],
-            "evidence": self.evidence, "resolved_ns": self.resolved_ns, "resolution": self.resolution,
+            "id": self.id,
+            "kind": self.kind,
+            "severity": self.severity,
+            "state": self.state,
+            "engine": self.engine,
+            "reader": self.reader,
+            "first_seen_ns": self.first_seen_ns,
+            "last_seen_ns": self.last_seen_ns,
+            "count": self.count,
+            "summary": self.summary,
+            "pages": sorted(self.pages),
+            "tenants_exposed": self.tenants_exposed(),
+            "exposed": [
+                {"rid": e["rid"], "tenant": e["tenant"], "pages": sorted(e["pages"])} for e in self.exposed.values()
+            ],
+            "evidence": self.evidence,
+            "resolved_ns": self.resolved_ns,
+            "resolution": self.resolution,
         }
         if with_findings:
             d["findings"] = self.findings
@@ -139,8 +165,13 @@ class IncidentStore:
     resolved incident goes first, else the oldest firing one other than the incident just
     updated (``evicted`` counts them). No I/O."""
 
-    def __init__(self, max_incidents: int = 10_000, max_findings_per_incident: int = 20,
-                 quiet_resolve_ns: int = 300 * 10**9, max_bytes: int = DEFAULT_MAX_BYTES):
+    def __init__(
+        self,
+        max_incidents: int = 10_000,
+        max_findings_per_incident: int = 20,
+        quiet_resolve_ns: int = 300 * 10**9,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ):
         self.max_incidents = max_incidents
         self.max_findings = max_findings_per_incident
         self.max_bytes = max_bytes
@@ -162,9 +193,19 @@ class IncidentStore:
                 reader = {"rid": f.reader.rid, "tenant": f.reader.tenant, "bootstrap_room": f.reader.bootstrap_room}
                 if f.kind not in QUIET_KINDS:
                     self._by_reader.setdefault((f.engine.pid, f.reader.rid), set()).add(iid)
-            inc = Incident(iid, f.kind, f.severity, {"role": f.engine.role, "rank": f.engine.rank,
-                                                      "pid": f.engine.pid},
-                           reader, FIRING, f.first_seen_ns, f.first_seen_ns, 0, f.summary, evidence=dict(f.evidence))
+            inc = Incident(
+                iid,
+                f.kind,
+                f.severity,
+                {"role": f.engine.role, "rank": f.engine.rank, "pid": f.engine.pid},
+                reader,
+                FIRING,
+                f.first_seen_ns,
+                f.first_seen_ns,
+                0,
+                f.summary,
+                evidence=dict(f.evidence),
+            )
             self.incidents[iid] = inc
             self.nbytes += inc.nbytes
         elif inc.state == RESOLVED:
@@ -201,17 +242,24 @@ class IncidentStore:
     def on_engine_hello(self, pid: int, role: str, safe: bool, ts_ns: int) -> list[Incident]:
         if not safe:
             return []
-        return self._resolve_where(lambda i: i.kind == "pool_smaller_than_context" and i.engine["role"] == role
-                                   and i.engine["pid"] == pid, ts_ns, "the engine reports a pool >= context")
+        return self._resolve_where(
+            lambda i: i.kind == "pool_smaller_than_context" and i.engine["role"] == role and i.engine["pid"] == pid,
+            ts_ns,
+            "the engine reports a pool >= context",
+        )
 
     def on_engine_gone(self, pid: int, ts_ns: int) -> list[Incident]:
-        return self._resolve_where(lambda i: i.kind == "pool_smaller_than_context" and i.engine["pid"] == pid,
-                                   ts_ns, "the engine exited")
+        return self._resolve_where(
+            lambda i: i.kind == "pool_smaller_than_context" and i.engine["pid"] == pid, ts_ns, "the engine exited"
+        )
 
     def tick(self, now_ns: int) -> list[Incident]:
         """Resolve quiet incidents (events_lost, double_free) after ``quiet_resolve_ns`` without repeats."""
-        return self._resolve_where(lambda i: i.kind in QUIET_KINDS and now_ns - i.last_seen_ns >= self.quiet_resolve_ns,
-                                   now_ns, "no recurrence")
+        return self._resolve_where(
+            lambda i: i.kind in QUIET_KINDS and now_ns - i.last_seen_ns >= self.quiet_resolve_ns,
+            now_ns,
+            "no recurrence",
+        )
 
     def _resolve_where(self, pred, ts_ns: int, why: str) -> list[Incident]:
         out = [i for i in self.incidents.values() if i.state == FIRING and pred(i)]
@@ -230,8 +278,9 @@ class IncidentStore:
                 out[inc.kind] = out.get(inc.kind, 0) + 1
         return out
 
-    def list(self, state: str | None = None, kind: str | None = None, tenant: str | None = None,
-             limit: int = 100) -> list[Incident]:
+    def list(
+        self, state: str | None = None, kind: str | None = None, tenant: str | None = None, limit: int = 100
+    ) -> list[Incident]:
         out = []
         for inc in reversed(self.incidents.values()):
             if state and inc.state != state or kind and inc.kind != kind:

@@ -47,8 +47,9 @@ class IngestStats:
     last_error: str = ""
     dropped_before_attach: dict = field(default_factory=dict)
     # decode counters of rings already retired, so exported totals never go down
-    retired_invalid: dict = field(default_factory=lambda: {"unknown_kind": 0, "bad_version": 0, "bad_payload": 0,
-                                                           "foreign_engine": 0})
+    retired_invalid: dict = field(
+        default_factory=lambda: {"unknown_kind": 0, "bad_version": 0, "bad_payload": 0, "foreign_engine": 0}
+    )
     retired_corrupt_bytes: int = 0
 
 
@@ -80,9 +81,14 @@ def _entry_key(st: os.stat_result) -> tuple[int, int, int]:
 
 
 def _kind_of(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
-                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device")):
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
         if test(mode):
             return name
     return f"not a regular file (mode {mode:o})"
@@ -114,8 +120,14 @@ def raise_fd_limit(max_rings: int) -> int:
 
 
 class RingSet:
-    def __init__(self, directory: str, slack_ns: int = 50_000_000, remove_dead: bool = True,
-                 max_rings: int = DEFAULT_MAX_RINGS, rescan_s: float = RESCAN_S):
+    def __init__(
+        self,
+        directory: str,
+        slack_ns: int = 50_000_000,
+        remove_dead: bool = True,
+        max_rings: int = DEFAULT_MAX_RINGS,
+        rescan_s: float = RESCAN_S,
+    ):
         if max_rings < 1:
             raise ValueError(f"--max-rings must be >= 1, got {max_rings}")
         self.directory = directory
@@ -201,13 +213,21 @@ class RingSet:
                     continue
                 del self.refused[path]  # changed: looked at again
             if not stat.S_ISREG(st.st_mode):
-                self._refuse(path, key, f"{_kind_of(st.st_mode)}, not a regular file: only ring files the "
-                                        f"engines create are attached (symbolic links are never followed)")
+                self._refuse(
+                    path,
+                    key,
+                    f"{_kind_of(st.st_mode)}, not a regular file: only ring files the "
+                    f"engines create are attached (symbolic links are never followed)",
+                )
                 continue
             if no_fds or len(self.readers) >= cap:
-                self._wait(path, "too many open files" if no_fds else
-                           f"{len(self.readers)} rings attached, the most this sidecar attaches at once "
-                           f"(--max-rings {self.max_rings}, file descriptor limit {fd_limit()})")
+                self._wait(
+                    path,
+                    "too many open files"
+                    if no_fds
+                    else f"{len(self.readers)} rings attached, the most this sidecar attaches at once "
+                    f"(--max-rings {self.max_rings}, file descriptor limit {fd_limit()})",
+                )
                 continue
             no_fds = self._attach(path, key)
         if full:  # entries gone from the directory are forgotten (a later file of that name is new)
@@ -246,9 +266,12 @@ class RingSet:
             # naming its requests. Refused for as long as this file (inode) exists.
             other = self.readers[owner]
             reader.close()
-            self._refuse(path, (key[0], STICKY, STICKY),
-                         f"its header claims engine_id {reader.engine_id} (pid {reader.pid}), which ring {owner} "
-                         f"(engine pid {other.pid}) already has: not attached (a forged or copied ring)")
+            self._refuse(
+                path,
+                (key[0], STICKY, STICKY),
+                f"its header claims engine_id {reader.engine_id} (pid {reader.pid}), which ring {owner} "
+                f"(engine pid {other.pid}) already has: not attached (a forged or copied ring)",
+            )
             return False
         was_waiting = path in self.waiting
         self.waiting.discard(path)
@@ -263,11 +286,19 @@ class RingSet:
         for rec in sticky:  # the HELLO was consumed by our predecessor: replay the header's copy first
             heapq.heappush(self._heap, (rec.ts_ns, next(self._tiebreak), rec))
         self.stats.dropped_before_attach[path] = dropped
-        log.info("attached ring %s (engine pid %d, engine_id %d, %d bytes backlog, %d records already dropped%s%s)",
-                 path, reader.pid, reader.engine_id, backlog, dropped,
-                 f"; resuming at seq {reader.next_seq}: page state before it is unknown, reads of those pages "
-                 f"are counted as unverified until the pages are reallocated" if reader.resumed else "",
-                 "; it had been waiting for room" if was_waiting else "")
+        log.info(
+            "attached ring %s (engine pid %d, engine_id %d, %d bytes backlog, %d records already dropped%s%s)",
+            path,
+            reader.pid,
+            reader.engine_id,
+            backlog,
+            dropped,
+            f"; resuming at seq {reader.next_seq}: page state before it is unknown, reads of those pages "
+            f"are counted as unverified until the pages are reallocated"
+            if reader.resumed
+            else "",
+            "; it had been waiting for room" if was_waiting else "",
+        )
         return False
 
     def _error(self, message: str) -> None:
@@ -306,11 +337,15 @@ class RingSet:
         closed (no more records can come from it), the file left as it is and not attached
         again until it changes. The other rings are not affected."""
         if isinstance(exc, RingTruncated):
-            why = f"{exc}; engine pid {reader.pid} (engine_id {reader.engine_id}) is no longer watched (kvguard " \
-                  f"never shrinks a ring: something else cut the file)"
+            why = (
+                f"{exc}; engine pid {reader.pid} (engine_id {reader.engine_id}) is no longer watched (kvguard "
+                f"never shrinks a ring: something else cut the file)"
+            )
         else:
-            why = f"{path}: cannot read it: {exc}; engine pid {reader.pid} (engine_id {reader.engine_id}) is no " \
-                  f"longer watched"
+            why = (
+                f"{path}: cannot read it: {exc}; engine pid {reader.pid} (engine_id {reader.engine_id}) is no "
+                f"longer watched"
+            )
         self._error(f"retiring ring: {why}")
         self._forget(path, reader)
         try:
@@ -319,8 +354,13 @@ class RingSet:
             pass
 
     def _detach(self, path: str, reader: RingReader) -> None:
-        log.info("engine pid %d exited; ring %s drained (%d records lost in total) and %s", reader.pid, path,
-                 reader.records_lost, "removed" if self.remove_dead else "kept")
+        log.info(
+            "engine pid %d exited; ring %s drained (%d records lost in total) and %s",
+            reader.pid,
+            path,
+            reader.records_lost,
+            "removed" if self.remove_dead else "kept",
+        )
         self._forget(path, reader)
         if self.remove_dead:
             try:

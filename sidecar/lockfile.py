@@ -40,16 +40,19 @@ def lock_ring_dir(directory: str) -> int | None:
     except BlockingIOError:
         holder = _read_pid(fd)
         os.close(fd)
-        raise RingDirBusy(f"ring directory {directory} is already watched by another kvguard sidecar "
-                          f"(pid {holder if holder else 'unknown'}, lock {path}); one sidecar per ring directory: "
-                          f"stop that one first, or give this one another --ring-dir") from None
+        raise RingDirBusy(
+            f"ring directory {directory} is already watched by another kvguard sidecar "
+            f"(pid {holder if holder else 'unknown'}, lock {path}); one sidecar per ring directory: "
+            f"stop that one first, or give this one another --ring-dir"
+        ) from None
     except OSError as exc:
         if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
             os.close(fd)
             raise
         os.close(fd)
-        log.warning("cannot lock %s (%s): a second sidecar on this ring directory would not be refused", path,
-                    exc.strerror)
+        log.warning(
+            "cannot lock %s (%s): a second sidecar on this ring directory would not be refused", path, exc.strerror
+        )
         return None
     if writable:
         try:

@@ -57,7 +57,8 @@ class MemoryBudget:
                 f"engine: ~{RUNTIME_BYTES // MIB} MiB of runtime + --history-events {history_events} x "
                 f"{HISTORY_EVENT_BYTES} B + {self.shares_bytes // MIB} MiB of incidents and transfer rooms + "
                 f"{MIN_ENDED_PER_ENGINE} "
-                f"ended requests = {need} bytes ({-(-need // MIB)} MiB); raise it or lower --history-events")
+                f"ended requests = {need} bytes ({-(-need // MIB)} MiB); raise it or lower --history-events"
+            )
         self.ended_per_engine = MAX_ENDED_PER_ENGINE
 
     @staticmethod
@@ -73,8 +74,14 @@ class MemoryBudget:
         modelled) while every engine keeps its minimum of ended requests: a HELLO announcing a
         pool beyond it (a node bigger than the budget, or a hostile ring) is capped there, its
         pages past the cap counted out of range and their reads unverified, never allocated."""
-        spare = (self.total_bytes - RUNTIME_BYTES - self.history_bytes - self.shares_bytes - self.pools_bytes(others)
-                 - (len(others) + 1) * MIN_ENDED_PER_ENGINE * ENDED_REQUEST_BYTES)
+        spare = (
+            self.total_bytes
+            - RUNTIME_BYTES
+            - self.history_bytes
+            - self.shares_bytes
+            - self.pools_bytes(others)
+            - (len(others) + 1) * MIN_ENDED_PER_ENGINE * ENDED_REQUEST_BYTES
+        )
         return max(MIN_PAGES_MODELLED, spare // POOL_BYTES_PER_PAGE)
 
     def size_directories(self, engines: list) -> int:
@@ -84,8 +91,9 @@ class MemoryBudget:
         alone exceed the budget still keeps ``MIN_ENDED_PER_ENGINE`` each (over budget: the
         usage metric shows it)."""
         live = sum(len(t.requests.live) for t in engines) * ENDED_REQUEST_BYTES  # bounded by the engines' batches
-        spare = (self.total_bytes - RUNTIME_BYTES - self.history_bytes - self.shares_bytes
-                 - self.pools_bytes(engines) - live)
+        spare = (
+            self.total_bytes - RUNTIME_BYTES - self.history_bytes - self.shares_bytes - self.pools_bytes(engines) - live
+        )
         per_engine = spare // (max(1, len(engines)) * ENDED_REQUEST_BYTES)
         self.ended_per_engine = int(min(MAX_ENDED_PER_ENGINE, max(MIN_ENDED_PER_ENGINE, per_engine)))
         for t in engines:
@@ -99,7 +107,12 @@ class MemoryBudget:
         for t in engines:
             ended += t.requests.num_ended
             live += len(t.requests.live)
-        return {"runtime": RUNTIME_BYTES, "history": self.history_bytes, "page_models": self.pools_bytes(engines),
-                "ended_requests": ended * ENDED_REQUEST_BYTES, "live_requests": live * ENDED_REQUEST_BYTES,
-                "incidents": incidents.nbytes if incidents is not None else 0,
-                "transfer_rooms": ledger.nbytes if ledger is not None else 0}
+        return {
+            "runtime": RUNTIME_BYTES,
+            "history": self.history_bytes,
+            "page_models": self.pools_bytes(engines),
+            "ended_requests": ended * ENDED_REQUEST_BYTES,
+            "live_requests": live * ENDED_REQUEST_BYTES,
+            "incidents": incidents.nbytes if incidents is not None else 0,
+            "transfer_rooms": ledger.nbytes if ledger is not None else 0,
+        }

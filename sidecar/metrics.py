@@ -82,31 +82,43 @@ class KVGuardCollector(Collector):
             self._wanted = True
         yield from self._snapshot
         now = time.monotonic_ns()
-        age = GaugeMetricFamily("kvguard_ingest_last_poll_age_seconds",
-                                "Seconds since the ingest loop last drained the rings")
+        age = GaugeMetricFamily(
+            "kvguard_ingest_last_poll_age_seconds", "Seconds since the ingest loop last drained the rings"
+        )
         age.add_metric([], (now - svc.last_poll_ns) / 1e9 if svc.last_poll_ns else float("inf"))
         yield age
-        snap = GaugeMetricFamily("kvguard_metrics_snapshot_age_seconds",
-                                 "Age of the figures in this scrape (0 unless the ingest cycle was busy)")
+        snap = GaugeMetricFamily(
+            "kvguard_metrics_snapshot_age_seconds",
+            "Age of the figures in this scrape (0 unless the ingest cycle was busy)",
+        )
         snap.add_metric([], (now - self._snapshot_ns) / 1e9 if self._snapshot_ns else float("inf"))
         yield snap
-        stale = CounterMetricFamily("kvguard_metrics_stale_scrapes",
-                                    "Scrapes served from the previous snapshot because ingest was busy")
+        stale = CounterMetricFamily(
+            "kvguard_metrics_stale_scrapes", "Scrapes served from the previous snapshot because ingest was busy"
+        )
         stale.add_metric([], self.stale_scrapes)
         yield stale
-        closed = CounterMetricFamily("kvguard_http_connections_closed",
-                                     "HTTP connections the sidecar closed: past --http-max-connections, or no "
-                                     "complete request within --http-request-timeout-s", labels=["reason"])
+        closed = CounterMetricFamily(
+            "kvguard_http_connections_closed",
+            "HTTP connections the sidecar closed: past --http-max-connections, or no "
+            "complete request within --http-request-timeout-s",
+            labels=["reason"],
+        )
         for reason, n in sorted(closed_connections.items()):
             closed.add_metric([reason], n)
         yield closed
-        frozen = GaugeMetricFamily("kvguard_gc_frozen_objects", "Objects in the garbage collector's permanent "
-                                   "generation (sidecar/gc_policy.py): long-lived state no collection walks")
+        frozen = GaugeMetricFamily(
+            "kvguard_gc_frozen_objects",
+            "Objects in the garbage collector's permanent "
+            "generation (sidecar/gc_policy.py): long-lived state no collection walks",
+        )
         frozen.add_metric([], gc.get_freeze_count())
         yield frozen
         policy = getattr(svc, "gc_freeze", None)
-        pauses = CounterMetricFamily("kvguard_gc_freeze_pause_seconds", "Seconds the periodic full collection "
-                                     "and freeze held the process (sidecar/gc_policy.py)")
+        pauses = CounterMetricFamily(
+            "kvguard_gc_freeze_pause_seconds",
+            "Seconds the periodic full collection and freeze held the process (sidecar/gc_policy.py)",
+        )
         pauses.add_metric([], policy.pause_s_total if policy is not None else 0.0)
         yield pauses
 
@@ -145,26 +157,34 @@ class KVGuardCollector(Collector):
         for (kind, severity), n in sorted(with_zeros(pipeline.findings_by_kind, possible).items()):
             findings.add_metric([kind, severity], n)
         yield findings
-        incidents = CounterMetricFamily("kvguard_incidents", "Incidents opened (a finding's first occurrence "
-                                        "for its kind, engine and reader)", labels=["kind", "severity"])
+        incidents = CounterMetricFamily(
+            "kvguard_incidents",
+            "Incidents opened (a finding's first occurrence for its kind, engine and reader)",
+            labels=["kind", "severity"],
+        )
         for (kind, severity), n in sorted(with_zeros(pipeline.incidents_by_kind, possible).items()):
             incidents.add_metric([kind, severity], n)
         yield incidents
-        firing = GaugeMetricFamily("kvguard_incidents_firing", "Incidents not resolved yet",
-                                   labels=["kind", "severity"])
+        firing = GaugeMetricFamily(
+            "kvguard_incidents_firing", "Incidents not resolved yet", labels=["kind", "severity"]
+        )
         for (kind, severity), n in sorted(firing_by_kind_and_severity(pipeline.incidents).items()):
             firing.add_metric([kind, severity], n)
         yield firing
         reads = CounterMetricFamily("kvguard_page_reads_checked", "Page reads judged", labels=["role", "pid"])
-        unverified = CounterMetricFamily("kvguard_page_reads_unverified",
-                                         "Page reads not judged (state unknown: blind window)",
-                                         labels=["role", "pid"])
+        unverified = CounterMetricFamily(
+            "kvguard_page_reads_unverified",
+            "Page reads not judged (state unknown: blind window)",
+            labels=["role", "pid"],
+        )
         pages = GaugeMetricFamily("kvguard_pages", "KV pages by ownership state", labels=["role", "pid", "state"])
         pool = GaugeMetricFamily("kvguard_kv_pool_tokens", "KV pool size in tokens", labels=["role", "pid"])
         ctx = GaugeMetricFamily("kvguard_context_length_tokens", "Engine context length", labels=["role", "pid"])
-        out_of_range = CounterMetricFamily("kvguard_page_ids_out_of_range",
-                                           "Page ids in records past the pool the engine announced (skipped)",
-                                           labels=["role", "pid"])
+        out_of_range = CounterMetricFamily(
+            "kvguard_page_ids_out_of_range",
+            "Page ids in records past the pool the engine announced (skipped)",
+            labels=["role", "pid"],
+        )
         for tracker in pipeline.engines.values():
             h = tracker.hello
             role = ROLE_NAMES.get(h.role, "unknown") if h else "unknown"
@@ -182,17 +202,23 @@ class KVGuardCollector(Collector):
         mem_budget = GaugeMetricFamily("kvguard_memory_budget_bytes", "--memory-budget")
         mem_budget.add_metric([], budget.total_bytes)
         yield mem_budget
-        mem = GaugeMetricFamily("kvguard_memory_bytes", "Estimated bytes of the sidecar's state, by part",
-                                labels=["part"])
+        mem = GaugeMetricFamily(
+            "kvguard_memory_bytes", "Estimated bytes of the sidecar's state, by part", labels=["part"]
+        )
         for part, n in budget.usage(pipeline.engines.values(), pipeline.incidents, pipeline.ledger).items():
             mem.add_metric([part], n)
         yield mem
-        ended = GaugeMetricFamily("kvguard_ended_requests_capacity", "Ended requests each engine's directory keeps "
-                                  "(the memory budget's share)")
+        ended = GaugeMetricFamily(
+            "kvguard_ended_requests_capacity",
+            "Ended requests each engine's directory keeps (the memory budget's share)",
+        )
         ended.add_metric([], budget.ended_per_engine)
         yield ended
-        evicted = CounterMetricFamily("kvguard_incidents_evicted", "Incidents dropped from the store to stay within "
-                                      "its bounds (count, and the memory budget's share): oldest resolved first")
+        evicted = CounterMetricFamily(
+            "kvguard_incidents_evicted",
+            "Incidents dropped from the store to stay within "
+            "its bounds (count, and the memory budget's share): oldest resolved first",
+        )
         evicted.add_metric([], pipeline.incidents.evicted)
         yield evicted
         apply_errors = CounterMetricFamily("kvguard_apply_errors", "Records the sidecar failed to apply")
@@ -210,33 +236,45 @@ def ledger_metrics(pipeline, shared):
     (only decode engines receive; the others' stay at 0, as the zero series of every panel and
     alert expect), so an alert on ``unpaired`` sees the first one as an increase."""
     ledger = pipeline.ledger
-    transfers = CounterMetricFamily("kvguard_transfers", "Completed KV transfers by receiving engine and how "
-                                    "they were judged (paired, unverified, unpaired, warmup)",
-                                    labels=["role", "pid", "outcome"])
+    transfers = CounterMetricFamily(
+        "kvguard_transfers",
+        "Completed KV transfers by receiving engine and how they were judged (paired, unverified, unpaired, warmup)",
+        labels=["role", "pid", "outcome"],
+    )
     for engine_id, tracker in pipeline.engines.items():
         h = tracker.hello
         if h is None:
             continue
         for outcome in ledger.OUTCOMES:
-            transfers.add_metric([ROLE_NAMES.get(h.role, "unknown"), str(h.pid), outcome],
-                                 ledger.outcomes[(engine_id, outcome)])
+            transfers.add_metric(
+                [ROLE_NAMES.get(h.role, "unknown"), str(h.pid), outcome], ledger.outcomes[(engine_id, outcome)]
+            )
     yield transfers
-    digests = CounterMetricFamily("kvguard_transfer_digests", "Transfers whose two ends' digests were both "
-                                  "complete", labels=["outcome"])
+    digests = CounterMetricFamily(
+        "kvguard_transfer_digests", "Transfers whose two ends' digests were both complete", labels=["outcome"]
+    )
     digests.add_metric(["compared"], ledger.digests_compared)
     digests.add_metric(["incomparable"], ledger.digests_incomparable)
     yield digests
-    evicted = CounterMetricFamily("kvguard_transfer_rooms_evicted", "Transfer rooms dropped to stay within the "
-                                  "ledger's bounds (its share of --memory-budget, 100,000 rooms): oldest first")
+    evicted = CounterMetricFamily(
+        "kvguard_transfer_rooms_evicted",
+        "Transfer rooms dropped to stay within the "
+        "ledger's bounds (its share of --memory-budget, 100,000 rooms): oldest first",
+    )
     evicted.add_metric([], ledger.rooms_evicted)
     yield evicted
     degraded = GaugeMetricFamily("kvguard_ledger_degraded", "1 while the shared transfer ledger is unreachable")
     degraded.add_metric([], 1 if shared is not None and shared.degraded else 0)
     yield degraded
-    errors = CounterMetricFamily("kvguard_ledger_errors", "Shared transfer ledger problems, by reason",
-                                 labels=["reason"])
-    for reason, attr in (("redis", "errors"), ("queue_full", "queue_dropped"), ("outbox_full", "outbox_dropped"),
-                         ("bad_fact", "bad_facts")):
+    errors = CounterMetricFamily(
+        "kvguard_ledger_errors", "Shared transfer ledger problems, by reason", labels=["reason"]
+    )
+    for reason, attr in (
+        ("redis", "errors"),
+        ("queue_full", "queue_dropped"),
+        ("outbox_full", "outbox_dropped"),
+        ("bad_fact", "bad_facts"),
+    ):
         errors.add_metric([reason], getattr(shared, attr) if shared is not None else 0)
     yield errors
 
@@ -247,15 +285,21 @@ def sink_metrics(sinks):
     queued = [s for s in sinks if hasattr(s, "results")]
     if not queued:  # no alert sink configured: nothing to label these with
         return
-    events = CounterMetricFamily("kvguard_sink_events", "Alert events by sink, action and result",
-                                 labels=["sink", "action", "result"])
-    retries = CounterMetricFamily("kvguard_sink_retries", "Delivery attempts retried (429, 5xx, timeout, "
-                                  "refused connection)", labels=["sink"])
+    events = CounterMetricFamily(
+        "kvguard_sink_events", "Alert events by sink, action and result", labels=["sink", "action", "result"]
+    )
+    retries = CounterMetricFamily(
+        "kvguard_sink_retries", "Delivery attempts retried (429, 5xx, timeout, refused connection)", labels=["sink"]
+    )
     depth = GaugeMetricFamily("kvguard_sink_queue_depth", "Alert events waiting or in delivery", labels=["sink"])
-    capacity = GaugeMetricFamily("kvguard_sink_queue_capacity", "Size of the delivery queue (full: events dropped)",
-                                 labels=["sink"])
-    last = GaugeMetricFamily("kvguard_sink_last_success_timestamp_seconds",
-                             "Unix time of the last delivered event (0: none yet)", labels=["sink"])
+    capacity = GaugeMetricFamily(
+        "kvguard_sink_queue_capacity", "Size of the delivery queue (full: events dropped)", labels=["sink"]
+    )
+    last = GaugeMetricFamily(
+        "kvguard_sink_last_success_timestamp_seconds",
+        "Unix time of the last delivered event (0: none yet)",
+        labels=["sink"],
+    )
     for sink in queued:
         for (action, result), n in sorted(sink.results.items()):
             events.add_metric([sink.name, action, result], n)
@@ -272,20 +316,27 @@ def recording_metrics(recorder):
     are what tells an operator that the recording has a hole. Always exported (0 with no
     --record-dir), so that an alert and the metrics doc see one fixed set of families."""
     stats = recorder.stats if recorder is not None else None
-    enabled = GaugeMetricFamily("kvguard_recording_enabled", "1 when the sidecar records the record stream "
-                                "(--record-dir)")
+    enabled = GaugeMetricFamily(
+        "kvguard_recording_enabled", "1 when the sidecar records the record stream (--record-dir)"
+    )
     enabled.add_metric([], 1 if recorder is not None else 0)
     yield enabled
-    failing = GaugeMetricFamily("kvguard_recording_failing", "1 while the recording cannot be written (full disk, "
-                                "I/O error): records are not recorded until a write succeeds again")
+    failing = GaugeMetricFamily(
+        "kvguard_recording_failing",
+        "1 while the recording cannot be written (full disk, "
+        "I/O error): records are not recorded until a write succeeds again",
+    )
     failing.add_metric([], 1 if recorder is not None and recorder.failing else 0)
     yield failing
-    errors = CounterMetricFamily("kvguard_recording_write_errors", "Recording writes that failed (each streak is "
-                                 "logged once)")
+    errors = CounterMetricFamily(
+        "kvguard_recording_write_errors", "Recording writes that failed (each streak is logged once)"
+    )
     errors.add_metric([], stats.write_errors if stats is not None else 0)
     yield errors
-    missing = CounterMetricFamily("kvguard_recording_records_not_recorded", "Records applied but missing from "
-                                  "the recording (write or encode errors; replay reports the gap)")
+    missing = CounterMetricFamily(
+        "kvguard_recording_records_not_recorded",
+        "Records applied but missing from the recording (write or encode errors; replay reports the gap)",
+    )
     missing.add_metric([], stats.records_not_recorded if stats is not None else 0)
     yield missing
 
@@ -294,15 +345,22 @@ def ttft_metrics(detector):
     """ttft_anomaly's deferred verdicts: suspects waiting for later requests, and those the
     later requests cleared (the engine had sped up). Always exported (0 while the detector
     is off), so that dashboards and the metrics doc see one fixed set of families."""
-    waiting = GaugeMetricFamily("kvguard_ttft_suspects_waiting", "Requests too fast against the past, waiting "
-                                "for later requests to confirm (ttft_anomaly)")
+    waiting = GaugeMetricFamily(
+        "kvguard_ttft_suspects_waiting",
+        "Requests too fast against the past, waiting for later requests to confirm (ttft_anomaly)",
+    )
     waiting.add_metric([], sum(len(w) for w in detector.suspects.values()))
     yield waiting
-    cleared = CounterMetricFamily("kvguard_ttft_suspects_cleared", "Suspects that later requests showed to be an "
-                                  "engine speed-up, learned instead of flagged (ttft_anomaly)")
+    cleared = CounterMetricFamily(
+        "kvguard_ttft_suspects_cleared",
+        "Suspects that later requests showed to be an engine speed-up, learned instead of flagged (ttft_anomaly)",
+    )
     cleared.add_metric([], detector.suspects_cleared)
     yield cleared
-    explained = CounterMetricFamily("kvguard_ttft_suspects_explained", "Suspects whose own forwards wrote their "
-                                    "whole uncached prompt: prefilled, just fast; learned, not flagged (ttft_anomaly)")
+    explained = CounterMetricFamily(
+        "kvguard_ttft_suspects_explained",
+        "Suspects whose own forwards wrote their "
+        "whole uncached prompt: prefilled, just fast; learned, not flagged (ttft_anomaly)",
+    )
     explained.add_metric([], detector.suspects_explained)
     yield explained

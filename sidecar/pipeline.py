@@ -43,9 +43,18 @@ DEGRADED_REPEAT_NS = 30_000_000_000  # a degraded ledger re-reports this often (
 
 
 class Pipeline:
-    def __init__(self, sinks=(), history_events: int = 1 << 20, incidents: IncidentStore | None = None,
-                 isolate_tenants: bool = False, tracer=None, ttft_anomaly: bool = True,
-                 shared_ledger=None, orphan_timeout_s: float = 120.0, memory_budget: MemoryBudget | None = None):
+    def __init__(
+        self,
+        sinks=(),
+        history_events: int = 1 << 20,
+        incidents: IncidentStore | None = None,
+        isolate_tenants: bool = False,
+        tracer=None,
+        ttft_anomaly: bool = True,
+        shared_ledger=None,
+        orphan_timeout_s: float = 120.0,
+        memory_budget: MemoryBudget | None = None,
+    ):
         # sidecar.tracing.TraceRecorder or None: request spans; it is also a sink (findings become span events)
         self.tracer = tracer
         self.sinks = list(sinks) + ([tracer] if tracer is not None else [])
@@ -56,8 +65,9 @@ class Pipeline:
         self.incidents = incidents or IncidentStore()
         self.incidents.max_bytes = self.memory_budget.incidents_bytes  # the budget's share
         self.engines: dict[int, EngineTracker] = {}
-        self.ledger = TransferLedger(orphan_timeout_ns=int(orphan_timeout_s * 1e9),
-                                     max_bytes=self.memory_budget.ledger_bytes)  # the budget's share
+        self.ledger = TransferLedger(
+            orphan_timeout_ns=int(orphan_timeout_s * 1e9), max_bytes=self.memory_budget.ledger_bytes
+        )  # the budget's share
         # sidecar.ledger.shared.SharedLedger or None: the other pod's transfer facts (docs/detectors.md)
         self.shared_ledger = shared_ledger
         self.ledger.shared = shared_ledger is not None
@@ -90,7 +100,8 @@ class Pipeline:
         tracker = self.engines.get(engine_id)
         if tracker is None:
             tracker = self.engines[engine_id] = EngineTracker(
-                engine_id, RequestDirectory(self.memory_budget.ended_per_engine))
+                engine_id, RequestDirectory(self.memory_budget.ended_per_engine)
+            )
             self.memory_budget.size_directories(list(self.engines.values()))
         return tracker
 
@@ -175,15 +186,19 @@ class Pipeline:
         elif kind == wire.Kind.FREE:
             self._record(ts, eid, Event.FREE, 0, body.pages, aux=int(body.free_kind))
             already = t.on_free(body.pages)
-            found = self.double_free_detector.observe(t, self.engine_ref(t), already, body.free_kind.name.lower(),
-                                                      rec.ts_ns)
+            found = self.double_free_detector.observe(
+                t, self.engine_ref(t), already, body.free_kind.name.lower(), rec.ts_ns
+            )
             return self._emit(found)
         elif kind == wire.Kind.REQ_BEGIN:
             t.on_request_begin(body, rec.ts_ns)
             self._record(ts, eid, Event.REQ_BEGIN, body.req_key, aux=body.prompt_tokens)
             if body.room != wire.NO_ROOM and self._role(t) == wire.Role.PREFILL:
-                self._publish_sender(self.ledger.on_sender_begin(eid, body.req_key, body.room, body.warmup,
-                                                                 rid=body.rid, tenant=body.tenant))
+                self._publish_sender(
+                    self.ledger.on_sender_begin(
+                        eid, body.req_key, body.room, body.warmup, rid=body.rid, tenant=body.tenant
+                    )
+                )
             if self.tracer is not None:
                 self.tracer.on_request_begin(self.engine_ref(t), t.requests.get(body.req_key))
         elif kind == wire.Kind.REQ_END:
@@ -197,8 +212,9 @@ class Pipeline:
                 found += self._emit(self.ttft_detector.observe(eid, self.engine_ref(t), info, ts))
                 self._resolved(self.incidents.on_request_end(t.hello.pid, info.rid, ts))
             if self.tracer is not None:  # after the TTFT finding, so that it lands on the open span
-                self.tracer.on_request_end(self.engine_ref(t), t.requests.get(body.req_key), pages=pages,
-                                           output_tokens=body.output_tokens)
+                self.tracer.on_request_end(
+                    self.engine_ref(t), t.requests.get(body.req_key), pages=pages, output_tokens=body.output_tokens
+                )
             return found
         elif kind == wire.Kind.REJECT:
             t.on_reject(body)
@@ -210,15 +226,31 @@ class Pipeline:
         elif kind == wire.Kind.HELLO:
             allowed = self.memory_budget.pages_allowed([o for o in self.engines.values() if o is not t])
             if body.pool_pages > allowed:
-                log.error("engine %d (pid %d) announces a pool of %d pages; --memory-budget %d leaves room to model "
-                          "%d: pages past %d are not tracked (counted in kvguard_page_ids_out_of_range_total, their "
-                          "reads unverified). Raise --memory-budget (and the container's memory limit)",
-                          rec.engine_id, body.pid, body.pool_pages, self.memory_budget.total_bytes, allowed, allowed)
+                log.error(
+                    "engine %d (pid %d) announces a pool of %d pages; --memory-budget %d leaves room to model "
+                    "%d: pages past %d are not tracked (counted in kvguard_page_ids_out_of_range_total, their "
+                    "reads unverified). Raise --memory-budget (and the container's memory limit)",
+                    rec.engine_id,
+                    body.pid,
+                    body.pool_pages,
+                    self.memory_budget.total_bytes,
+                    allowed,
+                    allowed,
+                )
             t.on_hello(body, max_pages=allowed)
             self.memory_budget.size_directories(list(self.engines.values()))  # its page model is known now
-            log.info("engine %d: %s %s rank %d pid %d, page_size %d, pool %d pages / %d tokens, context %d",
-                     rec.engine_id, body.engine_name, ROLE_NAMES.get(body.role), body.tp_rank, body.pid,
-                     body.page_size, body.pool_pages, body.pool_tokens, body.context_len)
+            log.info(
+                "engine %d: %s %s rank %d pid %d, page_size %d, pool %d pages / %d tokens, context %d",
+                rec.engine_id,
+                body.engine_name,
+                ROLE_NAMES.get(body.role),
+                body.tp_rank,
+                body.pid,
+                body.page_size,
+                body.pool_pages,
+                body.pool_tokens,
+                body.context_len,
+            )
             found = self.config_detector.observe(self.engine_ref(t), body, rec.ts_ns)
             if not found:
                 self._resolved(self.incidents.on_engine_hello(body.pid, ROLE_NAMES.get(body.role), True, ts))
@@ -257,7 +289,7 @@ class Pipeline:
             w_off = np.concatenate(([0], np.cumsum(f.write_counts, dtype=np.int64)))
             for i, key in enumerate(f.req_keys.tolist()):
                 if w_off[i + 1] > w_off[i]:
-                    written = f.write_pages[w_off[i]:w_off[i + 1]].astype(np.int64)
+                    written = f.write_pages[w_off[i] : w_off[i + 1]].astype(np.int64)
                     verdict = t.check_write(key, written)
                     if verdict is not None:
                         findings += self._emit(self.write_detector.observe(t, engine, verdict, ts_ns))
@@ -269,8 +301,9 @@ class Pipeline:
         self._record(ts_ns, t.engine_id, Event.WRITE, np.repeat(f.req_keys, f.write_counts), f.write_pages)
         self._record(ts_ns, t.engine_id, Event.READ, f.req_keys, aux=f.seq_lens)
         # the whole batch is judged at once; verdicts come only for requests with something to look at
-        for _i, verdict in t.classify_reads(f.req_keys, f.seq_lens, f.read_counts, f.read_pages,
-                                            want_shared=self.isolation_detector.enabled):
+        for _i, verdict in t.classify_reads(
+            f.req_keys, f.seq_lens, f.read_counts, f.read_pages, want_shared=self.isolation_detector.enabled
+        ):
             found = self.read_detector.observe(t, engine, verdict, ts_ns)
             found += self.isolation_detector.observe(t, engine, verdict, ts_ns)
             if found:
@@ -291,8 +324,13 @@ class Pipeline:
                 idx = np.flatnonzero(row_pages > 0)
                 pages = row_pages[idx].astype(np.int64)
                 pairing.state.provisional = ProvisionalWrite(
-                    pages, t.pool.gen[pages].copy(), t.pool.written_gen[pages].copy(), idx,
-                    t.pool.last_writer[pages].copy(), t.requests.get(pairing.receiver_key))
+                    pages,
+                    t.pool.gen[pages].copy(),
+                    t.pool.written_gen[pages].copy(),
+                    idx,
+                    t.pool.last_writer[pages].copy(),
+                    t.requests.get(pairing.receiver_key),
+                )
                 t.pool.written_gen[pages] = t.pool.gen[pages]
             return []
         return self._apply_pairing(t, pairing, ts_ns)
@@ -315,8 +353,9 @@ class Pipeline:
         if row is not None:
             idx = pairing.written_row_pages[pairing.written_row_pages < len(row.pages)]
             t.mark_written(pairing.receiver_key, row.pages[idx], ts_ns)
-            self._record(ts_ns, t.engine_id, Event.TRANSFER_WRITE, pairing.receiver_key, row.pages[idx],
-                         aux=pairing.sent_tokens)
+            self._record(
+                ts_ns, t.engine_id, Event.TRANSFER_WRITE, pairing.receiver_key, row.pages[idx], aux=pairing.sent_tokens
+            )
             if saved is not None and pairing.sent_tokens < pairing.reserved_tokens:
                 # decode already attended over these pages while we waited: judge that read now
                 verdict = t.classify_read(pairing.receiver_key, pairing.reserved_tokens, None)
@@ -369,8 +408,9 @@ class Pipeline:
             return []  # the receiver is in another pod: its sidecar owns the finding
         return self._emit(self.checksum_detector.observe(t, self.engine_ref(t), state, verdict, ts_ns))
 
-    def _sender_gave_up(self, req_key: int, room: int, reason: str, ts_ns: int, local: bool = True,
-                        ended: bool = False) -> list[Finding]:
+    def _sender_gave_up(
+        self, req_key: int, room: int, reason: str, ts_ns: int, local: bool = True, ended: bool = False
+    ) -> list[Finding]:
         orphan = self.ledger.on_sender_gave_up(req_key, room, reason, ts_ns, ended=ended)
         if local:
             self._publish_sender(self.ledger.find(room, sender_key=req_key))
@@ -383,8 +423,9 @@ class Pipeline:
             return []
         role = self._role(t)
         if role == wire.Role.PREFILL and end.finish in (wire.Finish.ABORT, wire.Finish.REJECT):
-            return self._sender_gave_up(end.req_key, info.room,
-                                        "reject" if end.finish == wire.Finish.REJECT else "abort", ts_ns, ended=True)
+            return self._sender_gave_up(
+                end.req_key, info.room, "reject" if end.finish == wire.Finish.REJECT else "abort", ts_ns, ended=True
+            )
         if role == wire.Role.DECODE:
             self.ledger.on_receiver_end(end.req_key, info.room)
         return []
@@ -401,18 +442,42 @@ class Pipeline:
         if self.shared_ledger is None or state is None or state.warmup or not state.sender_key:
             return
         chunks = [[c.token_start, c.token_end, int(c.is_last), c.num_pages] for c in state.chunks]
-        self.shared_ledger.publish("sender", state.room, state.sender_key, {
-            "began": state.sender_began, "warmup": state.warmup, "gave_up": state.sender_gave_up,
-            "ended": state.sender_ended, "rid": state.sender_rid, "tenant": state.sender_tenant,
-            "chunks": chunks, "digests": state.sender_digest.to_json()})
+        self.shared_ledger.publish(
+            "sender",
+            state.room,
+            state.sender_key,
+            {
+                "began": state.sender_began,
+                "warmup": state.warmup,
+                "gave_up": state.sender_gave_up,
+                "ended": state.sender_ended,
+                "rid": state.sender_rid,
+                "tenant": state.sender_tenant,
+                "chunks": chunks,
+                "digests": state.sender_digest.to_json(),
+            },
+        )
 
     def _publish_receiver(self, state: RoomState | None) -> None:
-        if (self.shared_ledger is None or state is None or state.warmup or state.reserved_pages is None
-                or state.receiver_engine == REMOTE_ENGINE):
+        if (
+            self.shared_ledger is None
+            or state is None
+            or state.warmup
+            or state.reserved_pages is None
+            or state.receiver_engine == REMOTE_ENGINE
+        ):
             return
-        self.shared_ledger.publish("receiver", state.room, state.receiver_key, {
-            "reserved_tokens": state.reserved_tokens, "reserved_pages": len(state.reserved_pages),
-            "status": state.done_status, "digests": state.receiver_digest.to_json()})
+        self.shared_ledger.publish(
+            "receiver",
+            state.room,
+            state.receiver_key,
+            {
+                "reserved_tokens": state.reserved_tokens,
+                "reserved_pages": len(state.reserved_pages),
+                "status": state.done_status,
+                "digests": state.receiver_digest.to_json(),
+            },
+        )
 
     def _tick_shared(self, now_ns: int) -> list[Finding]:
         link = self.shared_ledger
@@ -445,7 +510,7 @@ class Pipeline:
         if state.sender_key:
             sender_key, facts = state.sender_key, by_key.get(state.sender_key, [])
         elif len(by_key) == 1:
-            (sender_key, facts), = by_key.items()
+            ((sender_key, facts),) = by_key.items()
         else:
             self.ledger.rooms_ambiguous += 1
             return []
@@ -454,8 +519,14 @@ class Pipeline:
         found: list[Finding] = []
         for fact in facts:
             if fact["began"]:
-                self.ledger.on_sender_begin(REMOTE_ENGINE, sender_key, room, fact["warmup"],
-                                            rid=fact.get("rid", ""), tenant=fact.get("tenant", ""))
+                self.ledger.on_sender_begin(
+                    REMOTE_ENGINE,
+                    sender_key,
+                    room,
+                    fact["warmup"],
+                    rid=fact.get("rid", ""),
+                    tenant=fact.get("tenant", ""),
+                )
             for t0, t1, last, n_pages in fact["chunks"]:
                 if (t0, t1, last) in state.remote_chunks:
                     continue
@@ -472,11 +543,16 @@ class Pipeline:
                 x = wire.XferDigest(sender_key, room, wire.Side.SENDER, alg, digest, t0, t1, layers, h0, hn, total)
                 found += self._judge_digests(self.ledger.on_digest(REMOTE_ENGINE, x), now_ns)
             if fact["gave_up"]:
-                found += self._sender_gave_up(sender_key, room, fact["gave_up"], now_ns, local=False,
-                                              ended=fact["ended"])
+                found += self._sender_gave_up(
+                    sender_key, room, fact["gave_up"], now_ns, local=False, ended=fact["ended"]
+                )
         settled = state.compared or state.orphan_reported or state.sender_ended
-        if settled or (state.done_status and state.sent_last and not state.receiver_digest.by_alg
-                       and self.ledger.pending.get(room) is not state):
+        if settled or (
+            state.done_status
+            and state.sent_last
+            and not state.receiver_digest.by_alg
+            and self.ledger.pending.get(room) is not state
+        ):
             self.shared_ledger.unwatch(room, "sender")
         return found
 
@@ -498,8 +574,9 @@ class Pipeline:
             return []
         found = self.write_detector.observe(t, self.engine_ref(t), verdict, ts_ns)
         for f in found:
-            f.evidence.update({"via": "transfer", "bootstrap_room": x.room, "token_start": x.token_start,
-                               "token_end": x.token_end})
+            f.evidence.update(
+                {"via": "transfer", "bootstrap_room": x.room, "token_start": x.token_start, "token_end": x.token_end}
+            )
         return self._emit(found)
 
     def _on_lost(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
@@ -509,11 +586,22 @@ class Pipeline:
         total = self.records_lost_by_engine[t.engine_id] = self.records_lost_by_engine.get(t.engine_id, 0) + rec.body
         t.on_lost(rec.ts_ns)
         engine = self.engine_ref(t)
-        summary = (f"{engine.role} rank {engine.rank}: {rec.body} records lost in this gap, {total} on this engine "
-                   f"so far (ring full or unreadable); page ownership is unknown until pages are reallocated: "
-                   f"reads in this window are not verified")
-        finding = Finding("events_lost", WARNING, engine, None, [], [], rec.ts_ns, summary,
-                          {"records_lost": rec.body, "first_missing_seq": rec.seq, "engine_records_lost_total": total})
+        summary = (
+            f"{engine.role} rank {engine.rank}: {rec.body} records lost in this gap, {total} on this engine "
+            f"so far (ring full or unreadable); page ownership is unknown until pages are reallocated: "
+            f"reads in this window are not verified"
+        )
+        finding = Finding(
+            "events_lost",
+            WARNING,
+            engine,
+            None,
+            [],
+            [],
+            rec.ts_ns,
+            summary,
+            {"records_lost": rec.body, "first_missing_seq": rec.seq, "engine_records_lost_total": total},
+        )
         return self._emit([finding])
 
     def _prompt_pages_written(self, engine_id: int, info) -> tuple[int, int] | None:

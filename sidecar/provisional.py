@@ -40,5 +40,6 @@ class ProvisionalWrite:
         if not unwritten.any():
             return None
         empty = np.zeros(0, np.int64)
-        return ReadVerdict(self.reader, self.pages[unwritten], empty, empty, 0,
-                           unwritten_writers=self.last_writer[unwritten])
+        return ReadVerdict(
+            self.reader, self.pages[unwritten], empty, empty, 0, unwritten_writers=self.last_writer[unwritten]
+        )

@@ -200,9 +200,16 @@ class SegmentHeader:
     header_size: int = SEGMENT_HEADER_SIZE
 
     def pack(self) -> bytes:
-        fixed = _SEGMENT_FIXED.pack(SEGMENT_MAGIC, self.format_version, SEGMENT_HEADER_SIZE, self.wire_version,
-                                    self.created_realtime_ns, self.created_monotonic_ns, self.recording_id,
-                                    self.segment_index)
+        fixed = _SEGMENT_FIXED.pack(
+            SEGMENT_MAGIC,
+            self.format_version,
+            SEGMENT_HEADER_SIZE,
+            self.wire_version,
+            self.created_realtime_ns,
+            self.created_monotonic_ns,
+            self.recording_id,
+            self.segment_index,
+        )
         return fixed + struct.pack("<Q", xxhash.xxh3_64_intdigest(fixed))
 
     def wall_ns(self, ts_ns: int) -> int:
@@ -215,22 +222,31 @@ class SegmentHeader:
         if not raw:
             raise RecordingError(f"{where}empty file, not a kvguard recording")
         if len(raw) < 8 or raw[:8] != SEGMENT_MAGIC:
-            raise RecordingError(f"{where}not a kvguard recording (magic {bytes(raw[:8])!r}, "
-                                 f"expected {SEGMENT_MAGIC!r})")
+            raise RecordingError(
+                f"{where}not a kvguard recording (magic {bytes(raw[:8])!r}, expected {SEGMENT_MAGIC!r})"
+            )
         if len(raw) < SEGMENT_HEADER_SIZE:
             raise RecordingError(f"{where}{len(raw)} bytes, shorter than a recording header ({SEGMENT_HEADER_SIZE})")
         fixed = bytes(raw[: _SEGMENT_FIXED.size])
         _magic, fmt, header_size, wire_version, rt, mono, rec_id, index = _SEGMENT_FIXED.unpack(fixed)
         if fmt > FORMAT_VERSION:
-            raise RecordingError(f"{where}recording format version {fmt} is newer than this kvguard reads "
-                                 f"({FORMAT_VERSION}): upgrade kvguard to replay it")
+            raise RecordingError(
+                f"{where}recording format version {fmt} is newer than this kvguard reads "
+                f"({FORMAT_VERSION}): upgrade kvguard to replay it"
+            )
         (checksum,) = struct.unpack_from("<Q", raw, _SEGMENT_FIXED.size)
-        if checksum != xxhash.xxh3_64_intdigest(fixed) or fmt < 1 or header_size < SEGMENT_HEADER_SIZE \
-                or header_size % wire.ALIGN:
+        if (
+            checksum != xxhash.xxh3_64_intdigest(fixed)
+            or fmt < 1
+            or header_size < SEGMENT_HEADER_SIZE
+            or header_size % wire.ALIGN
+        ):
             raise RecordingError(f"{where}recording header is corrupt (checksum or fields do not match)")
         if wire_version != wire.VERSION:
-            raise RecordingError(f"{where}recorded with wire contract version {wire_version}; this kvguard speaks "
-                                 f"version {wire.VERSION}: use a kvguard of that contract version to replay it")
+            raise RecordingError(
+                f"{where}recorded with wire contract version {wire_version}; this kvguard speaks "
+                f"version {wire.VERSION}: use a kvguard of that contract version to replay it"
+            )
         return cls(fmt, wire_version, rt, mono, rec_id, index, header_size)
 
 
@@ -324,8 +340,17 @@ class _Writer:
         self._pending_tick: int | None = None
 
     # -------------------------------------------------------------- public API
-    def write_record(self, kind: wire.Kind, payload: bytes, *, engine_id: int, ts_ns: int | None = None,
-                     seq: int | None = None, pool: int = 0, flags: int = 0) -> None:
+    def write_record(
+        self,
+        kind: wire.Kind,
+        payload: bytes,
+        *,
+        engine_id: int,
+        ts_ns: int | None = None,
+        seq: int | None = None,
+        pool: int = 0,
+        flags: int = 0,
+    ) -> None:
         """Append one wire record. ``seq`` defaults to the engine's next sequence number,
         ``ts_ns`` to the writer's clock (``CLOCK_MONOTONIC``)."""
         kind = wire.Kind(kind)
@@ -379,8 +404,10 @@ class _Writer:
                 except Exception as exc:  # noqa: BLE001 - one odd record must not cost the batch
                     self.stats.encode_errors += 1
                     self._unencodable()
-                    self._note_error(f"cannot encode {getattr(rec, 'kind', '?')} seq {getattr(rec, 'seq', '?')}: "
-                                     f"{type(exc).__name__}: {exc}")
+                    self._note_error(
+                        f"cannot encode {getattr(rec, 'kind', '?')} seq {getattr(rec, 'seq', '?')}: "
+                        f"{type(exc).__name__}: {exc}"
+                    )
                     continue
                 if isinstance(rec, SidecarEvent):
                     self._flush_tick()
@@ -537,9 +564,18 @@ class Recorder(_Writer):
     a fresh segment at most once a second.
     """
 
-    def __init__(self, directory, *, max_bytes: int = DEFAULT_MAX_BYTES, max_age_s: float | None = None,
-                 max_segments: int | None = None, segment_bytes: int | None = None,
-                 segment_age_s: float | None = None, clock_ns=time.monotonic_ns, wall_clock_ns=time.time_ns):
+    def __init__(
+        self,
+        directory,
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_age_s: float | None = None,
+        max_segments: int | None = None,
+        segment_bytes: int | None = None,
+        segment_age_s: float | None = None,
+        clock_ns=time.monotonic_ns,
+        wall_clock_ns=time.time_ns,
+    ):
         super().__init__(clock_ns, wall_clock_ns)
         self.directory = self.path = os.fspath(directory)
         if segment_bytes is None:
@@ -550,8 +586,10 @@ class Recorder(_Writer):
         if segment_bytes < 4096:
             problems.append(f"segment size {segment_bytes} bytes is below 4096")
         if max_bytes < segment_bytes:
-            problems.append(f"max_bytes {max_bytes} is smaller than one segment ({segment_bytes} bytes); "
-                            f"allow at least {max(MIN_SEGMENT_BYTES, segment_bytes)} bytes")
+            problems.append(
+                f"max_bytes {max_bytes} is smaller than one segment ({segment_bytes} bytes); "
+                f"allow at least {max(MIN_SEGMENT_BYTES, segment_bytes)} bytes"
+            )
         if max_age_s is not None and max_age_s <= 0:
             problems.append(f"max_age_s must be > 0, got {max_age_s}")
         if segment_age_s <= 0:
@@ -647,8 +685,11 @@ class Recorder(_Writer):
         try:
             self._retention(room_for_new=True)
             header = SegmentHeader(FORMAT_VERSION, wire.VERSION, self._wall(), now, self.recording_id, self._index)
-            path = os.path.join(self.directory, segment_name(header.created_realtime_ns, self.recording_id,
-                                                             self._index)[: -len(SEGMENT_SUFFIX)] + OPEN_SUFFIX)
+            path = os.path.join(
+                self.directory,
+                segment_name(header.created_realtime_ns, self.recording_id, self._index)[: -len(SEGMENT_SUFFIX)]
+                + OPEN_SUFFIX,
+            )
             seg = _Segment(path, header)
             if self._hellos:
                 seg.add_chunk(list(self._hellos.values()), CHUNK_CARRIED)
@@ -713,8 +754,11 @@ class Recorder(_Writer):
         self._note_error(message)
         self._retry_at_ns = self._clock() + int(RETRY_AFTER_ERROR_S * 1e9)
         if not self._failing:
-            log.error("kvguard recording: %s; detection goes on, records are not recorded until writing works "
-                      "again (retrying at most once a second)", message)
+            log.error(
+                "kvguard recording: %s; detection goes on, records are not recorded until writing works "
+                "again (retrying at most once a second)",
+                message,
+            )
             self._failing = True
 
     def _append(self, raw: bytes) -> None:
@@ -873,7 +917,7 @@ class SegmentReader:
         mm = self._mm
         if self.size - pos < CHUNK_HEADER_SIZE:
             n = min(len(CHUNK_MAGIC), self.size - pos)
-            return "short" if mm[pos:pos + n] == CHUNK_MAGIC[:n] else None
+            return "short" if mm[pos : pos + n] == CHUNK_MAGIC[:n] else None
         magic, length, _count, flags, _reserved = _CHUNK_FIXED.unpack_from(mm, pos)
         if magic != CHUNK_MAGIC or length % wire.ALIGN or length > MAX_CHUNK_DATA:
             return None
@@ -882,8 +926,8 @@ class SegmentReader:
             return "short"
         (checksum,) = struct.unpack_from("<Q", mm, pos + _CHUNK_FIXED.size)
         h = xxhash.xxh3_64()
-        h.update(mm[pos:pos + _CHUNK_FIXED.size])
-        data = mm[pos + CHUNK_HEADER_SIZE:end]
+        h.update(mm[pos : pos + _CHUNK_FIXED.size])
+        data = mm[pos + CHUNK_HEADER_SIZE : end]
         h.update(data)
         if h.intdigest() != checksum:
             return None
@@ -917,8 +961,10 @@ class SegmentReader:
             if nxt is None:
                 if got == "short":
                     self.stats.truncated_bytes += self.size - pos
-                    self._problem(f"last {self.size - pos} bytes are an unfinished chunk (writer stopped "
-                                  f"mid-write, or the segment is still being written)")
+                    self._problem(
+                        f"last {self.size - pos} bytes are an unfinished chunk (writer stopped "
+                        f"mid-write, or the segment is still being written)"
+                    )
                 else:
                     self.stats.corrupt_chunks += 1
                     self.stats.corrupt_bytes += self.size - pos
@@ -946,9 +992,26 @@ class BadValue(ValueError, argparse.ArgumentTypeError):
     """A flag value that does not parse (argparse prints the message as is)."""
 
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "ki": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
-               "mb": 1 << 20, "mi": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gi": 1 << 30,
-               "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "ti": 1 << 40, "tib": 1 << 40}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "ki": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "mi": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "gi": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1 << 40,
+    "ti": 1 << 40,
+    "tib": 1 << 40,
+}
 _TIME_UNITS = {"": 1, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
 
 

@@ -115,8 +115,10 @@ class Replay:
             key = (header.recording_id, header.segment_index)
             if key in seen:
                 self.stats.duplicate_segments += 1
-                self._problem(f"{path}: same segment as {seen[key]} (recording {header.recording_id:016x} "
-                              f"segment {header.segment_index}); replayed once")
+                self._problem(
+                    f"{path}: same segment as {seen[key]} (recording {header.recording_id:016x} "
+                    f"segment {header.segment_index}); replayed once"
+                )
                 continue
             seen[key] = path
             runs.setdefault(header.recording_id, []).append((header.segment_index, path, header))
@@ -128,8 +130,10 @@ class Replay:
                 if index > prev + 1:
                     self._after_missing.add(path)
                     self.stats.missing_segments += index - prev - 1
-                    self._problem(f"segments {prev + 1}..{index - 1} of recording {segs[0][2].recording_id:016x} "
-                                  f"are not among the inputs (deleted by retention, or not given)")
+                    self._problem(
+                        f"segments {prev + 1}..{index - 1} of recording {segs[0][2].recording_id:016x} "
+                        f"are not among the inputs (deleted by retention, or not given)"
+                    )
             plan += [(path, header) for _, path, header in segs]
         self.stats.recordings = len(runs)
         return plan
@@ -209,12 +213,15 @@ class Replay:
                 gap = rec.seq - expected
                 self.stats.records_missing += gap
                 self.pipeline.tracker(eid).on_lost(rec.ts_ns)
-                self._problem(f"{self._path}: engine {eid}: records {expected}..{rec.seq - 1} ({gap}) are not in "
-                              f"the recording; its page state was reset there, findings in that window may be missing")
+                self._problem(
+                    f"{self._path}: engine {eid}: records {expected}..{rec.seq - 1} ({gap}) are not in "
+                    f"the recording; its page state was reset there, findings in that window may be missing"
+                )
             elif expected is not None and rec.seq < expected:
                 self.stats.seq_resets += 1
-                self._problem(f"{self._path}: engine {eid}: sequence went back from {expected} to {rec.seq} "
-                              f"(engine id reused?)")
+                self._problem(
+                    f"{self._path}: engine {eid}: sequence went back from {expected} to {rec.seq} (engine id reused?)"
+                )
             engine = self.stats.engines.setdefault(eid, {"first_seq": rec.seq, "records": 0})
             engine["records"] += 1
             if rec.kind == wire.Kind.LOST:
@@ -246,8 +253,9 @@ class Replay:
         if ev.kind == "gap":
             self.stats.records_missing += ev.count
             self._expected.clear()  # the gaps that follow are this one: do not count them twice
-            self._blind_all(f"{self._path}: the recorder could not record {ev.count} records here "
-                            f"(see its write errors)")
+            self._blind_all(
+                f"{self._path}: the recorder could not record {ev.count} records here (see its write errors)"
+            )
             return []
         if ev.kind == "tick":
             fn = getattr(self.pipeline, "tick", None)
@@ -283,18 +291,30 @@ class Replay:
         suppressed = sum(p.findings_suppressed for p in self.pipelines)
         apply_errors = sum(p.apply_errors for p in self.pipelines)
         return {
-            "segments": s.files, "recordings": s.recordings, "records": s.records,
+            "segments": s.files,
+            "recordings": s.recordings,
+            "records": s.records,
             "engines": len(s.engines),
-            "findings": sum(by_kind.values()), "findings_by_kind": dict(sorted(by_kind.items())),
+            "findings": sum(by_kind.values()),
+            "findings_by_kind": dict(sorted(by_kind.items())),
             "findings_suppressed": suppressed,
-            "records_lost": s.lost_recorded, "records_missing": s.records_missing,
-            "carried_applied": s.carried_applied, "carried_skipped": s.carried_skipped,
-            "duplicate_segments": s.duplicate_segments, "missing_segments": s.missing_segments,
-            "unreadable_segments": s.unreadable_segments, "corrupt_chunks": s.corrupt_chunks,
-            "corrupt_bytes": s.corrupt_bytes, "truncated_bytes": s.truncated_bytes, "bad_records": s.bad_records,
-            "seq_resets": s.seq_resets, "blind_resets": s.blind_resets, "sidecar_events": s.sidecar_events,
+            "records_lost": s.lost_recorded,
+            "records_missing": s.records_missing,
+            "carried_applied": s.carried_applied,
+            "carried_skipped": s.carried_skipped,
+            "duplicate_segments": s.duplicate_segments,
+            "missing_segments": s.missing_segments,
+            "unreadable_segments": s.unreadable_segments,
+            "corrupt_chunks": s.corrupt_chunks,
+            "corrupt_bytes": s.corrupt_bytes,
+            "truncated_bytes": s.truncated_bytes,
+            "bad_records": s.bad_records,
+            "seq_resets": s.seq_resets,
+            "blind_resets": s.blind_resets,
+            "sidecar_events": s.sidecar_events,
             "apply_errors": apply_errors,
-            "problems": s.problems_total, "problem_messages": list(s.problems),
+            "problems": s.problems_total,
+            "problem_messages": list(s.problems),
         }
 
 
@@ -323,8 +343,9 @@ def format_finding(finding: Finding, header: SegmentHeader | None) -> str:
     if finding.pages:
         extra.append(f"pages {_pages(finding.pages)}")
     if finding.exposed:
-        extra.append("exposed " + "; ".join(f"{p.rid} ({p.tenant or '?'}) pages {_pages(p.pages)}"
-                                            for p in finding.exposed))
+        extra.append(
+            "exposed " + "; ".join(f"{p.rid} ({p.tenant or '?'}) pages {_pages(p.pages)}" for p in finding.exposed)
+        )
     return line + (f" [{' | '.join(extra)}]" if extra else "")
 
 
@@ -349,17 +370,30 @@ def _print_summary(s: dict) -> None:
     lines = [
         f"replayed {s['segments']} segment(s) of {s['recordings']} recording(s): {s['records']} records "
         f"from {s['engines']} engine(s)",
-        f"findings: {s['findings']}" + (f" ({kinds})" if kinds else "")
+        f"findings: {s['findings']}"
+        + (f" ({kinds})" if kinds else "")
         + (f"; {s['findings_suppressed']} repeats suppressed" if s["findings_suppressed"] else ""),
         f"lost records: {s['records_lost']} dropped by the engines (ring full, recorded live); "
         f"{s['records_missing']} missing from the recording",
     ]
-    damage = [f"{n} {k.replace('_', ' ')}" for k in ("corrupt_chunks", "corrupt_bytes", "truncated_bytes",
-                                                   "bad_records", "duplicate_segments", "missing_segments",
-                                                   "unreadable_segments", "seq_resets", "apply_errors")
-              if (n := s[k])]
-    lines.append("recording problems: " + (", ".join(damage) + " (details on stderr)" if damage or s["problems"]
-                                           else "none"))
+    damage = [
+        f"{n} {k.replace('_', ' ')}"
+        for k in (
+            "corrupt_chunks",
+            "corrupt_bytes",
+            "truncated_bytes",
+            "bad_records",
+            "duplicate_segments",
+            "missing_segments",
+            "unreadable_segments",
+            "seq_resets",
+            "apply_errors",
+        )
+        if (n := s[k])
+    ]
+    lines.append(
+        "recording problems: " + (", ".join(damage) + " (details on stderr)" if damage or s["problems"] else "none")
+    )
     sys.stdout.write("\n".join(lines) + "\n")
 
 
@@ -401,11 +435,16 @@ def cmd_replay(args) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "replay", help="re-run detection offline over recorded segment files",
+        "replay",
+        help="re-run detection offline over recorded segment files",
         description="Replay recorded segments (files, or directories of kvguard-*.kvgrec) through the same "
-                    "detection pipeline as the live sidecar, in recording order. Exit 0 when it ran (with or "
-                    "without findings), 1 when an input cannot be read.")
+        "detection pipeline as the live sidecar, in recording order. Exit 0 when it ran (with or "
+        "without findings), 1 when an input cannot be read.",
+    )
     p.add_argument("paths", nargs="+", metavar="FILE", help="segment files or recording directories")
-    p.add_argument("--json", action="store_true",
-                   help="one JSON object per finding (as `kvguard sidecar --json`), then one {\"summary\": ...} line")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='one JSON object per finding (as `kvguard sidecar --json`), then one {"summary": ...} line',
+    )
     p.set_defaults(func=cmd_replay)

@@ -18,11 +18,24 @@ CYCLE_STALL_S = 60.0  # one cycle running this long is stuck too (a saturated on
 
 
 class Sidecar:
-    def __init__(self, ring_dir: str, sinks=(), poll_interval_s: float = 0.01, slack_ns: int = 50_000_000,
-                 remove_dead_rings: bool = True, recorder=None, history_events: int = 1 << 20,
-                 isolate_tenants: bool = False, tracer=None, ttft_anomaly: bool = True,
-                 ledger: str = "memory", ledger_cluster: str = "default", orphan_timeout_s: float = 120.0,
-                 max_rings: int = DEFAULT_MAX_RINGS, memory_budget: int = DEFAULT_BUDGET_BYTES):
+    def __init__(
+        self,
+        ring_dir: str,
+        sinks=(),
+        poll_interval_s: float = 0.01,
+        slack_ns: int = 50_000_000,
+        remove_dead_rings: bool = True,
+        recorder=None,
+        history_events: int = 1 << 20,
+        isolate_tenants: bool = False,
+        tracer=None,
+        ttft_anomaly: bool = True,
+        ledger: str = "memory",
+        ledger_cluster: str = "default",
+        orphan_timeout_s: float = 120.0,
+        max_rings: int = DEFAULT_MAX_RINGS,
+        memory_budget: int = DEFAULT_BUDGET_BYTES,
+    ):
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
         if orphan_timeout_s <= 0:
@@ -33,11 +46,17 @@ class Sidecar:
         if url is not None:
             self.shared_ledger = SharedLedger(url, cluster=ledger_cluster)
         self.rings = RingSet(ring_dir, slack_ns=slack_ns, remove_dead=remove_dead_rings, max_rings=max_rings)
-        self.pipeline = Pipeline(sinks, history_events=history_events, isolate_tenants=isolate_tenants,
-                                 tracer=tracer, ttft_anomaly=ttft_anomaly, shared_ledger=self.shared_ledger,
-                                 orphan_timeout_s=orphan_timeout_s,
-                                 # raises MemoryBudgetError (a ValueError naming --memory-budget) when too small
-                                 memory_budget=MemoryBudget(memory_budget, history_events))
+        self.pipeline = Pipeline(
+            sinks,
+            history_events=history_events,
+            isolate_tenants=isolate_tenants,
+            tracer=tracer,
+            ttft_anomaly=ttft_anomaly,
+            shared_ledger=self.shared_ledger,
+            orphan_timeout_s=orphan_timeout_s,
+            # raises MemoryBudgetError (a ValueError naming --memory-budget) when too small
+            memory_budget=MemoryBudget(memory_budget, history_events),
+        )
         # sidecar.recorder.Recorder (or None): records every batch before it is applied; never raises
         self.recorder = recorder
         self.poll_interval_s = poll_interval_s
@@ -57,8 +76,9 @@ class Sidecar:
         with self.lock:
             self.cycle_started_ns = time.monotonic_ns()
             # a flush (tests, replay, stop) reads as much as a ring poll may copy (8 MiB a ring)
-            self.backlogged = self.rings.poll(max_bytes=(8 << 20) * max(1, len(self.rings.readers)) if flush
-                                              else CYCLE_BYTES)
+            self.backlogged = self.rings.poll(
+                max_bytes=(8 << 20) * max(1, len(self.rings.readers)) if flush else CYCLE_BYTES
+            )
             findings = []
             records = self.rings.ready(flush=flush)
             if self.recorder is not None:
@@ -126,13 +146,23 @@ class Sidecar:
         age_s = (now - self.last_poll_ns) / 1e9 if self.last_poll_ns else None
         started = self.cycle_started_ns
         cycle_s = (now - started) / 1e9 if started else None
-        ok = (self._thread is not None and self._thread.is_alive() and age_s is not None
-              and (age_s < STALL_S or (cycle_s is not None and cycle_s < CYCLE_STALL_S)))
+        ok = (
+            self._thread is not None
+            and self._thread.is_alive()
+            and age_s is not None
+            and (age_s < STALL_S or (cycle_s is not None and cycle_s < CYCLE_STALL_S))
+        )
         stats = self.rings.stats
-        detail = {"ingest_alive": ok, "last_poll_age_s": age_s, "cycle_running_s": cycle_s,
-                  "rings_attached": len(self.rings.readers), "records_lost": stats.records_lost,
-                  "ring_errors": stats.ring_errors,
-                  # pairing across pods may be degraded; the sidecar itself is healthy (no restart helps)
-                  "ledger": "memory" if self.shared_ledger is None else
-                  ("degraded" if self.shared_ledger.degraded else "shared")}
+        detail = {
+            "ingest_alive": ok,
+            "last_poll_age_s": age_s,
+            "cycle_running_s": cycle_s,
+            "rings_attached": len(self.rings.readers),
+            "records_lost": stats.records_lost,
+            "ring_errors": stats.ring_errors,
+            # pairing across pods may be degraded; the sidecar itself is healthy (no restart helps)
+            "ledger": "memory"
+            if self.shared_ledger is None
+            else ("degraded" if self.shared_ledger.degraded else "shared"),
+        }
         return ok, detail

@@ -124,14 +124,20 @@ def trace_source(rid: str, room: int | None) -> str:
 
 
 class TraceRecorder:
-    def __init__(self, exporters: SpanExporter | list[SpanExporter], *, batch: bool = True,
-                 resource: Resource | None = None, sampler=None, max_open: int = 65536):
+    def __init__(
+        self,
+        exporters: SpanExporter | list[SpanExporter],
+        *,
+        batch: bool = True,
+        resource: Resource | None = None,
+        sampler=None,
+        max_open: int = 65536,
+    ):
         if max_open < 1:
             raise ValueError(f"max_open must be >= 1, got {max_open}")
         self.max_open = max_open
         self._ids = RidTraceIds()
-        self.provider = TracerProvider(resource=resource or default_resource(), sampler=sampler,
-                                       id_generator=self._ids)
+        self.provider = TracerProvider(resource=resource or default_resource(), sampler=sampler, id_generator=self._ids)
         for exporter in exporters if isinstance(exporters, list) else [exporters]:
             self.provider.add_span_processor(BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer(SCOPE, _version())
@@ -147,8 +153,9 @@ class TraceRecorder:
         except Exception as exc:  # noqa: BLE001 - telemetry must never stop ingestion
             self._failed("on_request_begin", exc)
 
-    def on_request_end(self, engine: EngineRef, info: RequestInfo, *, pages: int | None = None,
-                       output_tokens: int | None = None) -> None:
+    def on_request_end(
+        self, engine: EngineRef, info: RequestInfo, *, pages: int | None = None, output_tokens: int | None = None
+    ) -> None:
         try:
             self._end(engine, info, pages, output_tokens)
         except Exception as exc:  # noqa: BLE001
@@ -191,9 +198,12 @@ class TraceRecorder:
         stale = self._open.pop(key, None)
         if stale is not None:  # the same rid began again on this engine (a retry): the old one never ended
             self._close(stale, ts_ns)
-        span = self._start(f"{engine.role} request", trace_source(info.rid, info.room),
-                           request_attributes(engine, info, begin_seen),
-                           self._wall(ts_ns))
+        span = self._start(
+            f"{engine.role} request",
+            trace_source(info.rid, info.room),
+            request_attributes(engine, info, begin_seen),
+            self._wall(ts_ns),
+        )
         self._open[key] = span
         self.counts["spans_started"] += 1
         while len(self._open) > self.max_open:  # requests whose end we will never see (lost records)
@@ -237,8 +247,9 @@ class TraceRecorder:
         if source is not None:
             self._ids.use(source)
         try:
-            return self.tracer.start_span(name, context=Context(), kind=SpanKind.INTERNAL, attributes=attributes,
-                                          start_time=start_ns)
+            return self.tracer.start_span(
+                name, context=Context(), kind=SpanKind.INTERNAL, attributes=attributes, start_time=start_ns
+            )
         finally:
             self._ids.use(None)
 
@@ -263,8 +274,13 @@ class TraceRecorder:
         kind = f"{where}:{type(exc).__name__}"
         if kind not in self._logged:  # once per kind of failure; the count says how often
             self._logged.add(kind)
-            log.error("tracing: %s failed (%s: %s); spans may be missing, ingestion goes on", where,
-                      type(exc).__name__, exc, exc_info=exc)
+            log.error(
+                "tracing: %s failed (%s: %s); spans may be missing, ingestion goes on",
+                where,
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+            )
 
 
 # ---------------------------------------------------------------------- attributes
@@ -281,9 +297,13 @@ def engine_attributes(engine: EngineRef) -> dict:
 
 
 def request_attributes(engine: EngineRef, info: RequestInfo, begin_seen: bool = True) -> dict:
-    attrs = {**engine_attributes(engine), GEN_AI_RESPONSE_ID: info.rid, TENANT: info.tenant,
-             GEN_AI_USAGE_INPUT_TOKENS: info.prompt_tokens,
-             GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: info.cached_tokens}
+    attrs = {
+        **engine_attributes(engine),
+        GEN_AI_RESPONSE_ID: info.rid,
+        TENANT: info.tenant,
+        GEN_AI_USAGE_INPUT_TOKENS: info.prompt_tokens,
+        GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: info.cached_tokens,
+    }
     if info.room is not None:  # OTLP integers are int64; SGLang's rooms are 63-bit
         attrs[TRANSFER_ROOM] = info.room if info.room < 1 << 63 else str(info.room)
     if info.warmup:
@@ -309,8 +329,13 @@ def end_attributes(info: RequestInfo, pages: int | None, output_tokens: int | No
 
 
 def finding_attributes(f: Finding) -> dict:
-    attrs = {FINDING_KIND: f.kind, FINDING_SEVERITY: f.severity, FINDING_SUMMARY: f.summary,
-             FINDING_PAGES: len(f.pages), INCIDENT_ID: incident_id(incident_key(f))}
+    attrs = {
+        FINDING_KIND: f.kind,
+        FINDING_SEVERITY: f.severity,
+        FINDING_SUMMARY: f.summary,
+        FINDING_PAGES: len(f.pages),
+        INCIDENT_ID: incident_id(incident_key(f)),
+    }
     if f.exposed:
         attrs[FINDING_EXPOSED_TENANTS] = sorted({p.tenant or "?" for p in f.exposed})
         attrs[FINDING_EXPOSED_REQUESTS] = [p.rid for p in f.exposed[:MAX_EXPOSED_RIDS]]
@@ -352,14 +377,17 @@ def _exporter(name: str, env: Mapping[str, str], endpoint_keys: list[str]) -> Sp
 
         return ConsoleSpanExporter(out=sys.stderr)  # stdout carries `kvguard sidecar --json`
     if name != "otlp":
-        raise ValueError(f"OTEL_TRACES_EXPORTER={env.get('OTEL_TRACES_EXPORTER')!r}: kvguard supports otlp, "
-                         f"console and none")
+        raise ValueError(
+            f"OTEL_TRACES_EXPORTER={env.get('OTEL_TRACES_EXPORTER')!r}: kvguard supports otlp, console and none"
+        )
     for key in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
         protocol = env.get(key, "").strip()
         if protocol:
             if protocol != "http/protobuf":
-                raise ValueError(f"{key}={protocol!r}: kvguard ships the OTLP/HTTP exporter only; use "
-                                 f"http/protobuf (the collector's port 4318)")
+                raise ValueError(
+                    f"{key}={protocol!r}: kvguard ships the OTLP/HTTP exporter only; use "
+                    f"http/protobuf (the collector's port 4318)"
+                )
             break
     for key in endpoint_keys:
         parts = urlsplit(env[key])

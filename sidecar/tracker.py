@@ -126,7 +126,7 @@ class KeyTable:
         if self._indexed < len(self.keys):
             miss = np.flatnonzero(out == NO_SLOT)
             if len(miss):
-                eq = keys[miss, None] == self.keys[None, self._indexed:]
+                eq = keys[miss, None] == self.keys[None, self._indexed :]
                 hit = eq.any(axis=1)
                 out[miss[hit]] = self._indexed + eq[hit].argmax(axis=1)
         out[keys == 0] = 0
@@ -140,7 +140,7 @@ class KeyTable:
         if pos < len(self._sorted) and self._sorted[pos] == k:
             return self._sorted_slot[pos]
         if self._indexed < len(self.keys):
-            hit = np.flatnonzero(self.keys[self._indexed:] == k)
+            hit = np.flatnonzero(self.keys[self._indexed :] == k)
             if len(hit):
                 return np.uint32(self._indexed + hit[0])
         return NO_SLOT
@@ -572,7 +572,8 @@ class EngineTracker:
         self._next_retire_ns = now_ns + RETIRE_SCAN_NS
         moved = self._retire_unseen_since_loss(now_ns) if self.unseen_since_loss else 0
         idle = self.requests.retire_idle(
-            now_ns, idle_ns, lambda key: key in self.rows or key in self.transfer_hold or key in self.pending_reads)
+            now_ns, idle_ns, lambda key: key in self.rows or key in self.transfer_hold or key in self.pending_reads
+        )
         self.requests_retired_idle += idle
         return moved + idle
 
@@ -649,8 +650,9 @@ class EngineTracker:
 
     def on_request_begin(self, r: wire.ReqBegin, ts_ns: int) -> None:
         room = None if r.room == wire.NO_ROOM else r.room
-        self.requests.begin(RequestInfo(r.req_key, r.rid, r.tenant, room, r.warmup, r.prompt_tokens,
-                                        r.cached_tokens, ts_ns))
+        self.requests.begin(
+            RequestInfo(r.req_key, r.rid, r.tenant, room, r.warmup, r.prompt_tokens, r.cached_tokens, ts_ns)
+        )
 
     def on_request_end(self, r: wire.ReqEnd, ts_ns: int) -> None:
         info = self.requests.get_or_stub(r.req_key)
@@ -733,8 +735,10 @@ class EngineTracker:
         pool = self.pool
         fresh = pages[~shared]
         # a freshly allocated page (or one we could not see allocated) becomes the request's
-        claim = fresh[(pool.state[fresh] == ALLOCATED) |
-                      ((pool.state[fresh] == OWNED) & (pool.owner_keys(fresh) == np.uint64(a.req_key)))]
+        claim = fresh[
+            (pool.state[fresh] == ALLOCATED)
+            | ((pool.state[fresh] == OWNED) & (pool.owner_keys(fresh) == np.uint64(a.req_key)))
+        ]
         if len(claim) == 0:
             return
         pool.changed(claim)
@@ -747,11 +751,18 @@ class EngineTracker:
         self.pool.pages_out_of_range += max(len(a.pages), 1)
         self.assigns_out_of_range += 1
         if self.assigns_out_of_range == 1:
-            log.warning("engine %d: ASSIGN of request key %016x places %d pages at row positions [%d, %d), past the "
-                        "%d tokens a row can hold (the HELLO's context length or pool%s): skipped and counted in "
-                        "kvguard_page_ids_out_of_range_total (logged once per engine)", self.engine_id, a.req_key,
-                        len(a.pages), a.row_start, a.row_end, self.row_limit * self.page_size,
-                        "" if self.hello is not None else "; no HELLO seen yet")
+            log.warning(
+                "engine %d: ASSIGN of request key %016x places %d pages at row positions [%d, %d), past the "
+                "%d tokens a row can hold (the HELLO's context length or pool%s): skipped and counted in "
+                "kvguard_page_ids_out_of_range_total (logged once per engine)",
+                self.engine_id,
+                a.req_key,
+                len(a.pages),
+                a.row_start,
+                a.row_end,
+                self.row_limit * self.page_size,
+                "" if self.hello is not None else "; no HELLO seen yet",
+            )
 
     def check_write(self, req_key: int, pages: np.ndarray, require_known_writer: bool = True) -> WriteVerdict | None:
         """Judge KV writes before they are applied (None: nothing to judge). A late transfer
@@ -778,8 +789,9 @@ class EngineTracker:
         at a time (``check_write`` / ``mark_written``) instead of by ``check_writes`` / ``mark_writes``."""
         return len(write_pages) > 1 and len(np.unique(write_pages)) != len(write_pages)
 
-    def check_writes(self, req_keys: np.ndarray, write_counts: np.ndarray,
-                     write_pages: np.ndarray) -> list[tuple[int, WriteVerdict]]:
+    def check_writes(
+        self, req_keys: np.ndarray, write_counts: np.ndarray, write_pages: np.ndarray
+    ) -> list[tuple[int, WriteVerdict]]:
         """``check_write`` for every request of a forward at once (request ``i`` wrote the next
         ``write_counts[i]`` pages of ``write_pages``); verdicts only for the requests that wrote
         where they should not have. Same rules and counts as calling ``check_write`` per request,
@@ -811,8 +823,7 @@ class EngineTracker:
             out.append((i, WriteVerdict(infos[i], pages[mine & freed], pages[mine & foreign])))
         return out
 
-    def mark_writes(self, req_keys: np.ndarray, write_counts: np.ndarray, write_pages: np.ndarray,
-                    ts_ns: int) -> None:
+    def mark_writes(self, req_keys: np.ndarray, write_counts: np.ndarray, write_pages: np.ndarray, ts_ns: int) -> None:
         """``mark_written`` for every request of a forward at once (no page written twice:
         ``writes_overlap``)."""
         if len(write_pages) == 0:
@@ -856,13 +867,20 @@ class EngineTracker:
         record carried rows); otherwise the sidecar's model of the row is what was read.
         A batch of one through ``classify_reads``, so both apply the same rules."""
         counts = None if actual is None else np.array([len(actual)], np.int64)
-        verdicts = self.classify_reads(np.array([req_key], np.uint64), np.array([seq_len], np.int64), counts,
-                                       actual, every=True)
+        verdicts = self.classify_reads(
+            np.array([req_key], np.uint64), np.array([seq_len], np.int64), counts, actual, every=True
+        )
         return verdicts[0][1] if verdicts else None
 
-    def classify_reads(self, req_keys: np.ndarray, seq_lens: np.ndarray, read_counts: np.ndarray | None = None,
-                       read_pages: np.ndarray | None = None, want_shared: bool = False,
-                       every: bool = False) -> list[tuple[int, ReadVerdict]]:
+    def classify_reads(
+        self,
+        req_keys: np.ndarray,
+        seq_lens: np.ndarray,
+        read_counts: np.ndarray | None = None,
+        read_pages: np.ndarray | None = None,
+        want_shared: bool = False,
+        every: bool = False,
+    ) -> list[tuple[int, ReadVerdict]]:
         """Judge every request's read in one forward at once: request ``i`` read its first
         ``seq_lens[i]`` tokens, i.e. (when the record carried rows) ``read_counts[i]`` pages of
         ``read_pages`` in request order, else the sidecar's model of its row.
@@ -943,8 +961,7 @@ class EngineTracker:
             pages, m_pages, m_gens, reader = pages[keep], m_pages[keep], m_gens[keep], reader[keep]
         if len(pages) and int(pages.max()) >= pool.num_pages:  # ids below pool.limit already: only growth is left
             pool.ensure(pages)
-        known, freed, foreign, unwritten, shared = self._judge_pages(pages, m_pages, m_gens, reader,
-                                                                     req_keys)
+        known, freed, foreign, unwritten, shared = self._judge_pages(pages, m_pages, m_gens, reader, req_keys)
         look = ~known | freed | foreign | unwritten
         if want_shared:
             look |= shared
@@ -959,8 +976,19 @@ class EngineTracker:
         for i in flagged:
             s, e = off[i], off[i + 1]
             p = pages[s:e]
-            out.append((i, ReadVerdict(infos[i], p[unwritten[s:e]], p[foreign[s:e]], p[freed[s:e]],
-                                       int(np.count_nonzero(~known[s:e])), p[shared[s:e]])))
+            out.append(
+                (
+                    i,
+                    ReadVerdict(
+                        infos[i],
+                        p[unwritten[s:e]],
+                        p[foreign[s:e]],
+                        p[freed[s:e]],
+                        int(np.count_nonzero(~known[s:e])),
+                        p[shared[s:e]],
+                    ),
+                )
+            )
         return out
 
     def _judge_pages(self, pages, m_pages, m_gens, reader, req_keys):
@@ -986,7 +1014,9 @@ class EngineTracker:
         ask = np.flatnonzero(mine & ~m_shared)
         if len(ask):
             p_ask = pages[ask]
-            mine[ask] = (pool.owner_keys(p_ask) == req_keys.astype(np.uint64)[reader[ask]]) & (pool.state[p_ask] == OWNED)
+            mine[ask] = (pool.owner_keys(p_ask) == req_keys.astype(np.uint64)[reader[ask]]) & (
+                pool.state[p_ask] == OWNED
+            )
         ok = known & ~freed
         foreign = ok & ~mine
         ok_mine = ok & mine
@@ -996,8 +1026,9 @@ class EngineTracker:
         return known, freed, foreign, unwritten, shared
 
     # ------------------------------------------------------------------ reads: only what changed
-    def _rows_as_modelled(self, req_keys: np.ndarray, seq_lens: np.ndarray, read_counts: np.ndarray,
-                          read_pages: np.ndarray) -> int | None:
+    def _rows_as_modelled(
+        self, req_keys: np.ndarray, seq_lens: np.ndarray, read_counts: np.ndarray, read_pages: np.ndarray
+    ) -> int | None:
         """Whether the engine's rows of a FORWARD are exactly the sidecar's model of them: every
         judged reader read as many pages as the model row covers, the same ones. Then judging
         the rows is judging the model. Returns the pages read by readers that are not judged
@@ -1059,7 +1090,7 @@ class EngineTracker:
             row = self.rows.get(key)
             if row is None or row.clean_epoch != epoch or row.clean_n == 0:
                 continue
-            head = row.pages[:row.clean_n]
+            head = row.pages[: row.clean_n]
             mine = pages if len(keys) == 1 else pages[owners == np.uint64(key)]
             hit = np.flatnonzero(head == mine[0]) if len(mine) == 1 else np.flatnonzero(np.isin(head, mine))
             if len(hit):
@@ -1117,8 +1148,8 @@ class EngineTracker:
             # (int32 row pages widened once here, not by every gather that indexes with them)
             pages_all, gens_all = row.pages[c:n].astype(np.int64), row.gen_shared[c:n]
         else:
-            pages_all = np.concatenate([d[1].pages[d[2]:d[3]] for d in dirty], dtype=np.int64)
-            gens_all = np.concatenate([d[1].gen_shared[d[2]:d[3]] for d in dirty])
+            pages_all = np.concatenate([d[1].pages[d[2] : d[3]] for d in dirty], dtype=np.int64)
+            gens_all = np.concatenate([d[1].gen_shared[d[2] : d[3]] for d in dirty])
         idx = np.array([d[0] for d in dirty], np.int64)
         seg_len = np.array([d[3] - d[2] for d in dirty], np.int64)
         seg = np.repeat(np.arange(len(dirty)), seg_len)  # dirty request of each entry
@@ -1132,8 +1163,7 @@ class EngineTracker:
             pages, gens, seg_k = pages_all[keep], gens_all[keep], seg[keep]
         if len(pages) and int(pages.max()) >= pool.num_pages:
             pool.ensure(pages)
-        known, freed, foreign, unwritten, shared = self._judge_pages(pages, pages, gens, idx[seg_k],
-                                                                     req_keys)
+        known, freed, foreign, unwritten, shared = self._judge_pages(pages, pages, gens, idx[seg_k], req_keys)
         look = ~known | freed | foreign | unwritten
         # entries with nothing to report: padding / unassigned ids (never read) and clean kept pages
         if all_kept:
@@ -1170,6 +1200,17 @@ class EngineTracker:
             if c:  # the clean prefix's legitimately read prefix-cache pages belong to the verdict too
                 shared_pages = np.concatenate((head[(row.gen_shared[:c] >= SHARED_BIT) & (head > 0)], shared_pages))
             info = self.requests.get(int(req_keys[i]))
-            out.append((i, ReadVerdict(info, p[unwritten[s:e]], p[foreign[s:e]], p[freed[s:e]],
-                                       int(np.count_nonzero(~known[s:e])), shared_pages)))
+            out.append(
+                (
+                    i,
+                    ReadVerdict(
+                        info,
+                        p[unwritten[s:e]],
+                        p[foreign[s:e]],
+                        p[freed[s:e]],
+                        int(np.count_nonzero(~known[s:e])),
+                        shared_pages,
+                    ),
+                )
+            )
         return out

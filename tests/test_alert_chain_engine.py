@@ -107,10 +107,10 @@ class EventsV2Receiver:
                         receiver.events.append(event)
                     receiver.cond.notify_all()
                 if errors:
-                    return self._answer(400, {"status": "invalid event", "message": "Event object is invalid",
-                                              "errors": errors})
-                self._answer(202, {"status": "success", "message": "Event processed",
-                                   "dedup_key": event["dedup_key"]})
+                    return self._answer(
+                        400, {"status": "invalid event", "message": "Event object is invalid", "errors": errors}
+                    )
+                self._answer(202, {"status": "success", "message": "Event processed", "dedup_key": event["dedup_key"]})
 
             def _answer(self, code: int, body: dict) -> None:
                 data = json.dumps(body).encode()
@@ -206,19 +206,26 @@ def alertmanager_config(work: Path, receiver_url: str) -> Path:
         "route": {
             "receiver": "tickets",  # warnings: no receiver here (a ticket queue in production)
             "group_by": ["alertname"],
-            "group_wait": "1s", "group_interval": "1s", "repeat_interval": "4h",
+            "group_wait": "1s",
+            "group_interval": "1s",
+            "repeat_interval": "4h",
             "routes": [{"receiver": "pagerduty", "matchers": ['severity="critical"']}],
         },
         "receivers": [
             {"name": "tickets"},
-            {"name": "pagerduty", "pagerduty_configs": [{
-                "routing_key_file": str(key_file),
-                "url": receiver_url,
-                "send_resolved": True,
-                "severity": "{{ .CommonLabels.severity }}",
-                "description": "{{ .CommonLabels.alertname }}: {{ .CommonAnnotations.summary }}",
-                "links": [{"href": "{{ .CommonAnnotations.runbook_url }}", "text": "runbook"}],
-            }]},
+            {
+                "name": "pagerduty",
+                "pagerduty_configs": [
+                    {
+                        "routing_key_file": str(key_file),
+                        "url": receiver_url,
+                        "send_resolved": True,
+                        "severity": "{{ .CommonLabels.severity }}",
+                        "description": "{{ .CommonLabels.alertname }}: {{ .CommonAnnotations.summary }}",
+                        "links": [{"href": "{{ .CommonAnnotations.runbook_url }}", "text": "runbook"}],
+                    }
+                ],
+            },
         ],
     }
     path = work / "alertmanager.yml"
@@ -228,12 +235,16 @@ def alertmanager_config(work: Path, receiver_url: str) -> Path:
 
 def prometheus_config(work: Path, sidecar_target: str, am_target: str) -> Path:
     path = work / "prometheus.yml"
-    path.write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(RULES)],  # the real rule file, not a copy
-        "alerting": {"alertmanagers": [{"static_configs": [{"targets": [am_target]}]}]},
-        "scrape_configs": [{"job_name": "kvguard", "static_configs": [{"targets": [sidecar_target]}]}],
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+                "rule_files": [str(RULES)],  # the real rule file, not a copy
+                "alerting": {"alertmanagers": [{"static_configs": [{"targets": [am_target]}]}]},
+                "scrape_configs": [{"job_name": "kvguard", "static_configs": [{"targets": [sidecar_target]}]}],
+            }
+        )
+    )
     return path
 
 
@@ -261,15 +272,25 @@ class Chain(PrometheusQueries):
         stack.callback(self.receiver.close)
         # the engine starts first: it takes longest
         engine = start_engine(
-            VERSION, work / "logs", max_total_tokens=1024, context_length=256, ring_dir=ring_dir, wait=False,
+            VERSION,
+            work / "logs",
+            max_total_tokens=1024,
+            context_length=256,
+            ring_dir=ring_dir,
+            wait=False,
             extra_args=["--disable-overlap-schedule", "--max-running-requests", "8"],
-            extra_env={"KVGUARD_FAULT": "double_free,row_corruption", "KVGUARD_FAULT_DIR": str(self.events_dir),
-                       "KVGUARD_ROW_SAMPLE_EVERY": "1"},  # the row corruption lives for one step
-            extra_pythonpath=[FAULTS_DIR])
+            extra_env={
+                "KVGUARD_FAULT": "double_free,row_corruption",
+                "KVGUARD_FAULT_DIR": str(self.events_dir),
+                "KVGUARD_ROW_SAMPLE_EVERY": "1",
+            },  # the row corruption lives for one step
+            extra_pythonpath=[FAULTS_DIR],
+        )
         stack.callback(engine.stop)
         self.engine = engine
-        self.sink = pagerduty_sink(SIDECAR_KEY, url=self.receiver.url,
-                                   retry=RetryPolicy(initial_s=0.1, max_s=1.0, deadline_s=20.0))
+        self.sink = pagerduty_sink(
+            SIDECAR_KEY, url=self.receiver.url, retry=RetryPolicy(initial_s=0.1, max_s=1.0, deadline_s=20.0)
+        )
         # ttft_anomaly on so that the TTFT panel has its (zero) series. It cannot flag anything
         # here: it judges and learns only normally finished requests with >= 32 uncached prompt
         # tokens and gives no verdict before 20 learned ones; this test sends three requests of
@@ -278,8 +299,11 @@ class Chain(PrometheusQueries):
         stack.callback(self.sidecar.stop)  # also shuts the sink down
         port = free_port()
         self.sidecar_target = f"127.0.0.1:{port}"
-        server = uvicorn.Server(uvicorn.Config(create_app(self.sidecar, CollectorRegistry()), host="127.0.0.1",
-                                               port=port, log_level="warning"))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(self.sidecar, CollectorRegistry()), host="127.0.0.1", port=port, log_level="warning"
+            )
+        )
         server_thread = threading.Thread(target=server.run, daemon=True)
         server_thread.start()
 
@@ -291,14 +315,32 @@ class Chain(PrometheusQueries):
 
         self.am_url = f"http://127.0.0.1:{free_port()}"
         self.am_log = work / "alertmanager.log"
-        am = spawn(stack, [ALERTMANAGER, f"--config.file={alertmanager_config(work, self.receiver.url)}",
-                           f"--storage.path={work / 'am-data'}", f"--web.listen-address={self.am_url[7:]}",
-                           "--cluster.listen-address=", "--log.level=debug"], self.am_log)
+        am = spawn(
+            stack,
+            [
+                ALERTMANAGER,
+                f"--config.file={alertmanager_config(work, self.receiver.url)}",
+                f"--storage.path={work / 'am-data'}",
+                f"--web.listen-address={self.am_url[7:]}",
+                "--cluster.listen-address=",
+                "--log.level=debug",
+            ],
+            self.am_log,
+        )
         self.prom_url = f"http://127.0.0.1:{free_port()}"
         self.prom_log = work / "prometheus.log"
-        prom = spawn(stack, [PROMETHEUS, f"--config.file={prometheus_config(work, self.sidecar_target, self.am_url[7:])}",
-                             f"--storage.tsdb.path={work / 'tsdb'}", f"--web.listen-address={self.prom_url[7:]}",
-                             "--rules.alert.resend-delay=1s", "--log.level=warn"], self.prom_log)
+        prom = spawn(
+            stack,
+            [
+                PROMETHEUS,
+                f"--config.file={prometheus_config(work, self.sidecar_target, self.am_url[7:])}",
+                f"--storage.tsdb.path={work / 'tsdb'}",
+                f"--web.listen-address={self.prom_url[7:]}",
+                "--rules.alert.resend-delay=1s",
+                "--log.level=warn",
+            ],
+            self.prom_log,
+        )
         wait_http(f"{self.am_url}/-/ready", am, self.am_log)
         wait_http(f"{self.prom_url}/-/ready", prom, self.prom_log)
         t0 = time.monotonic()
@@ -332,8 +374,12 @@ class Chain(PrometheusQueries):
         raise AssertionError(f"the fault plugin never reported {fault}/{event}")
 
     def generate(self, rid: str, n_prompt: int, max_new_tokens: int, tenant: str, rng: random.Random) -> None:
-        body = {"rid": rid, "input_ids": [rng.randint(3, 255) for _ in range(n_prompt)], "routing_key": tenant,
-                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
+        body = {
+            "rid": rid,
+            "input_ids": [rng.randint(3, 255) for _ in range(n_prompt)],
+            "routing_key": tenant,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+        }
         r = httpx.post(self.engine.url + "/generate", json=body, timeout=120.0)
         assert r.status_code == 200, (rid, r.status_code, r.text[:500])
 
@@ -354,15 +400,17 @@ def chain(tmp_path_factory, require_sglang):
     require_sglang(VERSION)
     for binary in (PROMETHEUS, ALERTMANAGER):
         if not os.path.exists(binary):
-            pytest.skip(f"{binary} is not installed (`make apt` installs Debian's prometheus, "
-                        "prometheus-alertmanager)")
+            pytest.skip(f"{binary} is not installed (`make apt` installs Debian's prometheus, prometheus-alertmanager)")
     with ExitStack() as stack:  # every process and thread is stopped, whatever fails
         yield Chain(stack, tmp_path_factory.mktemp("alert-chain"))
 
 
 def am_events(chain: Chain, alertname: str | None = None) -> list[dict]:
-    return [e for e in chain.receiver.events if e["routing_key"] == AM_KEY
-            and (alertname is None or alertname in json.dumps(e.get("payload", {})))]
+    return [
+        e
+        for e in chain.receiver.events
+        if e["routing_key"] == AM_KEY and (alertname is None or alertname in json.dumps(e.get("payload", {})))
+    ]
 
 
 def test_a_double_free_pages_through_alertmanager_and_resolves_when_the_incident_does(chain):
@@ -370,8 +418,10 @@ def test_a_double_free_pages_through_alertmanager_and_resolves_when_the_incident
     # 1. a row corruption: the reader attends over the owner's page (foreign_read, pages)
     reader, owner = make_rid("row_corruption", "reader", "e2e"), make_rid("row_corruption", "owner", "e2e")
     with ThreadPoolExecutor(2) as pool:
-        for f in [pool.submit(chain.generate, reader, 16, 16, "initech", rng),
-                  pool.submit(chain.generate, owner, 16, 16, "globex", rng)]:
+        for f in [
+            pool.submit(chain.generate, reader, 16, 16, "initech", rng),
+            pool.submit(chain.generate, owner, 16, 16, "globex", rng),
+        ]:
             f.result()
     chain.wait_fault("row_corruption", "row_corrupted")
     # 2. a double free: the plugin frees a finished request's pages again
@@ -381,17 +431,25 @@ def test_a_double_free_pages_through_alertmanager_and_resolves_when_the_incident
     # the sidecar's own PagerDuty sink: one trigger per incident, dedup_key = incident id
     (inc,) = chain.wait_incidents("double_free")
     assert inc.state == "firing" and sorted(inc.pages) == sorted(freed["pages"])
-    own = chain.receiver.wait_for("the sidecar's double-free trigger", lambda e: e["routing_key"] == SIDECAR_KEY
-                                  and e["event_action"] == "trigger" and e["dedup_key"] == inc.id)
+    own = chain.receiver.wait_for(
+        "the sidecar's double-free trigger",
+        lambda e: e["routing_key"] == SIDECAR_KEY and e["event_action"] == "trigger" and e["dedup_key"] == inc.id,
+    )
     assert own["payload"]["severity"] == "critical" and own["payload"]["class"] == "double_free"
 
     # Alertmanager's trigger for KVGuardDoubleFree
-    trigger = chain.receiver.wait_for("Alertmanager's KVGuardDoubleFree trigger", lambda e: e["routing_key"] == AM_KEY
-                                      and e["event_action"] == "trigger" and "KVGuardDoubleFree" in
-                                      e["payload"]["summary"])
+    trigger = chain.receiver.wait_for(
+        "Alertmanager's KVGuardDoubleFree trigger",
+        lambda e: (
+            e["routing_key"] == AM_KEY
+            and e["event_action"] == "trigger"
+            and "KVGuardDoubleFree" in e["payload"]["summary"]
+        ),
+    )
     assert trigger["payload"]["severity"] == "critical"
-    assert trigger["payload"]["summary"] == ("KVGuardDoubleFree: KV pages were freed while already free; the "
-                                             "allocator may hand one page to two requests.")
+    assert trigger["payload"]["summary"] == (
+        "KVGuardDoubleFree: KV pages were freed while already free; the allocator may hand one page to two requests."
+    )
     assert trigger["links"] == [{"href": RUNBOOK.format("KVGuardDoubleFree"), "text": "runbook"}]
     firing_details = trigger["payload"]["custom_details"]["firing"]
     assert "runbook_url = " + RUNBOOK.format("KVGuardDoubleFree") in firing_details
@@ -405,9 +463,14 @@ def test_a_double_free_pages_through_alertmanager_and_resolves_when_the_incident
     assert group["receiver"]["name"] == "pagerduty" and len(group["alerts"]) == 1
 
     # the row corruption paged too, as its own group (its own dedup_key)
-    foreign = chain.receiver.wait_for("Alertmanager's KVGuardForeignRead trigger", lambda e: e["routing_key"] ==
-                                      AM_KEY and e["event_action"] == "trigger" and "KVGuardForeignRead" in
-                                      e["payload"]["summary"])
+    foreign = chain.receiver.wait_for(
+        "Alertmanager's KVGuardForeignRead trigger",
+        lambda e: (
+            e["routing_key"] == AM_KEY
+            and e["event_action"] == "trigger"
+            and "KVGuardForeignRead" in e["payload"]["summary"]
+        ),
+    )
     assert foreign["payload"]["severity"] == "critical" and foreign["dedup_key"] != trigger["dedup_key"]
     assert foreign["links"] == [{"href": RUNBOOK.format("KVGuardForeignRead"), "text": "runbook"}]
 
@@ -423,27 +486,41 @@ def test_a_double_free_pages_through_alertmanager_and_resolves_when_the_incident
 
     # 4. the fault does not recur: the incident resolves, and so does the page
     chain.sidecar.pipeline.incidents.quiet_resolve_ns = 0  # the next ingest tick resolves it
-    resolve = chain.receiver.wait_for("Alertmanager's KVGuardDoubleFree resolve", lambda e: e["routing_key"] ==
-                                      AM_KEY and e["event_action"] == "resolve" and e["dedup_key"] ==
-                                      trigger["dedup_key"])
+    resolve = chain.receiver.wait_for(
+        "Alertmanager's KVGuardDoubleFree resolve",
+        lambda e: (
+            e["routing_key"] == AM_KEY and e["event_action"] == "resolve" and e["dedup_key"] == trigger["dedup_key"]
+        ),
+    )
     assert inc.state == "resolved" and inc.resolution == "no recurrence"
     assert group_keys(chain.am_log, "KVGuardDoubleFree") == {key}
-    chain.receiver.wait_for("the sidecar's double-free resolve", lambda e: e["routing_key"] == SIDECAR_KEY
-                            and e["event_action"] == "resolve" and e["dedup_key"] == inc.id)
+    chain.receiver.wait_for(
+        "the sidecar's double-free resolve",
+        lambda e: e["routing_key"] == SIDECAR_KEY and e["event_action"] == "resolve" and e["dedup_key"] == inc.id,
+    )
     # exactly one trigger and one resolve for the group: no duplicate pages
     double_free = [e for e in chain.receiver.events if e["dedup_key"] == trigger["dedup_key"]]
     assert [e["event_action"] for e in double_free] == ["trigger", "resolve"], double_free
     assert resolve["routing_key"] == AM_KEY
     # the foreign-read page stays open: its rule counts findings over 5 minutes
-    assert not [e for e in chain.receiver.events if e["dedup_key"] == foreign["dedup_key"]
-                and e["event_action"] == "resolve"]
+    assert not [
+        e for e in chain.receiver.events if e["dedup_key"] == foreign["dedup_key"] and e["event_action"] == "resolve"
+    ]
 
     # the sidecar's own sink: both incidents triggered and resolved, nothing failed, as
     # Prometheus sees it on /metrics
-    chain.wait_query("the sink's resolves on /metrics",
-                     'kvguard_sink_events_total{sink="pagerduty",action="resolve",result="delivered"} == 2')
-    assert float(chain.query('sum(kvguard_sink_events_total{sink="pagerduty",action="trigger",'
-                             'result="delivered"})')[0]["value"][1]) == 2
+    chain.wait_query(
+        "the sink's resolves on /metrics",
+        'kvguard_sink_events_total{sink="pagerduty",action="resolve",result="delivered"} == 2',
+    )
+    assert (
+        float(
+            chain.query('sum(kvguard_sink_events_total{sink="pagerduty",action="trigger",result="delivered"})')[0][
+                "value"
+            ][1]
+        )
+        == 2
+    )
     assert float(chain.query('sum(kvguard_sink_events_total{result!="delivered"})')[0]["value"][1]) == 0
     assert not chain.query('ALERTS{alertname="KVGuardAlertDeliveryFailing"}')
 
@@ -454,8 +531,10 @@ def test_a_double_free_pages_through_alertmanager_and_resolves_when_the_incident
 
 def check_every_panel_query_returns_data(chain: Chain) -> None:
     # the rate windows ($__rate_interval = 10s) need 10 scrapes of the engine's series
-    chain.wait_query("ten scrapes since the engine came up",
-                     f'count_over_time(kvguard_kv_pool_tokens{{instance="{chain.sidecar_target}"}}[1m]) >= 12')
+    chain.wait_query(
+        "ten scrapes since the engine came up",
+        f'count_over_time(kvguard_kv_pool_tokens{{instance="{chain.sidecar_target}"}}[1m]) >= 12',
+    )
     empty = {}
     checked = 0
     for name, d in dashboards().items():

@@ -41,14 +41,28 @@ REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "alerts" / "kvguard.rules.yaml"
 TESTS = sorted((REPO / "alerts" / "tests").glob("*.yaml"))
 RUNBOOK_PREFIX = "https://github.com/kvguard/kvguard/blob/main/"
-RUNBOOK_SECTIONS = ["## What it means", "## How bad", "## First 5 minutes", "## Whom to notify",
-                    "## Confirm it is fixed"]
-PAGING_KINDS = {"unwritten_read", "foreign_read", "use_after_free", "double_free", "late_write",
-                "transfer_size_mismatch", "checksum_mismatch"}
+RUNBOOK_SECTIONS = [
+    "## What it means",
+    "## How bad",
+    "## First 5 minutes",
+    "## Whom to notify",
+    "## Confirm it is fixed",
+]
+PAGING_KINDS = {
+    "unwritten_read",
+    "foreign_read",
+    "use_after_free",
+    "double_free",
+    "late_write",
+    "transfer_size_mismatch",
+    "checksum_mismatch",
+}
 # finding kinds alerted through a metric of their own rather than the findings counter:
 # kind -> (alert, the severities that alert covers)
-KINDS_WITH_OWN_METRIC = {"events_lost": ("KVGuardEventsLost", {"warning"}),
-                         "pool_smaller_than_context": ("KVPoolSmallerThanContext", {"critical", "warning"})}
+KINDS_WITH_OWN_METRIC = {
+    "events_lost": ("KVGuardEventsLost", {"warning"}),
+    "pool_smaller_than_context": ("KVPoolSmallerThanContext", {"critical", "warning"}),
+}
 WARNING_KINDS = {"unwritten_read", "orphan_transfer", "ttft_anomaly", "cross_tenant_prefix_share"}
 
 
@@ -72,11 +86,15 @@ def alerts() -> list[dict]:
 
 
 def alert_cases() -> list[dict]:
-    return [case for f in TESTS for t in yaml.safe_load(f.read_text())["tests"] for case in t.get("alert_rule_test", [])]
+    return [
+        case for f in TESTS for t in yaml.safe_load(f.read_text())["tests"] for case in t.get("alert_rule_test", [])
+    ]
 
 
 def expr_tests() -> list[dict]:
-    return [case for f in TESTS for t in yaml.safe_load(f.read_text())["tests"] for case in t.get("promql_expr_test", [])]
+    return [
+        case for f in TESTS for t in yaml.safe_load(f.read_text())["tests"] for case in t.get("promql_expr_test", [])
+    ]
 
 
 def kind_selector(alert: dict, op: str) -> set[str]:
@@ -112,7 +130,7 @@ def test_every_alert_has_severity_summary_description_and_an_existing_runbook(al
     assert annotations["summary"].strip() and annotations["description"].strip()
     url = annotations["runbook_url"]
     assert url.startswith(RUNBOOK_PREFIX), url
-    path = url[len(RUNBOOK_PREFIX):].split("#", 1)[0]
+    path = url[len(RUNBOOK_PREFIX) :].split("#", 1)[0]
     assert path == f"docs/runbooks/{name}.md", f"{name}: runbook_url must point at its own runbook, got {path}"
     runbook = (REPO / path).read_text()
     assert runbook.startswith(f"# {name}\n"), f"{path}: must start with '# {name}'"
@@ -220,8 +238,22 @@ def test_a_real_prometheus_scraping_a_real_sidecar_fires_exactly_the_expected_al
     ring_dir, port, prom_port = tmp_path / "rings", free_port(), free_port()
     ring_dir.mkdir()
     sidecar = subprocess.Popen(
-        [sys.executable, "-m", "kvguard.sidecar.cli", "sidecar", "--ring-dir", str(ring_dir), "--listen",
-         f"127.0.0.1:{port}", "--json"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        [
+            sys.executable,
+            "-m",
+            "kvguard.sidecar.cli",
+            "sidecar",
+            "--ring-dir",
+            str(ring_dir),
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--json",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     procs = [sidecar]
     try:
         wait_for(f"http://127.0.0.1:{port}/healthz")
@@ -232,14 +264,27 @@ def test_a_real_prometheus_scraping_a_real_sidecar_fires_exactly_the_expected_al
         assert kinds == {"pool_smaller_than_context", "unwritten_read"}
 
         config = tmp_path / "prometheus.yml"
-        config.write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(RULES)],
-            "scrape_configs": [{"job_name": "kvguard", "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}],
-        }))
-        procs.append(subprocess.Popen(
-            [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+                    "rule_files": [str(RULES)],
+                    "scrape_configs": [{"job_name": "kvguard", "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}],
+                }
+            )
+        )
+        procs.append(
+            subprocess.Popen(
+                [
+                    prometheus,
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                    f"--web.listen-address=127.0.0.1:{prom_port}",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         wait_for(f"http://127.0.0.1:{prom_port}/-/ready")
         wanted = {"KVGuardUnwrittenRead", "KVPoolSmallerThanContext"}
         deadline, firing = time.monotonic() + 60, {}
@@ -255,13 +300,26 @@ def test_a_real_prometheus_scraping_a_real_sidecar_fires_exactly_the_expected_al
 
     instance = f"127.0.0.1:{port}"
     read = firing["KVGuardUnwrittenRead"]
-    assert read["labels"] == {"alertname": "KVGuardUnwrittenRead", "severity": "critical", "job": "kvguard",
-                              "instance": instance, "kind": "unwritten_read"}
+    assert read["labels"] == {
+        "alertname": "KVGuardUnwrittenRead",
+        "severity": "critical",
+        "job": "kvguard",
+        "instance": instance,
+        "kind": "unwritten_read",
+    }
     assert read["annotations"]["description"].startswith(
-        f"kvguard {instance} raised 1 new critical unwritten_read finding(s) in the last 5 minutes:")
+        f"kvguard {instance} raised 1 new critical unwritten_read finding(s) in the last 5 minutes:"
+    )
     pool = firing["KVPoolSmallerThanContext"]
-    assert pool["labels"] == {"alertname": "KVPoolSmallerThanContext", "severity": "warning", "job": "kvguard",
-                              "instance": instance, "role": "unified", "pid": str(os.getpid())}
+    assert pool["labels"] == {
+        "alertname": "KVPoolSmallerThanContext",
+        "severity": "warning",
+        "job": "kvguard",
+        "instance": instance,
+        "role": "unified",
+        "pid": str(os.getpid()),
+    }
     assert pool["annotations"]["description"] == (
         f"unified engine pid {os.getpid()} on {instance} has a KV pool of 256 tokens but a context length of "
-        "2048 tokens: prompts between the two take the engine's reject path.")
+        "2048 tokens: prompts between the two take the engine's reject path."
+    )

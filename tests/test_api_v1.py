@@ -54,7 +54,11 @@ def test_incidents_list_and_detail_with_timeline(client):
     c, _ = client
     (inc,) = c.get("/v1/incidents", headers=AUTH).json()["incidents"]
     assert (inc["kind"], inc["state"], inc["reader"]["tenant"], inc["tenants_exposed"]) == (
-        "unwritten_read", "firing", "initech", ["acme"])
+        "unwritten_read",
+        "firing",
+        "initech",
+        ["acme"],
+    )
     assert inc["exposed"] == [{"rid": "r-acme", "tenant": "acme", "pages": [2]}]
     detail = c.get(f"/v1/incidents/{inc['id']}", headers=AUTH).json()
     assert detail["findings"][0]["pages"] == [2]
@@ -69,8 +73,14 @@ def test_page_timeline_names_the_writers_in_order(client):
     body = c.get(f"/v1/pages/{engine_id}/2/timeline", headers=AUTH).json()
     assert body["now"] == {"state": "owned", "generation": 2, "last_writer": "r-acme", "last_writer_tenant": "acme"}
     seen = [(e["event"], e.get("rid")) for e in body["events"]]
-    assert seen == [("alloc", None), ("assign", "r-acme"), ("write", "r-acme"), ("free", None),
-                    ("alloc", None), ("assign", "r-initech")]
+    assert seen == [
+        ("alloc", None),
+        ("assign", "r-acme"),
+        ("write", "r-acme"),
+        ("free", None),
+        ("alloc", None),
+        ("assign", "r-initech"),
+    ]
 
 
 def test_request_timeline(client):
@@ -82,9 +92,18 @@ def test_request_timeline(client):
     assert c.get("/v1/requests/nope/timeline", headers=AUTH).status_code == 404
 
 
-@pytest.mark.parametrize("path", ["/v1/incidents/not-an-id", "/v1/pages/-1/2/timeline", "/v1/pages/1/x/timeline",
-                                  "/v1/incidents?limit=0", "/v1/incidents?state=exploded",
-                                  "/v1/pages/99/1/timeline", "/v1/incidents/inc-0000000000000000"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/incidents/not-an-id",
+        "/v1/pages/-1/2/timeline",
+        "/v1/pages/1/x/timeline",
+        "/v1/incidents?limit=0",
+        "/v1/incidents?state=exploded",
+        "/v1/pages/99/1/timeline",
+        "/v1/incidents/inc-0000000000000000",
+    ],
+)
 def test_hostile_input_gets_a_4xx_with_a_reason(client, path):
     c, _ = client
     r = c.get(path, headers=AUTH)

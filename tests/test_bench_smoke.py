@@ -25,8 +25,9 @@ if str(REPO) not in sys.path:  # bench/ is a folder of the repo, not part of the
 from bench import run, sidecar_bench  # noqa: E402
 from bench.workload import WorkloadParams, capture  # noqa: E402
 
-TINY = WorkloadParams(page_size=16, pool_tokens=2048 * 16, batch=6, prefix_groups=2, prefix_tokens=128,
-                      prompt_tokens=40, output_tokens=24)
+TINY = WorkloadParams(
+    page_size=16, pool_tokens=2048 * 16, batch=6, prefix_groups=2, prefix_tokens=128, prompt_tokens=40, output_tokens=24
+)
 
 
 @pytest.mark.parametrize("rows_every,assign", [(16, "page"), (3, "page"), (1, "token"), (0, "token"), (0, "page")])
@@ -51,16 +52,25 @@ def test_adapter_stream_is_what_the_adapter_sends():
 
     stream = capture(TINY, steps=40)
     assert (TINY.rows_every, TINY.assign) == (16, "page")
-    forwards = [(kind, payload) for kind, payload, _f in stream.setup + [i for s in stream.steps for i in s]
-                if kind == wire.Kind.FORWARD]
-    with_rows = [i + 1 for i, (_k, payload) in enumerate(forwards)
-                 if wire.decode_stream(wire.encode(wire.Kind.FORWARD, 0, 0, 0, payload),
-                                       wire.DecodeStats())[0].body.read_counts is not None]
+    forwards = [
+        (kind, payload)
+        for kind, payload, _f in stream.setup + [i for s in stream.steps for i in s]
+        if kind == wire.Kind.FORWARD
+    ]
+    with_rows = [
+        i + 1
+        for i, (_k, payload) in enumerate(forwards)
+        if wire.decode_stream(wire.encode(wire.Kind.FORWARD, 0, 0, 0, payload), wire.DecodeStats())[0].body.read_counts
+        is not None
+    ]
     assert with_rows and all(n % 16 == 0 for n in with_rows) and len(with_rows) == len(forwards) // 16
     for step in stream.steps:
         assigns = sum(kind == wire.Kind.ASSIGN for kind, _p, _f in step)
-        allocs = [wire.decode_stream(wire.encode(wire.Kind.ALLOC, 0, 0, 0, p), wire.DecodeStats())[0].body.pages
-                  for kind, p, _f in step if kind == wire.Kind.ALLOC]
+        allocs = [
+            wire.decode_stream(wire.encode(wire.Kind.ALLOC, 0, 0, 0, p), wire.DecodeStats())[0].body.pages
+            for kind, p, _f in step
+            if kind == wire.Kind.ALLOC
+        ]
         # decode ASSIGNs are one per new page (admissions add one ASSIGN and one ALLOC each)
         admitted = sum(kind == wire.Kind.REQ_BEGIN for kind, _p, _f in step)
         new_pages = len(allocs[0]) if allocs and len(allocs) > admitted else 0
@@ -87,15 +97,23 @@ def test_quick_run_writes_results_and_nulls_what_is_not_implemented(tmp_path, ca
     out = tmp_path / "bench-results.json"
     assert run.main(["--quick", "--skip", "latency,engine", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    for key in ("sidecar.page_reads_per_s", "raw.gather_page_reads_per_s", "sidecar.bytes_per_page",
-                "sidecar.bytes_per_page_with_rows", "sidecar.pool_bytes_per_page",
-                "digest.raw_xxh3_gbps", "digest.raw_xxh3_page_buffers_gbps", "sidecar.records_per_s",
-                "ratio.sidecar_over_raw"):
+    for key in (
+        "sidecar.page_reads_per_s",
+        "raw.gather_page_reads_per_s",
+        "sidecar.bytes_per_page",
+        "sidecar.bytes_per_page_with_rows",
+        "sidecar.pool_bytes_per_page",
+        "digest.raw_xxh3_gbps",
+        "digest.raw_xxh3_page_buffers_gbps",
+        "sidecar.records_per_s",
+        "ratio.sidecar_over_raw",
+    ):
         assert isinstance(res[key], (int, float)) and res[key] > 0, key
     assert res["engine.probe_us_per_step_b256_tier1"] is None
     assert "engine part was skipped" in res["notes"]["engine.probe_us_per_step_b256_tier1"]
     assert res["digest.gbps"] > 0 and 0 < res["ratio.digest_over_raw_xxh3"] == pytest.approx(
-        res["digest.gbps"] / res["digest.raw_same_bytes_gbps"])
+        res["digest.gbps"] / res["digest.raw_same_bytes_gbps"]
+    )
     # the memory key holds everything per pool page, live rows included
     assert res["sidecar.bytes_per_page"] == res["sidecar.bytes_per_page_with_rows"] > res["sidecar.pool_bytes_per_page"]
     # the two keys give the same ratio: raw xxh3 is measured on the digest's bytes
@@ -113,8 +131,14 @@ def test_engine_bench_runs_the_adapter_hooks_on_real_sglang_objects(tmp_path, re
     out = tmp_path / "engine.json"
     sg = REPO / ".venv" / "sglang" / "0.5.23"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(sg), str(REPO / "sidecar" / "demo" / "shim")]))
-    proc = subprocess.run([sys.executable, "-m", "bench.engine_bench", "--batches", "1,3", "--steps", "2",
-                           "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.engine_bench", "--batches", "1,3", "--steps", "2", "--json", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     for b in ("1", "3"):

@@ -29,9 +29,20 @@ POOL, CTX, MAX_INPUT = 256, 2048, 250
 class FakeEngine:
     """State and behaviour of one fake server; ``mode`` picks the behaviour."""
 
-    def __init__(self, mode: str = "healthy", role: str = "null", native: bool = True, bootstrap_port: int = 9001,
-                 status: int = 200, delay_s: float = 0.0, spaced: bool = False, victim_ttft_s: float = 0.0,
-                 wordy: bool = False, ttft_per_token_s: float = 0.0, served_port: int | None = None):
+    def __init__(
+        self,
+        mode: str = "healthy",
+        role: str = "null",
+        native: bool = True,
+        bootstrap_port: int = 9001,
+        status: int = 200,
+        delay_s: float = 0.0,
+        spaced: bool = False,
+        victim_ttft_s: float = 0.0,
+        wordy: bool = False,
+        ttft_per_token_s: float = 0.0,
+        served_port: int | None = None,
+    ):
         self.mode, self.role, self.native, self.bootstrap_port = mode, role, native, bootstrap_port
         self.status, self.delay_s, self.spaced, self.victim_ttft_s = status, delay_s, spaced, victim_ttft_s
         self.ttft_per_token_s = ttft_per_token_s  # a plausible engine: prefill time grows with the prompt
@@ -43,9 +54,17 @@ class FakeEngine:
 
     def server_info(self) -> dict:
         port = {} if self.served_port is None else {"port": self.served_port}
-        return {**port, "version": "0.5.19", "max_total_num_tokens": POOL, "context_length": CTX, "page_size": 4,
-                "max_req_input_len": MAX_INPUT, "chunked_prefill_size": 2048, "disaggregation_mode": self.role,
-                "disaggregation_bootstrap_port": self.bootstrap_port}
+        return {
+            **port,
+            "version": "0.5.19",
+            "max_total_num_tokens": POOL,
+            "context_length": CTX,
+            "page_size": 4,
+            "max_req_input_len": MAX_INPUT,
+            "chunked_prefill_size": 2048,
+            "disaggregation_mode": self.role,
+            "disaggregation_bootstrap_port": self.bootstrap_port,
+        }
 
     def tokens(self, prompt: str) -> int:
         return len(re.findall(r"[a-z]{1,4}|.", prompt, re.S)) if self.wordy else len(prompt)
@@ -62,9 +81,9 @@ class FakeEngine:
             if self.mode in ("healthy", "accepts_over_context"):
                 return 400, "", f"Input length ({n} tokens) exceeds the maximum allowed length ({MAX_INPUT} tokens)."
             if self.mode == "leaky":
-                text = self.stale[60:60 + max_new]
+                text = self.stale[60 : 60 + max_new]
                 if self.spaced:  # a tokenizer that splits and spaces the marker
-                    text = " ".join(text[i:i + 3] for i in range(0, len(text), 3))
+                    text = " ".join(text[i : i + 3] for i in range(0, len(text), 3))
                 return 200, text, None
         return 200, prompt[-max_new:].lower(), None  # an honest answer from the request's own prompt
 
@@ -131,8 +150,12 @@ def _handler(engine: FakeEngine):
             for i in range(1, len(text) + 1):
                 last = i == len(text)
                 if self.path == "/generate":
-                    meta = {"prompt_tokens": engine.tokens(prompt), "completion_tokens": i, "cached_tokens": 0,
-                            "finish_reason": {"type": "length"} if last else None}
+                    meta = {
+                        "prompt_tokens": engine.tokens(prompt),
+                        "completion_tokens": i,
+                        "cached_tokens": 0,
+                        "finish_reason": {"type": "length"} if last else None,
+                    }
                     chunk = {"text": text[:i], "meta_info": meta}
                 else:
                     choice = {"index": 0, "text": text[i - 1], "finish_reason": "length" if last else None}
@@ -140,7 +163,10 @@ def _handler(engine: FakeEngine):
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 self.wfile.flush()
             if self.path == "/v1/completions":
-                usage = {"choices": [], "usage": {"prompt_tokens": engine.tokens(prompt), "completion_tokens": len(text)}}
+                usage = {
+                    "choices": [],
+                    "usage": {"prompt_tokens": engine.tokens(prompt), "completion_tokens": len(text)},
+                }
                 self.wfile.write(f"data: {json.dumps(usage)}\n\n".encode())
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
@@ -181,16 +207,21 @@ def test_leak_through_the_over_pool_path_exits_3_and_names_the_marker(serve, cap
     leaks = [f for f in rep["findings"] if f["kind"] == "marker_leak"]
     assert leaks, rep["findings"]
     leaked = [r for r in rep["requests"] if r["leak"]]
-    assert leaked and {r["phase"] for r in leaked} == {"over_pool"} and {r["tenant"] for r in leaked} == {
-        "kvguard-canary-b"}
+    assert (
+        leaked
+        and {r["phase"] for r in leaked} == {"over_pool"}
+        and {r["tenant"] for r in leaked} == {"kvguard-canary-b"}
+    )
     victims = [e for e in engine.requests if e[0] == "POST" and e[2]["routing_key"] == "kvguard-canary-a"]
     for r in leaked:
         frag = r["leak"]["fragment"]
         assert len(frag) >= 10 and any(frag in normalize(v[2]["text"]) for v in victims)
-        assert r["leak"]["blocks"] and all(b.startswith(("#" + rep["marker_run"], "[" + rep["marker_run"]))
-                                           for b in r["leak"]["blocks"])
+        assert r["leak"]["blocks"] and all(
+            b.startswith(("#" + rep["marker_run"], "[" + rep["marker_run"])) for b in r["leak"]["blocks"]
+        )
         assert r["leak"]["blocks"][0] in leaks[0]["message"] or r["leak"]["blocks"][0] in " ".join(
-            f["message"] for f in leaks)
+            f["message"] for f in leaks
+        )
     # the over-length prompts were also answered 200: a finding of its own
     assert any(f["kind"] == "should_have_been_error" for f in rep["findings"])
     assert rep["requests_sent"] == len(engine.requests) <= rep["budget"] == 64
@@ -208,8 +239,12 @@ def test_healthy_engine_is_clean_and_rejections_are_what_it_expects(serve, capsy
     assert all(r["ok"] for r in by_phase["victim"] + by_phase["near_pool"] + by_phase["concurrent"])
     assert by_phase["abort"][0]["aborted_by_client"] and by_phase["abort"][0]["completion_tokens"] == 1
     # the plan used what the server reported
-    assert rep["limits"] == {"pool_tokens": POOL, "decode_pool_tokens": POOL, "context_len": CTX,
-                             "max_req_input_len": MAX_INPUT}
+    assert rep["limits"] == {
+        "pool_tokens": POOL,
+        "decode_pool_tokens": POOL,
+        "context_len": CTX,
+        "max_req_input_len": MAX_INPUT,
+    }
     assert max(r["prompt_tokens"] or 0 for r in by_phase["victim"]) <= MAX_INPUT
     assert all(POOL < r["prompt_tokens_planned"] <= CTX for r in by_phase["over_pool"])
     assert by_phase["over_context"][0]["prompt_tokens_planned"] > CTX
@@ -281,8 +316,15 @@ def test_openai_endpoint_leak_and_clean(serve, capsys):
     assert any("/server_info" in u for u in rep["unread"]) and rep["limits"]["context_len"] == CTX
     assert "weak evidence" in rep["model_note"]
 
-    rc, rep = run_cli(capsys, "--url", serve(FakeEngine("healthy", native=False)), "--context-length", str(CTX),
-                      "--pool-tokens", str(POOL))
+    rc, rep = run_cli(
+        capsys,
+        "--url",
+        serve(FakeEngine("healthy", native=False)),
+        "--context-length",
+        str(CTX),
+        "--pool-tokens",
+        str(POOL),
+    )
     assert rc == 0 and rep["verdict"] == "clean"
 
 
@@ -311,8 +353,7 @@ def test_prefill_decode_pair_is_driven_like_the_router(serve, capsys):
     assert len(d_posts) == len(p_posts) > 0
     assert sorted(b["bootstrap_room"] for b in d_posts) == sorted(b["bootstrap_room"] for b in p_posts)
     assert len({b["bootstrap_room"] for b in d_posts}) == len(d_posts)  # one room per request
-    assert {b["bootstrap_port"] for b in d_posts} == {8123} and {b["bootstrap_host"] for b in d_posts} == {
-        "127.0.0.1"}
+    assert {b["bootstrap_port"] for b in d_posts} == {8123} and {b["bootstrap_host"] for b in d_posts} == {"127.0.0.1"}
     assert rep["requests_sent"] == len(decode.requests) + len(prefill.requests) <= 64
 
 
@@ -414,7 +455,7 @@ def test_marker_search_whole_partial_tokenized_and_own_text():
     whole = victims[1][100:140]
     leak = find_leak("noise " + whole + " noise", "the fox", victims, m)
     assert leak and leak.fragment == normalize(whole) and leak.victims == [0, 1, 2] and leak.blocks
-    spaced = " ".join(whole[i:i + 2] for i in range(0, len(whole), 2))  # split across tokens
+    spaced = " ".join(whole[i : i + 2] for i in range(0, len(whole), 2))  # split across tokens
     assert find_leak(spaced, "", victims, m).fragment == normalize(whole)
     assert find_leak(victims[1][100:109], "", victims, m) is None  # 9 characters: below the threshold
     assert find_leak(victims[1][100:109], "", victims, m, min_overlap=5) is not None
@@ -424,6 +465,7 @@ def test_marker_search_whole_partial_tokenized_and_own_text():
     # B's own prompt text is never blamed on A, and B's filler never matches A
     assert find_leak(whole, whole, victims, m) is None
     import random as r2
+
     assert find_leak(filler_text(400, r2.Random(2)), "", victims, m) is None
 
 

@@ -41,14 +41,20 @@ TENANT_A, TENANT_B = "kvguard-canary-a", "kvguard-canary-b"
 def _pair(version: str, tmp_path, ring_dir=None) -> PDPair:
     # the canary's own router-less PD mode (--url decode --prefill-url prefill) posts to both
     # engines itself, so no router is started in front of the pair
-    return PDPair(version, ring_dir, tmp_path / "logs", model_dir=echo_model_dir(WORDS_DEMO["lag"]),
-                  load_format="auto", waiting_timeout_s=WAITING_TIMEOUT_S, router=False)
+    return PDPair(
+        version,
+        ring_dir,
+        tmp_path / "logs",
+        model_dir=echo_model_dir(WORDS_DEMO["lag"]),
+        load_format="auto",
+        waiting_timeout_s=WAITING_TIMEOUT_S,
+        router=False,
+    )
 
 
 def _canary(capsys, pair: PDPair, *extra: str) -> tuple[int, dict]:
     capsys.readouterr()
-    rc = main(["canary", "--url", pair.decode.url, "--prefill-url", pair.prefill.url, "--json", "--seed", "11",
-               *extra])
+    rc = main(["canary", "--url", pair.decode.url, "--prefill-url", pair.prefill.url, "--json", "--seed", "11", *extra])
     return rc, json.loads(capsys.readouterr().out)
 
 
@@ -71,8 +77,7 @@ def test_sglang_0_5_19_pair_leaks_the_victims_markers(tmp_path, capsys, require_
     assert rep["servers"][0]["version"] == "0.5.19" and rep["limits"]["pool_tokens"] == 256
     assert "echo" in rep["model"] and "echo model" in rep["model_note"]
     leaked = [r for r in rep["requests"] if r["leak"]]
-    assert leaked and all(r["tenant"] == TENANT_B and r["phase"] == "over_pool" and r["status"] == 200
-                          for r in leaked)
+    assert leaked and all(r["tenant"] == TENANT_B and r["phase"] == "over_pool" and r["status"] == 200 for r in leaked)
     for r in leaked:  # the marker text is tenant A's, named in the finding
         assert len(r["leak"]["fragment"]) >= 10 and r["leak"]["blocks"]
         assert all(b.startswith(("#" + rep["marker_run"], "[" + rep["marker_run"])) for b in r["leak"]["blocks"])

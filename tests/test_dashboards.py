@@ -208,31 +208,47 @@ class Stack(PrometheusQueries):
         incident(self.prefill, self.decode, self.unified)
         self.sidecar = Sidecar(ring_dir, slack_ns=0, poll_interval_s=0.05, ttft_anomaly=True).start()
         self.stop_traffic = threading.Event()
-        self.traffic = threading.Thread(target=traffic, args=(self.prefill, self.decode, self.stop_traffic),
-                                        daemon=True)
+        self.traffic = threading.Thread(
+            target=traffic, args=(self.prefill, self.decode, self.stop_traffic), daemon=True
+        )
         self.traffic.start()
         port = free_port()
         self.target = f"127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.sidecar, CollectorRegistry()), host="127.0.0.1",
-                                                    port=port, log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(self.sidecar, CollectorRegistry()), host="127.0.0.1", port=port, log_level="warning"
+            )
+        )
         self.server_thread = threading.Thread(target=self.server.run, daemon=True)
         self.server_thread.start()
         self.prom_url = f"http://127.0.0.1:{free_port()}"
         config = tmp / "prometheus.yml"
-        config.write_text(yaml.safe_dump({
-            "global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"},
-            "scrape_configs": [{"job_name": "kvguard", "static_configs": [{"targets": [self.target]}]}]}))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"},
+                    "scrape_configs": [{"job_name": "kvguard", "static_configs": [{"targets": [self.target]}]}],
+                }
+            )
+        )
         self.prom_log = open(tmp / "prometheus.log", "w")
         self.prometheus = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-             f"--web.listen-address={self.prom_url.removeprefix('http://')}", "--log.level=warn"],
-            stdout=self.prom_log, stderr=subprocess.STDOUT)
+            [
+                PROMETHEUS,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp / 'tsdb'}",
+                f"--web.listen-address={self.prom_url.removeprefix('http://')}",
+                "--log.level=warn",
+            ],
+            stdout=self.prom_log,
+            stderr=subprocess.STDOUT,
+        )
 
     def wait_for_scrapes(self, n: int, timeout_s: float = 60) -> None:
         """Until Prometheus holds ``n`` successful scrapes of the sidecar (and the traffic is in them)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            assert self.prometheus.poll() is None, (Path(self.prom_log.name).read_text())
+            assert self.prometheus.poll() is None, Path(self.prom_log.name).read_text()
             try:
                 got = self.query(f'sum_over_time(up{{job="kvguard", instance="{self.target}"}}[5m])')
                 if got and float(got[0]["value"][1]) >= n:
@@ -240,8 +256,10 @@ class Stack(PrometheusQueries):
             except (httpx.HTTPError, AssertionError):
                 pass
             time.sleep(0.5)
-        raise AssertionError(f"Prometheus did not scrape {self.target} {n} times in {timeout_s} s: "
-                             f"{Path(self.prom_log.name).read_text()}")
+        raise AssertionError(
+            f"Prometheus did not scrape {self.target} {n} times in {timeout_s} s: "
+            f"{Path(self.prom_log.name).read_text()}"
+        )
 
     def close(self) -> None:
         self.prometheus.terminate()
@@ -267,8 +285,11 @@ def stack(tmp_path_factory):
 
 
 def all_targets():
-    return [pytest.param(name, title, t, id=f"{name}:{title}:{t['refId']}")
-            for name, d in dashboards().items() for title, t in targets(d)]
+    return [
+        pytest.param(name, title, t, id=f"{name}:{title}:{t['refId']}")
+        for name, d in dashboards().items()
+        for title, t in targets(d)
+    ]
 
 
 @pytest.mark.parametrize("name, title, target", all_targets())
@@ -302,17 +323,20 @@ def panel_values(stack, dashboard: str, title: str, ref: str = "A") -> dict[tupl
 def test_the_integrity_dashboard_shows_the_incident(stack):
     d = "kvguard-integrity.json"
     found = panel_values(stack, d, "Findings since sidecar start")
-    raised = {(("kind", "pool_smaller_than_context"), ("severity", "critical")): 1.0,
-              (("kind", "transfer_size_mismatch"), ("severity", "critical")): 1.0,
-              (("kind", "ttft_anomaly"), ("severity", "warning")): 1.0,
-              (("kind", "unwritten_read"), ("severity", "critical")): 1.0}
+    raised = {
+        (("kind", "pool_smaller_than_context"), ("severity", "critical")): 1.0,
+        (("kind", "transfer_size_mismatch"), ("severity", "critical")): 1.0,
+        (("kind", "ttft_anomaly"), ("severity", "warning")): 1.0,
+        (("kind", "unwritten_read"), ("severity", "critical")): 1.0,
+    }
     # every other pair this sidecar can raise shows 0: checked, nothing found (sidecar/finding_kinds.py)
     zeros = {(("kind", k), ("severity", s)): 0.0 for k, s in possible_findings(stack.sidecar.pipeline)}
     assert found == {**zeros, **raised}
     assert panel_values(stack, d, "Incidents since sidecar start") == found  # one request each, in this story
     firing = {dict(k)["kind"]: v for k, v in panel_values(stack, d, "Incidents firing, by kind").items()}
-    assert firing == {kind: 1.0 for kind in ("pool_smaller_than_context", "transfer_size_mismatch", "ttft_anomaly",
-                                             "unwritten_read")}  # initech is still decoding
+    assert firing == {
+        kind: 1.0 for kind in ("pool_smaller_than_context", "transfer_size_mismatch", "ttft_anomaly", "unwritten_read")
+    }  # initech is still decoding
     assert panel_values(stack, d, "Incidents firing") == {(): 4.0}
     assert panel_values(stack, d, "Ingest lag")[()] < 1
     assert panel_values(stack, d, "Critical findings") == {(): 3.0}
@@ -371,12 +395,22 @@ class GrafanaHandler(BaseHTTPRequestHandler):
             return self.answer(500, {"message": "Internal Server Error"})
         dash, versions = body["dashboard"], self.server.versions
         if dash["uid"] in versions and not body.get("overwrite") and dash.get("version", 0) != versions[dash["uid"]]:
-            return self.answer(412, {"status": "version-mismatch",
-                                     "message": "The dashboard has been changed by someone else"})
+            return self.answer(
+                412, {"status": "version-mismatch", "message": "The dashboard has been changed by someone else"}
+            )
         versions[dash["uid"]] = versions.get(dash["uid"], 0) + 1
         slug = re.sub(r"[^a-z0-9]+", "-", dash["title"].lower()).strip("-")
-        self.answer(200, {"id": len(versions), "uid": dash["uid"], "url": f"/d/{dash['uid']}/{slug}",
-                          "status": "success", "version": versions[dash["uid"]], "slug": slug})
+        self.answer(
+            200,
+            {
+                "id": len(versions),
+                "uid": dash["uid"],
+                "url": f"/d/{dash['uid']}/{slug}",
+                "status": "success",
+                "version": versions[dash["uid"]],
+                "slug": slug,
+            },
+        )
 
     def answer(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()
@@ -417,10 +451,12 @@ def push(url: str, *extra: str) -> int:
 def test_push_uploads_every_dashboard_with_the_token(grafana, token_file, capsys):
     assert push(grafana.url, "--token-file", token_file, "--folder-uid", "kvguard") == 0
     out = capsys.readouterr().out.splitlines()
-    assert out == [f"kvguard-integrity.json: {grafana.url}/d/kvguard-integrity/kvguard-kv-integrity "
-                   f"(uid kvguard-integrity, version 1)",
-                   f"kvguard-pages.json: {grafana.url}/d/kvguard-pages/kvguard-pages-transfers-ttft "
-                   f"(uid kvguard-pages, version 1)"]
+    assert out == [
+        f"kvguard-integrity.json: {grafana.url}/d/kvguard-integrity/kvguard-kv-integrity "
+        f"(uid kvguard-integrity, version 1)",
+        f"kvguard-pages.json: {grafana.url}/d/kvguard-pages/kvguard-pages-transfers-ttft "
+        f"(uid kvguard-pages, version 1)",
+    ]
     sent = {body["dashboard"]["uid"]: (path, auth, body) for path, auth, body in grafana.seen}
     for d in dashboards().values():
         path, auth, body = sent[d["uid"]]
@@ -434,10 +470,12 @@ def test_push_again_is_refused_as_a_version_mismatch_until_overwrite(grafana, to
     capsys.readouterr()
     assert push(grafana.url, "--token-file", token_file) == 1
     err = capsys.readouterr().err.splitlines()
-    assert err == [f"kvguard dashboards push: {name}: Grafana refused it (HTTP 412 version-mismatch: The dashboard "
-                   f"has been changed by someone else): the dashboard was changed in Grafana since (or pushed "
-                   f"before); the repository is the source of truth: re-run with --overwrite to replace it"
-                   for name in ("kvguard-integrity.json", "kvguard-pages.json")]
+    assert err == [
+        f"kvguard dashboards push: {name}: Grafana refused it (HTTP 412 version-mismatch: The dashboard "
+        f"has been changed by someone else): the dashboard was changed in Grafana since (or pushed "
+        f"before); the repository is the source of truth: re-run with --overwrite to replace it"
+        for name in ("kvguard-integrity.json", "kvguard-pages.json")
+    ]
     assert push(grafana.url, "--token-file", token_file, "--overwrite") == 0
     assert grafana.versions == {"kvguard-integrity": 2, "kvguard-pages": 2}
 
@@ -447,9 +485,11 @@ def test_push_with_a_wrong_token_exits_4_after_one_request_and_never_prints_it(g
     wrong.write_text("glsa_not_the_token")
     assert push(grafana.url, "--token-file", str(wrong)) == 4
     captured = capsys.readouterr()
-    assert captured.err == (f"kvguard dashboards push: kvguard-integrity.json: Grafana at {grafana.url} rejected "
-                            f"the credentials (HTTP 401: invalid API key): check --token-file or "
-                            f"$KVGUARD_GRAFANA_TOKEN\n")
+    assert captured.err == (
+        f"kvguard dashboards push: kvguard-integrity.json: Grafana at {grafana.url} rejected "
+        f"the credentials (HTTP 401: invalid API key): check --token-file or "
+        f"$KVGUARD_GRAFANA_TOKEN\n"
+    )
     assert len(grafana.seen) == 1 and "glsa_not_the_token" not in captured.err + captured.out
 
 
@@ -465,16 +505,20 @@ def test_push_with_a_password_in_the_url_never_prints_it(grafana, capsys, monkey
 def test_push_to_a_failing_grafana_exits_3(grafana, token_file, capsys):
     grafana.failing = True
     assert push(grafana.url, "--token-file", token_file) == 3
-    assert capsys.readouterr().err == (f"kvguard dashboards push: kvguard-integrity.json: Grafana at {grafana.url} "
-                                       f"failed (HTTP 500: Internal Server Error); try again later\n")
+    assert capsys.readouterr().err == (
+        f"kvguard dashboards push: kvguard-integrity.json: Grafana at {grafana.url} "
+        f"failed (HTTP 500: Internal Server Error); try again later\n"
+    )
     assert len(grafana.seen) == 1
 
 
 def test_push_where_nothing_listens_exits_3(token_file, capsys):
     url = f"http://127.0.0.1:{free_port()}"
     assert push(url, "--token-file", token_file, "--timeout", "2") == 3
-    assert capsys.readouterr().err == (f"kvguard dashboards push: kvguard-integrity.json: cannot connect to Grafana "
-                                       f"at {url}: [Errno 111] Connection refused\n")
+    assert capsys.readouterr().err == (
+        f"kvguard dashboards push: kvguard-integrity.json: cannot connect to Grafana "
+        f"at {url}: [Errno 111] Connection refused\n"
+    )
 
 
 def test_push_under_a_sub_path_reaches_the_api_there(grafana, token_file):
@@ -482,15 +526,25 @@ def test_push_under_a_sub_path_reaches_the_api_there(grafana, token_file):
     assert {path for path, _, _ in grafana.seen} == {"/grafana/api/dashboards/db"}
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--url", "grafana:3000"], "--url: expected http(s)://HOST[:PORT][/PATH] (Grafana's root URL), got "
-                                "'grafana:3000'"),
-    (["--url", "http://g", "--token-file", "/nonexistent/token"], "--token-file '/nonexistent/token': No such "
-                                                                   "file or directory"),
-    (["--url", "http://g", "--dir", "/nonexistent"], "--dir '/nonexistent': no dashboard JSON files (run "
-                                                     "`kvguard dashboards generate`, or pass dashboards/generated "
-                                                     "of the kvguard source tree)"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--url", "grafana:3000"],
+            "--url: expected http(s)://HOST[:PORT][/PATH] (Grafana's root URL), got 'grafana:3000'",
+        ),
+        (
+            ["--url", "http://g", "--token-file", "/nonexistent/token"],
+            "--token-file '/nonexistent/token': No such file or directory",
+        ),
+        (
+            ["--url", "http://g", "--dir", "/nonexistent"],
+            "--dir '/nonexistent': no dashboard JSON files (run "
+            "`kvguard dashboards generate`, or pass dashboards/generated "
+            "of the kvguard source tree)",
+        ),
+    ],
+)
 def test_push_refuses_bad_arguments_with_exit_2_and_sends_nothing(argv, message, capsys):
     assert run_cli("dashboards", "push", *argv) == 2
     assert capsys.readouterr().err == f"kvguard dashboards push: {message}\n"
@@ -501,4 +555,3 @@ def test_push_refuses_an_empty_token_file(tmp_path, capsys):
     empty.write_text("\n")
     assert push("http://g", "--token-file", str(empty)) == 2
     assert capsys.readouterr().err == f"kvguard dashboards push: --token-file {str(empty)!r} is empty\n"
-

@@ -88,8 +88,11 @@ def test_plain_engine_generates(tiny_model_dir, tmp_path, require_sglang):
         prompt = list(range(10, 60))
         r = httpx.post(
             engine.url + "/generate",
-            json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
-                  **engines.tenant_payload("acme")},
+            json={
+                "input_ids": prompt,
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
+                **engines.tenant_payload("acme"),
+            },
             timeout=120,
         )
         assert r.status_code == 200, r.text
@@ -118,9 +121,11 @@ def test_router_args_and_tenant_fields():
 
 
 def test_ids_from_decode_error():
-    err = ("Decode transfer failed for request rank=0 decode_req.req.rid='341174a0b48344f0' "
-           "decode_req.req.bootstrap_room=1296586503722359421 with exception KVTransferError(bootstrap_room="
-           "1296586503722359421): Request 1296586503722359421 timed out after 20.0s in KVPoll.WaitingForInput")
+    err = (
+        "Decode transfer failed for request rank=0 decode_req.req.rid='341174a0b48344f0' "
+        "decode_req.req.bootstrap_room=1296586503722359421 with exception KVTransferError(bootstrap_room="
+        "1296586503722359421): Request 1296586503722359421 timed out after 20.0s in KVPoll.WaitingForInput"
+    )
     assert engines.ids_from_error(err) == ("341174a0b48344f0", 1296586503722359421)
     assert engines.ids_from_error("No prefill workers available") == (None, None)
     assert engines.ids_from_error(None) == (None, None)
@@ -159,8 +164,13 @@ class FakeRouter:
                     return self._send(400, {"error": {"message": "temperature must be a non-negative number"}})
                 meta = {"id": body.get("rid", "decode-rid-1"), "prompt_tokens": len(body["input_ids"])}
                 if not body.get("stream"):
-                    return self._send(200, {"output_ids": [0, 0], "meta_info": {
-                        **meta, "completion_tokens": 2, "finish_reason": {"type": "length"}}})
+                    return self._send(
+                        200,
+                        {
+                            "output_ids": [0, 0],
+                            "meta_info": {**meta, "completion_tokens": 2, "finish_reason": {"type": "length"}},
+                        },
+                    )
                 self.send_response(200)
                 self.send_header("content-type", "text/event-stream")
                 self.end_headers()
@@ -258,14 +268,21 @@ def _scenario(long_rid="dec-long", long_ok=True):
     from kvguard.demo.scenario import ScenarioRequest, ScenarioResult
 
     def result(rid, tenant, n, ok=True):
-        return engines.GenerateResult(rid=rid, room=None, tenant=tenant, prompt_len=n, prefill_status=None,
-                                      decode_status=200 if ok else 500, routed=True,
-                                      error=None if ok else "timed out in KVPoll.WaitingForInput",
-                                      decode_json={"meta_info": {"id": rid, "prompt_tokens": n,
-                                                                 "completion_tokens": 8, "finish_reason": "length"}})
+        return engines.GenerateResult(
+            rid=rid,
+            room=None,
+            tenant=tenant,
+            prompt_len=n,
+            prefill_status=None,
+            decode_status=200 if ok else 500,
+            routed=True,
+            error=None if ok else "timed out in KVPoll.WaitingForInput",
+            decode_json={
+                "meta_info": {"id": rid, "prompt_tokens": n, "completion_tokens": 8, "finish_reason": "length"}
+            },
+        )
 
-    reqs = [ScenarioRequest("normal", result(f"dec-{i}", ("acme", "globex")[i % 2], 200), [5] * 200)
-            for i in range(2)]
+    reqs = [ScenarioRequest("normal", result(f"dec-{i}", ("acme", "globex")[i % 2], 200), [5] * 200) for i in range(2)]
     reqs.append(ScenarioRequest("long", result(long_rid, "initech", 600, long_ok), [5] * 600))
     return ScenarioResult("0.5.19", 256, 1024, 250, reqs, 1.0)
 
@@ -276,9 +293,17 @@ def test_report_maps_findings_to_client_requests_by_decodes_rid():
     from kvguard.demo.run import DemoRun, tell_story
     from kvguard.sidecar.findings import EngineRef, Finding, Party
 
-    read = Finding("unwritten_read", "critical", EngineRef("decode", 0, 42), Party("dec-long", "initech", 77),
-                   [2, 3, 4], [Party("dec-0", "acme", pages=[2, 3]), Party("dec-1", "globex", pages=[4])], 0,
-                   "read unwritten", {"sender_rid": "pre-long", "sender_tenant": "initech"})
+    read = Finding(
+        "unwritten_read",
+        "critical",
+        EngineRef("decode", 0, 42),
+        Party("dec-long", "initech", 77),
+        [2, 3, 4],
+        [Party("dec-0", "acme", pages=[2, 3]), Party("dec-1", "globex", pages=[4])],
+        0,
+        "read unwritten",
+        {"sender_rid": "pre-long", "sender_tenant": "initech"},
+    )
     out = io.StringIO()
     tell_story(DemoRun("0.5.19", _scenario(), [read], {}, 0), out)
     text = out.getvalue()

@@ -89,7 +89,8 @@ def test_generated_files_match_alerts_and_dashboards():
 def _fake_repo(tmp_path: Path, rules: str | None = None) -> Path:
     (tmp_path / "alerts").mkdir()
     (tmp_path / "alerts" / "kvguard.rules.yaml").write_text(
-        rules or (REPO / "alerts" / "kvguard.rules.yaml").read_text())
+        rules or (REPO / "alerts" / "kvguard.rules.yaml").read_text()
+    )
     return tmp_path
 
 
@@ -116,7 +117,8 @@ def test_generator_deploys_dashboards_byte_for_byte_and_catches_drift(tmp_path):
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert cm["data"] == {"kvguard-x.json": board}
     assert yaml.safe_load((repo / generate.DASHBOARDS_OUT / "kustomization.yaml").read_text())["resources"] == [
-        "kvguard-dashboard-x.yaml"]
+        "kvguard-dashboard-x.yaml"
+    ]
     assert any("settings.json" in w for w in generate.warnings(repo))
     assert generate.check(repo) == []
 
@@ -152,13 +154,16 @@ def test_prometheusrule_holds_the_rule_files_groups_unchanged():
 
 
 # --------------------------------------------------------------------------- rendering + schemas
-@pytest.mark.parametrize("target,kinds", [
-    ("base", {"Deployment", "Service"}),
-    ("common", {"Secret", "ConfigMap", "ServiceMonitor", "PrometheusRule", "NetworkPolicy"}),
-    ("unified", {"Deployment", "Service"}),
-    ("prefill", {"Deployment", "Service"}),
-    ("decode", {"Deployment", "Service"}),
-])
+@pytest.mark.parametrize(
+    "target,kinds",
+    [
+        ("base", {"Deployment", "Service"}),
+        ("common", {"Secret", "ConfigMap", "ServiceMonitor", "PrometheusRule", "NetworkPolicy"}),
+        ("unified", {"Deployment", "Service"}),
+        ("prefill", {"Deployment", "Service"}),
+        ("decode", {"Deployment", "Service"}),
+    ],
+)
 def test_every_kustomization_builds(rendered, target, kinds):
     assert {o["kind"] for o in rendered[target]} == kinds
 
@@ -222,20 +227,24 @@ POD_MUTATIONS = {
     "shareProcessNamespace": lambda d: _pod(d).pop("shareProcessNamespace"),
     "readOnlyRootFilesystem": lambda d: _c(d, "kvguard")["securityContext"].update(readOnlyRootFilesystem=False),
     "drop ALL": lambda d: _c(d, "kvguard")["securityContext"]["capabilities"].update(drop=["NET_RAW"]),
-    "RuntimeDefault": lambda d: (_c(d, "kvguard")["securityContext"].pop("seccompProfile"),
-                                 _pod(d).pop("securityContext")),
+    "RuntimeDefault": lambda d: (
+        _c(d, "kvguard")["securityContext"].pop("seccompProfile"),
+        _pod(d).pop("securityContext"),
+    ),
     "KVGUARD_RING_DIR": lambda d: _c(d, "sglang")["env"][0].update(value="/dev/shm/kvguard"),
     "does not parse": lambda d: _c(d, "kvguard")["args"].__setitem__(1, "--ring-dirr"),
     "both run as one uid": lambda d: _c(d, "sglang")["securityContext"].update(runAsUser=0),
     "sizeLimit": lambda d: next(v for v in _pod(d)["volumes"] if v["name"] == "rings")["emptyDir"].update(
-        sizeLimit="64Mi"),
+        sizeLimit="64Mi"
+    ),
     "not on a Secret volume": lambda d: _c(d, "kvguard")["volumeMounts"].__setitem__(
-        1, {"name": "tmp", "mountPath": "/secrets"}),
+        1, {"name": "tmp", "mountPath": "/secrets"}
+    ),
     "listens on 127.0.0.1": lambda d: _c(d, "kvguard")["args"].__setitem__(4, "127.0.0.1:9464"),
-    "readinessProbe must GET /readyz": lambda d: _c(d, "kvguard")["readinessProbe"]["httpGet"].update(
-        path="/healthz"),
-    "--record-max-bytes": lambda d: next(v for v in _pod(d)["volumes"] if v["name"] == "recordings")[
-        "emptyDir"].update(sizeLimit="1Gi"),
+    "readinessProbe must GET /readyz": lambda d: _c(d, "kvguard")["readinessProbe"]["httpGet"].update(path="/healthz"),
+    "--record-max-bytes": lambda d: next(v for v in _pod(d)["volumes"] if v["name"] == "recordings")["emptyDir"].update(
+        sizeLimit="1Gi"
+    ),
 }
 
 
@@ -281,8 +290,12 @@ def test_cross_check_catches_wrong_job_missing_keys_and_dangling_selectors(rende
 
 def test_the_network_policy_closes_only_the_sidecars_port(rendered):
     objs = rendered["all"]
-    assert check.network_policy_problems([o for o in objs if o["kind"] == "NetworkPolicy"],
-                                         [o for o in objs if o["kind"] == "Deployment"]) == []
+    assert (
+        check.network_policy_problems(
+            [o for o in objs if o["kind"] == "NetworkPolicy"], [o for o in objs if o["kind"] == "Deployment"]
+        )
+        == []
+    )
 
     def changed(fn):
         return [_mutate(o, fn) if o["kind"] == "NetworkPolicy" else o for o in objs]
@@ -310,15 +323,22 @@ def test_sidecar_requirements_are_the_dependency_closure_of_kvguard_sidecar():
 
 def test_dockerfile_check_catches_latest_root_and_unpinned(tmp_path, monkeypatch):
     bad = tmp_path / "Dockerfile.sidecar"
-    bad.write_text("FROM python:latest\nRUN apt-get install -y gcc\nRUN pip install fastapi\n"
-                   "USER root\nENTRYPOINT [\"sh\"]\n")
+    bad.write_text(
+        'FROM python:latest\nRUN apt-get install -y gcc\nRUN pip install fastapi\nUSER root\nENTRYPOINT ["sh"]\n'
+    )
     (tmp_path / "Dockerfile.sidecar.dockerignore").write_text("*\n")
     monkeypatch.setattr(check, "DOCKERFILES", {"sidecar": bad})
     monkeypatch.setattr(check, "REPO", tmp_path)
     monkeypatch.setattr(check, "sidecar_requirements_problems", lambda: [])
     problems = "\n".join(check.dockerfile_problems("sidecar"))
-    for expect in ("latest", "build tools", "without --no-deps", "'fastapi' without an exact version",
-                   "non-root uid", "ENTRYPOINT"):
+    for expect in (
+        "latest",
+        "build tools",
+        "without --no-deps",
+        "'fastapi' without an exact version",
+        "non-root uid",
+        "ENTRYPOINT",
+    ):
         assert expect in problems, problems
 
 
@@ -335,9 +355,20 @@ def _python_for(uid: int, gid: int, env: dict) -> str | None:
         if not os.path.exists(py):
             continue
         probe = subprocess.run(
-            ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", py, "-c",
-             "import sys, numpy, xxhash, fastapi, uvicorn, kvguard.sidecar.cli; print(sys.version_info[:2])"],
-            env=env, capture_output=True, text=True, cwd="/")
+            [
+                "setpriv",
+                f"--reuid={uid}",
+                f"--regid={gid}",
+                "--clear-groups",
+                py,
+                "-c",
+                "import sys, numpy, xxhash, fastapi, uvicorn, kvguard.sidecar.cli; print(sys.version_info[:2])",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd="/",
+        )
         if probe.returncode == 0 and probe.stdout.strip() == str(sys.version_info[:2]):
             return py
     return None
@@ -390,8 +421,9 @@ def pod_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_pod_shaped_run_sidecar_ingests_the_engines_ring_with_the_manifests_uids(rendered, pod_dir, kvguard_wheel,
-                                                                                 request):
+def test_pod_shaped_run_sidecar_ingests_the_engines_ring_with_the_manifests_uids(
+    rendered, pod_dir, kvguard_wheel, request
+):
     """The prefill pod as rendered: engine and sidecar as the manifest's uids, in one pid
     namespace (shareProcessNamespace), the sidecar started with the manifest's own command
     line (paths moved under pod_dir, --listen on loopback, PagerDuty pointed at a local
@@ -415,9 +447,12 @@ def test_pod_shaped_run_sidecar_ingests_the_engines_ring_with_the_manifests_uids
         z.extractall(site)
     for d in [site, *(p for p in site.rglob("*") if p.is_dir())]:
         os.chmod(d, 0o755)
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/nonexistent",
-           "PYTHONPATH": os.pathsep.join([str(site), sysconfig.get_paths()["purelib"]]),
-           "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": "/nonexistent",
+        "PYTHONPATH": os.pathsep.join([str(site), sysconfig.get_paths()["purelib"]]),
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
     py = _python_for(s_uid, s_gid, env)
     if py is None:
         pytest.skip(f"no Python that uid {s_uid} can run with this venv's packages")
@@ -439,7 +474,7 @@ def test_pod_shaped_run_sidecar_ingests_the_engines_ring_with_the_manifests_uids
     def local(arg: str) -> str:
         for mp, path in sorted(mounts.items(), key=lambda kv: -len(kv[0])):
             if arg == mp or arg.startswith(mp + "/"):
-                return str(path) + arg[len(mp):]
+                return str(path) + arg[len(mp) :]
         return arg
 
     port = _free_port()
@@ -452,11 +487,13 @@ def test_pod_shaped_run_sidecar_ingests_the_engines_ring_with_the_manifests_uids
     ring_dir = Path(local(check._env(c["sglang"])["KVGUARD_RING_DIR"]["value"]))
 
     def as_uid(uid, gid, argv, **kw):
-        return subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", py, *argv],
-                                env=env, cwd="/", **kw)
+        return subprocess.Popen(
+            ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", py, *argv], env=env, cwd="/", **kw
+        )
 
-    sidecar = as_uid(s_uid, s_gid, ["-m", "kvguard.sidecar.cli", *args], stdout=subprocess.PIPE,
-                     stderr=subprocess.PIPE, text=True)
+    sidecar = as_uid(
+        s_uid, s_gid, ["-m", "kvguard.sidecar.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     engine = None
     try:
         deadline = time.monotonic() + 20
@@ -482,8 +519,9 @@ def test_pod_shaped_run_sidecar_ingests_the_engines_ring_with_the_manifests_uids
         assert health["rings_attached"] == 1, health
         assert len(list(ring_dir.glob("*.ring"))) == 1  # still there: the engine is seen alive
         token = check.PLACEHOLDER_SECRETS["api-token"]
-        incidents = httpx.get(f"http://127.0.0.1:{port}/v1/incidents",
-                              headers={"Authorization": f"Bearer {token}"}, timeout=2).json()["incidents"]
+        incidents = httpx.get(
+            f"http://127.0.0.1:{port}/v1/incidents", headers={"Authorization": f"Bearer {token}"}, timeout=2
+        ).json()["incidents"]
         leaked = [i for i in incidents if i["kind"] == "unwritten_read"]
         assert leaked and leaked[0]["reader"]["tenant"] == "initech" and "acme" in leaked[0]["tenants_exposed"]
         deadline = time.monotonic() + 10
@@ -496,8 +534,13 @@ def test_pod_shaped_run_sidecar_ingests_the_engines_ring_with_the_manifests_uids
         sidecar.wait(timeout=15)
 
         # docs/operations.md: the notification list from a replay of the recordings
-        replay = subprocess.run([sys.executable, "-m", "kvguard.sidecar.cli", "replay", "--json", str(vols["recordings"])],
-                                cwd=REPO, capture_output=True, text=True, timeout=60)
+        replay = subprocess.run(
+            [sys.executable, "-m", "kvguard.sidecar.cli", "replay", "--json", str(vols["recordings"])],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert replay.returncode == 0, replay.stderr
         rows = set()
         for line in replay.stdout.splitlines():
@@ -533,7 +576,7 @@ def test_documented_engine_snippet_matches_the_dockerfile():
     dockerfile = check.DOCKERFILES["engine"].read_text()
     lines = [ln[1:].strip() for ln in dockerfile.splitlines() if ln.startswith("#   ")]
     start = lines.index("FROM lmsysorg/sglang:<tag>")
-    snippet = lines[start:start + 3]
+    snippet = lines[start : start + 3]
     assert snippet[1].startswith("COPY ") and snippet[2].startswith("RUN pip install --no-cache-dir --no-deps ")
     for line in snippet:
         assert line in doc, line

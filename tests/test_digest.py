@@ -38,8 +38,17 @@ def make_kv(tokens: int, seed: int = 0, heads: int = HEADS, dtype=torch.bfloat16
 class Pool:
     """An SGLang-like MHA pool holding a request's KV at ``slots`` (token order)."""
 
-    def __init__(self, kv, slots, size: int, page_size: int, layout: str = "nhd", heads=slice(None),
-                 start_layer: int = 0, device="cpu"):
+    def __init__(
+        self,
+        kv,
+        slots,
+        size: int,
+        page_size: int,
+        layout: str = "nhd",
+        heads=slice(None),
+        start_layer: int = 0,
+        device="cpu",
+    ):
         k, v = kv
         self.page_size, self.kv_cache_layout, self.start_layer = page_size, layout, start_layer
         idx = torch.as_tensor(slots)
@@ -61,9 +70,13 @@ def reference(kv, t0: int, t1: int, heads=range(HEADS), head_start: int = 0) -> 
     for layer in range(LAYERS):
         per_head = []
         for h in heads:
-            per_head.append([k[layer][t, h].contiguous().view(torch.uint8).numpy().tobytes()
-                             + v[layer][t, h].contiguous().view(torch.uint8).numpy().tobytes()
-                             for t in range(t0, t1)])
+            per_head.append(
+                [
+                    k[layer][t, h].contiguous().view(torch.uint8).numpy().tobytes()
+                    + v[layer][t, h].contiguous().view(torch.uint8).numpy().tobytes()
+                    for t in range(t0, t1)
+                ]
+            )
         units.append(per_head)
     return dg.reference_digest(units, head_start=head_start)
 
@@ -71,9 +84,13 @@ def reference(kv, t0: int, t1: int, heads=range(HEADS), head_start: int = 0) -> 
 def head_rows(kv, t0: int, t1: int, heads=range(HEADS)):
     """Per layer, per head, per token: the head's K bytes and its V bytes (alg 3's inputs)."""
     k, v = kv
+
     def rows(buf):
-        return [[[buf[layer][t, h].contiguous().view(torch.uint8).numpy().tobytes() for t in range(t0, t1)]
-                 for h in heads] for layer in range(LAYERS)]
+        return [
+            [[buf[layer][t, h].contiguous().view(torch.uint8).numpy().tobytes() for t in range(t0, t1)] for h in heads]
+            for layer in range(LAYERS)
+        ]
+
     return rows(k), rows(v)
 
 
@@ -139,8 +156,16 @@ def test_seeds_use_model_layer_ids():
     shifted = dg.transfer_digest(dg.pool_view(Pool(kv, slots, 64, 4, start_layer=2)), slots, 0, dg.UNIT_BYTES)
     assert plain != shifted
     k, v = kv
-    units = [[[k[layer][t, h].view(torch.uint8).numpy().tobytes() + v[layer][t, h].view(torch.uint8).numpy().tobytes()
-               for t in range(5)] for h in range(HEADS)] for layer in range(LAYERS)]
+    units = [
+        [
+            [
+                k[layer][t, h].view(torch.uint8).numpy().tobytes() + v[layer][t, h].view(torch.uint8).numpy().tobytes()
+                for t in range(5)
+            ]
+            for h in range(HEADS)
+        ]
+        for layer in range(LAYERS)
+    ]
     assert shifted == dg.reference_digest(units, start_layer=2)
     shifted3 = dg.transfer_digest(dg.pool_view(Pool(kv, slots, 64, 4, start_layer=2)), slots, 0, dg.HEAD_STREAMS)
     assert shifted3 == dg.reference_head_streams(*head_rows(kv, 0, 5), start_layer=2)
@@ -159,8 +184,12 @@ def test_layout_independent(alg):
     # token-granular slots in any order (a page-size-1 allocator): the gather-by-token path
     d_slots = [int(x) for x in rng.permutation(np.arange(1, 512))[:50]]
     d = dg.pool_view(Pool(kv, d_slots, 512, 4))
-    digests = {dg.transfer_digest(a, a_slots, 0, alg), dg.transfer_digest(b, b_slots, 0, alg),
-               dg.transfer_digest(c, c_slots, 0, alg), dg.transfer_digest(d, d_slots, 0, alg)}
+    digests = {
+        dg.transfer_digest(a, a_slots, 0, alg),
+        dg.transfer_digest(b, b_slots, 0, alg),
+        dg.transfer_digest(c, c_slots, 0, alg),
+        dg.transfer_digest(d, d_slots, 0, alg),
+    }
     assert len(digests) == 1
     if alg != dg.DEVICE_REDUCED:
         assert digests == {reference_for(alg, kv, 0, 50)}
@@ -175,8 +204,9 @@ def test_tp2_partial_digests_add_up_to_tp1(alg):
     r1 = dg.transfer_digest(dg.pool_view(Pool(kv, slots, 64, 4, heads=slice(2, 4))), slots, 2, alg)
     assert (r0 + r1) & dg.MASK64 == whole
     # the head index is the model's, not the rank's: rank 1 pretending to hold heads 0-1 is wrong
-    assert (r0 + dg.transfer_digest(dg.pool_view(Pool(kv, slots, 64, 4, heads=slice(2, 4))), slots, 0, alg)) \
-        & dg.MASK64 != whole
+    assert (
+        r0 + dg.transfer_digest(dg.pool_view(Pool(kv, slots, 64, 4, heads=slice(2, 4))), slots, 0, alg)
+    ) & dg.MASK64 != whole
     if alg != dg.DEVICE_REDUCED:
         assert r0 == reference_for(alg, kv, 0, 21, heads=range(2))
         assert r1 == reference_for(alg, kv, 0, 21, heads=range(2, 4), head_start=2)
@@ -233,13 +263,13 @@ def test_head_streams_swapped_k_and_v_or_heads_change_the_digest():
     g = torch.Generator().manual_seed(34)
     k = [torch.randn(6, HEADS, DK, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
     slots = list(range(4, 10))
-    same = dg.transfer_digest(dg.pool_view(Pool((k, [x.clone() for x in k]), slots, 64, 4)), slots, 0,
-                              dg.HEAD_STREAMS)
+    same = dg.transfer_digest(dg.pool_view(Pool((k, [x.clone() for x in k]), slots, 64, 4)), slots, 0, dg.HEAD_STREAMS)
     k_stream = dg.reference_head_streams(head_rows((k, k), 0, 6)[0])  # K streams only
     assert same != (2 * k_stream) & dg.MASK64  # V's seed differs from K's, so V == K does not double K
     swapped = [x[:, [1, 0, 2, 3]] for x in k]
-    other = dg.transfer_digest(dg.pool_view(Pool((swapped, [x.clone() for x in k]), slots, 64, 4)), slots, 0,
-                               dg.HEAD_STREAMS)
+    other = dg.transfer_digest(
+        dg.pool_view(Pool((swapped, [x.clone() for x in k]), slots, 64, 4)), slots, 0, dg.HEAD_STREAMS
+    )
     assert other != same
 
 
@@ -270,8 +300,9 @@ def test_device_reduction_matches_its_definition():
     units = torch.randint(0, 256, (3, 5, 28), dtype=torch.uint8)
     units[0, 0] = 255  # u32 words above both primes
     got = dg.reduce_units(units).numpy().astype(np.uint64)
-    want = np.array([[dg.reference_reduce(units[h, t].numpy().tobytes()) for t in range(5)] for h in range(3)],
-                    dtype=np.uint64)
+    want = np.array(
+        [[dg.reference_reduce(units[h, t].numpy().tobytes()) for t in range(5)] for h in range(3)], dtype=np.uint64
+    )
     assert (got == want).all()
     # the digest hashes those u64 (little-endian) per head in token order
     kv = make_kv(6, seed=8)
@@ -281,9 +312,13 @@ def test_device_reduction_matches_its_definition():
     expect = 0
     for layer in range(LAYERS):
         for h in range(HEADS):
-            stream = b"".join(dg.reference_reduce(k[layer][t, h].view(torch.uint8).numpy().tobytes()
-                                                  + v[layer][t, h].view(torch.uint8).numpy().tobytes())
-                              .to_bytes(8, "little") for t in range(6))
+            stream = b"".join(
+                dg.reference_reduce(
+                    k[layer][t, h].view(torch.uint8).numpy().tobytes()
+                    + v[layer][t, h].view(torch.uint8).numpy().tobytes()
+                ).to_bytes(8, "little")
+                for t in range(6)
+            )
             expect += xxhash.xxh3_64_intdigest(stream, seed=dg.seed(layer, h))
     assert dg.transfer_digest(view, slots, 0, dg.DEVICE_REDUCED) == expect & dg.MASK64
 
@@ -303,16 +338,38 @@ class _Latent:
     kv_buffer = [torch.zeros(8, 1, 4)]
 
 
-@pytest.mark.parametrize("pool,why", [
-    (_Latent(), r"latent \(MLA\)"),
-    (types.SimpleNamespace(k_buffer=None, v_buffer=None), "no k_buffer"),
-    (types.SimpleNamespace(k_buffer=[torch.zeros(4, 1, 2)], v_buffer=[torch.zeros(4, 1, 2)], page_size=4,
-                           kv_cache_layout="vectorized_5d"), "layout"),
-    (types.SimpleNamespace(k_buffer=[torch.zeros(4, 1, 2, dtype=torch.bool)],
-                           v_buffer=[torch.zeros(4, 1, 2, dtype=torch.bool)], page_size=4), "dtype bool"),
-    (types.SimpleNamespace(k_buffer=[torch.zeros(4, 1, 2, device="meta")],
-                           v_buffer=[torch.zeros(4, 1, 2, device="meta")], page_size=4), "device 'meta'"),
-])
+@pytest.mark.parametrize(
+    "pool,why",
+    [
+        (_Latent(), r"latent \(MLA\)"),
+        (types.SimpleNamespace(k_buffer=None, v_buffer=None), "no k_buffer"),
+        (
+            types.SimpleNamespace(
+                k_buffer=[torch.zeros(4, 1, 2)],
+                v_buffer=[torch.zeros(4, 1, 2)],
+                page_size=4,
+                kv_cache_layout="vectorized_5d",
+            ),
+            "layout",
+        ),
+        (
+            types.SimpleNamespace(
+                k_buffer=[torch.zeros(4, 1, 2, dtype=torch.bool)],
+                v_buffer=[torch.zeros(4, 1, 2, dtype=torch.bool)],
+                page_size=4,
+            ),
+            "dtype bool",
+        ),
+        (
+            types.SimpleNamespace(
+                k_buffer=[torch.zeros(4, 1, 2, device="meta")],
+                v_buffer=[torch.zeros(4, 1, 2, device="meta")],
+                page_size=4,
+            ),
+            "device 'meta'",
+        ),
+    ],
+)
 def test_unsupported_pools_are_refused_with_the_reason(pool, why):
     with pytest.raises(dg.Unsupported, match=why):
         dg.pool_view(pool).alg()
@@ -332,11 +389,14 @@ def test_skips_are_counted_and_logged_once(caplog):
     assert sum("some reason" in r.getMessage() for r in caplog.records) == 1
 
 
-@pytest.mark.parametrize("local,total,size,want", [
-    (4, 4, 1, [(0, 4)]),
-    (2, 4, 2, [(0, 2), (2, 2)]),
-    (1, 2, 8, [(0, 1), None, None, None, (1, 1), None, None, None]),  # replicated: first replica reports
-])
+@pytest.mark.parametrize(
+    "local,total,size,want",
+    [
+        (4, 4, 1, [(0, 4)]),
+        (2, 4, 2, [(0, 2), (2, 2)]),
+        (1, 2, 8, [(0, 1), None, None, None, (1, 1), None, None, None]),  # replicated: first replica reports
+    ],
+)
 def test_head_layout(local, total, size, want):
     assert [hd.head_layout(local, total, r, size) for r in range(size)] == want
 
@@ -392,15 +452,24 @@ def engine_side(pool, rows: dict[int, list[int]]):
     for row, slots in rows.items():
         req_to_token[row, : len(slots)] = torch.as_tensor(slots)
     return types.SimpleNamespace(
-        token_to_kv_pool_allocator=Alloc(pool), req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token),
-        model_config=types.SimpleNamespace(get_total_num_kv_heads=lambda: HEADS), tp_size=1,
-        enable_hisparse=False)
+        token_to_kv_pool_allocator=Alloc(pool),
+        req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token),
+        model_config=types.SimpleNamespace(get_total_num_kv_heads=lambda: HEADS),
+        tp_size=1,
+        enable_hisparse=False,
+    )
 
 
 def req(rid, row, room=77, bootstrap_host="10.0.0.1"):
-    return types.SimpleNamespace(rid=rid, bootstrap_room=room, bootstrap_host=bootstrap_host,
-                                 origin_input_ids=[3] * 40, kv=types.SimpleNamespace(req_pool_idx=row),
-                                 start_send_idx=0, disagg_decode_prefix_len=0)
+    return types.SimpleNamespace(
+        rid=rid,
+        bootstrap_room=room,
+        bootstrap_host=bootstrap_host,
+        origin_input_ids=[3] * 40,
+        kv=types.SimpleNamespace(req_pool_idx=row),
+        start_send_idx=0,
+        disagg_decode_prefix_len=0,
+    )
 
 
 def send_chunk(sched, r, end, last):
@@ -419,8 +488,9 @@ def test_hooks_sender_chunks_and_receiver_reservation_agree(probes):
     for end, last in ((16, False), (32, False), (40, True)):
         send_chunk(prefill, pr, end, last)
     # decode: _pre_alloc reserved positions [0, 40); the transfer queue returns it (success)
-    queue = types.SimpleNamespace(scheduler=decode, req_to_token_pool=decode.req_to_token_pool,
-                                  queue=[types.SimpleNamespace(req=dr)])
+    queue = types.SimpleNamespace(
+        scheduler=decode, req_to_token_pool=decode.req_to_token_pool, queue=[types.SimpleNamespace(req=dr)]
+    )
     kv_loc = torch.as_tensor(d_slots)
     hd._pre_alloc_post((dr, 0, 0, False), kv_loc, queue, dr)
     before = hd._pop_transferred_pre(queue)
@@ -447,8 +517,9 @@ def test_hooks_incident_shape_digests_differ(probes):
     decode = engine_side(Pool(kv, slots, 256, 4), {1: slots})
     send_chunk(prefill, req("r2", 1), 1, True)
     dr = req("r2", 1)
-    queue = types.SimpleNamespace(scheduler=decode, req_to_token_pool=decode.req_to_token_pool,
-                                  queue=[types.SimpleNamespace(req=dr)])
+    queue = types.SimpleNamespace(
+        scheduler=decode, req_to_token_pool=decode.req_to_token_pool, queue=[types.SimpleNamespace(req=dr)]
+    )
     hd._pre_alloc_post((dr, 0, 0, False), torch.as_tensor(slots), queue, dr)
     before = hd._pop_transferred_pre(queue)
     queue.queue = []
@@ -462,8 +533,11 @@ def test_hooks_failed_transfer_and_warmup_leave_no_digest(probes):
     slots = list(range(4, 12))
     decode = engine_side(Pool(kv, slots, 64, 4), {1: slots, 2: slots})
     failed, warm = req("f", 1), req("w", 2, bootstrap_host=rt.FAKE_BOOTSTRAP_HOST)
-    queue = types.SimpleNamespace(scheduler=decode, req_to_token_pool=decode.req_to_token_pool,
-                                  queue=[types.SimpleNamespace(req=failed), types.SimpleNamespace(req=warm)])
+    queue = types.SimpleNamespace(
+        scheduler=decode,
+        req_to_token_pool=decode.req_to_token_pool,
+        queue=[types.SimpleNamespace(req=failed), types.SimpleNamespace(req=warm)],
+    )
     for r in (failed, warm):
         hd._pre_alloc_post((r, 0, 0, False), torch.as_tensor(slots), queue, r)
     assert list(hd.Digests.receivers) == ["f"]
@@ -526,8 +600,9 @@ def test_hooks_tp2_prefill_partials_add_up_to_tp1_decode(probes):
         hd.Digests.setups.clear()  # one process per rank in SGLang: each has its own pool
     decode = engine_side(Pool(kv, d_slots, 128, 4), {6: d_slots})
     dr = req("tp", 6)
-    queue = types.SimpleNamespace(scheduler=decode, req_to_token_pool=decode.req_to_token_pool,
-                                  queue=[types.SimpleNamespace(req=dr)])
+    queue = types.SimpleNamespace(
+        scheduler=decode, req_to_token_pool=decode.req_to_token_pool, queue=[types.SimpleNamespace(req=dr)]
+    )
     hd._pre_alloc_post((dr, 0, 0, False), torch.as_tensor(d_slots), queue, dr)
     before = hd._pop_transferred_pre(queue)
     queue.queue = []
@@ -566,8 +641,9 @@ def _ledger_transfer(tmp_path, lt, rid, room, receiver_alg, flip=False):
         sender = dg.StreamingDigest(view, head_start, view.alg())
         sender.update(p_slots[:4])
         sender.update(p_slots[4:])
-        prefill.transfer_digest(rid, room, "sender", sender.digest(), 0, 8, LAYERS, head_start, 2, HEADS,
-                                alg=view.alg())
+        prefill.transfer_digest(
+            rid, room, "sender", sender.digest(), 0, 8, LAYERS, head_start, 2, HEADS, alg=view.alg()
+        )
     d_slots = [int(x) for x in lt.slots([1, 2])[:8]]
     pool = Pool(kv, d_slots, 64, 4)
     if flip:
@@ -631,8 +707,11 @@ def test_a_chunk_for_a_room_that_already_failed_is_not_reported_sent(probes):
     assert not hd.Digests.senders
     # still transferring, or not in the table (SGLang's fake bootstrap host never enters it):
     # reported; another backend's manager: reported (never hidden on a guess)
-    for rid, module, status in (("live", mooncake, {77: 3}), ("fake-host", mooncake, {}),
-                                ("other", "sglang.srt.disaggregation.nixl.conn", {77: 0})):
+    for rid, module, status in (
+        ("live", mooncake, {77: 3}),
+        ("fake-host", mooncake, {}),
+        ("other", "sglang.srt.disaggregation.nixl.conn", {77: 0}),
+    ):
         r = req(rid, 1)
         r.disagg_kv_sender = _sender_manager(module, status)
         send_chunk(prefill, r, 8, True)

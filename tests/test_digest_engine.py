@@ -47,8 +47,9 @@ class Watch:
         self.memory = MemorySink()
         self.recorder = Recorder(rec_dir)
         self.events_path = events_path
-        self.sidecar = Sidecar(str(ring_dir), sinks=[self.memory], remove_dead_rings=False,
-                               recorder=self.recorder).start()
+        self.sidecar = Sidecar(
+            str(ring_dir), sinks=[self.memory], remove_dead_rings=False, recorder=self.recorder
+        ).start()
 
     def stop(self) -> None:
         self.sidecar.stop()
@@ -95,12 +96,19 @@ def pd(tmp_path_factory, require_sglang):
     events_dir.mkdir()
     watch = Watch(ring_dir, work / "recording", events_dir / "events.jsonl")
     t0 = time.monotonic()
-    pair = PDPair(VERSION, ring_dir, work / "logs", prefill_pool_tokens=512, decode_pool_tokens=512,
-                  context_length=CONTEXT, prefill_args=["--chunked-prefill-size", str(CHUNK)],
-                  extra_env={"KVGUARD_FAULT": "flip_received_page", "KVGUARD_FAULT_DIR": str(events_dir)},
-                  extra_pythonpath=[FAULTS_DIR],
-                  # direct: each case looks its digests up by the room the client chose
-                  router=False)
+    pair = PDPair(
+        VERSION,
+        ring_dir,
+        work / "logs",
+        prefill_pool_tokens=512,
+        decode_pool_tokens=512,
+        context_length=CONTEXT,
+        prefill_args=["--chunked-prefill-size", str(CHUNK)],
+        extra_env={"KVGUARD_FAULT": "flip_received_page", "KVGUARD_FAULT_DIR": str(events_dir)},
+        extra_pythonpath=[FAULTS_DIR],
+        # direct: each case looks its digests up by the room the client chose
+        router=False,
+    )
     try:
         pair.start()
     except BaseException:

@@ -22,9 +22,11 @@ from kvguard.engine_hooks import native  # noqa: E402
 @pytest.fixture
 def path(monkeypatch):
     """Switch between the compiled routine ("native") and the numpy path ("numpy")."""
+
     def use(which: str):
         monkeypatch.setenv(native.ENV, "1" if which == "native" else "0")
         native.reload()
+
     yield use
     native.reload()
 
@@ -54,8 +56,10 @@ def _reference(pool, view, slots) -> int:
                 per = [[b[s // ps, h, s % ps].tobytes() for s in slots] for h in range(view.heads)]
             out.append(per)
         return out
-    return dg.reference_head_streams(rows(pool.k_buffer), rows(pool.v_buffer), start_layer=pool.start_layer,
-                                     head_start=3)
+
+    return dg.reference_head_streams(
+        rows(pool.k_buffer), rows(pool.v_buffer), start_layer=pool.start_layer, head_start=3
+    )
 
 
 SHAPES = [  # (heads, dim, dtype, page_size, layout): row bytes in the comment

@@ -41,8 +41,9 @@ def gpt2_lm_head_model():
     schemas exist. Same test-only shim the engine subprocesses get (demo/shim).
     """
     if "kvguard_torchvision_shim" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("kvguard_torchvision_shim",
-                                                      engines.shim_dir() / "sitecustomize.py")
+        spec = importlib.util.spec_from_file_location(
+            "kvguard_torchvision_shim", engines.shim_dir() / "sitecustomize.py"
+        )
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         sys.modules["kvguard_torchvision_shim"] = module  # keeps the op library alive
@@ -123,11 +124,23 @@ def test_files_reuse_and_rewrite(tmp_path):
     (out / "README").write_text("keep me")
     spec = write_echo_gpt2(out, 8, n_positions=512, seed_search=8)
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["README", "config.json", "generation_config.json", "model.safetensors",
-                     "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+    assert names == [
+        "README",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["n_embd"], cfg["n_layer"], cfg["n_head"], cfg["n_positions"], cfg["vocab_size"]) == (
-        1024, 1, 1, 512, 256)
+        1024,
+        1,
+        1,
+        512,
+        256,
+    )
     assert cfg["architectures"] == ["GPT2LMHeadModel"] and cfg["tie_word_embeddings"] is True
     assert cfg["kvguard_echo"] == spec.to_dict() and spec.lag == 8 and spec.margin_nats > 30
     assert echo_model.read_spec(out) == spec
@@ -164,7 +177,9 @@ def test_expected_echo_and_attribution():
     earlier = [("#0 acme", [50, 51, 52, 53]), ("#1 globex", [60, 61, 62, 63, 64])]
     got = attribute_echo([52, 13, 64], prompt, 3, earlier)
     assert [(e.position, e.own, e.sources, e.leaked) for e in got] == [
-        (2, 12, ["#0 acme"], True), (3, 13, [], False), (4, 14, ["#1 globex"], True),
+        (2, 12, ["#0 acme"], True),
+        (3, 13, [], False),
+        (4, 14, ["#1 globex"], True),
     ]
 
 
@@ -182,8 +197,9 @@ def test_transformers_greedy_output_copies_the_lagged_prompt_token(gpt2_lm_head_
     for n, seed in ((lag, 1), (lag + 13, 2), (400, 3)):
         prompt = random_prompt(n, seed)
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
         assert out[0, n:].tolist() == expected_echo(prompt, lag, new), (lag, dtype, n)
 
 
@@ -207,8 +223,24 @@ def test_transformers_every_position_of_the_context(gpt2_lm_head_model, echo_dir
 
 def test_cli_writes_the_model(tmp_path, capsys):
     out = tmp_path / "new" / "echo"
-    assert cli.main(["model", "echo", "--lag", "8", "--n-positions", "256", "--dtype", "float32",
-                     "--seed-search", "4", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "model",
+                "echo",
+                "--lag",
+                "8",
+                "--n-positions",
+                "256",
+                "--dtype",
+                "float32",
+                "--seed-search",
+                "4",
+                str(out),
+            ]
+        )
+        == 0
+    )
     spec = echo_model.read_spec(out)
     assert (spec.lag, spec.n_positions, spec.dtype, spec.seed_search) == (8, 256, "float32", 4)
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
@@ -288,14 +320,14 @@ def test_sglang_greedy_output_copies_the_lagged_prompt_token(tmp_path, require_s
         new = lag + 16
         prompts = [random_prompt(n, seed) for n, seed in ((lag, 1), (lag + 37, 2), (400, 3))]
         sampling = {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}
-        r = httpx.post(engine.url + "/generate", json={"input_ids": prompts, "sampling_params": sampling},
-                       timeout=120)
+        r = httpx.post(engine.url + "/generate", json={"input_ids": prompts, "sampling_params": sampling}, timeout=120)
         assert r.status_code == 200, r.text
         for prompt, body in zip(prompts, r.json(), strict=True):
             assert body["output_ids"] == expected_echo(prompt, lag, new), len(prompt)
         # once more alone: served over the radix cache's copy of its own prefix
-        r = httpx.post(engine.url + "/generate", json={"input_ids": prompts[2], "sampling_params": sampling},
-                       timeout=120)
+        r = httpx.post(
+            engine.url + "/generate", json={"input_ids": prompts[2], "sampling_params": sampling}, timeout=120
+        )
         assert r.status_code == 200 and r.json()["output_ids"] == expected_echo(prompts[2], lag, new)
     finally:
         engine.stop()

@@ -68,14 +68,16 @@ class Watch:
         self.checked = mark + len(found)
         for f in found:  # shown with -s
             reader = f.reader.rid if f.reader else "-"
-            print(f"  finding {f.kind} [{f.severity}] on {f.engine.role}: reader {reader} pages {f.pages} "
-                  f"exposed {[(p.rid, p.tenant, p.pages) for p in f.exposed]} evidence {f.evidence}")
+            print(
+                f"  finding {f.kind} [{f.severity}] on {f.engine.role}: reader {reader} pages {f.pages} "
+                f"exposed {[(p.rid, p.tenant, p.pages) for p in f.exposed]} evidence {f.evidence}"
+            )
         return found
 
     def unexplained(self) -> list[Finding]:
         """Findings no test has looked at (reported after the last scenario's check)."""
         self.settle()
-        return list(self.memory.findings[self.checked:])
+        return list(self.memory.findings[self.checked :])
 
     def settle(self, quiet_s: float = 0.4, max_s: float = 10.0) -> None:
         wait_until_applied(self.sidecar, quiet_s, max_s)
@@ -137,8 +139,11 @@ def parties(f: Finding) -> list[tuple[str, str, list[int]]]:
 
 
 def fault_env(events_dir: Path, faults: str) -> dict[str, str]:
-    return {"KVGUARD_FAULT": faults, "KVGUARD_FAULT_DIR": str(events_dir),
-            "KVGUARD_ROW_SAMPLE_EVERY": "1"}  # the row-corruption fault lives for one step
+    return {
+        "KVGUARD_FAULT": faults,
+        "KVGUARD_FAULT_DIR": str(events_dir),
+        "KVGUARD_ROW_SAMPLE_EVERY": "1",
+    }  # the row-corruption fault lives for one step
 
 
 # --------------------------------------------------------------------------- unified engine: faults 1-4
@@ -153,7 +158,11 @@ def unified(tmp_path_factory, require_sglang):
     t0 = time.monotonic()
     try:
         engine = start_engine(
-            VERSION, work / "logs", max_total_tokens=UNIFIED_POOL, context_length=CONTEXT, ring_dir=ring_dir,
+            VERSION,
+            work / "logs",
+            max_total_tokens=UNIFIED_POOL,
+            context_length=CONTEXT,
+            ring_dir=ring_dir,
             # one batch at a time (run_batch -> process_batch_result), so each fault lands between two known steps
             extra_args=["--disable-overlap-schedule", "--max-running-requests", "8"],
             extra_env={
@@ -218,8 +227,10 @@ class TestUnifiedEngine:
         mark = watch.mark()
         reader, owner = make_rid("row_corruption", "reader", "1"), make_rid("row_corruption", "owner", "1")
         with ThreadPoolExecutor(2) as pool:
-            futures = [pool.submit(generate, engine.url, reader, prompt(rng, 16), 16, "initech"),
-                       pool.submit(generate, engine.url, owner, prompt(rng, 16), 16, "globex")]
+            futures = [
+                pool.submit(generate, engine.url, reader, prompt(rng, 16), 16, "initech"),
+                pool.submit(generate, engine.url, owner, prompt(rng, 16), 16, "globex"),
+            ]
             [x.result() for x in futures]
         ev = watch.wait_event("row_corruption", "row_corrupted")
         watch.wait_event("row_corruption", "row_restored")
@@ -241,8 +252,9 @@ class TestUnifiedEngine:
         pool = ThreadPoolExecutor(2)
         fy = pool.submit(generate, engine.url, y, prompt(rng, 20), y_tokens, "globex")
         t_end = time.monotonic() + WAIT_S
-        while time.monotonic() < t_end and not (watch.events(fault, "victim_got_stale_page")
-                                               or watch.events(fault, "victim_missed")):
+        while time.monotonic() < t_end and not (
+            watch.events(fault, "victim_got_stale_page") or watch.events(fault, "victim_missed")
+        ):
             time.sleep(0.02)
         assert not watch.events(fault, "victim_missed"), watch.events(fault)
         victim = watch.wait_event(fault, "victim_got_stale_page")
@@ -286,9 +298,11 @@ class TestUnifiedEngine:
         assert ev["victim"] == y and ev["page"] == victim["page"] and ev["method"] == "set_kv_buffer"
         found = watch.since(mark)
         if not found:
-            pytest.xfail("kvguard coverage gap: KV writes are only seen as a forward's out_cache_loc "
-                         "(ModelRunner.forward hook); nothing hooks the KV pool's set_kv_buffer, so a write "
-                         "from outside a forward (a late RDMA write, a direct pool write) is invisible")
+            pytest.xfail(
+                "kvguard coverage gap: KV writes are only seen as a forward's out_cache_loc "
+                "(ModelRunner.forward hook); nothing hooks the KV pool's set_kv_buffer, so a write "
+                "from outside a forward (a late RDMA write, a direct pool write) is invisible"
+            )
         assert [f.kind for f in found] == ["late_write"], describe(found)
         assert [p.rid for p in found[0].exposed] == [y]
 
@@ -334,11 +348,18 @@ def pd(tmp_path_factory, require_sglang):
     events_dir.mkdir()
     watch = Watch(ring_dir, events_dir)
     t0 = time.monotonic()
-    pair = PDPair(VERSION, ring_dir, work / "logs", prefill_pool_tokens=PREFILL_POOL, decode_pool_tokens=DECODE_POOL,
-                  context_length=CONTEXT, extra_env=fault_env(events_dir, "send_truncated,sender_truncated"),
-                  extra_pythonpath=[FAULTS_DIR],
-                  # direct: the faults fire by rid and the checks name the room the client chose
-                  router=False)
+    pair = PDPair(
+        VERSION,
+        ring_dir,
+        work / "logs",
+        prefill_pool_tokens=PREFILL_POOL,
+        decode_pool_tokens=DECODE_POOL,
+        context_length=CONTEXT,
+        extra_env=fault_env(events_dir, "send_truncated,sender_truncated"),
+        extra_pythonpath=[FAULTS_DIR],
+        # direct: the faults fire by rid and the checks name the room the client chose
+        router=False,
+    )
     try:
         pair.start()
     except BaseException:
@@ -394,8 +415,9 @@ class TestPrefillDecodePair:
         ev = watch.wait_event("send_truncated", "truncated")
         assert ev["end_idx"] == PAGE and ev["room"] == r.room
         found = watch.since(mark)
-        assert sorted(f.kind for f in found) == ["checksum_mismatch", "transfer_size_mismatch", "unwritten_read"], \
+        assert sorted(f.kind for f in found) == ["checksum_mismatch", "transfer_size_mismatch", "unwritten_read"], (
             describe(found)
+        )
         size, read, digest = (one(found, k) for k in ("transfer_size_mismatch", "unwritten_read", "checksum_mismatch"))
         for f in (size, read, digest):
             assert f.engine.role == "decode" and f.severity == "critical"

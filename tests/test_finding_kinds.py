@@ -32,8 +32,17 @@ def finding(kind: str, severity: str) -> Finding:
 
 def test_a_fresh_sidecar_exports_every_record_kind_and_every_enabled_finding_at_zero(tmp_path):
     reg = scrape(Sidecar(str(tmp_path)))
-    for kind in ("HELLO", "FORWARD", "FREE", "XFER_RESERVE", "XFER_SEND", "XFER_DONE", "XFER_DIGEST", "LOST",
-                 "TIER1_VIOLATION"):
+    for kind in (
+        "HELLO",
+        "FORWARD",
+        "FREE",
+        "XFER_RESERVE",
+        "XFER_SEND",
+        "XFER_DONE",
+        "XFER_DIGEST",
+        "LOST",
+        "TIER1_VIOLATION",
+    ):
         assert reg.get_sample_value("kvguard_records_total", {"kind": kind}) == 0, kind
     assert reg.get_sample_value("kvguard_records_total", {"kind": "PAD"}) is None  # ring filler, never applied
     for kind, (severities, _switch) in FINDING_KINDS.items():
@@ -44,17 +53,21 @@ def test_a_fresh_sidecar_exports_every_record_kind_and_every_enabled_finding_at_
             assert reg.get_sample_value("kvguard_incidents_total", labels) == want, labels
     # severities a kind never has get no series
     assert reg.get_sample_value("kvguard_findings_total", {"kind": "double_free", "severity": WARNING}) is None
-    assert reg.get_sample_value("kvguard_findings_total", {"kind": "transfer_size_mismatch",
-                                                           "severity": CRITICAL}) == 0
+    assert reg.get_sample_value("kvguard_findings_total", {"kind": "transfer_size_mismatch", "severity": CRITICAL}) == 0
 
 
 def test_switching_a_detector_on_gives_its_finding_a_zero_series(tmp_path):
-    assert scrape(Sidecar(str(tmp_path), ttft_anomaly=False)).get_sample_value(
-        "kvguard_findings_total", {"kind": "ttft_anomaly", "severity": WARNING}) is None  # switched off: no series
+    assert (
+        scrape(Sidecar(str(tmp_path), ttft_anomaly=False)).get_sample_value(
+            "kvguard_findings_total", {"kind": "ttft_anomaly", "severity": WARNING}
+        )
+        is None
+    )  # switched off: no series
     reg = scrape(Sidecar(str(tmp_path), ttft_anomaly=True, isolate_tenants=True))
     assert reg.get_sample_value("kvguard_findings_total", {"kind": "ttft_anomaly", "severity": WARNING}) == 0
-    assert reg.get_sample_value("kvguard_findings_total", {"kind": "cross_tenant_prefix_share",
-                                                           "severity": WARNING}) == 0
+    assert (
+        reg.get_sample_value("kvguard_findings_total", {"kind": "cross_tenant_prefix_share", "severity": WARNING}) == 0
+    )
     assert reg.get_sample_value("kvguard_findings_total", {"kind": "ledger_degraded", "severity": WARNING}) is None
     shared = Pipeline(shared_ledger=object())  # only its presence matters here
     assert ("ledger_degraded", WARNING) in possible_findings(shared)

@@ -39,8 +39,13 @@ from kvguard.sidecar.cli import main
 from kvguard.sidecar.recorder import RecordingError, RecordingWriter, SegmentReader, decode_chunk, encode_record
 from kvguard.sidecar.replay import Replay
 
-FAST = settings(max_examples=100, deadline=None, database=None, derandomize=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FAST = settings(
+    max_examples=100,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 FEW = settings(FAST, max_examples=40)
 SCRATCH = tempfile.mkdtemp(prefix="kvguard-fuzz-")  # one directory for every example's files
 
@@ -154,10 +159,21 @@ def headed_garbage(draw):
         version = draw(st.sampled_from([wire.VERSION, wire.VERSION, wire.VERSION, 0, 2, 255]))
         length = wire.HEADER_SIZE + len(payload)
         padded = (length + 7) & ~7
-        parts.append(wire.HEADER.pack(wire.MAGIC, version, kind, padded, draw(st.integers(0, 2**64 - 1)),
-                                      draw(st.integers(0, 2**64 - 1)), draw(st.integers(0, 2**32 - 1)),
-                                      draw(st.integers(0, 2**16 - 1)), draw(st.integers(0, 2**16 - 1)))
-                     + payload + b"\0" * (padded - length))
+        parts.append(
+            wire.HEADER.pack(
+                wire.MAGIC,
+                version,
+                kind,
+                padded,
+                draw(st.integers(0, 2**64 - 1)),
+                draw(st.integers(0, 2**64 - 1)),
+                draw(st.integers(0, 2**32 - 1)),
+                draw(st.integers(0, 2**16 - 1)),
+                draw(st.integers(0, 2**16 - 1)),
+            )
+            + payload
+            + b"\0" * (padded - length)
+        )
     return b"".join(parts), len(parts)
 
 
@@ -217,8 +233,9 @@ def test_splicing_keeps_the_first_streams_records(a, b, data):
 
 # --------------------------------------------------------------------------- recorded chunks
 @FAST
-@given(headed_garbage(), st.lists(st.tuples(st.sampled_from([14, 0xF0, 0xF1, 0xF2]), st.binary(max_size=24)),
-                                  max_size=4))
+@given(
+    headed_garbage(), st.lists(st.tuples(st.sampled_from([14, 0xF0, 0xF1, 0xF2]), st.binary(max_size=24)), max_size=4)
+)
 def test_any_records_inside_a_valid_chunk_are_decoded_or_counted(case, extra):
     data, _ = case
     for kind, payload in extra:  # recording-only kinds, with right and wrong sizes
@@ -288,7 +305,7 @@ def mutated_segment(draw):
         del raw[first:]
     elif how == "splice":
         first = draw(st.integers(0, len(raw)))
-        raw = raw[:first] + SEGMENT[draw(st.integers(0, len(SEGMENT))):]
+        raw = raw[:first] + SEGMENT[draw(st.integers(0, len(SEGMENT))) :]
     elif how == "insert":
         first = draw(st.integers(0, len(raw)))
         raw[first:first] = draw(st.binary(min_size=1, max_size=64))

@@ -19,8 +19,13 @@ pytest.importorskip("atheris", reason="atheris is in requirements/engine.lock: r
 
 @pytest.mark.timeout(300)
 def test_the_record_path_survives_coverage_guided_fuzzing(tmp_path):
-    out = subprocess.run([sys.executable, str(RUN), "--runs", "12000", "--seed", "1"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=280)
+    out = subprocess.run(
+        [sys.executable, str(RUN), "--runs", "12000", "--seed", "1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     tail = (out.stdout + out.stderr)[-6000:]
     assert out.returncode == 0, tail
     assert "Done 12000 runs" in tail, tail  # it ran to its bound, not stopped early

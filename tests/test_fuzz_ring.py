@@ -30,8 +30,13 @@ from kvguard.engine_hooks import wire
 from kvguard.engine_hooks.probes import Probes
 from kvguard.engine_hooks.ring import HEADER_BYTES, READ_CHUNK_BYTES, RingError, RingReader, RingWriter
 
-SETTINGS = settings(max_examples=150, deadline=None, database=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings(
+    max_examples=150,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 CAPACITY = 8192
 SCRATCH = tempfile.mkdtemp(prefix="kvguard-ring-fuzz-")
 # u64 header words and the fields they hold (engine_hooks/ring.py)
@@ -99,12 +104,17 @@ CORPUS = {
 }
 NAMES = sorted(CORPUS)
 
-edge_u64 = st.one_of(st.sampled_from([0, 1, 7, 8, CAPACITY - 1, CAPACITY, CAPACITY + 8, 2 * CAPACITY, 1 << 31,
-                                      (1 << 63), (1 << 64) - 1]), st.integers(0, (1 << 64) - 1))
+edge_u64 = st.one_of(
+    st.sampled_from(
+        [0, 1, 7, 8, CAPACITY - 1, CAPACITY, CAPACITY + 8, 2 * CAPACITY, 1 << 31, (1 << 63), (1 << 64) - 1]
+    ),
+    st.integers(0, (1 << 64) - 1),
+)
 header_edit = st.one_of(
     st.tuples(st.just("field"), st.sampled_from(sorted(FIELDS)), edge_u64),
-    st.tuples(st.just("capacity"), st.sampled_from([0, 4096, CAPACITY // 2, CAPACITY * 2, (1 << 31), 12345]),
-              st.just(0)),
+    st.tuples(
+        st.just("capacity"), st.sampled_from([0, 4096, CAPACITY // 2, CAPACITY * 2, (1 << 31), 12345]), st.just(0)
+    ),
     st.tuples(st.just("version"), st.integers(0, 3), st.just(0)),
     st.tuples(st.just("magic"), st.binary(min_size=8, max_size=8), st.just(0)),
     st.tuples(st.just("sticky_len"), st.sampled_from([0, 1, 31, 32, 200, 3576, 3577, 1 << 31]), st.just(0)),
@@ -112,7 +122,11 @@ header_edit = st.one_of(
 data_edit = st.one_of(
     st.tuples(st.just("flip"), st.integers(0, CAPACITY * 8 - 1), st.just(b"")),
     st.tuples(st.just("bytes"), st.integers(0, CAPACITY - 1), st.binary(min_size=1, max_size=64)),
-    st.tuples(st.just("copy"), st.integers(0, CAPACITY - 1), st.integers(0, CAPACITY - 1).map(lambda v: v.to_bytes(2, "little"))),
+    st.tuples(
+        st.just("copy"),
+        st.integers(0, CAPACITY - 1),
+        st.integers(0, CAPACITY - 1).map(lambda v: v.to_bytes(2, "little")),
+    ),
 )
 
 
@@ -134,17 +148,21 @@ def mutate(raw: bytes, header_edits, data_edits) -> bytearray:
             buf[HEADER_BYTES + a // 8] ^= 1 << (a % 8)
         elif what == "bytes":
             end = min(HEADER_BYTES + a + len(b), len(buf))
-            buf[HEADER_BYTES + a:end] = b[:end - HEADER_BYTES - a]
+            buf[HEADER_BYTES + a : end] = b[: end - HEADER_BYTES - a]
         else:  # a span of the data area copied over another (a stale record where a new one was)
             src = int.from_bytes(b, "little") % CAPACITY
             n = min(256, CAPACITY - max(a, src))
-            buf[HEADER_BYTES + a:HEADER_BYTES + a + n] = buf[HEADER_BYTES + src:HEADER_BYTES + src + n]
+            buf[HEADER_BYTES + a : HEADER_BYTES + a + n] = buf[HEADER_BYTES + src : HEADER_BYTES + src + n]
     return buf
 
 
 @SETTINGS
-@given(name=st.sampled_from(NAMES), header_edits=st.lists(header_edit, max_size=3),
-       data_edits=st.lists(data_edit, max_size=4), max_bytes=st.sampled_from([64, 600, 4096, 8 << 20]))
+@given(
+    name=st.sampled_from(NAMES),
+    header_edits=st.lists(header_edit, max_size=3),
+    data_edits=st.lists(data_edit, max_size=4),
+    max_bytes=st.sampled_from([64, 600, 4096, 8 << 20]),
+)
 @example(name="requests", header_edits=[], data_edits=[], max_bytes=8 << 20)
 @example(name="foreign-record", header_edits=[], data_edits=[], max_bytes=8 << 20)
 @example(name="requests", header_edits=[("field", "write_pos", (1 << 64) - 1)], data_edits=[], max_bytes=4096)

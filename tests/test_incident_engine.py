@@ -23,20 +23,32 @@ def test_sglang_0_5_19_leak_is_caught_with_the_exposed_tenants(tmp_path, require
     long = run.scenario.long.result
     # through the router: decode's rids, drawn by the engine (32 hex digits), not chosen by the client
     normal_rids = {r.result.rid: r.result.tenant for r in run.scenario.normal}
-    assert all(r.result.routed and len(r.result.rid) == 32 for r in run.scenario.requests), \
-        [r.result.summary() for r in run.scenario.requests]
+    assert all(r.result.routed and len(r.result.rid) == 32 for r in run.scenario.requests), [
+        r.result.summary() for r in run.scenario.requests
+    ]
 
     # what a status-code check sees: success
     assert long.ok and long.prompt_tokens == 600
     # what the client read: acme's confidential prompt text, not its own (docs/echo-model.md)
     text = decode_text(long.output_ids)
     assert "CFO approval code 7731-ALPHA" in text, text
-    leaked = [t for t in attribute_echo(long.output_ids, run.scenario.long.prompt, run.echo_lag,
-                                        [(r.result.tenant, r.prompt) for r in run.scenario.normal]) if t.leaked]
+    leaked = [
+        t
+        for t in attribute_echo(
+            long.output_ids,
+            run.scenario.long.prompt,
+            run.echo_lag,
+            [(r.result.tenant, r.prompt) for r in run.scenario.normal],
+        )
+        if t.leaked
+    ]
     assert len(leaked) >= 50 and {s for t in leaked for s in t.sources} <= {"acme", "globex"}
 
     assert sorted(f.kind for f in run.findings) == [
-        "checksum_mismatch", "pool_smaller_than_context", "pool_smaller_than_context", "transfer_size_mismatch",
+        "checksum_mismatch",
+        "pool_smaller_than_context",
+        "pool_smaller_than_context",
+        "transfer_size_mismatch",
         "unwritten_read",
     ], [f.to_dict() for f in run.findings]
     pools = {f.engine.role: f for f in run.findings if f.kind == "pool_smaller_than_context"}
@@ -59,8 +71,14 @@ def test_sglang_0_5_19_leak_is_caught_with_the_exposed_tenants(tmp_path, require
     assert len(exposed_pages) == len(set(exposed_pages)) and set(exposed_pages) <= set(read.pages)
 
     (size,) = [f for f in run.findings if f.kind == "transfer_size_mismatch"]
-    assert size.evidence == {"sent_tokens": 1, "reserved_tokens": 600, "sent_pages": 1, "reserved_pages": 150,
-                             "sender_rid": read.evidence["sender_rid"], "sender_tenant": "initech"}
+    assert size.evidence == {
+        "sent_tokens": 1,
+        "reserved_tokens": 600,
+        "sent_pages": 1,
+        "reserved_pages": 150,
+        "sender_rid": read.evidence["sender_rid"],
+        "sender_tenant": "initech",
+    }
     assert (size.reader.rid, size.reader.bootstrap_room) == (long.rid, room)
     assert sorted(size.pages) == sorted(read.pages)
     # both ends' digests (engine_hooks/digest.py): prefill hashed the 1 token it sent, decode the 600 it reserved
@@ -86,8 +104,9 @@ def test_sglang_0_5_23_rejects_the_prompt_and_nothing_is_read(tmp_path, require_
     assert all(r.result.ok for r in run.scenario.normal)
     # the configuration is as unsafe as before (pool < context); nothing was read or sent wrong, but decode
     # holds the pages it reserved for the prompt prefill rejected (until its waiting timeout): an orphan
-    assert sorted(f.kind for f in run.findings) == ["orphan_transfer"] + ["pool_smaller_than_context"] * 2, \
-        [f.to_dict() for f in run.findings]
+    assert sorted(f.kind for f in run.findings) == ["orphan_transfer"] + ["pool_smaller_than_context"] * 2, [
+        f.to_dict() for f in run.findings
+    ]
     (orphan,) = [f for f in run.findings if f.kind == "orphan_transfer"]
     assert orphan.severity == "warning" and orphan.engine.role == "decode"
     assert (orphan.reader.rid, orphan.reader.tenant, orphan.reader.bootstrap_room) == (long.rid, "initech", long.room)

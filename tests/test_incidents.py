@@ -10,8 +10,16 @@ ENGINE = EngineRef("decode", 0, 42)
 
 
 def read(rid="r1", pages=(2, 3), exposed=(("a", "acme", (2,)),), ts=1):
-    return Finding("unwritten_read", "critical", ENGINE, Party(rid, "initech", 7), list(pages),
-                   [Party(r, t, None, list(p)) for r, t, p in exposed], ts, "s")
+    return Finding(
+        "unwritten_read",
+        "critical",
+        ENGINE,
+        Party(rid, "initech", 7),
+        list(pages),
+        [Party(r, t, None, list(p)) for r, t, p in exposed],
+        ts,
+        "s",
+    )
 
 
 def test_repeats_update_one_incident_and_are_not_new():
@@ -67,7 +75,10 @@ def test_history_keeps_the_newest_events_in_time_order():
     assert ev["ts_ns"].tolist() == [3, 6] and ev["event"].tolist() == [Event.ALLOC, Event.WRITE]
     req = h.request_events(5)
     assert [(int(e["event"]), int(e["page"]), int(e["aux"])) for e in req] == [
-        (Event.WRITE, 0, 0), (Event.WRITE, 1, 0), (Event.READ, -1, 9)]
+        (Event.WRITE, 0, 0),
+        (Event.WRITE, 1, 0),
+        (Event.READ, -1, 9),
+    ]
 
 
 def storm_read(i: int, pages: int = 150, ts: int = 1) -> Finding:
@@ -76,9 +87,17 @@ def storm_read(i: int, pages: int = 150, ts: int = 1) -> Finding:
     base = 10_000 + (i * 151) % 20_000
     ids = list(range(base, base + pages))
     exposed = [Party(f"{i:08x}{k:024x}", f"tenant-{k}", None, ids[k::3]) for k in range(3)]
-    return Finding("unwritten_read", "critical", ENGINE, Party(f"{i:032x}", "initech", 7), ids, exposed, ts,
-                   f"decode rank 0: request {i:032x} of tenant initech read {pages} pages nothing wrote for it",
-                   {"sender_rid": f"{i:032x}", "sender_tenant": "initech"})
+    return Finding(
+        "unwritten_read",
+        "critical",
+        ENGINE,
+        Party(f"{i:032x}", "initech", 7),
+        ids,
+        exposed,
+        ts,
+        f"decode rank 0: request {i:032x} of tenant initech read {pages} pages nothing wrote for it",
+        {"sender_rid": f"{i:032x}", "sender_tenant": "initech"},
+    )
 
 
 def test_the_store_estimate_is_not_below_what_incidents_cost():

@@ -30,8 +30,10 @@ def test_missing_directory_is_waited_for_then_rings_are_picked_up(tmp_path, capl
 
 
 def test_a_dead_engines_ring_is_drained_then_removed(tmp_path):
-    code = ("from kvguard.engine_hooks.probes import Probes; from kvguard.engine_hooks.ring import RingWriter; "
-            f"p = Probes(RingWriter({str(tmp_path)!r}, 4096)); p.pages_allocated([4, 8])")
+    code = (
+        "from kvguard.engine_hooks.probes import Probes; from kvguard.engine_hooks.ring import RingWriter; "
+        f"p = Probes(RingWriter({str(tmp_path)!r}, 4096)); p.pages_allocated([4, 8])"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
     rings = RingSet(str(tmp_path), slack_ns=0)
     rings.poll()
@@ -86,9 +88,11 @@ def test_overflow_is_a_blind_window_finding_not_a_false_read(tmp_path):
 
 
 def test_a_retired_ring_kept_on_disk_is_not_read_again(tmp_path):
-    code = ("from kvguard.engine_hooks.probes import Probes; from kvguard.engine_hooks.ring import RingWriter; "
-            f"p = Probes(RingWriter({str(tmp_path)!r}, 4096)); "
-            "p.hello('prefill', 0, 4, 64, 256, 2048, 250, 'sglang', '0.5.19', 'tiny')")
+    code = (
+        "from kvguard.engine_hooks.probes import Probes; from kvguard.engine_hooks.ring import RingWriter; "
+        f"p = Probes(RingWriter({str(tmp_path)!r}, 4096)); "
+        "p.hello('prefill', 0, 4, 64, 256, 2048, 250, 'sglang', '0.5.19', 'tiny')"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
     sink = MemorySink()
     sidecar = Sidecar(str(tmp_path), sinks=[sink], slack_ns=0, remove_dead_rings=False)

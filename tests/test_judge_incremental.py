@@ -31,8 +31,9 @@ from kvguard.sidecar.pipeline import Pipeline  # noqa: E402
 from kvguard.sidecar.sinks.basic import MemorySink  # noqa: E402
 from kvguard.sidecar.tracker import EngineTracker  # noqa: E402
 
-TINY = WorkloadParams(page_size=16, pool_tokens=1024 * 16, batch=6, prefix_groups=2, prefix_tokens=128,
-                      prompt_tokens=40, output_tokens=40)
+TINY = WorkloadParams(
+    page_size=16, pool_tokens=1024 * 16, batch=6, prefix_groups=2, prefix_tokens=128, prompt_tokens=40, output_tokens=40
+)
 ENGINE = 7
 
 
@@ -73,9 +74,15 @@ def corrupt(records: list[wire.Record], seed: int, rate: float, lost: bool) -> l
                     out.append(extra(wire.Kind.ALLOC, wire.Pages(pages[:1])))
             if rng.random() < rate:  # an ALLOC of pages someone holds
                 out.append(extra(wire.Kind.ALLOC, wire.Pages(rnd_pages(1, beyond=False))))
-            f = wire.Forward(f.req_keys.copy(), f.seq_lens.copy(), f.write_counts.copy(), f.write_pages.copy(),
-                             None if f.read_counts is None else f.read_counts.copy(),
-                             None if f.read_pages is None else f.read_pages.copy(), f.mode)
+            f = wire.Forward(
+                f.req_keys.copy(),
+                f.seq_lens.copy(),
+                f.write_counts.copy(),
+                f.write_pages.copy(),
+                None if f.read_counts is None else f.read_counts.copy(),
+                None if f.read_pages is None else f.read_pages.copy(),
+                f.mode,
+            )
             if len(f.write_pages) and rng.random() < rate:
                 f.write_pages[rng.integers(len(f.write_pages))] = rnd_pages(1)[0]
             if f.read_pages is not None and len(f.read_pages) and rng.random() < 3 * rate:
@@ -87,18 +94,29 @@ def corrupt(records: list[wire.Record], seed: int, rate: float, lost: bool) -> l
                     f = wire.Forward(f.req_keys, f.seq_lens, f.write_counts, f.write_pages, None, None, f.mode)
             if rng.random() < rate:  # the same request twice, and a reader nobody began
                 extra_keys = [f.req_keys[0], np.uint64(wire.request_key(f"ghost-{seed}"))]
-                f = wire.Forward(np.concatenate((f.req_keys, np.array(extra_keys, np.uint64))),
-                                 np.concatenate((f.seq_lens, f.seq_lens[:1], np.array([32], np.uint32))),
-                                 np.concatenate((f.write_counts, np.zeros(2, np.uint32))), f.write_pages,
-                                 None, None, f.mode)
+                f = wire.Forward(
+                    np.concatenate((f.req_keys, np.array(extra_keys, np.uint64))),
+                    np.concatenate((f.seq_lens, f.seq_lens[:1], np.array([32], np.uint32))),
+                    np.concatenate((f.write_counts, np.zeros(2, np.uint32))),
+                    f.write_pages,
+                    None,
+                    None,
+                    f.mode,
+                )
             rec = wire.Record(rec.kind, rec.seq, rec.ts_ns, rec.engine_id, rec.pool, f)
         elif rec.kind == wire.Kind.ASSIGN and rng.random() < rate:
             a = rec.body
             pages = a.pages.copy()
             if len(pages):
                 pages[rng.integers(len(pages))] = rnd_pages(1)[0]
-            rec = wire.Record(rec.kind, rec.seq, rec.ts_ns, rec.engine_id, rec.pool,
-                              wire.Assign(a.req_key, a.row_start, a.row_end, a.shared_until, pages))
+            rec = wire.Record(
+                rec.kind,
+                rec.seq,
+                rec.ts_ns,
+                rec.engine_id,
+                rec.pool,
+                wire.Assign(a.req_key, a.row_start, a.row_end, a.shared_until, pages),
+            )
         elif rec.kind == wire.Kind.FREE and rng.random() < rate:
             out.append(rec)  # a double free
         out.append(rec)
@@ -146,20 +164,36 @@ class Replay:
         return {
             "findings": self.findings,
             "delivered": [f.to_dict() for f in p.sinks[0].findings],
-            "findings_by_kind": dict(p.findings_by_kind), "incidents_by_kind": dict(p.incidents_by_kind),
-            "suppressed": p.findings_suppressed, "apply_errors": p.apply_errors, "lost": p.records_lost,
-            "pages_read": t.pages_read, "pages_unverified": t.pages_unverified,
+            "findings_by_kind": dict(p.findings_by_kind),
+            "incidents_by_kind": dict(p.incidents_by_kind),
+            "suppressed": p.findings_suppressed,
+            "apply_errors": p.apply_errors,
+            "lost": p.records_lost,
+            "pages_read": t.pages_read,
+            "pages_unverified": t.pages_unverified,
             "out_of_range": pool.pages_out_of_range,
-            "pool": {name: getattr(pool, name).tolist()
-                     for name in ("state", "gen", "written_gen", "owner", "last_writer", "last_write_ns")},
+            "pool": {
+                name: getattr(pool, name).tolist()
+                for name in ("state", "gen", "written_gen", "owner", "last_writer", "last_write_ns")
+            },
             "rows": {k: (r.pages.tolist(), r.gens.tolist(), r.shared.tolist()) for k, r in t.rows.items()},
         }
 
 
 # (rows_every, seed, lost records): after a loss most pages stay unknown (never judged, counted
 # unverified on every read) until reallocated, so those streams are judged almost in full
-CASES = [(0, 1, False), (0, 2, True), (3, 3, False), (16, 4, False), (0, 5, False), (5, 6, True), (1, 7, False),
-         (16, 8, True), (0, 9, False), (2, 10, False)]
+CASES = [
+    (0, 1, False),
+    (0, 2, True),
+    (3, 3, False),
+    (16, 4, False),
+    (0, 5, False),
+    (5, 6, True),
+    (1, 7, False),
+    (16, 8, True),
+    (0, 9, False),
+    (2, 10, False),
+]
 
 
 @pytest.mark.parametrize("isolate", [False, True])
@@ -215,7 +249,7 @@ def test_a_page_freed_under_a_clean_row_is_judged_again(monkeypatch):
     assert t.classify_reads(keys, seq) == [] and t.pages_read == 16
     t.on_free(np.array([3]))  # A's private page: only A's row is judged again, from that entry
     assert t.rows[a].clean_n == 4
-    (i, v), = t.classify_reads(keys, seq)
+    ((i, v),) = t.classify_reads(keys, seq)
     assert i == 0 and v.freed.tolist() == [3] and t.rows[a].clean_n == 2 and t.rows[b].clean_n == 4
     epoch = t.judge_epoch
     t.on_free(np.array([1]))  # a page B judged clean as shared: every row is judged again
@@ -261,7 +295,7 @@ def test_a_provisional_transfer_undone_by_a_trailing_short_send_is_judged_again(
     decode.transfer_done("r-x", 12, "receiver", "success")  # before the sender's record: provisional
     decode.rows_assigned("r-x", 8, 9, 8, slots([3])[:1])
     for n in (9, 10):  # decode steps judged clean on the provisional marks
-        decode.forward(["r-x"], [n], [slots([3])[n - 9:n - 8]], None)
+        decode.forward(["r-x"], [n], [slots([3])[n - 9 : n - 8]], None)
     prefill.transfer_sent("r-x", 12, 0, 1, [50], True)  # 1 token after all: page 2 was never written
     decode.forward(["r-x"], [11], [slots([3])[2:3]], None)
     records = []

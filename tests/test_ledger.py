@@ -425,12 +425,27 @@ def test_the_room_estimate_is_not_below_what_rooms_cost():
         for room in range(n):  # a 600-token prompt at page size 4: 150 pages, 4 chunks, 2 ranks' digests a side
             ledger.on_reserve(2, wire.XferReserve(room + 1, room, 600, np.arange(150, dtype=np.int64)), 0)
             for c in range(4):
-                ledger.on_send(1, wire.XferSend(room + 7, room, 0, 150 * c, 150 * (c + 1), c == 3,
-                                                np.zeros(38, np.int64)), 4)
+                ledger.on_send(
+                    1, wire.XferSend(room + 7, room, 0, 150 * c, 150 * (c + 1), c == 3, np.zeros(38, np.int64)), 4
+                )
             for side in (wire.Side.SENDER, wire.Side.RECEIVER):
                 for rank in range(2):
-                    ledger.on_digest(1, wire.XferDigest(room + 7 if side == wire.Side.SENDER else room + 1, room,
-                                                        side, wire.DigestAlg(2), rank, 0, 600, 2, 4 * rank, 4, 8))
+                    ledger.on_digest(
+                        1,
+                        wire.XferDigest(
+                            room + 7 if side == wire.Side.SENDER else room + 1,
+                            room,
+                            side,
+                            wire.DigestAlg(2),
+                            rank,
+                            0,
+                            600,
+                            2,
+                            4 * rank,
+                            4,
+                            8,
+                        ),
+                    )
         after, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

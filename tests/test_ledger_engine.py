@@ -35,15 +35,22 @@ class TwoPodPair(PDPair):
         return super()._start(role, pool_tokens, args, wait)
 
 
-def test_the_0_5_19_leak_across_two_pods_is_caught_by_the_decode_sidecar(tmp_path, redis_server,  # noqa: F811
-                                                                       require_sglang):
+def test_the_0_5_19_leak_across_two_pods_is_caught_by_the_decode_sidecar(
+    tmp_path,
+    redis_server,  # noqa: F811
+    require_sglang,
+):
     require_sglang("0.5.19")
     dirs = {role: tmp_path / role for role in ("prefill", "decode")}
     for d in dirs.values():
         d.mkdir()
     sinks = {role: MemorySink() for role in dirs}
-    sidecars = {role: Sidecar(str(d), sinks=[sinks[role]], remove_dead_rings=False, ledger=redis_server.url,
-                              ledger_cluster="pd-test").start() for role, d in dirs.items()}
+    sidecars = {
+        role: Sidecar(
+            str(d), sinks=[sinks[role]], remove_dead_rings=False, ledger=redis_server.url, ledger_cluster="pd-test"
+        ).start()
+        for role, d in dirs.items()
+    }
     try:
         with TwoPodPair("0.5.19", tmp_path / "logs", ring_dirs={k: str(v) for k, v in dirs.items()}) as pair:
             scenario = run_incident_scenario(pair)
@@ -58,8 +65,9 @@ def test_the_0_5_19_leak_across_two_pods_is_caught_by_the_decode_sidecar(tmp_pat
     assert long.routed and long.room is None  # decode's rid came back; the router chose the room
 
     decode = sorted(f.kind for f in sinks["decode"].findings)
-    assert decode == ["checksum_mismatch", "pool_smaller_than_context", "transfer_size_mismatch",
-                      "unwritten_read"], [f.to_dict() for f in sinks["decode"].findings]
+    assert decode == ["checksum_mismatch", "pool_smaller_than_context", "transfer_size_mismatch", "unwritten_read"], [
+        f.to_dict() for f in sinks["decode"].findings
+    ]
     # the prefill pod's sidecar only published: its own engine's config finding, no transfer finding
     assert sorted(f.kind for f in sinks["prefill"].findings) == ["pool_smaller_than_context"]
     rooms, sender_rids = set(), set()
@@ -72,8 +80,12 @@ def test_the_0_5_19_leak_across_two_pods_is_caught_by_the_decode_sidecar(tmp_pat
     assert len(rooms) == 1 and None not in rooms
     assert len(sender_rids) == 1 and not sender_rids & {None, long.rid}
     size = next(f for f in sinks["decode"].findings if f.kind == "transfer_size_mismatch")
-    assert {k: size.evidence[k] for k in ("sent_tokens", "reserved_tokens", "sent_pages", "reserved_pages")} == \
-        {"sent_tokens": 1, "reserved_tokens": 600, "sent_pages": 1, "reserved_pages": 150}
+    assert {k: size.evidence[k] for k in ("sent_tokens", "reserved_tokens", "sent_pages", "reserved_pages")} == {
+        "sent_tokens": 1,
+        "reserved_tokens": 600,
+        "sent_pages": 1,
+        "reserved_pages": 150,
+    }
     read = next(f for f in sinks["decode"].findings if f.kind == "unwritten_read")
     assert len(read.pages) == 149 and {p.tenant for p in read.exposed} <= {"acme", "globex"} and read.exposed
     ledger = sidecars["decode"].pipeline.ledger

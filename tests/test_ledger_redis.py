@@ -50,9 +50,24 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         self.proc = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.workdir, "--enable-debug-command", "local"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                REDIS_SERVER,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.workdir,
+                "--enable-debug-command",
+                "local",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         import redis
 
         client = redis.Redis(port=self.port, socket_timeout=1)
@@ -101,10 +116,16 @@ class Pods:
         self.decode.hello("decode", 0, 4, 1024, 4096, 4096, 4096, "sglang", "0.5.23", "tiny")
         self.sinks = {role: MemorySink() for role in self.dirs}
         self.sidecars = {
-            role: Sidecar(str(d), sinks=[self.sinks[role]], slack_ns=0, ledger=url,
-                          ledger_cluster=(decode_cluster or cluster) if role == "decode" else cluster,
-                          orphan_timeout_s=orphan_timeout_s)
-            for role, d in self.dirs.items()}
+            role: Sidecar(
+                str(d),
+                sinks=[self.sinks[role]],
+                slack_ns=0,
+                ledger=url,
+                ledger_cluster=(decode_cluster or cluster) if role == "decode" else cluster,
+                orphan_timeout_s=orphan_timeout_s,
+            )
+            for role, d in self.dirs.items()
+        }
         for s in self.sidecars.values():
             s.shared_ledger.poll_interval_s = 0.02
             s.shared_ledger.start()
@@ -191,13 +212,13 @@ def test_the_incident_across_pods_is_caught_once_by_the_decode_sidecar_only(pods
     pages = list(range(1, 151))  # ceil(600 / 4)
     # earlier tenants' data in those pages, through normal transfers
     for i, tenant in enumerate(("acme", "globex")):
-        mine = pages[i * 75:(i + 1) * 75]
+        mine = pages[i * 75 : (i + 1) * 75]
         p.begin(f"r-{tenant}", 20 + i, 300, mine, tenant=tenant)
         p.send(f"r-{tenant}", 20 + i, 300, digest_halves=None)
         p.receive(f"r-{tenant}", 20 + i, 300, mine, digest=None)
     assert p.settle(lambda: p.ledger("decode").paired == 2)
     for i, tenant in enumerate(("acme", "globex")):
-        p.finish(f"r-{tenant}", pages[i * 75:(i + 1) * 75])
+        p.finish(f"r-{tenant}", pages[i * 75 : (i + 1) * 75])
     p.begin("r-initech", 13, 600, pages, tenant="initech")
     p.send("r-initech", 13, 1, digest_halves=None)
     p.receive("r-initech", 13, 600, pages, digest=None)
@@ -299,8 +320,18 @@ def test_values_written_by_something_else_are_counted_and_ignored(pods, redis_se
     key = room_key("c1", 11, "sender")
     # another program's value, an older schema, a sender fact claiming another room, one without a
     # request key, and one whose rid is not a bounded string
-    fake = {"v": 2, "side": "sender", "room": 11, "req_key": f"{wire.request_key('r-9'):016x}", "began": True,
-            "warmup": False, "gave_up": "reject", "ended": True, "chunks": [], "digests": []}
+    fake = {
+        "v": 2,
+        "side": "sender",
+        "room": 11,
+        "req_key": f"{wire.request_key('r-9'):016x}",
+        "began": True,
+        "warmup": False,
+        "gave_up": "reject",
+        "ended": True,
+        "chunks": [],
+        "digests": [],
+    }
     client.hset(key, "intruder", b"\x00not json")
     client.hset(key, "old", json.dumps({"v": 1, "side": "sender"}))
     client.hset(key, "liar", json.dumps({**fake, "room": 12}))
@@ -388,8 +419,13 @@ def test_bad_ledger_settings_fail_at_start_naming_the_setting(tmp_path):
 
 def test_the_cli_reads_kvguard_ledger_and_names_a_bad_value(tmp_path):
     env = {**os.environ, "KVGUARD_LEDGER": "redis://host:port/0"}
-    out = subprocess.run([sys.executable, "-m", "kvguard.sidecar.cli", "sidecar", "--ring-dir", str(tmp_path)],
-                         env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvguard.sidecar.cli", "sidecar", "--ring-dir", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "KVGUARD_LEDGER" in out.stderr and "redis://host:port/0" in out.stderr
 
 
@@ -437,8 +473,9 @@ def failing_link(degrade_after_s: float):
     """A SharedLedger whose client fails from its first round trip until ``client.failing`` is cleared."""
     client = FlakyRedis()
     client.failing = True
-    link = SharedLedger("redis://127.0.0.1:1/0", cluster="c1", poll_interval_s=0.01, degrade_after_s=degrade_after_s,
-                        client=client).start()
+    link = SharedLedger(
+        "redis://127.0.0.1:1/0", cluster="c1", poll_interval_s=0.01, degrade_after_s=degrade_after_s, client=client
+    ).start()
     try:
         yield client, link
     finally:

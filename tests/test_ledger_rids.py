@@ -46,7 +46,11 @@ def transfers_metric(sidecar) -> dict[str, float]:
     (family,) = [m for m in KVGuardCollector(sidecar).collect() if m.name == "kvguard_transfers"]
     samples = [s for s in family.samples if s.name.endswith("_total")]
     assert {s.labels["outcome"] for s in samples if s.labels["role"] == "prefill"} == {
-        "paired", "unverified", "unpaired", "warmup"}  # zero series on the engine that only sends
+        "paired",
+        "unverified",
+        "unpaired",
+        "warmup",
+    }  # zero series on the engine that only sends
     assert all(s.value == 0 for s in samples if s.labels["role"] == "prefill")
     return {s.labels["outcome"]: s.value for s in samples if s.labels["role"] == "decode"}
 

@@ -26,9 +26,17 @@ MIB = 1 << 20
 
 def ended_request(i: int) -> RequestInfo:
     # SGLang's rids are 32 hex characters; tenants come from a request field
-    return RequestInfo(key=(i * 2654435761 + 1) & ((1 << 64) - 1), rid=uuid.uuid4().hex, tenant=f"tenant-{i % 50}",
-                       room=i * 7919, prompt_tokens=1000, begin_ns=10**15 + i, end_ns=10**15 + i, finish="stop",
-                       ttft_ns=123_456_789)
+    return RequestInfo(
+        key=(i * 2654435761 + 1) & ((1 << 64) - 1),
+        rid=uuid.uuid4().hex,
+        tenant=f"tenant-{i % 50}",
+        room=i * 7919,
+        prompt_tokens=1000,
+        begin_ns=10**15 + i,
+        end_ns=10**15 + i,
+        finish="stop",
+        ttft_ns=123_456_789,
+    )
 
 
 def test_the_per_request_estimate_is_not_below_what_an_ended_request_costs():
@@ -50,8 +58,20 @@ def test_the_per_request_estimate_is_not_below_what_an_ended_request_costs():
 
 
 def hello(pool_pages: int, rank: int) -> wire.Record:
-    body = wire.Hello(wire.Role.DECODE, rank, 1000 + rank, 64, pool_pages, pool_pages * 64, 131_072, 131_072,
-                      "sglang", "0.5.23", "m", "0")
+    body = wire.Hello(
+        wire.Role.DECODE,
+        rank,
+        1000 + rank,
+        64,
+        pool_pages,
+        pool_pages * 64,
+        131_072,
+        131_072,
+        "sglang",
+        "0.5.23",
+        "m",
+        "0",
+    )
     return wire.Record(wire.Kind.HELLO, 0, 1, 100 + rank, 0, body)
 
 
@@ -97,11 +117,37 @@ def test_a_smaller_budget_trims_what_is_kept_at_once():
 def test_a_budget_below_the_fixed_parts_fails_at_start_naming_the_flag(tmp_path):
     with pytest.raises(mb.MemoryBudgetError, match="--memory-budget.*--history-events"):
         mb.MemoryBudget(64 * MIB, history_events=1 << 20)
-    out = subprocess.run([sys.executable, "-m", "kvguard.sidecar.cli", "sidecar", "--ring-dir", str(tmp_path),
-                          "--memory-budget", "120Mi"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvguard.sidecar.cli",
+            "sidecar",
+            "--ring-dir",
+            str(tmp_path),
+            "--memory-budget",
+            "120Mi",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "--memory-budget" in out.stderr and "--history-events" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "kvguard.sidecar.cli", "sidecar", "--ring-dir", str(tmp_path),
-                          "--memory-budget", "lots"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvguard.sidecar.cli",
+            "sidecar",
+            "--ring-dir",
+            str(tmp_path),
+            "--memory-budget",
+            "lots",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "--memory-budget" in out.stderr and "lots" in out.stderr
 
 

@@ -74,8 +74,12 @@ def exposition(tmp_path_factory) -> str:
     decode.pages_freed(slots([1, 2]))
     pd_request(prefill, decode, "r-initech", "initech", 13, [1, 2, 3, 4], 16, 1)
     # a PagerDuty sink for the kvguard_sink_* families; nothing listens on port 9: it gives up fast
-    sink = pagerduty_sink("R0UT1NGKEY0123456789abcdefABCDEF", "http://127.0.0.1:9/v2/enqueue", timeout_s=0.5,
-                          retry=RetryPolicy(initial_s=0.01, max_s=0.01, deadline_s=0.02))
+    sink = pagerduty_sink(
+        "R0UT1NGKEY0123456789abcdefABCDEF",
+        "http://127.0.0.1:9/v2/enqueue",
+        timeout_s=0.5,
+        retry=RetryPolicy(initial_s=0.01, max_s=0.01, deadline_s=0.02),
+    )
     sidecar = Sidecar(ring_dir, slack_ns=0, sinks=[sink])
     try:
         sidecar.run_once(flush=True)
@@ -107,7 +111,7 @@ def documented() -> dict[str, tuple[str, set[str]]]:
 def bounded_labels() -> set[str]:
     """The first column of the table under "## Labels"."""
     text = DOC.read_text()
-    table = text[text.index("## Labels"):text.index("## Counters and first samples")]
+    table = text[text.index("## Labels") : text.index("## Counters and first samples")]
     return set(re.findall(r"^\| `(\w+)`", table, re.M))
 
 
@@ -147,8 +151,9 @@ def test_promtool_lints_the_exposition_clean(exposition):
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed (Debian package `prometheus`: run `make apt`)")
-    result = subprocess.run([promtool, "check", "metrics"], input=exposition, capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [promtool, "check", "metrics"], input=exposition, capture_output=True, text=True, timeout=60
+    )
     assert (result.returncode, result.stdout + result.stderr) == (0, "")
 
 

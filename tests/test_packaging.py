@@ -22,15 +22,20 @@ MAPPED = {"kvguard": "kvguard", "kvguard.engine_hooks": "engine_hooks", "kvguard
 
 
 def _packages_on_disk(prefix: str, folder: Path) -> set[str]:
-    return {".".join([prefix, *p.parent.relative_to(folder).parts]) for p in folder.rglob("__init__.py")
-            if "__pycache__" not in p.parts}
+    return {
+        ".".join([prefix, *p.parent.relative_to(folder).parts])
+        for p in folder.rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    }
 
 
 def test_pyproject_lists_every_package_folder():
     cfg = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert cfg["package-dir"] == MAPPED
-    on_disk = set().union(*(_packages_on_disk(name, REPO_ROOT / folder) for name, folder in MAPPED.items()
-                            if name != "kvguard"), {"kvguard"})
+    on_disk = set().union(
+        *(_packages_on_disk(name, REPO_ROOT / folder) for name, folder in MAPPED.items() if name != "kvguard"),
+        {"kvguard"},
+    )
     assert set(cfg["packages"]) == on_disk
     demo = tomllib.loads((REPO_ROOT / "demo" / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert demo["packages"] == ["kvguard.demo"] and demo["package-dir"] == {"kvguard.demo": "."}
@@ -50,8 +55,9 @@ def test_wheel_holds_only_the_kvguard_namespace(kvguard_wheel):
 
 
 def _venv_python(code: str, cwd: Path, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, env={**os.environ, **env}, timeout=120
+    )
 
 
 @pytest.mark.parametrize("cwd", [REPO_ROOT, Path("/")], ids=["checkout", "elsewhere"])
@@ -60,8 +66,9 @@ def test_top_level_names_do_not_import(cwd):
         got = _venv_python(f"import {name}", cwd)
         assert got.returncode != 0, f"import {name} worked from {cwd}"
         assert "Error" in got.stderr
-    ok = _venv_python("import kvguard.sidecar, kvguard.engine_hooks, kvguard.demo, kvguard.sidecar.cli; print('ok')",
-                      cwd)
+    ok = _venv_python(
+        "import kvguard.sidecar, kvguard.engine_hooks, kvguard.demo, kvguard.sidecar.cli; print('ok')", cwd
+    )
     assert ok.returncode == 0 and ok.stdout.strip() == "ok", ok.stderr
 
 
@@ -73,29 +80,52 @@ def test_installed_wheel_runs_without_the_demo(kvguard_wheel, tmp_path):
     import sysconfig
 
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), sysconfig.get_paths()["purelib"]])}
-    where = subprocess.run([sys.executable, "-S", "-c", "import kvguard.sidecar.cli as c; print(c.__file__)"],
-                           cwd=tmp_path, capture_output=True, text=True, env={**os.environ, **env}, timeout=120)
+    where = subprocess.run(
+        [sys.executable, "-S", "-c", "import kvguard.sidecar.cli as c; print(c.__file__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
     assert where.returncode == 0, where.stderr
     assert where.stdout.strip().startswith(str(tmp_path / "site"))
-    helped = subprocess.run([sys.executable, "-S", "-m", "kvguard.sidecar.cli", "--help"], cwd=tmp_path,
-                            capture_output=True, text=True, env={**os.environ, **env}, timeout=120)
+    helped = subprocess.run(
+        [sys.executable, "-S", "-m", "kvguard.sidecar.cli", "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
     assert helped.returncode == 0 and "sidecar" in helped.stdout, helped.stderr
-    demo = subprocess.run([sys.executable, "-S", "-m", "kvguard.sidecar.cli", "demo"], cwd=tmp_path,
-                          capture_output=True, text=True, env={**os.environ, **env}, timeout=120)
+    demo = subprocess.run(
+        [sys.executable, "-S", "-m", "kvguard.sidecar.cli", "demo"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
     assert demo.returncode == 1 and "kvguard-demo" in demo.stderr, demo.stderr
 
 
 def test_sglang_discovers_the_plugin(tmp_path):
     """SGLang's own loader finds the entry point in the installed kvguard distribution."""
     skip_unless_sglang("0.5.23")
-    code = ("from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group\n"
-            "func, dist = load_plugins_by_group(GENERAL_PLUGINS_GROUP)['kvguard']\n"
-            "print(func.__module__, func.__name__, dist)")
+    code = (
+        "from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group\n"
+        "func, dist = load_plugins_by_group(GENERAL_PLUGINS_GROUP)['kvguard']\n"
+        "print(func.__module__, func.__name__, dist)"
+    )
     from kvguard.demo import engines
 
     # as an engine subprocess runs: that SGLang, and the CPU test shim (torchvision op schemas)
-    got = _venv_python(code, tmp_path, PYTHONPATH=os.pathsep.join([str(engines.sglang_dir("0.5.23")),
-                                                                   str(engines.shim_dir())]),
-                       KVGUARD_DISABLE="1")
+    got = _venv_python(
+        code,
+        tmp_path,
+        PYTHONPATH=os.pathsep.join([str(engines.sglang_dir("0.5.23")), str(engines.shim_dir())]),
+        KVGUARD_DISABLE="1",
+    )
     assert got.returncode == 0, got.stderr[-3000:]
     assert got.stdout.split() == ["kvguard.engine_hooks.sglang.plugin", "load", "kvguard"]

@@ -22,8 +22,9 @@ from kvguard.sidecar.sinks.basic import MemorySink
 def engines(tmp_path, prefill_pool_tokens=4096):
     prefill = Probes(RingWriter(str(tmp_path), 1 << 16))
     decode = Probes(RingWriter(str(tmp_path), 1 << 16))
-    prefill.hello("prefill", 0, 4, prefill_pool_tokens // 4, prefill_pool_tokens, 2048, 2048, "sglang", "0.5.19",
-                  "tiny")
+    prefill.hello(
+        "prefill", 0, 4, prefill_pool_tokens // 4, prefill_pool_tokens, 2048, 2048, "sglang", "0.5.19", "tiny"
+    )
     decode.hello("decode", 0, 4, 8, 32, 32, 32, "sglang", "0.5.19", "tiny")
     return prefill, decode
 
@@ -82,7 +83,9 @@ def test_the_incident_is_an_unwritten_read_naming_the_exposed_tenants(tmp_path):
     assert d["reader"] == {"rid": "r-initech", "tenant": "initech", "bootstrap_room": 13}
     assert d["pages"] == [2, 3, 4]
     assert sorted((e["rid"], e["tenant"], tuple(e["pages"])) for e in d["exposed"]) == [
-        ("r-acme", "acme", (2,)), ("r-globex", "globex", (3, 4))]
+        ("r-acme", "acme", (2,)),
+        ("r-globex", "globex", (3, 4)),
+    ]
     (size,) = [f for f in findings if f.kind == "transfer_size_mismatch"]
     assert size.evidence == {"sent_tokens": 1, "reserved_tokens": 16, "sent_pages": 1, "reserved_pages": 4}
     sidecar.stop()
@@ -95,8 +98,9 @@ def test_full_transfers_raise_nothing(tmp_path):
     pd_request(prefill, decode, "r-initech", "initech", 13, [1, 2, 3, 4], 16, 16)
     sidecar, findings = run(tmp_path)
     assert findings == []
-    assert sidecar.pipeline.engines and all(t.pages_read for t in sidecar.pipeline.engines.values()
-                                            if t.hello.role == 2)
+    assert sidecar.pipeline.engines and all(
+        t.pages_read for t in sidecar.pipeline.engines.values() if t.hello.role == 2
+    )
     sidecar.stop()
 
 
@@ -273,8 +277,9 @@ def test_page_ids_past_the_pool_are_counted_and_skipped_not_an_apply_error(tmp_p
     registry.register(KVGuardCollector(sidecar))
     text = generate_latest(registry).decode()
     assert 'kvguard_page_ids_out_of_range_total{pid="' in text
-    assert any(line.startswith("kvguard_page_ids_out_of_range_total") and line.endswith(" 1.0")
-               for line in text.splitlines()), text
+    assert any(
+        line.startswith("kvguard_page_ids_out_of_range_total") and line.endswith(" 1.0") for line in text.splitlines()
+    ), text
 
 
 def test_a_trailing_short_send_after_the_reader_ended_is_still_caught(tmp_path):

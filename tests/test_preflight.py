@@ -50,8 +50,12 @@ def server_info(**over: Any) -> dict[str, Any]:
 
 
 def models(*max_model_lens: int | None) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": f"m{i}", "object": "model", "parent": None, "max_model_len": n}
-                                       for i, n in enumerate(max_model_lens)]}
+    return {
+        "object": "list",
+        "data": [
+            {"id": f"m{i}", "object": "model", "parent": None, "max_model_len": n} for i, n in enumerate(max_model_lens)
+        ],
+    }
 
 
 _DROP = object()
@@ -71,8 +75,9 @@ class Stub:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 stub.requests.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
-                status, body, ctype, *rest = stub.routes.get(self.path, (404, b'{"detail":"Not Found"}',
-                                                                         "application/json"))
+                status, body, ctype, *rest = stub.routes.get(
+                    self.path, (404, b'{"detail":"Not Found"}', "application/json")
+                )
                 if rest:
                     time.sleep(rest[0])
                 if not isinstance(body, bytes):
@@ -252,8 +257,9 @@ def test_no_context_anywhere_is_unknown(stub):
     stub.set(server_info(context_length=None), models(None))
     rc, [r] = run_json(stub.url)
     assert (rc, r["verdict"]) == (1, "unknown")
-    assert r["reason"] == ("no context length: /v1/models lists no max_model_len, and /server_info "
-                           "context_length is null")
+    assert r["reason"] == (
+        "no context length: /v1/models lists no max_model_len, and /server_info context_length is null"
+    )
     assert r["pool_tokens"] == 256  # what was learnt is still reported
 
 
@@ -375,8 +381,7 @@ def test_several_urls_worst_exit_wins(stub, stub2):
     assert [r["verdict"] for r in reports] == ["safe", "pool_smaller_than_context", "unknown"]
     assert [r["url"] for r in reports] == [stub.url, stub2.url, dead]
     rc, text = run_text(stub.url, stub2.url, dead)
-    assert rc == 2 and text.rstrip().endswith(
-        "3 servers: 1 safe, 1 pool smaller than context, 1 cannot tell; exit 2")
+    assert rc == 2 and text.rstrip().endswith("3 servers: 1 safe, 1 pool smaller than context, 1 cannot tell; exit 2")
 
 
 # ---------------------------------------------------------------- bearer token
@@ -400,7 +405,13 @@ def test_bearer_token_from_env(stub, tmp_path):
     run_json(stub.url, environ={"KVGUARD_BEARER_TOKEN_FILE": str(tok), "KVGUARD_BEARER_TOKEN": "ignored"})
     run_json(stub.url)
     assert [h.get("authorization") for _, h in stub.requests] == [
-        "Bearer from-env", "Bearer from-env", "Bearer from-file-env", "Bearer from-file-env", None, None]
+        "Bearer from-env",
+        "Bearer from-env",
+        "Bearer from-file-env",
+        "Bearer from-file-env",
+        None,
+        None,
+    ]
 
 
 @pytest.mark.parametrize("content,expect", [(None, "cannot read the bearer token file"), ("\n", "is empty"),
@@ -441,8 +452,13 @@ def test_usage_errors_exit_1_not_2(argv, capsys):
 
 
 def test_malformed_url_from_the_shell_has_no_traceback(repo_root):
-    p = subprocess.run([sys.executable, "-m", "kvguard.sidecar.cli", "preflight", "--url", "localhost:30000"],
-                       cwd=repo_root, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "kvguard.sidecar.cli", "preflight", "--url", "localhost:30000"],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 1
     assert "Traceback" not in p.stdout + p.stderr
     assert "'localhost:30000' has no scheme" in p.stdout and "http://localhost:30000" in p.stdout
@@ -456,8 +472,9 @@ def test_malformed_url_from_the_shell_has_no_traceback(repo_root):
 def test_real_sglang_0_5_23_pool_smaller_than_context(tiny_model_dir, tmp_path, require_sglang, capsys):
     require_sglang("0.5.23")
     t0 = time.monotonic()
-    engine = engines.start_engine("0.5.23", tmp_path / "logs", model_dir=tiny_model_dir, max_total_tokens=256,
-                                  context_length=2048)
+    engine = engines.start_engine(
+        "0.5.23", tmp_path / "logs", model_dir=tiny_model_dir, max_total_tokens=256, context_length=2048
+    )
     try:
         assert cli.main(["preflight", "--url", engine.url]) == 2
         text = capsys.readouterr().out

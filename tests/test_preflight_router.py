@@ -117,10 +117,12 @@ def stubs():
 def pd_fleet(stubs, *, prefill_pool: int = 256, decode_pool: int = 4096, version: str = "0.5.23"):
     """A stub router (PD mode) in front of a stub prefill and a stub decode server (context 2048)."""
     router, prefill, decode = stubs(3)
-    prefill.set(server_info(disaggregation_mode="prefill", max_total_num_tokens=prefill_pool, version=version),
-                REAL_MODELS)
-    decode.set(server_info(disaggregation_mode="decode", max_total_num_tokens=decode_pool, version=version),
-               REAL_MODELS)
+    prefill.set(
+        server_info(disaggregation_mode="prefill", max_total_num_tokens=prefill_pool, version=version), REAL_MODELS
+    )
+    decode.set(
+        server_info(disaggregation_mode="decode", max_total_num_tokens=decode_pool, version=version), REAL_MODELS
+    )
     router.routes.update(router_routes(listing(REAL_ROUTER_WORKERS_PD, prefill.url, decode.url)))
     return router, prefill, decode
 
@@ -151,8 +153,10 @@ def test_pd_router_text_names_router_and_each_worker(stubs):
     router, prefill, decode = pd_fleet(stubs, prefill_pool=256, decode_pool=4096)
     rc, text = run_text(router.url)
     assert rc == 2
-    assert text.startswith(f"{router.url}: SGLang router listing 2 workers (1 prefill, 1 decode); "
-                           f"each is checked directly:\n\n{prefill.url}: POOL SMALLER THAN CONTEXT (critical)")
+    assert text.startswith(
+        f"{router.url}: SGLang router listing 2 workers (1 prefill, 1 decode); "
+        f"each is checked directly:\n\n{prefill.url}: POOL SMALLER THAN CONTEXT (critical)"
+    )
     assert f"\n\n{decode.url}: SAFE\n" in text
     assert text.count(f"  behind router:      {router.url} (listed as prefill)") == 1
     assert text.count(f"  behind router:      {router.url} (listed as decode)") == 1
@@ -171,7 +175,9 @@ def test_decode_pool_smaller_is_reported_for_decode_only(stubs):
     rc, reports = run_json(router.url)
     assert rc == 2
     assert [(r["url"], r["verdict"], r["severity"]) for r in reports] == [
-        (prefill.url, "safe", None), (decode.url, "pool_smaller_than_context", "warning")]
+        (prefill.url, "safe", None),
+        (decode.url, "pool_smaller_than_context", "warning"),
+    ]
 
 
 def test_old_prefill_behind_router_gets_the_leak_note(stubs):
@@ -193,8 +199,9 @@ def test_regular_router_checks_every_worker(stubs):
     # sorted by URL within a type (the router's own order is not stable)
     expected = sorted([(a.url, "safe"), (b.url, "pool_smaller_than_context")])
     assert [(r["url"], r["verdict"]) for r in reports] == expected
-    assert all(r["role"] == "unified" and r["router_worker_type"] == "regular" and r["router"] == router.url
-               for r in reports)
+    assert all(
+        r["role"] == "unified" and r["router_worker_type"] == "regular" and r["router"] == router.url for r in reports
+    )
     rc, text = run_text(router.url)
     assert text.startswith(f"{router.url}: SGLang router listing 2 workers (2 regular); each is checked directly:")
 
@@ -208,8 +215,10 @@ def test_regular_router_in_front_of_pd_servers_notes_it(stubs):
     router.routes.update(router_routes(body))
     rc, [r, _] = run_json(router.url)
     assert rc == 0 and r["role"] == "prefill"
-    assert r["notes"] == ["the router sends whole requests to this server (a regular worker) but it is a "
-                          "prefill server of a prefill/decode deployment"]
+    assert r["notes"] == [
+        "the router sends whole requests to this server (a regular worker) but it is a "
+        "prefill server of a prefill/decode deployment"
+    ]
 
 
 # ---------------------------------------------------------------- a router that cannot be fully checked
@@ -224,7 +233,9 @@ def test_unreachable_worker_is_unknown_with_its_url_and_role(stubs):
     rc, reports = run_json(router.url, timeout_s=5)
     assert rc == 1
     assert [(r["url"], r["role"], r["verdict"]) for r in reports] == [
-        (prefill.url, "prefill", "safe"), (dead, "decode", "unknown")]
+        (prefill.url, "prefill", "safe"),
+        (dead, "decode", "unknown"),
+    ]
     assert reports[1]["reason"].startswith("cannot connect for GET /server_info")
     _, text = run_text(router.url, timeout_s=5)
     assert f"{dead}: cannot tell: cannot connect for GET /server_info" in text
@@ -242,8 +253,9 @@ def test_unknown_worker_does_not_hide_a_smaller_pool(stubs):
 
 def test_router_listing_no_workers_is_unknown_never_a_pass(stubs):
     [router] = stubs(1)
-    router.routes.update(router_routes({"workers": [], "total": 0,
-                                        "stats": {"prefill_count": 0, "decode_count": 0, "regular_count": 0}}))
+    router.routes.update(
+        router_routes({"workers": [], "total": 0, "stats": {"prefill_count": 0, "decode_count": 0, "regular_count": 0}})
+    )
     rc, [r] = run_json(router.url)
     assert (rc, r["url"], r["role"], r["verdict"], r["router"]) == (1, router.url, "router", "unknown", router.url)
     assert r["reason"].startswith("the router lists no workers (GET /workers is empty): nothing to check")
@@ -259,13 +271,17 @@ def test_pd_router_missing_one_side_is_unknown(stubs, present):
     body = copy.deepcopy(REAL_ROUTER_WORKERS_PD)
     body["workers"] = [w for w in body["workers"] if w["worker_type"] == present]
     body["workers"][0]["url"] = server.url
-    body["total"], body["stats"] = 1, {"prefill_count": int(present == "prefill"),
-                                       "decode_count": int(present == "decode"), "regular_count": 0}
+    body["total"], body["stats"] = (
+        1,
+        {"prefill_count": int(present == "prefill"), "decode_count": int(present == "decode"), "regular_count": 0},
+    )
     router.routes.update(router_routes(body))
     rc, reports = run_json(router.url)
     assert rc == 1
     assert [(r["url"], r["role"], r["verdict"]) for r in reports] == [
-        (server.url, present, "safe"), (router.url, "router", "unknown")]
+        (server.url, present, "safe"),
+        (router.url, "router", "unknown"),
+    ]
     lacking = "decode" if present == "prefill" else "prefill"
     assert reports[1]["reason"].startswith(f"the router lists 1 {present} worker and no {lacking} worker")
 
@@ -275,8 +291,10 @@ def test_router_with_api_key_and_no_token_names_the_url(stubs):
     router.routes.update(router_routes(REAL_ROUTER_WORKERS_PD, api_key="sekret"))
     rc, [r] = run_json(router.url)
     assert (rc, r["url"], r["verdict"]) == (1, router.url, "unknown")
-    assert r["reason"] == ("GET /server_info answered HTTP 404; as SGLang's router: GET /workers answered HTTP 401 "
-                           "(the server wants a bearer token: --bearer-token-file or $KVGUARD_BEARER_TOKEN)")
+    assert r["reason"] == (
+        "GET /server_info answered HTTP 404; as SGLang's router: GET /workers answered HTTP 401 "
+        "(the server wants a bearer token: --bearer-token-file or $KVGUARD_BEARER_TOKEN)"
+    )
     _, text = run_text(router.url)
     assert text.startswith(f"{router.url}: cannot tell: GET /server_info answered HTTP 404; as SGLang's router")
 
@@ -293,8 +311,10 @@ def test_neither_server_nor_router(stubs):
     [other] = stubs(1)
     other.routes["/server_info"] = (404, b"", None)
     rc, [r] = run_json(other.url)
-    assert rc == 1 and r["reason"] == ("GET /server_info answered HTTP 404; GET /workers answered HTTP 404 too: "
-                                       "neither an SGLang server nor SGLang's router at this URL")
+    assert rc == 1 and r["reason"] == (
+        "GET /server_info answered HTTP 404; GET /workers answered HTTP 404 too: "
+        "neither an SGLang server nor SGLang's router at this URL"
+    )
     other.routes["/workers"] = (200, [{"url": "http://x:1"}], "application/json")  # not the router's shape
     rc, [r] = run_json(other.url)
     assert rc == 1 and "without a router's 'workers' list" in r["reason"]
@@ -323,8 +343,7 @@ def test_bad_worker_url_in_listing_is_unknown_for_that_worker(stubs):
 
 def test_grpc_worker_is_unknown_not_skipped(stubs):
     [router] = stubs(1)
-    body = listing(REAL_ROUTER_WORKERS_PD, "grpc://10.0.0.1:50051", "grpc://10.0.0.2:50051",
-                   connection_mode="gRPC")
+    body = listing(REAL_ROUTER_WORKERS_PD, "grpc://10.0.0.1:50051", "grpc://10.0.0.2:50051", connection_mode="gRPC")
     router.routes.update(router_routes(body))
     rc, reports = run_json(router.url)
     assert rc == 1 and [r["role"] for r in reports] == ["prefill", "decode"]
@@ -340,8 +359,9 @@ def test_dp_aware_ranks_are_one_server(stubs):
     router.routes.update(router_routes(body))
     rc, reports = run_json(router.url)
     assert rc == 0 and [r["url"] for r in reports] == [prefill.url, decode.url]
-    assert reports[0]["notes"] == [f"the router lists it once per DP rank (2 ranks, {prefill.url}@RANK); they "
-                                   f"share this server, checked once"]
+    assert reports[0]["notes"] == [
+        f"the router lists it once per DP rank (2 ranks, {prefill.url}@RANK); they share this server, checked once"
+    ]
     assert len(prefill.requests) == 2  # /server_info and /v1/models, once
 
 
@@ -355,7 +375,8 @@ def test_router_type_disagreeing_with_server_and_unhealthy_flag_are_noted(stubs)
     assert by_url[decode.url]["role"] == "decode" and by_url[decode.url]["router_worker_type"] == "prefill"
     assert by_url[decode.url]["notes"] == [
         "the router lists this server as a prefill worker but the server reports role 'decode'",
-        "the router marks this worker unhealthy (is_healthy false)"]
+        "the router marks this worker unhealthy (is_healthy false)",
+    ]
 
 
 def test_worker_that_is_a_router_is_not_followed(stubs):
@@ -381,8 +402,9 @@ def test_router_listing_times_out(stubs):
     router.routes["/workers"] = (200, REAL_ROUTER_WORKERS_PD, "application/json", 3.0)
     t0 = time.monotonic()
     rc, [r] = run_json(router.url, timeout_s=0.5)
-    assert rc == 1 and r["reason"] == ("GET /server_info answered HTTP 404; as SGLang's router: GET /workers "
-                                       "timed out after 0.5 s")
+    assert rc == 1 and r["reason"] == (
+        "GET /server_info answered HTTP 404; as SGLang's router: GET /workers timed out after 0.5 s"
+    )
     assert time.monotonic() - t0 < 2.5
 
 
@@ -419,7 +441,9 @@ def test_parse_workers_counts_types():
     body = listing(REAL_ROUTER_WORKERS_PD, "http://p:1", "http://d:2")
     got = preflight_router.parse_workers(body)
     assert [(w.url, w.worker_type, w.http, w.healthy) for w in got.workers] == [
-        ("http://p:1", "prefill", True, True), ("http://d:2", "decode", True, True)]
+        ("http://p:1", "prefill", True, True),
+        ("http://d:2", "decode", True, True),
+    ]
     assert got.counts == {"prefill": 1, "decode": 1, "regular": 0}
     assert preflight_router.missing_role(got) is None
 
@@ -483,8 +507,16 @@ def test_real_router_in_front_of_sglang_0_5_23_pd(tiny_model_dir, tmp_path, requ
     monkeypatch.delenv("KVGUARD_BEARER_TOKEN_FILE", raising=False)
     t0 = time.monotonic()
     logs = tmp_path / "logs"
-    with engines.PDPair("0.5.23", None, logs, prefill_pool_tokens=256, decode_pool_tokens=4096,
-                        model_dir=tiny_model_dir, context_length=2048, router=True) as pair:
+    with engines.PDPair(
+        "0.5.23",
+        None,
+        logs,
+        prefill_pool_tokens=256,
+        decode_pool_tokens=4096,
+        model_dir=tiny_model_dir,
+        context_length=2048,
+        router=True,
+    ) as pair:
         assert pair.prefill is not None and pair.decode is not None and pair.router is not None
         P, D, R = pair.prefill.url, pair.decode.url, pair.router.url
         wait_workers(R, 2, pair.router.proc)
@@ -511,6 +543,7 @@ def test_real_router_in_front_of_sglang_0_5_23_pd(tiny_model_dir, tmp_path, requ
     assert text.startswith(f"{R}: SGLang router listing 2 workers (1 prefill, 1 decode)")
     assert f"{P}: POOL SMALLER THAN CONTEXT (critical)" in text and f"{D}: SAFE" in text
     # regular mode: the same two servers, typed "regular" by the router, their own roles reported
-    assert sorted((r["url"], r["role"], r["verdict"], r["router_worker_type"]) for r in reg_reports) == sorted([
-        (P, "prefill", "pool_smaller_than_context", "regular"), (D, "decode", "safe", "regular")])
+    assert sorted((r["url"], r["role"], r["verdict"], r["router_worker_type"]) for r in reg_reports) == sorted(
+        [(P, "prefill", "pool_smaller_than_context", "regular"), (D, "decode", "safe", "regular")]
+    )
     print(f"engine test: {time.monotonic() - t0:.1f} s (pair and router start-up {pair.startup_s:.1f} s)")

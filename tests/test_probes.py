@@ -44,8 +44,7 @@ def test_decode_rows_assigned_sends_the_records_rows_assigned_would(tmp_path):
     # the same bodies, byte for byte on the wire (only the timestamps differ)
     assert [wire.assign_payload(r.body) for r in a] == [wire.assign_payload(r.body) for r in b]
     assert [r.body.pages.tolist() for r in b] == [[9], [1], [15]]
-    assert [(r.body.row_start, r.body.row_end, r.body.shared_until) for r in b] == [(8, 9, 8), (12, 13, 12),
-                                                                                  (0, 1, 0)]
+    assert [(r.body.row_start, r.body.row_end, r.body.shared_until) for r in b] == [(8, 9, 8), (12, 13, 12), (0, 1, 0)]
     assert one.calls == batched.calls
 
 

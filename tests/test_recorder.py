@@ -75,8 +75,9 @@ def recording_records(paths, carried=False, events=False):
     """Wire records (and LOST markers) of these segments; SidecarEvents only if ``events``."""
     out = []
     for path in paths:
-        out += [rec for rec, c in records_of(path)
-                if c == carried and (events or not isinstance(rec, rmod.SidecarEvent))]
+        out += [
+            rec for rec, c in records_of(path) if c == carried and (events or not isinstance(rec, rmod.SidecarEvent))
+        ]
     return out
 
 
@@ -131,8 +132,9 @@ def test_lost_markers_are_recorded_where_the_reader_put_them(tmp_path):
         rec.record_batch(live)
     back = recording_records([tmp_path / "seg.kvgrec"])
     assert as_bytes(back) == as_bytes(live)
-    assert [(r.seq, r.body, r.engine_id) for r in back if r.kind == wire.Kind.LOST] == \
-        [(r.seq, r.body, r.engine_id) for r in lost]
+    assert [(r.seq, r.body, r.engine_id) for r in back if r.kind == wire.Kind.LOST] == [
+        (r.seq, r.body, r.engine_id) for r in lost
+    ]
 
 
 def test_probes_write_straight_into_a_recording(tmp_path):
@@ -150,8 +152,9 @@ def test_probes_write_straight_into_a_recording(tmp_path):
 
     back = recording_records([tmp_path / "p.kvgrec"])
     assert {r.engine_id for r in back} == {7}
-    assert [r.seq for r in back if r.kind != wire.Kind.LOST] == list(range(engine.records_written - 1)) + \
-        [engine.records_written - 1 + 3]
+    assert [r.seq for r in back if r.kind != wire.Kind.LOST] == list(range(engine.records_written - 1)) + [
+        engine.records_written - 1 + 3
+    ]
     (lost,) = [r for r in back if r.kind == wire.Kind.LOST]
     assert (lost.seq, lost.body) == (engine.records_written - 1, 3)
     assert all(r.ts_ns == clock.ns for r in back)
@@ -181,8 +184,17 @@ def test_unreadable_files_are_refused_with_the_reason(tmp_path):
 
     def header_with(**changes):
         h = SegmentHeader.unpack(raw)
-        fields = {f: getattr(h, f) for f in ("format_version", "wire_version", "created_realtime_ns",
-                                               "created_monotonic_ns", "recording_id", "segment_index")}
+        fields = {
+            f: getattr(h, f)
+            for f in (
+                "format_version",
+                "wire_version",
+                "created_realtime_ns",
+                "created_monotonic_ns",
+                "recording_id",
+                "segment_index",
+            )
+        }
         fields.update(changes)
         return SegmentHeader(**fields).pack()
 
@@ -400,8 +412,9 @@ def test_the_sidecar_records_every_batch_it_applies(tmp_path):
 def test_cli_flags(tmp_path, capsys):
     from kvguard.sidecar.cli import build_parser, main
 
-    args = build_parser().parse_args(["sidecar", "--record-dir", str(tmp_path), "--record-max-bytes", "64M",
-                                      "--record-max-age", "2h"])
+    args = build_parser().parse_args(
+        ["sidecar", "--record-dir", str(tmp_path), "--record-max-bytes", "64M", "--record-max-age", "2h"]
+    )
     assert (args.record_dir, args.record_max_bytes, args.record_max_age) == (str(tmp_path), 64 << 20, 7200)
     args = build_parser().parse_args(["sidecar"])
     assert args.record_dir is None and args.record_max_bytes == 1 << 30 and args.record_max_age is None
@@ -430,14 +443,26 @@ def test_the_documented_example_runs_as_written(tmp_path):
         doc = f.read()
     blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
     example = next(b for b in blocks if "RecordingWriter(" in b and "replay(" in b)
-    out = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": ROOT}, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", example],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines == ["unwritten_read warning [1, 2]", "events_lost warning []", "4"]
     assert all(f"# {line}" in example for line in lines)  # what the page promises is what it prints
-    cli = subprocess.run([sys.executable, "-m", "kvguard.sidecar.cli", "replay", "example.kvgrec"], cwd=tmp_path,
-                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=60)
+    cli = subprocess.run(
+        [sys.executable, "-m", "kvguard.sidecar.cli", "replay", "example.kvgrec"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        timeout=60,
+    )
     assert cli.returncode == 0, cli.stderr
     assert "unwritten_read" in cli.stdout and "findings: 2 (events_lost 1, unwritten_read 1)" in cli.stdout
 

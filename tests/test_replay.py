@@ -57,9 +57,11 @@ def finish(decode, rid, pages):
 
 def short_lived_engine(ring_dir):
     """A real engine process that says hello (pool < context) and exits: its ring is retired."""
-    code = ("from kvguard.engine_hooks.probes import Probes; from kvguard.engine_hooks.ring import RingWriter; "
-            f"p = Probes(RingWriter({str(ring_dir)!r}, 4096)); "
-            "p.hello('prefill', 1, 4, 16, 64, 4096, 4096, 'sglang', '0.5.19', 'tiny')")
+    code = (
+        "from kvguard.engine_hooks.probes import Probes; from kvguard.engine_hooks.ring import RingWriter; "
+        f"p = Probes(RingWriter({str(ring_dir)!r}, 4096)); "
+        "p.hello('prefill', 1, 4, 16, 64, 4096, 4096, 'sglang', '0.5.19', 'tiny')"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
 
 
@@ -203,8 +205,12 @@ def write_chunks(path, n_chunks=5, per_chunk=10):
     with RecordingWriter(path) as rec:
         for k in range(n_chunks):
             for i in range(per_chunk):
-                rec.write_record(wire.Kind.ALLOC, wire.pages_payload(np.array([k * per_chunk + i])), engine_id=9,
-                                 ts_ns=10**9 + k * per_chunk + i)
+                rec.write_record(
+                    wire.Kind.ALLOC,
+                    wire.pages_payload(np.array([k * per_chunk + i])),
+                    engine_id=9,
+                    ts_ns=10**9 + k * per_chunk + i,
+                )
             rec.flush()
 
 
@@ -242,6 +248,7 @@ def test_a_resumed_rings_hello_before_a_sequence_jump_is_not_a_gap(tmp_path):
 
 def test_recorded_ticks_resolve_incidents_at_the_same_point(tmp_path):
     """An events_lost incident resolves after 5 quiet minutes; a later loss fires again only then."""
+
     def recording(path, tick):
         with RecordingWriter(path) as rec:
             e = rec.engine(engine_id=4)
@@ -266,8 +273,9 @@ def test_the_command_prints_findings_and_a_summary(live, capsys):
     out = capsys.readouterr().out.splitlines()
     finding_lines = [line for line in out if " CRITICAL " in line or " WARNING " in line]
     assert len(finding_lines) == len(findings)
-    assert any("unwritten_read" in line and "r-initech" in line and "exposed r-acme (acme)" in line
-               for line in finding_lines)
+    assert any(
+        "unwritten_read" in line and "r-initech" in line and "exposed r-acme (acme)" in line for line in finding_lines
+    )
     assert any(line.startswith(f"replayed {len(segs)} segment(s) of 1 recording(s)") for line in out)
     assert any(line.startswith("findings: ") and "unwritten_read 1" in line for line in out)
     assert any(line.startswith("lost records: ") and "0 missing from the recording" in line for line in out)
@@ -289,15 +297,21 @@ def test_unreadable_input_exits_1_before_printing_anything(live, tmp_path, capsy
     good = segs[0]
     raw = open(good, "rb").read()
     h = SegmentHeader.unpack(raw)
-    newer = SegmentHeader(2, h.wire_version, h.created_realtime_ns, h.created_monotonic_ns, h.recording_id,
-                          h.segment_index).pack() + raw[64:]
+    newer = (
+        SegmentHeader(
+            2, h.wire_version, h.created_realtime_ns, h.created_monotonic_ns, h.recording_id, h.segment_index
+        ).pack()
+        + raw[64:]
+    )
     (tmp_path / "newer.kvgrec").write_bytes(newer)
     (tmp_path / "empty").mkdir()
-    cases = [([str(tmp_path / "missing.kvgrec")], "missing.kvgrec: no such file"),
-             ([str(tmp_path / "notes.txt")], "not a kvguard recording"),
-             ([str(tmp_path / "newer.kvgrec")], "newer than this kvguard reads"),
-             ([str(tmp_path / "empty")], "holds no kvguard recording segments"),
-             ([good, str(tmp_path / "notes.txt")], "notes.txt")]
+    cases = [
+        ([str(tmp_path / "missing.kvgrec")], "missing.kvgrec: no such file"),
+        ([str(tmp_path / "notes.txt")], "not a kvguard recording"),
+        ([str(tmp_path / "newer.kvgrec")], "newer than this kvguard reads"),
+        ([str(tmp_path / "empty")], "holds no kvguard recording segments"),
+        ([good, str(tmp_path / "notes.txt")], "notes.txt"),
+    ]
     for args, reason in cases:
         assert main(["replay", *args]) == 1
         captured = capsys.readouterr()

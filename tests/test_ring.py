@@ -79,7 +79,7 @@ def test_a_record_is_invisible_until_write_pos_moves(tmp_path):
     r = RingReader(w.path)
     assert len(r.poll().records) == 1
     rec = wire.encode(wire.Kind.ALLOC, 1, 0, w.engine_id, _alloc(2))
-    w._mm[HEADER_BYTES + w._write_pos: HEADER_BYTES + w._write_pos + len(rec) // 2] = rec[: len(rec) // 2]
+    w._mm[HEADER_BYTES + w._write_pos : HEADER_BYTES + w._write_pos + len(rec) // 2] = rec[: len(rec) // 2]
     assert r.poll().records == []
     w._seq = 1
     assert w.write(wire.Kind.ALLOC, _alloc(3))  # the next real record overwrites the torn bytes
@@ -110,7 +110,7 @@ os._exit(0)
 def test_corrupt_data_is_counted_and_reading_resumes_after_it(tmp_path):
     w = RingWriter(str(tmp_path), 4096)
     w.write(wire.Kind.ALLOC, _alloc(1))
-    w._mm[HEADER_BYTES: HEADER_BYTES + 8] = b"\xff" * 8  # scribble over the first record's header
+    w._mm[HEADER_BYTES : HEADER_BYTES + 8] = b"\xff" * 8  # scribble over the first record's header
     r = RingReader(w.path)
     assert r.poll().records == [] and r.stats.corrupt_bytes > 0
     w.write(wire.Kind.FREE, _alloc(2))

@@ -56,27 +56,45 @@ def test_routed_requests_without_rids_pair_by_room(tmp_path, tiny_model_dir, req
     try:
         with PDPair(VERSION, ring_dir, tmp_path / "logs", model_dir=tiny_model_dir) as pair:
             assert pair.router is not None and pair.router.startup_s < 60
-            print(f"\nprefill {pair.prefill.startup_s:.1f} s, decode {pair.decode.startup_s:.1f} s, "
-                  f"router {pair.router.startup_s:.1f} s")
+            print(
+                f"\nprefill {pair.prefill.startup_s:.1f} s, decode {pair.decode.startup_s:.1f} s, "
+                f"router {pair.router.startup_s:.1f} s"
+            )
             jobs = [("acme", 20), ("globex", 90), ("acme", 180), ("globex", 233), ("initech", 60), ("acme", 120)]
             with ThreadPoolExecutor(2) as pool:
-                results = list(pool.map(
-                    lambda job: pair.generate(prompt(rng, job[1]), tenant=job[0], max_new_tokens=6), jobs))
+                results = list(
+                    pool.map(lambda job: pair.generate(prompt(rng, job[1]), tenant=job[0], max_new_tokens=6), jobs)
+                )
             streamed = pair.generate(prompt(rng, 70), tenant="globex", max_new_tokens=6, stream=True)
             # a client that goes away after 3 streamed tokens of 200
-            cut = pair.generate(prompt(rng, 50), tenant="initech", max_new_tokens=200, stream=True,
-                                sampling_params={"ignore_eos": True}, disconnect_after_chunks=3)
+            cut = pair.generate(
+                prompt(rng, 50),
+                tenant="initech",
+                max_new_tokens=200,
+                stream=True,
+                sampling_params={"ignore_eos": True},
+                disconnect_after_chunks=3,
+            )
             # the engines keep serving after the disconnect
             after = pair.generate(prompt(rng, 40), tenant="acme", max_new_tokens=6)
             # what the router forwards of the tenant: routing_key in a /generate body is dropped, the
             # x-smg-routing-key header on the OpenAI routes reaches both engines (engine_hooks/sglang/README.md)
             with httpx.Client(base_url=pair.url, timeout=120) as client:
-                r = client.post("/generate", json={"input_ids": prompt(rng, 30), "routing_key": "rk-only",
-                                                   "sampling_params": {"max_new_tokens": 2}})
+                r = client.post(
+                    "/generate",
+                    json={
+                        "input_ids": prompt(rng, 30),
+                        "routing_key": "rk-only",
+                        "sampling_params": {"max_new_tokens": 2},
+                    },
+                )
                 assert r.status_code == 200, r.text
                 rk_only_rid = r.json()["meta_info"]["id"]
-                r = client.post("/v1/completions", headers={"x-smg-routing-key": "hdr-tenant"},
-                                json={"model": "m", "prompt": "hello router", "max_tokens": 2, "temperature": 0})
+                r = client.post(
+                    "/v1/completions",
+                    headers={"x-smg-routing-key": "hdr-tenant"},
+                    json={"model": "m", "prompt": "hello router", "max_tokens": 2, "temperature": 0},
+                )
                 assert r.status_code == 200, r.text
             deadline = time.monotonic() + 30  # decode notices the closed stream at its next output
             while time.monotonic() < deadline:
@@ -109,8 +127,9 @@ def test_routed_requests_without_rids_pair_by_room(tmp_path, tiny_model_dir, req
     assert decode[cut.rid].finish == "abort", decode[cut.rid]
     # routing_key alone does not get through the router; the OpenAI header does, to both engines
     assert decode[rk_only_rid].tenant == "" and prefill_by_room[decode[rk_only_rid].room][0].tenant == ""
-    assert {i.tenant for role in ("prefill", "decode") for i in seen[role] if i.tenant == "hdr-tenant"} \
-        and sum(i.tenant == "hdr-tenant" for role in ("prefill", "decode") for i in seen[role]) == 2
+    assert {i.tenant for role in ("prefill", "decode") for i in seen[role] if i.tenant == "hdr-tenant"} and sum(
+        i.tenant == "hdr-tenant" for role in ("prefill", "decode") for i in seen[role]
+    ) == 2
 
     # clean traffic, paired by room: nothing but the configuration finding (pools smaller than the context)
     kinds = sorted({f.kind for f in memory.findings})

@@ -49,13 +49,16 @@ def wrap(cls, attr, hook, kind):
     """Apply a hook the way sglang.srt.plugins.hook_registry._wrap_fn does."""
     original = cls.__dict__[attr]
     if kind == "after":
+
         def wrapper(*args, **kwargs):
             result = original(*args, **kwargs)
             modified = hook(result, *args, **kwargs)
             return modified if modified is not None else result
     else:
+
         def wrapper(*args, **kwargs):
             return hook(original, *args, **kwargs)
+
     setattr(cls, attr, wrapper)
 
 
@@ -64,10 +67,18 @@ def arr(x):
 
 
 # --------------------------------------------------------------------------- versions
-@pytest.mark.parametrize("raw,base", [
-    ("0.5.19", "0.5.19"), ("0.5.23", "0.5.23"), ("0.5.19.post1", "0.5.19"), ("0.5.23rc0", "0.5.23"),
-    ("v0.5.20", "0.5.20"), ("", None), ("garbage", None),
-])
+@pytest.mark.parametrize(
+    "raw,base",
+    [
+        ("0.5.19", "0.5.19"),
+        ("0.5.23", "0.5.23"),
+        ("0.5.19.post1", "0.5.19"),
+        ("0.5.23rc0", "0.5.23"),
+        ("v0.5.20", "0.5.20"),
+        ("", None),
+        ("garbage", None),
+    ],
+)
 def test_base_version(raw, base):
     assert plugin.base_version(raw) == base
 
@@ -86,10 +97,21 @@ def test_version_table():
         assert {s.area for s in specs} == {"allocator", "rows", "requests", "disagg"}
         assert all(s.kind in ("after", "around") for s in specs)
         assert len({s.target for s in specs}) == len(specs)
-    must = ("PagedTokenToKVPoolAllocator.alloc_extend", "PagedTokenToKVPoolAllocator.alloc_decode",
-            "ReqToTokenPool.write", "DecodeReqToTokenPool.write", "alloc_for_extend", "alloc_for_decode",
-            "ModelRunner.forward", "release_kv_cache", "Req.set_finish_with_abort", "_pre_alloc",
-            "send_kv_chunk", "pop_transferred", "Scheduler.__init__")
+    must = (
+        "PagedTokenToKVPoolAllocator.alloc_extend",
+        "PagedTokenToKVPoolAllocator.alloc_decode",
+        "ReqToTokenPool.write",
+        "DecodeReqToTokenPool.write",
+        "alloc_for_extend",
+        "alloc_for_decode",
+        "ModelRunner.forward",
+        "release_kv_cache",
+        "Req.set_finish_with_abort",
+        "_pre_alloc",
+        "send_kv_chunk",
+        "pop_transferred",
+        "Scheduler.__init__",
+    )
     for name in must:
         assert any(t.endswith(name) for t in t19), name
 
@@ -132,13 +154,16 @@ def test_resolve_accepts_matching_targets(fake_targets):
     assert plugin.resolve(spec("kvg_fake_targets.release_kv_cache", ("req", "tree_cache")))[0] is not None
 
 
-@pytest.mark.parametrize("target,params,why", [
-    ("kvg_fake_targets.Pool.inherited", ("x",), "does not define"),
-    ("kvg_fake_targets.Pool.wrong", ("indices", "values"), "parameters"),
-    ("kvg_fake_targets.Pool.missing", (), "does not define"),
-    ("kvg_fake_targets.nothing", (), "has no"),
-    ("kvg_no_such_module.Pool.write", (), "cannot import"),
-])
+@pytest.mark.parametrize(
+    "target,params,why",
+    [
+        ("kvg_fake_targets.Pool.inherited", ("x",), "does not define"),
+        ("kvg_fake_targets.Pool.wrong", ("indices", "values"), "parameters"),
+        ("kvg_fake_targets.Pool.missing", (), "does not define"),
+        ("kvg_fake_targets.nothing", (), "has no"),
+        ("kvg_no_such_module.Pool.write", (), "cannot import"),
+    ],
+)
 def test_resolve_refuses_mismatches(fake_targets, target, params, why):
     fn, reason = plugin.resolve(spec(target, params))
     assert fn is None and why in reason
@@ -241,8 +266,9 @@ def test_real_targets_resolve(version, tmp_path):
         "for s, why in skipped: print('SKIPPED', s.target, why)\n"
     )
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{d}")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180,
-                         cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     line = [ln for ln in out.stdout.splitlines() if ln.startswith(version)]
     assert line, out.stdout
@@ -419,8 +445,7 @@ def test_deferred_kind_and_clear(paged, probes):
     assert [(arr(c[1][0]), c[1][1]) for c in probes.named("pages_freed")] == [([12], "deferred")]
     paged.free_pages = torch.tensor([1, 2, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16])
     paged.clear()
-    assert (arr(probes.named("pages_freed")[-1][1][0]), probes.named("pages_freed")[-1][1][1]) == \
-        ([3, 4], "page_ids")
+    assert (arr(probes.named("pages_freed")[-1][1][0]), probes.named("pages_freed")[-1][1][1]) == ([3, 4], "page_ids")
 
 
 # --------------------------------------------------------------------------- rows
@@ -446,8 +471,7 @@ def test_write_hook_rows_and_radix_share(probes):
     exec(compile(src, "/x/sglang/srt/mem_cache/radix_cache.py", "exec"), ns)
     ns["checkpoint"](pool, torch.tensor([12, 13], dtype=torch.int32))
     got = [(c[1][0], c[1][1], c[1][2], c[1][3], arr(c[1][4])) for c in probes.named("rows_assigned")]
-    assert got == [("r1", 0, 3, 0, [4, 5, 6]), ("r1", 3, 4, 3, [7]), ("r2", 0, 1, 0, [12]),
-                   ("r2", 0, 2, 2, [12, 13])]
+    assert got == [("r1", 0, 3, 0, [4, 5, 6]), ("r1", 3, 4, 3, [7]), ("r2", 0, 1, 0, [12]), ("r2", 0, 2, 2, [12, 13])]
     # inside alloc_for_extend/decode the pool writes are reported by those hooks instead
     rt.enter("rows")
     try:
@@ -459,8 +483,16 @@ def test_write_hook_rows_and_radix_share(probes):
 
 def _req(rid, **kw):
     kv = types.SimpleNamespace(req_pool_idx=kw.pop("row", None), holds_kv=kw.pop("holds_kv", False))
-    base = dict(rid=rid, kv=kv, origin_input_ids=[1] * kw.pop("prompt", 8), bootstrap_room=None,
-                bootstrap_host=None, routing_key=None, output_ids=[], finished_reason=None)
+    base = dict(
+        rid=rid,
+        kv=kv,
+        origin_input_ids=[1] * kw.pop("prompt", 8),
+        bootstrap_room=None,
+        bootstrap_host=None,
+        routing_key=None,
+        output_ids=[],
+        finished_reason=None,
+    )
     base.update(kw)
     r = types.SimpleNamespace(**base)
     r.finished = lambda: r.finished_reason is not None
@@ -472,8 +504,9 @@ def test_alloc_for_extend_rows_and_prefix(probes):
     a, b = _req("a", row=1, prompt=6), _req("b", row=2, holds_kv=True)
     pool.req_to_token[1, :6] = torch.tensor([40, 41, 8, 9, 10, 11])  # 2 prefix slots from the cache
     pool.req_to_token[2, :10] = torch.arange(20, 30)  # later chunk: rows 4..9 are new
-    batch = types.SimpleNamespace(reqs=[a, b], prefix_lens=[2, 4], seq_lens_cpu=torch.tensor([6, 10]),
-                                  req_to_token_pool=pool)
+    batch = types.SimpleNamespace(
+        reqs=[a, b], prefix_lens=[2, 4], seq_lens_cpu=torch.tensor([6, 10]), req_to_token_pool=pool
+    )
     hook = hr.alloc_for_extend_hook("alloc_for_extend")
     hook(lambda batch: ("out", None, None), batch)
     begins = {c[1][0]: c[1] for c in probes.named("request_begin")}
@@ -486,9 +519,15 @@ def test_rows_are_sampled_every_nth_forward_and_gather_page_starts_only(probes):
     pool = FakePool()
     pool.req_to_token[1, :9] = torch.tensor([20, 21, 22, 23, 40, 41, 42, 43, 8])
     runner = types.SimpleNamespace(req_to_token_pool=pool, is_draft_worker=False)
-    fb = types.SimpleNamespace(forward_mode=_Mode(False), rids=["a"], seq_lens_cpu=torch.tensor([9]),
-                               seq_lens=None, out_cache_loc=torch.tensor([8]), extend_seq_lens_cpu=None,
-                               req_pool_indices=torch.tensor([1]))
+    fb = types.SimpleNamespace(
+        forward_mode=_Mode(False),
+        rids=["a"],
+        seq_lens_cpu=torch.tensor([9]),
+        seq_lens=None,
+        out_cache_loc=torch.tensor([8]),
+        extend_seq_lens_cpu=None,
+        req_pool_indices=torch.tensor([1]),
+    )
     rt.State.page_size, rt.State.row_sampler = 4, RowSampler(every=3)
     hook = hr.forward_hook("forward")
     for _ in range(6):
@@ -510,8 +549,11 @@ def _decode_assigns(probes):
 
 def _decode_batch(seq_lens):
     """A ScheduleBatch-shaped namespace of requests a and b (rows 1 and 2) for alloc_for_decode."""
-    return types.SimpleNamespace(reqs=[_req("a", row=1), _req("b", row=2)], seq_lens_cpu=torch.tensor(seq_lens),
-                                 model_config=types.SimpleNamespace(is_encoder_decoder=False))
+    return types.SimpleNamespace(
+        reqs=[_req("a", row=1), _req("b", row=2)],
+        seq_lens_cpu=torch.tensor(seq_lens),
+        model_config=types.SimpleNamespace(is_encoder_decoder=False),
+    )
 
 
 def test_decode_assigns_only_when_a_token_starts_a_page(probes):
@@ -556,22 +598,34 @@ def test_forward_split_and_rows(probes):
     pool.req_to_token[1, :5] = torch.tensor([4, 5, 6, 7, 8])
     pool.req_to_token[2, :3] = torch.tensor([12, 13, 14])
     runner = types.SimpleNamespace(req_to_token_pool=pool, is_draft_worker=False)
-    fb = types.SimpleNamespace(forward_mode=_Mode(True), rids=["a", "b"], seq_lens_cpu=torch.tensor([5, 3]),
-                               seq_lens=None, out_cache_loc=torch.tensor([6, 7, 8, 14]),
-                               extend_seq_lens_cpu=[3, 1], req_pool_indices=torch.tensor([1, 2]))
+    fb = types.SimpleNamespace(
+        forward_mode=_Mode(True),
+        rids=["a", "b"],
+        seq_lens_cpu=torch.tensor([5, 3]),
+        seq_lens=None,
+        out_cache_loc=torch.tensor([6, 7, 8, 14]),
+        extend_seq_lens_cpu=[3, 1],
+        req_pool_indices=torch.tensor([1, 2]),
+    )
     hook = hr.forward_hook("forward")
     rt.State.row_sampler = RowSampler(every=1)  # rows with every forward (page size 1: every position starts a page)
     assert hook(lambda self, fb: "ran", runner, fb) == "ran"
-    (_, args, kwargs), = probes.named("forward")
+    ((_, args, kwargs),) = probes.named("forward")
     rids, seq_lens, written = args
     assert rids == ["a", "b"] and arr(seq_lens) == [5, 3]
     assert arr(written) == [6, 7, 8, 14] and arr(kwargs["written_counts"]) == [3, 1]
     # the actual rows, flat (page size 1: every position is its own page), requests back to back
     assert arr(kwargs["read_pages"]) == [4, 5, 6, 7, 8, 12, 13, 14] and arr(kwargs["read_counts"]) == [5, 3]
     # decode: one slot each; idle batches and draft workers are skipped
-    fb2 = types.SimpleNamespace(forward_mode=_Mode(False), rids=["a", "b"], seq_lens_cpu=torch.tensor([5, 3]),
-                                seq_lens=None, out_cache_loc=torch.tensor([8, 14]), extend_seq_lens_cpu=None,
-                                req_pool_indices=torch.tensor([1, 2]))
+    fb2 = types.SimpleNamespace(
+        forward_mode=_Mode(False),
+        rids=["a", "b"],
+        seq_lens_cpu=torch.tensor([5, 3]),
+        seq_lens=None,
+        out_cache_loc=torch.tensor([8, 14]),
+        extend_seq_lens_cpu=None,
+        req_pool_indices=torch.tensor([1, 2]),
+    )
     hook(lambda self, fb: None, runner, fb2)
     assert arr(probes.named("forward")[-1][1][2]) == [8, 14]
     assert arr(probes.named("forward")[-1][2]["written_counts"]) == [1, 1]
@@ -589,10 +643,21 @@ def test_reject_phase():
     assert hq.reject_phase([("/s/disaggregation/decode.py", "process_decode_queue")]) == "decode"
     assert hq.reject_phase([("/s/managers/x.py", "f"), ("/s/managers/y.py", "retract_decode")]) == "decode"
     # a client's AbortReq goes through the same set_finish_with_abort / prepare_abort: not a refusal
-    assert hq.reject_phase([("/s/managers/schedule_batch.py", "set_finish_with_abort"),
-                            ("/s/managers/scheduler.py", "abort_request")]) == "client_abort"
-    assert hq.reject_phase([("/s/disaggregation/utils.py", "prepare_abort"),
-                            ("/s/managers/scheduler.py", "process_pending_chunked_abort")]) == "client_abort"
+    assert (
+        hq.reject_phase(
+            [("/s/managers/schedule_batch.py", "set_finish_with_abort"), ("/s/managers/scheduler.py", "abort_request")]
+        )
+        == "client_abort"
+    )
+    assert (
+        hq.reject_phase(
+            [
+                ("/s/disaggregation/utils.py", "prepare_abort"),
+                ("/s/managers/scheduler.py", "process_pending_chunked_abort"),
+            ]
+        )
+        == "client_abort"
+    )
 
 
 def test_reject_and_release(probes):
@@ -607,9 +672,9 @@ def test_reject_and_release(probes):
     ns = {}
     exec(compile(src, "/x/sglang/srt/managers/scheduler.py", "exec"), ns)
     ns["handle_generate_request"](hook, set_finish_with_abort, r)
-    (_, begin, _), = probes.named("request_begin")
+    ((_, begin, _),) = probes.named("request_begin")
     assert begin == ("long", "tenant-x", 7, 300, 0, True)  # prompt length before the placeholder
-    (_, rej, _), = probes.named("rejected")
+    ((_, rej, _),) = probes.named("rejected")
     assert rej == ("long", "admission", "too long")
     release = hq.release_kv_cache_hook("release_kv_cache")
     release(None, r, None, checkpoint=False)  # not finished (e.g. retraction): no end
@@ -618,7 +683,7 @@ def test_reject_and_release(probes):
     r.output_ids = [5]
     release(None, r, None, checkpoint=False)
     release(None, r, None, checkpoint=False)  # once per rid
-    (_, end, _), = probes.named("request_end")
+    ((_, end, _),) = probes.named("request_end")
     assert end[0] == "long" and end[1] == "reject" and end[4] == 1 and end[5] == "too long"
     assert len(probes.named("request_begin")) == 1
 
@@ -670,8 +735,10 @@ def test_send_kv_chunk_range(probes):
     hook(send_kv_chunk, sched, r, last_chunk=False, end_idx=8)  # nothing new: not reported
     hook(send_kv_chunk, sched, r, True)
     got = [(c[1][0], c[1][1], c[1][2], c[1][3], arr(c[1][4]), c[1][5], c[2]) for c in probes.named("transfer_sent")]
-    assert got == [("p", 9, 0, 8, list(range(40, 48)), False, {"unit": "slots"}),
-                   ("p", 9, 8, 10, [48, 49], True, {"unit": "slots"})]
+    assert got == [
+        ("p", 9, 0, 8, list(range(40, 48)), False, {"unit": "slots"}),
+        ("p", 9, 8, 10, [48, 49], True, {"unit": "slots"}),
+    ]
 
 
 def test_row_sampler_fixed_interval_and_budget():

@@ -44,7 +44,7 @@ except Exception:
     pass
 """
 
-DRIVER = r'''
+DRIVER = r"""
 import asyncio, json, os, sys, tempfile
 
 def build_model(d):
@@ -112,7 +112,7 @@ def main(mode, model_dir):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
-'''
+"""
 
 
 def _sglang_dir(version: str) -> Path:
@@ -141,13 +141,26 @@ def run_engine(version: str, mode: str, tmp_path: Path) -> tuple[list, dict]:
     ring_dir = tmp_path / "rings"
     ring_dir.mkdir()
     env = dict(os.environ)
-    env.update(PYTHONPATH=f"{shim}{os.pathsep}{sglang_dir}", KVGUARD_RING_DIR=str(ring_dir), TRITON_INTERPRET="1",
-               MOONCAKE_PROTOCOL="tcp", MC_FORCE_TCP="1", KVGUARD_SGLANG_CPU_COMPAT="1",
-               KVG_BOOTSTRAP_PORT=str(_free_port()), SGLANG_DISAGGREGATION_WAITING_TIMEOUT="20",
-               KVGUARD_ROW_SAMPLE_EVERY="1")  # every forward carries its rows: the replay below checks them all
+    env.update(
+        PYTHONPATH=f"{shim}{os.pathsep}{sglang_dir}",
+        KVGUARD_RING_DIR=str(ring_dir),
+        TRITON_INTERPRET="1",
+        MOONCAKE_PROTOCOL="tcp",
+        MC_FORCE_TCP="1",
+        KVGUARD_SGLANG_CPU_COMPAT="1",
+        KVG_BOOTSTRAP_PORT=str(_free_port()),
+        SGLANG_DISAGGREGATION_WAITING_TIMEOUT="20",
+        KVGUARD_ROW_SAMPLE_EVERY="1",
+    )  # every forward carries its rows: the replay below checks them all
     env.pop("KVGUARD_DISABLE", None)
-    proc = subprocess.run([sys.executable, str(tmp_path / "driver.py"), mode, str(tmp_path / "model")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "driver.py"), mode, str(tmp_path / "model")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVG_RESULT ")]
     assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-5000:])
     rings = glob.glob(str(ring_dir / "*.ring"))
@@ -160,7 +173,7 @@ def run_engine(version: str, mode: str, tmp_path: Path) -> tuple[list, dict]:
             break
         records.extend(got)
     reader.close()
-    return records, json.loads(lines[0][len("KVG_RESULT "):])
+    return records, json.loads(lines[0][len("KVG_RESULT ") :])
 
 
 class Trace:
@@ -187,8 +200,9 @@ class Trace:
             for i, key in enumerate(f.req_keys.tolist()):
                 wc, rc = int(f.write_counts[i]), int(f.read_counts[i])
                 if self.rid.get(key) == rid:
-                    out.append((int(f.seq_lens[i]), f.write_pages[wo:wo + wc].tolist(),
-                                f.read_pages[ro:ro + rc].tolist()))
+                    out.append(
+                        (int(f.seq_lens[i]), f.write_pages[wo : wo + wc].tolist(), f.read_pages[ro : ro + rc].tolist())
+                    )
                 wo, ro = wo + wc, ro + rc
         return out
 
@@ -217,8 +231,8 @@ class Trace:
                 wo = ro = 0
                 for i, key in enumerate(b.req_keys.tolist()):
                     wc, rc = int(b.write_counts[i]), int(b.read_counts[i])
-                    read = b.read_pages[ro:ro + rc].tolist()
-                    written = b.write_pages[wo:wo + wc].tolist()
+                    read = b.read_pages[ro : ro + rc].tolist()
+                    written = b.write_pages[wo : wo + wc].tolist()
                     n_pages = -(-int(b.seq_lens[i]) // PAGE)
                     expect = [rows[key].get(j) for j in range(n_pages)]
                     assert read == expect, f"seq {r.seq} {self.rid.get(key)}: read {read} != rows {expect}"
@@ -244,8 +258,7 @@ def _hello(trace, version, role, pool_tokens):
 # the three in between are the ``sweep`` marker's: `make test-versions` installs them and
 # runs all five (each case boots its own engine, ~50 s on 2 cores: 9 of them were 7 of
 # CI's 50 minutes)
-VERSIONS = ["0.5.19", *(pytest.param(v, marks=pytest.mark.sweep) for v in ("0.5.20", "0.5.21", "0.5.22")),
-            "0.5.23"]
+VERSIONS = ["0.5.19", *(pytest.param(v, marks=pytest.mark.sweep) for v in ("0.5.20", "0.5.21", "0.5.22")), "0.5.23"]
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -261,8 +274,7 @@ def test_unified_engine(version, tmp_path):
 
     begins = {b.rid: b for b in t.of(wire.Kind.REQ_BEGIN)}
     assert set(begins) == {"req-a", "req-b", "req-c", "req-d", "req-long"}
-    assert (begins["req-a"].tenant, begins["req-a"].prompt_tokens, begins["req-a"].cached_tokens) == \
-        ("tenant-a", 40, 0)
+    assert (begins["req-a"].tenant, begins["req-a"].prompt_tokens, begins["req-a"].cached_tokens) == ("tenant-a", 40, 0)
     assert (begins["req-b"].tenant, begins["req-b"].cached_tokens) == ("tenant-b", 32)
     assert begins["req-long"].prompt_tokens == 300 and not any(b.warmup for b in begins.values())
 
@@ -318,10 +330,18 @@ def test_decode_engine_fake_transfer(version, tmp_path):
         assert fwd[0][0] == 31 and fwd[0][2] == res.pages.tolist()  # attention reads the reserved pages
         (end,) = t.of(wire.Kind.REQ_END, rid)
         assert end.finish == wire.Finish.LENGTH
+
         def first_seq(kind, begin=begin):
-            return min(r.seq for r in records if r.kind == kind and (
-                begin.req_key in r.body.req_keys.tolist() if kind == wire.Kind.FORWARD
-                else r.body.req_key == begin.req_key))
+            return min(
+                r.seq
+                for r in records
+                if r.kind == kind
+                and (
+                    begin.req_key in r.body.req_keys.tolist()
+                    if kind == wire.Kind.FORWARD
+                    else r.body.req_key == begin.req_key
+                )
+            )
 
         assert first_seq(wire.Kind.XFER_RESERVE) < first_seq(wire.Kind.XFER_DONE) < first_seq(wire.Kind.FORWARD)
 
@@ -370,10 +390,17 @@ def test_plugin_off_engine_unchanged(tmp_path):
     (shim / "sitecustomize.py").write_text(TORCHVISION_SHIM)
     (tmp_path / "driver.py").write_text(DRIVER)
     ring_dir = tmp_path / "rings"
-    env = dict(os.environ, PYTHONPATH=f"{shim}{os.pathsep}{sglang_dir}", KVGUARD_RING_DIR=str(ring_dir),
-               KVGUARD_DISABLE="1")
-    proc = subprocess.run([sys.executable, str(tmp_path / "driver.py"), "decode", str(tmp_path / "model")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    env = dict(
+        os.environ, PYTHONPATH=f"{shim}{os.pathsep}{sglang_dir}", KVGUARD_RING_DIR=str(ring_dir), KVGUARD_DISABLE="1"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "driver.py"), "decode", str(tmp_path / "model")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "KVG_RESULT" in proc.stdout
     assert not glob.glob(str(ring_dir / "*.ring"))

@@ -42,8 +42,22 @@ def leak(p: Probes, reader="r-initech"):
 def test_the_sidecar_command_prints_findings_as_json_and_serves_metrics(tmp_path):
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvguard.sidecar.cli", "sidecar", "--ring-dir", str(tmp_path), "--listen", f"127.0.0.1:{port}",
-         "--json"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "kvguard.sidecar.cli",
+            "sidecar",
+            "--ring-dir",
+            str(tmp_path),
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--json",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for _ in range(100):  # started before the engine: it waits
             try:
@@ -114,8 +128,10 @@ def test_a_restarted_sidecar_resumes_and_does_not_judge_what_it_did_not_see(tmp_
 def test_a_ring_whose_pid_now_belongs_to_another_process_is_retired(tmp_path):
     """The engine died; its pid now names a live process (here: this test). Liveness is the
     producer's lock on the file, not the pid, so the ring is still retired."""
-    code = ("from kvguard.engine_hooks.probes import Probes; from kvguard.engine_hooks.ring import RingWriter; "
-            f"Probes(RingWriter({str(tmp_path)!r}, 4096)).pages_allocated([4])")
+    code = (
+        "from kvguard.engine_hooks.probes import Probes; from kvguard.engine_hooks.ring import RingWriter; "
+        f"Probes(RingWriter({str(tmp_path)!r}, 4096)).pages_allocated([4])"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
     (path,) = tmp_path.glob("*.ring")
     with open(path, "r+b") as f:

@@ -49,8 +49,17 @@ class Receiver:
 
 
 def finding(summary="s", pages=range(1, 4)):
-    return Finding("unwritten_read", "critical", EngineRef("decode", 0, 9), Party("r-x", "initech", 5), list(pages),
-                   [Party("r-a", "acme", None, [2])], 1, summary, {"reader_prompt_tokens": 600})
+    return Finding(
+        "unwritten_read",
+        "critical",
+        EngineRef("decode", 0, 9),
+        Party("r-x", "initech", 5),
+        list(pages),
+        [Party("r-a", "acme", None, [2])],
+        1,
+        summary,
+        {"reader_prompt_tokens": 600},
+    )
 
 
 @pytest.fixture
@@ -73,7 +82,9 @@ def test_pagerduty_trigger_then_resolve_with_the_incident_id(receiver):
     assert trigger["event_action"] == "trigger" and trigger["routing_key"] == KEY
     assert trigger["dedup_key"] == inc.id == incident_id(incident_key(f))
     payload = trigger["payload"]
-    assert payload["severity"] == "critical" and len(payload["summary"]) == 1024 and payload["class"] == "unwritten_read"
+    assert (
+        payload["severity"] == "critical" and len(payload["summary"]) == 1024 and payload["class"] == "unwritten_read"
+    )
     assert payload["custom_details"]["exposed"] == [{"rid": "r-a", "tenant": "acme", "pages": [2]}]
     assert resolve == {"routing_key": KEY, "event_action": "resolve", "dedup_key": inc.id}
     sink.shutdown()
@@ -186,8 +197,11 @@ def sink_samples(sink) -> dict[tuple, float]:
 
 
 def events(samples, sink="pagerduty") -> dict[tuple[str, str], float]:
-    return {(dict(k[1:])["action"], dict(k[1:])["result"]): v for k, v in samples.items()
-            if k[0] == "kvguard_sink_events_total" and dict(k[1:])["sink"] == sink}
+    return {
+        (dict(k[1:])["action"], dict(k[1:])["result"]): v
+        for k, v in samples.items()
+        if k[0] == "kvguard_sink_events_total" and dict(k[1:])["sink"] == sink
+    }
 
 
 def gauge(samples, name, sink="pagerduty") -> float:
@@ -198,8 +212,9 @@ def test_delivery_results_are_exported_per_action_and_result():
     # trigger: 429, 500, then accepted; resolve: 400 (not retried)
     r = Receiver(script=[429, 500, 202, 400])
     sink = pagerduty_sink(KEY, r.url, retry=FAST)
-    assert events(sink_samples(sink)) == {(a, res): 0.0 for a in ("trigger", "resolve")
-                                          for res in ("delivered", "rejected", "gave_up", "dropped")}
+    assert events(sink_samples(sink)) == {
+        (a, res): 0.0 for a in ("trigger", "resolve") for res in ("delivered", "rejected", "gave_up", "dropped")
+    }
     f = finding()
     store = IncidentStore()
     inc, _ = store.observe(f)
@@ -207,8 +222,10 @@ def test_delivery_results_are_exported_per_action_and_result():
     sink.resolve(inc)
     assert sink.force_flush()
     samples = sink_samples(sink)
-    assert {k: v for k, v in events(samples).items() if v} == {("trigger", "delivered"): 1.0,
-                                                               ("resolve", "rejected"): 1.0}
+    assert {k: v for k, v in events(samples).items() if v} == {
+        ("trigger", "delivered"): 1.0,
+        ("resolve", "rejected"): 1.0,
+    }
     assert samples[("kvguard_sink_retries_total", ("sink", "pagerduty"))] == 2.0
     assert len(r.bodies) == 4  # 3 tries for the trigger, 1 for the resolve
     assert gauge(samples, "kvguard_sink_queue_depth") == 0.0
@@ -231,8 +248,12 @@ def test_a_receiver_that_times_out_is_retried_then_given_up(caplog):
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Hanging)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    sink = pagerduty_sink(KEY, f"http://127.0.0.1:{server.server_address[1]}", timeout_s=0.1,
-                          retry=RetryPolicy(initial_s=0.01, max_s=0.02, deadline_s=0.05))
+    sink = pagerduty_sink(
+        KEY,
+        f"http://127.0.0.1:{server.server_address[1]}",
+        timeout_s=0.1,
+        retry=RetryPolicy(initial_s=0.01, max_s=0.02, deadline_s=0.05),
+    )
     with caplog.at_level(logging.WARNING):
         sink.send(finding())
         assert sink.force_flush(10)
@@ -253,7 +274,9 @@ def test_a_refused_connection_and_a_full_queue_are_exported():
     refused = alertmanager_sink(f"http://127.0.0.1:{port}", retry=FAST)
     refused.send(finding())
     assert refused.force_flush(5)
-    assert {k: v for k, v in events(sink_samples(refused), "alertmanager").items() if v} == {("trigger", "gave_up"): 1.0}
+    assert {k: v for k, v in events(sink_samples(refused), "alertmanager").items() if v} == {
+        ("trigger", "gave_up"): 1.0
+    }
     refused.shutdown()
 
     full = pagerduty_sink(KEY, f"http://127.0.0.1:{port}", retry=FAST, max_queue=1)

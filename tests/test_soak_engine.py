@@ -122,19 +122,24 @@ class SoakRun:
             "slowest_s": sorted((round(o.latency_s, 1), o.req.kind) for o in self.outcomes)[-3:],
             "req_end_finish": dict(self.req_end_finish),
             "radix_hits": {
-                kind: {"requests": sum(o.req.kind == kind for o in self.outcomes),
-                       "hits": sum(o.req.kind == kind and (o.cached_tokens or 0) > 0 for o in self.outcomes),
-                       "cached_tokens": sum((o.cached_tokens or 0) for o in self.outcomes if o.req.kind == kind)}
+                kind: {
+                    "requests": sum(o.req.kind == kind for o in self.outcomes),
+                    "hits": sum(o.req.kind == kind and (o.cached_tokens or 0) > 0 for o in self.outcomes),
+                    "cached_tokens": sum((o.cached_tokens or 0) for o in self.outcomes if o.req.kind == kind),
+                }
                 for kind in ("prefix", "system", "pressure")
             },
             "retractions": {"events": len(self.retractions), "requests": sum(self.retractions)},
             "prefill_evidence": {k: (v[:5] if isinstance(v, list) else v) for k, v in self.prefill_evidence.items()},
-            "findings": [f"{f.kind}/{f.severity} {f.engine.role} {known or 'UNKNOWN'}: {f.summary} "
-                         f"{json.dumps(f.evidence, default=str)[:600]}"
-                         for f, known in zip(self.findings, self.known)],
+            "findings": [
+                f"{f.kind}/{f.severity} {f.engine.role} {known or 'UNKNOWN'}: {f.summary} "
+                f"{json.dumps(f.evidence, default=str)[:600]}"
+                for f, known in zip(self.findings, self.known)
+            ],
             "probe_errors": self.probe_errors,
-            "rejects_of_aborted_requests": Counter(f"{role} {phase} {reason[:40]}" for role, rid, phase, reason
-                                                   in self.rejects if rid in aborted),
+            "rejects_of_aborted_requests": Counter(
+                f"{role} {phase} {reason[:40]}" for role, rid, phase, reason in self.rejects if rid in aborted
+            ),
             **self.snapshot,
         }
 
@@ -182,11 +187,16 @@ def _finish(name: str, watch: Watch, plan, outcomes, timings, logs) -> SoakRun:
         explained=explained,
         known=known,
         probe_errors=watch.probe_errors(),
-        req_end_finish=Counter(f"{roles.get(r.engine_id)}:{r.body.finish.name}"
-                               + (":reprefilled" if r.body.reprefilled else "")
-                               for r in records if r.kind == wire.Kind.REQ_END),
-        rejects=[(roles.get(r.engine_id), rid.get(r.body.req_key, "?"), r.body.phase.name, r.body.reason)
-                 for r in records if r.kind == wire.Kind.REJECT],
+        req_end_finish=Counter(
+            f"{roles.get(r.engine_id)}:{r.body.finish.name}" + (":reprefilled" if r.body.reprefilled else "")
+            for r in records
+            if r.kind == wire.Kind.REQ_END
+        ),
+        rejects=[
+            (roles.get(r.engine_id), rid.get(r.body.req_key, "?"), r.body.phase.name, r.body.reason)
+            for r in records
+            if r.kind == wire.Kind.REJECT
+        ],
         timings_s=timings,
         logs=logs,
         prefill_evidence=prefill_evidence,
@@ -210,9 +220,15 @@ def unified_soak(tmp_path_factory, require_sglang) -> SoakRun:
     ring_dir.mkdir()
     t0 = time.monotonic()
     with Watch(ring_dir) as watch:
-        engine = start_engine(VERSION, log_dir, max_total_tokens=POOL_TOKENS, context_length=CONTEXT_LEN,
-                              ring_dir=ring_dir, extra_args=["--chunked-prefill-size", str(CHUNKED_PREFILL)],
-                              extra_env=RETRACTION_ENV)
+        engine = start_engine(
+            VERSION,
+            log_dir,
+            max_total_tokens=POOL_TOKENS,
+            context_length=CONTEXT_LEN,
+            ring_dir=ring_dir,
+            extra_args=["--chunked-prefill-size", str(CHUNKED_PREFILL)],
+            extra_env=RETRACTION_ENV,
+        )
         try:
             t1 = time.monotonic()
             info = engine.server_info()
@@ -220,8 +236,14 @@ def unified_soak(tmp_path_factory, require_sglang) -> SoakRun:
             plan = make_plan(REQUESTS, limits, mix=UNIFIED_MIX, seed=SEED, phase="uni", burst=CONCURRENCY)
             outcomes = run_plan(plan, send_unified(engine.url), CONCURRENCY)
             t2 = time.monotonic()
-            run = _finish("unified", watch, plan, outcomes,
-                          {"engine_startup": t1 - t0, "requests": t2 - t1}, [str(engine.log_path)])
+            run = _finish(
+                "unified",
+                watch,
+                plan,
+                outcomes,
+                {"engine_startup": t1 - t0, "requests": t2 - t1},
+                [str(engine.log_path)],
+            )
         finally:
             engine.stop()
     run.retractions = _retractions(engine.log_path)
@@ -241,16 +263,29 @@ def pd_soak(tmp_path_factory, require_sglang) -> SoakRun:
     ring_dir.mkdir()
     t0 = time.monotonic()
     with Watch(ring_dir) as watch:
-        with PDPair(VERSION, ring_dir, log_dir, prefill_pool_tokens=PD_PREFILL_POOL,
-                    decode_pool_tokens=PD_DECODE_POOL, context_length=CONTEXT_LEN, extra_env=PD_ENV) as pair:
+        with PDPair(
+            VERSION,
+            ring_dir,
+            log_dir,
+            prefill_pool_tokens=PD_PREFILL_POOL,
+            decode_pool_tokens=PD_DECODE_POOL,
+            context_length=CONTEXT_LEN,
+            extra_env=PD_ENV,
+        ) as pair:
             t1 = time.monotonic()
             info = pair.prefill.server_info()
             limits = Limits(CONTEXT_LEN, int(info["max_req_input_len"]))
             plan = make_plan(PD_REQUESTS, limits, mix=ROUTED_MIX, seed=SEED + 1, phase="pd-")
             outcomes = run_plan(plan, send_routed(pair.router.url, pair.decode.url), PD_CONCURRENCY)
             t2 = time.monotonic()
-            run = _finish("pd", watch, plan, outcomes, {"engine_startup": t1 - t0, "requests": t2 - t1},
-                          [str(pair.prefill.log_path), str(pair.decode.log_path), str(pair.router.log_path)])
+            run = _finish(
+                "pd",
+                watch,
+                plan,
+                outcomes,
+                {"engine_startup": t1 - t0, "requests": t2 - t1},
+                [str(pair.prefill.log_path), str(pair.decode.log_path), str(pair.router.log_path)],
+            )
     run.timings_s["total"] = time.monotonic() - t0
     run.timings_s["requests_per_s"] = PD_REQUESTS / run.timings_s["requests"]
     _report(run)
@@ -280,8 +315,9 @@ def check_clients(run: SoakRun, pd: bool, routed: bool = False) -> None:
         else:
             good = o.ok and (not pd or routed or o.prefill_status == 200)
         if not good:
-            bad.append((k, o.req.rid, len(o.req.input_ids), o.status, o.finish, o.error, o.prefill_status,
-                        o.prefill_error))
+            bad.append(
+                (k, o.req.rid, len(o.req.input_ids), o.status, o.finish, o.error, o.prefill_status, o.prefill_error)
+            )
     assert not bad, f"{len(bad)} requests did not get what the engine should give them: {bad[:10]}"
     # the small pool evicts prefixes often; a good share must still hit the radix cache
     shared = [o for o in run.outcomes if o.req.kind in ("prefix", "system")]
@@ -334,20 +370,22 @@ def check_rejects(run: SoakRun, engines: int) -> None:
     'Decode handshake failed', ...)"""
     kind = {o.req.rid: o.req.kind for o in run.outcomes}
     over = [r for r in run.rejects if kind.get(r[1]) == "reject"]
-    assert Counter(r[1] for r in over) == Counter({o.req.rid: engines for o in run.outcomes
-                                                   if o.req.kind == "reject"}), over
+    assert Counter(r[1] for r in over) == Counter(
+        {o.req.rid: engines for o in run.outcomes if o.req.kind == "reject"}
+    ), over
     assert all(r[2] == "ADMISSION" and "exceeds the maximum allowed length" in r[3] for r in over), over
     others = [r for r in run.rejects if kind.get(r[1]) not in ("reject", *ABORT_KINDS)]
     assert not others, others
 
 
 def check_no_findings(run: SoakRun) -> None:
-    unknown = [text or f.summary for f, known, text in zip(run.findings, run.known, run.explained)
-               if known is None]
+    unknown = [text or f.summary for f, known, text in zip(run.findings, run.known, run.explained) if known is None]
     assert not unknown, f"{len(unknown)} finding(s) on a healthy engine:\n" + "\n\n".join(unknown[:3])
     if run.findings:
-        raise KnownFalseAlarm(f"{len(run.findings)} known false alarm(s): "
-                              f"{Counter(f'{f.kind}:{k}' for f, k in zip(run.findings, run.known))}")
+        raise KnownFalseAlarm(
+            f"{len(run.findings)} known false alarm(s): "
+            f"{Counter(f'{f.kind}:{k}' for f, k in zip(run.findings, run.known))}"
+        )
 
 
 # ---------------------------------------------------------------------- unified

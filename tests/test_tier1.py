@@ -65,7 +65,7 @@ class Engine:
         if tokens is not None:
             slots = slots[:tokens]
         row = self.rows[rid]
-        self.req_to_token[row, start:start + len(slots)] = torch.as_tensor(slots, dtype=torch.int32)
+        self.req_to_token[row, start : start + len(slots)] = torch.as_tensor(slots, dtype=torch.int32)
         self.t.assigned(rid, start, shared_until, np.asarray(pages))
 
     def check(self, batch: dict[str, int], pad: int = 0):
@@ -73,8 +73,9 @@ class Engine:
         rids = list(batch)
         idx = [self.rows[r] for r in rids] + [0] * pad
         seq = list(batch.values()) + [1] * pad
-        n = self.t.check(self.req_to_token, torch.tensor(idx, device=self.device),
-                         torch.tensor(seq, device=self.device), rids)
+        n = self.t.check(
+            self.req_to_token, torch.tensor(idx, device=self.device), torch.tensor(seq, device=self.device), rids
+        )
         self.t.flush()
         return n
 
@@ -167,7 +168,7 @@ def test_a_row_entry_naming_another_requests_page_is_a_violation_naming_both(cap
     e.admit("owner", 2)
     e.write_row("reader", 0, [1, 2])
     e.write_row("owner", 0, [3, 4])
-    e.req_to_token[1, PS:2 * PS] = e.req_to_token[2, PS:2 * PS]  # row page 1 -> owner's page 4
+    e.req_to_token[1, PS : 2 * PS] = e.req_to_token[2, PS : 2 * PS]  # row page 1 -> owner's page 4
     with caplog.at_level(logging.ERROR, logger="kvguard.tier1"):
         assert e.check({"reader": 8, "owner": 8}) == 1
     (v,) = e.found
@@ -189,7 +190,7 @@ def test_a_freed_page_still_in_a_row_and_a_page_never_assigned_are_violations():
     e.admit("a", 1)
     e.write_row("a", 0, [1, 2])
     e.t.freed([2])  # freed early while a still reads it (use after free)
-    e.req_to_token[1, 2 * PS:3 * PS] = torch.arange(3 * PS, 4 * PS, dtype=torch.int32)  # allocated, not a's
+    e.req_to_token[1, 2 * PS : 3 * PS] = torch.arange(3 * PS, 4 * PS, dtype=torch.int32)  # allocated, not a's
     assert e.check({"a": 12}) == 2
     (v,) = e.found
     assert sorted(zip(v.pages, v.tags)) == [(2, t1.TAG_FREE), (3, t1.TAG_ALLOCATED)]
@@ -252,19 +253,28 @@ def test_tier1_is_off_by_default_and_a_bad_setting_is_logged(tmp_path, monkeypat
 
 
 def test_wire_record_round_trips_and_unknown_tags_are_refused():
-    v = wire.Tier1Violation(7, 3, 40, np.array([4, 9]), np.array([1, 2]), np.array([8, 0], np.uint64),
-                            np.array([3, 1], np.uint8))
+    v = wire.Tier1Violation(
+        7, 3, 40, np.array([4, 9]), np.array([1, 2]), np.array([8, 0], np.uint64), np.array([3, 1], np.uint8)
+    )
     payload = wire.tier1_violation_payload(v)
     raw = wire.encode(wire.Kind.TIER1_VIOLATION, 1, 1, 1, payload)
     (rec,) = wire.decode_stream(raw, wire.DecodeStats())
     b = rec.body
-    assert (b.reader_key, b.violations_total, b.seq_len, b.pages.tolist(), b.row_indices.tolist(),
-            b.owner_keys.tolist(), b.tags.tolist()) == (7, 3, 40, [4, 9], [1, 2], [8, 0], [3, 1])
-    bad = wire.Tier1Violation(7, 3, 40, np.array([4]), np.array([1]), np.array([0], np.uint64),
-                              np.array([9], np.uint8))
+    assert (
+        b.reader_key,
+        b.violations_total,
+        b.seq_len,
+        b.pages.tolist(),
+        b.row_indices.tolist(),
+        b.owner_keys.tolist(),
+        b.tags.tolist(),
+    ) == (7, 3, 40, [4, 9], [1, 2], [8, 0], [3, 1])
+    bad = wire.Tier1Violation(7, 3, 40, np.array([4]), np.array([1]), np.array([0], np.uint64), np.array([9], np.uint8))
     stats = wire.DecodeStats()
-    assert wire.decode_stream(wire.encode(wire.Kind.TIER1_VIOLATION, 1, 1, 1, wire.tier1_violation_payload(bad)),
-                              stats) == []
+    assert (
+        wire.decode_stream(wire.encode(wire.Kind.TIER1_VIOLATION, 1, 1, 1, wire.tier1_violation_payload(bad)), stats)
+        == []
+    )
 
 
 # --------------------------------------------------------------------------- bad input
@@ -301,9 +311,15 @@ def test_a_tier1_failure_never_reaches_the_engines_forward(tmp_path, monkeypatch
         pool = types.SimpleNamespace(req_to_token=torch.zeros((ROWS, CTX), dtype=torch.float32))
         runner = types.SimpleNamespace(req_to_token_pool=pool, is_draft_worker=False)
         mode = types.SimpleNamespace(is_idle=lambda: False, is_extend=lambda: False)
-        fb = types.SimpleNamespace(forward_mode=mode, rids=["a"], seq_lens_cpu=torch.tensor([4]),
-                                   seq_lens=torch.tensor([4]), out_cache_loc=torch.tensor([7]),
-                                   extend_seq_lens_cpu=None, req_pool_indices=torch.tensor([1]))
+        fb = types.SimpleNamespace(
+            forward_mode=mode,
+            rids=["a"],
+            seq_lens_cpu=torch.tensor([4]),
+            seq_lens=torch.tensor([4]),
+            out_cache_loc=torch.tensor([7]),
+            extend_seq_lens_cpu=None,
+            req_pool_indices=torch.tensor([1]),
+        )
         hook = hr.forward_hook("forward")
         assert hook(lambda self, fb: "logits", runner, fb) == "logits"
         assert hook(lambda self, fb: "logits", runner, fb) == "logits"
@@ -333,7 +349,7 @@ def test_the_same_check_on_a_cuda_device_reads_the_count_back_asynchronously():
     assert e.t.check(e.req_to_token, idx, seq, ["reader", "owner"]) is None  # not waited for
     e.t.flush()
     assert e.found == []
-    e.req_to_token[1, PS:2 * PS] = e.req_to_token[2, PS:2 * PS]
+    e.req_to_token[1, PS : 2 * PS] = e.req_to_token[2, PS : 2 * PS]
     e.t.check(e.req_to_token, idx, seq, ["reader", "owner"])
     e.t.flush()
     (v,) = e.found
@@ -354,8 +370,14 @@ def test_real_sglang_objects_clean_steps_a_corrupt_row_and_bad_input(require_sgl
     require_sglang("0.5.23")
     sg = REPO / ".venv" / "sglang" / "0.5.23"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(sg), str(REPO / "sidecar" / "demo" / "shim")]))
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "tier1_real_objects.py")], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=280)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "tier1_real_objects.py")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     # healthy: every step checked, 70 steps cross page boundaries (decode ASSIGNs), zero violations
@@ -363,10 +385,17 @@ def test_real_sglang_objects_clean_steps_a_corrupt_row_and_bad_input(require_sgl
     assert r["clean"]["assigns"] > 0 and r["clean"]["probe_errors"] == 0
     # a corrupt row entry: caught on the next step, naming the reader, the page and its owner
     c = r["corrupt"]
-    assert c["count"] == 1 and c["violation"] == {"rid": "bench-req-0", "pages": [c["owner_page"]],
-                                                  "owners": ["bench-req-1"], "tags": [t1.TAG_OTHER]}
-    assert c["record"] == {"reader_key": wire.request_key("bench-req-0"), "pages": [c["owner_page"]],
-                           "owner_keys": [wire.request_key("bench-req-1")]}
+    assert c["count"] == 1 and c["violation"] == {
+        "rid": "bench-req-0",
+        "pages": [c["owner_page"]],
+        "owners": ["bench-req-1"],
+        "tags": [t1.TAG_OTHER],
+    }
+    assert c["record"] == {
+        "reader_key": wire.request_key("bench-req-0"),
+        "pages": [c["owner_page"]],
+        "owner_keys": [wire.request_key("bench-req-1")],
+    }
     # a float req_to_token: Tier 1 off, counted; the hooks and the engine carry on
     b = r["bad_input"]
     assert b["enabled"] is False and b["errors"] == 1 and b["forward_result"] == "ran"
@@ -422,6 +451,6 @@ def test_the_radix_cache_reasserting_a_rows_own_pages_keeps_them_its_own():
     e.write_row("owner", 0, [3, 4], shared_until=8)  # the tree re-asserts owner's row
     e.write_row("reader", 0, [1, 2], shared_until=8)
     assert e.check({"reader": 8, "owner": 8}) == 0
-    e.req_to_token[1, PS:2 * PS] = e.req_to_token[2, PS:2 * PS]
+    e.req_to_token[1, PS : 2 * PS] = e.req_to_token[2, PS : 2 * PS]
     assert e.check({"reader": 8, "owner": 8}) == 1
     assert [(v.rid, v.pages, v.owners) for v in e.found] == [("reader", [4], ["owner"])]

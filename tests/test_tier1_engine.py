@@ -35,8 +35,11 @@ VIOLATION = "kvguard tier1 VIOLATION"
 
 
 def generate(url: str, rid: str, input_ids: list[int], max_new_tokens: int) -> None:
-    body = {"rid": rid, "input_ids": input_ids,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
+    body = {
+        "rid": rid,
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+    }
     r = httpx.post(url + "/generate", json=body, timeout=120.0)
     assert r.status_code == 200, (rid, r.status_code, r.text[:500])
     assert r.json()["meta_info"]["completion_tokens"] == max_new_tokens
@@ -70,7 +73,11 @@ def engine(tmp_path_factory, require_sglang):
     events_dir.mkdir()
     t0 = time.monotonic()
     eng = start_engine(
-        VERSION, work / "logs", max_total_tokens=1024, context_length=256, ring_dir=ring_dir,
+        VERSION,
+        work / "logs",
+        max_total_tokens=1024,
+        context_length=256,
+        ring_dir=ring_dir,
         # one batch at a time, so the corrupted row is read by exactly the next forward
         extra_args=["--disable-overlap-schedule", "--max-running-requests", "8", "--chunked-prefill-size", "16"],
         extra_env={"KVGUARD_TIER1": "1", "KVGUARD_FAULT": "row_corruption", "KVGUARD_FAULT_DIR": str(events_dir)},
@@ -109,8 +116,10 @@ def test_a_foreign_row_entry_is_caught_by_the_engine_itself(engine):
     rng = random.Random(3)
     reader, owner = make_rid("row_corruption", "reader", "1"), make_rid("row_corruption", "owner", "1")
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(generate, eng.url, reader, [rng.randint(3, 255) for _ in range(16)], 16),
-                   pool.submit(generate, eng.url, owner, [rng.randint(3, 255) for _ in range(16)], 16)]
+        futures = [
+            pool.submit(generate, eng.url, reader, [rng.randint(3, 255) for _ in range(16)], 16),
+            pool.submit(generate, eng.url, owner, [rng.randint(3, 255) for _ in range(16)], 16),
+        ]
         [f.result() for f in futures]
     (ev,) = wait_for(lambda: events(events_dir, "row_corruption", "row_corrupted"), "row_corrupted event")
     wait_for(lambda: events(events_dir, "row_corruption", "row_restored"), "row_restored event")
@@ -121,8 +130,11 @@ def test_a_foreign_row_entry_is_caught_by_the_engine_itself(engine):
     # the same facts in the ring, for a sidecar that attaches later
     recs = []
     for path in ring_dir.glob("*.ring"):
-        recs += [r.body for r in RingReader(str(path)).poll(max_bytes=64 << 20).records
-                 if r.kind == wire.Kind.TIER1_VIOLATION]
+        recs += [
+            r.body
+            for r in RingReader(str(path)).poll(max_bytes=64 << 20).records
+            if r.kind == wire.Kind.TIER1_VIOLATION
+        ]
     (v,) = recs
     assert v.reader_key == wire.request_key(reader) and v.pages.tolist() == [page]
     assert v.owner_keys.tolist() == [wire.request_key(owner)] and v.row_indices.tolist() == [1]

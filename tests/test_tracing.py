@@ -28,9 +28,18 @@ from kvguard.sidecar.tracker import RequestInfo
 
 DECODE = EngineRef("decode", 0, 4242)
 PREFILL = EngineRef("prefill", 0, 4141)
-OTEL_VARS = ("OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
-             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-             "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_EXPORTER_OTLP_HEADERS", "OTEL_TRACES_SAMPLER")
+OTEL_VARS = (
+    "OTEL_SDK_DISABLED",
+    "OTEL_TRACES_EXPORTER",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+    "OTEL_SERVICE_NAME",
+    "OTEL_RESOURCE_ATTRIBUTES",
+    "OTEL_EXPORTER_OTLP_HEADERS",
+    "OTEL_TRACES_SAMPLER",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -61,9 +70,17 @@ def ended(info: RequestInfo, end_ns: int, finish="length", ttft_ns=2_000_000) ->
 
 
 def unwritten_read(engine=DECODE, rid="r-initech", at_ns=1_500_000_000) -> Finding:
-    return Finding("unwritten_read", "critical", engine, Party(rid, "initech", 13), [2, 3, 4],
-                   [Party("r-acme", "acme", None, [2]), Party("r-globex", "globex", None, [3, 4])], at_ns,
-                   "decode rank 0: request r-initech read 3 pages not written for it", {"pages_read": 4})
+    return Finding(
+        "unwritten_read",
+        "critical",
+        engine,
+        Party(rid, "initech", 13),
+        [2, 3, 4],
+        [Party("r-acme", "acme", None, [2]), Party("r-globex", "globex", None, [3, 4])],
+        at_ns,
+        "decode rank 0: request r-initech read 3 pages not written for it",
+        {"pages_read": 4},
+    )
 
 
 def by_name(spans: InMemorySpanExporter) -> dict[str, list]:
@@ -83,11 +100,19 @@ def test_a_request_is_one_span_from_begin_to_end_with_genai_attributes(rec, span
     assert span.name == "decode request" and span.parent is None
     assert span.end_time - span.start_time == 250_000_000  # engine clock differences are kept exactly
     assert dict(span.attributes) == {
-        "kvguard.engine.role": "decode", "kvguard.engine.rank": 0, "kvguard.engine.pid": 4242,
-        "gen_ai.response.id": "r-initech", "kvguard.tenant": "initech", "kvguard.transfer.room": 13,
-        "gen_ai.usage.input_tokens": 600, "gen_ai.usage.cache_read.input_tokens": 64,
-        "gen_ai.usage.output_tokens": 7, "gen_ai.response.finish_reasons": ("length",),
-        "kvguard.request.ttft_s": 0.002, "kvguard.request.pages": 150, "kvguard.request.end_seen": True,
+        "kvguard.engine.role": "decode",
+        "kvguard.engine.rank": 0,
+        "kvguard.engine.pid": 4242,
+        "gen_ai.response.id": "r-initech",
+        "kvguard.tenant": "initech",
+        "kvguard.transfer.room": 13,
+        "gen_ai.usage.input_tokens": 600,
+        "gen_ai.usage.cache_read.input_tokens": 64,
+        "gen_ai.usage.output_tokens": 7,
+        "gen_ai.response.finish_reasons": ("length",),
+        "kvguard.request.ttft_s": 0.002,
+        "kvguard.request.pages": 150,
+        "kvguard.request.end_seen": True,
     }
     assert span.status.status_code == StatusCode.UNSET
     assert span.resource.attributes["service.name"] == "kvguard-sidecar"
@@ -164,9 +189,11 @@ def test_a_critical_finding_is_an_event_on_the_readers_span_and_marks_it_an_erro
     (event,) = span.events
     assert event.name == "kvguard.finding" and event.timestamp - span.start_time == 500_000_000
     assert dict(event.attributes) == {
-        "kvguard.finding.kind": "unwritten_read", "kvguard.finding.severity": "critical",
+        "kvguard.finding.kind": "unwritten_read",
+        "kvguard.finding.severity": "critical",
         "kvguard.finding.summary": "decode rank 0: request r-initech read 3 pages not written for it",
-        "kvguard.finding.pages": 3, "kvguard.finding.exposed_tenants": ("acme", "globex"),
+        "kvguard.finding.pages": 3,
+        "kvguard.finding.exposed_tenants": ("acme", "globex"),
         "kvguard.finding.exposed_requests": ("r-acme", "r-globex"),
         "kvguard.incident.id": incident_id(incident_key(finding)),
     }
@@ -178,8 +205,11 @@ def test_a_critical_finding_is_an_event_on_the_readers_span_and_marks_it_an_erro
 def test_a_warning_finding_is_an_event_that_leaves_the_status_alone(rec, spans):
     info = request()
     rec.on_request_begin(DECODE, info)
-    rec.on_finding(Finding("ttft_anomaly", "warning", DECODE, Party("r-initech", "initech", 13), [], [],
-                           1_200_000_000, "too fast", {}))
+    rec.on_finding(
+        Finding(
+            "ttft_anomaly", "warning", DECODE, Party("r-initech", "initech", 13), [], [], 1_200_000_000, "too fast", {}
+        )
+    )
     rec.on_request_end(DECODE, ended(info, 1_300_000_000))
     (span,) = spans.get_finished_spans()
     assert [e.attributes["kvguard.finding.kind"] for e in span.events] == ["ttft_anomaly"]
@@ -198,13 +228,28 @@ def test_a_finding_for_a_request_whose_span_is_closed_gets_a_span_in_that_reques
 
 def test_a_finding_without_a_reader_is_a_span_of_its_own(rec, spans):
     engine = EngineRef("prefill", 0, 4141)
-    rec.on_finding(Finding("pool_smaller_than_context", "critical", engine, None, [], [], 1_000_000_000,
-                           "prefill pool 681280 < context 1048576", {}))
+    rec.on_finding(
+        Finding(
+            "pool_smaller_than_context",
+            "critical",
+            engine,
+            None,
+            [],
+            [],
+            1_000_000_000,
+            "prefill pool 681280 < context 1048576",
+            {},
+        )
+    )
     rec.on_finding(Finding("events_lost", "warning", engine, None, [], [], 1_000_000_000, "lost", {}))
     pool, lost = spans.get_finished_spans()
     assert pool.name == lost.name == "kvguard.finding" and pool.context.trace_id != lost.context.trace_id
-    assert dict(pool.attributes) == {"kvguard.engine.role": "prefill", "kvguard.engine.rank": 0,
-                                     "kvguard.engine.pid": 4141, "error.type": "pool_smaller_than_context"}
+    assert dict(pool.attributes) == {
+        "kvguard.engine.role": "prefill",
+        "kvguard.engine.rank": 0,
+        "kvguard.engine.pid": 4141,
+        "error.type": "pool_smaller_than_context",
+    }
     assert lost.status.status_code == StatusCode.UNSET
 
 
@@ -273,14 +318,21 @@ def test_tracing_is_off_without_an_exporter_or_endpoint():
     assert from_env({"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}) is None
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
-     "OTEL_EXPORTER_OTLP_PROTOCOL='grpc': kvguard ships the OTLP/HTTP exporter only; use http/protobuf "
-     "(the collector's port 4318)"),
-    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "collector:4318"},
-     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT='collector:4318': expected http(s)://HOST:PORT"),
-    ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER='zipkin': kvguard supports otlp, console and none"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+            "OTEL_EXPORTER_OTLP_PROTOCOL='grpc': kvguard ships the OTLP/HTTP exporter only; use http/protobuf "
+            "(the collector's port 4318)",
+        ),
+        (
+            {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "collector:4318"},
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT='collector:4318': expected http(s)://HOST:PORT",
+        ),
+        ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER='zipkin': kvguard supports otlp, console and none"),
+    ],
+)
 def test_bad_configuration_is_refused_at_start_naming_the_variable(env, message):
     with pytest.raises(ValueError) as err:
         from_env(env)
@@ -383,8 +435,10 @@ def pd_request(prefill, decode, rid, tenant, room, pages, tokens, sent_tokens):
     decode.forward([rid], [tokens], [[]], [slots(pages)[:tokens]])
 
 
-@pytest.mark.skipif(not wired(), reason="pipeline.py does not call the TraceRecorder yet (Sidecar(tracer=...), "
-                                        "docs/tracing.md 'Wiring')")
+@pytest.mark.skipif(
+    not wired(),
+    reason="pipeline.py does not call the TraceRecorder yet (Sidecar(tracer=...), docs/tracing.md 'Wiring')",
+)
 def test_the_incident_through_a_real_sidecar_is_two_traces(tmp_path, spans):
     from kvguard.engine_hooks.probes import Probes
     from kvguard.engine_hooks.ring import RingWriter
@@ -407,8 +461,10 @@ def test_the_incident_through_a_real_sidecar_is_two_traces(tmp_path, spans):
     assert acme.attributes["kvguard.request.pages"] == 2 and acme.attributes["gen_ai.usage.output_tokens"] == 3
     assert acme.attributes["gen_ai.response.finish_reasons"] == ("length",) and acme.events == ()
     initech = [s for s in got["decode request"] if s.attributes["gen_ai.response.id"] == "r-initech"][0]
-    assert [e.attributes["kvguard.finding.kind"] for e in initech.events] == ["transfer_size_mismatch",
-                                                                             "unwritten_read"]
+    assert [e.attributes["kvguard.finding.kind"] for e in initech.events] == [
+        "transfer_size_mismatch",
+        "unwritten_read",
+    ]
     assert initech.events[1].attributes["kvguard.finding.exposed_tenants"] == ("acme",)
     assert initech.status.status_code == StatusCode.ERROR and initech.attributes["kvguard.request.end_seen"] is False
     sent = [s for s in got["prefill request"] if s.attributes["gen_ai.response.id"] == "r-initech"][0]

@@ -200,27 +200,42 @@ def test_whole_batch_judge_matches_one_request_at_a_time():
 
     keys = np.array([wire.request_key(r) for r in "ABCDE"], np.uint64)
     seq = np.array([16, 16, 16, 8, 8], np.uint32)
-    rows = [np.array([1, 2, 3, 4]), np.array([5, 6, 7, 8]), np.array([9, 10, 11, 12, 3, 0, 2**30, 13]),
-            np.array([1]), np.array([2, 3])]
+    rows = [
+        np.array([1, 2, 3, 4]),
+        np.array([5, 6, 7, 8]),
+        np.array([9, 10, 11, 12, 3, 0, 2**30, 13]),
+        np.array([1]),
+        np.array([2, 3]),
+    ]
     counts = np.array([len(r) for r in rows], np.uint32)
     for actual in (True, False):
         one, batch = build(), build()
         singles = [one.classify_read(int(k), int(s), r if actual else None) for k, s, r in zip(keys, seq, rows)]
-        got = dict(batch.classify_reads(keys, seq, counts if actual else None,
-                                        np.concatenate(rows) if actual else None, want_shared=True))
-        every = dict(build().classify_reads(keys, seq, counts if actual else None,
-                                            np.concatenate(rows) if actual else None, every=True))
+        got = dict(
+            batch.classify_reads(
+                keys, seq, counts if actual else None, np.concatenate(rows) if actual else None, want_shared=True
+            )
+        )
+        every = dict(
+            build().classify_reads(
+                keys, seq, counts if actual else None, np.concatenate(rows) if actual else None, every=True
+            )
+        )
         for i, v in enumerate(singles):
             assert (v is None) == (i not in every)
             if v is None:
                 continue
             b = got.get(i) or every[i]
-            assert [x.tolist() for x in (v.unwritten, v.foreign, v.freed, v.shared)] == \
-                   [x.tolist() for x in (b.unwritten, b.foreign, b.freed, b.shared)] and v.unverified == b.unverified
+            assert [x.tolist() for x in (v.unwritten, v.foreign, v.freed, v.shared)] == [
+                x.tolist() for x in (b.unwritten, b.foreign, b.freed, b.shared)
+            ] and v.unverified == b.unverified
             clean = not (len(v.unwritten) or len(v.foreign) or len(v.freed) or v.unverified or len(v.shared))
             assert (i in got) == (not clean)  # clean readers get no verdict object
-        assert (one.pages_read, one.pages_unverified, one.pool.pages_out_of_range) == \
-               (batch.pages_read, batch.pages_unverified, batch.pool.pages_out_of_range)
+        assert (one.pages_read, one.pages_unverified, one.pool.pages_out_of_range) == (
+            batch.pages_read,
+            batch.pages_unverified,
+            batch.pool.pages_out_of_range,
+        )
         # B read an unwritten page, C a freed one (with the engine's rows also a foreign and an unknown
         # one); D holds no row and E never began: neither is judged, their pages count as unverified
         assert sorted(got) == [1, 2]
@@ -251,11 +266,16 @@ def test_whole_batch_writes_match_one_request_at_a_time():
     got = dict(batch.check_writes(keys, counts, np.concatenate(writes)))
     batch.mark_writes(keys, counts, np.concatenate(writes), 7)
     assert sorted(got) == [1] and singles[1] is not None and all(v is None for i, v in enumerate(singles) if i != 1)
-    assert (got[1].freed.tolist(), got[1].foreign.tolist()) == (singles[1].freed.tolist(), [2]) == \
-           ([5], singles[1].foreign.tolist())
+    assert (
+        (got[1].freed.tolist(), got[1].foreign.tolist())
+        == (singles[1].freed.tolist(), [2])
+        == ([5], singles[1].foreign.tolist())
+    )
     for name in ("state", "gen", "written_gen", "owner", "last_writer", "last_write_ns"):
         assert np.array_equal(getattr(one.pool, name), getattr(batch.pool, name)), name
-    assert one.pool.pages_out_of_range == batch.pool.pages_out_of_range == 2  # judged writer D: counted twice, as before
+    assert (
+        one.pool.pages_out_of_range == batch.pool.pages_out_of_range == 2
+    )  # judged writer D: counted twice, as before
     assert batch.writes_overlap(np.array([3, 5, 3]))
 
 
@@ -294,8 +314,16 @@ def test_requests_whose_end_fell_in_a_gap_are_retired_with_their_rows():
     assert t.retire_idle_requests(10 * LOST_UNSEEN_NS) == 0  # no gap: live as long as they like
     t.on_lost(100)
     assert set(t.unseen_since_loss) == {A, B, C, D}
-    t.on_named(wire.Forward(np.array([B], np.uint64), np.array([4], np.uint32), np.zeros(1, np.uint32),
-                            np.zeros(0, np.int32), None, None))
+    t.on_named(
+        wire.Forward(
+            np.array([B], np.uint64),
+            np.array([4], np.uint32),
+            np.zeros(1, np.uint32),
+            np.zeros(0, np.int32),
+            None,
+            None,
+        )
+    )
     t.on_named(wire.Assign(C, 4, 8, 0, np.array([9])))
     t.transfer_hold.add(D)
     t._next_retire_ns = 0

@@ -30,7 +30,7 @@ def test_key_table_finds_every_key_in_and_past_its_sorted_index_and_after_keep()
     rng = np.random.default_rng(3)
     keys = rng.integers(1, 2**63, 300, dtype=np.int64).astype(np.uint64) * np.uint64(2)  # some >= 2**63
     t = KeyTable()
-    slots = np.concatenate([t.intern(keys[i:i + n]) for i, n in ((0, 100), (100, 169), (269, 1), (270, 30))])
+    slots = np.concatenate([t.intern(keys[i : i + n]) for i, n in ((0, 100), (100, 169), (269, 1), (270, 30))])
     assert t._indexed < len(t)  # the newest keys sit past the sorted index, and are found there
     assert np.array_equal(t.keys[slots], keys) and len(set(slots.tolist())) == 300
     assert np.array_equal(t.find(keys[::-1]), slots[::-1]) and np.array_equal(t.intern(keys), slots)
@@ -79,7 +79,7 @@ def test_the_key_table_stays_bounded_under_request_churn():
     n = 5 * KEYS_COMPACT_MIN
     for i in range(n):  # each request takes a page, writes it, ends; its page is freed and reused
         key = 10_000 + i
-        p = pages[i % 64: i % 64 + 1]
+        p = pages[i % 64 : i % 64 + 1]
         t.on_alloc(p)
         t.on_assign(wire.Assign(key, 0, 16, 0, p))
         t.mark_written(key, p, 1_000_000 * i)

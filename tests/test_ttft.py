@@ -11,8 +11,9 @@ US = 1_000
 
 
 def req(i, prompt, ttft_ns, cached=0, finish="length"):
-    return RequestInfo(i, f"r{i}", "acme", prompt_tokens=prompt, cached_tokens=cached, ttft_ns=int(ttft_ns),
-                       finish=finish)
+    return RequestInfo(
+        i, f"r{i}", "acme", prompt_tokens=prompt, cached_tokens=cached, ttft_ns=int(ttft_ns), finish=finish
+    )
 
 
 def realistic_stream(rng, n, per_token_us=50.0):

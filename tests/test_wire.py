@@ -13,8 +13,12 @@ def _rec(kind, payload, seq=0):
 
 
 ROUND_TRIPS = [
-    (wire.Kind.HELLO, wire.hello_payload(wire.Hello(wire.Role.DECODE, 1, 42, 4, 256, 1024, 2048, 250, "sglang",
-                                                    "0.5.19", "tiny", "0.1.0"))),
+    (
+        wire.Kind.HELLO,
+        wire.hello_payload(
+            wire.Hello(wire.Role.DECODE, 1, 42, 4, 256, 1024, 2048, 250, "sglang", "0.5.19", "tiny", "0.1.0")
+        ),
+    ),
     (wire.Kind.REQ_BEGIN, wire.req_begin_payload(wire.ReqBegin(9, wire.NO_ROOM, 600, 0, True, "rid-1", "acme"))),
     (wire.Kind.REQ_END, wire.req_end_payload(wire.ReqEnd(9, 10, 20, 8, wire.Finish.LENGTH, "done"))),
     (wire.Kind.ALLOC, wire.pages_payload(np.array([1, 2, 3]))),
@@ -23,9 +27,12 @@ ROUND_TRIPS = [
     (wire.Kind.XFER_RESERVE, wire.xfer_reserve_payload(wire.XferReserve(9, 77, 600, np.arange(1, 151)))),
     (wire.Kind.XFER_SEND, wire.xfer_send_payload(wire.XferSend(9, 77, 0xABC, 0, 1, True, np.array([51])))),
     (wire.Kind.XFER_DONE, wire.xfer_done_payload(wire.XferDone(9, 77, wire.Side.RECEIVER, wire.XferStatus.SUCCESS))),
-    (wire.Kind.XFER_DIGEST, wire.xfer_digest_payload(wire.XferDigest(9, 77, wire.Side.SENDER,
-                                                                      wire.DigestAlg.XXH3_UNIT_BYTES, 2**64 - 1,
-                                                                      0, 600, 12, 0, 4, 8))),
+    (
+        wire.Kind.XFER_DIGEST,
+        wire.xfer_digest_payload(
+            wire.XferDigest(9, 77, wire.Side.SENDER, wire.DigestAlg.XXH3_UNIT_BYTES, 2**64 - 1, 0, 600, 12, 0, 4, 8)
+        ),
+    ),
     (wire.Kind.REJECT, wire.reject_payload(wire.Reject(9, wire.Phase.ADMISSION, "too long"))),
     (wire.Kind.HEARTBEAT, wire.heartbeat_payload(wire.Heartbeat(1, 2, 3))),
     (wire.Kind.PROBE_ERROR, wire.probe_error_payload(wire.ProbeError(1, "forward", "TypeError"))),
@@ -43,8 +50,14 @@ def test_every_kind_round_trips(kind, payload):
 
 
 def test_forward_round_trip_keeps_rows_per_request():
-    f = wire.Forward(np.array([1, 2], np.uint64), np.array([10, 601], np.uint32), np.array([1, 1], np.uint32),
-                     np.array([3, 151]), np.array([3, 151], np.uint32), np.arange(154))
+    f = wire.Forward(
+        np.array([1, 2], np.uint64),
+        np.array([10, 601], np.uint32),
+        np.array([1, 1], np.uint32),
+        np.array([3, 151]),
+        np.array([3, 151], np.uint32),
+        np.arange(154),
+    )
     (rec,) = wire.decode_stream(_rec(wire.Kind.FORWARD, wire.forward_payload(f)), wire.DecodeStats())
     body = rec.body
     assert body.req_keys.tolist() == [1, 2] and body.seq_lens.tolist() == [10, 601]
@@ -106,6 +119,8 @@ def test_req_end_carries_the_reprefilled_flag_and_old_zero_padding_reads_as_not(
     end = wire.ReqEnd(9, 10, 20, 8, wire.Finish.STOP, "", reprefilled=True)
     (rec,) = wire.decode_stream(_rec(wire.Kind.REQ_END, wire.req_end_payload(end)), wire.DecodeStats())
     assert rec.body.reprefilled is True
-    (rec,) = wire.decode_stream(_rec(wire.Kind.REQ_END, wire.req_end_payload(wire.ReqEnd(9, 10, 20, 8, wire.Finish.STOP,
-                                                                                          ""))), wire.DecodeStats())
+    (rec,) = wire.decode_stream(
+        _rec(wire.Kind.REQ_END, wire.req_end_payload(wire.ReqEnd(9, 10, 20, 8, wire.Finish.STOP, ""))),
+        wire.DecodeStats(),
+    )
     assert rec.body.reprefilled is False

@@ -39,31 +39,46 @@ def main() -> int:
         for _ in range(70):
             eng.step()
             assigns += sum(1 for r in eng.reader.poll().records if r.kind == wire.Kind.ASSIGN)
-        out["clean"] = {"steps": 70, "checks": t1.checks, "violations": t1.violations, "assigns": assigns,
-                        "probe_errors": eng.probes.probe_errors}
+        out["clean"] = {
+            "steps": 70,
+            "checks": t1.checks,
+            "violations": t1.violations,
+            "assigns": assigns,
+            "probe_errors": eng.probes.probe_errors,
+        }
         # request 0's row page 430 (private, past the shared prefix) -> request 1's page at that index
         rt = eng.pool.req_to_token
         k = 430
         owner_slot = int(rt[2, k * PAGE])
-        rt[1, k * PAGE:(k + 1) * PAGE] = rt[2, k * PAGE:(k + 1) * PAGE]
+        rt[1, k * PAGE : (k + 1) * PAGE] = rt[2, k * PAGE : (k + 1) * PAGE]
         before = t1.violations
         eng.step()
         (v,) = found
         recs = [r.body for r in eng.reader.poll().records if r.kind == wire.Kind.TIER1_VIOLATION]
         out["corrupt"] = {
-            "count": t1.violations - before, "owner_page": owner_slot // PAGE,
+            "count": t1.violations - before,
+            "owner_page": owner_slot // PAGE,
             "violation": {"rid": v.rid, "pages": v.pages, "owners": v.owners, "tags": v.tags},
-            "record": {"reader_key": int(recs[0].reader_key), "pages": recs[0].pages.tolist(),
-                       "owner_keys": [int(x) for x in recs[0].owner_keys]} if len(recs) == 1 else recs,
+            "record": {
+                "reader_key": int(recs[0].reader_key),
+                "pages": recs[0].pages.tolist(),
+                "owner_keys": [int(x) for x in recs[0].owner_keys],
+            }
+            if len(recs) == 1
+            else recs,
         }
         # a req_to_token of an unexpected dtype: Tier 1 turns itself off, serving goes on
         eng.pool.req_to_token = rt.float()
         eng.rt.State.row_sampler = eng.rt.RowSampler(every=0)  # this step is about Tier 1 only
         fb = eng.forward_batch(torch.zeros(8, dtype=torch.int64))
         result = eng.hr.forward_hook("ModelRunner.forward")(lambda runner, fb: "ran", eng.runner, fb)
-        out["bad_input"] = {"enabled": t1.enabled, "errors": t1.errors, "forward_result": result,
-                            "disabled_hooks": sorted(eng.rt.disabled_hooks()),
-                            "probe_errors": eng.probes.probe_errors}
+        out["bad_input"] = {
+            "enabled": t1.enabled,
+            "errors": t1.errors,
+            "forward_result": result,
+            "disabled_hooks": sorted(eng.rt.disabled_hooks()),
+            "probe_errors": eng.probes.probe_errors,
+        }
     finally:
         eng.close()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -64,9 +64,17 @@ def _bind(path: Path):
     lib.kvg_xxh3.restype = ctypes.c_uint64
     lib.kvg_xxh3_blocks.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
     lib.kvg_xxh3_blocks.restype = ctypes.c_uint64
-    lib.kvg_update_buffers.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                       ctypes.c_int64)
+    lib.kvg_update_buffers.argtypes = (
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+    )
     lib.kvg_update_buffers.restype = ctypes.c_int
     if lib.kvg_abi() != ABI:
         raise OSError(f"ABI {lib.kvg_abi()} != {ABI} (rebuild with `make native`)")
@@ -78,8 +86,11 @@ def _self_test(lib) -> None:
     longer than xxh3's 256-byte buffer), cut into calls several ways, against the
     xxhash package over the same bytes joined. Raises AssertionError on a mismatch."""
     rng = np.random.default_rng(7)
-    cases = [(row_bytes, heads, n_rows, cuts) for row_bytes in (2, 32, 64, 128, 192, 256, 320, 512, 1152)
-             for heads, n_rows, cuts in ((2, 1, (1,)), (2, 3, (1, 2)), (2, 5, (5,)), (3, 40, (1, 3, 17, 19)))]
+    cases = [
+        (row_bytes, heads, n_rows, cuts)
+        for row_bytes in (2, 32, 64, 128, 192, 256, 320, 512, 1152)
+        for heads, n_rows, cuts in ((2, 1, (1,)), (2, 3, (1, 2)), (2, 5, (5,)), (3, 40, (1, 3, 17, 19)))
+    ]
     cases.append((256, 33, 9, (4,)))  # more heads than one group of the C routine
     for row_bytes, heads, n_rows, cuts in cases:
         flat = rng.integers(0, 256, (heads * n_rows + 3, row_bytes), dtype=np.uint8)
@@ -173,7 +184,7 @@ class NativeStreams:
         raw = np.zeros(self.n * size + STATE_ALIGN, np.uint8)
         off = (-raw.ctypes.data) % STATE_ALIGN
         self._raw = raw  # keeps the memory alive
-        self._block = raw[off: off + self.n * size]
+        self._block = raw[off : off + self.n * size]
         self._size = size
         self.block_address = self._block.ctypes.data
         seeds_a = np.ascontiguousarray(seeds, dtype=np.uint64)
@@ -215,8 +226,16 @@ class Buffers:
         index = np.ascontiguousarray(index, dtype=np.int64)
         if index.size != self.heads * n:
             raise ValueError(f"index holds {index.size} rows, want {self.heads} x {n}")
-        rc = streams.lib.kvg_update_buffers(streams.block_address, self.heads, self.count, self._bases.ctypes.data,
-                                            self._n_rows.ctypes.data, self._row_bytes.ctypes.data,
-                                            self._firsts.ctypes.data, index.ctypes.data, n)
+        rc = streams.lib.kvg_update_buffers(
+            streams.block_address,
+            self.heads,
+            self.count,
+            self._bases.ctypes.data,
+            self._n_rows.ctypes.data,
+            self._row_bytes.ctypes.data,
+            self._firsts.ctypes.data,
+            index.ctypes.data,
+            n,
+        )
         if rc:
             raise IndexError(f"KV rows outside a buffer ({int(self._n_rows.min())} rows)")

@@ -216,7 +216,11 @@ def ensure_begun(req, cached_tokens: int = 0, prompt_tokens: int | None = None) 
     if prompt_tokens is None:
         prompt_tokens = len(req.origin_input_ids)
     probes().request_begin(
-        rid, tenant_of(req), getattr(req, "bootstrap_room", None), int(prompt_tokens), int(cached_tokens),
+        rid,
+        tenant_of(req),
+        getattr(req, "bootstrap_room", None),
+        int(prompt_tokens),
+        int(cached_tokens),
         is_warmup(req),
     )
 

@@ -99,9 +99,7 @@ def pre_alloc_hook(name: str):
 
 def _pop_transferred_pre(self, *args, **kwargs):
     rids_to_check = _arg(args, kwargs, 0, "rids_to_check")
-    return [
-        dr.req for dr in self.queue if rids_to_check is None or dr.req.rid in rids_to_check
-    ]
+    return [dr.req for dr in self.queue if rids_to_check is None or dr.req.rid in rids_to_check]
 
 
 def _pop_transferred_post(before, result, self, *args, **kwargs):
@@ -299,8 +297,11 @@ def _setup(sched) -> _Setup | None:
             total = int(sched.model_config.get_total_num_kv_heads())
             rank, size = _attn_tp(sched)
             heads = head_layout(view.heads, total, rank, size)
-            got = "kv heads reported by another TP rank (replicated)" if heads is None else \
-                _Setup(view, alg, heads[0], heads[1], total)
+            got = (
+                "kv heads reported by another TP rank (replicated)"
+                if heads is None
+                else _Setup(view, alg, heads[0], heads[1], total)
+            )
         except dg.Unsupported as exc:
             got = str(exc)
         Digests.setups[id(pool)] = got
@@ -311,8 +312,19 @@ def _setup(sched) -> _Setup | None:
 
 
 def _emit(req, side: str, s: _Setup, digest: int, token_start: int, token_end: int) -> None:
-    rt.probes().transfer_digest(req.rid, _room(req), side, digest, token_start, token_end, s.view.layers,
-                                s.head_start, s.head_count, s.total_heads, alg=s.alg)
+    rt.probes().transfer_digest(
+        req.rid,
+        _room(req),
+        side,
+        digest,
+        token_start,
+        token_end,
+        s.view.layers,
+        s.head_start,
+        s.head_count,
+        s.total_heads,
+        alg=s.alg,
+    )
 
 
 def _sender_chunk(sched, req, start: int, end: int, slots, last_chunk: bool) -> None:

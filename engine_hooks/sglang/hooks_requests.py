@@ -71,8 +71,14 @@ def scheduler_init_hook(name: str):
 
 # --------------------------------------------------------------------------- reject
 _ADMISSION_FUNCS = {
-    "handle_generate_request", "_handle_generate_request", "_add_request_to_queue", "init_req_max_new_tokens",
-    "_abort_on_queued_limit", "validate_input_length", "add", "_process_req",
+    "handle_generate_request",
+    "_handle_generate_request",
+    "_add_request_to_queue",
+    "init_req_max_new_tokens",
+    "_abort_on_queued_limit",
+    "validate_input_length",
+    "add",
+    "_process_req",
 }
 
 
@@ -202,8 +208,9 @@ def _release_post(result, req, *args, **kwargs):
     kind, reason = _finish_of(req)
     ttft, e2e = _timings_ns(req)
     State.ended[req.rid] = True
-    rt.probes().request_end(req.rid, kind, ttft, e2e, len(req.output_ids), reason,
-                            reprefilled=_reprefilled.pop(req.rid, False))
+    rt.probes().request_end(
+        req.rid, kind, ttft, e2e, len(req.output_ids), reason, reprefilled=_reprefilled.pop(req.rid, False)
+    )
     State.begun.pop(req.rid, None)
     State.rejected.pop(req.rid, None)
 

@@ -45,8 +45,6 @@ def _rows_block(req_to_token, rows: list, length: int, step: int = 1):
     return req_to_token[idx, :length:step].to("cpu", torch.int64)
 
 
-
-
 # --------------------------------------------------------------------------- row map
 def _pool_alloc_post(result, self, *args, **kwargs):
     if result is None:
@@ -258,14 +256,12 @@ def _forward_pre(self, *args, **kwargs):
         out, counts = out[:0], np.zeros(n, np.int64)
     req_to_token = self.req_to_token_pool.req_to_token
     if p.tier1 is not None:  # the engine's own read check, on the engine's device (engine_hooks/tier1.py)
-        p.tier1.check(req_to_token, fb.req_pool_indices, fb.seq_lens, rids,
-                      max_seq_len=int(seq_lens.max()) if n else 0)
+        p.tier1.check(req_to_token, fb.req_pool_indices, fb.seq_lens, rids, max_seq_len=int(seq_lens.max()) if n else 0)
     read_pages = read_counts = None
     sampler = State.row_sampler
     if sampler.due():  # the engine's actual rows with this forward (engine_hooks/sglang/row_sampler.py)
         t0 = time.perf_counter_ns()
-        read_pages, read_counts = _row_page_starts(req_to_token, fb.req_pool_indices[:n], seq_lens,
-                                                   State.page_size)
+        read_pages, read_counts = _row_page_starts(req_to_token, fb.req_pool_indices[:n], seq_lens, State.page_size)
         sampler.spent(time.perf_counter_ns() - t0)
     p.forward(rids, seq_lens, out, written_counts=counts, read_pages=read_pages, read_counts=read_counts)
 

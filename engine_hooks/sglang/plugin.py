@@ -54,22 +54,35 @@ _COMMON = (
     # allocator: allocation (paged alloc_extend/alloc_decode do not go through alloc)
     HookSpec(_ALLOC + "token.TokenToKVPoolAllocator.alloc", "around", ha.alloc_hook, ("need_size",), "allocator"),
     HookSpec(_ALLOC + "paged.PagedTokenToKVPoolAllocator.alloc", "around", ha.alloc_hook, ("need_size",), "allocator"),
-    HookSpec(_ALLOC + "paged.PagedTokenToKVPoolAllocator.alloc_extend", "around", ha.alloc_hook,
-             ("prefix_lens", "prefix_lens_cpu", "seq_lens", "seq_lens_cpu", "last_loc", "extend_num_tokens"),
-             "allocator"),
-    HookSpec(_ALLOC + "paged.PagedTokenToKVPoolAllocator.alloc_decode", "around", ha.alloc_hook,
-             ("seq_lens", "seq_lens_cpu", "last_loc"), "allocator"),
+    HookSpec(
+        _ALLOC + "paged.PagedTokenToKVPoolAllocator.alloc_extend",
+        "around",
+        ha.alloc_hook,
+        ("prefix_lens", "prefix_lens_cpu", "seq_lens", "seq_lens_cpu", "last_loc", "extend_num_tokens"),
+        "allocator",
+    ),
+    HookSpec(
+        _ALLOC + "paged.PagedTokenToKVPoolAllocator.alloc_decode",
+        "around",
+        ha.alloc_hook,
+        ("seq_lens", "seq_lens_cpu", "last_loc"),
+        "allocator",
+    ),
     # allocator: free
     HookSpec(_ALLOC + "token.TokenToKVPoolAllocator.free", "around", ha.free_hook, ("free_index",), "allocator"),
     HookSpec(_ALLOC + "paged.PagedTokenToKVPoolAllocator.free", "around", ha.free_hook, ("free_index",), "allocator"),
-    HookSpec(_ALLOC + "base.BaseTokenToKVPoolAllocator.free_segment", "around", ha.free_hook, ("free_index",),
-             "allocator"),
-    HookSpec(_ALLOC + "paged.PagedTokenToKVPoolAllocator.free_segment", "around", ha.free_hook, ("free_index",),
-             "allocator"),
-    HookSpec(_ALLOC + "base.BaseTokenToKVPoolAllocator.free_group_end", "around", ha.free_group_end_hook, (),
-             "allocator"),
-    HookSpec(_ALLOC + "paged.PagedTokenToKVPoolAllocator.free_group_end", "around", ha.free_group_end_hook, (),
-             "allocator"),
+    HookSpec(
+        _ALLOC + "base.BaseTokenToKVPoolAllocator.free_segment", "around", ha.free_hook, ("free_index",), "allocator"
+    ),
+    HookSpec(
+        _ALLOC + "paged.PagedTokenToKVPoolAllocator.free_segment", "around", ha.free_hook, ("free_index",), "allocator"
+    ),
+    HookSpec(
+        _ALLOC + "base.BaseTokenToKVPoolAllocator.free_group_end", "around", ha.free_group_end_hook, (), "allocator"
+    ),
+    HookSpec(
+        _ALLOC + "paged.PagedTokenToKVPoolAllocator.free_group_end", "around", ha.free_group_end_hook, (), "allocator"
+    ),
     HookSpec(_ALLOC + "token.TokenToKVPoolAllocator.clear", "around", ha.clear_hook, (), "allocator"),
     HookSpec(_ALLOC + "paged.PagedTokenToKVPoolAllocator.clear", "around", ha.clear_hook, (), "allocator"),
     # request rows
@@ -80,40 +93,82 @@ _COMMON = (
     HookSpec(_DECODE + "DecodeReqToTokenPool.free", "around", hr.pool_free_hook, ("req",), "rows"),
     HookSpec(_DECODE + "DecodeReqToTokenPool.write", "after", hr.write_hook, ("indices", "values"), "rows"),
     HookSpec(S + "mem_cache.allocation.alloc_for_extend", "around", hr.alloc_for_extend_hook, ("batch",), "rows"),
-    HookSpec(S + "mem_cache.allocation.alloc_for_decode", "around", hr.alloc_for_decode_hook,
-             ("batch", "token_per_req"), "rows"),
-    HookSpec(S + "model_executor.model_runner.ModelRunner.forward", "around", hr.forward_hook, ("forward_batch",),
-             "rows"),
+    HookSpec(
+        S + "mem_cache.allocation.alloc_for_decode",
+        "around",
+        hr.alloc_for_decode_hook,
+        ("batch", "token_per_req"),
+        "rows",
+    ),
+    HookSpec(
+        S + "model_executor.model_runner.ModelRunner.forward", "around", hr.forward_hook, ("forward_batch",), "rows"
+    ),
     # requests
-    HookSpec(S + "managers.scheduler.Scheduler.__init__", "after", hq.scheduler_init_hook,
-             ("server_args", "port_args"), "requests"),
-    HookSpec(S + "managers.schedule_batch.Req.set_finish_with_abort", "around", hq.set_finish_with_abort_hook,
-             ("error_msg",), "requests"),
-    HookSpec(S + "disaggregation.utils.prepare_abort", "after", hq.prepare_abort_hook, ("req", "error_message"),
-             "requests"),
-    HookSpec(S + "mem_cache.common.release_kv_cache", "after", hq.release_kv_cache_hook, ("req", "tree_cache"),
-             "requests"),
+    HookSpec(
+        S + "managers.scheduler.Scheduler.__init__",
+        "after",
+        hq.scheduler_init_hook,
+        ("server_args", "port_args"),
+        "requests",
+    ),
+    HookSpec(
+        S + "managers.schedule_batch.Req.set_finish_with_abort",
+        "around",
+        hq.set_finish_with_abort_hook,
+        ("error_msg",),
+        "requests",
+    ),
+    HookSpec(
+        S + "disaggregation.utils.prepare_abort", "after", hq.prepare_abort_hook, ("req", "error_message"), "requests"
+    ),
+    HookSpec(
+        S + "mem_cache.common.release_kv_cache", "after", hq.release_kv_cache_hook, ("req", "tree_cache"), "requests"
+    ),
     # disaggregation
-    HookSpec(_DECODE + "DecodePreallocQueue._pre_alloc", "around", hd.pre_alloc_hook,
-             ("req", "prefix_indices", "prefix_len", "total_prefix_len"), "disagg"),
-    HookSpec(_DECODE + "DecodeTransferQueue.pop_transferred", "around", hd.pop_transferred_hook,
-             ("rids_to_check",), "disagg"),
-    HookSpec(_DECODE + "DecodeTransferQueue._do_release", "around", hd.deferred_release_hook,
-             ("decode_req",), "disagg"),
-    HookSpec(_PREFILL_MIXIN + "send_kv_chunk", "around", hd.send_kv_chunk_hook, ("req", "last_chunk", "end_idx"),
-             "disagg"),
-    HookSpec(_PREFILL_MIXIN + "process_disagg_prefill_inflight_queue", "after", hd.inflight_queue_hook,
-             ("rids_to_check",), "disagg"),
-    HookSpec(_PREFILL_MIXIN + "handle_inflight_transfer_failure", "around", hd.transfer_failure_hook, ("req",),
-             "disagg"),
+    HookSpec(
+        _DECODE + "DecodePreallocQueue._pre_alloc",
+        "around",
+        hd.pre_alloc_hook,
+        ("req", "prefix_indices", "prefix_len", "total_prefix_len"),
+        "disagg",
+    ),
+    HookSpec(
+        _DECODE + "DecodeTransferQueue.pop_transferred", "around", hd.pop_transferred_hook, ("rids_to_check",), "disagg"
+    ),
+    HookSpec(
+        _DECODE + "DecodeTransferQueue._do_release", "around", hd.deferred_release_hook, ("decode_req",), "disagg"
+    ),
+    HookSpec(
+        _PREFILL_MIXIN + "send_kv_chunk", "around", hd.send_kv_chunk_hook, ("req", "last_chunk", "end_idx"), "disagg"
+    ),
+    HookSpec(
+        _PREFILL_MIXIN + "process_disagg_prefill_inflight_queue",
+        "after",
+        hd.inflight_queue_hook,
+        ("rids_to_check",),
+        "disagg",
+    ),
+    HookSpec(
+        _PREFILL_MIXIN + "handle_inflight_transfer_failure", "around", hd.transfer_failure_hook, ("req",), "disagg"
+    ),
 )
 
 # free_page_ids: 0.5.23 (token.py:77, paged.py:359); absent in 0.5.19.
 _FREE_PAGE_IDS = (
-    HookSpec(_ALLOC + "token.TokenToKVPoolAllocator.free_page_ids", "around", ha.free_page_ids_hook, ("page_ids",),
-             "allocator"),
-    HookSpec(_ALLOC + "paged.PagedTokenToKVPoolAllocator.free_page_ids", "around", ha.free_page_ids_hook,
-             ("page_ids",), "allocator"),
+    HookSpec(
+        _ALLOC + "token.TokenToKVPoolAllocator.free_page_ids",
+        "around",
+        ha.free_page_ids_hook,
+        ("page_ids",),
+        "allocator",
+    ),
+    HookSpec(
+        _ALLOC + "paged.PagedTokenToKVPoolAllocator.free_page_ids",
+        "around",
+        ha.free_page_ids_hook,
+        ("page_ids",),
+        "allocator",
+    ),
 )
 _OPTIONAL_FREE_PAGE_IDS = tuple(
     HookSpec(h.target, h.kind, h.factory, h.params, h.area, required=False) for h in _FREE_PAGE_IDS
@@ -176,15 +231,18 @@ def resolve(spec: HookSpec) -> tuple[object | None, str]:
     if not callable(fn):
         return None, f"{spec.target} is not callable"
     try:
-        names = [p.name for p in inspect.signature(fn).parameters.values()
-                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        names = [
+            p.name
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
     except (TypeError, ValueError) as exc:
         return None, f"no signature: {exc}"
     if skip_self:
         names = names[1:]
     want = list(spec.params)
     if names[: len(want)] != want:
-        return None, f"parameters {names[:len(want)]} != expected {want}"
+        return None, f"parameters {names[: len(want)]} != expected {want}"
     return fn, ""
 
 
@@ -242,7 +300,10 @@ def load() -> None:
         if entry is None:
             log.warning(
                 "kvguard: SGLang %r is not supported (supported: %s); no hooks registered, KV integrity is NOT "
-                "monitored in this process", version, ", ".join(SUPPORTED))
+                "monitored in this process",
+                version,
+                ", ".join(SUPPORTED),
+            )
             return
         verified, _ = entry
         rt.State.engine_version = version
@@ -262,7 +323,12 @@ def load() -> None:
             name = ".".join(spec.target.rsplit(".", 2)[-2:])  # e.g. "PagedTokenToKVPoolAllocator.free"
             HookRegistry.register(spec.target, spec.factory(name), _hook_type(spec.kind))
             registered.append(spec.target)
-        log.info("kvguard: SGLang %s (%s): %d hooks registered, %d skipped", version,
-                 "verified" if verified else "unverified release, targets checked", len(ok), len(skipped))
+        log.info(
+            "kvguard: SGLang %s (%s): %d hooks registered, %d skipped",
+            version,
+            "verified" if verified else "unverified release, targets checked",
+            len(ok),
+            len(skipped),
+        )
     except Exception as exc:
         log.exception("kvguard: SGLang plugin failed to load, no KV integrity monitoring: %r", exc)

@@ -23,16 +23,27 @@ def _positive(kind):
         if v <= 0:
             raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
         return v
+
     return parse
 
 
 def cmd_canary(args: argparse.Namespace) -> int:
     if not args.verbose:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
-    opts = Options(url=args.url, prefill_url=args.prefill_url, api=args.api, model=args.model,
-                   context_length=args.context_length, pool_tokens=args.pool_tokens, budget=args.budget,
-                   timeout_s=args.timeout, time_limit_s=args.time_limit, max_prompt_tokens=args.max_prompt_tokens,
-                   min_overlap=args.min_overlap, seed=args.seed)
+    opts = Options(
+        url=args.url,
+        prefill_url=args.prefill_url,
+        api=args.api,
+        model=args.model,
+        context_length=args.context_length,
+        pool_tokens=args.pool_tokens,
+        budget=args.budget,
+        timeout_s=args.timeout,
+        time_limit_s=args.time_limit,
+        max_prompt_tokens=args.max_prompt_tokens,
+        min_overlap=args.min_overlap,
+        seed=args.seed,
+    )
     rep = run_canary(opts)
     if args.json:
         print(json.dumps(rep.to_json()), flush=True)
@@ -43,32 +54,75 @@ def cmd_canary(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "canary", help="black-box probe: plant markers as one tenant, look for them in another's answers",
+        "canary",
+        help="black-box probe: plant markers as one tenant, look for them in another's answers",
         description="Plant unique markers in requests of a synthetic tenant A, drive tenant B down the risky "
-                    "paths (prompts around the pool and context limits, shared prefixes, cancelled streams, "
-                    "concurrency) and look for A's markers in B's output. Exit 0 clean, 3 a finding (leak, or a "
-                    "status that should have been an error), 1 could not run. See docs/canary.md.")
-    p.add_argument("--url", required=True, help="what clients use: the router, a unified SGLang server, or any "
-                   "OpenAI-compatible endpoint; with --prefill-url, the decode server")
-    p.add_argument("--prefill-url", default=None, help="a prefill/decode pair without a router: the prefill server "
-                   "(each request then goes to both, like SGLang's router; costs 2 requests of the budget)")
-    p.add_argument("--api", choices=("auto", "native", "openai"), default="auto", help="native: SGLang /generate; "
-                   "openai: /v1/completions; auto (default): native when the server answers /server_info")
+        "paths (prompts around the pool and context limits, shared prefixes, cancelled streams, "
+        "concurrency) and look for A's markers in B's output. Exit 0 clean, 3 a finding (leak, or a "
+        "status that should have been an error), 1 could not run. See docs/canary.md.",
+    )
+    p.add_argument(
+        "--url",
+        required=True,
+        help="what clients use: the router, a unified SGLang server, or any "
+        "OpenAI-compatible endpoint; with --prefill-url, the decode server",
+    )
+    p.add_argument(
+        "--prefill-url",
+        default=None,
+        help="a prefill/decode pair without a router: the prefill server "
+        "(each request then goes to both, like SGLang's router; costs 2 requests of the budget)",
+    )
+    p.add_argument(
+        "--api",
+        choices=("auto", "native", "openai"),
+        default="auto",
+        help="native: SGLang /generate; "
+        "openai: /v1/completions; auto (default): native when the server answers /server_info",
+    )
     p.add_argument("--model", default=None, help="model name for /v1/completions (default: from /v1/models)")
-    p.add_argument("--context-length", type=_positive(int), default=None, help="use this context length (tokens) "
-                   "instead of what the server reports (for endpoints that report none)")
-    p.add_argument("--pool-tokens", type=_positive(int), default=None, help="the KV pool (tokens) a prompt must "
-                   "fit, for endpoints that do not report it")
-    p.add_argument("--budget", type=_positive(int), default=DEFAULT_BUDGET, help="never send more than this many "
-                   f"HTTP requests, discovery included (default {DEFAULT_BUDGET})")
-    p.add_argument("--timeout", type=_positive(float), default=DEFAULT_TIMEOUT_S, help="seconds per request "
-                   f"(default {DEFAULT_TIMEOUT_S:g})")
-    p.add_argument("--time-limit", type=_positive(float), default=DEFAULT_TIME_LIMIT_S, help="no new request "
-                   f"after this many seconds (default {DEFAULT_TIME_LIMIT_S:g})")
-    p.add_argument("--max-prompt-tokens", type=_positive(int), default=DEFAULT_MAX_PROMPT_TOKENS,
-                   help=f"longest prompt to send (default {DEFAULT_MAX_PROMPT_TOKENS})")
-    p.add_argument("--min-overlap", type=_positive(int), default=DEFAULT_MIN_OVERLAP, help="characters of marker "
-                   f"text that make a leak (default {DEFAULT_MIN_OVERLAP})")
+    p.add_argument(
+        "--context-length",
+        type=_positive(int),
+        default=None,
+        help="use this context length (tokens) instead of what the server reports (for endpoints that report none)",
+    )
+    p.add_argument(
+        "--pool-tokens",
+        type=_positive(int),
+        default=None,
+        help="the KV pool (tokens) a prompt must fit, for endpoints that do not report it",
+    )
+    p.add_argument(
+        "--budget",
+        type=_positive(int),
+        default=DEFAULT_BUDGET,
+        help=f"never send more than this many HTTP requests, discovery included (default {DEFAULT_BUDGET})",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_positive(float),
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds per request (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--time-limit",
+        type=_positive(float),
+        default=DEFAULT_TIME_LIMIT_S,
+        help=f"no new request after this many seconds (default {DEFAULT_TIME_LIMIT_S:g})",
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=_positive(int),
+        default=DEFAULT_MAX_PROMPT_TOKENS,
+        help=f"longest prompt to send (default {DEFAULT_MAX_PROMPT_TOKENS})",
+    )
+    p.add_argument(
+        "--min-overlap",
+        type=_positive(int),
+        default=DEFAULT_MIN_OVERLAP,
+        help=f"characters of marker text that make a leak (default {DEFAULT_MIN_OVERLAP})",
+    )
     p.add_argument("--seed", type=int, default=None, help="marker seed (default: random per run)")
     p.add_argument("--json", action="store_true", help="one JSON object: verdict, limits, findings, every request")
     p.set_defaults(func=cmd_canary)

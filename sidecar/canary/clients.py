@@ -93,8 +93,9 @@ class _Streamer:
     def __init__(self, http: httpx.Client, budget: Budget, timeout_s: float) -> None:
         self.http, self.budget, self.timeout_s = http, budget, timeout_s
 
-    def _stream(self, url: str, body: dict[str, Any], headers: dict[str, str], abort_after_first: bool,
-                reply: Reply, on_chunk) -> Reply:
+    def _stream(
+        self, url: str, body: dict[str, Any], headers: dict[str, str], abort_after_first: bool, reply: Reply, on_chunk
+    ) -> Reply:
         t0 = time.monotonic()
         try:
             with self.http.stream("POST", url, json=body, headers=headers, timeout=self.timeout_s) as r:
@@ -159,8 +160,14 @@ class NativeClient(_Streamer):
     def send(self, text: str, *, tenant: str, max_new_tokens: int, abort_after_first: bool = False) -> Reply:
         self.budget.take(what="POST /generate")
         body = _native_body(text, max_new_tokens, tenant)
-        return self._stream(self.base + "/generate", body, {TENANT_HEADER: tenant}, abort_after_first,
-                            Reply(rid=body["rid"]), _native_chunk)
+        return self._stream(
+            self.base + "/generate",
+            body,
+            {TENANT_HEADER: tenant},
+            abort_after_first,
+            Reply(rid=body["rid"]),
+            _native_chunk,
+        )
 
 
 class PairClient(_Streamer):
@@ -168,8 +175,16 @@ class PairClient(_Streamer):
 
     flavour = "native (prefill/decode pair)"
 
-    def __init__(self, http: httpx.Client, budget: Budget, timeout_s: float, prefill: str, decode: str,
-                 bootstrap_host: str, bootstrap_port: int | None) -> None:
+    def __init__(
+        self,
+        http: httpx.Client,
+        budget: Budget,
+        timeout_s: float,
+        prefill: str,
+        decode: str,
+        bootstrap_host: str,
+        bootstrap_port: int | None,
+    ) -> None:
         super().__init__(http, budget, timeout_s)
         self.prefill, self.decode = prefill, decode
         self.bootstrap_host, self.bootstrap_port = bootstrap_host, bootstrap_port
@@ -177,12 +192,22 @@ class PairClient(_Streamer):
 
     def send(self, text: str, *, tenant: str, max_new_tokens: int, abort_after_first: bool = False) -> Reply:
         self.budget.take(2, what="POST /generate to prefill and decode")
-        body = {**_native_body(text, max_new_tokens, tenant), "bootstrap_host": self.bootstrap_host,
-                "bootstrap_port": self.bootstrap_port, "bootstrap_room": random.randrange(1, 2**63)}
+        body = {
+            **_native_body(text, max_new_tokens, tenant),
+            "bootstrap_host": self.bootstrap_host,
+            "bootstrap_port": self.bootstrap_port,
+            "bootstrap_room": random.randrange(1, 2**63),
+        }
         # Prefill's answer matters only as a fallback reason: the client sees decode's.
         fp = self._pool.submit(self._prefill_post, {**body, "stream": False})
-        reply = self._stream(self.decode + "/generate", body, {TENANT_HEADER: tenant}, abort_after_first,
-                             Reply(rid=body["rid"]), _native_chunk)
+        reply = self._stream(
+            self.decode + "/generate",
+            body,
+            {TENANT_HEADER: tenant},
+            abort_after_first,
+            Reply(rid=body["rid"]),
+            _native_chunk,
+        )
         prefill_error = fp.result()
         if reply.error and prefill_error:
             reply.error += f" (prefill: {prefill_error})"
@@ -224,7 +249,15 @@ class OpenAIClient(_Streamer):
 
     def send(self, text: str, *, tenant: str, max_new_tokens: int, abort_after_first: bool = False) -> Reply:
         self.budget.take(what="POST /v1/completions")
-        body = {"model": self.model, "prompt": text, "max_tokens": max_new_tokens, "temperature": 0.0,
-                "stream": True, "stream_options": {"include_usage": True}, "user": tenant}
-        return self._stream(self.base + "/v1/completions", body, {TENANT_HEADER: tenant}, abort_after_first,
-                            Reply(), _openai_chunk)
+        body = {
+            "model": self.model,
+            "prompt": text,
+            "max_tokens": max_new_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "user": tenant,
+        }
+        return self._stream(
+            self.base + "/v1/completions", body, {TENANT_HEADER: tenant}, abort_after_first, Reply(), _openai_chunk
+        )

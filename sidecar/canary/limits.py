@@ -45,9 +45,26 @@ class ServerLimits:
     error: str | None = None  # the server could not be reached at all
 
     def to_json(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in (
-            "url", "reachable", "native", "role", "version", "pool_tokens", "context_len", "max_req_input_len",
-            "page_size", "chunked_prefill_size", "bootstrap_port", "served_port", "model_id", "unread", "error")}
+        return {
+            k: getattr(self, k)
+            for k in (
+                "url",
+                "reachable",
+                "native",
+                "role",
+                "version",
+                "pool_tokens",
+                "context_len",
+                "max_req_input_len",
+                "page_size",
+                "chunked_prefill_size",
+                "bootstrap_port",
+                "served_port",
+                "model_id",
+                "unread",
+                "error",
+            )
+        }
 
 
 def _int(value: Any) -> int | None:
@@ -100,8 +117,10 @@ def read_limits(client: httpx.Client, budget: Budget, base: str) -> ServerLimits
         if lim.pool_tokens is None:
             lim.unread.append("KV pool size: server info has no max_total_num_tokens")
     else:
-        lim.unread.append(f"SGLang server info ({' and '.join(SERVER_INFO_PATHS)}: {why}): no KV pool size, "
-                          f"page size or disaggregation mode")
+        lim.unread.append(
+            f"SGLang server info ({' and '.join(SERVER_INFO_PATHS)}: {why}): no KV pool size, "
+            f"page size or disaggregation mode"
+        )
     models, why = _get(client, budget, base + MODELS_PATH)
     cards = models.get("data") if isinstance(models, dict) else None
     if isinstance(cards, list):

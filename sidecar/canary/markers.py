@@ -26,8 +26,28 @@ from dataclasses import dataclass, field
 DEFAULT_MIN_OVERLAP = 10  # characters; a chance match of 10 marker characters is ~36**-10
 MARKER_ALPHABET = string.ascii_uppercase + string.digits
 BLOCK_RANDOM = 8
-_B_WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "while", "river", "stone", "paper",
-            "window", "garden", "yellow", "silent", "market", "orange", "travel", "summer")
+_B_WORDS = (
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "while",
+    "river",
+    "stone",
+    "paper",
+    "window",
+    "garden",
+    "yellow",
+    "silent",
+    "market",
+    "orange",
+    "travel",
+    "summer",
+)
 _NOT_ALNUM = re.compile(r"[^A-Za-z0-9]")
 
 
@@ -66,7 +86,7 @@ class MarkerSet:
         if header not in self.headers:
             self.headers.append(header)
         head = prefix + header + " "
-        return (head + self.body(chars)[len(head):])[:chars]
+        return (head + self.body(chars)[len(head) :])[:chars]
 
     def blocks_in(self, fragment: str) -> list[str]:
         """The markers a (normalized) fragment of A's text holds: request headers it
@@ -120,7 +140,7 @@ def longest_common_substring(a: str, b: str) -> str:
                 if cur[j] > best_len:
                     best_len, best_end = cur[j], i
         prev = cur
-    return a[best_end - best_len:best_end]
+    return a[best_end - best_len : best_end]
 
 
 @dataclass
@@ -141,19 +161,20 @@ def longest_shared_run(out: str, text: str, min_len: int, exclude: str = "") -> 
         if len(out) - i <= len(best):
             break
         n = max(min_len, len(best) + 1)
-        if out[i:i + n] not in text:
+        if out[i : i + n] not in text:
             continue
-        while i + n < len(out) and out[i:i + n + 1] in text:
+        while i + n < len(out) and out[i : i + n + 1] in text:
             n += 1
-        frag = out[i:i + n]
+        frag = out[i : i + n]
         if exclude and frag in exclude:
             continue
         best = frag
     return best
 
 
-def find_leak(output: str, own_prompt: str, victim_prompts: list[str], markers: MarkerSet,
-              min_overlap: int = DEFAULT_MIN_OVERLAP) -> Leak | None:
+def find_leak(
+    output: str, own_prompt: str, victim_prompts: list[str], markers: MarkerSet, min_overlap: int = DEFAULT_MIN_OVERLAP
+) -> Leak | None:
     """A's text in B's ``output``: the longest run of at least ``min_overlap`` letters and
     digits shared with a victim prompt and not also in B's ``own_prompt``; None if none."""
     victims = [normalize(p) for p in victim_prompts]

@@ -89,8 +89,10 @@ def build_plan(s: Sizing, budget_left: int, per_request: int) -> Plan:
     """
     fit = _largest_fitting(s)
     if fit is None:
-        raise ValueError("no KV pool size or context length could be read; give --context-length (and "
-                         "--pool-tokens for OpenAI-only endpoints)")
+        raise ValueError(
+            "no KV pool size or context length could be read; give --context-length (and "
+            "--pool-tokens for OpenAI-only endpoints)"
+        )
     victim_tokens = max(16, min(int(fit * 0.9), MAX_VICTIM_TOKENS, s.max_prompt_tokens))
     pool_decode = s.pool_decode or s.pool_in or fit
     n_victims = min(12, max(2, math.ceil(1.5 * pool_decode / victim_tokens) + 1))
@@ -106,37 +108,100 @@ def build_plan(s: Sizing, budget_left: int, per_request: int) -> Plan:
             step = (upper - s.pool_in) / (OVER_POOL_LENGTHS + 1)
             over_pool = sorted({int(s.pool_in + step * (k + 1)) for k in range(OVER_POOL_LENGTHS)})
         else:
-            skipped.append(f"over_pool: the pool ({s.pool_in}) is smaller than the context ({s.context_len}) but "
-                           f"no longer prompt fits the decode pool or --max-prompt-tokens ({s.max_prompt_tokens})")
+            skipped.append(
+                f"over_pool: the pool ({s.pool_in}) is smaller than the context ({s.context_len}) but "
+                f"no longer prompt fits the decode pool or --max-prompt-tokens ({s.max_prompt_tokens})"
+            )
     else:
-        skipped.append("over_pool: the pool holds the context length (or either is unknown): no prompt fits the "
-                       "context but not the pool")
+        skipped.append(
+            "over_pool: the pool holds the context length (or either is unknown): no prompt fits the "
+            "context but not the pool"
+        )
 
     def victims(n: int) -> list[Probe]:
-        return [Probe("victim", "A", victim_tokens, VICTIM_NEW_TOKENS, "ok", "plant markers in the KV pool")
-                for _ in range(n)]
+        return [
+            Probe("victim", "A", victim_tokens, VICTIM_NEW_TOKENS, "ok", "plant markers in the KV pool")
+            for _ in range(n)
+        ]
 
     # near_pool goes first: its answer also measures how B's text tokenizes (over_pool sizes use it)
     optional: list[tuple[str, list[Probe]]] = [
-        ("near_pool", [Probe("near_pool", "B", max(16, min(fit, s.max_prompt_tokens) - 8), 16, "ok",
-                             "just under the largest prompt the pool takes")])]
+        (
+            "near_pool",
+            [
+                Probe(
+                    "near_pool",
+                    "B",
+                    max(16, min(fit, s.max_prompt_tokens) - 8),
+                    16,
+                    "ok",
+                    "just under the largest prompt the pool takes",
+                )
+            ],
+        )
+    ]
     if s.context_len and s.context_len + 16 <= s.max_prompt_tokens:
-        optional.append(("over_context", [Probe("over_context", "B", s.context_len + 16, 16, "error",
-                                                "longer than the context length: must be rejected")]))
+        optional.append(
+            (
+                "over_context",
+                [
+                    Probe(
+                        "over_context",
+                        "B",
+                        s.context_len + 16,
+                        16,
+                        "error",
+                        "longer than the context length: must be rejected",
+                    )
+                ],
+            )
+        )
     else:
-        skipped.append(f"over_context: context length {s.context_len} unknown or above --max-prompt-tokens "
-                       f"({s.max_prompt_tokens})")
-    optional.append(("shared_prefix", [
-        Probe("shared_prefix", "A", victim_tokens, VICTIM_NEW_TOKENS, "ok", "markers after a public prefix",
-              shared_prefix=True),
-        Probe("shared_prefix", "B", victim_tokens, PROBE_NEW_TOKENS, "ok",
-              "same public prefix, own continuation (prefix cache)", shared_prefix=True),
-    ]))
-    optional.append(("abort", [
-        Probe("abort", "B", victim_tokens, 256, "any", "stream cancelled after the first chunk",
-              abort_after_first=True),
-        Probe("abort", "B", victim_tokens, PROBE_NEW_TOKENS, "ok", "may get the cancelled request's pages"),
-    ]))
+        skipped.append(
+            f"over_context: context length {s.context_len} unknown or above --max-prompt-tokens ({s.max_prompt_tokens})"
+        )
+    optional.append(
+        (
+            "shared_prefix",
+            [
+                Probe(
+                    "shared_prefix",
+                    "A",
+                    victim_tokens,
+                    VICTIM_NEW_TOKENS,
+                    "ok",
+                    "markers after a public prefix",
+                    shared_prefix=True,
+                ),
+                Probe(
+                    "shared_prefix",
+                    "B",
+                    victim_tokens,
+                    PROBE_NEW_TOKENS,
+                    "ok",
+                    "same public prefix, own continuation (prefix cache)",
+                    shared_prefix=True,
+                ),
+            ],
+        )
+    )
+    optional.append(
+        (
+            "abort",
+            [
+                Probe(
+                    "abort",
+                    "B",
+                    victim_tokens,
+                    256,
+                    "any",
+                    "stream cancelled after the first chunk",
+                    abort_after_first=True,
+                ),
+                Probe("abort", "B", victim_tokens, PROBE_NEW_TOKENS, "ok", "may get the cancelled request's pages"),
+            ],
+        )
+    )
     conc = []
     for _ in range(CONCURRENT_PAIRS):
         conc.append(Probe("concurrent", "A", victim_tokens, VICTIM_NEW_TOKENS, "ok", "markers, at once", group=1))
@@ -144,9 +209,17 @@ def build_plan(s: Sizing, budget_left: int, per_request: int) -> Plan:
     optional.append(("concurrent", conc))
 
     def over(lengths: list[int]) -> list[Probe]:
-        return [Probe("over_pool", "B", n, PROBE_NEW_TOKENS, "error",
-                      "fits the context, not the pool that must hold it (the 2026 incident's path)")
-                for n in lengths]
+        return [
+            Probe(
+                "over_pool",
+                "B",
+                n,
+                PROBE_NEW_TOKENS,
+                "error",
+                "fits the context, not the pool that must hold it (the 2026 incident's path)",
+            )
+            for n in lengths
+        ]
 
     # Shrink to the budget: optional phases from the end, then over_pool lengths, then victims.
     probes_left = budget_left // per_request
@@ -160,13 +233,15 @@ def build_plan(s: Sizing, budget_left: int, per_request: int) -> Plan:
             name, _ = optional.pop()
             skipped.append(f"{name}: not enough budget")
         elif len(over_pool) > 1:
-            over_pool = over_pool[len(over_pool) // 2:][:len(over_pool) - 1]
+            over_pool = over_pool[len(over_pool) // 2 :][: len(over_pool) - 1]
         elif n_victims > 2:
             n_victims -= 1
         else:
             break
     if len(probes) > probes_left or not any(p.tenant == "B" for p in probes):
         need = (2 + 1) * per_request
-        raise ValueError(f"the budget leaves {budget_left} requests after discovery; the smallest plan (2 victim "
-                         f"requests and 1 probe) needs {need}")
+        raise ValueError(
+            f"the budget leaves {budget_left} requests after discovery; the smallest plan (2 victim "
+            f"requests and 1 probe) needs {need}"
+        )
     return Plan(probes, victim_tokens, skipped)

@@ -39,15 +39,30 @@ class RequestRecord:
     def to_json(self) -> dict[str, Any]:
         r, p = self.reply, self.probe
         return {
-            "index": self.index, "rid": r.rid, "phase": p.phase, "tenant": self.tenant,
-            "role": "victim" if p.tenant == "A" else "prober", "purpose": p.why, "expect": p.expect, "prompt_tokens_planned": p.prompt_tokens,
-            "prompt_chars": self.prompt_chars, "max_new_tokens": p.max_new_tokens, "status": r.status, "ok": r.ok,
-            "error": r.error, "finish_reason": r.finish_reason, "prompt_tokens": r.prompt_tokens,
-            "cached_tokens": r.cached_tokens, "completion_tokens": r.completion_tokens,
-            "ttft_s": None if r.ttft_s is None else round(r.ttft_s, 4), "latency_s": round(r.latency_s, 4),
-            "aborted_by_client": r.aborted_by_client, "output_excerpt": r.text[:_EXCERPT],
-            "leak": None if self.leak is None else {"fragment": self.leak.fragment, "blocks": self.leak.blocks,
-                                                    "victim_numbers": self.leak.victims},
+            "index": self.index,
+            "rid": r.rid,
+            "phase": p.phase,
+            "tenant": self.tenant,
+            "role": "victim" if p.tenant == "A" else "prober",
+            "purpose": p.why,
+            "expect": p.expect,
+            "prompt_tokens_planned": p.prompt_tokens,
+            "prompt_chars": self.prompt_chars,
+            "max_new_tokens": p.max_new_tokens,
+            "status": r.status,
+            "ok": r.ok,
+            "error": r.error,
+            "finish_reason": r.finish_reason,
+            "prompt_tokens": r.prompt_tokens,
+            "cached_tokens": r.cached_tokens,
+            "completion_tokens": r.completion_tokens,
+            "ttft_s": None if r.ttft_s is None else round(r.ttft_s, 4),
+            "latency_s": round(r.latency_s, 4),
+            "aborted_by_client": r.aborted_by_client,
+            "output_excerpt": r.text[:_EXCERPT],
+            "leak": None
+            if self.leak is None
+            else {"fragment": self.leak.fragment, "blocks": self.leak.blocks, "victim_numbers": self.leak.victims},
             "note": self.note,
         }
 
@@ -58,12 +73,16 @@ def model_note(model: str | None) -> str:
     if not model:
         return "model: not reported. Leak detection needs a model that reproduces what it attended to."
     if "echo" in name.lower():
-        return (f"model: {model} (looks like kvguard's echo model: its output copies the prompt, so KV it read "
-                f"from another tenant comes back as text and a clean result means something)")
-    return (f"model: {model}. The markers come back only if this model reproduces text it attended to; a "
-            f"fluent model may ignore or paraphrase another tenant's KV, so a clean result is weak evidence "
-            f"(docs/canary.md). Serve kvguard's echo model (`kvguard model echo`) on a staging copy for a "
-            f"strong test.")
+        return (
+            f"model: {model} (looks like kvguard's echo model: its output copies the prompt, so KV it read "
+            f"from another tenant comes back as text and a clean result means something)"
+        )
+    return (
+        f"model: {model}. The markers come back only if this model reproduces text it attended to; a "
+        f"fluent model may ignore or paraphrase another tenant's KV, so a clean result is weak evidence "
+        f"(docs/canary.md). Serve kvguard's echo model (`kvguard model echo`) on a staging copy for a "
+        f"strong test."
+    )
 
 
 @dataclass
@@ -112,15 +131,31 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         s = self.sizing
         return {
-            "url": self.url, "verdict": self.verdict, "exit_code": self.exit_code,
-            "reason": self.could_not_run, "api": self.api, "model": self.model, "model_note": model_note(self.model),
-            "budget": self.budget, "requests_sent": self.requests_sent,
-            "limits": None if s is None else {"pool_tokens": s.pool_in, "decode_pool_tokens": s.pool_decode,
-                                              "context_len": s.context_len, "max_req_input_len": s.max_input},
-            "servers": [x.to_json() for x in self.servers], "unread": self.unread(),
-            "marker_run": self.marker_run, "chars_per_token": self.chars_per_token,
+            "url": self.url,
+            "verdict": self.verdict,
+            "exit_code": self.exit_code,
+            "reason": self.could_not_run,
+            "api": self.api,
+            "model": self.model,
+            "model_note": model_note(self.model),
+            "budget": self.budget,
+            "requests_sent": self.requests_sent,
+            "limits": None
+            if s is None
+            else {
+                "pool_tokens": s.pool_in,
+                "decode_pool_tokens": s.pool_decode,
+                "context_len": s.context_len,
+                "max_req_input_len": s.max_input,
+            },
+            "servers": [x.to_json() for x in self.servers],
+            "unread": self.unread(),
+            "marker_run": self.marker_run,
+            "chars_per_token": self.chars_per_token,
             "findings": [{"kind": f.kind, "request": f.request, "message": f.message} for f in self.findings],
-            "warnings": list(self.warnings), "notes": list(self.notes), "skipped": list(self.skipped),
+            "warnings": list(self.warnings),
+            "notes": list(self.notes),
+            "skipped": list(self.skipped),
             "requests": [r.to_json() for r in self.requests],
         }
 
@@ -128,17 +163,21 @@ class Report:
 def render_text(rep: Report) -> str:
     lines = [f"kvguard canary: {rep.url}"]
     for srv in rep.servers:
-        lines.append(f"  server {srv.url}: SGLang {srv.version or '?'}, role {srv.role or 'not reported'}, KV pool "
-                     f"{srv.pool_tokens or '?'} tokens, context {srv.context_len or '?'}, page size "
-                     f"{srv.page_size or '?'}, chunked prefill {srv.chunked_prefill_size or '?'}")
+        lines.append(
+            f"  server {srv.url}: SGLang {srv.version or '?'}, role {srv.role or 'not reported'}, KV pool "
+            f"{srv.pool_tokens or '?'} tokens, context {srv.context_len or '?'}, page size "
+            f"{srv.page_size or '?'}, chunked prefill {srv.chunked_prefill_size or '?'}"
+        )
     for u in rep.unread():
         lines.append(f"  could not read: {u}")
     lines += [f"  note: {n}" for n in rep.notes]
     if rep.api:
         lines.append(f"  API: {rep.api}")
     lines.append("  " + model_note(rep.model))
-    lines.append(f"  requests sent: {rep.requests_sent} of a budget of {rep.budget}"
-                 + (f"; markers of run {rep.marker_run}" if rep.marker_run else ""))
+    lines.append(
+        f"  requests sent: {rep.requests_sent} of a budget of {rep.budget}"
+        + (f"; markers of run {rep.marker_run}" if rep.marker_run else "")
+    )
     if rep.requests:
         lines.append("")
         lines.append("  #  tenant              phase          prompt  status  result")
@@ -150,8 +189,9 @@ def render_text(rep: Report) -> str:
         if r.leak:
             result += f"  LEAK: {r.leak.fragment!r}"
         tokens = x.prompt_tokens if x.prompt_tokens is not None else f"~{r.probe.prompt_tokens}"
-        lines.append(f"  {r.index:<2d} {r.tenant:19s} {r.probe.phase:14s} {tokens!s:>6}  {x.status or '-'!s:>6}  "
-                     f"{result}")
+        lines.append(
+            f"  {r.index:<2d} {r.tenant:19s} {r.probe.phase:14s} {tokens!s:>6}  {x.status or '-'!s:>6}  {result}"
+        )
     lines.append("")
     for f in rep.findings:
         lines.append(f"FINDING [{f.kind}] {f.message}")
@@ -161,7 +201,11 @@ def render_text(rep: Report) -> str:
         lines.append(f"not probed: {s}")
     if rep.could_not_run:
         lines.append(f"could not run: {rep.could_not_run}")
-    word = {"leak": "LEAK SEEN", "should_have_been_error": "A STATUS THAT SHOULD HAVE BEEN AN ERROR",
-            "clean": "CLEAN (no marker of tenant A in tenant B's answers)", "could_not_run": "COULD NOT RUN"}
+    word = {
+        "leak": "LEAK SEEN",
+        "should_have_been_error": "A STATUS THAT SHOULD HAVE BEEN AN ERROR",
+        "clean": "CLEAN (no marker of tenant A in tenant B's answers)",
+        "could_not_run": "COULD NOT RUN",
+    }
     lines.append(f"verdict: {word[rep.verdict]}; exit {rep.exit_code}")
     return "\n".join(lines)

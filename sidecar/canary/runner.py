@@ -62,16 +62,21 @@ def run_canary(opts: Options, transport: httpx.BaseTransport | None = None) -> R
         prefill = normalize_url(opts.prefill_url) if opts.prefill_url else None
     except ValueError as exc:
         return rep.fail(str(exc))
-    with httpx.Client(transport=transport, timeout=min(opts.timeout_s, 10.0), follow_redirects=False,
-                      headers={"User-Agent": "kvguard-canary"}) as http:
+    with httpx.Client(
+        transport=transport,
+        timeout=min(opts.timeout_s, 10.0),
+        follow_redirects=False,
+        headers={"User-Agent": "kvguard-canary"},
+    ) as http:
         try:
             return _run(opts, rep, http, budget, base, prefill, t_end)
         except BudgetExhausted as exc:  # a plan bug; the budget still held
             return rep.fail(f"stopped: {exc}")
 
 
-def _run(opts: Options, rep: Report, http: httpx.Client, budget: Budget, base: str, prefill: str | None,
-         t_end: float) -> Report:
+def _run(
+    opts: Options, rep: Report, http: httpx.Client, budget: Budget, base: str, prefill: str | None, t_end: float
+) -> Report:
     lim = read_limits(http, budget, base)
     rep.servers.append(lim)
     if lim.error:
@@ -88,18 +93,25 @@ def _run(opts: Options, rep: Report, http: httpx.Client, budget: Budget, base: s
     # server's info (SGLang's router does): requests go through a router as they are.
     behind_router = lim.role == "decode" and proxied(lim)
     if behind_router:
-        rep.notes.append(f"{base} answered with the server info of the decode server on port {lim.served_port}: "
-                         f"treated as a prefill/decode router")
+        rep.notes.append(
+            f"{base} answered with the server info of the decode server on port {lim.served_port}: "
+            f"treated as a prefill/decode router"
+        )
         if pre is None and opts.pool_tokens is None:
-            lim.unread.append("the prefill pool: a router shows a decode server's info; give --prefill-url "
-                              "(read only) or --pool-tokens with the prefill pool (kvguard preflight --url PREFILL)")
+            lim.unread.append(
+                "the prefill pool: a router shows a decode server's info; give --prefill-url "
+                "(read only) or --pool-tokens with the prefill pool (kvguard preflight --url PREFILL)"
+            )
     elif lim.role in ("prefill", "decode") and not (lim.role == "decode" and pre is not None):
-        return rep.fail(f"{base} is the {lim.role} server of a prefill/decode pair: point --url at the router "
-                        f"(what clients use), or give --url DECODE --prefill-url PREFILL and the canary sends each "
-                        f"request to both, as SGLang's router does")
+        return rep.fail(
+            f"{base} is the {lim.role} server of a prefill/decode pair: point --url at the router "
+            f"(what clients use), or give --url DECODE --prefill-url PREFILL and the canary sends each "
+            f"request to both, as SGLang's router does"
+        )
     elif pre is not None and lim.role != "decode":
-        return rep.fail(f"--prefill-url needs --url to be a router or the decode server; {base} reports role "
-                        f"{lim.role!r}")
+        return rep.fail(
+            f"--prefill-url needs --url to be a router or the decode server; {base} reports role {lim.role!r}"
+        )
 
     api = opts.api
     if api == "auto":
@@ -165,8 +177,9 @@ def _send_plan(opts: Options, rep: Report, client, probes: list[Probe], t_end: f
                 group.append(probes[i + len(group)])
         i += len(group)
         if time.monotonic() > t_end:
-            rep.skipped.append(f"{len(group) + len(probes) - i} request(s) not sent: --time-limit "
-                               f"{opts.time_limit_s:g} s reached")
+            rep.skipped.append(
+                f"{len(group) + len(probes) - i} request(s) not sent: --time-limit {opts.time_limit_s:g} s reached"
+            )
             break
         texts = []
         for p in group:
@@ -182,8 +195,12 @@ def _send_plan(opts: Options, rep: Report, client, probes: list[Probe], t_end: f
 
         def send(pt: tuple[Probe, str], tenant: dict[str, str] = tenant) -> Reply:
             probe, prompt = pt
-            return client.send(prompt, tenant=tenant[probe.tenant], max_new_tokens=probe.max_new_tokens,
-                               abort_after_first=probe.abort_after_first)
+            return client.send(
+                prompt,
+                tenant=tenant[probe.tenant],
+                max_new_tokens=probe.max_new_tokens,
+                abort_after_first=probe.abort_after_first,
+            )
 
         if len(group) == 1:
             replies = [send((group[0], texts[0]))]
@@ -208,38 +225,57 @@ def _send_plan(opts: Options, rep: Report, client, probes: list[Probe], t_end: f
     if not any(r.reply.ok for r in rep.requests if r.probe.tenant == "A"):
         rep.fail("no victim request succeeded")
     elif not any(r.reply.status is not None for r in rep.requests if r.probe.tenant == "B"):
-        rep.fail("no probe request got an answer: " + "; ".join(
-            sorted({_reason(r.reply) for r in rep.requests if r.probe.tenant == "B"}))[:300])
+        rep.fail(
+            "no probe request got an answer: "
+            + "; ".join(sorted({_reason(r.reply) for r in rep.requests if r.probe.tenant == "B"}))[:300]
+        )
 
 
 def _reason(reply: Reply) -> str:
     return reply.error or f"HTTP {reply.status}"
 
 
-def _judge(opts: Options, rep: Report, rec: RequestRecord, text: str, victim_prompts: list[str],
-           markers: MarkerSet, victim_rates: list[float]) -> None:
+def _judge(
+    opts: Options,
+    rep: Report,
+    rec: RequestRecord,
+    text: str,
+    victim_prompts: list[str],
+    markers: MarkerSet,
+    victim_rates: list[float],
+) -> None:
     reply, p, sizing = rec.reply, rec.probe, rep.sizing
     leak = find_leak(reply.text, text, victim_prompts, markers, opts.min_overlap)
     if leak is not None:
         rec.leak = leak
-        rep.findings.append(Finding(
-            "marker_leak", rec.index,
-            f"request #{rec.index} ({p.phase}, tenant {rec.tenant}) answered with tenant {opts.tenant_a}'s marker "
-            f"text {leak.fragment!r} ({len(leak.fragment)} characters; blocks {', '.join(leak.blocks) or '?'}) "
-            f"from victim request(s) {', '.join('#' + str(_victim_index(rep, v)) for v in leak.victims) or '?'}"))
+        rep.findings.append(
+            Finding(
+                "marker_leak",
+                rec.index,
+                f"request #{rec.index} ({p.phase}, tenant {rec.tenant}) answered with tenant {opts.tenant_a}'s marker "
+                f"text {leak.fragment!r} ({len(leak.fragment)} characters; blocks {', '.join(leak.blocks) or '?'}) "
+                f"from victim request(s) {', '.join('#' + str(_victim_index(rep, v)) for v in leak.victims) or '?'}",
+            )
+        )
     served = reply.ok and reply.finish_reason != "abort"
     if p.expect == "error" and served:
         limit = sizing.context_len if p.phase == "over_context" else sizing.pool_in
         if reply.prompt_tokens is not None and limit is not None and reply.prompt_tokens <= limit:
-            rec.note = (f"answered 200 with prompt_tokens {reply.prompt_tokens} <= {limit}: the server truncated or "
-                        f"tokenized it shorter; not judged")
+            rec.note = (
+                f"answered 200 with prompt_tokens {reply.prompt_tokens} <= {limit}: the server truncated or "
+                f"tokenized it shorter; not judged"
+            )
         else:
             what = "context length" if p.phase == "over_context" else "KV pool that must hold it"
-            rep.findings.append(Finding(
-                "should_have_been_error", rec.index,
-                f"request #{rec.index} ({p.phase}): a {reply.prompt_tokens or '?'}-token prompt, longer than the "
-                f"{what} ({limit}), was answered HTTP 200 with {reply.completion_tokens} generated tokens: its KV "
-                f"cannot all have been computed"))
+            rep.findings.append(
+                Finding(
+                    "should_have_been_error",
+                    rec.index,
+                    f"request #{rec.index} ({p.phase}): a {reply.prompt_tokens or '?'}-token prompt, longer than the "
+                    f"{what} ({limit}), was answered HTTP 200 with {reply.completion_tokens} generated tokens: its KV "
+                    f"cannot all have been computed",
+                )
+            )
     if served and victim_rates and reply.ttft_s is not None and reply.prompt_tokens:
         uncached = reply.prompt_tokens - (reply.cached_tokens or 0)
         victim_len = max((r.reply.prompt_tokens or 0) for r in rep.requests if r.probe.tenant == "A")
@@ -249,7 +285,8 @@ def _judge(opts: Options, rep: Report, rec: RequestRecord, text: str, victim_pro
                 f"request #{rec.index} ({p.phase}): time to first token {reply.ttft_s * 1000:.0f} ms for "
                 f"{uncached} uncached prompt tokens, below {TTFT_FRACTION:g} x the victims' "
                 f"{statistics.median(victim_rates) * 1e6:.0f} us per token ({floor * 1000:.0f} ms): was the prompt "
-                f"really computed?")
+                f"really computed?"
+            )
 
 
 def _victim_index(rep: Report, victim_no: int) -> int:

@@ -36,8 +36,10 @@ def severity_for(role: str) -> str:
 
 
 def describe(engine: EngineRef, c: PoolVsContext) -> str:
-    return (f"{engine.role} rank {engine.rank}: KV pool holds {c.pool_tokens} tokens but the context length is "
-            f"{c.context_len} ({c.ratio:.2f}x): prompts between the two take the reject path")
+    return (
+        f"{engine.role} rank {engine.rank}: KV pool holds {c.pool_tokens} tokens but the context length is "
+        f"{c.context_len} ({c.ratio:.2f}x): prompts between the two take the reject path"
+    )
 
 
 class PoolContextDetector:
@@ -47,8 +49,24 @@ class PoolContextDetector:
         c = PoolVsContext(hello.pool_tokens, hello.context_len, hello.max_req_input_len)
         if not c.pool_smaller:
             return []
-        evidence = {"pool_tokens": c.pool_tokens, "context_len": c.context_len,
-                    "max_req_input_len": c.max_req_input_len, "page_size": hello.page_size,
-                    "engine_version": hello.engine_version, "model": hello.model}
-        return [Finding("pool_smaller_than_context", severity_for(engine.role), engine, None, [], [], ts_ns,
-                        describe(engine, c), evidence)]
+        evidence = {
+            "pool_tokens": c.pool_tokens,
+            "context_len": c.context_len,
+            "max_req_input_len": c.max_req_input_len,
+            "page_size": hello.page_size,
+            "engine_version": hello.engine_version,
+            "model": hello.model,
+        }
+        return [
+            Finding(
+                "pool_smaller_than_context",
+                severity_for(engine.role),
+                engine,
+                None,
+                [],
+                [],
+                ts_ns,
+                describe(engine, c),
+                evidence,
+            )
+        ]

@@ -39,7 +39,20 @@ class TenantIsolationDetector:
             return []
         pages = sorted(p for party in parties for p in party.pages)
         tenants = ", ".join(sorted({p.tenant for p in parties}))
-        summary = (f"{engine.role} rank {engine.rank}: request {reader.rid} (tenant {reader.tenant}) read "
-                   f"{len(pages)} prefix-cache page(s) written by tenant(s) {tenants}, and tenants are declared isolated")
-        return [Finding("cross_tenant_prefix_share", WARNING, engine, reader_party(reader), pages, parties, ts_ns,
-                        summary, {"isolation": "declared"})]
+        summary = (
+            f"{engine.role} rank {engine.rank}: request {reader.rid} (tenant {reader.tenant}) read "
+            f"{len(pages)} prefix-cache page(s) written by tenant(s) {tenants}, and tenants are declared isolated"
+        )
+        return [
+            Finding(
+                "cross_tenant_prefix_share",
+                WARNING,
+                engine,
+                reader_party(reader),
+                pages,
+                parties,
+                ts_ns,
+                summary,
+                {"isolation": "declared"},
+            )
+        ]

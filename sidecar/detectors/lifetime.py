@@ -27,29 +27,59 @@ class WriteDetector:
         out = []
         if len(verdict.freed):
             pages = np.unique(verdict.freed)
-            out.append(Finding(
-                "use_after_free", CRITICAL, engine, reader_party(writer), [int(p) for p in pages],
-                exposed_parties(tracker, pages, writer.key), ts_ns,
-                f"{engine.role} rank {engine.rank}: request {writer.rid} (tenant {writer.tenant or '?'}) wrote KV "
-                f"into {len(pages)} page(s) that are free in the allocator", {"access": "write"}))
+            out.append(
+                Finding(
+                    "use_after_free",
+                    CRITICAL,
+                    engine,
+                    reader_party(writer),
+                    [int(p) for p in pages],
+                    exposed_parties(tracker, pages, writer.key),
+                    ts_ns,
+                    f"{engine.role} rank {engine.rank}: request {writer.rid} (tenant {writer.tenant or '?'}) wrote KV "
+                    f"into {len(pages)} page(s) that are free in the allocator",
+                    {"access": "write"},
+                )
+            )
         if len(verdict.foreign):
             pages = np.unique(verdict.foreign)
             owners = exposed_parties(tracker, pages, writer.key, by="owner")
-            out.append(Finding(
-                "late_write", CRITICAL, engine, reader_party(writer), [int(p) for p in pages], owners, ts_ns,
-                f"{engine.role} rank {engine.rank}: request {writer.rid} (tenant {writer.tenant or '?'}) wrote KV "
-                f"into {len(pages)} page(s) that now belong to {len(owners)} other request(s)", {"access": "write"}))
+            out.append(
+                Finding(
+                    "late_write",
+                    CRITICAL,
+                    engine,
+                    reader_party(writer),
+                    [int(p) for p in pages],
+                    owners,
+                    ts_ns,
+                    f"{engine.role} rank {engine.rank}: request {writer.rid} (tenant {writer.tenant or '?'}) wrote KV "
+                    f"into {len(pages)} page(s) that now belong to {len(owners)} other request(s)",
+                    {"access": "write"},
+                )
+            )
         return out
 
 
 class DoubleFreeDetector:
-    def observe(self, tracker: EngineTracker, engine: EngineRef, pages: np.ndarray, free_kind: str,
-                ts_ns: int) -> list[Finding]:
+    def observe(
+        self, tracker: EngineTracker, engine: EngineRef, pages: np.ndarray, free_kind: str, ts_ns: int
+    ) -> list[Finding]:
         if len(pages) == 0:
             return []
         pages = np.unique(pages)
         last = exposed_parties(tracker, pages, 0)
-        return [Finding(
-            "double_free", CRITICAL, engine, None, [int(p) for p in pages], last, ts_ns,
-            f"{engine.role} rank {engine.rank}: {len(pages)} page(s) freed while already free ({free_kind} path): "
-            f"the allocator may hand each to two requests", {"free_kind": free_kind})]
+        return [
+            Finding(
+                "double_free",
+                CRITICAL,
+                engine,
+                None,
+                [int(p) for p in pages],
+                last,
+                ts_ns,
+                f"{engine.role} rank {engine.rank}: {len(pages)} page(s) freed while already free ({free_kind} path): "
+                f"the allocator may hand each to two requests",
+                {"free_kind": free_kind},
+            )
+        ]

@@ -24,8 +24,13 @@ def reader_party(info: RequestInfo) -> Party:
     return Party(info.rid, info.tenant, info.room)
 
 
-def exposed_parties(tracker: EngineTracker, pages: np.ndarray, reader_key: int, by: str = "last_writer",
-                    column: np.ndarray | None = None) -> list[Party]:
+def exposed_parties(
+    tracker: EngineTracker,
+    pages: np.ndarray,
+    reader_key: int,
+    by: str = "last_writer",
+    column: np.ndarray | None = None,
+) -> list[Party]:
     """Group pages by the request whose data (or ownership) they carry, other than the reader.
     ``column``: those request keys per page as they were when the read happened, when the
     pool may have moved on since (a read judged late); else the pool's ``by`` column now."""
@@ -50,16 +55,27 @@ class ReadDetector:
         if verdict.reader.warmup:
             return []
         out = []
-        for kind, pages, by in (("unwritten_read", verdict.unwritten, "last_writer"),
-                                ("foreign_read", verdict.foreign, "owner"),
-                                ("use_after_free", verdict.freed, "last_writer")):
+        for kind, pages, by in (
+            ("unwritten_read", verdict.unwritten, "last_writer"),
+            ("foreign_read", verdict.foreign, "owner"),
+            ("use_after_free", verdict.freed, "last_writer"),
+        ):
             if len(pages):
                 column = verdict.unwritten_writers if kind == "unwritten_read" else None
                 out.append(self._finding(tracker, engine, verdict.reader, kind, pages, by, ts_ns, column))
         return out
 
-    def _finding(self, tracker: EngineTracker, engine: EngineRef, reader: RequestInfo, kind: str,
-                 pages: np.ndarray, by: str, ts_ns: int, column: np.ndarray | None = None) -> Finding:
+    def _finding(
+        self,
+        tracker: EngineTracker,
+        engine: EngineRef,
+        reader: RequestInfo,
+        kind: str,
+        pages: np.ndarray,
+        by: str,
+        ts_ns: int,
+        column: np.ndarray | None = None,
+    ) -> Finding:
         pages, first = np.unique(pages, return_index=True)
         column = None if column is None else np.asarray(column)[first]
         exposed = exposed_parties(tracker, pages, reader.key, by, column)
@@ -67,13 +83,26 @@ class ReadDetector:
             named = {p.rid for p in exposed}
             exposed += [p for p in exposed_parties(tracker, pages, reader.key) if p.rid not in named]
         tenants = sorted({p.tenant or "?" for p in exposed})
-        what = {"unwritten_read": "pages reserved for it that nothing wrote for it",
-                "foreign_read": "pages that belong to other requests",
-                "use_after_free": "pages that are free in the allocator"}[kind]
-        summary = (f"{engine.role} rank {engine.rank}: request {reader.rid} (tenant {reader.tenant or '?'}) read "
-                   f"{len(pages)} {what}")
+        what = {
+            "unwritten_read": "pages reserved for it that nothing wrote for it",
+            "foreign_read": "pages that belong to other requests",
+            "use_after_free": "pages that are free in the allocator",
+        }[kind]
+        summary = (
+            f"{engine.role} rank {engine.rank}: request {reader.rid} (tenant {reader.tenant or '?'}) read "
+            f"{len(pages)} {what}"
+        )
         if exposed:
             summary += f"; they hold data of {len(exposed)} other request(s) of tenant(s) {', '.join(tenants)}"
         severity = CRITICAL if exposed or kind != "unwritten_read" else WARNING
-        return Finding(kind, severity, engine, reader_party(reader), [int(p) for p in pages], exposed, ts_ns, summary,
-                       {"reader_prompt_tokens": reader.prompt_tokens, "reader_rejected": reader.rejected})
+        return Finding(
+            kind,
+            severity,
+            engine,
+            reader_party(reader),
+            [int(p) for p in pages],
+            exposed,
+            ts_ns,
+            summary,
+            {"reader_prompt_tokens": reader.prompt_tokens, "reader_rejected": reader.rejected},
+        )

@@ -31,7 +31,10 @@ def tier1_findings(tracker: EngineTracker, engine: EngineRef, v: wire.Tier1Viola
     reader = reader_party(info) if info is not None else Party(f"key:{v.reader_key:016x}", "", None)
     pages = v.pages.astype(np.int64)
     out = []
-    for kind, mask in (("foreign_read", v.tags != wire.Tier1Tag.FREE), ("use_after_free", v.tags == wire.Tier1Tag.FREE)):
+    for kind, mask in (
+        ("foreign_read", v.tags != wire.Tier1Tag.FREE),
+        ("use_after_free", v.tags == wire.Tier1Tag.FREE),
+    ):
         if not mask.any():
             continue
         exposed = []
@@ -40,14 +43,36 @@ def tier1_findings(tracker: EngineTracker, engine: EngineRef, v: wire.Tier1Viola
                 continue
             owner = tracker.requests.get(int(key))
             owned = sorted(int(p) for p in pages[mask & (v.owner_keys == key)])
-            exposed.append(Party(owner.rid if owner else f"key:{int(key):016x}", owner.tenant if owner else "",
-                                 owner.room if owner else None, owned))
+            exposed.append(
+                Party(
+                    owner.rid if owner else f"key:{int(key):016x}",
+                    owner.tenant if owner else "",
+                    owner.room if owner else None,
+                    owned,
+                )
+            )
         if not exposed and tracker.hello is not None:  # no live owner: whoever's data the page holds
             exposed = exposed_parties(tracker, tracker.pool.ensure(pages[mask]), v.reader_key)
         what = "pages of other requests" if kind == "foreign_read" else "pages that are free in the allocator"
-        summary = (f"{engine.role} rank {engine.rank}: the engine's own read check (Tier 1) saw request "
-                   f"{reader.rid} (tenant {reader.tenant or '?'}) read {int(mask.sum())} {what}")
-        out.append(Finding(kind, CRITICAL, engine, reader, sorted(int(p) for p in pages[mask]), exposed, ts_ns,
-                           summary, {"source": "engine_tier1", "row_page_indices": v.row_indices[mask].tolist(),
-                                     "engine_violations_total": int(v.violations_total)}))
+        summary = (
+            f"{engine.role} rank {engine.rank}: the engine's own read check (Tier 1) saw request "
+            f"{reader.rid} (tenant {reader.tenant or '?'}) read {int(mask.sum())} {what}"
+        )
+        out.append(
+            Finding(
+                kind,
+                CRITICAL,
+                engine,
+                reader,
+                sorted(int(p) for p in pages[mask]),
+                exposed,
+                ts_ns,
+                summary,
+                {
+                    "source": "engine_tier1",
+                    "row_page_indices": v.row_indices[mask].tolist(),
+                    "engine_violations_total": int(v.violations_total),
+                },
+            )
+        )
     return out

@@ -37,18 +37,28 @@ class TransferSizeDetector:
         if row is not None:
             filled = set(int(i) for i in pairing.written_row_pages)
             unfilled = [int(p) for i, p in enumerate(row.pages[: pairing.reserved_pages]) if i not in filled and p > 0]
-        summary = (f"decode rank {engine.rank}: transfer for request {reader.rid} (room {pairing.room}) "
-                   f"carried {pairing.sent_tokens} tokens into {pairing.reserved_tokens} reserved "
-                   f"({pairing.sent_pages} of {pairing.reserved_pages} pages)")
-        evidence = {"sent_tokens": pairing.sent_tokens, "reserved_tokens": pairing.reserved_tokens,
-                    "sent_pages": pairing.sent_pages, "reserved_pages": pairing.reserved_pages}
-        return [Finding("transfer_size_mismatch", CRITICAL, engine, reader_party(reader), unfilled, [], ts_ns,
-                        summary, evidence)]
+        summary = (
+            f"decode rank {engine.rank}: transfer for request {reader.rid} (room {pairing.room}) "
+            f"carried {pairing.sent_tokens} tokens into {pairing.reserved_tokens} reserved "
+            f"({pairing.sent_pages} of {pairing.reserved_pages} pages)"
+        )
+        evidence = {
+            "sent_tokens": pairing.sent_tokens,
+            "reserved_tokens": pairing.reserved_tokens,
+            "sent_pages": pairing.sent_pages,
+            "reserved_pages": pairing.reserved_pages,
+        }
+        return [
+            Finding(
+                "transfer_size_mismatch", CRITICAL, engine, reader_party(reader), unfilled, [], ts_ns, summary, evidence
+            )
+        ]
 
 
 class ChecksumDetector:
-    def observe(self, tracker: EngineTracker, engine: EngineRef, state: RoomState, verdict: DigestVerdict,
-                ts_ns: int) -> list[Finding]:
+    def observe(
+        self, tracker: EngineTracker, engine: EngineRef, state: RoomState, verdict: DigestVerdict, ts_ns: int
+    ) -> list[Finding]:
         if verdict.match or state.warmup:
             return []
         reader = tracker.requests.get_or_stub(state.receiver_key)
@@ -56,21 +66,29 @@ class ChecksumDetector:
             return []
         pages = _held_pages(state)
         alg = ALG_NAMES.get(verdict.alg, str(verdict.alg))
-        summary = (f"decode rank {engine.rank}: KV received for request {reader.rid} (room {state.room}) differs "
-                   f"from what prefill sent: {alg} digest {verdict.receiver:016x} over tokens "
-                   f"[{verdict.receiver_range[0]}, {verdict.receiver_range[1]}) vs {verdict.sender:016x} over "
-                   f"[{verdict.sender_range[0]}, {verdict.sender_range[1]}) ({len(pages)} pages)")
-        evidence = {"alg": alg, "sender_digest": f"{verdict.sender:016x}",
-                    "receiver_digest": f"{verdict.receiver:016x}",
-                    "sender_tokens": list(verdict.sender_range), "receiver_tokens": list(verdict.receiver_range),
-                    "bootstrap_room": state.room}
-        return [Finding("checksum_mismatch", CRITICAL, engine, reader_party(reader), pages, [], ts_ns, summary,
-                        evidence)]
+        summary = (
+            f"decode rank {engine.rank}: KV received for request {reader.rid} (room {state.room}) differs "
+            f"from what prefill sent: {alg} digest {verdict.receiver:016x} over tokens "
+            f"[{verdict.receiver_range[0]}, {verdict.receiver_range[1]}) vs {verdict.sender:016x} over "
+            f"[{verdict.sender_range[0]}, {verdict.sender_range[1]}) ({len(pages)} pages)"
+        )
+        evidence = {
+            "alg": alg,
+            "sender_digest": f"{verdict.sender:016x}",
+            "receiver_digest": f"{verdict.receiver:016x}",
+            "sender_tokens": list(verdict.sender_range),
+            "receiver_tokens": list(verdict.receiver_range),
+            "bootstrap_room": state.room,
+        }
+        return [
+            Finding("checksum_mismatch", CRITICAL, engine, reader_party(reader), pages, [], ts_ns, summary, evidence)
+        ]
 
 
 class OrphanDetector:
-    def observe(self, tracker: EngineTracker, engine: EngineRef, state: RoomState, timeout_s: float,
-                ts_ns: int) -> list[Finding]:
+    def observe(
+        self, tracker: EngineTracker, engine: EngineRef, state: RoomState, timeout_s: float, ts_ns: int
+    ) -> list[Finding]:
         reader = tracker.requests.get_or_stub(state.receiver_key)
         if reader.warmup or state.warmup:
             return []
@@ -81,18 +99,34 @@ class OrphanDetector:
             why = f"prefill's request ended ({state.sender_gave_up}) without sending, {timeout_s:g} s ago or more"
         else:
             why = f"no prefill engine reported the room within {timeout_s:g} s"
-        summary = (f"decode rank {engine.rank}: {len(pages)} pages reserved for request {reader.rid} "
-                   f"(room {state.room}, {state.reserved_tokens} tokens) are held for a transfer that will not "
-                   f"come: {why}")
-        evidence = {"bootstrap_room": state.room, "reserved_tokens": state.reserved_tokens,
-                    "held_pages": len(pages), "sender": state.sender_gave_up or "never reported",
-                    "timeout_s": timeout_s}
-        return [Finding("orphan_transfer", WARNING, engine, reader_party(reader), pages, [], ts_ns, summary,
-                        evidence)]
+        summary = (
+            f"decode rank {engine.rank}: {len(pages)} pages reserved for request {reader.rid} "
+            f"(room {state.room}, {state.reserved_tokens} tokens) are held for a transfer that will not "
+            f"come: {why}"
+        )
+        evidence = {
+            "bootstrap_room": state.room,
+            "reserved_tokens": state.reserved_tokens,
+            "held_pages": len(pages),
+            "sender": state.sender_gave_up or "never reported",
+            "timeout_s": timeout_s,
+        }
+        return [Finding("orphan_transfer", WARNING, engine, reader_party(reader), pages, [], ts_ns, summary, evidence)]
 
 
 def ledger_degraded_finding(url: str, error: str, waiting: int, ts_ns: int) -> Finding:
-    summary = (f"shared transfer ledger {url} unreachable ({error}): transfers cannot be paired with the other "
-               f"pod; {waiting} wait for it (bounded), local detection continues")
-    return Finding("ledger_degraded", WARNING, EngineRef("sidecar", 0, 0), None, [], [], ts_ns, summary,
-                   {"ledger": url, "error": error, "transfers_waiting": waiting})
+    summary = (
+        f"shared transfer ledger {url} unreachable ({error}): transfers cannot be paired with the other "
+        f"pod; {waiting} wait for it (bounded), local detection continues"
+    )
+    return Finding(
+        "ledger_degraded",
+        WARNING,
+        EngineRef("sidecar", 0, 0),
+        None,
+        [],
+        [],
+        ts_ns,
+        summary,
+        {"ledger": url, "error": error, "transfers_waiting": waiting},
+    )

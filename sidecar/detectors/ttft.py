@@ -100,7 +100,7 @@ class Samples:
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(uncached, ttft_ns) of the samples held, in no particular order."""
-        return self.uncached[:self._n], self.ttft_ns[:self._n]
+        return self.uncached[: self._n], self.ttft_ns[: self._n]
 
 
 def _arrays(samples) -> tuple[np.ndarray, np.ndarray]:
@@ -155,9 +155,19 @@ class Suspect:
 
 
 class TTFTDetector:
-    def __init__(self, min_tokens: int = 32, warmup: int = 20, factor: float = 4.0, window: int = 512,
-                 enabled: bool = True, confirm: int = 5, certain_factor: float = 32.0,
-                 max_wait_ns: int = 300_000_000_000, max_suspects: int = 256, prefill_evidence=None):
+    def __init__(
+        self,
+        min_tokens: int = 32,
+        warmup: int = 20,
+        factor: float = 4.0,
+        window: int = 512,
+        enabled: bool = True,
+        confirm: int = 5,
+        certain_factor: float = 32.0,
+        max_wait_ns: int = 300_000_000_000,
+        max_suspects: int = 256,
+        prefill_evidence=None,
+    ):
         self.enabled = enabled
         if factor <= 1:
             raise ValueError(f"ttft factor must be > 1, got {factor}")
@@ -179,8 +189,14 @@ class TTFTDetector:
         uncached = info.prompt_tokens - info.cached_tokens
         if not self.enabled or engine.role == "decode":
             return []  # decode never prefills: its "TTFT" is the transfer wait (the ledger judges transfers)
-        if (info.warmup or not info.known or info.reprefilled or info.ttft_ns <= 0 or uncached < self.min_tokens
-                or info.finish not in NORMAL_FINISH):
+        if (
+            info.warmup
+            or not info.known
+            or info.reprefilled
+            or info.ttft_ns <= 0
+            or uncached < self.min_tokens
+            or info.finish not in NORMAL_FINISH
+        ):
             return []
         model = self.models.setdefault(engine_id, TTFTModel(self.window))
         waiting = self.suspects.setdefault(engine_id, [])
@@ -195,8 +211,9 @@ class TTFTDetector:
                     self.suspects_explained += 1
                     model.samples.append((uncached, info.ttft_ns))
                     return self._settle(engine_id, ts_ns)
-                suspect = Suspect(engine, reader_party(info), info, uncached, floor, len(model.samples), ts_ns,
-                                  written=written)
+                suspect = Suspect(
+                    engine, reader_party(info), info, uncached, floor, len(model.samples), ts_ns, written=written
+                )
                 if info.ttft_ns * self.certain_factor < floor:
                     found.append(self._finding(suspect, floor, "past", ts_ns))
                 else:
@@ -251,8 +268,11 @@ class TTFTDetector:
         floor = _floor_ns(pool, s.uncached, 10.0, 5 if final else self.confirm)
         if floor is None and final:
             floor = s.past_floor_ns
-        if floor is not None and pool and self._too_fast(s.info.ttft_ns, s.uncached, floor,
-                                                         _floor_ns_per_token(pool, 10.0)):
+        if (
+            floor is not None
+            and pool
+            and self._too_fast(s.info.ttft_ns, s.uncached, floor, _floor_ns_per_token(pool, 10.0))
+        ):
             return [self._finding(s, floor, basis, ts_ns)]
         self.suspects_cleared += 1
         if model is not None:
@@ -261,15 +281,25 @@ class TTFTDetector:
 
     def _finding(self, s: Suspect, floor: float, basis: str, ts_ns: int) -> Finding:
         info, uncached, engine = s.info, s.uncached, s.engine
-        summary = (f"{engine.role} rank {engine.rank}: request {info.rid} (tenant {info.tenant or '?'}) got its first "
-                   f"token after {info.ttft_ns / 1e6:.1f} ms for {uncached} uncached prompt tokens; requests with "
-                   f"{uncached // 8}-{uncached} uncached tokens took at least {floor / 1e6:.1f} ms here (10th "
-                   f"percentile): was the prompt really prefilled?")
-        evidence = {"ttft_ns": info.ttft_ns, "uncached_tokens": uncached, "prompt_tokens": info.prompt_tokens,
-                    "ns_per_token": round(info.ttft_ns / uncached, 1), "floor_ttft_ns": round(floor, 1),
-                    "past_floor_ttft_ns": round(s.past_floor_ns, 1), "floor_basis": basis,
-                    "later_requests": len(s.later), "factor": self.factor, "samples": s.samples,
-                    "prompt_pages_written": None if s.written is None else s.written[0],
-                    "uncached_prompt_pages": None if s.written is None else s.written[1],
-                    "reader_rejected": info.rejected}
+        summary = (
+            f"{engine.role} rank {engine.rank}: request {info.rid} (tenant {info.tenant or '?'}) got its first "
+            f"token after {info.ttft_ns / 1e6:.1f} ms for {uncached} uncached prompt tokens; requests with "
+            f"{uncached // 8}-{uncached} uncached tokens took at least {floor / 1e6:.1f} ms here (10th "
+            f"percentile): was the prompt really prefilled?"
+        )
+        evidence = {
+            "ttft_ns": info.ttft_ns,
+            "uncached_tokens": uncached,
+            "prompt_tokens": info.prompt_tokens,
+            "ns_per_token": round(info.ttft_ns / uncached, 1),
+            "floor_ttft_ns": round(floor, 1),
+            "past_floor_ttft_ns": round(s.past_floor_ns, 1),
+            "floor_basis": basis,
+            "later_requests": len(s.later),
+            "factor": self.factor,
+            "samples": s.samples,
+            "prompt_pages_written": None if s.written is None else s.written[0],
+            "uncached_prompt_pages": None if s.written is None else s.written[1],
+            "reader_rejected": info.rejected,
+        }
         return Finding("ttft_anomaly", WARNING, engine, s.reader, [], [], ts_ns, summary, evidence)

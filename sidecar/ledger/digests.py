@@ -65,13 +65,21 @@ class DigestSum:
 
     # --------------------------------------------------------------- (de)serialising for the shared ledger
     def to_json(self) -> list:
-        return [[alg, start, p.head_count, p.digest, p.token_start, p.token_end, p.layers, p.total_heads]
-                for alg, parts in self.by_alg.items() for start, p in parts.items()]
+        return [
+            [alg, start, p.head_count, p.digest, p.token_start, p.token_end, p.layers, p.total_heads]
+            for alg, parts in self.by_alg.items()
+            for start, p in parts.items()
+        ]
 
     @staticmethod
     def entry_ok(e) -> bool:
-        return (isinstance(e, list) and len(e) == 8 and all(type(v) is int and 0 <= v <= MASK64 for v in e)
-                and e[1] + e[2] <= e[7] and e[4] <= e[5])
+        return (
+            isinstance(e, list)
+            and len(e) == 8
+            and all(type(v) is int and 0 <= v <= MASK64 for v in e)
+            and e[1] + e[2] <= e[7]
+            and e[4] <= e[5]
+        )
 
 
 @dataclass(slots=True)

@@ -137,8 +137,14 @@ class Pairing:
 
 
 class TransferLedger:
-    def __init__(self, max_rooms: int = 100_000, max_closed: int = 10_000, grace_ns: int = 2_000_000_000,
-                 orphan_timeout_ns: int = 120_000_000_000, max_bytes: int = DEFAULT_MAX_BYTES):
+    def __init__(
+        self,
+        max_rooms: int = 100_000,
+        max_closed: int = 10_000,
+        grace_ns: int = 2_000_000_000,
+        orphan_timeout_ns: int = 120_000_000_000,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ):
         self.rooms: dict[int, RoomState] = {}
         # the byte bound: rooms are charged as they grow; past max_bytes the charge is recounted
         # exactly and the oldest rooms go (closed ones first) down to 3/4 of it
@@ -252,15 +258,20 @@ class TransferLedger:
         """For a chunk sent after its receiver gave up: the room and the decode pages it lands in.
         (A receiver that reported success had all the bytes: nothing after that is late.)"""
         state = self.closed.get(x.room)
-        if (state is None or state.reserved_pages is None or state.done_status == wire.XferStatus.SUCCESS
-                or (state.sender_key and state.sender_key != x.req_key)):
+        if (
+            state is None
+            or state.reserved_pages is None
+            or state.done_status == wire.XferStatus.SUCCESS
+            or (state.sender_key and state.sender_key != x.req_key)
+        ):
             return None
         first, end = x.token_start // page_size, -(-x.token_end // page_size)
-        return state, state.reserved_pages[first:min(end, len(state.reserved_pages))].astype(np.int64)
+        return state, state.reserved_pages[first : min(end, len(state.reserved_pages))].astype(np.int64)
 
     # ------------------------------------------------------------------ sender side
-    def on_sender_begin(self, engine_id: int, req_key: int, room: int, warmup: bool, rid: str = "",
-                        tenant: str = "") -> RoomState:
+    def on_sender_begin(
+        self, engine_id: int, req_key: int, room: int, warmup: bool, rid: str = "", tenant: str = ""
+    ) -> RoomState:
         self.sender_engines_seen.add(engine_id)
         state = self.find(room, sender_key=req_key) or self._room(room, sender_key=req_key)
         state.sender_key = req_key
@@ -298,8 +309,9 @@ class TransferLedger:
             self._orphan_checks = heapq.nsmallest(2 * self.max_rooms, self._orphan_checks)
             heapq.heapify(self._orphan_checks)
 
-    def on_sender_gave_up(self, req_key: int, room: int, reason: str, ts_ns: int,
-                          ended: bool = False) -> RoomState | None:
+    def on_sender_gave_up(
+        self, req_key: int, room: int, reason: str, ts_ns: int, ended: bool = False
+    ) -> RoomState | None:
         """The sending request was rejected or aborted (``ended``: and has ended) before its last
         chunk. Returns the room when its receiver holds pages that nothing will fill now.
 
@@ -354,8 +366,9 @@ class TransferLedger:
             state.receiver_ended = True
             self._close(self.rooms.pop(room))
 
-    def on_receiver_done(self, x: wire.XferDone, page_size: int, ts_ns: int = 0,
-                         grace_ns: int | None = None) -> Pairing | None:
+    def on_receiver_done(
+        self, x: wire.XferDone, page_size: int, ts_ns: int = 0, grace_ns: int | None = None
+    ) -> Pairing | None:
         state = self.rooms.get(x.room)
         if state is not None and state.receiver_key and state.receiver_key != x.req_key:
             return None  # the room now serves another request; this result is of an older one
@@ -377,17 +390,37 @@ class TransferLedger:
             # SGLang's fake-bootstrap warmup: no sender exists and nothing is written into the pages
             # (their last writer stays whoever wrote them before); its own reads are never alarmed
             self._count(state, "warmup")
-            return Pairing(state.room, state.receiver_key, np.zeros(0, np.int64), 0, state.reserved_tokens, 0,
-                           n_reserved, verified=False, receiver_engine=state.receiver_engine, state=state)
+            return Pairing(
+                state.room,
+                state.receiver_key,
+                np.zeros(0, np.int64),
+                0,
+                state.reserved_tokens,
+                0,
+                n_reserved,
+                verified=False,
+                receiver_engine=state.receiver_engine,
+                state=state,
+            )
         if not state.chunks and not self.expects_sender():
             self._count(state, "unverified")
             return self._unverified(state)
         if not state.sent_last:
             state.deadline_ns = ts_ns + (self.grace_ns if grace_ns is None else grace_ns)
             self.pending[x.room] = state
-            return Pairing(x.room, state.receiver_key, np.arange(n_reserved), state.reserved_tokens,
-                           state.reserved_tokens, n_reserved, n_reserved, verified=False, provisional=True,
-                           receiver_engine=state.receiver_engine, state=state)
+            return Pairing(
+                x.room,
+                state.receiver_key,
+                np.arange(n_reserved),
+                state.reserved_tokens,
+                state.reserved_tokens,
+                n_reserved,
+                n_reserved,
+                verified=False,
+                provisional=True,
+                receiver_engine=state.receiver_engine,
+                state=state,
+            )
         return self._pair(state, page_size)
 
     # ------------------------------------------------------------------ digests
@@ -400,8 +433,11 @@ class TransferLedger:
             state.sender_key = x.req_key
         ends = state.sender_digest if x.side == wire.Side.SENDER else state.receiver_digest
         parts = sum(len(p) for p in ends.by_alg.values())
-        ends.add(int(x.alg), x.head_start, Partial(x.head_count, x.digest, x.token_start, x.token_end, x.layers,
-                                                     x.total_heads))
+        ends.add(
+            int(x.alg),
+            x.head_start,
+            Partial(x.head_count, x.digest, x.token_start, x.token_end, x.layers, x.total_heads),
+        )
         if sum(len(p) for p in ends.by_alg.values()) > parts:
             self._charge(state, PART_BYTES)
         return self.compare(state)
@@ -462,8 +498,9 @@ class TransferLedger:
         elif state.sender_gave_up:
             hit = now_ns - max(state.sender_gave_up_ns, state.reserve_ns) >= self.orphan_timeout_ns
         else:
-            hit = (not state.sender_began and self.expects_sender()
-                   and now_ns - state.reserve_ns >= self.orphan_timeout_ns)
+            hit = (
+                not state.sender_began and self.expects_sender() and now_ns - state.reserve_ns >= self.orphan_timeout_ns
+            )
         state.orphan_reported = hit
         return hit
 
@@ -485,8 +522,18 @@ class TransferLedger:
 
     def _unverified(self, state: RoomState) -> Pairing:
         n = len(state.reserved_pages)
-        return Pairing(state.room, state.receiver_key, np.arange(n), state.reserved_tokens, state.reserved_tokens,
-                       n, n, verified=False, receiver_engine=state.receiver_engine, state=state)
+        return Pairing(
+            state.room,
+            state.receiver_key,
+            np.arange(n),
+            state.reserved_tokens,
+            state.reserved_tokens,
+            n,
+            n,
+            verified=False,
+            receiver_engine=state.receiver_engine,
+            state=state,
+        )
 
     def _pair(self, state: RoomState, page_size: int) -> Pairing:
         if state.overflowed:  # chunks were not kept: whatever the verdict, it would rest on a part of them
@@ -502,16 +549,26 @@ class TransferLedger:
         rows = np.unique(np.concatenate(written)) if written else np.zeros(0, np.int64)
         # no chunk at all: a local sender was expected and none matched (judged as nothing written)
         self._count(state, "paired" if state.chunks else "unpaired")
-        return Pairing(state.room, state.receiver_key, rows, sent_tokens, state.reserved_tokens,
-                       sum(c.num_pages for c in state.chunks), n_reserved, verified=True,
-                       receiver_engine=state.receiver_engine, state=state)
+        return Pairing(
+            state.room,
+            state.receiver_key,
+            rows,
+            sent_tokens,
+            state.reserved_tokens,
+            sum(c.num_pages for c in state.chunks),
+            n_reserved,
+            verified=True,
+            receiver_engine=state.receiver_engine,
+            state=state,
+        )
 
 
 def _fits(state: RoomState, sender_key: int | None, receiver_key: int | None) -> bool:
     """Whether an event with these keys can belong to this story: a side that already named
     another key means another attempt uses the room number."""
-    return ((sender_key is None or not state.sender_key or state.sender_key == sender_key)
-            and (receiver_key is None or not state.receiver_key or state.receiver_key == receiver_key))
+    return (sender_key is None or not state.sender_key or state.sender_key == sender_key) and (
+        receiver_key is None or not state.receiver_key or state.receiver_key == receiver_key
+    )
 
 
 def _add_chunk(state: RoomState, chunk: SentChunk) -> bool:

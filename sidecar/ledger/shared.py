@@ -107,18 +107,37 @@ def valid_fact(fact, side: str, room: int) -> bool:
     if side == "sender":
         chunks = fact.get("chunks", [])
         ok_chunks = isinstance(chunks, list) and all(
-            isinstance(c, list) and len(c) == 4 and all(type(v) is int and 0 <= v <= MAX_U64 for v in c)
-            and c[0] <= c[1] for c in chunks)
-        return (ok_chunks and isinstance(fact.get("began"), bool) and isinstance(fact.get("warmup"), bool)
-                and isinstance(fact.get("ended"), bool) and fact.get("gave_up") in ("", "reject", "abort"))
+            isinstance(c, list)
+            and len(c) == 4
+            and all(type(v) is int and 0 <= v <= MAX_U64 for v in c)
+            and c[0] <= c[1]
+            for c in chunks
+        )
+        return (
+            ok_chunks
+            and isinstance(fact.get("began"), bool)
+            and isinstance(fact.get("warmup"), bool)
+            and isinstance(fact.get("ended"), bool)
+            and fact.get("gave_up") in ("", "reject", "abort")
+        )
     return type(fact.get("reserved_tokens")) is int and type(fact.get("status")) is int
 
 
 class SharedLedger:
-    def __init__(self, url: str, cluster: str = "default", pod: str | None = None, ttl_s: int = 900,
-                 max_outbox: int = 20_000, max_watch: int = 50_000, queue_size: int = 100_000,
-                 poll_interval_s: float = 0.05, timeout_s: float = 1.0, degrade_after_s: float = 2.0,
-                 client=None):
+    def __init__(
+        self,
+        url: str,
+        cluster: str = "default",
+        pod: str | None = None,
+        ttl_s: int = 900,
+        max_outbox: int = 20_000,
+        max_watch: int = 50_000,
+        queue_size: int = 100_000,
+        poll_interval_s: float = 0.05,
+        timeout_s: float = 1.0,
+        degrade_after_s: float = 2.0,
+        client=None,
+    ):
         import redis
 
         if not cluster or any(c in cluster for c in ": \n"):
@@ -131,8 +150,12 @@ class SharedLedger:
         self.ttl_s = ttl_s
         # a password from the environment (a Secret), so that the URL in the ConfigMap carries none
         password = os.environ.get("KVGUARD_LEDGER_PASSWORD") or None
-        self.client = client or redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                                     **({"password": password} if password else {}))
+        self.client = client or redis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            **({"password": password} if password else {}),
+        )
         self.poll_interval_s = poll_interval_s
         self.degrade_after_ns = int(degrade_after_s * 1e9)
         self.max_outbox, self.max_watch = max_outbox, max_watch
@@ -241,8 +264,11 @@ class SharedLedger:
                     self._stop.wait(backoff)
                     continue
                 if not self.degraded:
-                    log.warning("shared ledger %s unreachable (%s): pairing with the other pod is degraded",
-                                self.display_url, self.last_error)
+                    log.warning(
+                        "shared ledger %s unreachable (%s): pairing with the other pod is degraded",
+                        self.display_url,
+                        self.last_error,
+                    )
                 self.degraded = True
                 backoff = min(backoff * 2, 2.0)
                 self._stop.wait(backoff)
@@ -278,7 +304,7 @@ class SharedLedger:
             if self._outbox.get(key) == value:  # not replaced by a newer snapshot meanwhile
                 del self._outbox[key]
             self.published += 1
-        for (key, w), raw in zip(watched, replies[2 * len(sending):]):
+        for (key, w), raw in zip(watched, replies[2 * len(sending) :]):
             if not raw or raw == w[3]:
                 continue
             w[3] = raw
@@ -292,8 +318,11 @@ class SharedLedger:
                     facts.append(fact)
                 else:
                     self.bad_facts += 1
-                    log.warning("shared ledger: ignoring a value in %s field %r that this version did not write",
-                                key, field[:64])
+                    log.warning(
+                        "shared ledger: ignoring a value in %s field %r that this version did not write",
+                        key,
+                        field[:64],
+                    )
             if facts:
                 self.fetched += 1
                 self._results.append((w[0], w[1], facts))

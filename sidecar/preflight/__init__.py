@@ -7,23 +7,39 @@ context length (the incident's precondition), directly or through SGLang's route
 """
 
 from .checks import (
-                     EXIT_CODES,
-                     EXIT_POOL_SMALLER,
-                     EXIT_SAFE,
-                     EXIT_UNKNOWN,
-                     POOL_SMALLER,
-                     SAFE,
-                     UNKNOWN,
-                     PreflightError,
-                     Report,
-                     check,
-                     evaluate,
-                     normalize_url,
-                     read_token,
+    EXIT_CODES,
+    EXIT_POOL_SMALLER,
+    EXIT_SAFE,
+    EXIT_UNKNOWN,
+    POOL_SMALLER,
+    SAFE,
+    UNKNOWN,
+    PreflightError,
+    Report,
+    check,
+    evaluate,
+    normalize_url,
+    read_token,
 )
 from .cli import register, run
 from .render import render_text, worst_exit
 
-__all__ = ["EXIT_CODES", "EXIT_POOL_SMALLER", "EXIT_SAFE", "EXIT_UNKNOWN", "POOL_SMALLER", "SAFE", "UNKNOWN",
-           "PreflightError", "Report", "check", "evaluate", "normalize_url", "read_token", "register", "run",
-           "render_text", "worst_exit"]
+__all__ = [
+    "EXIT_CODES",
+    "EXIT_POOL_SMALLER",
+    "EXIT_SAFE",
+    "EXIT_UNKNOWN",
+    "POOL_SMALLER",
+    "SAFE",
+    "UNKNOWN",
+    "PreflightError",
+    "Report",
+    "check",
+    "evaluate",
+    "normalize_url",
+    "read_token",
+    "register",
+    "run",
+    "render_text",
+    "worst_exit",
+]

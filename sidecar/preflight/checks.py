@@ -214,8 +214,10 @@ def read_token(token_file: str | None, environ: dict[str, str] | None = None) ->
             with open(path, encoding="utf-8") as f:
                 token = f.read().strip()
         except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"cannot read the bearer token file {path!r}: {exc.__class__.__name__}: "
-                             f"{getattr(exc, 'strerror', None) or exc}") from None
+            raise ValueError(
+                f"cannot read the bearer token file {path!r}: {exc.__class__.__name__}: "
+                f"{getattr(exc, 'strerror', None) or exc}"
+            ) from None
         source = f"bearer token file {path!r}"
     elif env.get(TOKEN_ENV):
         token = env[TOKEN_ENV].strip()
@@ -259,8 +261,9 @@ def _get_json(client: httpx.Client, base: str, path: str, deadline: float, timeo
         if r.status_code in (401, 403):
             hint = f" (the server wants a bearer token: --bearer-token-file or ${TOKEN_ENV})"
         body = _one_line(r.text, _SNIPPET)
-        raise PreflightError(f"GET {path} answered HTTP {r.status_code}{hint}" + (f": {body}" if body else ""),
-                             status=r.status_code)
+        raise PreflightError(
+            f"GET {path} answered HTTP {r.status_code}{hint}" + (f": {body}" if body else ""), status=r.status_code
+        )
     try:
         return r.json()
     except ValueError:
@@ -357,36 +360,43 @@ def _evaluate(rep: Report, info: Any, models: Any, models_error: str | None) -> 
             rep.notes.append(
                 f"context lengths disagree: {SERVER_INFO_PATH} context_length={cli_ctx} is the launch value, "
                 f"{MODELS_PATH} max_model_len={rep.model_max_len} is what the server enforces; using "
-                f"{rep.model_max_len}")
+                f"{rep.model_max_len}"
+            )
     elif cli_ctx is not None:
         rep.context_len, rep.context_source = cli_ctx, SERVER_INFO_PATH
         why = models_error or f"{MODELS_PATH} lists no max_model_len"
-        rep.notes.append(f"effective context length unavailable ({why}); using {SERVER_INFO_PATH} "
-                         f"context_length={cli_ctx}, the launch value")
+        rep.notes.append(
+            f"effective context length unavailable ({why}); using {SERVER_INFO_PATH} "
+            f"context_length={cli_ctx}, the launch value"
+        )
     else:
         why = models_error or f"{MODELS_PATH} lists no max_model_len"
-        raise PreflightError(f"no context length: {why}, and {SERVER_INFO_PATH} context_length is "
-                             f"{'null' if 'context_length' in info else 'missing'}")
+        raise PreflightError(
+            f"no context length: {why}, and {SERVER_INFO_PATH} context_length is "
+            f"{'null' if 'context_length' in info else 'missing'}"
+        )
 
     c = PoolVsContext(pool, rep.context_len, rep.max_req_input_len or 0)
     if c.pool_smaller:
         rep.verdict, rep.severity = POOL_SMALLER, severity_for(rep.role or "")
         limit = rep.max_req_input_len if rep.max_req_input_len is not None else pool
-        rep.reason = (f"KV pool holds {pool} tokens but the context length is {rep.context_len} "
-                      f"({c.ratio:.2f}x): prompts longer than {limit} tokens fit the context but not the pool "
-                      f"and take the engine's reject path")
+        rep.reason = (
+            f"KV pool holds {pool} tokens but the context length is {rep.context_len} "
+            f"({c.ratio:.2f}x): prompts longer than {limit} tokens fit the context but not the pool "
+            f"and take the engine's reject path"
+        )
         vt = _version_tuple(rep.version)
         if vt is not None and vt < FIRST_FIXED_SGLANG and rep.role == "prefill":
-            rep.notes.append(f"SGLang {rep.version} predates the upstream fixes of this reject path "
-                             f"(0.5.20, 0.5.21): in prefill/decode mode it leaked other requests' KV")
+            rep.notes.append(
+                f"SGLang {rep.version} predates the upstream fixes of this reject path "
+                f"(0.5.20, 0.5.21): in prefill/decode mode it leaked other requests' KV"
+            )
     else:
         rep.verdict = SAFE
-        rep.reason = (f"KV pool holds {pool} tokens, at least the context length {rep.context_len} "
-                      f"({c.ratio:.2f}x)")
+        rep.reason = f"KV pool holds {pool} tokens, at least the context length {rep.context_len} ({c.ratio:.2f}x)"
 
 
-def _probe(client: httpx.Client, base: str, deadline: float, timeout_s: float,
-           follow_router: bool) -> tuple[str, Any]:
+def _probe(client: httpx.Client, base: str, deadline: float, timeout_s: float, follow_router: bool) -> tuple[str, Any]:
     """``("server", (server_info, models, models_error))`` or ``("router", GET /workers body)``.
 
     SGLang's router answers ``/server_info`` with 404 and lists its workers at ``/workers``
@@ -401,12 +411,16 @@ def _probe(client: httpx.Client, base: str, deadline: float, timeout_s: float,
             body = _get_json(client, base, router.WORKERS_PATH, deadline, timeout_s)
         except PreflightError as wexc:
             if wexc.status == 404:
-                raise PreflightError(f"{exc}; GET {router.WORKERS_PATH} answered HTTP 404 too: neither an SGLang "
-                                     f"server nor SGLang's router at this URL") from None
+                raise PreflightError(
+                    f"{exc}; GET {router.WORKERS_PATH} answered HTTP 404 too: neither an SGLang "
+                    f"server nor SGLang's router at this URL"
+                ) from None
             raise PreflightError(f"{exc}; as SGLang's router: {wexc}") from None
         if not router.is_router_listing(body):
-            raise PreflightError(f"{exc}; GET {router.WORKERS_PATH} answered without a router's 'workers' list: "
-                                 f"neither an SGLang server nor SGLang's router at this URL") from None
+            raise PreflightError(
+                f"{exc}; GET {router.WORKERS_PATH} answered without a router's 'workers' list: "
+                f"neither an SGLang server nor SGLang's router at this URL"
+            ) from None
         return "router", body
     if follow_router and isinstance(info, dict) and "max_total_num_tokens" not in info:
         # Not a server's answer. A router that answers /server_info itself must still be
@@ -425,8 +439,14 @@ def _probe(client: httpx.Client, base: str, deadline: float, timeout_s: float,
     return "server", (info, models, models_error)
 
 
-def check(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, token: str | None = None,
-          transport: httpx.BaseTransport | None = None, follow_router: bool = True) -> list[Report]:
+def check(
+    url: str,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    token: str | None = None,
+    transport: httpx.BaseTransport | None = None,
+    follow_router: bool = True,
+) -> list[Report]:
     """Read and judge one ``--url`` (a raw value). Never raises.
 
     An SGLang server gives one report. SGLang's router gives one report per worker it

@@ -30,9 +30,16 @@ from .checks import (
 from .render import worst_exit
 
 
-def run(urls: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S, token_file: str | None = None,
-        as_json: bool = False, out: IO[str] | None = None, environ: dict[str, str] | None = None,
-        transport: httpx.BaseTransport | None = None) -> int:
+def run(
+    urls: Sequence[str],
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    token_file: str | None = None,
+    as_json: bool = False,
+    out: IO[str] | None = None,
+    environ: dict[str, str] | None = None,
+    transport: httpx.BaseTransport | None = None,
+) -> int:
     """Check every URL (in parallel), print one report each (text, or one JSON object per line)."""
     out = out or sys.stdout
     try:
@@ -50,8 +57,10 @@ def run(urls: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S, token_file
         out.write("\n\n".join(router.render_group(g) for g in groups) + "\n")
         if len(reports) > 1:
             counts = {v: sum(r.verdict == v for r in reports) for v in (SAFE, POOL_SMALLER, UNKNOWN)}
-            out.write(f"\n{len(reports)} servers: {counts[SAFE]} safe, {counts[POOL_SMALLER]} pool smaller than "
-                      f"context, {counts[UNKNOWN]} cannot tell; exit {worst_exit(reports)}\n")
+            out.write(
+                f"\n{len(reports)} servers: {counts[SAFE]} safe, {counts[POOL_SMALLER]} pool smaller than "
+                f"context, {counts[UNKNOWN]} cannot tell; exit {worst_exit(reports)}\n"
+            )
     out.flush()
     return worst_exit(reports)
 
@@ -91,23 +100,40 @@ def register(subparsers) -> argparse.ArgumentParser:
         "preflight",
         help="deploy gate: compare a live SGLang server's KV pool with its context length",
         description="Read GET /server_info and GET /v1/models of each SGLang server and compare the KV pool "
-                    "(max_total_num_tokens) with the context length the server enforces (max_model_len). "
-                    "A --url of SGLang's router (sglang-router) checks every worker it lists (GET /workers), "
-                    "each directly. Exit 0: pool >= context on every server; 2: some pool is smaller than its "
-                    "context; 1: cannot tell (the reason is printed). With several servers the worst wins "
-                    "(2 > 1 > 0).",
+        "(max_total_num_tokens) with the context length the server enforces (max_model_len). "
+        "A --url of SGLang's router (sglang-router) checks every worker it lists (GET /workers), "
+        "each directly. Exit 0: pool >= context on every server; 2: some pool is smaller than its "
+        "context; 1: cannot tell (the reason is printed). With several servers the worst wins "
+        "(2 > 1 > 0).",
     )
-    p.add_argument("--url", action="append", required=True, metavar="URL",
-                   help="server base URL, http://HOST:PORT (repeat for each prefill and decode server), or the URL "
-                        "of SGLang's router: every worker it lists is checked")
-    p.add_argument("--json", action="store_true",
-                   help="one JSON object per server on stdout (url, role, pool_tokens, context_len, "
-                        "max_req_input_len, page_size, verdict, reason, ..., router)")
-    p.add_argument("--timeout", type=_timeout_arg, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                   help=f"give each server at most this long (default {DEFAULT_TIMEOUT_S:g})")
-    p.add_argument("--bearer-token-file", default=None, metavar="PATH",
-                   help=f"send 'Authorization: Bearer <token>' with the token in PATH (default ${TOKEN_FILE_ENV}, "
-                        f"else the token in ${TOKEN_ENV})")
+    p.add_argument(
+        "--url",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="server base URL, http://HOST:PORT (repeat for each prefill and decode server), or the URL "
+        "of SGLang's router: every worker it lists is checked",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per server on stdout (url, role, pool_tokens, context_len, "
+        "max_req_input_len, page_size, verdict, reason, ..., router)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_timeout_arg,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"give each server at most this long (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--bearer-token-file",
+        default=None,
+        metavar="PATH",
+        help=f"send 'Authorization: Bearer <token>' with the token in PATH (default ${TOKEN_FILE_ENV}, "
+        f"else the token in ${TOKEN_ENV})",
+    )
     p.set_defaults(func=cmd_preflight)
     _exit_1_on_usage_errors(p)
     return p

@@ -23,9 +23,11 @@ _MEANING = {
         "clients see errors, and any disaggregated deployment of this configuration is exposed."
     ),
 }
-_FIX = ("Fix: give the KV cache at least the context length (drop or raise a --max-total-tokens cap, raise "
-        "--mem-fraction-static, spread the weights over more GPUs) or advertise less (--context-length at most "
-        "the pool).")
+_FIX = (
+    "Fix: give the KV cache at least the context length (drop or raise a --max-total-tokens cap, raise "
+    "--mem-fraction-static, spread the weights over more GPUs) or advertise less (--context-length at most "
+    "the pool)."
+)
 
 
 def render_text(rep: Report) -> str:
@@ -36,8 +38,10 @@ def render_text(rep: Report) -> str:
     if rep.verdict == UNKNOWN:
         if behind is None:
             return f"{rep.url}: cannot tell: {rep.reason}"
-        return "\n".join([f"{rep.url}: cannot tell: {rep.reason}", f"  behind router:      {behind}"]
-                         + [f"  note: {n}" for n in rep.notes])
+        return "\n".join(
+            [f"{rep.url}: cannot tell: {rep.reason}", f"  behind router:      {behind}"]
+            + [f"  note: {n}" for n in rep.notes]
+        )
     word = "SAFE" if rep.verdict == SAFE else f"POOL SMALLER THAN CONTEXT ({rep.severity})"
     role = rep.role or "not reported"
     if rep.role in ("prefill", "decode"):
@@ -62,7 +66,8 @@ def render_text(rep: Report) -> str:
         lines.append(
             "  means: every prompt the context length allows fits in the KV pool. The pool is shared by all "
             "running requests: a pool equal to the context holds one full-length request at a time "
-            "(the incident's fix sized it at ~2x).")
+            "(the incident's fix sized it at ~2x)."
+        )
     else:
         lines.append(f"  means: {rep.reason}. " + _MEANING.get(rep.role or "", _MEANING["unified"]))
         lines.append(f"  {_FIX}")

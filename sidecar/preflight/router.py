@@ -113,8 +113,9 @@ def parse_workers(body: Any) -> RouterListing:
         healthy = entry.get("is_healthy")
         w = by_url.get(url)
         if w is None:
-            w = by_url[url] = RouterWorker(url, wtype, mode if isinstance(mode, str) else None,
-                                           healthy if isinstance(healthy, bool) else None)
+            w = by_url[url] = RouterWorker(
+                url, wtype, mode if isinstance(mode, str) else None, healthy if isinstance(healthy, bool) else None
+            )
         elif healthy is False:
             w.healthy = False
         if rank is not None:
@@ -133,14 +134,18 @@ def missing_role(listing: RouterListing) -> str | None:
         have, lacking = f"{d} decode worker{'s' if d != 1 else ''}", "prefill"
     else:
         return None
-    return (f"the router lists {have} and no {lacking} worker: the {lacking} servers of this prefill/decode "
-            f"deployment are not registered (still starting, or unreachable when the router registered them), "
-            f"so they cannot be checked")
+    return (
+        f"the router lists {have} and no {lacking} worker: the {lacking} servers of this prefill/decode "
+        f"deployment are not registered (still starting, or unreachable when the router registered them), "
+        f"so they cannot be checked"
+    )
 
 
-NO_WORKERS = ("the router lists no workers (GET /workers is empty): nothing to check. The router registers its "
-              "workers in the background after it starts listening; run preflight once they are up, or against "
-              "each server's own URL")
+NO_WORKERS = (
+    "the router lists no workers (GET /workers is empty): nothing to check. The router registers its "
+    "workers in the background after it starts listening; run preflight once they are up, or against "
+    "each server's own URL"
+)
 
 
 def type_note(worker_type: str | None, role: str | None) -> str | None:
@@ -150,14 +155,18 @@ def type_note(worker_type: str | None, role: str | None) -> str | None:
     if worker_type in ("prefill", "decode") and role != worker_type:
         return f"the router lists this server as a {worker_type} worker but the server reports role {role!r}"
     if worker_type == "regular" and role in ("prefill", "decode"):
-        return (f"the router sends whole requests to this server (a regular worker) but it is a {role} server "
-                f"of a prefill/decode deployment")
+        return (
+            f"the router sends whole requests to this server (a regular worker) but it is a {role} server "
+            f"of a prefill/decode deployment"
+        )
     return None
 
 
 def grpc_reason(worker: RouterWorker) -> str:
-    return (f"gRPC worker (the router reaches it over {worker.connection_mode or 'grpc://'}): preflight reads "
-            f"SGLang's HTTP /server_info; run it against this server's HTTP port")
+    return (
+        f"gRPC worker (the router reaches it over {worker.connection_mode or 'grpc://'}): preflight reads "
+        f"SGLang's HTTP /server_info; run it against this server's HTTP port"
+    )
 
 
 ROUTER_ROLE = "router"  # the role of a report about the router itself (its list), not a server
@@ -171,8 +180,10 @@ def health_note(worker: RouterWorker) -> str | None:
 
 def dp_note(worker: RouterWorker) -> str | None:
     if len(worker.dp_ranks) > 1:
-        return (f"the router lists it once per DP rank ({len(worker.dp_ranks)} ranks, {worker.url}@RANK); "
-                f"they share this server, checked once")
+        return (
+            f"the router lists it once per DP rank ({len(worker.dp_ranks)} ranks, {worker.url}@RANK); "
+            f"they share this server, checked once"
+        )
     return None
 
 
@@ -182,8 +193,9 @@ _TYPE_ORDER = {"prefill": 0, "decode": 1, "regular": 2}
 _MAX_WORKERS = 8
 
 
-def check_workers(shown: str, body: Any, *, timeout_s: float, token: str | None,
-                  transport: httpx.BaseTransport | None = None) -> list[Report]:
+def check_workers(
+    shown: str, body: Any, *, timeout_s: float, token: str | None, transport: httpx.BaseTransport | None = None
+) -> list[Report]:
     """One report per worker the router at ``shown`` lists in ``body``, each read directly.
 
     Prefill workers first, then decode, then regular. Each worker gets its own
@@ -234,5 +246,7 @@ def render_group(group: Sequence[Report]) -> str:
         return text
     types = [r.router_worker_type or "untyped" for r in workers]
     kinds = ", ".join(f"{types.count(t)} {t}" for t in dict.fromkeys(types))
-    return (f"{group[0].router}: SGLang router listing {len(workers)} worker{'s' if len(workers) != 1 else ''} "
-            f"({kinds}); each is checked directly:\n\n{text}")
+    return (
+        f"{group[0].router}: SGLang router listing {len(workers)} worker{'s' if len(workers) != 1 else ''} "
+        f"({kinds}); each is checked directly:\n\n{text}"
+    )

@@ -32,8 +32,14 @@ def finding_alert(f: Finding) -> dict:
     if tenants:
         annotations["exposed_tenants"] = ", ".join(tenants)
     return {
-        "labels": {"alertname": alert_name(f.kind), "severity": f.severity, "kind": f.kind,
-                   "engine_role": f.engine.role, "incident_id": incident_id(incident_key(f)), "source": "kvguard"},
+        "labels": {
+            "alertname": alert_name(f.kind),
+            "severity": f.severity,
+            "kind": f.kind,
+            "engine_role": f.engine.role,
+            "incident_id": incident_id(incident_key(f)),
+            "source": "kvguard",
+        },
         "annotations": annotations,
         "startsAt": _now(),
     }
@@ -41,8 +47,14 @@ def finding_alert(f: Finding) -> dict:
 
 def resolved_alert(incident) -> dict:
     return {
-        "labels": {"alertname": alert_name(incident.kind), "severity": incident.severity, "kind": incident.kind,
-                   "engine_role": incident.engine["role"], "incident_id": incident.id, "source": "kvguard"},
+        "labels": {
+            "alertname": alert_name(incident.kind),
+            "severity": incident.severity,
+            "kind": incident.kind,
+            "engine_role": incident.engine["role"],
+            "incident_id": incident.id,
+            "source": "kvguard",
+        },
         "annotations": {"summary": incident.summary[:1024], "resolution": incident.resolution},
         "endsAt": _now(),
     }

@@ -34,8 +34,9 @@ def load_routing_key(path: str | None = None, env: str = "KVGUARD_PAGERDUTY_ROUT
     if not key:
         raise ValueError(f"{source}: no PagerDuty routing key")
     if not _ROUTING_KEY.match(key):
-        raise ValueError(f"{source}: not a PagerDuty integration key (expected 32 letters or digits, "
-                         f"got {len(key)} characters)")
+        raise ValueError(
+            f"{source}: not a PagerDuty integration key (expected 32 letters or digits, got {len(key)} characters)"
+        )
     return key
 
 
@@ -80,8 +81,14 @@ def resolve_event(routing_key: str, incident) -> dict:
 
 
 class PagerDutyTransport:
-    def __init__(self, routing_key: str, url: str = DEFAULT_URL, source: str = "kvguard", timeout_s: float = 10.0,
-                 client: httpx.Client | None = None):
+    def __init__(
+        self,
+        routing_key: str,
+        url: str = DEFAULT_URL,
+        source: str = "kvguard",
+        timeout_s: float = 10.0,
+        client: httpx.Client | None = None,
+    ):
         self._routing_key = routing_key
         self.url, self.source = url, source
         self._client = client or httpx.Client(timeout=timeout_s)
@@ -90,8 +97,11 @@ class PagerDutyTransport:
         return f"PagerDutyTransport(url={self.url!r})"
 
     def deliver(self, action: str, item) -> None:
-        event = (trigger_event(self._routing_key, item, self.source) if action == "trigger"
-                 else resolve_event(self._routing_key, item))
+        event = (
+            trigger_event(self._routing_key, item, self.source)
+            if action == "trigger"
+            else resolve_event(self._routing_key, item)
+        )
         try:
             resp = self._client.post(self.url, json=event)
         except httpx.HTTPError as exc:  # timeouts, refused connections

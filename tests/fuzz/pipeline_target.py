@@ -69,23 +69,48 @@ def _typed(fdp, kind: wire.Kind) -> bytes | None:
     room = ROOMS[fdp.ConsumeIntInRange(0, len(ROOMS) - 1)]
     if kind == wire.Kind.HELLO:
         pool = fdp.ConsumeIntInRange(1, 4096) if fdp.ConsumeBool() else fdp.ConsumeIntInRange(0, (1 << 32) - 1)
-        return wire.hello_payload(wire.Hello(wire.Role(fdp.ConsumeIntInRange(0, 2)), 0, 4242,
-                                             fdp.ConsumeIntInRange(0, 64), pool, pool * 4 & 0xFFFFFFFF,
-                                             fdp.ConsumeIntInRange(0, 1 << 20), 2000, "sglang", "0.5.23", "m", "0"))
+        return wire.hello_payload(
+            wire.Hello(
+                wire.Role(fdp.ConsumeIntInRange(0, 2)),
+                0,
+                4242,
+                fdp.ConsumeIntInRange(0, 64),
+                pool,
+                pool * 4 & 0xFFFFFFFF,
+                fdp.ConsumeIntInRange(0, 1 << 20),
+                2000,
+                "sglang",
+                "0.5.23",
+                "m",
+                "0",
+            )
+        )
     if kind == wire.Kind.REQ_BEGIN:
         rid = RIDS[KEYS.index(key)]
-        return wire.req_begin_payload(wire.ReqBegin(key, room, _position(fdp), _position(fdp), fdp.ConsumeBool(),
-                                                    rid, fdp.ConsumeUnicodeNoSurrogates(8)))
+        return wire.req_begin_payload(
+            wire.ReqBegin(
+                key, room, _position(fdp), _position(fdp), fdp.ConsumeBool(), rid, fdp.ConsumeUnicodeNoSurrogates(8)
+            )
+        )
     if kind == wire.Kind.REQ_END:
-        return wire.req_end_payload(wire.ReqEnd(key, fdp.ConsumeIntInRange(0, 1 << 40), fdp.ConsumeIntInRange(0, 1 << 40),
-                                                _position(fdp), wire.Finish(fdp.ConsumeIntInRange(0, len(wire.Finish) - 1)),
-                                                "", fdp.ConsumeBool()))
+        return wire.req_end_payload(
+            wire.ReqEnd(
+                key,
+                fdp.ConsumeIntInRange(0, 1 << 40),
+                fdp.ConsumeIntInRange(0, 1 << 40),
+                _position(fdp),
+                wire.Finish(fdp.ConsumeIntInRange(0, len(wire.Finish) - 1)),
+                "",
+                fdp.ConsumeBool(),
+            )
+        )
     if kind in (wire.Kind.ALLOC, wire.Kind.FREE):
         return wire.pages_payload(_pages(fdp, 24), wire.FreeKind(fdp.ConsumeIntInRange(0, len(wire.FreeKind) - 1)))
     if kind == wire.Kind.ASSIGN:
         start = _position(fdp)
-        return wire.assign_payload(wire.Assign(key, start, start + fdp.ConsumeIntInRange(0, 64), _position(fdp),
-                                               _pages(fdp)))
+        return wire.assign_payload(
+            wire.Assign(key, start, start + fdp.ConsumeIntInRange(0, 64), _position(fdp), _pages(fdp))
+        )
     if kind == wire.Kind.FORWARD:
         n = fdp.ConsumeIntInRange(1, 4)
         keys = np.array([KEYS[fdp.ConsumeIntInRange(0, len(KEYS) - 1)] for _ in range(n)], np.uint64)
@@ -93,25 +118,56 @@ def _typed(fdp, kind: wire.Kind) -> bytes | None:
         writes = [_pages(fdp, 3) for _ in range(n)]
         with_rows = fdp.ConsumeBool()
         reads = [_pages(fdp, 8) for _ in range(n)] if with_rows else None
-        return wire.forward_payload(wire.Forward(
-            keys, seq, np.array([len(w) for w in writes], np.uint32), np.concatenate(writes).astype(np.int32),
-            np.array([len(r) for r in reads], np.uint32) if reads else None,
-            np.concatenate(reads).astype(np.int32) if reads else None))
+        return wire.forward_payload(
+            wire.Forward(
+                keys,
+                seq,
+                np.array([len(w) for w in writes], np.uint32),
+                np.concatenate(writes).astype(np.int32),
+                np.array([len(r) for r in reads], np.uint32) if reads else None,
+                np.concatenate(reads).astype(np.int32) if reads else None,
+            )
+        )
     if kind == wire.Kind.XFER_RESERVE:
         return wire.xfer_reserve_payload(wire.XferReserve(key, room, _position(fdp), _pages(fdp)))
     if kind == wire.Kind.XFER_SEND:
         start = _position(fdp)
-        return wire.xfer_send_payload(wire.XferSend(key, room, fdp.ConsumeIntInRange(0, (1 << 64) - 1), start,
-                                                    start + fdp.ConsumeIntInRange(0, 64), fdp.ConsumeBool(),
-                                                    _pages(fdp)))
+        return wire.xfer_send_payload(
+            wire.XferSend(
+                key,
+                room,
+                fdp.ConsumeIntInRange(0, (1 << 64) - 1),
+                start,
+                start + fdp.ConsumeIntInRange(0, 64),
+                fdp.ConsumeBool(),
+                _pages(fdp),
+            )
+        )
     if kind == wire.Kind.XFER_DONE:
-        return wire.xfer_done_payload(wire.XferDone(key, room, wire.Side(fdp.ConsumeIntInRange(0, 1)),
-                                                    wire.XferStatus(fdp.ConsumeIntInRange(0, len(wire.XferStatus) - 1))))
+        return wire.xfer_done_payload(
+            wire.XferDone(
+                key,
+                room,
+                wire.Side(fdp.ConsumeIntInRange(0, 1)),
+                wire.XferStatus(fdp.ConsumeIntInRange(0, len(wire.XferStatus) - 1)),
+            )
+        )
     if kind == wire.Kind.XFER_DIGEST:
-        return wire.xfer_digest_payload(wire.XferDigest(
-            key, room, wire.Side(fdp.ConsumeIntInRange(0, 1)), wire.DigestAlg(fdp.ConsumeIntInRange(1, 3)),
-            fdp.ConsumeIntInRange(0, (1 << 64) - 1), _position(fdp), _position(fdp), fdp.ConsumeIntInRange(0, 80),
-            fdp.ConsumeIntInRange(0, 1 << 20), fdp.ConsumeIntInRange(0, 1 << 20), fdp.ConsumeIntInRange(0, 1 << 20)))
+        return wire.xfer_digest_payload(
+            wire.XferDigest(
+                key,
+                room,
+                wire.Side(fdp.ConsumeIntInRange(0, 1)),
+                wire.DigestAlg(fdp.ConsumeIntInRange(1, 3)),
+                fdp.ConsumeIntInRange(0, (1 << 64) - 1),
+                _position(fdp),
+                _position(fdp),
+                fdp.ConsumeIntInRange(0, 80),
+                fdp.ConsumeIntInRange(0, 1 << 20),
+                fdp.ConsumeIntInRange(0, 1 << 20),
+                fdp.ConsumeIntInRange(0, 1 << 20),
+            )
+        )
     if kind == wire.Kind.REJECT:
         return wire.reject_payload(wire.Reject(key, wire.Phase(fdp.ConsumeIntInRange(0, len(wire.Phase) - 1)), "r"))
     return None  # the other kinds: raw payload bytes

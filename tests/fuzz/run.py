@@ -53,8 +53,9 @@ def merge(into: Path, source: Path, work: Path) -> None:
     # libFuzzer re-runs the target by its path for a merge: the script is executable and its
     # shebang finds this interpreter first on PATH
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    subprocess.run([str(TARGET), "-merge=1", f"-max_len={MAX_LEN}", str(into), str(source)], cwd=work, env=env,
-                   check=True)
+    subprocess.run(
+        [str(TARGET), "-merge=1", f"-max_len={MAX_LEN}", str(into), str(source)], cwd=work, env=env, check=True
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         crashes = sorted(work.glob("crash-*")) + sorted(work.glob("timeout-*")) + sorted(work.glob("oom-*"))
         for c in crashes:  # the temporary directory goes away: keep them where the run was started
             (Path.cwd() / c.name).write_bytes(c.read_bytes())
-            print(f"fuzz: kept {c.name} (reproduce: python {TARGET.relative_to(Path.cwd()) if TARGET.is_relative_to(Path.cwd()) else TARGET} {c.name})")
+            print(
+                f"fuzz: kept {c.name} (reproduce: python {TARGET.relative_to(Path.cwd()) if TARGET.is_relative_to(Path.cwd()) else TARGET} {c.name})"
+            )
         if rc == 0 and args.update_seeds:
             merged = work / "merged"
             merged.mkdir()

@@ -52,7 +52,7 @@ def vm_hwm_mb(pid: int) -> float:
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a live process."""
     stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rfind(")") + 2:].split()
+    fields = stat[stat.rfind(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -65,12 +65,16 @@ class Sidecar:
 
         def limit_fds():  # in the child, before exec: the sidecar starts under this fd limit
             import resource
+
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
         with open(log, "w") as out:
-            self.proc = subprocess.Popen([str(KVGUARD), "sidecar", "--ring-dir", str(ring_dir), "--listen",
-                                          f"127.0.0.1:{self.port}", *extra], stdout=out, stderr=subprocess.STDOUT,
-                                         preexec_fn=limit_fds if nofile else None)
+            self.proc = subprocess.Popen(
+                [str(KVGUARD), "sidecar", "--ring-dir", str(ring_dir), "--listen", f"127.0.0.1:{self.port}", *extra],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=limit_fds if nofile else None,
+            )
         procs.append(self.proc)
 
     def metrics(self) -> str:
@@ -84,8 +88,11 @@ class Sidecar:
 
     def reads_keep_being_checked(self, engine_pid: int, more: int = 50, timeout: float = 8) -> None:
         before = checked_reads(self.wait_for("a scrape", self.metrics, timeout), engine_pid)
-        self.wait_for("the healthy engine's reads to keep being checked",
-                      lambda: checked_reads(self.metrics(), engine_pid) > before + more, timeout)
+        self.wait_for(
+            "the healthy engine's reads to keep being checked",
+            lambda: checked_reads(self.metrics(), engine_pid) > before + more,
+            timeout,
+        )
 
 
 def wait_for(what: str, cond, timeout: float, proc: subprocess.Popen, log: Path):
@@ -93,8 +100,10 @@ def wait_for(what: str, cond, timeout: float, proc: subprocess.Popen, log: Path)
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
-            raise AssertionError(f"the sidecar died while waiting for {what}: {died_of(proc.returncode)}\n"
-                                 f"its log:\n{log.read_text(errors='replace')[-3000:]}")
+            raise AssertionError(
+                f"the sidecar died while waiting for {what}: {died_of(proc.returncode)}\n"
+                f"its log:\n{log.read_text(errors='replace')[-3000:]}"
+            )
         try:
             value = cond()
         except httpx.HTTPError:
@@ -102,7 +111,9 @@ def wait_for(what: str, cond, timeout: float, proc: subprocess.Popen, log: Path)
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}; sidecar log:\n{log.read_text(errors='replace')[-3000:]}")
+            raise AssertionError(
+                f"timed out waiting for {what}; sidecar log:\n{log.read_text(errors='replace')[-3000:]}"
+            )
         time.sleep(0.1)
 
 
@@ -117,14 +128,16 @@ def stop_all(started: list) -> None:
                 f.close()
 
 
-def start_engine(ring_dir: Path, procs: list, mode: str = "loop",
-                 ring_bytes: int = 1 << 20) -> tuple[subprocess.Popen, str]:
+def start_engine(
+    ring_dir: Path, procs: list, mode: str = "loop", ring_bytes: int = 1 << 20
+) -> tuple[subprocess.Popen, str]:
     """A healthy synthetic engine (``loop``: one clean request cycle every few ms; ``flood``:
     as fast as it can); its ring path."""
     env = dict(os.environ, KVGUARD_RING_DIR=str(ring_dir), KVGUARD_RING_BYTES=str(ring_bytes))
     env.pop("KVGUARD_DISABLE", None)
-    p = subprocess.Popen([sys.executable, str(ENGINE), mode], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, text=True)
+    p = subprocess.Popen(
+        [sys.executable, str(ENGINE), mode], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     procs.append(p)
     path = p.stdout.readline().strip()
     assert path, "the synthetic engine made no ring"
@@ -137,6 +150,5 @@ def healthy_setup(tmp_path: Path, procs: list, extra: tuple = (), nofile: int | 
     ring_dir.mkdir()
     engine, _ = start_engine(ring_dir, procs)
     sidecar = Sidecar(ring_dir, tmp_path / "sidecar.log", procs, extra=extra, nofile=nofile)
-    sidecar.wait_for("the healthy engine's reads checked", lambda: checked_reads(sidecar.metrics(), engine.pid) > 0,
-                     20)
+    sidecar.wait_for("the healthy engine's reads checked", lambda: checked_reads(sidecar.metrics(), engine.pid) > 0, 20)
     return ring_dir, engine, sidecar

@@ -49,21 +49,36 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     mode = sys.argv[1]
     p = probes_mod.get_probes()
-    p.hello("unified", 0, PAGE, POOL_PAGES, POOL_PAGES * PAGE, POOL_PAGES * PAGE, POOL_PAGES * PAGE, "synthetic", "0",
-            "none")
+    p.hello(
+        "unified",
+        0,
+        PAGE,
+        POOL_PAGES,
+        POOL_PAGES * PAGE,
+        POOL_PAGES * PAGE,
+        POOL_PAGES * PAGE,
+        "synthetic",
+        "0",
+        "none",
+    )
     calls = 1
     writer = p.writer
     if mode == "fill":
         for i in range(int(sys.argv[2])):
             calls += cycle(p, i, pages=64)  # ~1 KB of records a cycle
-        print(json.dumps({
-            "ring": writer.path if writer is not None else None,
-            "probe_calls": calls,
-            "records_written": writer.records_written if writer is not None else 0,
-            "dropped_ring_full": writer.dropped_records if writer is not None else 0,
-            # absent before the fix: the probes had no such counter
-            "dropped_no_ring": getattr(p, "dropped_no_ring", None),
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "ring": writer.path if writer is not None else None,
+                    "probe_calls": calls,
+                    "records_written": writer.records_written if writer is not None else 0,
+                    "dropped_ring_full": writer.dropped_records if writer is not None else 0,
+                    # absent before the fix: the probes had no such counter
+                    "dropped_no_ring": getattr(p, "dropped_no_ring", None),
+                }
+            ),
+            flush=True,
+        )
         return 0
     if mode in ("loop", "flood"):
         stop = []

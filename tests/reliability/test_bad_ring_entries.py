@@ -75,15 +75,20 @@ def make_link_out_of_the_directory(ring_dir: Path, tmp_path: Path, procs: list) 
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("make", [make_directory, make_link_to_busy_binary, make_link_to_sysfs,
-                                  make_link_out_of_the_directory],
-                         ids=["directory", "symlink-to-busy-binary", "symlink-to-sysfs", "symlink-out-of-dir"])
+@pytest.mark.parametrize(
+    "make",
+    [make_directory, make_link_to_busy_binary, make_link_to_sysfs, make_link_out_of_the_directory],
+    ids=["directory", "symlink-to-busy-binary", "symlink-to-sysfs", "symlink-out-of-dir"],
+)
 def test_a_bad_entry_is_refused_once_and_the_healthy_engine_is_still_checked(tmp_path, procs, make):
     ring_dir, engine, sidecar = healthy_setup(tmp_path, procs)
     kind = make(ring_dir, tmp_path, procs)
 
-    sidecar.wait_for("the bad entry to be refused and counted",
-                     lambda: counter(sidecar.metrics(), "kvguard_ring_errors_total") >= 1, 10)
+    sidecar.wait_for(
+        "the bad entry to be refused and counted",
+        lambda: counter(sidecar.metrics(), "kvguard_ring_errors_total") >= 1,
+        10,
+    )
     sidecar.reads_keep_being_checked(engine.pid)
     time.sleep(2.5)  # past two full rescans of the directory (once a second): still one refusal
     final = sidecar.metrics()
@@ -103,15 +108,25 @@ def test_more_rings_than_it_may_attach_are_counted_once_and_never_stop_the_other
     n = 100
     # one process holds 100 live rings (each alive: its writer holds the ring's lock)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from kvguard.engine_hooks.ring import RingWriter; "
-         f"ws = [RingWriter({str(ring_dir)!r}, 4096, engine_id=1000 + i) for i in range({n})]; "
-         "print('ready', flush=True); time.sleep(300)"], stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from kvguard.engine_hooks.ring import RingWriter; "
+            f"ws = [RingWriter({str(ring_dir)!r}, 4096, engine_id=1000 + i) for i in range({n})]; "
+            "print('ready', flush=True); time.sleep(300)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     procs.append(holder)
     assert holder.stdout.readline().strip() == "ready"
 
     sidecar.wait_for(f"{cap} rings attached", lambda: counter(sidecar.metrics(), "kvguard_rings_attached") == cap, 10)
-    sidecar.wait_for("the rings it cannot attach counted",
-                     lambda: counter(sidecar.metrics(), "kvguard_ring_errors_total") == n + 1 - cap, 10)
+    sidecar.wait_for(
+        "the rings it cannot attach counted",
+        lambda: counter(sidecar.metrics(), "kvguard_ring_errors_total") == n + 1 - cap,
+        10,
+    )
     sidecar.reads_keep_being_checked(engine.pid)
     time.sleep(2.5)  # past two rescans: each waiting ring was counted once, not once per scan
     final = sidecar.metrics()
@@ -144,8 +159,9 @@ def test_thousands_of_junk_entries_are_refused_once_and_cost_no_cpu_afterwards(t
     for i in range(n):  # each whole when it appears: a file changed after its refusal is looked at (and counted) again
         (ring_dir / f"junk-{i}.tmp").write_bytes(b"not a ring")
         os.rename(ring_dir / f"junk-{i}.tmp", ring_dir / f"junk-{i}.ring")
-    sidecar.wait_for("every junk entry refused",
-                     lambda: counter(sidecar.metrics(), "kvguard_ring_errors_total") == n, 15)
+    sidecar.wait_for(
+        "every junk entry refused", lambda: counter(sidecar.metrics(), "kvguard_ring_errors_total") == n, 15
+    )
     with_junk = cpu_share(2)
     sidecar.reads_keep_being_checked(engine.pid)
     assert counter(sidecar.metrics(), "kvguard_ring_errors_total") == n  # refused once each, never again

@@ -40,12 +40,13 @@ def procs():
 
 def header_engine_id(ring: Path) -> int:
     _magic, _version, _hsize, _cap, _pid, engine_id, _start, _ticks = struct.unpack(
-        "<8sIIQIIQQ", ring.read_bytes()[:48])
+        "<8sIIQIIQQ", ring.read_bytes()[:48]
+    )
     return engine_id
 
 
 def findings_naming_engines(metrics: str) -> float:
-    return sum(float(v) for v in re.findall(r'^kvguard_findings_total\{[^}]*\} (\S+)$', metrics, re.M))
+    return sum(float(v) for v in re.findall(r"^kvguard_findings_total\{[^}]*\} (\S+)$", metrics, re.M))
 
 
 def engines_listed(port: int) -> list[int]:
@@ -76,8 +77,11 @@ def test_records_stamped_with_another_engines_id_change_nothing(tmp_path, procs,
     hostile = RingWriter(str(ring_dir), 1 << 20, engine_id=0xF0E)
     try:
         forge_frees(hostile, victim, rounds=40, spread_ids=20)
-        sidecar.wait_for("the forged records counted", lambda: counter(
-            sidecar.metrics(), 'kvguard_records_invalid_total{reason="foreign_engine"}') >= 40 * 21, 20)
+        sidecar.wait_for(
+            "the forged records counted",
+            lambda: counter(sidecar.metrics(), 'kvguard_records_invalid_total{reason="foreign_engine"}') >= 40 * 21,
+            20,
+        )
         sidecar.reads_keep_being_checked(engine.pid)
         final = sidecar.metrics()
         assert findings_naming_engines(final) == 0, [ln for ln in final.splitlines() if "findings_total" in ln]
@@ -98,8 +102,11 @@ def test_a_ring_whose_header_claims_an_attached_engines_id_is_refused(tmp_path, 
     copycat = RingWriter(str(ring_dir), 1 << 20, engine_id=victim)  # header and records both claim it
     try:
         forge_frees(copycat, victim, rounds=20)
-        sidecar.wait_for("the copycat ring refused", lambda: counter(
-            sidecar.metrics(), "kvguard_ring_errors_total") > errors_before, 20)
+        sidecar.wait_for(
+            "the copycat ring refused",
+            lambda: counter(sidecar.metrics(), "kvguard_ring_errors_total") > errors_before,
+            20,
+        )
         forge_frees(copycat, victim, rounds=20)  # it keeps writing: still refused, said once
         sidecar.reads_keep_being_checked(engine.pid)
         final = sidecar.metrics()

@@ -66,8 +66,14 @@ def test_probes_and_scrapes_answer_while_ingest_is_saturated(tmp_path, procs):
     start_engine(ring_dir, procs, mode="flood", ring_bytes=16 << 20)  # one is more than the sidecar keeps up with
     base = f"http://127.0.0.1:{sidecar.port}"
     # saturated: a cycle is running whenever we look, or scrapes are served from a snapshot
-    sidecar.wait_for("the sidecar to be saturated", lambda: counter(sidecar.metrics(), "kvguard_records_lost_total")
-                     > 0 or json.loads(httpx.get(base + "/healthz", timeout=30).text).get("cycle_running_s"), 60)
+    sidecar.wait_for(
+        "the sidecar to be saturated",
+        lambda: (
+            counter(sidecar.metrics(), "kvguard_records_lost_total") > 0
+            or json.loads(httpx.get(base + "/healthz", timeout=30).text).get("cycle_running_s")
+        ),
+        60,
+    )
     health, scrapes, mid_cycle = [], [], 0
     t_end = time.monotonic() + 12
     while time.monotonic() < t_end:
@@ -83,10 +89,12 @@ def test_probes_and_scrapes_answer_while_ingest_is_saturated(tmp_path, procs):
     text = sidecar.metrics()
     health.sort()
     p95 = health[int(len(health) * 0.95)]
-    print(f"/healthz: {len(health)} answers, p50 {health[len(health) // 2] * 1000:.0f} ms, p95 {p95 * 1000:.0f} ms, "
-          f"max {health[-1] * 1000:.0f} ms; /metrics: max {max(scrapes) * 1000:.0f} ms; {mid_cycle} probes answered "
-          f"mid-cycle; stale scrapes {counter(text, 'kvguard_metrics_stale_scrapes_total'):.0f}; frozen objects "
-          f"{counter(text, 'kvguard_gc_frozen_objects'):.0f}")
+    print(
+        f"/healthz: {len(health)} answers, p50 {health[len(health) // 2] * 1000:.0f} ms, p95 {p95 * 1000:.0f} ms, "
+        f"max {health[-1] * 1000:.0f} ms; /metrics: max {max(scrapes) * 1000:.0f} ms; {mid_cycle} probes answered "
+        f"mid-cycle; stale scrapes {counter(text, 'kvguard_metrics_stale_scrapes_total'):.0f}; frozen objects "
+        f"{counter(text, 'kvguard_gc_frozen_objects'):.0f}"
+    )
     assert mid_cycle > 0  # the probes were answered while a cycle held the ingest lock
     # issue 14: every probe within 100 ms while saturated. Full garbage collections held the
     # process 100-600 ms (sidecar/gc_policy.py); the slowest probe here is now ~20 ms
@@ -113,7 +121,8 @@ def closed_by_peer(sock: socket.socket) -> bool:
 @pytest.mark.timeout(90)
 def test_half_open_connections_are_capped_and_timed_out(tmp_path, procs):
     ring_dir, engine, sidecar = healthy_setup(
-        tmp_path, procs, extra=("--http-max-connections", "32", "--http-request-timeout-s", "2"))
+        tmp_path, procs, extra=("--http-max-connections", "32", "--http-request-timeout-s", "2")
+    )
     pid = sidecar.proc.pid
     fds_before = open_fds(pid)
     socks = []

@@ -38,13 +38,15 @@ def gauge(text: str, name: str, labels: str = "") -> float:
 @pytest.mark.timeout(120)
 def test_ended_requests_fill_the_budgets_share_and_stop(tmp_path, procs):
     ring_dir, engine, sidecar = healthy_setup(
-        tmp_path, procs, extra=("--memory-budget", f"{BUDGET // MIB}Mi", "--history-events", str(HISTORY_EVENTS)))
+        tmp_path, procs, extra=("--memory-budget", f"{BUDGET // MIB}Mi", "--history-events", str(HISTORY_EVENTS))
+    )
     # a second engine at the healthy pace (~150 request cycles a second): both directories fill
     # in seconds, and no record is lost (a flood saturates a 2-core machine's sidecar: what record
     # loss costs is `make soak-memory`'s to measure, and LOST_UNSEEN_NS's unit test's)
     start_engine(ring_dir, procs, mode="loop")
-    text = sidecar.wait_for("two engines attached", lambda: (t := sidecar.metrics()) and
-                            counter(t, "kvguard_rings_attached") == 2 and t, 30)
+    text = sidecar.wait_for(
+        "two engines attached", lambda: (t := sidecar.metrics()) and counter(t, "kvguard_rings_attached") == 2 and t, 30
+    )
     capacity = gauge(text, "kvguard_ended_requests_capacity")
     assert 1_000 <= capacity < 100_000
 
@@ -62,9 +64,11 @@ def test_ended_requests_fill_the_budgets_share_and_stop(tmp_path, procs):
         text = sidecar.wait_for("the directories to fill", filled, 90)
     except AssertionError as e:
         t = sidecar.metrics()
-        raise AssertionError(f"{e}\nat the end: capacity {gauge(t, 'kvguard_ended_requests_capacity')}, memory "
-                             f"{re.findall(r'^kvguard_memory_bytes.*$', t, re.M)}, lost "
-                             f"{counter(t, 'kvguard_records_lost_total')}") from None
+        raise AssertionError(
+            f"{e}\nat the end: capacity {gauge(t, 'kvguard_ended_requests_capacity')}, memory "
+            f"{re.findall(r'^kvguard_memory_bytes.*$', t, re.M)}, lost "
+            f"{counter(t, 'kvguard_records_lost_total')}"
+        ) from None
     assert gauge(text, "kvguard_memory_bytes", '{part="ended_requests"}') <= full(text)  # and not past it
     estimate = sum(float(v) for v in re.findall(r"^kvguard_memory_bytes\{[^}]*\} (\S+)$", text, re.M))
     assert estimate <= BUDGET + 64 * ENDED_REQUEST_BYTES, text  # live requests vary between two sizings

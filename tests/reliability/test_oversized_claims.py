@@ -49,8 +49,12 @@ def assign_far_out(ring_dir: Path, with_hello: bool) -> RingWriter:
     """A ring (held open by this process: a live engine to the sidecar) with one ASSIGN at ROW_START."""
     w = RingWriter(str(ring_dir), 4096, engine_id=0xBAD)
     if with_hello:  # page size 1, 1,024-token pool and context
-        w.write_sticky(wire.Kind.HELLO, wire.hello_payload(wire.Hello(
-            wire.Role.DECODE, 0, os.getpid(), 1, 1024, 1024, 1024, 1024, "hostile", "0", "m", "0")))
+        w.write_sticky(
+            wire.Kind.HELLO,
+            wire.hello_payload(
+                wire.Hello(wire.Role.DECODE, 0, os.getpid(), 1, 1024, 1024, 1024, 1024, "hostile", "0", "m", "0")
+            ),
+        )
     payload = wire.assign_payload(wire.Assign(0x1234, ROW_START, ROW_START + 1, ROW_START, np.array([7], np.int32)))
     w.write(wire.Kind.ASSIGN, payload)
     return w
@@ -64,8 +68,13 @@ def sparse_ring(ring_dir: Path, capacity: int, published: int) -> int:
     tmp = path.with_suffix(".init")
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
     os.ftruncate(fd, HEADER_BYTES + capacity)
-    os.pwrite(fd, struct.pack("<8sIIQIIQQ", RING_MAGIC, RING_VERSION, HEADER_BYTES, capacity, os.getpid(), 0xB16,
-                              time.time_ns(), 0), 0)
+    os.pwrite(
+        fd,
+        struct.pack(
+            "<8sIIQIIQQ", RING_MAGIC, RING_VERSION, HEADER_BYTES, capacity, os.getpid(), 0xB16, time.time_ns(), 0
+        ),
+        0,
+    )
     os.pwrite(fd, struct.pack("<QQ", published, published // 64), 64)  # write_pos, next_seq
     fcntl.flock(fd, fcntl.LOCK_SH)
     os.rename(tmp, path)
@@ -79,9 +88,11 @@ def test_an_assign_far_past_the_context_is_skipped_not_allocated(tmp_path, procs
     pid = sidecar.proc.pid
     writer = assign_far_out(ring_dir, with_hello)
     try:
-        sidecar.wait_for("the ASSIGN to be applied (counted, or the row grown)",
-                         lambda: counter(sidecar.metrics(), "kvguard_page_ids_out_of_range_total") >= 1
-                         or vm_hwm_mb(pid) > PEAK_MB, 15)
+        sidecar.wait_for(
+            "the ASSIGN to be applied (counted, or the row grown)",
+            lambda: counter(sidecar.metrics(), "kvguard_page_ids_out_of_range_total") >= 1 or vm_hwm_mb(pid) > PEAK_MB,
+            15,
+        )
         sidecar.reads_keep_being_checked(engine.pid)
         peak = vm_hwm_mb(pid)
         print(f"sidecar peak RSS {peak:.0f} MB")
@@ -103,11 +114,20 @@ def test_a_huge_ring_header_never_becomes_resident_memory(tmp_path, procs, capac
     fd = sparse_ring(ring_dir, capacity, published=capacity)
     try:
         if capacity > 1 << 30:  # more than a ring may have: refused before it is mapped
-            sidecar.wait_for("the ring refused (or copied)", lambda: counter(sidecar.metrics(),
-                             "kvguard_ring_errors_total") >= 1 or vm_hwm_mb(pid) > PEAK_MB, 15)
+            sidecar.wait_for(
+                "the ring refused (or copied)",
+                lambda: counter(sidecar.metrics(), "kvguard_ring_errors_total") >= 1 or vm_hwm_mb(pid) > PEAK_MB,
+                15,
+            )
         else:  # a ring it reads: the published garbage is counted, 8 MiB at a time
-            sidecar.wait_for("the garbage counted", lambda: counter(sidecar.metrics(),
-                             "kvguard_ring_corrupt_bytes_total") >= capacity or vm_hwm_mb(pid) > PEAK_MB, 15)
+            sidecar.wait_for(
+                "the garbage counted",
+                lambda: (
+                    counter(sidecar.metrics(), "kvguard_ring_corrupt_bytes_total") >= capacity
+                    or vm_hwm_mb(pid) > PEAK_MB
+                ),
+                15,
+            )
         sidecar.reads_keep_being_checked(engine.pid)
         peak = vm_hwm_mb(pid)
         print(f"sidecar peak RSS {peak:.0f} MB")

@@ -41,17 +41,24 @@ def test_the_sidecar_survives_a_ring_truncated_under_it(tmp_path, procs, size):
     port = free_port()
     log = tmp_path / "sidecar.log"
     with open(log, "w") as out:
-        sidecar = subprocess.Popen([str(KVGUARD), "sidecar", "--ring-dir", str(ring_dir),
-                                    "--listen", f"127.0.0.1:{port}"], stdout=out, stderr=subprocess.STDOUT)
+        sidecar = subprocess.Popen(
+            [str(KVGUARD), "sidecar", "--ring-dir", str(ring_dir), "--listen", f"127.0.0.1:{port}"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     procs.append(sidecar)
     url = f"http://127.0.0.1:{port}/metrics"
 
     def metrics() -> str:
         return httpx.get(url, timeout=2).text
 
-    wait_for("both engines' reads checked",
-             lambda: all(checked_reads(m, p.pid) > 0 for m in [metrics()] for p in (healthy, victim)), 20, sidecar,
-             log)
+    wait_for(
+        "both engines' reads checked",
+        lambda: all(checked_reads(m, p.pid) > 0 for m in [metrics()] for p in (healthy, victim)),
+        20,
+        sidecar,
+        log,
+    )
 
     sidecar.send_signal(signal.SIGSTOP)  # the victim writes a backlog the sidecar has not read
     time.sleep(0.3)
@@ -62,11 +69,21 @@ def test_the_sidecar_survives_a_ring_truncated_under_it(tmp_path, procs, size):
 
     first = wait_for("a scrape after the truncation", metrics, 10, sidecar, log)
     before = checked_reads(first, healthy.pid)
-    wait_for("the truncated ring to be retired and counted",
-             lambda: counter(metrics(), "kvguard_ring_errors_total") >= 1, 10, sidecar, log)
+    wait_for(
+        "the truncated ring to be retired and counted",
+        lambda: counter(metrics(), "kvguard_ring_errors_total") >= 1,
+        10,
+        sidecar,
+        log,
+    )
     # the healthy engine's reads keep being checked
-    wait_for("the healthy engine's reads to keep being checked",
-             lambda: checked_reads(metrics(), healthy.pid) > before + 50, 10, sidecar, log)
+    wait_for(
+        "the healthy engine's reads to keep being checked",
+        lambda: checked_reads(metrics(), healthy.pid) > before + 50,
+        10,
+        sidecar,
+        log,
+    )
     text = log.read_text()
     line = next((ln for ln in text.splitlines() if victim_ring in ln and "truncated" in ln), None)
     assert line is not None and "ERROR" in line and f"{size} bytes" in line, text[-3000:]

@@ -32,13 +32,19 @@ def tiny_tmpfs(tmp_path):
     mnt = tmp_path / "rings"
     mnt.mkdir()
     try:
-        res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0777", "tmpfs", str(mnt)],
-                             capture_output=True, text=True, timeout=10)
+        res = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0777", "tmpfs", str(mnt)],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         pytest.skip(f"cannot run mount(8) for a 1 MiB tmpfs: {exc}")
     if res.returncode != 0:
-        pytest.skip(f"mounting a 1 MiB tmpfs is not permitted here (needs root or CAP_SYS_ADMIN): "
-                    f"{res.stderr.strip() or res.returncode}")
+        pytest.skip(
+            f"mounting a 1 MiB tmpfs is not permitted here (needs root or CAP_SYS_ADMIN): "
+            f"{res.stderr.strip() or res.returncode}"
+        )
     try:
         yield mnt
     finally:
@@ -49,8 +55,9 @@ def tiny_tmpfs(tmp_path):
 def run_engine(ring_dir: Path, cycles: int) -> subprocess.CompletedProcess:
     env = dict(os.environ, KVGUARD_RING_DIR=str(ring_dir), KVGUARD_RING_BYTES=str(RING_BYTES))
     env.pop("KVGUARD_DISABLE", None)
-    return subprocess.run([sys.executable, str(ENGINE), "fill", str(cycles)], env=env, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, str(ENGINE), "fill", str(cycles)], env=env, capture_output=True, text=True, timeout=60
+    )
 
 
 def died_of(res: subprocess.CompletedProcess) -> str:
@@ -71,7 +78,8 @@ def test_an_engine_on_a_full_ring_volume_keeps_running_and_counts_its_drops(tiny
     # the restarted engine: 127 pages left, its ring needs 129. It must not be killed
     second = run_engine(tiny_tmpfs, 1200)
     assert second.returncode == 0, (
-        f"the engine died on a full ring volume: {died_of(second)}\nstderr:\n{second.stderr[-2000:]}")
+        f"the engine died on a full ring volume: {died_of(second)}\nstderr:\n{second.stderr[-2000:]}"
+    )
     b = json.loads(second.stdout)
     assert b["ring"] is None, f"a ring was made on a volume without room for it: {b}"
     assert b["dropped_no_ring"] == b["probe_calls"] > 1000, b

@@ -44,9 +44,25 @@ class SidecarProc:
         token_file.write_text(TOKEN)
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvguard.sidecar.cli", "sidecar", "--ring-dir", str(ring_dir), "--listen",
-             f"127.0.0.1:{self.port}", "--api-token-file", str(token_file), *extra],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+            [
+                sys.executable,
+                "-m",
+                "kvguard.sidecar.cli",
+                "sidecar",
+                "--ring-dir",
+                str(ring_dir),
+                "--listen",
+                f"127.0.0.1:{self.port}",
+                "--api-token-file",
+                str(token_file),
+                *extra,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=preexec_fn,
+        )
         if wait:
             self.wait_healthy()
 
@@ -74,8 +90,9 @@ class SidecarProc:
         return out
 
     def incidents(self, kind: str) -> list[dict]:
-        resp = httpx.get(f"{self.url}/v1/incidents", params={"kind": kind},
-                         headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5)
+        resp = httpx.get(
+            f"{self.url}/v1/incidents", params={"kind": kind}, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5
+        )
         resp.raise_for_status()
         return resp.json()["incidents"]
 
@@ -87,8 +104,10 @@ class SidecarProc:
             if pred(last):
                 return last
             time.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}; last scrape: "
-                             f"{ {k: v for k, v in (last or {}).items() if 'lost' in k or 'corrupt' in k or 'recording' in k} }")
+        raise AssertionError(
+            f"timed out waiting for {what}; last scrape: "
+            f"{ {k: v for k, v in (last or {}).items() if 'lost' in k or 'corrupt' in k or 'recording' in k} }"
+        )
 
     def stop(self, sig=signal.SIGTERM, timeout_s: float = 20.0) -> tuple[int, str]:
         if self.proc.poll() is None:
@@ -225,8 +244,10 @@ def test_a_recording_that_cannot_be_written_is_exported_as_failing(tmp_path, sid
     m = sc.wait_for(lambda m: m.get("kvguard_recording_failing") == 1, "the recording to be reported failing")
     assert m["kvguard_recording_enabled"] == 1
     assert m["kvguard_recording_write_errors_total"] >= 1
-    m = sc.wait_for(lambda m: m.get("kvguard_recording_records_not_recorded_total", 0) >= 50,
-                    "the records not recorded to be counted")
+    m = sc.wait_for(
+        lambda m: m.get("kvguard_recording_records_not_recorded_total", 0) >= 50,
+        "the records not recorded to be counted",
+    )
     code, err = sc.stop()
     assert code == 0, err
 

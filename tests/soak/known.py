@@ -78,7 +78,7 @@ class RecordIndex:
             elif k == wire.Kind.FORWARD:
                 off = np.concatenate(([0], np.cumsum(b.write_counts, dtype=np.int64)))
                 for i, key in enumerate(b.req_keys.tolist()):
-                    self.written[(e, key)].update(b.write_pages[off[i]:off[i + 1]].tolist())
+                    self.written[(e, key)].update(b.write_pages[off[i] : off[i + 1]].tolist())
             elif k == wire.Kind.XFER_SEND:
                 self.rooms[b.room].sends.append((r.ts_ns, b.token_start, b.token_end, b.is_last))
             elif k == wire.Kind.XFER_RESERVE:
@@ -89,9 +89,16 @@ class RecordIndex:
 
     def engine_of(self, finding: Finding) -> int | None:
         for (e, _key), b in self.begin.items():
-            if finding.reader is not None and b.rid == finding.reader.rid and self.roles.get(e) == {
-                "unified": wire.Role.UNIFIED, "prefill": wire.Role.PREFILL, "decode": wire.Role.DECODE,
-            }.get(finding.engine.role):
+            if (
+                finding.reader is not None
+                and b.rid == finding.reader.rid
+                and self.roles.get(e)
+                == {
+                    "unified": wire.Role.UNIFIED,
+                    "prefill": wire.Role.PREFILL,
+                    "decode": wire.Role.DECODE,
+                }.get(finding.engine.role)
+            ):
                 return e
         return None
 
@@ -132,8 +139,7 @@ def known_false_alarm(finding: Finding, index: RecordIndex) -> str | None:
             return TTFT if room is not None and index.sent_in_full(room, b.prompt_tokens) else None
         return TTFT if index.prefilled_in_full(engine, key) else None
     late_send = finding.kind in ("use_after_free", "late_write") and finding.evidence.get("via") == "transfer"
-    if finding.engine.role == "decode" and (late_send or finding.kind in ("transfer_size_mismatch",
-                                                                          "unwritten_read")):
+    if finding.engine.role == "decode" and (late_send or finding.kind in ("transfer_size_mismatch", "unwritten_read")):
         if room is None or not index.send_after_done(room):
             return None
         return SEND_ORDER if set(finding.pages) <= index.rooms[room].reserved_pages else None

@@ -57,8 +57,13 @@ class Watch:
         self.memory = MemorySink()
         self.keeper = RecordKeeper(max_records)
         # the sidecar's defaults, ttft_anomaly included; KVGUARD_SOAK_TTFT=0 turns it off
-        self.sidecar = Sidecar(str(ring_dir), sinks=[self.memory], remove_dead_rings=False, recorder=self.keeper,
-                               ttft_anomaly=os.environ.get("KVGUARD_SOAK_TTFT", "1") == "1")
+        self.sidecar = Sidecar(
+            str(ring_dir),
+            sinks=[self.memory],
+            remove_dead_rings=False,
+            recorder=self.keeper,
+            ttft_anomaly=os.environ.get("KVGUARD_SOAK_TTFT", "1") == "1",
+        )
         self.pipeline = self.sidecar.pipeline
 
     def __enter__(self) -> Watch:
@@ -108,8 +113,11 @@ class Watch:
                 if r.kind == wire.Kind.REQ_BEGIN:
                     begins[(r.engine_id, r.body.req_key)] = r.body
                     continue
-                if r.kind != wire.Kind.REQ_END or r.body.reprefilled or r.body.finish not in (
-                        wire.Finish.LENGTH, wire.Finish.STOP):
+                if (
+                    r.kind != wire.Kind.REQ_END
+                    or r.body.reprefilled
+                    or r.body.finish not in (wire.Finish.LENGTH, wire.Finish.STOP)
+                ):
                     continue
                 b = begins.get((r.engine_id, r.body.req_key))
                 t = p.engines.get(r.engine_id)
@@ -117,8 +125,9 @@ class Watch:
                     continue
                 if b.prompt_tokens - b.cached_tokens < p.ttft_detector.min_tokens:
                     continue
-                info = RequestInfo(b.req_key, b.rid, b.tenant, prompt_tokens=b.prompt_tokens,
-                                   cached_tokens=b.cached_tokens)
+                info = RequestInfo(
+                    b.req_key, b.rid, b.tenant, prompt_tokens=b.prompt_tokens, cached_tokens=b.cached_tokens
+                )
                 got = p._prompt_pages_written(r.engine_id, info)
                 out["judged"] += 1
                 if got is None:
@@ -126,8 +135,9 @@ class Watch:
                 elif got[0] + 1 >= got[1]:
                     out["explained"] += 1
                 else:
-                    out["unexplained"].append((b.rid, b.prompt_tokens, b.cached_tokens, *got,
-                                               self._request_trace(r.engine_id, b.req_key)))
+                    out["unexplained"].append(
+                        (b.rid, b.prompt_tokens, b.cached_tokens, *got, self._request_trace(r.engine_id, b.req_key))
+                    )
             return out
 
     def _request_trace(self, engine_id: int, key: int, limit: int = 40) -> list[str]:
@@ -138,15 +148,19 @@ class Watch:
             if r.engine_id != engine_id:
                 continue
             if r.kind == wire.Kind.ASSIGN and b.req_key == key:
-                out.append(f"#{r.seq} ASSIGN [{b.row_start},{b.row_end}) shared_until={b.shared_until} "
-                           f"pages={b.pages.tolist()[:16]}")
+                out.append(
+                    f"#{r.seq} ASSIGN [{b.row_start},{b.row_end}) shared_until={b.shared_until} "
+                    f"pages={b.pages.tolist()[:16]}"
+                )
             elif r.kind == wire.Kind.FORWARD and key in b.req_keys.tolist():
                 keys, wo = b.req_keys.tolist(), 0
                 for i, k in enumerate(keys):
                     wc = int(b.write_counts[i])
                     if k == key:
-                        out.append(f"#{r.seq} FORWARD seq_len={int(b.seq_lens[i])} wrote={b.write_pages[wo:wo + wc].tolist()} "
-                                   f"batch={len(keys)}")
+                        out.append(
+                            f"#{r.seq} FORWARD seq_len={int(b.seq_lens[i])} wrote={b.write_pages[wo : wo + wc].tolist()} "
+                            f"batch={len(keys)}"
+                        )
                     wo += wc
             elif r.kind in (wire.Kind.REQ_BEGIN, wire.Kind.REQ_END, wire.Kind.REJECT) and b.req_key == key:
                 out.append(f"#{r.seq} {r.kind.name} {b}")
@@ -187,20 +201,30 @@ class Watch:
                 "ring_last_error": rings.stats.last_error,
                 "ring_decode_errors": dict(decode),
                 "apply_errors": p.apply_errors,
-                "ttft": {"enabled": p.ttft_detector.enabled, "suspects_cleared": p.ttft_detector.suspects_cleared,
-                         "suspects_explained": p.ttft_detector.suspects_explained,
-                         "suspects_waiting_at_end": getattr(self, "ttft_waiting_at_end", None),
-                         "samples": {eid: len(m.samples) for eid, m in p.ttft_detector.models.items()}},
+                "ttft": {
+                    "enabled": p.ttft_detector.enabled,
+                    "suspects_cleared": p.ttft_detector.suspects_cleared,
+                    "suspects_explained": p.ttft_detector.suspects_explained,
+                    "suspects_waiting_at_end": getattr(self, "ttft_waiting_at_end", None),
+                    "samples": {eid: len(m.samples) for eid, m in p.ttft_detector.models.items()},
+                },
                 "records_read": rings.stats.records_read,
-                "transfers": {"paired": p.ledger.paired, "unverified": p.ledger.unverified,
-                              "unpaired": p.ledger.unpaired, "warmup": p.ledger.warmups,
-                              "rooms_reused": p.ledger.rooms_reused},
+                "transfers": {
+                    "paired": p.ledger.paired,
+                    "unverified": p.ledger.unverified,
+                    "unpaired": p.ledger.unpaired,
+                    "warmup": p.ledger.warmups,
+                    "rooms_reused": p.ledger.rooms_reused,
+                },
                 "engines": engines,
             }
 
     def probe_errors(self) -> list[dict[str, Any]]:
-        return [{"engine_id": r.engine_id, "probe": r.body.probe, "error": r.body.error, "count": r.body.count}
-                for r in self.keeper.records if r.kind == wire.Kind.PROBE_ERROR]
+        return [
+            {"engine_id": r.engine_id, "probe": r.body.probe, "error": r.body.error, "count": r.body.count}
+            for r in self.keeper.records
+            if r.kind == wire.Kind.PROBE_ERROR
+        ]
 
     # ------------------------------------------------------------------ explaining
     def rid_of(self, key: int) -> str:
@@ -218,14 +242,16 @@ class Watch:
             for i, key in enumerate(b.req_keys.tolist()):
                 wc = int(b.write_counts[i])
                 rc = int(b.read_counts[i]) if b.read_counts is not None else 0
-                w = b.write_pages[wo:wo + wc].tolist()
-                rd = b.read_pages[ro:ro + rc].tolist() if b.read_pages is not None else []
+                w = b.write_pages[wo : wo + wc].tolist()
+                rd = b.read_pages[ro : ro + rc].tolist() if b.read_pages is not None else []
                 wo, ro = wo + wc, ro + rc
                 hit_w = sorted(set(w) & pages)
                 hit_r = sorted(set(rd) & pages)
                 if key in keys or hit_w or hit_r:
-                    parts.append(f"{name(key)} seq_len={int(b.seq_lens[i])} writes={sorted(set(w))} "
-                                 f"reads[{len(rd)}]={rd if key in keys else hit_r}")
+                    parts.append(
+                        f"{name(key)} seq_len={int(b.seq_lens[i])} writes={sorted(set(w))} "
+                        f"reads[{len(rd)}]={rd if key in keys else hit_r}"
+                    )
             return f"{head} " + "; ".join(parts) if parts else None
         key = getattr(b, "req_key", None)
         bp = getattr(b, "pages", None)
@@ -233,14 +259,18 @@ class Watch:
         if key not in keys and not touched:
             return None
         if k == wire.Kind.ASSIGN:
-            return (f"{head} {name(b.req_key)} rows [{b.row_start},{b.row_end}) shared_until={b.shared_until} "
-                    f"pages={b.pages.tolist()}")
+            return (
+                f"{head} {name(b.req_key)} rows [{b.row_start},{b.row_end}) shared_until={b.shared_until} "
+                f"pages={b.pages.tolist()}"
+            )
         if k in (wire.Kind.ALLOC, wire.Kind.FREE):
             extra = f" ({b.free_kind.name})" if k == wire.Kind.FREE else ""
             return f"{head}{extra} pages involved={touched} of {len(bp)}"
         if k == wire.Kind.REQ_BEGIN:
-            return (f"{head} {b.rid} tenant={b.tenant} prompt={b.prompt_tokens} cached={b.cached_tokens} "
-                    f"room={b.room} warmup={b.warmup}")
+            return (
+                f"{head} {b.rid} tenant={b.tenant} prompt={b.prompt_tokens} cached={b.cached_tokens} "
+                f"room={b.room} warmup={b.warmup}"
+            )
         if k == wire.Kind.REQ_END:
             return f"{head} {name(b.req_key)} finish={b.finish.name} out={b.output_tokens} reason={b.reason!r}"
         if k == wire.Kind.REJECT:
@@ -272,15 +302,19 @@ class Watch:
                     if page >= t.pool.num_pages:
                         continue
                     pool = t.pool
-                    lines.append(f"  engine {t.engine_id} page {page} now: state={STATE_NAMES[int(pool.state[page])]} "
-                                 f"gen={int(pool.gen[page])} written_gen={int(pool.written_gen[page])} "
-                                 f"owner={names.get(int(pool.owner[page]), int(pool.owner[page]))} "
-                                 f"last_writer={names.get(int(pool.last_writer[page]), int(pool.last_writer[page]))}")
+                    lines.append(
+                        f"  engine {t.engine_id} page {page} now: state={STATE_NAMES[int(pool.state[page])]} "
+                        f"gen={int(pool.gen[page])} written_gen={int(pool.written_gen[page])} "
+                        f"owner={names.get(int(pool.owner[page]), int(pool.owner[page]))} "
+                        f"last_writer={names.get(int(pool.last_writer[page]), int(pool.last_writer[page]))}"
+                    )
                     if hist is not None:
                         for ev in hist.page_events(t.engine_id, page, limit=12):
-                            lines.append(f"    hist {int(ev['ts_ns'])} {Event(int(ev['event'])).name} "
-                                         f"{names.get(int(ev['req_key']), int(ev['req_key']))} gen={int(ev['gen'])} "
-                                         f"aux={int(ev['aux'])}")
+                            lines.append(
+                                f"    hist {int(ev['ts_ns'])} {Event(int(ev['event'])).name} "
+                                f"{names.get(int(ev['req_key']), int(ev['req_key']))} gen={int(ev['gen'])} "
+                                f"aux={int(ev['aux'])}"
+                            )
         mine, around = [], []
         for r in self.keeper.records:
             s = self._describe(r, set(), keys, names)
@@ -294,8 +328,9 @@ class Watch:
         lines += mine[:max_lines]
         before = [s for ts, s in around if ts <= d["first_seen_ns"]][-max_lines:]
         after = [s for ts, s in around if ts > d["first_seen_ns"]][:20]
-        lines.append(f"  records naming pages {sorted(pages)} (last {len(before)} up to the finding, "
-                     f"{len(after)} after):")
+        lines.append(
+            f"  records naming pages {sorted(pages)} (last {len(before)} up to the finding, {len(after)} after):"
+        )
         return "\n".join(lines + before + ["    -- finding --"] + after)
 
     def pages_of(self, finding: Finding) -> np.ndarray:

@@ -149,8 +149,16 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randint(MIN_TOKEN, MAX_TOKEN) for _ in range(n)]
 
 
-def make_plan(n: int, limits: Limits, *, mix: dict[str, float] = UNIFIED_MIX, seed: int = 0,
-              phase: str = "uni", tenants: Sequence[str] = TENANTS, burst: int = 1) -> list[Planned]:
+def make_plan(
+    n: int,
+    limits: Limits,
+    *,
+    mix: dict[str, float] = UNIFIED_MIX,
+    seed: int = 0,
+    phase: str = "uni",
+    tenants: Sequence[str] = TENANTS,
+    burst: int = 1,
+) -> list[Planned]:
     """``n`` requests, kinds drawn with ``mix``'s weights (at least one of each kind
     when ``n`` allows), in a seeded random order; ``pressure`` requests come in runs
     of ``burst`` (set it to the client concurrency) so that they decode together."""
@@ -223,8 +231,12 @@ def mix_summary(plan: Sequence[Planned]) -> dict[str, Any]:
         "requests": len(plan),
         "by_kind": dict(sorted(Counter(p.kind for p in plan).items())),
         "by_tenant": dict(sorted(Counter(p.tenant for p in plan).items())),
-        "prompt_tokens": {"min": min(lens), "max": max(lens), "mean": round(sum(lens) / len(lens), 1),
-                          "total": sum(lens)},
+        "prompt_tokens": {
+            "min": min(lens),
+            "max": max(lens),
+            "mean": round(sum(lens) / len(lens), 1),
+            "total": sum(lens),
+        },
         "max_new_tokens_total": sum(p.max_new_tokens for p in plan),
     }
 
@@ -291,8 +303,15 @@ def _plain(client: httpx.Client, url: str, body: dict[str, Any], out: Outcome, t
         out.error = f"non-JSON body {r.text[:200]!r}"
 
 
-def _streamed(client: httpx.Client, url: str, abort_urls: Sequence[str], body: dict[str, Any], out: Outcome,
-              timeout_s: float, routed: bool = False) -> None:
+def _streamed(
+    client: httpx.Client,
+    url: str,
+    abort_urls: Sequence[str],
+    body: dict[str, Any],
+    out: Outcome,
+    timeout_s: float,
+    routed: bool = False,
+) -> None:
     """Stream; abort as the request's kind says (the abort itself is never an error). ``routed``:
     the client knows no rid until decode's first chunk names it, so a queued abort is a close
     before the first chunk and ``abort_api`` aborts decode's rid at ``abort_urls``."""
@@ -384,8 +403,12 @@ def send_routed(router_url: str, decode_url: str, timeout_s: float = 300.0) -> C
     return send
 
 
-def run_plan(plan: Sequence[Planned], send: Callable[[Planned], Outcome], concurrency: int,
-             progress: Callable[[int, int], None] | None = None) -> list[Outcome]:
+def run_plan(
+    plan: Sequence[Planned],
+    send: Callable[[Planned], Outcome],
+    concurrency: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[Outcome]:
     """Send every planned request with ``concurrency`` client threads; outcomes in plan order."""
     done = 0
     lock = threading.Lock()

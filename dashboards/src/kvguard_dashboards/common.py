@@ -43,8 +43,14 @@ ALL = VariableOption(selected=True, text=["All"], value=["$__all"])
 def base(title: str, uid: str, description: str) -> Dashboard:
     """A dashboard with the Prometheus datasource and sidecar variables, last hour, 30 s refresh."""
     return (
-        Dashboard(title).uid(uid).description(description).tags(TAGS)
-        .time("now-1h", "now").refresh("30s").timezone("browser").tooltip(DashboardCursorSync.CROSSHAIR)
+        Dashboard(title)
+        .uid(uid)
+        .description(description)
+        .tags(TAGS)
+        .time("now-1h", "now")
+        .refresh("30s")
+        .timezone("browser")
+        .tooltip(DashboardCursorSync.CROSSHAIR)
         .with_variable(DatasourceVariable("datasource").label("Prometheus").type("prometheus"))
         .with_variable(label_variable("instance", "Sidecar", "kvguard_rings_attached"))
     )
@@ -53,10 +59,16 @@ def base(title: str, uid: str, description: str) -> Dashboard:
 def label_variable(name: str, label: str, metric: str) -> QueryVariable:
     """A multi-value variable over the values of ``name`` on ``metric``; All means ``.*``."""
     return (
-        QueryVariable(name).label(label).datasource(DATASOURCE)
+        QueryVariable(name)
+        .label(label)
+        .datasource(DATASOURCE)
         .query(f"label_values({metric}, {name})")
-        .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
-        .multi(True).include_all(True).all_value(".*").current(ALL)
+        .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(VariableSort.ALPHABETICAL_ASC)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
+        .current(ALL)
     )
 
 
@@ -84,8 +96,7 @@ def raised(metric: str, matchers: str, by: str) -> str:
     same rule as the alerts use.
     """
     sel = f"{metric}{{{matchers}}}"
-    return (f"sum by ({by}) (increase({sel}[$__rate_interval]) "
-            f"or ({sel} unless {sel} offset $__rate_interval))")
+    return f"sum by ({by}) (increase({sel}[$__rate_interval]) or ({sel} unless {sel} offset $__rate_interval))"
 
 
 def rate(metric: str, matchers: str, by: str = "") -> str:
@@ -111,45 +122,94 @@ def _with_targets(panel, targets):
     return panel
 
 
-def graph(title: str, description: str, *targets: prometheus.Dataquery, unit: str = "short", span: int = 12,
-          height: int = 8, bars: bool = False, stacked: bool = False, threshold: float | None = None
-          ) -> timeseries.Panel:
+def graph(
+    title: str,
+    description: str,
+    *targets: prometheus.Dataquery,
+    unit: str = "short",
+    span: int = 12,
+    height: int = 8,
+    bars: bool = False,
+    stacked: bool = False,
+    threshold: float | None = None,
+) -> timeseries.Panel:
     panel = (
-        timeseries.Panel().title(title).description(description).datasource(DATASOURCE)
-        .unit(unit).min(0).span(span).height(height)
+        timeseries.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .unit(unit)
+        .min(0)
+        .span(span)
+        .height(height)
         .draw_style(common.GraphDrawStyle.BARS if bars else common.GraphDrawStyle.LINE)
         .fill_opacity(60 if bars or stacked else 10)
-        .legend(common_builders.VizLegendOptions().display_mode(common.LegendDisplayMode.TABLE)
-                .placement(common.LegendPlacement.BOTTOM).show_legend(True).calcs(["max", "lastNotNull"]))
-        .tooltip(common_builders.VizTooltipOptions().mode(common.TooltipDisplayMode.MULTI)
-                 .sort(common.SortOrder.DESCENDING))
+        .legend(
+            common_builders.VizLegendOptions()
+            .display_mode(common.LegendDisplayMode.TABLE)
+            .placement(common.LegendPlacement.BOTTOM)
+            .show_legend(True)
+            .calcs(["max", "lastNotNull"])
+        )
+        .tooltip(
+            common_builders.VizTooltipOptions().mode(common.TooltipDisplayMode.MULTI).sort(common.SortOrder.DESCENDING)
+        )
     )
     if stacked:
         panel = panel.stacking(common_builders.StackingConfig().mode(common.StackingMode.NORMAL))
     if threshold is not None:
-        panel = (panel.thresholds(_thresholds((None, "green"), (threshold, "red")))
-                 .thresholds_style(common_builders.GraphThresholdsStyleConfig()
-                                   .mode(common.GraphThresholdsStyleMode.DASHED)))
+        panel = panel.thresholds(_thresholds((None, "green"), (threshold, "red"))).thresholds_style(
+            common_builders.GraphThresholdsStyleConfig().mode(common.GraphThresholdsStyleMode.DASHED)
+        )
     return _with_targets(panel, targets)
 
 
-def single(title: str, description: str, target: prometheus.Dataquery, unit: str = "short", span: int = 4,
-           steps: tuple[tuple[float | None, str], ...] = ((None, "green"),)) -> stat.Panel:
+def single(
+    title: str,
+    description: str,
+    target: prometheus.Dataquery,
+    unit: str = "short",
+    span: int = 4,
+    steps: tuple[tuple[float | None, str], ...] = ((None, "green"),),
+) -> stat.Panel:
     panel = (
-        stat.Panel().title(title).description(description).datasource(DATASOURCE).unit(unit).span(span).height(4)
-        .thresholds(_thresholds(*steps)).color_mode(common.BigValueColorMode.BACKGROUND)
-        .graph_mode(common.BigValueGraphMode.NONE).text_mode(common.BigValueTextMode.VALUE)
+        stat.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .unit(unit)
+        .span(span)
+        .height(4)
+        .thresholds(_thresholds(*steps))
+        .color_mode(common.BigValueColorMode.BACKGROUND)
+        .graph_mode(common.BigValueGraphMode.NONE)
+        .text_mode(common.BigValueTextMode.VALUE)
         .reduce_options(common_builders.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
     )
     return _with_targets(panel, [target])
 
 
-def bars(title: str, description: str, target: prometheus.Dataquery, unit: str = "short", span: int = 12,
-         height: int = 8, steps: tuple[tuple[float | None, str], ...] = ((None, "green"),)) -> bargauge.Panel:
+def bars(
+    title: str,
+    description: str,
+    target: prometheus.Dataquery,
+    unit: str = "short",
+    span: int = 12,
+    height: int = 8,
+    steps: tuple[tuple[float | None, str], ...] = ((None, "green"),),
+) -> bargauge.Panel:
     panel = (
-        bargauge.Panel().title(title).description(description).datasource(DATASOURCE).unit(unit).min(0)
-        .span(span).height(height).thresholds(_thresholds(*steps))
-        .display_mode(common.BarGaugeDisplayMode.BASIC).orientation(common.VizOrientation.HORIZONTAL)
+        bargauge.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .unit(unit)
+        .min(0)
+        .span(span)
+        .height(height)
+        .thresholds(_thresholds(*steps))
+        .display_mode(common.BarGaugeDisplayMode.BASIC)
+        .orientation(common.VizOrientation.HORIZONTAL)
         .reduce_options(common_builders.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
     )
     return _with_targets(panel, [target])

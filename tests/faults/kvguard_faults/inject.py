@@ -86,7 +86,7 @@ def fault_and_role(rid) -> tuple[str | None, str | None]:
     for fault in FAULTS:
         p = rid_prefix(fault)
         if rid.startswith(p):
-            return fault, rid[len(p):].split("-", 1)[0]
+            return fault, rid[len(p) :].split("-", 1)[0]
     return None, None
 
 
@@ -182,8 +182,10 @@ class Driver:
         # row_corruption: (reader rid, row, start, end, original slots)
         self.rc_pending = None
         # late_write_*: per fault
-        self.lw = {f: {"stale": None, "victim": None, "page": None, "slots": None, "injected": False}
-                   for f in ("late_write_forward", "late_write_pool")}
+        self.lw = {
+            f: {"stale": None, "victim": None, "page": None, "slots": None, "injected": False}
+            for f in ("late_write_forward", "late_write_pool")
+        }
         # PD: bootstrap_room -> fault
         self.pd_rooms: dict[int, str] = {}
 
@@ -262,8 +264,17 @@ class Driver:
         batch.out_cache_loc = loc
         st["injected"] = True
         self._release_hold("late_write_forward")
-        self.ev.emit("late_write_forward", "injected", writer=z.rid, victim=y.rid, page=target_slot // ps,
-                     slot=target_slot, writer_slot=writer_slot, writer_page=writer_slot // ps, position=position)
+        self.ev.emit(
+            "late_write_forward",
+            "injected",
+            writer=z.rid,
+            victim=y.rid,
+            page=target_slot // ps,
+            slot=target_slot,
+            writer_slot=writer_slot,
+            writer_page=writer_slot // ps,
+            position=position,
+        )
 
         def restore():
             batch.out_cache_loc = orig
@@ -306,14 +317,20 @@ class Driver:
             free_now = free_page_set(alloc)
             again = [p for p in pages if p in free_now]
             if not again:
-                self.ev.emit("double_free", "skipped", rid=req.rid, pages=pages,
-                             reason="none of the request's pages was released to the free list")
+                self.ev.emit(
+                    "double_free",
+                    "skipped",
+                    rid=req.rid,
+                    pages=pages,
+                    reason="none of the request's pages was released to the free list",
+                )
                 continue
             slots = torch.tensor([p * ps for p in again], dtype=torch.int64, device=alloc.device)
             alloc.free(slots)  # the second free of these pages
             dropped = dedupe_free_lists(alloc)
-            self.ev.emit("double_free", "double_freed", rid=req.rid, pages=again, row_pages=pages,
-                         duplicates_dropped=dropped)
+            self.ev.emit(
+                "double_free", "double_freed", rid=req.rid, pages=again, row_pages=pages, duplicates_dropped=dropped
+            )
 
     # fault 3 ----------------------------------------------------------------
     def _row_corrupt(self, sched, batch):
@@ -340,8 +357,15 @@ class Driver:
         self.done.add(("row_corruption", "injected"))
         self._release_hold("row_corruption")
         self.rc_pending = (reader.rid, r_row, start, end, original)
-        self.ev.emit("row_corruption", "row_corrupted", reader=reader.rid, owner=owner.rid, row_page_index=1,
-                     reader_page=int(original[0]) // ps, owner_page=int(rt[o_row, start]) // ps)
+        self.ev.emit(
+            "row_corruption",
+            "row_corrupted",
+            reader=reader.rid,
+            owner=owner.rid,
+            row_page_index=1,
+            reader_page=int(original[0]) // ps,
+            owner_page=int(rt[o_row, start]) // ps,
+        )
 
     def _row_restore(self, sched, batch):
         """After one forward read the corrupted row: put the reader's own slots back, so
@@ -369,8 +393,13 @@ class Driver:
                 free_now = free_page_set(alloc)
                 st["stale"] = [p for p in pages if p in free_now]
                 self.ev.emit(fault, "x_released", rid=req.rid, pages=pages, stale=st["stale"])
-            elif (role == "y" and st["victim"] is None and st["stale"] is not None
-                  and batch.forward_mode.is_extend() and not req.finished()):
+            elif (
+                role == "y"
+                and st["victim"] is None
+                and st["stale"] is not None
+                and batch.forward_mode.is_extend()
+                and not req.finished()
+            ):
                 n = len(req.origin_input_ids)
                 slots = row_slots(sched, req, n)
                 hit = [p for p in pages_of(slots, ps) if p in set(st["stale"])]
@@ -414,8 +443,9 @@ class Driver:
                 pool.k_buffer[layer - start_layer][loc] = k.view(pool.store_dtype)
                 pool.v_buffer[layer - start_layer][loc] = v.view(pool.store_dtype)
         st["injected"] = True
-        self.ev.emit("late_write_pool", "injected", victim=st["victim"], page=st["page"], slots=st["slots"],
-                     method=method)
+        self.ev.emit(
+            "late_write_pool", "injected", victim=st["victim"], page=st["page"], slots=st["slots"], method=method
+        )
 
     # fault 1 ----------------------------------------------------------------
     def _use_after_free(self, sched, batch):
@@ -433,8 +463,14 @@ class Driver:
                 pages = pages_of(row_slots(sched, other, len(other.origin_input_ids)), page_size(sched))
                 got = [p for p in self.uaf_pages if p in set(pages)]
                 self._release_hold("use_after_free")
-                self.ev.emit("use_after_free", "other_got_pages", other=other.rid, victim=self.uaf_victim,
-                             pages=got, other_pages=pages)
+                self.ev.emit(
+                    "use_after_free",
+                    "other_got_pages",
+                    other=other.rid,
+                    victim=self.uaf_victim,
+                    pages=got,
+                    other_pages=pages,
+                )
 
     def _uaf_free(self, sched, batch):
         """After the victim's prefill: free two of its full prompt pages through the
@@ -457,7 +493,7 @@ class Driver:
             self.uaf_pages = []
             return
         slots = row_slots(sched, victim, n)
-        free_slots = [s for i in idx for s in slots[i * ps:(i + 1) * ps]]
+        free_slots = [s for i in idx for s in slots[i * ps : (i + 1) * ps]]
         pages = pages_of(free_slots, ps)
         alloc = sched.token_to_kv_pool_allocator
         alloc.free(torch.tensor(free_slots, dtype=torch.int64, device=alloc.device))
@@ -484,23 +520,33 @@ class Driver:
         if fault == "send_truncated" and fault in self.faults and last_chunk:
             ps = page_size(sched)
             new_end = min(ps, len(req.origin_input_ids))
-            self.ev.emit(fault, "truncated", rid=req.rid, room=int(req.bootstrap_room),
-                         prompt_tokens=len(req.origin_input_ids), end_idx=new_end)
+            self.ev.emit(
+                fault,
+                "truncated",
+                rid=req.rid,
+                room=int(req.bootstrap_room),
+                prompt_tokens=len(req.origin_input_ids),
+                end_idx=new_end,
+            )
             return original(sched, req, last_chunk=last_chunk, end_idx=new_end)
         return original(sched, req, last_chunk=last_chunk, end_idx=end_idx)
 
-    def sender_send(self, original, sender, kv_indices, state_indices=None, num_kv_tokens=None,
-                    indices_event=None):
+    def sender_send(self, original, sender, kv_indices, state_indices=None, num_kv_tokens=None, indices_event=None):
         fault = self.pd_rooms.get(int(getattr(sender, "bootstrap_room", -1)))
         if fault == "sender_truncated" and len(kv_indices) > 1:
-            self.ev.emit(fault, "truncated", room=int(sender.bootstrap_room), pages_asked=len(kv_indices),
-                         pages_sent=1, tokens_asked=num_kv_tokens)
+            self.ev.emit(
+                fault,
+                "truncated",
+                room=int(sender.bootstrap_room),
+                pages_asked=len(kv_indices),
+                pages_sent=1,
+                tokens_asked=num_kv_tokens,
+            )
             ps = getattr(getattr(sender.kv_mgr, "kv_args", None), "page_size", None)
             kv_indices = kv_indices[:1]
             if num_kv_tokens is not None and ps:
                 num_kv_tokens = min(int(num_kv_tokens), int(ps))
         return original(sender, kv_indices, state_indices, num_kv_tokens=num_kv_tokens, indices_event=indices_event)
-
 
     # ------------------------------------------------------------------ PD decode
     def flip_received_page(self, queue, decode_req) -> None:
@@ -524,9 +570,20 @@ class Driver:
         before = int(k[slot].contiguous().view(torch.uint8).reshape(-1)[0])
         k[slot].view(torch.uint8).reshape(-1)[0] ^= 0x01  # the low mantissa bits of a bf16: never a NaN
         after = int(k[slot].contiguous().view(torch.uint8).reshape(-1)[0])
-        self.ev.emit(fault, "flipped", rid=req.rid, room=int(req.bootstrap_room), page=slot // ps, slot=slot,
-                     position=position, row_page_index=index, layer=layer, head=0, byte_before=before,
-                     byte_after=after)
+        self.ev.emit(
+            fault,
+            "flipped",
+            rid=req.rid,
+            room=int(req.bootstrap_room),
+            page=slot // ps,
+            slot=slot,
+            position=position,
+            row_page_index=index,
+            layer=layer,
+            head=0,
+            byte_before=before,
+            byte_after=after,
+        )
 
 
 # --------------------------------------------------------------------------- registration
@@ -540,6 +597,7 @@ def register(faults: set[str], folder: str | None) -> Driver:
     d = _driver = Driver(faults, Events(folder))
 
     if faults & set(UNIFIED_FAULTS):
+
         def run_batch_hook(original, sched, batch, *args, **kwargs):
             restore = d.guarded("run_batch", d.before_run, sched, batch)
             try:
@@ -558,6 +616,7 @@ def register(faults: set[str], folder: str | None) -> Driver:
         HookRegistry.register(PROCESS_BATCH_RESULT, process_batch_result_hook, HookType.AROUND)
 
     if faults & set(PD_FAULTS):
+
         def num_pages_hook(result, queue, req, *args, **kwargs):
             return d.guarded("num_pages_to_send", d.num_pages_to_send, result, queue, req)
 
@@ -567,13 +626,14 @@ def register(faults: set[str], folder: str | None) -> Driver:
         HookRegistry.register(NUM_PAGES_TO_SEND, num_pages_hook, HookType.AFTER)
         HookRegistry.register(SEND_KV_CHUNK_INNER, send_inner_hook, HookType.AROUND)
         if "sender_truncated" in faults:
-            def sender_hook(original, sender, kv_indices, state_indices=None, num_kv_tokens=None,
-                            indices_event=None):
+
+            def sender_hook(original, sender, kv_indices, state_indices=None, num_kv_tokens=None, indices_event=None):
                 return d.sender_send(original, sender, kv_indices, state_indices, num_kv_tokens, indices_event)
 
             HookRegistry.register(MOONCAKE_SEND, sender_hook, HookType.AROUND)
 
     if faults & set(DECODE_FAULTS):
+
         def commit_hook(queue, decode_req, *args, **kwargs):
             d.guarded("flip_received_page", d.flip_received_page, queue, decode_req)
             return None  # BEFORE hook: the arguments are unchanged
