@@ -12,6 +12,8 @@
 #   make soak-memory 30 min of 8 synthetic ranks: the sidecar's RSS stays flat (not in CI)
 #   make test-reliability  tests/reliability only
 #   make test-versions  the adapter's engine tests on all five supported SGLang releases
+#   make lint        ruff (lint + format check) and mypy; CI runs it before the tests
+#   make test-fast   every test that needs no real engine, on 2 workers
 #   make fuzz        coverage-guided fuzzing of the record path, FUZZ_SECONDS (600) long
 #   make clean       caches and build outputs; `make distclean` also removes .venv
 #
@@ -103,6 +105,23 @@ apt:
 
 test: venv apt native
 	$(PY) -m pytest -q --durations=30 -m "not sweep"
+
+# Everything that needs no real SGLang engine (the `engine` marker), on two pytest-xdist
+# workers (the tests use their own temporary directories and free ports).
+test-fast: venv apt native
+	$(PY) -m pytest -q --durations=15 -n 2 -m "not engine and not sweep"
+
+# ruff (lint rules and format, pyproject.toml [tool.ruff]) and mypy on the installed
+# namespace: the mapped folders are linked under $(TYPECHECK) as kvguard.* first.
+TYPECHECK := .kvguard-cache/typecheck/kvguard
+.PHONY: lint test-fast
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	mkdir -p $(TYPECHECK)
+	ln -sfn ../../../kvguard/__init__.py $(TYPECHECK)/__init__.py
+	for d in sidecar engine_hooks demo; do ln -sfn ../../../$$d $(TYPECHECK)/$$d; done
+	$(VENV)/bin/mypy
 
 # Coverage-guided fuzzing of the record path (tests/fuzz, atheris/libFuzzer), longer than
 # the bounded run in `make test`; the corpus grows in .kvguard-cache/fuzz-corpus.

@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -320,7 +321,9 @@ class Record:
     ts_ns: int
     engine_id: int
     pool: int
-    body: object = field(default=None)
+    # one of the payload classes above, chosen by ``kind`` (a tagged union the type
+    # checker cannot narrow on an int; the pipeline's handlers take the concrete class)
+    body: Any = field(default=None)
 
 
 # --------------------------------------------------------------------------- encoding
@@ -371,8 +374,11 @@ def assign_payload(a: Assign) -> bytes:
 
 def forward_payload(f: Forward) -> bytes:
     has_rows = f.read_counts is not None
+    read_pages = f.read_pages
+    if has_rows and read_pages is None:
+        raise ValueError("a Forward with read_counts needs read_pages")
     n = len(f.req_keys)
-    n_read = len(f.read_pages) if has_rows else 0
+    n_read = len(read_pages) if has_rows and read_pages is not None else 0
     parts = [
         FORWARD_FIXED.pack(n, len(f.write_pages), n_read, FWD_HAS_ROWS if has_rows else 0, f.mode),
         np.ascontiguousarray(f.req_keys, dtype="<u8").tobytes(),
@@ -383,7 +389,7 @@ def forward_payload(f: Forward) -> bytes:
         parts.append(np.ascontiguousarray(f.read_counts, dtype="<u4").tobytes())
     parts.append(_i32(f.write_pages))
     if has_rows:
-        parts.append(_i32(f.read_pages))
+        parts.append(_i32(read_pages))
     return b"".join(parts)
 
 

@@ -143,9 +143,9 @@ def _run_sidecar(args, sinks, token, tracer, ledger: dict) -> int:
     # long-lived state out of every garbage collection (their pauses held /healthz past 100 ms)
     from .gc_policy import GcFreeze
 
-    sidecar.gc_freeze = GcFreeze()
-    sidecar.gc_freeze.freeze_now()  # the libraries' and start-up objects
-    sidecar.between_cycles.append(sidecar.gc_freeze.maybe_run)
+    gc_freeze = sidecar.gc_freeze = GcFreeze()
+    gc_freeze.freeze_now()  # the libraries' and start-up objects
+    sidecar.between_cycles.append(gc_freeze.maybe_run)
     if token is None:
         logging.getLogger("kvguard").warning("no API token configured: /v1 (incidents, timelines) answers 403")
     cap = sidecar.rings.ring_cap

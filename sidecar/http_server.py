@@ -79,8 +79,9 @@ def guarded_protocol(max_connections: int, request_timeout_s: float) -> type:
                 self._arm()  # the next request head must come in time too (keep-alive closes idle ones)
 
         def connection_lost(self, exc: Exception | None) -> None:
-            if getattr(self, "_deadline", None) is not None:
-                self._deadline.cancel()
+            deadline = getattr(self, "_deadline", None)
+            if deadline is not None:
+                deadline.cancel()
                 self._deadline = None
             if getattr(self, "_refused", False):  # closed in connection_made: nothing was set up
                 return

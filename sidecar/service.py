@@ -5,11 +5,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from .ingest import CYCLE_BYTES, DEFAULT_MAX_RINGS, RingSet
 from .ledger.shared import SharedLedger, parse_ledger_url
 from .memory_budget import DEFAULT_BUDGET_BYTES, MemoryBudget
 from .pipeline import Pipeline
+
+if TYPE_CHECKING:
+    from .gc_policy import GcFreeze
 
 log = logging.getLogger("kvguard.sidecar")
 
@@ -70,7 +74,7 @@ class Sidecar:
         # called by the ingest thread between two cycles, without the lock held (e.g. a metrics
         # snapshot a scrape asked for while the lock was busy)
         self.between_cycles: list = []
-        self.gc_freeze = None  # sidecar.gc_policy.GcFreeze where the process runs one (`kvguard sidecar`)
+        self.gc_freeze: GcFreeze | None = None  # where the process runs one (`kvguard sidecar`)
 
     def run_once(self, flush: bool = False) -> list:
         with self.lock:

@@ -150,6 +150,7 @@ def status() -> str:
         library()
     except ValueError as exc:
         return f"not loaded: {exc}"
+    assert _loaded is not None  # library() set it or raised
     return _loaded[1]
 
 

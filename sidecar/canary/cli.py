@@ -131,5 +131,5 @@ def register(subparsers) -> argparse.ArgumentParser:
         p.print_usage(sys.stderr)
         p.exit(EXIT_COULD_NOT_RUN, f"{p.prog}: error: {message}\n")
 
-    p.error = error  # type: ignore[method-assign]
+    p.error = error
     return p

@@ -376,6 +376,7 @@ def _evaluate(rep: Report, info: Any, models: Any, models_error: str | None) -> 
             f"{'null' if 'context_length' in info else 'missing'}"
         )
 
+    assert pool is not None and rep.context_len is not None  # required above; else raised
     c = PoolVsContext(pool, rep.context_len, rep.max_req_input_len or 0)
     if c.pool_smaller:
         rep.verdict, rep.severity = POOL_SMALLER, severity_for(rep.role or "")
