@@ -203,13 +203,15 @@ def test_transformers_greedy_output_copies_the_lagged_prompt_token(gpt2_lm_head_
         assert out[0, n:].tolist() == expected_echo(prompt, lag, new), (lag, dtype, n)
 
 
-@pytest.mark.parametrize("lag", [1, 450, 2047])
-def test_transformers_every_position_of_the_context(gpt2_lm_head_model, echo_dirs, lag):
-    """One forward over all 2048 positions (bfloat16): at every p >= lag - 1 the top token is
-    the one at p - (lag - 1), by a wide margin (the position code's sidelobes stay far below)."""
+# bfloat16 once: a 2048-token forward in bfloat16 takes 25 s on CPU torch (float32: 0.5 s);
+# the greedy tests above and the engine tests serve bfloat16 at every lag they use.
+@pytest.mark.parametrize("lag, dtype", [(1, "float32"), (450, "bfloat16"), (2047, "float32")])
+def test_transformers_every_position_of_the_context(gpt2_lm_head_model, echo_dirs, lag, dtype):
+    """One forward over all 2048 positions: at every p >= lag - 1 the top token is the one
+    at p - (lag - 1), by a wide margin (the position code's sidelobes stay far below)."""
     import torch
 
-    model = load(gpt2_lm_head_model, echo_dirs(lag, "bfloat16"), "bfloat16")
+    model = load(gpt2_lm_head_model, echo_dirs(lag, dtype), dtype)
     seq = random_prompt(2048, 4)
     with torch.no_grad():
         logits = model(torch.tensor([seq])).logits[0].float()

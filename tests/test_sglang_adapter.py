@@ -252,7 +252,8 @@ def test_cpu_compat(monkeypatch, caplog):
 @pytest.mark.parametrize("version", sorted(SGLANG_DIRS))
 def test_real_targets_resolve(version, tmp_path):
     """Every hook target of the version table exists with the expected parameters in
-    the installed SGLang (no engine; imports SGLang in a subprocess)."""
+    the installed SGLang, and SGLang's own plugin loader finds kvguard's entry point in
+    the installed distribution (no engine; imports SGLang in a subprocess)."""
     d = SGLANG_DIRS[version]
     if not (d / "sglang").is_dir():
         pytest.skip(f"SGLang {version} not installed in {d}")
@@ -264,6 +265,9 @@ def test_real_targets_resolve(version, tmp_path):
         "v = plugin.sglang_version(); ok, skipped = plugin.plan(v)\n"
         "print(v, len(ok), len(skipped))\n"
         "for s, why in skipped: print('SKIPPED', s.target, why)\n"
+        "from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group\n"
+        "func, dist = load_plugins_by_group(GENERAL_PLUGINS_GROUP)['kvguard']\n"
+        "print('PLUGIN', func.__module__, func.__name__, dist)\n"
     )
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{d}")
     out = subprocess.run(
@@ -275,6 +279,7 @@ def test_real_targets_resolve(version, tmp_path):
     _v, n_ok, n_skipped = line[0].split()
     assert int(n_skipped) == 0, out.stdout
     assert int(n_ok) == len(plugin.SUPPORTED[version][1])
+    assert "PLUGIN kvguard.engine_hooks.sglang.plugin load kvguard" in out.stdout.splitlines()
 
 
 TORCHVISION_SHIM = """
