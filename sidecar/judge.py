@@ -1,0 +1,504 @@
+"""The judge: the read and write rules (``ReadVerdict``, ``WriteVerdict``) over the page model,
+and judging only what changed since a request's row was last judged clean. A base class of
+``EngineTracker`` (sidecar/tracker.py) rather than an object of its own: the rules run on every
+FORWARD and read the tracker's pool, rows and directory directly, with no extra lookup.
+
+Pages we know nothing about (``UNKNOWN``) are never judged: a sidecar that attached
+late, or lost records, reports a blind window instead of guessing.
+
+Judging only what changed (``EngineTracker.classify_reads``): a read verdict is a pure
+function of the reader's row entries and the state (state, gen, owner, written_gen) of
+those pages. Each row remembers up to which entry it was last judged clean
+(``Row.clean_n``); every change of a page's state is logged (``PagePool.changed``) with the
+page's owner at that moment, and before a FORWARD is judged the log invalidates the rows
+whose clean prefix holds a changed page (a private page: its owner; a page some row judged
+clean as a prefix-cache entry: every row). A FORWARD without rows then judges, per
+request, only the entries past its clean prefix; the clean prefix's pages count as read
+and verified (they were, and nothing about them changed). Sampled rows, isolation checks,
+a HELLO, lost records and a change log longer than the pool take the full judge.
+``KVGUARD_JUDGE=full`` judges every page of every read every time (the reference the
+differential test compares against).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvguard.engine_hooks import wire
+
+from .page_pool import FREE, GEN_MASK, OWNED, PADDING_PAGE, SHARED_BIT, UNKNOWN, PagePool, Row
+from .request_directory import RequestDirectory, RequestInfo
+
+JUDGE_ENV = "KVGUARD_JUDGE"
+
+
+def _incremental_judge_from_env() -> bool:
+    """``KVGUARD_JUDGE``: ``incremental`` (default) or ``full``; anything else fails at start-up."""
+    raw = os.environ.get(JUDGE_ENV, "incremental")
+    if raw not in ("incremental", "full"):
+        raise ValueError(f"{JUDGE_ENV}={raw!r}: expected 'incremental' or 'full'")
+    return raw == "incremental"
+
+
+# (EngineTracker reads it through sidecar/tracker.py, where tests patch it)
+INCREMENTAL_JUDGE = _incremental_judge_from_env()
+
+
+@dataclass(slots=True)
+class WriteVerdict:
+    """KV writes that landed where they should not have."""
+
+    writer: RequestInfo
+    freed: np.ndarray  # pages free in the allocator when written (write after free)
+    foreign: np.ndarray  # pages owned by another live request when written (late write)
+
+
+@dataclass(slots=True)
+class ReadVerdict:
+    """The classification of one request's page reads in one forward (pages outside
+    every category were fine)."""
+
+    reader: RequestInfo
+    unwritten: np.ndarray  # reserved for the reader, nothing wrote them for it
+    foreign: np.ndarray  # not (or no longer) the reader's: another request owns or wrote them
+    freed: np.ndarray  # free in the allocator while read
+    unverified: int  # pages whose state is unknown (blind window)
+    shared: np.ndarray | None = None  # legitimately shared prefix-cache pages read (for tenant isolation checks)
+    unwritten_writers: np.ndarray | None = None  # a read judged late: the unwritten pages' last writers when read
+
+
+class Judge:
+    """The verdicts of ``EngineTracker``: KV writes (``check_write``, ``check_writes``) and reads
+    (``classify_read``, ``classify_reads``), judged fully or only where something changed."""
+
+    # the tracker's state the rules read and count in (set by EngineTracker.__init__)
+    hello: wire.Hello | None
+    page_size: int
+    pool: PagePool
+    rows: dict[int, Row]
+    requests: RequestDirectory
+    pages_read: int
+    pages_unverified: int
+    incremental: bool
+    judge_epoch: int
+
+    def check_write(self, req_key: int, pages: np.ndarray, require_known_writer: bool = True) -> WriteVerdict | None:
+        """Judge KV writes before they are applied (None: nothing to judge). A late transfer
+        chunk is judged even when its decode request has already ended."""
+        info = self.requests.get(req_key)
+        if self.hello is None or info is None and require_known_writer:
+            return None
+        if info is None:
+            info = RequestInfo(req_key, rid=f"key:{req_key:016x}", tenant="")
+        elif not info.known and require_known_writer:
+            return None
+        pages = self.pool.ensure(pages.astype(np.int64))
+        pages = pages[pages != PADDING_PAGE]
+        state, owner = self.pool.state[pages], self.pool.owner_keys(pages)
+        freed = pages[state == FREE]
+        foreign = pages[(state == OWNED) & (owner != np.uint64(req_key)) & (owner != 0)]
+        if len(freed) == 0 and len(foreign) == 0:
+            return None
+        return WriteVerdict(info, freed, foreign)
+
+    def writes_overlap(self, write_pages: np.ndarray) -> bool:
+        """Whether a forward's writes name a page twice: then the order of the writes matters
+        (who wrote last, what a later writer's verdict sees) and they are applied one request
+        at a time (``check_write`` / ``mark_written``) instead of by ``check_writes`` / ``mark_writes``."""
+        return len(write_pages) > 1 and len(np.unique(write_pages)) != len(write_pages)
+
+    def check_writes(
+        self, req_keys: np.ndarray, write_counts: np.ndarray, write_pages: np.ndarray
+    ) -> list[tuple[int, WriteVerdict]]:
+        """``check_write`` for every request of a forward at once (request ``i`` wrote the next
+        ``write_counts[i]`` pages of ``write_pages``); verdicts only for the requests that wrote
+        where they should not have. Same rules and counts as calling ``check_write`` per request,
+        provided no page is written twice (``writes_overlap``)."""
+        if self.hello is None or len(write_pages) == 0:
+            return []
+        infos = [self.requests.get(key) for key in req_keys.tolist()]
+        judged = np.array([info is not None and info.known for info in infos], bool)
+        counts = write_counts.astype(np.int64)
+        pages = write_pages.astype(np.int64)
+        writer = np.repeat(np.arange(len(infos)), counts)
+        judged_page = judged[writer]
+        pool = self.pool
+        valid = (pages >= 0) & (pages < pool.limit)
+        if not valid.all():  # ``ensure`` counts them, for judged writers only (as check_write)
+            pool.pages_out_of_range += int(np.count_nonzero(~valid & judged_page))
+            pages, writer, judged_page = pages[valid], writer[valid], judged_page[valid]
+        pool.ensure(pages)
+        look = judged_page & (pages != PADDING_PAGE)
+        state, owner = pool.state[pages], pool.owner_keys(pages)
+        freed = look & (state == FREE)
+        foreign = look & (state == OWNED) & (owner != req_keys.astype(np.uint64)[writer]) & (owner != 0)
+        bad = freed | foreign
+        if not bad.any():
+            return []
+        out = []
+        for i in np.unique(writer[bad]).tolist():
+            mine = look & (writer == i)
+            out.append((i, WriteVerdict(infos[i], pages[mine & freed], pages[mine & foreign])))
+        return out
+
+    def classify_read(self, req_key: int, seq_len: int, actual: np.ndarray | None) -> ReadVerdict | None:
+        """Judge one request's read of its first ``seq_len`` tokens in one forward (None: the
+        reader is not judged). ``actual`` are the pages the engine's own row held (when the
+        record carried rows); otherwise the sidecar's model of the row is what was read.
+        A batch of one through ``classify_reads``, so both apply the same rules."""
+        counts = None if actual is None else np.array([len(actual)], np.int64)
+        verdicts = self.classify_reads(
+            np.array([req_key], np.uint64), np.array([seq_len], np.int64), counts, actual, every=True
+        )
+        return verdicts[0][1] if verdicts else None
+
+    def classify_reads(
+        self,
+        req_keys: np.ndarray,
+        seq_lens: np.ndarray,
+        read_counts: np.ndarray | None = None,
+        read_pages: np.ndarray | None = None,
+        want_shared: bool = False,
+        every: bool = False,
+    ) -> list[tuple[int, ReadVerdict]]:
+        """Judge every request's read in one forward at once: request ``i`` read its first
+        ``seq_lens[i]`` tokens, i.e. (when the record carried rows) ``read_counts[i]`` pages of
+        ``read_pages`` in request order, else the sidecar's model of its row.
+
+        Returns ``(request index, verdict)`` only for the requests a detector has to look at:
+        a violation or an unverified page (plus, with ``want_shared``, a shared prefix-cache
+        page; with ``every``, every judged request). The clean common case builds nothing per
+        request: the model rows are gathered into one array and every read page is judged by
+        one set of numpy operations (it was a Python loop of ~20 numpy calls per request).
+
+        Unless ``want_shared`` or ``every`` asks for more, a FORWARD without rows (the sidecar's
+        own model is what was read), or whose rows are exactly the model's, has only what
+        changed since each row was last judged judged (``_classify_changed``); the verdicts and
+        counts are the same. Rows that differ from the model anywhere take the full judge.
+        """
+        if self.incremental and not want_shared and not every:
+            if read_counts is None:
+                return self._classify_changed(req_keys, seq_lens)
+            assert read_pages is not None  # the record carried rows: read_counts and read_pages come together
+            unjudged = self._rows_as_modelled(req_keys, seq_lens, read_counts, read_pages)
+            if unjudged is not None:
+                self.pages_unverified += unjudged  # what readers we cannot judge read (as below)
+                return self._classify_changed(req_keys, seq_lens)
+        have_rows = read_counts is not None
+        rc = read_counts.tolist() if read_counts is not None else []  # (read only with rows)
+        # row pages each request's seq_len covers (ceil)
+        need = (-(-seq_lens.astype(np.int64) // self.page_size)).tolist()
+        rows_get = self.rows.get
+        live_get, ended_get = self.requests.live.get, self.requests._ended.get  # RequestDirectory.get, inlined
+        infos: list[RequestInfo | None] = []
+        lens: list[int] = []
+        parts_p, parts_g = [], []
+        unjudged = 0  # actual pages of readers we cannot judge (counted unverified, as before)
+        hello = self.hello
+        for i, key in enumerate(req_keys.tolist()):
+            info = live_get(key) or ended_get(key)
+            row = rows_get(key)
+            if hello is None or info is None or row is None or not info.known:
+                infos.append(None)
+                lens.append(0)
+                if have_rows:
+                    unjudged += rc[i]
+                continue
+            infos.append(info)
+            n = len(row.pages)
+            if need[i] < n:
+                n = need[i]
+            pad = 0
+            if have_rows:
+                n, pad = min(n, rc[i]), max(rc[i] - n, 0)
+            if n == len(row.pages):  # the whole row (the common case): no slicing
+                parts_p.append(row.pages)
+                parts_g.append(row.gen_shared)
+            else:
+                parts_p.append(row.pages[:n])
+                parts_g.append(row.gen_shared[:n])
+            if pad:  # rows the model never saw assigned
+                parts_p.append(np.full(pad, -2, np.int32))
+                parts_g.append(np.zeros(pad, np.uint32))
+            lens.append(n + pad)
+        self.pages_unverified += unjudged
+        if not parts_p:
+            return []
+        # row pages are int32 (memory); widened once here, not by every gather that indexes with them
+        m_pages = np.concatenate(parts_p, dtype=np.int64)
+        m_gens = np.concatenate(parts_g)
+        lens_a = np.array(lens, np.int64)
+        reader = np.repeat(np.arange(len(lens)), lens_a)
+        if have_rows:
+            assert read_counts is not None and read_pages is not None  # (rows: counts and pages together)
+            pages = read_pages.astype(np.int64)
+            if unjudged or len(pages) != len(m_pages):
+                pages = pages[np.repeat(lens_a > 0, read_counts.astype(np.int64))]
+        else:
+            pages = m_pages
+        pool = self.pool
+        keep = (pages > PADDING_PAGE) & (pages < pool.limit)
+        if not keep.all():
+            pool.pages_out_of_range += int((pages >= pool.limit).sum())
+            pages, m_pages, m_gens, reader = pages[keep], m_pages[keep], m_gens[keep], reader[keep]
+        if len(pages) and int(pages.max()) >= pool.num_pages:  # ids below pool.limit already: only growth is left
+            pool.ensure(pages)
+        known, freed, foreign, unwritten, shared = self._judge_pages(pages, m_pages, m_gens, reader, req_keys)
+        look = ~known | freed | foreign | unwritten
+        if want_shared:
+            look |= shared
+        if every:
+            flagged = [i for i, info in enumerate(infos) if info is not None]
+        elif look.any():
+            flagged = np.unique(reader[look]).tolist()
+        else:
+            return []
+        off = np.searchsorted(reader, np.arange(len(lens) + 1)).tolist()
+        out = []
+        for i in flagged:
+            s, e = off[i], off[i + 1]
+            p = pages[s:e]
+            info = infos[i]
+            assert info is not None  # only judged readers have pages (or are flagged by ``every``)
+            out.append(
+                (
+                    i,
+                    ReadVerdict(
+                        info,
+                        p[unwritten[s:e]],
+                        p[foreign[s:e]],
+                        p[freed[s:e]],
+                        int(np.count_nonzero(~known[s:e])),
+                        p[shared[s:e]],
+                    ),
+                )
+            )
+        return out
+
+    def _judge_pages(self, pages, m_pages, m_gens, reader, req_keys):
+        """The read rules over read ``pages`` (ids in 0 < page < limit, the pool grown to hold
+        them) against the readers' row entries (``m_pages``, ``m_gens`` as ``Row.gen_shared``;
+        ``reader`` indexes ``req_keys``).
+        Counts them as read (state known) or unverified; returns per page the masks known,
+        freed, foreign, unwritten and shared (a legitimately read prefix-cache page)."""
+        pool = self.pool
+        state = pool.state[pages]
+        gen = pool.gen[pages]
+        known = state != UNKNOWN
+        n_known = int(np.count_nonzero(known))
+        self.pages_read += n_known
+        self.pages_unverified += len(pages) - n_known
+        freed = state == FREE  # FREE is known
+        # the reader's own page: assigned to it at this generation, and either handed to it
+        # through the prefix cache or owned by it (a fresh row entry naming another
+        # request's page is not made legitimate by having been written into the row)
+        # (ownership is looked up only where it decides: the entry matches and is not a prefix-cache page)
+        mine = (m_pages == pages) & ((m_gens & GEN_MASK) == gen)
+        m_shared = m_gens >= SHARED_BIT
+        ask = np.flatnonzero(mine & ~m_shared)
+        if len(ask):
+            p_ask = pages[ask]
+            mine[ask] = (pool.owner_keys(p_ask) == req_keys.astype(np.uint64)[reader[ask]]) & (
+                pool.state[p_ask] == OWNED
+            )
+        ok = known & ~freed
+        foreign = ok & ~mine
+        ok_mine = ok & mine
+        written = pool.written_gen[pages] == gen
+        unwritten = ok_mine & ~written
+        shared = ok_mine & written & m_shared
+        return known, freed, foreign, unwritten, shared
+
+    # ------------------------------------------------------------------ reads: only what changed
+    def _rows_as_modelled(
+        self, req_keys: np.ndarray, seq_lens: np.ndarray, read_counts: np.ndarray, read_pages: np.ndarray
+    ) -> int | None:
+        """Whether the engine's rows of a FORWARD are exactly the sidecar's model of them: every
+        judged reader read as many pages as the model row covers, the same ones. Then judging
+        the rows is judging the model. Returns the pages read by readers that are not judged
+        (counted unverified), or None where anything differs."""
+        rc = read_counts.astype(np.int64)
+        rcl = rc.tolist()
+        need = (-(-seq_lens.astype(np.int64) // self.page_size)).tolist()
+        rows_get = self.rows.get
+        live_get, ended_get = self.requests.live.get, self.requests._ended.get
+        hello = self.hello
+        parts, judged = [], []
+        unjudged = 0
+        for i, key in enumerate(req_keys.tolist()):
+            info = live_get(key) or ended_get(key)
+            row = rows_get(key)
+            if hello is None or info is None or row is None or not info.known:
+                unjudged += rcl[i]
+                judged.append(False)
+                continue
+            n = len(row.pages)
+            if need[i] < n:
+                n = need[i]
+            if rcl[i] != n:
+                return None
+            parts.append(row.pages if n == len(row.pages) else row.pages[:n])
+            judged.append(True)
+        actual = read_pages if not unjudged else read_pages[np.repeat(np.array(judged, bool), rc)]
+        model = np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else actual[:0]
+        if len(actual) != len(model) or not np.array_equal(actual, model):
+            return None
+        return unjudged
+
+    def _absorb_changes(self) -> None:
+        """Replay the page-change log into the rows' clean prefixes (before judging a FORWARD)."""
+        pool = self.pool
+        if pool.changes_overflow:
+            self._forget_all_clean()
+            return
+        if not pool.changes:
+            return
+        if len(pool.changes) == 1:
+            pages, owners = pool.changes[0]
+        else:
+            pages = np.concatenate([c[0] for c in pool.changes])
+            owners = np.concatenate([c[1] for c in pool.changes])
+        pool.changes.clear()
+        pool.changes_len = 0
+        if pool.clean_shared[pages].any():  # a page some row judged clean as a shared entry
+            self._forget_all_clean()
+            return
+        # any other clean entry is a private one: the page's owner (at the change) is its only reader
+        held = owners != 0
+        if not held.any():
+            return
+        pages, owners = pages[held], owners[held]
+        epoch = self.judge_epoch
+        keys = np.unique(owners)
+        for key in keys.tolist():
+            row = self.rows.get(key)
+            if row is None or row.clean_epoch != epoch or row.clean_n == 0:
+                continue
+            head = row.pages[: row.clean_n]
+            mine = pages if len(keys) == 1 else pages[owners == np.uint64(key)]
+            hit = np.flatnonzero(head == mine[0]) if len(mine) == 1 else np.flatnonzero(np.isin(head, mine))
+            if len(hit):
+                row.forget_clean(int(hit[0]))
+
+    def _forget_all_clean(self) -> None:
+        pool = self.pool
+        self.judge_epoch += 1  # every row's clean prefix is void
+        pool.clean_shared[:] = False
+        pool.changes.clear()
+        pool.changes_len = 0
+        pool.changes_overflow = False
+
+    def _classify_changed(self, req_keys: np.ndarray, seq_lens: np.ndarray) -> list[tuple[int, ReadVerdict]]:
+        """``classify_reads`` for a FORWARD without rows, judging per request only the row
+        entries past its clean prefix (``Row.clean_n``). The clean prefix holds nothing to report
+        and its pages count as read (judged known, unchanged since); the rest goes through the
+        same rules (``_judge_pages``), and the prefix grows to the first entry with something to
+        report. Same verdicts, counts and ``pages_out_of_range`` as the full judge."""
+        self._absorb_changes()
+        if self.hello is None:
+            return []  # nobody is judged; without rows nothing counts as unverified either
+        ps = self.page_size
+        need = (-(-seq_lens.astype(np.int64) // ps)).tolist()
+        rows_get = self.rows.get
+        live_get, ended_get = self.requests.live.get, self.requests._ended.get  # RequestDirectory.get, inlined
+        epoch = self.judge_epoch
+        clean_reads = 0
+        dirty = []  # (request index, row, first entry to judge, entries read, clean reads before it)
+        for i, key in enumerate(req_keys.tolist()):
+            info = live_get(key) or ended_get(key)
+            if info is None or not info.known:
+                continue
+            row = rows_get(key)
+            if row is None:
+                continue
+            n = len(row.pages)
+            if need[i] < n:
+                n = need[i]
+            if row.clean_epoch == epoch:
+                c = row.clean_n
+                if c >= n:  # all clean (the common decode step)
+                    clean_reads += row.clean_reads if c == n else int(np.count_nonzero(row.pages[:n] > 0))
+                    continue
+                base = row.clean_reads
+                clean_reads += base
+            else:
+                c = base = 0
+            dirty.append((i, row, c, n, base))
+        self.pages_read += clean_reads
+        if not dirty:
+            return []
+        if len(dirty) == 1:
+            _i, row, c, n, _base = dirty[0]
+            # (int32 row pages widened once here, not by every gather that indexes with them)
+            pages_all, gens_all = row.pages[c:n].astype(np.int64), row.gen_shared[c:n]
+        else:
+            pages_all = np.concatenate([d[1].pages[d[2] : d[3]] for d in dirty], dtype=np.int64)
+            gens_all = np.concatenate([d[1].gen_shared[d[2] : d[3]] for d in dirty])
+        idx = np.array([d[0] for d in dirty], np.int64)
+        seg_len = np.array([d[3] - d[2] for d in dirty], np.int64)
+        seg = np.repeat(np.arange(len(dirty)), seg_len)  # dirty request of each entry
+        pool = self.pool
+        keep = (pages_all > PADDING_PAGE) & (pages_all < pool.limit)
+        all_kept = bool(keep.all())
+        if all_kept:
+            pages, gens, seg_k = pages_all, gens_all, seg
+        else:
+            pool.pages_out_of_range += int((pages_all >= pool.limit).sum())
+            pages, gens, seg_k = pages_all[keep], gens_all[keep], seg[keep]
+        if len(pages) and int(pages.max()) >= pool.num_pages:
+            pool.ensure(pages)
+        known, freed, foreign, unwritten, shared = self._judge_pages(pages, pages, gens, idx[seg_k], req_keys)
+        look = ~known | freed | foreign | unwritten
+        # entries with nothing to report: padding / unassigned ids (never read) and clean kept pages
+        if all_kept:
+            bad = look
+        else:
+            bad = pages_all >= pool.limit
+            bad[keep] = look
+        starts = np.concatenate(([0], np.cumsum(seg_len)))
+        good_len = seg_len.copy()  # per dirty request: entries clean from its first one on
+        bad_at = np.flatnonzero(bad)
+        if len(bad_at):
+            who, first = np.unique(seg[bad_at], return_index=True)
+            good_len[who] = bad_at[first] - starts[who]
+        counted = np.concatenate(([0], np.cumsum(pages_all > 0)))
+        newly_counted = counted[starts[:-1] + good_len] - counted[starts[:-1]]
+        newly_clean = np.arange(len(pages_all)) < (starts[:-1] + good_len)[seg]
+        marks = newly_clean & (gens_all >= SHARED_BIT) & (pages_all > 0)
+        if marks.any():
+            pool.clean_shared[pages_all[marks]] = True
+        for j, (_i, row, c, _n, base) in enumerate(dirty):  # (a request twice in a batch: the same values)
+            row.clean_epoch = epoch
+            row.clean_n = c + int(good_len[j])
+            row.clean_reads = base + int(newly_counted[j])
+        if not look.any():
+            return []
+        out = []
+        off = np.searchsorted(seg_k, np.arange(len(dirty) + 1)).tolist()
+        for j in np.unique(seg_k[look]).tolist():
+            i, row, c, _n, _base = dirty[j]
+            s, e = off[j], off[j + 1]
+            p = pages[s:e]
+            head = row.pages[:c]
+            shared_pages = p[shared[s:e]]
+            if c:  # the clean prefix's legitimately read prefix-cache pages belong to the verdict too
+                shared_pages = np.concatenate((head[(row.gen_shared[:c] >= SHARED_BIT) & (head > 0)], shared_pages))
+            info = self.requests.get(int(req_keys[i]))
+            assert info is not None  # a dirty reader was found in the directory above
+            out.append(
+                (
+                    i,
+                    ReadVerdict(
+                        info,
+                        p[unwritten[s:e]],
+                        p[foreign[s:e]],
+                        p[freed[s:e]],
+                        int(np.count_nonzero(~known[s:e])),
+                        shared_pages,
+                    ),
+                )
+            )
+        return out
