@@ -275,7 +275,7 @@ def engine_part(sz: Sizes, res: dict, details: dict, log) -> None:
         env = dict(
             os.environ,
             PYTHONPATH=os.pathsep.join(
-                [REPO, sg, os.path.join(REPO, "sidecar", "demo", "shim")] + [os.environ.get("PYTHONPATH", "")]
+                [REPO, sg, os.path.join(REPO, "demo", "shim")] + [os.environ.get("PYTHONPATH", "")]
             ).rstrip(os.pathsep),
         )
         cmd = [

@@ -7,33 +7,20 @@ gets no series: a 0 there would claim a check that never runs. The alert rules d
 not rely on these zeros (docs/metrics.md, "Counters and first samples").
 
 tests/conftest.py checks every finding the pipeline emits in any test against this
-table, so a detector that raises a kind or severity missing here fails its own tests.
+table, so a detector that raises a kind or severity missing from the catalogue
+(sidecar/catalogue.py) fails its own tests.
 """
 
 from __future__ import annotations
 
-from .findings import CRITICAL, WARNING
+from .catalogue import ALWAYS, CATALOGUE, ISOLATION, SHARED_LEDGER, TTFT
 
-ALWAYS = "always"
-TTFT = "ttft_anomaly"  # on by default; kvguard sidecar --no-ttft-anomaly (Pipeline(ttft_anomaly=False))
-ISOLATION = "isolate_tenants"  # kvguard sidecar --isolate-tenants
-SHARED_LEDGER = "shared_ledger"  # a shared transfer ledger (Redis) is configured
+__all__ = ["ALWAYS", "FINDING_KINDS", "ISOLATION", "SHARED_LEDGER", "TTFT", "possible_findings", "switches", "unlisted"]
 
-# kind -> (severities it can have, the switch that enables its detector)
+# kind -> (severities it can have, the switch that enables its detector), from the
+# catalogue (sidecar/catalogue.py), which says the rest (grouping, alerts, runbooks)
 FINDING_KINDS: dict[str, tuple[tuple[str, ...], str]] = {
-    "unwritten_read": ((CRITICAL, WARNING), ALWAYS),  # warning when no one else's data is exposed
-    "foreign_read": ((CRITICAL,), ALWAYS),  # Tier 2 (FORWARD) and Tier 1 (engine's own check)
-    "use_after_free": ((CRITICAL,), ALWAYS),  # reads and writes
-    "late_write": ((CRITICAL,), ALWAYS),
-    "double_free": ((CRITICAL,), ALWAYS),
-    "pool_smaller_than_context": ((CRITICAL, WARNING), ALWAYS),  # critical on a prefill node
-    "transfer_size_mismatch": ((CRITICAL,), ALWAYS),
-    "checksum_mismatch": ((CRITICAL,), ALWAYS),
-    "orphan_transfer": ((WARNING,), ALWAYS),
-    "events_lost": ((WARNING,), ALWAYS),
-    "ledger_degraded": ((WARNING,), SHARED_LEDGER),
-    "ttft_anomaly": ((WARNING,), TTFT),
-    "cross_tenant_prefix_share": ((WARNING,), ISOLATION),
+    spec.kind: (spec.severities, spec.switch) for spec in CATALOGUE
 }
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from .catalogue import AFTER_QUIET, BY_FIRST_PAGE, BY_READER, KINDS, kinds_with
 from .findings import CRITICAL, Finding
 
 FIRING, RESOLVED = "firing", "resolved"
@@ -37,30 +38,20 @@ STORED_FINDING_BYTES = 3_000  # one finding kept as a dict (Finding.to_dict), no
 PAGE_ID_BYTES = 40  # a page id kept in a set (the incident's unions) or a list (a stored finding): ~35 B measured
 DEFAULT_MAX_BYTES = 32 << 20
 SEVERITY_RANK = {"info": 0, "warning": 1, CRITICAL: 2}
-READER_KINDS = {
-    "unwritten_read",
-    "foreign_read",
-    "use_after_free",
-    "late_write",
-    "transfer_size_mismatch",
-    "checksum_mismatch",
-    "ttft_anomaly",
-    "cross_tenant_prefix_share",
-}
-# resolve after a quiet period rather than with their reader (a ttft verdict is made as the request ends)
-QUIET_KINDS = {
-    "events_lost",
-    "double_free",
-    "ttft_anomaly",
-    "ledger_degraded",
-}  # ledger_degraded repeats while it lasts
+# from the catalogue (sidecar/catalogue.py): which kinds are grouped per reader request,
+# and which resolve after a quiet period rather than with their reader (a ttft verdict is
+# made as the request ends; ledger_degraded repeats while it lasts)
+READER_KINDS = kinds_with(incident_by=BY_READER)
+QUIET_KINDS = kinds_with(resolves=AFTER_QUIET)
 
 
 def incident_key(f: Finding) -> tuple:
     engine = (f.engine.role, f.engine.rank, f.engine.pid)
-    if f.reader is not None:
+    spec = KINDS.get(f.kind)
+    by = spec.incident_by if spec is not None else BY_READER
+    if by == BY_READER and f.reader is not None:
         return (f.kind, engine, f.reader.rid)
-    if f.kind == "double_free":
+    if by == BY_FIRST_PAGE:
         return (f.kind, engine, tuple(f.pages[:1]))
     return (f.kind, engine, "")
 
@@ -239,7 +230,7 @@ class IncidentStore:
                 resolved.append(inc)
         return resolved
 
-    def on_engine_hello(self, pid: int, role: str, safe: bool, ts_ns: int) -> list[Incident]:
+    def on_engine_hello(self, pid: int, role: str | None, safe: bool, ts_ns: int) -> list[Incident]:
         if not safe:
             return []
         return self._resolve_where(

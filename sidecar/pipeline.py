@@ -16,20 +16,28 @@ import numpy as np
 
 from kvguard.engine_hooks import wire
 
+from .detectors.base import (
+    At,
+    Detector,
+    PagesFreedTwice,
+    RecordsLost,
+    RequestEnded,
+)
 from .detectors.config import PoolContextDetector
+from .detectors.gaps import EventsLostDetector
 from .detectors.isolation import TenantIsolationDetector
 from .detectors.lifetime import DoubleFreeDetector, WriteDetector
 from .detectors.reads import ReadDetector
-from .detectors.tier1 import tier1_findings
-from .detectors.transfers import ChecksumDetector, OrphanDetector, TransferSizeDetector, ledger_degraded_finding
+from .detectors.tier1 import Tier1Detector
+from .detectors.transfers import ChecksumDetector, LedgerDegradedDetector, OrphanDetector, TransferSizeDetector
 from .detectors.ttft import TTFTDetector
-from .findings import WARNING, EngineRef, Finding
+from .findings import EngineRef, Finding
 from .history import Event, History
 from .incidents import IncidentStore
-from .ledger import REMOTE_ENGINE, RoomState, TransferLedger
+from .ledger import TransferLedger
 from .memory_budget import DEFAULT_BUDGET_BYTES, MemoryBudget
-from .provisional import ProvisionalWrite
 from .tracker import EngineTracker, RequestDirectory
+from .transfer_flow import TransferFlow
 
 BUDGET_RESIZE_NS = 5_000_000_000  # the directories' share follows the live requests this often
 
@@ -39,10 +47,21 @@ ROLE_NAMES = {wire.Role.UNIFIED: "unified", wire.Role.PREFILL: "prefill", wire.R
 # with a shared ledger, how long a receiver that finished waits for the sender's facts from the other
 # pod (its sidecar reads its ring, publishes, and this sidecar polls: a few cycles, plus outages)
 SHARED_GRACE_NS = 10_000_000_000
-DEGRADED_REPEAT_NS = 30_000_000_000  # a degraded ledger re-reports this often (keeps its incident firing)
 
 
-class Pipeline:
+SIDECAR_ENGINE = EngineRef("sidecar", 0, 0)  # findings about the sidecar's own links (the shared ledger)
+
+
+def dispatch_table(detectors) -> dict[type, tuple]:
+    """event type -> the detectors that observe it, in the order given (built once)."""
+    table: dict[type, list] = {}
+    for detector in detectors:
+        for event_type in detector.events:
+            table.setdefault(event_type, []).append(detector)
+    return {event_type: tuple(ds) for event_type, ds in table.items()}
+
+
+class Pipeline(TransferFlow):
     def __init__(
         self,
         sinks=(),
@@ -77,16 +96,25 @@ class Pipeline:
         # (docs/detectors.md: 100 s), not 10 of the embedded ledger's 2 s grace
         self.ledger.max_hold_ns = 10 * SHARED_GRACE_NS
         self._degraded_reported_ns = 0
-        self.checksum_detector = ChecksumDetector()
-        self.orphan_detector = OrphanDetector()
-        self.read_detector = ReadDetector()
-        self.transfer_detector = TransferSizeDetector()
-        self.config_detector = PoolContextDetector()
-        self.write_detector = WriteDetector()
-        self.double_free_detector = DoubleFreeDetector()
-        # off by default: on the real PD soak its model still flagged a normally prefilled request
+        # the detectors (sidecar/detectors/base.py): each declares its kinds and the events it observes
         self.ttft_detector = TTFTDetector(enabled=ttft_anomaly, prefill_evidence=self._prompt_pages_written)
         self.isolation_detector = TenantIsolationDetector(isolate_tenants)
+        self.detectors: list[Detector] = [
+            ReadDetector(),
+            self.isolation_detector,
+            WriteDetector(),
+            DoubleFreeDetector(),
+            Tier1Detector(),
+            PoolContextDetector(),
+            TransferSizeDetector(),
+            ChecksumDetector(),
+            OrphanDetector(),
+            LedgerDegradedDetector(),
+            EventsLostDetector(),
+            self.ttft_detector,
+        ]
+        self.detectors_for = dispatch_table(self.detectors)
+        self._handlers = self._record_handlers()
         self.records_by_kind: Counter = Counter()
         self.findings_by_kind: Counter = Counter()
         self.incidents_by_kind: Counter = Counter()
@@ -111,6 +139,17 @@ class Pipeline:
         if h is None:
             return EngineRef("unknown", 0, 0)
         return EngineRef(ROLE_NAMES.get(h.role, "unknown"), h.tp_rank, h.pid)
+
+    def _observe(self, event, t: EngineTracker | None, ts_ns: int) -> list[Finding]:
+        """The findings of every detector that observes this event's type (not filed yet)."""
+        detectors = self.detectors_for.get(type(event))
+        if not detectors:
+            return []
+        at = At(t, self.engine_ref(t) if t is not None else SIDECAR_ENGINE, t.engine_id if t is not None else 0, ts_ns)
+        found: list[Finding] = []
+        for detector in detectors:
+            found += detector.observe(event, at)
+        return found
 
     def _emit(self, findings: list[Finding]) -> list[Finding]:
         """File findings into incidents; deliver the first finding of each new incident."""
@@ -171,120 +210,127 @@ class Pipeline:
 
     def _apply(self, rec: wire.Record) -> list[Finding]:
         t = self.tracker(rec.engine_id)
-        body, kind = rec.body, rec.kind
-        ts, eid = rec.ts_ns, rec.engine_id
         if t.unseen_since_loss:  # requests live at a gap: each record naming one shows it outlived it
-            t.on_named(body)
-        if kind == wire.Kind.FORWARD:
-            return self._on_forward(t, body, rec.ts_ns)
-        if kind == wire.Kind.ALLOC:
-            pages = t.on_alloc(body.pages)  # the valid ids: one past the pool's limit is counted and skipped
-            self._record(ts, eid, Event.ALLOC, 0, pages, t.pool.gen[pages])
-        elif kind == wire.Kind.ASSIGN:
-            t.on_assign(body)
-            self._record(ts, eid, Event.ASSIGN, body.req_key, body.pages, aux=body.row_start)
-        elif kind == wire.Kind.FREE:
-            self._record(ts, eid, Event.FREE, 0, body.pages, aux=int(body.free_kind))
-            already = t.on_free(body.pages)
-            found = self.double_free_detector.observe(
-                t, self.engine_ref(t), already, body.free_kind.name.lower(), rec.ts_ns
-            )
-            return self._emit(found)
-        elif kind == wire.Kind.REQ_BEGIN:
-            t.on_request_begin(body, rec.ts_ns)
-            self._record(ts, eid, Event.REQ_BEGIN, body.req_key, aux=body.prompt_tokens)
-            if body.room != wire.NO_ROOM and self._role(t) == wire.Role.PREFILL:
-                self._publish_sender(
-                    self.ledger.on_sender_begin(
-                        eid, body.req_key, body.room, body.warmup, rid=body.rid, tenant=body.tenant
-                    )
-                )
-            if self.tracer is not None:
-                self.tracer.on_request_begin(self.engine_ref(t), t.requests.get(body.req_key))
-        elif kind == wire.Kind.REQ_END:
-            info = t.requests.get(body.req_key)
-            row = t.rows.get(body.req_key)
-            pages = 0 if row is None else int((row.pages > 0).sum())  # before on_request_end drops the row
-            t.on_request_end(body, rec.ts_ns)
-            self._record(ts, eid, Event.REQ_END, body.req_key, aux=int(body.finish))
-            found = self._transfer_end(t, info, body, ts)
-            if info is not None and t.hello is not None:
-                found += self._emit(self.ttft_detector.observe(eid, self.engine_ref(t), info, ts))
-                self._resolved(self.incidents.on_request_end(t.hello.pid, info.rid, ts))
-            if self.tracer is not None:  # after the TTFT finding, so that it lands on the open span
-                self.tracer.on_request_end(
-                    self.engine_ref(t), t.requests.get(body.req_key), pages=pages, output_tokens=body.output_tokens
-                )
-            return found
-        elif kind == wire.Kind.REJECT:
-            t.on_reject(body)
-            self._record(ts, eid, Event.REJECT, body.req_key, aux=int(body.phase))
-            info = t.requests.get(body.req_key)
-            if self._role(t) == wire.Role.PREFILL and info is not None and info.room is not None:
-                gave_up = "abort" if body.phase == wire.Phase.CLIENT_ABORT else "reject"
-                return self._sender_gave_up(body.req_key, info.room, gave_up, ts)
-        elif kind == wire.Kind.HELLO:
-            allowed = self.memory_budget.pages_allowed([o for o in self.engines.values() if o is not t])
-            if body.pool_pages > allowed:
-                log.error(
-                    "engine %d (pid %d) announces a pool of %d pages; --memory-budget %d leaves room to model "
-                    "%d: pages past %d are not tracked (counted in kvguard_page_ids_out_of_range_total, their "
-                    "reads unverified). Raise --memory-budget (and the container's memory limit)",
-                    rec.engine_id,
-                    body.pid,
-                    body.pool_pages,
-                    self.memory_budget.total_bytes,
-                    allowed,
-                    allowed,
-                )
-            t.on_hello(body, max_pages=allowed)
-            self.memory_budget.size_directories(list(self.engines.values()))  # its page model is known now
-            log.info(
-                "engine %d: %s %s rank %d pid %d, page_size %d, pool %d pages / %d tokens, context %d",
-                rec.engine_id,
-                body.engine_name,
-                ROLE_NAMES.get(body.role),
-                body.tp_rank,
-                body.pid,
-                body.page_size,
-                body.pool_pages,
-                body.pool_tokens,
-                body.context_len,
-            )
-            found = self.config_detector.observe(self.engine_ref(t), body, rec.ts_ns)
-            if not found:
-                self._resolved(self.incidents.on_engine_hello(body.pid, ROLE_NAMES.get(body.role), True, ts))
-            return self._emit(found)
-        elif kind == wire.Kind.XFER_SEND:
-            found = self._late_send(body, ts)
-            receiver = self.ledger.pending.get(body.room)
-            receiver_t = self.engines.get(receiver.receiver_engine) if receiver is not None else None
-            final = self.ledger.on_send(rec.engine_id, body, receiver_t.page_size if receiver_t else t.page_size)
-            if final is not None:
-                found += self._apply_final([final], ts)
-            self._publish_sender(self.ledger.find(body.room, sender_key=body.req_key))
-            return found
-        elif kind == wire.Kind.XFER_RESERVE:
-            return self._on_reserve(t, body, ts)
-        elif kind == wire.Kind.XFER_DIGEST:
-            return self._on_digest(eid, body, ts)
-        elif kind == wire.Kind.XFER_DONE:
-            if body.side == wire.Side.RECEIVER:
-                found = self._on_transfer_done(t, body, rec.ts_ns)
-                self._publish_receiver(self.ledger.find(body.room, receiver_key=body.req_key))
-                return found
-            if self.shared_ledger is not None:  # a prefill pod: its rooms have no receiver here, retire them
-                self.ledger.on_sender_done(body.req_key, body.room)
-        elif kind == wire.Kind.LOST:
-            return self._on_lost(t, rec)
-        elif kind == wire.Kind.TIER1_VIOLATION:  # the engine's own read check (sidecar/detectors/tier1.py)
-            return self._emit(tier1_findings(t, self.engine_ref(t), body, ts))
+            t.on_named(rec.body)
+        handler = self._handlers.get(rec.kind)
+        return handler(t, rec) if handler is not None else []
+
+    def _record_handlers(self) -> dict:
+        """record kind -> its handler ``(tracker, record) -> findings``: the whole dispatch."""
+        K = wire.Kind
+        return {
+            K.FORWARD: lambda t, rec: self._on_forward(t, rec.body, rec.ts_ns),
+            K.ALLOC: self._on_alloc,
+            K.ASSIGN: self._on_assign,
+            K.FREE: self._on_free,
+            K.REQ_BEGIN: self._on_request_begin,
+            K.REQ_END: self._on_request_end,
+            K.REJECT: self._on_reject,
+            K.HELLO: self._on_hello,
+            K.XFER_SEND: self._on_xfer_send,
+            K.XFER_RESERVE: lambda t, rec: self._on_reserve(t, rec.body, rec.ts_ns),
+            K.XFER_DIGEST: lambda t, rec: self._on_digest(rec.engine_id, rec.body, rec.ts_ns),
+            K.XFER_DONE: self._on_xfer_done,
+            K.LOST: self._on_lost,
+            # the engine's own read check (sidecar/detectors/tier1.py)
+            K.TIER1_VIOLATION: lambda t, rec: self._emit(self._observe(rec.body, t, rec.ts_ns)),
+        }
+
+    def _on_alloc(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+        pages = t.on_alloc(rec.body.pages)  # the valid ids: one past the pool's limit is counted and skipped
+        self._record(rec.ts_ns, rec.engine_id, Event.ALLOC, 0, pages, t.pool.gen[pages])
         return []
+
+    def _on_assign(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+        body = rec.body
+        t.on_assign(body)
+        self._record(rec.ts_ns, rec.engine_id, Event.ASSIGN, body.req_key, body.pages, aux=body.row_start)
+        return []
+
+    def _on_free(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+        body = rec.body
+        self._record(rec.ts_ns, rec.engine_id, Event.FREE, 0, body.pages, aux=int(body.free_kind))
+        already = t.on_free(body.pages)
+        if len(already) == 0:
+            return []
+        return self._emit(self._observe(PagesFreedTwice(already, body.free_kind.name.lower()), t, rec.ts_ns))
+
+    def _on_request_begin(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+        body, eid = rec.body, rec.engine_id
+        t.on_request_begin(body, rec.ts_ns)
+        self._record(rec.ts_ns, eid, Event.REQ_BEGIN, body.req_key, aux=body.prompt_tokens)
+        if body.room != wire.NO_ROOM and self._role(t) == wire.Role.PREFILL:
+            self._publish_sender(
+                self.ledger.on_sender_begin(eid, body.req_key, body.room, body.warmup, rid=body.rid, tenant=body.tenant)
+            )
+        if self.tracer is not None:
+            self.tracer.on_request_begin(self.engine_ref(t), t.requests.get(body.req_key))
+        return []
+
+    def _on_request_end(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+        body, ts = rec.body, rec.ts_ns
+        info = t.requests.get(body.req_key)
+        row = t.rows.get(body.req_key)
+        pages = 0 if row is None else int((row.pages > 0).sum())  # before on_request_end drops the row
+        t.on_request_end(body, ts)
+        self._record(ts, rec.engine_id, Event.REQ_END, body.req_key, aux=int(body.finish))
+        found = self._transfer_end(t, info, body, ts)
+        if info is not None and t.hello is not None:
+            found += self._emit(self._observe(RequestEnded(info), t, ts))
+            self._resolved(self.incidents.on_request_end(t.hello.pid, info.rid, ts))
+        if self.tracer is not None:  # after the TTFT finding, so that it lands on the open span
+            self.tracer.on_request_end(
+                self.engine_ref(t), t.requests.get(body.req_key), pages=pages, output_tokens=body.output_tokens
+            )
+        return found
+
+    def _on_reject(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+        body = rec.body
+        t.on_reject(body)
+        self._record(rec.ts_ns, rec.engine_id, Event.REJECT, body.req_key, aux=int(body.phase))
+        info = t.requests.get(body.req_key)
+        if self._role(t) == wire.Role.PREFILL and info is not None and info.room is not None:
+            gave_up = "abort" if body.phase == wire.Phase.CLIENT_ABORT else "reject"
+            return self._sender_gave_up(body.req_key, info.room, gave_up, rec.ts_ns)
+        return []
+
+    def _on_hello(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+        body, ts = rec.body, rec.ts_ns
+        allowed = self.memory_budget.pages_allowed([o for o in self.engines.values() if o is not t])
+        if body.pool_pages > allowed:
+            log.error(
+                "engine %d (pid %d) announces a pool of %d pages; --memory-budget %d leaves room to model "
+                "%d: pages past %d are not tracked (counted in kvguard_page_ids_out_of_range_total, their "
+                "reads unverified). Raise --memory-budget (and the container's memory limit)",
+                rec.engine_id,
+                body.pid,
+                body.pool_pages,
+                self.memory_budget.total_bytes,
+                allowed,
+                allowed,
+            )
+        t.on_hello(body, max_pages=allowed)
+        self.memory_budget.size_directories(list(self.engines.values()))  # its page model is known now
+        log.info(
+            "engine %d: %s %s rank %d pid %d, page_size %d, pool %d pages / %d tokens, context %d",
+            rec.engine_id,
+            body.engine_name,
+            ROLE_NAMES.get(body.role),
+            body.tp_rank,
+            body.pid,
+            body.page_size,
+            body.pool_pages,
+            body.pool_tokens,
+            body.context_len,
+        )
+        found = self._observe(body, t, ts)
+        if not found:
+            self._resolved(self.incidents.on_engine_hello(body.pid, ROLE_NAMES.get(body.role), True, ts))
+        return self._emit(found)
 
     def _on_forward(self, t: EngineTracker, f: wire.Forward, ts_ns: int) -> list[Finding]:
         # a forward writes its new tokens' KV before attention reads the rows
         findings = []
-        engine = self.engine_ref(t)
         if t.writes_overlap(f.write_pages):  # a page written twice: the order matters, one request at a time
             w_off = np.concatenate(([0], np.cumsum(f.write_counts, dtype=np.int64)))
             for i, key in enumerate(f.req_keys.tolist()):
@@ -292,292 +338,22 @@ class Pipeline:
                     written = f.write_pages[w_off[i] : w_off[i + 1]].astype(np.int64)
                     verdict = t.check_write(key, written)
                     if verdict is not None:
-                        findings += self._emit(self.write_detector.observe(t, engine, verdict, ts_ns))
+                        findings += self._emit(self._observe(verdict, t, ts_ns))
                     t.mark_written(key, written, ts_ns)
         else:  # the whole batch at once: verdicts only for the requests that wrote where they should not
             for _i, verdict in t.check_writes(f.req_keys, f.write_counts, f.write_pages):
-                findings += self._emit(self.write_detector.observe(t, engine, verdict, ts_ns))
+                findings += self._emit(self._observe(verdict, t, ts_ns))
             t.mark_writes(f.req_keys, f.write_counts, f.write_pages, ts_ns)
         self._record(ts_ns, t.engine_id, Event.WRITE, np.repeat(f.req_keys, f.write_counts), f.write_pages)
         self._record(ts_ns, t.engine_id, Event.READ, f.req_keys, aux=f.seq_lens)
         # the whole batch is judged at once; verdicts come only for requests with something to look at
-        for _i, verdict in t.classify_reads(
+        for _i, read in t.classify_reads(
             f.req_keys, f.seq_lens, f.read_counts, f.read_pages, want_shared=self.isolation_detector.enabled
         ):
-            found = self.read_detector.observe(t, engine, verdict, ts_ns)
-            found += self.isolation_detector.observe(t, engine, verdict, ts_ns)
+            found = self._observe(read, t, ts_ns)
             if found:
                 findings += self._emit(found)
         return findings
-
-    def _on_transfer_done(self, t: EngineTracker, x: wire.XferDone, ts_ns: int) -> list[Finding]:
-        grace = self.shared_grace_ns if self.shared_ledger is not None else None
-        pairing = self.ledger.on_receiver_done(x, t.page_size, ts_ns, grace_ns=grace)
-        if pairing is None:
-            return []
-        row = t.rows.get(pairing.receiver_key)
-        if pairing.provisional:
-            # the sender's last chunk is not applied yet (its record may trail the receiver's):
-            # take the pages as written for now, remember what they held, decide on the chunk
-            if row is not None:
-                row_pages = row.pages[: pairing.reserved_pages]
-                idx = np.flatnonzero(row_pages > 0)
-                pages = row_pages[idx].astype(np.int64)
-                pairing.state.provisional = ProvisionalWrite(
-                    pages,
-                    t.pool.gen[pages].copy(),
-                    t.pool.written_gen[pages].copy(),
-                    idx,
-                    t.pool.last_writer[pages].copy(),
-                    t.requests.get(pairing.receiver_key),
-                )
-                t.pool.written_gen[pages] = t.pool.gen[pages]
-            return []
-        return self._apply_pairing(t, pairing, ts_ns)
-
-    def _apply_pairing(self, t: EngineTracker, pairing, ts_ns: int) -> list[Finding]:
-        row = t.rows.get(pairing.receiver_key)
-        saved = getattr(pairing.state, "provisional", None)
-        found: list[Finding] = []
-        if saved is not None:
-            pages = saved.pages
-            unchanged = t.pool.gen[pages] == saved.gens  # not reallocated meanwhile
-            t.pool.changed(pages[unchanged])  # written_gen goes back: logged for the tracker's incremental judge
-            t.pool.written_gen[pages[unchanged]] = saved.written_gen[unchanged]  # undo the provisional mark
-            if row is None and pairing.sent_tokens < pairing.reserved_tokens:
-                # the reader ended (and freed its pages) before the sender's facts came: judge
-                # the read it made meanwhile from what its pages held then
-                verdict = saved.late_read_verdict(pairing.written_row_pages)
-                if verdict is not None:
-                    found += self.read_detector.observe(t, self.engine_ref(t), verdict, ts_ns)
-        if row is not None:
-            idx = pairing.written_row_pages[pairing.written_row_pages < len(row.pages)]
-            t.mark_written(pairing.receiver_key, row.pages[idx], ts_ns)
-            self._record(
-                ts_ns, t.engine_id, Event.TRANSFER_WRITE, pairing.receiver_key, row.pages[idx], aux=pairing.sent_tokens
-            )
-            if saved is not None and pairing.sent_tokens < pairing.reserved_tokens:
-                # decode already attended over these pages while we waited: judge that read now
-                verdict = t.classify_read(pairing.receiver_key, pairing.reserved_tokens, None)
-                if verdict is not None:
-                    found += self.read_detector.observe(t, self.engine_ref(t), verdict, ts_ns)
-        found += self.transfer_detector.observe(t, self.engine_ref(t), pairing, ts_ns)
-        return self._emit(found)
-
-    def _apply_final(self, pairings, ts_ns: int) -> list[Finding]:
-        found = []
-        for pairing in pairings:
-            t = self.engines.get(pairing.receiver_engine)
-            if t is not None:
-                found += self._apply_pairing(t, pairing, ts_ns)
-        return found
-
-    # ------------------------------------------------------------------ transfers: the ledger
-    @staticmethod
-    def _role(t: EngineTracker):
-        return None if t.hello is None else t.hello.role
-
-    def _on_reserve(self, t: EngineTracker, x: wire.XferReserve, ts_ns: int) -> list[Finding]:
-        state = self.ledger.on_reserve(t.engine_id, x, ts_ns)
-        info = t.requests.get(x.req_key)
-        state.warmup = state.warmup or bool(info is not None and info.warmup)
-        if self.shared_ledger is not None and not state.warmup:
-            self._publish_receiver(state)
-            until = ts_ns + self.ledger.orphan_timeout_ns + 2 * self.shared_grace_ns
-            self.shared_ledger.watch(x.room, "sender", until)
-        if self.ledger.orphan_now(state, ts_ns):  # prefill had already rejected the prompt and ended
-            return self._orphan(state, ts_ns)
-        return []
-
-    def _on_digest(self, engine_id: int, x: wire.XferDigest, ts_ns: int) -> list[Finding]:
-        hit = self.ledger.on_digest(engine_id, x)
-        if x.side == wire.Side.SENDER:
-            state = self.ledger.find(x.room, sender_key=x.req_key)
-            self._publish_sender(state)
-        else:
-            self._publish_receiver(self.ledger.find(x.room, receiver_key=x.req_key))
-        return self._judge_digests(hit, ts_ns)
-
-    def _judge_digests(self, hit, ts_ns: int) -> list[Finding]:
-        """Both ends' digests are complete: the receiver's sidecar (this one, if it sees decode) judges."""
-        if hit is None:
-            return []
-        state, verdict = hit
-        t = self.engines.get(state.receiver_engine)
-        if t is None:
-            return []  # the receiver is in another pod: its sidecar owns the finding
-        return self._emit(self.checksum_detector.observe(t, self.engine_ref(t), state, verdict, ts_ns))
-
-    def _sender_gave_up(
-        self, req_key: int, room: int, reason: str, ts_ns: int, local: bool = True, ended: bool = False
-    ) -> list[Finding]:
-        orphan = self.ledger.on_sender_gave_up(req_key, room, reason, ts_ns, ended=ended)
-        if local:
-            self._publish_sender(self.ledger.find(room, sender_key=req_key))
-        return [] if orphan is None else self._orphan(orphan, ts_ns)
-
-    def _transfer_end(self, t: EngineTracker, info, end: wire.ReqEnd, ts_ns: int) -> list[Finding]:
-        """A request with a room ended: a prefill request that never sent its last chunk gave up;
-        a decode request that ended holds no reserved pages any more."""
-        if info is None or info.room is None:
-            return []
-        role = self._role(t)
-        if role == wire.Role.PREFILL and end.finish in (wire.Finish.ABORT, wire.Finish.REJECT):
-            return self._sender_gave_up(
-                end.req_key, info.room, "reject" if end.finish == wire.Finish.REJECT else "abort", ts_ns, ended=True
-            )
-        if role == wire.Role.DECODE:
-            self.ledger.on_receiver_end(end.req_key, info.room)
-        return []
-
-    def _orphan(self, state: RoomState, ts_ns: int) -> list[Finding]:
-        t = self.engines.get(state.receiver_engine)
-        if t is None:
-            return []
-        if self.shared_ledger is not None:
-            self.shared_ledger.unwatch(state.room, "sender")
-        return self._emit(self.orphan_detector.observe(t, self.engine_ref(t), state, self.orphan_timeout_s, ts_ns))
-
-    def _publish_sender(self, state: RoomState | None) -> None:
-        if self.shared_ledger is None or state is None or state.warmup or not state.sender_key:
-            return
-        chunks = [[c.token_start, c.token_end, int(c.is_last), c.num_pages] for c in state.chunks]
-        self.shared_ledger.publish(
-            "sender",
-            state.room,
-            state.sender_key,
-            {
-                "began": state.sender_began,
-                "warmup": state.warmup,
-                "gave_up": state.sender_gave_up,
-                "ended": state.sender_ended,
-                "rid": state.sender_rid,
-                "tenant": state.sender_tenant,
-                "chunks": chunks,
-                "digests": state.sender_digest.to_json(),
-            },
-        )
-
-    def _publish_receiver(self, state: RoomState | None) -> None:
-        if (
-            self.shared_ledger is None
-            or state is None
-            or state.warmup
-            or state.reserved_pages is None
-            or state.receiver_engine == REMOTE_ENGINE
-        ):
-            return
-        self.shared_ledger.publish(
-            "receiver",
-            state.room,
-            state.receiver_key,
-            {
-                "reserved_tokens": state.reserved_tokens,
-                "reserved_pages": len(state.reserved_pages),
-                "status": state.done_status,
-                "digests": state.receiver_digest.to_json(),
-            },
-        )
-
-    def _tick_shared(self, now_ns: int) -> list[Finding]:
-        link = self.shared_ledger
-        degraded = link.degraded  # read first: a recovery's results are queued before the flag flips back
-        found: list[Finding] = []
-        for room, side, facts in link.take_results():
-            if side == "sender":
-                found += self._apply_remote_sender(room, facts, now_ns)
-        self.ledger.paused = degraded
-        if not degraded:
-            self._degraded_reported_ns = 0
-        elif not self._degraded_reported_ns or now_ns - self._degraded_reported_ns >= DEGRADED_REPEAT_NS:
-            self._degraded_reported_ns = now_ns
-            waiting = len(self.ledger.pending) + sum(s.receiver_open for s in self.ledger.rooms.values())
-            found += self._emit([ledger_degraded_finding(link.display_url, link.last_error, waiting, now_ns)])
-        return found
-
-    def _apply_remote_sender(self, room: int, facts: list[dict], now_ns: int) -> list[Finding]:
-        """The sender's facts from another pod, applied like local records. Their chunks are not
-        checked as late writes: without comparing two pods' clocks nothing orders them against
-        decode's frees. Facts are matched to the receiver's story by room; a sender key the story
-        already knows selects its facts, and facts of two sending requests for one room that the
-        story cannot tell apart are set aside (counted) rather than guessed."""
-        state = self.ledger.find(room)
-        if state is None or state.receiver_engine is None or state.receiver_engine == REMOTE_ENGINE:
-            return []  # nothing of ours waits for these facts (any more)
-        by_key: dict[int, list[dict]] = {}
-        for fact in facts:
-            by_key.setdefault(int(fact["req_key"], 16), []).append(fact)
-        if state.sender_key:
-            sender_key, facts = state.sender_key, by_key.get(state.sender_key, [])
-        elif len(by_key) == 1:
-            ((sender_key, facts),) = by_key.items()
-        else:
-            self.ledger.rooms_ambiguous += 1
-            return []
-        t = self.engines.get(state.receiver_engine)
-        page_size = t.page_size if t is not None else 1
-        found: list[Finding] = []
-        for fact in facts:
-            if fact["began"]:
-                self.ledger.on_sender_begin(
-                    REMOTE_ENGINE,
-                    sender_key,
-                    room,
-                    fact["warmup"],
-                    rid=fact.get("rid", ""),
-                    tenant=fact.get("tenant", ""),
-                )
-            for t0, t1, last, n_pages in fact["chunks"]:
-                if (t0, t1, last) in state.remote_chunks:
-                    continue
-                if state.overflowed:  # (sidecar/ledger/memory.py MAX_CHUNKS_PER_ROOM) nothing more is kept
-                    break
-                state.remote_chunks.add((t0, t1, last))
-                if self.ledger.rooms.get(room) is not state and self.ledger.pending.get(room) is not state:
-                    continue  # decided already (closed): nothing to pair
-                x = wire.XferSend(sender_key, room, 0, t0, t1, bool(last), np.zeros(n_pages, np.int64))
-                final = self.ledger.on_send(REMOTE_ENGINE, x, page_size)
-                if final is not None:
-                    found += self._apply_final([final], now_ns)
-            for alg, h0, hn, digest, t0, t1, layers, total in fact["digests"]:
-                x = wire.XferDigest(sender_key, room, wire.Side.SENDER, alg, digest, t0, t1, layers, h0, hn, total)
-                found += self._judge_digests(self.ledger.on_digest(REMOTE_ENGINE, x), now_ns)
-            if fact["gave_up"]:
-                found += self._sender_gave_up(
-                    sender_key, room, fact["gave_up"], now_ns, local=False, ended=fact["ended"]
-                )
-        settled = state.compared or state.orphan_reported or state.sender_ended
-        if settled or (
-            state.done_status
-            and state.sent_last
-            and not state.receiver_digest.by_alg
-            and self.ledger.pending.get(room) is not state
-        ):
-            self.shared_ledger.unwatch(room, "sender")
-        return found
-
-    def _late_send(self, x: wire.XferSend, ts_ns: int) -> list[Finding]:
-        """A chunk sent for a room whose receiver already finished: does it land in pages
-        that are now free or another request's?"""
-        if x.room not in self.ledger.closed:
-            return []
-        receiver_engine = self.ledger.closed[x.room].receiver_engine
-        t = self.engines.get(receiver_engine)
-        if t is None or t.hello is None:
-            return []
-        hit = self.ledger.late_target(x, t.page_size)
-        if hit is None:
-            return []
-        state, pages = hit
-        verdict = t.check_write(state.receiver_key, pages, require_known_writer=False)
-        if verdict is None:
-            return []
-        found = self.write_detector.observe(t, self.engine_ref(t), verdict, ts_ns)
-        for f in found:
-            f.evidence.update(
-                {"via": "transfer", "bootstrap_room": x.room, "token_start": x.token_start, "token_end": x.token_end}
-            )
-        return self._emit(found)
 
     def _on_lost(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
         """One gap (a LOST marker): its own size, and the engine's running total, go into the
@@ -585,24 +361,7 @@ class Pipeline:
         self.records_lost += rec.body
         total = self.records_lost_by_engine[t.engine_id] = self.records_lost_by_engine.get(t.engine_id, 0) + rec.body
         t.on_lost(rec.ts_ns)
-        engine = self.engine_ref(t)
-        summary = (
-            f"{engine.role} rank {engine.rank}: {rec.body} records lost in this gap, {total} on this engine "
-            f"so far (ring full or unreadable); page ownership is unknown until pages are reallocated: "
-            f"reads in this window are not verified"
-        )
-        finding = Finding(
-            "events_lost",
-            WARNING,
-            engine,
-            None,
-            [],
-            [],
-            rec.ts_ns,
-            summary,
-            {"records_lost": rec.body, "first_missing_seq": rec.seq, "engine_records_lost_total": total},
-        )
-        return self._emit([finding])
+        return self._emit(self._observe(RecordsLost(rec.body, rec.seq, total), t, rec.ts_ns))
 
     def _prompt_pages_written(self, engine_id: int, info) -> tuple[int, int] | None:
         """(pages this request's own forwards wrote while its seq_len was within its prompt,

@@ -36,6 +36,7 @@ import yaml
 
 from kvguard.engine_hooks.probes import Probes
 from kvguard.engine_hooks.ring import RingWriter
+from kvguard.sidecar import catalogue
 
 REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "alerts" / "kvguard.rules.yaml"
@@ -48,22 +49,14 @@ RUNBOOK_SECTIONS = [
     "## Whom to notify",
     "## Confirm it is fixed",
 ]
-PAGING_KINDS = {
-    "unwritten_read",
-    "foreign_read",
-    "use_after_free",
-    "double_free",
-    "late_write",
-    "transfer_size_mismatch",
-    "checksum_mismatch",
-}
-# finding kinds alerted through a metric of their own rather than the findings counter:
-# kind -> (alert, the severities that alert covers)
+# from the catalogue (sidecar/catalogue.py): the kinds that page with an alert of their own,
+# the kinds alerted through a metric of their own (kind -> (alert, severities)), and the
+# warning kinds whose runbook is a section of the grouped warning runbook
+PAGING_KINDS = catalogue.paging_kinds()
 KINDS_WITH_OWN_METRIC = {
-    "events_lost": ("KVGuardEventsLost", {"warning"}),
-    "pool_smaller_than_context": ("KVPoolSmallerThanContext", {"critical", "warning"}),
+    s.kind: (s.alerts[s.own_metric[0]], set(s.own_metric)) for s in catalogue.CATALOGUE if s.own_metric
 }
-WARNING_KINDS = {"unwritten_read", "orphan_transfer", "ttft_anomaly", "cross_tenant_prefix_share"}
+WARNING_KINDS = {s.kind for s in catalogue.CATALOGUE if s.alerts.get("warning") == catalogue.WARNING_GROUPED}
 
 
 def promtool() -> str:

@@ -130,7 +130,7 @@ def test_engine_bench_runs_the_adapter_hooks_on_real_sglang_objects(tmp_path, re
     require_sglang("0.5.23")
     out = tmp_path / "engine.json"
     sg = REPO / ".venv" / "sglang" / "0.5.23"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(sg), str(REPO / "sidecar" / "demo" / "shim")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(sg), str(REPO / "demo" / "shim")]))
     proc = subprocess.run(
         [sys.executable, "-m", "bench.engine_bench", "--batches", "1,3", "--steps", "2", "--json", str(out)],
         cwd=REPO,

@@ -369,7 +369,7 @@ def test_real_sglang_objects_clean_steps_a_corrupt_row_and_bad_input(require_sgl
     alloc_for_decode and ForwardBatch (tests/tier1_real_objects.py, in a subprocess)."""
     require_sglang("0.5.23")
     sg = REPO / ".venv" / "sglang" / "0.5.23"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(sg), str(REPO / "sidecar" / "demo" / "shim")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(sg), str(REPO / "demo" / "shim")]))
     proc = subprocess.run(
         [sys.executable, str(REPO / "tests" / "tier1_real_objects.py")],
         cwd=REPO,

@@ -2,12 +2,18 @@
 
 import random
 
+from kvguard.sidecar.detectors.base import At, RequestEnded
 from kvguard.sidecar.detectors.ttft import TTFTDetector
 from kvguard.sidecar.findings import EngineRef
 from kvguard.sidecar.tracker import RequestInfo
 
 ENGINE = EngineRef("prefill", 0, 1)
 US = 1_000
+
+
+def observe(det, engine_id, engine, info, ts_ns):
+    """As the pipeline calls it: a request's end, at its engine and time."""
+    return det.observe(RequestEnded(info), At(None, engine, engine_id, ts_ns))
 
 
 def req(i, prompt, ttft_ns, cached=0, finish="length"):
@@ -32,7 +38,7 @@ def realistic_stream(rng, n, per_token_us=50.0):
 def test_no_false_alarms_on_a_realistic_distribution():
     det = TTFTDetector()
     rng = random.Random(7)
-    findings = [f for r in realistic_stream(rng, 3000) for f in det.observe(1, ENGINE, r, 0)]
+    findings = [f for r in realistic_stream(rng, 3000) for f in observe(det, 1, ENGINE, r, 0)]
     assert findings == []
 
 
@@ -49,17 +55,17 @@ def prefill_only_stream(rng, n, start, slowdown=1.0):
 
 def later_requests(det, rng, n, start=10_000, slowdown=1.0, ts=100):
     """Feed n more requests (ids from ``start``); the findings they released."""
-    return [f for r in prefill_only_stream(rng, n, start, slowdown) for f in det.observe(1, ENGINE, r, ts)]
+    return [f for r in prefill_only_stream(rng, n, start, slowdown) for f in observe(det, 1, ENGINE, r, ts)]
 
 
 def test_the_incidents_placeholder_prefill_is_flagged_after_warmup():
     det = TTFTDetector()
     rng = random.Random(3)
     for r in realistic_stream(rng, 200):
-        det.observe(1, ENGINE, r, 0)
+        observe(det, 1, ENGINE, r, 0)
     # 2,000 prompt tokens answered after a 1-token prefill: ~3 ms. Too fast against the
     # past, but not by 32x: the verdict waits for requests that ran after it
-    assert det.observe(1, ENGINE, req(999, 2000, 3_000_000), 42) == []
+    assert observe(det, 1, ENGINE, req(999, 2000, 3_000_000), 42) == []
     (f,) = later_requests(det, rng, 100)
     assert f.kind == "ttft_anomaly" and f.reader.rid == "r999"
     assert f.evidence["uncached_tokens"] == 2000 and f.evidence["ns_per_token"] == 1500.0
@@ -82,7 +88,7 @@ def test_a_speed_up_is_learned_not_flagged():
     later_requests(old, rng, 400, start=0, slowdown=20.0)
     assert len(later_requests(old, rng, 1500)) > 20
     # at the new speed a request that skipped its prefill is still caught
-    assert det.observe(1, ENGINE, req(999, 2000, 3_000_000), 42) == []
+    assert observe(det, 1, ENGINE, req(999, 2000, 3_000_000), 42) == []
     assert [f.reader.rid for f in later_requests(det, rng, 100, start=20_000)] == ["r999"]
 
 
@@ -97,16 +103,16 @@ def test_a_slow_down_raises_nothing():
 def test_far_below_the_floor_is_flagged_at_once():
     det = TTFTDetector(warmup=5)
     for i in range(5):
-        det.observe(1, ENGINE, req(i, 1000, 50_000_000), 0)
-    (f,) = det.observe(1, ENGINE, req(9, 1000, 1_000_000), 7)  # 50x below: no load change does that
+        observe(det, 1, ENGINE, req(i, 1000, 50_000_000), 0)
+    (f,) = observe(det, 1, ENGINE, req(9, 1000, 1_000_000), 7)  # 50x below: no load change does that
     assert f.evidence["floor_basis"] == "past" and det.suspects[1] == []
 
 
 def test_a_suspect_without_later_traffic_is_judged_after_the_wait():
     det = TTFTDetector(warmup=5, max_wait_ns=1_000)
     for i in range(5):
-        det.observe(1, ENGINE, req(i, 1000, 50_000_000), 0)
-    assert det.observe(1, ENGINE, req(9, 1000, 5_000_000), 100) == []  # 10x below: waits
+        observe(det, 1, ENGINE, req(i, 1000, 50_000_000), 0)
+    assert observe(det, 1, ENGINE, req(9, 1000, 5_000_000), 100) == []  # 10x below: waits
     assert det.tick(500) == []
     (f,) = det.tick(1_100)
     assert f.reader.rid == "r9" and f.evidence["floor_basis"] == "past and later" and det.suspects[1] == []
@@ -115,32 +121,32 @@ def test_a_suspect_without_later_traffic_is_judged_after_the_wait():
 def test_a_suspect_is_judged_when_its_engine_goes():
     det = TTFTDetector(warmup=5)
     for i in range(5):
-        det.observe(1, ENGINE, req(i, 1000, 50_000_000), 0)
-    assert det.observe(1, ENGINE, req(9, 1000, 5_000_000), 100) == []
+        observe(det, 1, ENGINE, req(i, 1000, 50_000_000), 0)
+    assert observe(det, 1, ENGINE, req(9, 1000, 5_000_000), 100) == []
     (f,) = det.on_engine_gone(1, 200)
     assert f.reader.rid == "r9" and 1 not in det.models and 1 not in det.suspects
 
 
 def test_cold_start_is_learned_not_judged():
     det = TTFTDetector(warmup=20)
-    assert all(det.observe(1, ENGINE, req(i, 600, 3_000_000), 0) == [] for i in range(20))
+    assert all(observe(det, 1, ENGINE, req(i, 600, 3_000_000), 0) == [] for i in range(20))
 
 
 def test_cache_hits_rejections_and_short_prompts_are_not_judged():
     det = TTFTDetector(warmup=1)
-    det.observe(1, ENGINE, req(0, 1000, 50_000_000), 0)
-    assert det.observe(1, ENGINE, req(1, 1000, 100_000, cached=990), 0) == []  # 10 uncached tokens
-    assert det.observe(1, ENGINE, req(2, 1000, 100_000, finish="reject"), 0) == []
-    assert det.observe(1, ENGINE, req(3, 20, 1_000), 0) == []
+    observe(det, 1, ENGINE, req(0, 1000, 50_000_000), 0)
+    assert observe(det, 1, ENGINE, req(1, 1000, 100_000, cached=990), 0) == []  # 10 uncached tokens
+    assert observe(det, 1, ENGINE, req(2, 1000, 100_000, finish="reject"), 0) == []
+    assert observe(det, 1, ENGINE, req(3, 20, 1_000), 0) == []
 
 
 def test_flagged_samples_do_not_drag_the_floor_down():
     det = TTFTDetector(warmup=5)
     for i in range(5):
-        det.observe(1, ENGINE, req(i, 1000, 50_000_000), 0)
-    hits = [det.observe(1, ENGINE, req(100 + i, 1000, 1_000_000), 0) for i in range(50)]
+        observe(det, 1, ENGINE, req(i, 1000, 50_000_000), 0)
+    hits = [observe(det, 1, ENGINE, req(100 + i, 1000, 1_000_000), 0) for i in range(50)]
     assert all(len(h) == 1 for h in hits)
-    hits = [det.observe(1, ENGINE, req(200 + i, 1000, 1_000_000), 0) for i in range(5)]
+    hits = [observe(det, 1, ENGINE, req(200 + i, 1000, 1_000_000), 0) for i in range(5)]
     assert all(len(h) == 1 for h in hits)
 
 
@@ -152,23 +158,23 @@ def test_a_per_request_constant_does_not_make_long_prompts_look_fast():
     rng = random.Random(5)
     for i in range(300):
         n = rng.randint(32, 64)
-        det.observe(1, ENGINE, req(i, n, 40_000_000 + n * 20_000), 0)  # 40 ms fixed + 20 us/token
-    assert det.observe(1, ENGINE, req(999, 500, 40_000_000 + 500 * 20_000), 0) == []
+        observe(det, 1, ENGINE, req(i, n, 40_000_000 + n * 20_000), 0)  # 40 ms fixed + 20 us/token
+    assert observe(det, 1, ENGINE, req(999, 500, 40_000_000 + 500 * 20_000), 0) == []
 
 
 def test_engines_learn_separately():
     det = TTFTDetector(warmup=5)
     for i in range(5):
-        det.observe(1, ENGINE, req(i, 1000, 50_000_000), 0)
-    assert det.observe(2, ENGINE, req(9, 1000, 1_000_000), 0) == []  # engine 2 is still warming up
+        observe(det, 1, ENGINE, req(i, 1000, 50_000_000), 0)
+    assert observe(det, 2, ENGINE, req(9, 1000, 1_000_000), 0) == []  # engine 2 is still warming up
 
 
 def test_decode_engines_are_not_judged():
     det = TTFTDetector(warmup=1)
     decode = EngineRef("decode", 0, 2)
     for i in range(10):
-        det.observe(1, decode, req(i, 1000, 50_000_000), 0)
-    assert det.observe(1, decode, req(99, 1000, 1_000), 0) == []
+        observe(det, 1, decode, req(i, 1000, 50_000_000), 0)
+    assert observe(det, 1, decode, req(99, 1000, 1_000), 0) == []
 
 
 def test_a_request_prefilled_twice_is_neither_judged_nor_learned():
@@ -178,13 +184,13 @@ def test_a_request_prefilled_twice_is_neither_judged_nor_learned():
     det = TTFTDetector()
     rng = random.Random(3)
     for r in realistic_stream(rng, 200):
-        det.observe(1, ENGINE, r, 0)
+        observe(det, 1, ENGINE, r, 0)
     samples = len(det.models[1].samples)
     retried = req(998, 2000, 3_000_000)
     retried.reprefilled = True
-    assert det.observe(1, ENGINE, retried, 0) == []
+    assert observe(det, 1, ENGINE, retried, 0) == []
     assert len(det.models[1].samples) == samples
-    assert det.observe(1, ENGINE, req(999, 2000, 3_000_000), 0) == []  # the same timing, not retried: suspect
+    assert observe(det, 1, ENGINE, req(999, 2000, 3_000_000), 0) == []  # the same timing, not retried: suspect
     assert [f.reader.rid for f in later_requests(det, rng, 100)] == ["r999"]
 
 
@@ -196,9 +202,9 @@ def test_a_suspect_whose_forwards_wrote_its_prompt_is_explained_not_flagged():
     asked = []
     det = TTFTDetector(warmup=5, prefill_evidence=lambda eid, info: asked.append(info.rid) or (25, 25))
     for i in range(5):
-        det.observe(1, ENGINE, req(i, 100, 100_000_000), 0)
-    assert det.observe(1, ENGINE, req(9, 100, 8_000_000), 7) == []  # 12x below
-    assert det.observe(1, ENGINE, req(10, 100, 1_000_000), 8) == []  # even 100x below: it was written
+        observe(det, 1, ENGINE, req(i, 100, 100_000_000), 0)
+    assert observe(det, 1, ENGINE, req(9, 100, 8_000_000), 7) == []  # 12x below
+    assert observe(det, 1, ENGINE, req(10, 100, 1_000_000), 8) == []  # even 100x below: it was written
     assert asked == ["r9", "r10"] and det.suspects_explained == 2 and det.suspects[1] == []
     assert len(det.models[1].samples) == 7
 
@@ -206,8 +212,8 @@ def test_a_suspect_whose_forwards_wrote_its_prompt_is_explained_not_flagged():
 def test_a_suspect_whose_prompt_was_never_written_is_flagged_with_the_counts():
     det = TTFTDetector(warmup=5, prefill_evidence=lambda eid, info: (1, 150))  # the 1-token placeholder
     for i in range(5):
-        det.observe(1, ENGINE, req(i, 600, 100_000_000), 0)
-    (f,) = det.observe(1, ENGINE, req(9, 600, 1_000_000), 7)
+        observe(det, 1, ENGINE, req(i, 600, 100_000_000), 0)
+    (f,) = observe(det, 1, ENGINE, req(9, 600, 1_000_000), 7)
     assert (f.evidence["prompt_pages_written"], f.evidence["uncached_prompt_pages"]) == (1, 150)
     assert det.suspects_explained == 0
 
@@ -215,8 +221,8 @@ def test_a_suspect_whose_prompt_was_never_written_is_flagged_with_the_counts():
 def test_no_records_means_timing_alone():
     det = TTFTDetector(warmup=5, prefill_evidence=lambda eid, info: None)  # history no longer holds it
     for i in range(5):
-        det.observe(1, ENGINE, req(i, 600, 100_000_000), 0)
-    (f,) = det.observe(1, ENGINE, req(9, 600, 1_000_000), 7)
+        observe(det, 1, ENGINE, req(i, 600, 100_000_000), 0)
+    (f,) = observe(det, 1, ENGINE, req(9, 600, 1_000_000), 7)
     assert f.evidence["prompt_pages_written"] is None and det.suspects_explained == 0
 
 

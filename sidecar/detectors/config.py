@@ -10,10 +10,12 @@ path the 2026 incident leaked through. Critical on a disaggregated prefill node
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvguard.engine_hooks import wire
 
 from ..findings import CRITICAL, WARNING, EngineRef, Finding
+from .base import At
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +47,11 @@ def describe(engine: EngineRef, c: PoolVsContext) -> str:
 class PoolContextDetector:
     """Called on each HELLO record (engine start-up)."""
 
-    def observe(self, engine: EngineRef, hello: wire.Hello, ts_ns: int) -> list[Finding]:
+    kinds: ClassVar[tuple[str, ...]] = ("pool_smaller_than_context",)
+    events: ClassVar[tuple[type, ...]] = (wire.Hello,)
+
+    def observe(self, hello: wire.Hello, at: At) -> list[Finding]:
+        engine, ts_ns = at.engine, at.ts_ns
         c = PoolVsContext(hello.pool_tokens, hello.context_len, hello.max_req_input_len)
         if not c.pool_smaller:
             return []

@@ -12,21 +12,29 @@ reader's are reported; requests without a tenant label are never judged.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 
-from ..findings import WARNING, EngineRef, Finding, Party
-from ..tracker import EngineTracker, ReadVerdict
+from ..findings import WARNING, Finding, Party
+from ..tracker import ReadVerdict
+from .base import At
 from .reads import reader_party
 
 
 class TenantIsolationDetector:
+    kinds: ClassVar[tuple[str, ...]] = ("cross_tenant_prefix_share",)
+    events: ClassVar[tuple[type, ...]] = (ReadVerdict,)
+
     def __init__(self, enabled: bool = False):
         self.enabled = enabled
 
-    def observe(self, tracker: EngineTracker, engine: EngineRef, verdict: ReadVerdict, ts_ns: int) -> list[Finding]:
+    def observe(self, verdict: ReadVerdict, at: At) -> list[Finding]:
+        tracker, engine, ts_ns = at.tracker, at.engine, at.ts_ns
         reader = verdict.reader
         if not self.enabled or verdict.shared is None or len(verdict.shared) == 0 or not reader.tenant:
             return []
+        assert tracker is not None
         writers = tracker.pool.last_writer[verdict.shared]
         parties = []
         for key in np.unique(writers):

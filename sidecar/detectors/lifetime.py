@@ -12,15 +12,23 @@ Reads of free pages are judged by the read detector (same kind, ``use_after_free
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 
-from ..findings import CRITICAL, EngineRef, Finding
-from ..tracker import EngineTracker, WriteVerdict
+from ..findings import CRITICAL, Finding
+from ..tracker import WriteVerdict
+from .base import At, PagesFreedTwice
 from .reads import exposed_parties, reader_party
 
 
 class WriteDetector:
-    def observe(self, tracker: EngineTracker, engine: EngineRef, verdict: WriteVerdict, ts_ns: int) -> list[Finding]:
+    kinds: ClassVar[tuple[str, ...]] = ("use_after_free", "late_write")
+    events: ClassVar[tuple[type, ...]] = (WriteVerdict,)
+
+    def observe(self, verdict: WriteVerdict, at: At) -> list[Finding]:
+        tracker, engine, ts_ns = at.tracker, at.engine, at.ts_ns
+        assert tracker is not None  # a write verdict comes from an engine's model
         if verdict.writer.warmup:
             return []
         writer = verdict.writer
@@ -62,9 +70,12 @@ class WriteDetector:
 
 
 class DoubleFreeDetector:
-    def observe(
-        self, tracker: EngineTracker, engine: EngineRef, pages: np.ndarray, free_kind: str, ts_ns: int
-    ) -> list[Finding]:
+    kinds: ClassVar[tuple[str, ...]] = ("double_free",)
+    events: ClassVar[tuple[type, ...]] = (PagesFreedTwice,)
+
+    def observe(self, event: PagesFreedTwice, at: At) -> list[Finding]:
+        tracker, engine, ts_ns, pages, free_kind = at.tracker, at.engine, at.ts_ns, event.pages, event.free_kind
+        assert tracker is not None
         if len(pages) == 0:
             return []
         pages = np.unique(pages)

@@ -14,10 +14,13 @@ Warmup and health-check requests are tracked but never alarmed.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 
 from ..findings import CRITICAL, WARNING, EngineRef, Finding, Party
 from ..tracker import EngineTracker, ReadVerdict, RequestInfo
+from .base import At
 
 
 def reader_party(info: RequestInfo) -> Party:
@@ -51,7 +54,12 @@ def exposed_parties(
 class ReadDetector:
     """One verdict in, zero to three findings out."""
 
-    def observe(self, tracker: EngineTracker, engine: EngineRef, verdict: ReadVerdict, ts_ns: int) -> list[Finding]:
+    kinds: ClassVar[tuple[str, ...]] = ("unwritten_read", "foreign_read", "use_after_free")
+    events: ClassVar[tuple[type, ...]] = (ReadVerdict,)
+
+    def observe(self, verdict: ReadVerdict, at: At) -> list[Finding]:
+        tracker, engine, ts_ns = at.tracker, at.engine, at.ts_ns
+        assert tracker is not None  # a read verdict comes from an engine's model
         if verdict.reader.warmup:
             return []
         out = []

@@ -15,13 +15,27 @@ alarmed.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 
 from kvguard.engine_hooks import wire
 
 from ..findings import CRITICAL, EngineRef, Finding, Party
 from ..tracker import EngineTracker
+from .base import At
 from .reads import exposed_parties, reader_party
+
+
+class Tier1Detector:
+    """A TIER1_VIOLATION record: the engine's own read check caught a read."""
+
+    kinds: ClassVar[tuple[str, ...]] = ("foreign_read", "use_after_free")
+    events: ClassVar[tuple[type, ...]] = (wire.Tier1Violation,)
+
+    def observe(self, violation: wire.Tier1Violation, at: At) -> list[Finding]:
+        assert at.tracker is not None
+        return tier1_findings(at.tracker, at.engine, violation, at.ts_ns)
 
 
 def tier1_findings(tracker: EngineTracker, engine: EngineRef, v: wire.Tier1Violation, ts_ns: int) -> list[Finding]:

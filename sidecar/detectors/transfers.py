@@ -12,9 +12,11 @@ Warmup and health-check requests are never alarmed.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from ..findings import CRITICAL, WARNING, EngineRef, Finding
 from ..ledger import DigestVerdict, Pairing, RoomState
-from ..tracker import EngineTracker
+from .base import At, DigestsCompared, LedgerUnreachable, TransferOrphaned
 from .reads import reader_party
 
 ALG_NAMES = {1: "xxh3_unit_bytes", 2: "xxh3_device_reduced", 3: "xxh3_head_streams"}
@@ -26,7 +28,12 @@ def _held_pages(state: RoomState) -> list[int]:
 
 
 class TransferSizeDetector:
-    def observe(self, tracker: EngineTracker, engine: EngineRef, pairing: Pairing, ts_ns: int) -> list[Finding]:
+    kinds: ClassVar[tuple[str, ...]] = ("transfer_size_mismatch",)
+    events: ClassVar[tuple[type, ...]] = (Pairing,)
+
+    def observe(self, pairing: Pairing, at: At) -> list[Finding]:
+        tracker, engine, ts_ns = at.tracker, at.engine, at.ts_ns
+        assert tracker is not None  # the receiver's model
         if not pairing.verified or pairing.sent_tokens >= pairing.reserved_tokens:
             return []
         reader = tracker.requests.get_or_stub(pairing.receiver_key)
@@ -56,9 +63,14 @@ class TransferSizeDetector:
 
 
 class ChecksumDetector:
-    def observe(
-        self, tracker: EngineTracker, engine: EngineRef, state: RoomState, verdict: DigestVerdict, ts_ns: int
-    ) -> list[Finding]:
+    kinds: ClassVar[tuple[str, ...]] = ("checksum_mismatch",)
+    events: ClassVar[tuple[type, ...]] = (DigestsCompared,)
+
+    def observe(self, compared: DigestsCompared, at: At) -> list[Finding]:
+        tracker, engine, ts_ns = at.tracker, at.engine, at.ts_ns
+        state: RoomState = compared.state
+        verdict: DigestVerdict = compared.verdict
+        assert tracker is not None  # the receiver's model
         if verdict.match or state.warmup:
             return []
         reader = tracker.requests.get_or_stub(state.receiver_key)
@@ -86,9 +98,14 @@ class ChecksumDetector:
 
 
 class OrphanDetector:
-    def observe(
-        self, tracker: EngineTracker, engine: EngineRef, state: RoomState, timeout_s: float, ts_ns: int
-    ) -> list[Finding]:
+    kinds: ClassVar[tuple[str, ...]] = ("orphan_transfer",)
+    events: ClassVar[tuple[type, ...]] = (TransferOrphaned,)
+
+    def observe(self, orphaned: TransferOrphaned, at: At) -> list[Finding]:
+        tracker, engine, ts_ns = at.tracker, at.engine, at.ts_ns
+        state: RoomState = orphaned.state
+        timeout_s = orphaned.timeout_s
+        assert tracker is not None  # the receiver's model
         reader = tracker.requests.get_or_stub(state.receiver_key)
         if reader.warmup or state.warmup:
             return []
@@ -112,6 +129,16 @@ class OrphanDetector:
             "timeout_s": timeout_s,
         }
         return [Finding("orphan_transfer", WARNING, engine, reader_party(reader), pages, [], ts_ns, summary, evidence)]
+
+
+class LedgerDegradedDetector:
+    """The shared ledger is unreachable (reported again every DEGRADED_REPEAT_NS while it lasts)."""
+
+    kinds: ClassVar[tuple[str, ...]] = ("ledger_degraded",)
+    events: ClassVar[tuple[type, ...]] = (LedgerUnreachable,)
+
+    def observe(self, event: LedgerUnreachable, at: At) -> list[Finding]:
+        return [ledger_degraded_finding(event.display_url, event.last_error, event.waiting, at.ts_ns)]
 
 
 def ledger_degraded_finding(url: str, error: str, waiting: int, ts_ns: int) -> Finding:

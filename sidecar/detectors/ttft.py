@@ -61,11 +61,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
 from ..findings import WARNING, EngineRef, Finding, Party
 from ..tracker import RequestInfo
+from .base import At, RequestEnded
 from .reads import reader_party
 
 NORMAL_FINISH = ("stop", "length")
@@ -185,7 +187,11 @@ class TTFTDetector:
         self.prefill_evidence = prefill_evidence
 
     # ------------------------------------------------------------------ input
-    def observe(self, engine_id: int, engine: EngineRef, info: RequestInfo, ts_ns: int) -> list[Finding]:
+    kinds: ClassVar[tuple[str, ...]] = ("ttft_anomaly",)
+    events: ClassVar[tuple[type, ...]] = (RequestEnded,)
+
+    def observe(self, ended: RequestEnded, at: At) -> list[Finding]:
+        info, engine, engine_id, ts_ns = ended.info, at.engine, at.engine_id, at.ts_ns
         uncached = info.prompt_tokens - info.cached_tokens
         if not self.enabled or engine.role == "decode":
             return []  # decode never prefills: its "TTFT" is the transfer wait (the ledger judges transfers)

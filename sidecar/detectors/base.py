@@ -1,0 +1,95 @@
+"""The detector contract, and the events the models hand to detectors.
+
+A detector is one class that declares the finding kinds it may raise (``kinds``, each an
+entry of sidecar/catalogue.py) and the event types it observes (``events``), and
+implements one method, ``observe(event, at) -> list[Finding]``. The pipeline dispatches
+each event to the detectors that declared its type (a table built once, no if/elif
+chain), files what they return into incidents, and delivers it.
+
+Events come from the models: the tracker's read and write verdicts
+(:class:`~kvguard.sidecar.tracker.ReadVerdict`, ``WriteVerdict``), the transfer
+ledger's pairings, digest comparisons and orphaned rooms, and the small records below
+for what the pipeline itself observes (a double free, a gap in the records, a request's
+end, an unreachable shared ledger). Detectors do no I/O and never call back into the
+pipeline: what they need to judge comes in the event or in ``at.tracker``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..findings import EngineRef, Finding
+    from ..tracker import EngineTracker, RequestInfo
+
+
+@dataclass(frozen=True, slots=True)
+class At:
+    """Where and when an event happened: the engine's model, its identity, the record's time."""
+
+    tracker: EngineTracker | None
+    engine: EngineRef
+    engine_id: int
+    ts_ns: int
+
+
+class Detector(Protocol):
+    kinds: ClassVar[tuple[str, ...]]  # the catalogue kinds it may raise
+    events: ClassVar[tuple[type, ...]]  # the event types it observes
+
+    def observe(self, event: Any, at: At, /) -> list[Finding]: ...
+
+
+# ---------------------------------------------------------------- events the pipeline makes
+
+
+@dataclass(frozen=True, slots=True)
+class PagesFreedTwice:
+    """A FREE record named pages the model holds free already."""
+
+    pages: np.ndarray
+    free_kind: str  # the engine's free path (sidecar records' FreeKind, lower case)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordsLost:
+    """A LOST marker: a gap of ``count`` records in one engine's stream."""
+
+    count: int
+    first_missing_seq: int
+    engine_total: int  # records lost on this engine since the sidecar first saw it
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEnded:
+    """A request's REQ_END, with what the model knows about it."""
+
+    info: RequestInfo
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerUnreachable:
+    """The shared transfer ledger (Redis) cannot be reached."""
+
+    display_url: str
+    last_error: str
+    waiting: int  # receivers waiting for facts that only the ledger carries
+
+
+@dataclass(frozen=True, slots=True)
+class DigestsCompared:
+    """Both ends' digests of one transfer are complete (the ledger's verdict on them)."""
+
+    state: Any  # sidecar.ledger RoomState
+    verdict: Any  # sidecar.ledger DigestVerdict
+
+
+@dataclass(frozen=True, slots=True)
+class TransferOrphaned:
+    """Decode reserved pages for a room whose sender will not send."""
+
+    state: Any  # sidecar.ledger RoomState
+    timeout_s: float

@@ -1,0 +1,336 @@
+"""The transfer half of the pipeline: prefill/decode transfers through the transfer ledger.
+
+A mixin of :class:`~kvguard.sidecar.pipeline.Pipeline` (it uses the pipeline's engines,
+ledger, shared ledger, ``_observe`` and ``_emit``): the XFER_* records, the receiver's
+and sender's ends of a room, pairing them, late chunks, orphaned rooms, and the facts
+exchanged with the other pod through a shared ledger (docs/detectors.md, "Transfers").
+Kept apart so that pipeline.py holds the record dispatch and the page path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvguard.engine_hooks import wire
+
+from .detectors.base import DigestsCompared, LedgerUnreachable, TransferOrphaned
+from .findings import Finding
+from .history import Event
+from .ledger import REMOTE_ENGINE, RoomState, TransferLedger
+from .provisional import ProvisionalWrite
+
+if TYPE_CHECKING:
+    from .tracker import EngineTracker
+
+DEGRADED_REPEAT_NS = 30_000_000_000  # a degraded ledger re-reports this often (keeps its incident firing)
+
+
+class TransferFlow:
+    # the pipeline's (Pipeline.__init__ sets them), declared for the type checker
+    engines: dict[int, EngineTracker]
+    ledger: TransferLedger
+    shared_ledger: Any  # sidecar.ledger.shared.SharedLedger or None
+    shared_grace_ns: int
+    orphan_timeout_s: float
+    _degraded_reported_ns: int
+    _observe: Callable[..., list[Finding]]
+    _emit: Callable[[list[Finding]], list[Finding]]
+    _record: Callable[..., None]
+
+    # ------------------------------------------------------------------ transfer records
+    def _on_xfer_send(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+        body, ts = rec.body, rec.ts_ns
+        found = self._late_send(body, ts)
+        receiver = self.ledger.pending.get(body.room)
+        receiver_engine = receiver.receiver_engine if receiver is not None else None
+        receiver_t = self.engines.get(receiver_engine) if receiver_engine is not None else None
+        final = self.ledger.on_send(rec.engine_id, body, receiver_t.page_size if receiver_t else t.page_size)
+        if final is not None:
+            found += self._apply_final([final], ts)
+        self._publish_sender(self.ledger.find(body.room, sender_key=body.req_key))
+        return found
+
+    def _on_xfer_done(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+        body = rec.body
+        if body.side == wire.Side.RECEIVER:
+            found = self._on_transfer_done(t, body, rec.ts_ns)
+            self._publish_receiver(self.ledger.find(body.room, receiver_key=body.req_key))
+            return found
+        if self.shared_ledger is not None:  # a prefill pod: its rooms have no receiver here, retire them
+            self.ledger.on_sender_done(body.req_key, body.room)
+        return []
+
+    def _on_transfer_done(self, t: EngineTracker, x: wire.XferDone, ts_ns: int) -> list[Finding]:
+        grace = self.shared_grace_ns if self.shared_ledger is not None else None
+        pairing = self.ledger.on_receiver_done(x, t.page_size, ts_ns, grace_ns=grace)
+        if pairing is None:
+            return []
+        row = t.rows.get(pairing.receiver_key)
+        if pairing.provisional:
+            # the sender's last chunk is not applied yet (its record may trail the receiver's):
+            # take the pages as written for now, remember what they held, decide on the chunk
+            if row is not None:
+                row_pages = row.pages[: pairing.reserved_pages]
+                idx = np.flatnonzero(row_pages > 0)
+                pages = row_pages[idx].astype(np.int64)
+                state: Any = pairing.state  # the RoomState keeps the saved page state
+                state.provisional = ProvisionalWrite(
+                    pages,
+                    t.pool.gen[pages].copy(),
+                    t.pool.written_gen[pages].copy(),
+                    idx,
+                    t.pool.last_writer[pages].copy(),
+                    t.requests.get(pairing.receiver_key),
+                )
+                t.pool.written_gen[pages] = t.pool.gen[pages]
+            return []
+        return self._apply_pairing(t, pairing, ts_ns)
+
+    def _apply_pairing(self, t: EngineTracker, pairing, ts_ns: int) -> list[Finding]:
+        row = t.rows.get(pairing.receiver_key)
+        saved = getattr(pairing.state, "provisional", None)
+        found: list[Finding] = []
+        if saved is not None:
+            pages = saved.pages
+            unchanged = t.pool.gen[pages] == saved.gens  # not reallocated meanwhile
+            t.pool.changed(pages[unchanged])  # written_gen goes back: logged for the tracker's incremental judge
+            t.pool.written_gen[pages[unchanged]] = saved.written_gen[unchanged]  # undo the provisional mark
+            if row is None and pairing.sent_tokens < pairing.reserved_tokens:
+                # the reader ended (and freed its pages) before the sender's facts came: judge
+                # the read it made meanwhile from what its pages held then
+                verdict = saved.late_read_verdict(pairing.written_row_pages)
+                if verdict is not None:
+                    found += self._observe(verdict, t, ts_ns)
+        if row is not None:
+            idx = pairing.written_row_pages[pairing.written_row_pages < len(row.pages)]
+            t.mark_written(pairing.receiver_key, row.pages[idx], ts_ns)
+            self._record(
+                ts_ns, t.engine_id, Event.TRANSFER_WRITE, pairing.receiver_key, row.pages[idx], aux=pairing.sent_tokens
+            )
+            if saved is not None and pairing.sent_tokens < pairing.reserved_tokens:
+                # decode already attended over these pages while we waited: judge that read now
+                verdict = t.classify_read(pairing.receiver_key, pairing.reserved_tokens, None)
+                if verdict is not None:
+                    found += self._observe(verdict, t, ts_ns)
+        found += self._observe(pairing, t, ts_ns)
+        return self._emit(found)
+
+    def _apply_final(self, pairings, ts_ns: int) -> list[Finding]:
+        found = []
+        for pairing in pairings:
+            t = self.engines.get(pairing.receiver_engine)
+            if t is not None:
+                found += self._apply_pairing(t, pairing, ts_ns)
+        return found
+
+    # ------------------------------------------------------------------ transfers: the ledger
+    @staticmethod
+    def _role(t: EngineTracker):
+        return None if t.hello is None else t.hello.role
+
+    def _on_reserve(self, t: EngineTracker, x: wire.XferReserve, ts_ns: int) -> list[Finding]:
+        state = self.ledger.on_reserve(t.engine_id, x, ts_ns)
+        info = t.requests.get(x.req_key)
+        state.warmup = state.warmup or bool(info is not None and info.warmup)
+        if self.shared_ledger is not None and not state.warmup:
+            self._publish_receiver(state)
+            until = ts_ns + self.ledger.orphan_timeout_ns + 2 * self.shared_grace_ns
+            self.shared_ledger.watch(x.room, "sender", until)
+        if self.ledger.orphan_now(state, ts_ns):  # prefill had already rejected the prompt and ended
+            return self._orphan(state, ts_ns)
+        return []
+
+    def _on_digest(self, engine_id: int, x: wire.XferDigest, ts_ns: int) -> list[Finding]:
+        hit = self.ledger.on_digest(engine_id, x)
+        if x.side == wire.Side.SENDER:
+            state = self.ledger.find(x.room, sender_key=x.req_key)
+            self._publish_sender(state)
+        else:
+            self._publish_receiver(self.ledger.find(x.room, receiver_key=x.req_key))
+        return self._judge_digests(hit, ts_ns)
+
+    def _judge_digests(self, hit, ts_ns: int) -> list[Finding]:
+        """Both ends' digests are complete: the receiver's sidecar (this one, if it sees decode) judges."""
+        if hit is None:
+            return []
+        state, verdict = hit
+        t = self.engines.get(state.receiver_engine)
+        if t is None:
+            return []  # the receiver is in another pod: its sidecar owns the finding
+        return self._emit(self._observe(DigestsCompared(state, verdict), t, ts_ns))
+
+    def _sender_gave_up(
+        self, req_key: int, room: int, reason: str, ts_ns: int, local: bool = True, ended: bool = False
+    ) -> list[Finding]:
+        orphan = self.ledger.on_sender_gave_up(req_key, room, reason, ts_ns, ended=ended)
+        if local:
+            self._publish_sender(self.ledger.find(room, sender_key=req_key))
+        return [] if orphan is None else self._orphan(orphan, ts_ns)
+
+    def _transfer_end(self, t: EngineTracker, info, end: wire.ReqEnd, ts_ns: int) -> list[Finding]:
+        """A request with a room ended: a prefill request that never sent its last chunk gave up;
+        a decode request that ended holds no reserved pages any more."""
+        if info is None or info.room is None:
+            return []
+        role = self._role(t)
+        if role == wire.Role.PREFILL and end.finish in (wire.Finish.ABORT, wire.Finish.REJECT):
+            return self._sender_gave_up(
+                end.req_key, info.room, "reject" if end.finish == wire.Finish.REJECT else "abort", ts_ns, ended=True
+            )
+        if role == wire.Role.DECODE:
+            self.ledger.on_receiver_end(end.req_key, info.room)
+        return []
+
+    def _orphan(self, state: RoomState, ts_ns: int) -> list[Finding]:
+        t = self.engines.get(state.receiver_engine) if state.receiver_engine is not None else None
+        if t is None:
+            return []
+        if self.shared_ledger is not None:
+            self.shared_ledger.unwatch(state.room, "sender")
+        return self._emit(self._observe(TransferOrphaned(state, self.orphan_timeout_s), t, ts_ns))
+
+    def _publish_sender(self, state: RoomState | None) -> None:
+        if self.shared_ledger is None or state is None or state.warmup or not state.sender_key:
+            return
+        chunks = [[c.token_start, c.token_end, int(c.is_last), c.num_pages] for c in state.chunks]
+        self.shared_ledger.publish(
+            "sender",
+            state.room,
+            state.sender_key,
+            {
+                "began": state.sender_began,
+                "warmup": state.warmup,
+                "gave_up": state.sender_gave_up,
+                "ended": state.sender_ended,
+                "rid": state.sender_rid,
+                "tenant": state.sender_tenant,
+                "chunks": chunks,
+                "digests": state.sender_digest.to_json(),
+            },
+        )
+
+    def _publish_receiver(self, state: RoomState | None) -> None:
+        if (
+            self.shared_ledger is None
+            or state is None
+            or state.warmup
+            or state.reserved_pages is None
+            or state.receiver_engine == REMOTE_ENGINE
+        ):
+            return
+        self.shared_ledger.publish(
+            "receiver",
+            state.room,
+            state.receiver_key,
+            {
+                "reserved_tokens": state.reserved_tokens,
+                "reserved_pages": len(state.reserved_pages),
+                "status": state.done_status,
+                "digests": state.receiver_digest.to_json(),
+            },
+        )
+
+    def _tick_shared(self, now_ns: int) -> list[Finding]:
+        link = self.shared_ledger
+        degraded = link.degraded  # read first: a recovery's results are queued before the flag flips back
+        found: list[Finding] = []
+        for room, side, facts in link.take_results():
+            if side == "sender":
+                found += self._apply_remote_sender(room, facts, now_ns)
+        self.ledger.paused = degraded
+        if not degraded:
+            self._degraded_reported_ns = 0
+        elif not self._degraded_reported_ns or now_ns - self._degraded_reported_ns >= DEGRADED_REPEAT_NS:
+            self._degraded_reported_ns = now_ns
+            waiting = len(self.ledger.pending) + sum(s.receiver_open for s in self.ledger.rooms.values())
+            found += self._emit(
+                self._observe(LedgerUnreachable(link.display_url, link.last_error, waiting), None, now_ns)
+            )
+        return found
+
+    def _apply_remote_sender(self, room: int, facts: list[dict], now_ns: int) -> list[Finding]:
+        """The sender's facts from another pod, applied like local records. Their chunks are not
+        checked as late writes: without comparing two pods' clocks nothing orders them against
+        decode's frees. Facts are matched to the receiver's story by room; a sender key the story
+        already knows selects its facts, and facts of two sending requests for one room that the
+        story cannot tell apart are set aside (counted) rather than guessed."""
+        state = self.ledger.find(room)
+        if state is None or state.receiver_engine is None or state.receiver_engine == REMOTE_ENGINE:
+            return []  # nothing of ours waits for these facts (any more)
+        by_key: dict[int, list[dict]] = {}
+        for fact in facts:
+            by_key.setdefault(int(fact["req_key"], 16), []).append(fact)
+        if state.sender_key:
+            sender_key, facts = state.sender_key, by_key.get(state.sender_key, [])
+        elif len(by_key) == 1:
+            ((sender_key, facts),) = by_key.items()
+        else:
+            self.ledger.rooms_ambiguous += 1
+            return []
+        t = self.engines.get(state.receiver_engine)
+        page_size = t.page_size if t is not None else 1
+        found: list[Finding] = []
+        for fact in facts:
+            if fact["began"]:
+                self.ledger.on_sender_begin(
+                    REMOTE_ENGINE,
+                    sender_key,
+                    room,
+                    fact["warmup"],
+                    rid=fact.get("rid", ""),
+                    tenant=fact.get("tenant", ""),
+                )
+            for t0, t1, last, n_pages in fact["chunks"]:
+                if (t0, t1, last) in state.remote_chunks:
+                    continue
+                if state.overflowed:  # (sidecar/ledger/memory.py MAX_CHUNKS_PER_ROOM) nothing more is kept
+                    break
+                state.remote_chunks.add((t0, t1, last))
+                if self.ledger.rooms.get(room) is not state and self.ledger.pending.get(room) is not state:
+                    continue  # decided already (closed): nothing to pair
+                x = wire.XferSend(sender_key, room, 0, t0, t1, bool(last), np.zeros(n_pages, np.int64))
+                final = self.ledger.on_send(REMOTE_ENGINE, x, page_size)
+                if final is not None:
+                    found += self._apply_final([final], now_ns)
+            for alg, h0, hn, digest, t0, t1, layers, total in fact["digests"]:
+                xd = wire.XferDigest(sender_key, room, wire.Side.SENDER, alg, digest, t0, t1, layers, h0, hn, total)
+                found += self._judge_digests(self.ledger.on_digest(REMOTE_ENGINE, xd), now_ns)
+            if fact["gave_up"]:
+                found += self._sender_gave_up(
+                    sender_key, room, fact["gave_up"], now_ns, local=False, ended=fact["ended"]
+                )
+        settled = state.compared or state.orphan_reported or state.sender_ended
+        if settled or (
+            state.done_status
+            and state.sent_last
+            and not state.receiver_digest.by_alg
+            and self.ledger.pending.get(room) is not state
+        ):
+            self.shared_ledger.unwatch(room, "sender")
+        return found
+
+    def _late_send(self, x: wire.XferSend, ts_ns: int) -> list[Finding]:
+        """A chunk sent for a room whose receiver already finished: does it land in pages
+        that are now free or another request's?"""
+        if x.room not in self.ledger.closed:
+            return []
+        receiver_engine = self.ledger.closed[x.room].receiver_engine
+        t = self.engines.get(receiver_engine) if receiver_engine is not None else None
+        if t is None or t.hello is None:
+            return []
+        hit = self.ledger.late_target(x, t.page_size)
+        if hit is None:
+            return []
+        state, pages = hit
+        verdict = t.check_write(state.receiver_key, pages, require_known_writer=False)
+        if verdict is None:
+            return []
+        found = self._observe(verdict, t, ts_ns)
+        for f in found:
+            f.evidence.update(
+                {"via": "transfer", "bootstrap_room": x.room, "token_start": x.token_start, "token_end": x.token_end}
+            )
+        return self._emit(found)
