@@ -120,3 +120,22 @@ def test_kinds_on_metrics_of_their_own_are_alerted_without_the_findings_counter(
         for severity in spec.own_metric:
             rules = [a for a in by_name[spec.alerts[severity]] if a["labels"]["severity"] == severity]
             assert rules and all("kvguard_findings" not in a["expr"] for a in rules), (spec.kind, severity)
+
+
+def test_every_kind_is_defined_in_docs_detectors():
+    headings = set(re.findall(r"^## (\w+) \(", (REPO / "docs" / "detectors.md").read_text(), re.M))
+    assert sorted(set(KINDS) - headings) == [], "kinds without a '## kind (severity)' section in docs/detectors.md"
+
+
+def test_the_extending_guide_quotes_the_code_as_it_is():
+    """docs/extending.md walks through events_lost: its code blocks are the tree's code."""
+    guide = (REPO / "docs" / "extending.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", guide, re.S)
+    assert len(blocks) == 3
+    sources = {
+        0: REPO / "sidecar" / "detectors" / "gaps.py",
+        1: REPO / "sidecar" / "pipeline.py",
+        2: REPO / "sidecar" / "catalogue.py",
+    }
+    for i, path in sources.items():
+        assert blocks[i].strip() in path.read_text(), f"docs/extending.md block {i + 1} is not in {path.name}"
