@@ -77,6 +77,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import wire
+from .wire import ALIGN, HEADER_SIZE, MAX_RECORD_BYTES
+from .wire import HEADER as RECORD_HEADER
+from .wire import MAGIC as RECORD_MAGIC
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +151,30 @@ def _check_capacity(capacity: int) -> int:
             f"KVGUARD_RING_BYTES: capacity must be a power of two from 4096 to {MAX_CAPACITY} (1 GiB), got {capacity}"
         )
     return capacity
+
+
+def record_length(buf, pos: int = 0) -> int:
+    """The length of a record whose header starts at ``pos`` when the header is structurally
+    valid (magic, alignment, at most ``MAX_RECORD_BYTES``) whether or not the whole record is in
+    ``buf``; 0 otherwise."""
+    if len(buf) - pos < HEADER_SIZE:
+        return 0
+    magic, _version, _kind, length = RECORD_HEADER.unpack_from(buf, pos)[:4]
+    if magic != RECORD_MAGIC or length < HEADER_SIZE or length % ALIGN or length > MAX_RECORD_BYTES:
+        return 0
+    return length
+
+
+def whole_records(buf, start: int = 0, end: int | None = None) -> int:
+    """Bytes of ``buf[start:end]`` taken by the complete, structurally valid records at its start
+    (where a bounded read of a longer stream may stop without cutting a record)."""
+    end = len(buf) if end is None else end
+    pos = start
+    while True:
+        length = record_length(buf, pos)
+        if not length or pos + length > end:
+            return pos - start
+        pos += length
 
 
 class RingWriter:
@@ -474,9 +501,9 @@ class RingReader:
         returns the bytes consumed. Bytes that start no valid record are counted as corrupt
         up to ``avail``, exactly as one big copy would have counted them."""
         data = self._pread(HEADER_BYTES + offset, cap)
-        whole = wire.whole_records(data)
+        whole = whole_records(data)
         if whole == 0:
-            length = wire.record_length(data)
+            length = record_length(data)
             if not length or length > avail:
                 self.stats.corrupt_bytes += avail
                 self.stats.last_error = f"no valid record header at byte {offset} of the data area"

@@ -2,7 +2,9 @@
 
 Every record is a fixed 32-byte little-endian header followed by a typed payload,
 padded with zero bytes to a multiple of 8. ``docs/wire-format.md`` describes the
-bytes in prose; this module is the executable form of that document.
+bytes in prose; this module is the executable form of that document, and of the
+recording segment format of ``docs/recording-api.md`` (at the end). The decoded forms
+of records are dataclasses in ``wire_types.py``, re-exported here.
 
 Header (``HEADER``, 32 bytes)::
 
@@ -30,11 +32,31 @@ from __future__ import annotations
 
 import enum
 import struct
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import xxhash
+
+from .wire_types import (
+    Assign,
+    DecodeStats,
+    Forward,
+    Heartbeat,
+    Hello,
+    ProbeError,
+    Record,
+    Reject,
+    ReqBegin,
+    ReqEnd,
+    SidecarEvent,
+    Tier1Violation,
+    XferDigest,
+    XferDone,
+    XferReserve,
+    XferSend,
+)
 
 MAGIC = 0x4B47
 VERSION = 1
@@ -130,9 +152,8 @@ class Tier1Tag(enum.IntEnum):
 
 
 # Fixed payload parts, after the header. Variable parts follow in the order given.
-HELLO_FIXED = struct.Struct(
-    "<BBHIIIQQQ"
-)  # role, _, tp_rank, pid, page_size, pool_pages, pool_tokens, context_len, max_req_input_len
+HELLO_FIXED = struct.Struct("<BBHIIIQQQ")
+#   role, _, tp_rank, pid, page_size, pool_pages, pool_tokens, context_len, max_req_input_len;
 #   then strings: engine_name, engine_version, model, kvguard_version
 REQ_BEGIN_FIXED = struct.Struct("<QQIIB7x")  # req_key, room, prompt_tokens, cached_tokens, flags(bit0 warmup)
 #   then strings: rid, tenant
@@ -165,165 +186,14 @@ def request_key(rid: str) -> int:
 
 
 # --------------------------------------------------------------------------- records
-@dataclass(slots=True)
-class Hello:
-    role: Role
-    tp_rank: int
-    pid: int
-    page_size: int
-    pool_pages: int
-    pool_tokens: int
-    context_len: int
-    max_req_input_len: int
-    engine_name: str
-    engine_version: str
-    model: str
-    kvguard_version: str
-
-
-@dataclass(slots=True)
-class ReqBegin:
-    req_key: int
-    room: int
-    prompt_tokens: int
-    cached_tokens: int
-    warmup: bool
-    rid: str
-    tenant: str
-
-
-@dataclass(slots=True)
-class ReqEnd:
-    req_key: int
-    ttft_ns: int
-    e2e_ns: int
-    output_tokens: int
-    finish: Finish
-    reason: str
-    reprefilled: bool = False  # its KV was released before it finished (optimistic PD retry, retraction)
-
-
+# The decoded forms of the other kinds are in wire_types.py (imported above): Pages stays here,
+# with the FreeKind its default needs, so that wire_types needs nothing from this module.
 @dataclass(slots=True)
 class Pages:
     """ALLOC and FREE: a set of page ids (FREE also says which free path)."""
 
     pages: np.ndarray
     free_kind: FreeKind = FreeKind.FREE
-
-
-@dataclass(slots=True)
-class Assign:
-    req_key: int
-    row_start: int
-    row_end: int
-    shared_until: int
-    pages: np.ndarray  # pages for row page-indices row_start//page_size onwards
-
-
-@dataclass(slots=True)
-class Forward:
-    req_keys: np.ndarray  # uint64[n]
-    seq_lens: np.ndarray  # uint32[n]
-    write_counts: np.ndarray  # uint32[n]
-    write_pages: np.ndarray  # int32[sum(write_counts)]
-    read_counts: np.ndarray | None  # uint32[n] when the engine sent its actual rows
-    read_pages: np.ndarray | None
-    mode: int = 0
-
-
-@dataclass(slots=True)
-class XferReserve:
-    req_key: int
-    room: int
-    tokens: int
-    pages: np.ndarray
-
-
-@dataclass(slots=True)
-class XferSend:
-    req_key: int
-    room: int
-    digest: int
-    token_start: int
-    token_end: int
-    is_last: bool
-    pages: np.ndarray
-
-
-@dataclass(slots=True)
-class XferDone:
-    req_key: int
-    room: int
-    side: Side
-    status: XferStatus
-
-
-@dataclass(slots=True)
-class XferDigest:
-    """One end's digest of a transfer's KV over tokens [token_start, token_end).
-
-    A rank holding kv heads [head_start, head_start + head_count) of total_heads
-    contributes a partial digest; partial digests of one end add (mod 2**64) to the
-    whole-transfer digest once every head is covered.
-    """
-
-    req_key: int
-    room: int
-    side: Side
-    alg: DigestAlg
-    digest: int
-    token_start: int
-    token_end: int
-    layers: int
-    head_start: int
-    head_count: int
-    total_heads: int
-
-
-@dataclass(slots=True)
-class Tier1Violation:
-    """One reader's row pages that the engine's Tier-1 check refused in one forward."""
-
-    reader_key: int
-    violations_total: int  # violating pages seen by this engine so far, this record included
-    seq_len: int
-    pages: np.ndarray  # int32[n]
-    row_indices: np.ndarray  # uint32[n]: position // page_size in the reader's row
-    owner_keys: np.ndarray  # uint64[n]: the owning request's key for OTHER_REQUEST, else 0
-    tags: np.ndarray  # uint8[n]: Tier1Tag
-
-
-@dataclass(slots=True)
-class Reject:
-    req_key: int
-    phase: Phase
-    reason: str
-
-
-@dataclass(slots=True)
-class Heartbeat:
-    records_written: int
-    records_dropped: int
-    probe_errors: int
-
-
-@dataclass(slots=True)
-class ProbeError:
-    count: int
-    probe: str
-    error: str
-
-
-@dataclass(slots=True)
-class Record:
-    kind: Kind
-    seq: int
-    ts_ns: int
-    engine_id: int
-    pool: int
-    # one of the payload classes above, chosen by ``kind`` (a tagged union the type
-    # checker cannot narrow on an int; the pipeline's handlers take the concrete class)
-    body: Any = field(default=None)
 
 
 # --------------------------------------------------------------------------- encoding
@@ -336,7 +206,7 @@ def _i32(pages) -> bytes:
     return np.ascontiguousarray(pages, dtype="<i4").tobytes()
 
 
-def encode(kind: Kind, seq: int, ts_ns: int, engine_id: int, payload: bytes, pool: int = 0, flags: int = 0) -> bytes:
+def encode(kind: int, seq: int, ts_ns: int, engine_id: int, payload: bytes, pool: int = 0, flags: int = 0) -> bytes:
     """One whole record: header + payload + zero padding to a multiple of 8."""
     length = HEADER_SIZE + len(payload)
     padded = (length + ALIGN - 1) & ~(ALIGN - 1)
@@ -603,19 +473,6 @@ _DECODERS = {
 }
 
 
-@dataclass(slots=True)
-class DecodeStats:
-    """What a reader saw besides good records. The sidecar exports these as metrics."""
-
-    records: int = 0
-    unknown_kind: int = 0
-    bad_version: int = 0
-    bad_payload: int = 0
-    corrupt_bytes: int = 0  # bytes skipped because no valid header could be read
-    foreign_engine: int = 0  # records stamped with another engine's id than their ring's header
-    last_error: str = ""
-
-
 def read_header(buf, pos: int, end: int) -> tuple | None:
     """The header at ``pos`` if it is structurally valid (magic, length in bounds), else None."""
     if end - pos < HEADER_SIZE:
@@ -625,30 +482,6 @@ def read_header(buf, pos: int, end: int) -> tuple | None:
     if magic != MAGIC or length < HEADER_SIZE or length % ALIGN or length > end - pos or length > MAX_RECORD_BYTES:
         return None
     return head
-
-
-def record_length(buf, pos: int = 0) -> int:
-    """The length of a record whose header starts at ``pos`` when the header is structurally
-    valid (magic, alignment, at most ``MAX_RECORD_BYTES``) whether or not the whole record is in
-    ``buf``; 0 otherwise."""
-    if len(buf) - pos < HEADER_SIZE:
-        return 0
-    magic, _version, _kind, length = HEADER.unpack_from(buf, pos)[:4]
-    if magic != MAGIC or length < HEADER_SIZE or length % ALIGN or length > MAX_RECORD_BYTES:
-        return 0
-    return length
-
-
-def whole_records(buf, start: int = 0, end: int | None = None) -> int:
-    """Bytes of ``buf[start:end]`` taken by the complete, structurally valid records at its start
-    (where a bounded read of a longer stream may stop without cutting a record)."""
-    end = len(buf) if end is None else end
-    pos = start
-    while True:
-        length = record_length(buf, pos)
-        if not length or pos + length > end:
-            return pos - start
-        pos += length
 
 
 def decode_stream(
@@ -695,3 +528,198 @@ def decode_stream(
                 out.append(Record(Kind(kind), seq, ts_ns, engine_id, pool, body))
         pos = record_end
     return out
+
+
+# --------------------------------------------------------------------------- recordings
+# Segment files (docs/recording-api.md; written and read by kvguard.sidecar.recorder):
+#   segment header (64 bytes: magic, format version, wire contract version, clocks, ids, checksum)
+#   chunk*         (24-byte chunk header: magic, length, record count, flags, xxh3-64) + records
+# The records in a chunk are wire records as ``encode`` lays them out, plus LOST markers
+# (kind LOST, u64 count: never on the wire) and the sidecar's own events (kinds 0xF0..0xF2).
+FORMAT_VERSION = 1
+SEGMENT_MAGIC = b"KVGRSEG\0"
+# magic, format_version, header_size, wire_version, created_realtime_ns, created_monotonic_ns,
+# recording_id, segment_index; then the xxh3-64 of these 56 bytes
+SEGMENT_FIXED = struct.Struct("<8sHHB3xQQQI12x")
+SEGMENT_HEADER_SIZE = SEGMENT_FIXED.size + 8  # 64
+CHUNK_MAGIC = b"KVGC"
+CHUNK_FIXED = struct.Struct("<4sIIHH")  # magic, data_length, record_count, flags, reserved; then xxh3-64
+CHUNK_HEADER_SIZE = CHUNK_FIXED.size + 8  # 24
+CHUNK_CARRIED = 0x0001  # chunk flags: context re-emitted at the start of a segment, not new events
+CHUNK_TARGET_BYTES = 1 << 20  # records are grouped into chunks of about this size (one record may exceed it)
+MAX_CHUNK_DATA = MAX_RECORD_BYTES + CHUNK_TARGET_BYTES  # anything larger is corrupt by definition
+LOST_PAYLOAD = struct.Struct("<Q")  # the body of a recorded LOST marker: records missing (>= 1)
+LOST_RECORD_BYTES = HEADER_SIZE + LOST_PAYLOAD.size  # 40
+# Record kinds 0xF0..0xFF are reserved for recordings (never on the wire): sidecar-side events that
+# change detection state without a record, so replay can apply them at the same point in the stream.
+KIND_ENGINE_GONE = 0xF0  # the engine's ring was retired (Pipeline.on_engine_gone(engine_id, ts_ns))
+KIND_TICK = 0xF1  # Pipeline.tick(ts_ns): time-based incident resolution
+KIND_GAP = 0xF2  # the recorder itself failed to record ``count`` records here (u64 payload)
+SIDECAR_EVENTS = {KIND_ENGINE_GONE: "engine_gone", KIND_TICK: "tick", KIND_GAP: "gap"}
+_EVENT_PAYLOAD = {KIND_ENGINE_GONE: 0, KIND_TICK: 0, KIND_GAP: 8}
+_EVENT_KINDS = {name: kind for kind, name in SIDECAR_EVENTS.items()}
+
+assert SEGMENT_HEADER_SIZE == 64 and CHUNK_HEADER_SIZE == 24
+
+
+class RecordingError(RuntimeError):
+    """A file this reader will not read (missing, not a recording, newer format); the message says why."""
+
+
+_PAYLOADS: dict[int, Callable[[Any], bytes]] = {
+    Kind.HELLO: hello_payload,
+    Kind.REQ_BEGIN: req_begin_payload,
+    Kind.REQ_END: req_end_payload,
+    Kind.ALLOC: lambda b: pages_payload(b.pages, b.free_kind),
+    Kind.FREE: lambda b: pages_payload(b.pages, b.free_kind),
+    Kind.ASSIGN: assign_payload,
+    Kind.FORWARD: forward_payload,
+    Kind.XFER_RESERVE: xfer_reserve_payload,
+    Kind.XFER_SEND: xfer_send_payload,
+    Kind.XFER_DONE: xfer_done_payload,
+    Kind.XFER_DIGEST: xfer_digest_payload,
+    Kind.TIER1_VIOLATION: tier1_violation_payload,
+    Kind.REJECT: reject_payload,
+    Kind.HEARTBEAT: heartbeat_payload,
+    Kind.PROBE_ERROR: probe_error_payload,
+    Kind.LOST: lambda count: LOST_PAYLOAD.pack(int(count)),
+}
+
+
+def encode_record(rec) -> bytes:
+    """The wire bytes of a decoded record (a LOST marker or a ``SidecarEvent`` gets its
+    recordings-only layout).
+
+    For every record a v1 reader accepts this is byte-identical to what the engine
+    wrote, except that header ``flags`` (0 in contract version 1) are not kept by the
+    decoder and are written as 0.
+    """
+    if isinstance(rec, SidecarEvent):
+        kind = _EVENT_KINDS[rec.kind]
+        return sidecar_event_record(kind, rec.ts_ns, rec.engine_id, rec.count if _EVENT_PAYLOAD[kind] else None)
+    return encode(rec.kind, rec.seq, rec.ts_ns, rec.engine_id, _PAYLOADS[rec.kind](rec.body), rec.pool)
+
+
+def lost_record(engine_id: int, first_seq: int, count: int, ts_ns: int) -> bytes:
+    """A LOST marker as recordings store it: ``count`` records from ``first_seq`` on are missing."""
+    if count < 1:
+        raise ValueError(f"a LOST marker covers at least one record, got {count}")
+    return encode(Kind.LOST, first_seq, ts_ns, engine_id, LOST_PAYLOAD.pack(count))
+
+
+def sidecar_event_record(kind: int, ts_ns: int, engine_id: int = 0, count: int | None = None) -> bytes:
+    return encode(kind, 0, ts_ns, engine_id, b"" if count is None else LOST_PAYLOAD.pack(count))
+
+
+def decode_chunk(data, stats: DecodeStats) -> list:
+    """Decode the records of one chunk; never raises (bad records are counted in ``stats``).
+
+    Wire records go through ``decode_stream``; LOST markers (not a wire kind) and
+    sidecar events (``SidecarEvent``) are decoded here.
+    """
+    view = memoryview(data).cast("B")
+    end = len(view)
+    out: list[Record | SidecarEvent] = []
+    pos = run = 0
+    while pos < end:
+        head = read_header(view, pos, end)
+        if head is None:
+            break  # decode_stream below counts the rest as corrupt
+        _magic, version, kind, length, seq, ts_ns, engine_id, pool, _flags = head
+        if kind == Kind.LOST and version == VERSION:
+            if run < pos:
+                out += decode_stream(view, stats, run, pos)
+            (count,) = LOST_PAYLOAD.unpack_from(view, pos + HEADER_SIZE) if length == LOST_RECORD_BYTES else (0,)
+            if count >= 1:
+                stats.records += 1
+                out.append(Record(Kind.LOST, seq, ts_ns, engine_id, pool, count))
+            else:
+                stats.bad_payload += 1
+                stats.last_error = f"LOST seq {seq}: length {length}, count {count}"
+            run = pos + length
+        elif kind in SIDECAR_EVENTS and version == VERSION:
+            if run < pos:
+                out += decode_stream(view, stats, run, pos)
+            want = HEADER_SIZE + _EVENT_PAYLOAD[kind]
+            if length == want:
+                count = LOST_PAYLOAD.unpack_from(view, pos + HEADER_SIZE)[0] if _EVENT_PAYLOAD[kind] else 0
+                stats.records += 1
+                out.append(SidecarEvent(SIDECAR_EVENTS[kind], ts_ns, engine_id, count))
+            else:
+                stats.bad_payload += 1
+                stats.last_error = f"{SIDECAR_EVENTS[kind]} event: length {length}, expected {want}"
+            run = pos + length
+        pos += length
+    if run < end:
+        out += decode_stream(view, stats, run, end)
+    return out
+
+
+@dataclass(slots=True, frozen=True)
+class SegmentHeader:
+    format_version: int
+    wire_version: int
+    created_realtime_ns: int  # CLOCK_REALTIME when the segment was opened
+    created_monotonic_ns: int  # CLOCK_MONOTONIC at the same instant: record ts_ns + offset = wall time
+    recording_id: int  # random per writer run: segments of one run share it
+    segment_index: int  # 0, 1, 2 ... within a run
+    header_size: int = SEGMENT_HEADER_SIZE
+
+    def pack(self) -> bytes:
+        fixed = SEGMENT_FIXED.pack(
+            SEGMENT_MAGIC,
+            self.format_version,
+            SEGMENT_HEADER_SIZE,
+            self.wire_version,
+            self.created_realtime_ns,
+            self.created_monotonic_ns,
+            self.recording_id,
+            self.segment_index,
+        )
+        return fixed + struct.pack("<Q", xxhash.xxh3_64_intdigest(fixed))
+
+    def wall_ns(self, ts_ns: int) -> int:
+        """A record's CLOCK_MONOTONIC timestamp as CLOCK_REALTIME (same boot as the segment)."""
+        return ts_ns + self.created_realtime_ns - self.created_monotonic_ns
+
+    @classmethod
+    def unpack(cls, raw: bytes, path: str = "") -> SegmentHeader:
+        where = f"{path}: " if path else ""
+        if not raw:
+            raise RecordingError(f"{where}empty file, not a kvguard recording")
+        if len(raw) < 8 or raw[:8] != SEGMENT_MAGIC:
+            raise RecordingError(
+                f"{where}not a kvguard recording (magic {bytes(raw[:8])!r}, expected {SEGMENT_MAGIC!r})"
+            )
+        if len(raw) < SEGMENT_HEADER_SIZE:
+            raise RecordingError(f"{where}{len(raw)} bytes, shorter than a recording header ({SEGMENT_HEADER_SIZE})")
+        fixed = bytes(raw[: SEGMENT_FIXED.size])
+        _magic, fmt, header_size, wire_version, rt, mono, rec_id, index = SEGMENT_FIXED.unpack(fixed)
+        if fmt > FORMAT_VERSION:
+            raise RecordingError(
+                f"{where}recording format version {fmt} is newer than this kvguard reads "
+                f"({FORMAT_VERSION}): upgrade kvguard to replay it"
+            )
+        (checksum,) = struct.unpack_from("<Q", raw, SEGMENT_FIXED.size)
+        if (
+            checksum != xxhash.xxh3_64_intdigest(fixed)
+            or fmt < 1
+            or header_size < SEGMENT_HEADER_SIZE
+            or header_size % ALIGN
+        ):
+            raise RecordingError(f"{where}recording header is corrupt (checksum or fields do not match)")
+        if wire_version != VERSION:
+            raise RecordingError(
+                f"{where}recorded with wire contract version {wire_version}; this kvguard speaks "
+                f"version {VERSION}: use a kvguard of that contract version to replay it"
+            )
+        return cls(fmt, wire_version, rt, mono, rec_id, index, header_size)
+
+
+def encode_chunk(data: bytes, count: int, flags: int = 0) -> bytes:
+    """One chunk: its header (``count`` records, ``flags``, xxh3-64 of header and data), then ``data``."""
+    fixed = CHUNK_FIXED.pack(CHUNK_MAGIC, len(data), count, flags, 0)
+    h = xxhash.xxh3_64()
+    h.update(fixed)
+    h.update(data)
+    return fixed + struct.pack("<Q", h.intdigest()) + data

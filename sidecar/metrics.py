@@ -311,7 +311,7 @@ def sink_metrics(sinks):
 
 
 def recording_metrics(recorder):
-    """--record-dir (sidecar/recorder.py): whether records are being recorded. A failing
+    """--record-dir (sidecar/recorder/): whether records are being recorded. A failing
     recording (a full disk) never stops detection and is logged once per streak, so these
     are what tells an operator that the recording has a hole. Always exported (0 with no
     --record-dir), so that an alert and the metrics doc see one fixed set of families."""

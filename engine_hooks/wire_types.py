@@ -1,0 +1,195 @@
+"""The decoded forms of wire records: what ``wire.decode_stream`` yields and the payload encoders take.
+
+Import them through ``kvguard.engine_hooks.wire`` (``wire.Hello``, ``wire.Record``, ...),
+which re-exports every name here: the bytes these stand for are defined there, in the
+contract module, with its structs and enums. This module imports nothing from ``wire`` at
+run time (``wire.Pages``, whose default is a ``wire.FreeKind``, stays in ``wire``), so
+either module can be imported first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .wire import DigestAlg, Finish, Kind, Phase, Role, Side, XferStatus
+
+
+@dataclass(slots=True)
+class Hello:
+    role: Role
+    tp_rank: int
+    pid: int
+    page_size: int
+    pool_pages: int
+    pool_tokens: int
+    context_len: int
+    max_req_input_len: int
+    engine_name: str
+    engine_version: str
+    model: str
+    kvguard_version: str
+
+
+@dataclass(slots=True)
+class ReqBegin:
+    req_key: int
+    room: int
+    prompt_tokens: int
+    cached_tokens: int
+    warmup: bool
+    rid: str
+    tenant: str
+
+
+@dataclass(slots=True)
+class ReqEnd:
+    req_key: int
+    ttft_ns: int
+    e2e_ns: int
+    output_tokens: int
+    finish: Finish
+    reason: str
+    reprefilled: bool = False  # its KV was released before it finished (optimistic PD retry, retraction)
+
+
+@dataclass(slots=True)
+class Assign:
+    req_key: int
+    row_start: int
+    row_end: int
+    shared_until: int
+    pages: np.ndarray  # pages for row page-indices row_start//page_size onwards
+
+
+@dataclass(slots=True)
+class Forward:
+    req_keys: np.ndarray  # uint64[n]
+    seq_lens: np.ndarray  # uint32[n]
+    write_counts: np.ndarray  # uint32[n]
+    write_pages: np.ndarray  # int32[sum(write_counts)]
+    read_counts: np.ndarray | None  # uint32[n] when the engine sent its actual rows
+    read_pages: np.ndarray | None
+    mode: int = 0
+
+
+@dataclass(slots=True)
+class XferReserve:
+    req_key: int
+    room: int
+    tokens: int
+    pages: np.ndarray
+
+
+@dataclass(slots=True)
+class XferSend:
+    req_key: int
+    room: int
+    digest: int
+    token_start: int
+    token_end: int
+    is_last: bool
+    pages: np.ndarray
+
+
+@dataclass(slots=True)
+class XferDone:
+    req_key: int
+    room: int
+    side: Side
+    status: XferStatus
+
+
+@dataclass(slots=True)
+class XferDigest:
+    """One end's digest of a transfer's KV over tokens [token_start, token_end).
+
+    A rank holding kv heads [head_start, head_start + head_count) of total_heads
+    contributes a partial digest; partial digests of one end add (mod 2**64) to the
+    whole-transfer digest once every head is covered.
+    """
+
+    req_key: int
+    room: int
+    side: Side
+    alg: DigestAlg
+    digest: int
+    token_start: int
+    token_end: int
+    layers: int
+    head_start: int
+    head_count: int
+    total_heads: int
+
+
+@dataclass(slots=True)
+class Tier1Violation:
+    """One reader's row pages that the engine's Tier-1 check refused in one forward."""
+
+    reader_key: int
+    violations_total: int  # violating pages seen by this engine so far, this record included
+    seq_len: int
+    pages: np.ndarray  # int32[n]
+    row_indices: np.ndarray  # uint32[n]: position // page_size in the reader's row
+    owner_keys: np.ndarray  # uint64[n]: the owning request's key for OTHER_REQUEST, else 0
+    tags: np.ndarray  # uint8[n]: Tier1Tag
+
+
+@dataclass(slots=True)
+class Reject:
+    req_key: int
+    phase: Phase
+    reason: str
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    records_written: int
+    records_dropped: int
+    probe_errors: int
+
+
+@dataclass(slots=True)
+class ProbeError:
+    count: int
+    probe: str
+    error: str
+
+
+@dataclass(slots=True)
+class Record:
+    kind: Kind
+    seq: int
+    ts_ns: int
+    engine_id: int
+    pool: int
+    # one of the payload classes above (or ``wire.Pages``), chosen by ``kind`` (a tagged union the
+    # type checker cannot narrow on an int; the pipeline's handlers take the concrete class)
+    body: Any = field(default=None)
+
+
+@dataclass(slots=True)
+class DecodeStats:
+    """What a reader saw besides good records. The sidecar exports these as metrics."""
+
+    records: int = 0
+    unknown_kind: int = 0
+    bad_version: int = 0
+    bad_payload: int = 0
+    corrupt_bytes: int = 0  # bytes skipped because no valid header could be read
+    foreign_engine: int = 0  # records stamped with another engine's id than their ring's header
+    last_error: str = ""
+
+
+@dataclass(slots=True, frozen=True)
+class SidecarEvent:
+    """A recordings-only event of the sidecar itself: ``kind`` is "engine_gone", "tick" or "gap"
+    (``count`` records the recorder could not record)."""
+
+    kind: str
+    ts_ns: int
+    engine_id: int = 0
+    count: int = 0
