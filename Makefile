@@ -103,8 +103,14 @@ apt:
 	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq; \
 	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing
 
+# Two runs: what needs no real engine on two pytest-xdist workers (make test-fast), then
+# the real-engine tests one at a time (each boots SGLang processes that use both cores).
+# Both run whatever the first says; the target fails if either did.
 test: venv apt native
-	$(PY) -m pytest -q --durations=30 -m "not sweep"
+	rc=0; \
+	$(PY) -m pytest -q --durations=15 -n 2 -m "not engine and not sweep" || rc=$$?; \
+	$(PY) -m pytest -q --durations=30 -m "engine and not sweep" || rc=$$?; \
+	exit $$rc
 
 # Everything that needs no real SGLang engine (the `engine` marker), on two pytest-xdist
 # workers (the tests use their own temporary directories and free ports).

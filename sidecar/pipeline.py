@@ -97,7 +97,7 @@ class Pipeline(TransferFlow):
         self.ledger.max_hold_ns = 10 * SHARED_GRACE_NS
         self._degraded_reported_ns = 0
         # the detectors (sidecar/detectors/base.py): each declares its kinds and the events it observes
-        self.ttft_detector = TTFTDetector(enabled=ttft_anomaly, prefill_evidence=self._prompt_pages_written)
+        self.ttft_detector = TTFTDetector(enabled=ttft_anomaly)
         self.isolation_detector = TenantIsolationDetector(isolate_tenants)
         self.detectors: list[Detector] = [
             ReadDetector(),
@@ -272,11 +272,14 @@ class Pipeline(TransferFlow):
         info = t.requests.get(body.req_key)
         row = t.rows.get(body.req_key)
         pages = 0 if row is None else int((row.pages > 0).sum())  # before on_request_end drops the row
+        written = t.take_prompt_pages_written(body.req_key)
         t.on_request_end(body, ts)
         self._record(ts, rec.engine_id, Event.REQ_END, body.req_key, aux=int(body.finish))
         found = self._transfer_end(t, info, body, ts)
         if info is not None and t.hello is not None:
-            found += self._emit(self._observe(RequestEnded(info), t, ts))
+            ps = max(t.page_size, 1)
+            span = -(-info.prompt_tokens // ps) - info.cached_tokens // ps  # pages the uncached prompt spans
+            found += self._emit(self._observe(RequestEnded(info, None if written is None else (written, span)), t, ts))
             self._resolved(self.incidents.on_request_end(t.hello.pid, info.rid, ts))
         if self.tracer is not None:  # after the TTFT finding, so that it lands on the open span
             self.tracer.on_request_end(
@@ -344,6 +347,7 @@ class Pipeline(TransferFlow):
             for _i, verdict in t.check_writes(f.req_keys, f.write_counts, f.write_pages):
                 findings += self._emit(self._observe(verdict, t, ts_ns))
             t.mark_writes(f.req_keys, f.write_counts, f.write_pages, ts_ns)
+        t.count_prompt_writes(f.req_keys, f.seq_lens, f.write_counts, f.write_pages)
         self._record(ts_ns, t.engine_id, Event.WRITE, np.repeat(f.req_keys, f.write_counts), f.write_pages)
         self._record(ts_ns, t.engine_id, Event.READ, f.req_keys, aux=f.seq_lens)
         # the whole batch is judged at once; verdicts come only for requests with something to look at
@@ -362,30 +366,6 @@ class Pipeline(TransferFlow):
         total = self.records_lost_by_engine[t.engine_id] = self.records_lost_by_engine.get(t.engine_id, 0) + rec.body
         t.on_lost(rec.ts_ns)
         return self._emit(self._observe(RecordsLost(rec.body, rec.seq, total), t, rec.ts_ns))
-
-    def _prompt_pages_written(self, engine_id: int, info) -> tuple[int, int] | None:
-        """(pages this request's own forwards wrote while its seq_len was within its prompt,
-        pages its uncached prompt spans), from the bounded history; None when the history no
-        longer holds the request's REQ_BEGIN (its forwards may be gone too). Asked only for a
-        ttft suspect, so the scan of the history is rare.
-
-        Page writes are counted per forward, not as distinct pages: with chunked prefill the
-        radix cache may take a chunk's KV over (remapping the row to identical cached pages)
-        and free the request's own pages, which the next chunk then reuses (the soak shows
-        it), so one page can legitimately carry two chunks of the same prompt."""
-        t = self.engines.get(engine_id)
-        if t is None or self.history is None:
-            return None
-        ev = self.history.request_events(info.key, limit=self.history.capacity)
-        ev = ev[ev["engine"] == engine_id]
-        if not (ev["event"] == Event.REQ_BEGIN).any():
-            return None
-        prompt = info.prompt_tokens
-        prefill_ts = ev["ts_ns"][(ev["event"] == Event.READ) & (ev["aux"] <= prompt)]
-        writes = ev[(ev["event"] == Event.WRITE) & np.isin(ev["ts_ns"], prefill_ts)]
-        ps = max(t.page_size, 1)
-        per_forward = np.unique(writes[["ts_ns", "page"]]) if len(writes) else writes
-        return len(per_forward), -(-prompt // ps) - info.cached_tokens // ps
 
     # ------------------------------------------------------------------ housekeeping
     def on_engine_gone(self, engine_id: int, ts_ns: int) -> list[Finding]:

@@ -114,6 +114,14 @@ class EngineTracker(Judge):
         self.judge_epoch = 0  # bumped to drop every row's clean prefix at once
         self.row_limit = ROW_ENTRIES_BEFORE_HELLO  # row entries (pages) a request may have (on_hello)
         self.assigns_out_of_range = 0  # ASSIGNs skipped for it (their pages are in pages_out_of_range)
+        # The ttft detector's evidence that a prompt was prefilled, kept as the forwards come:
+        # live requests still within their prompt -> [prompt tokens, pages their own forwards
+        # wrote while within it]; at the first forward past the prompt the count moves to
+        # prompt_written until the request ends (take_prompt_pages_written). Per forward, not
+        # distinct pages: with chunked prefill the radix cache may take a chunk's KV over and
+        # free the request's pages, which its next chunk then reuses.
+        self.prompt_writing: dict[int, list[int]] = {}
+        self.prompt_written: dict[int, int] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def retire_idle_requests(self, now_ns: int, idle_ns: int = IDLE_REQUEST_NS) -> int:
@@ -124,6 +132,11 @@ class EngineTracker(Judge):
         moved = self._retire_unseen_since_loss(now_ns) if self.unseen_since_loss else 0
         idle = self.requests.retire_idle(now_ns, idle_ns, lambda key: key in self.rows or key in self.transfer_hold)
         self.requests_retired_idle += idle
+        if moved or idle:  # their prompt counts go with them
+            live = self.requests.live
+            for counts in (self.prompt_writing, self.prompt_written):
+                for key in [k for k in counts if k not in live]:
+                    del counts[key]
         return moved + idle
 
     def _retire_unseen_since_loss(self, now_ns: int) -> int:
@@ -171,6 +184,9 @@ class EngineTracker(Judge):
         """Records were lost: page states are unknown, and every live request may have ended in
         the gap (``ts_ns``: when; None, a hole in a recording, marks no request)."""
         self.pool.forget_all()
+        # a forward of any live request may be in the gap: its prompt count is not evidence any more
+        self.prompt_writing.clear()
+        self.prompt_written.clear()
         if ts_ns is not None:
             mark = self.unseen_since_loss.setdefault
             for key in self.requests.live:
@@ -202,6 +218,42 @@ class EngineTracker(Judge):
         self.requests.begin(
             RequestInfo(r.req_key, r.rid, r.tenant, room, r.warmup, r.prompt_tokens, r.cached_tokens, ts_ns)
         )
+        self.prompt_written.pop(r.req_key, None)
+        if r.prompt_tokens > 0 and not r.warmup:
+            self.prompt_writing[r.req_key] = [r.prompt_tokens, 0]
+
+    def count_prompt_writes(
+        self, req_keys: np.ndarray, seq_lens: np.ndarray, write_counts: np.ndarray, write_pages: np.ndarray
+    ) -> None:
+        """A forward: add the pages it wrote for each request still within its prompt (the
+        forward reads ``seq_len`` <= prompt tokens). Costs one isin over the batch while any
+        request is prefilling, nothing otherwise."""
+        writing = self.prompt_writing
+        if not writing:
+            return
+        hits = np.flatnonzero(np.isin(req_keys, np.fromiter(writing, np.uint64, len(writing))))
+        if len(hits) == 0:
+            return
+        w_off = np.concatenate(([0], np.cumsum(write_counts, dtype=np.int64)))
+        keys, lens = req_keys.tolist(), seq_lens.tolist()
+        for i in hits.tolist():
+            key = keys[i]
+            entry = writing.get(key)
+            if entry is None:  # named twice in one batch (a corrupt record), gone at the first
+                continue
+            if lens[i] <= entry[0]:
+                entry[1] += len(np.unique(write_pages[w_off[i] : w_off[i + 1]]))
+            else:  # past its prompt: decoding
+                del writing[key]
+                self.prompt_written[key] = entry[1]
+
+    def take_prompt_pages_written(self, req_key: int) -> int | None:
+        """The pages this request's forwards wrote within its prompt, once (at its end); None
+        when its REQ_BEGIN was not seen (the sidecar attached later, or a gap)."""
+        entry = self.prompt_writing.pop(req_key, None)
+        if entry is not None:
+            return entry[1]
+        return self.prompt_written.pop(req_key, None)
 
     def on_request_end(self, r: wire.ReqEnd, ts_ns: int) -> None:
         info = self.requests.get_or_stub(r.req_key)

@@ -11,9 +11,10 @@ ENGINE = EngineRef("prefill", 0, 1)
 US = 1_000
 
 
-def observe(det, engine_id, engine, info, ts_ns):
-    """As the pipeline calls it: a request's end, at its engine and time."""
-    return det.observe(RequestEnded(info), At(None, engine, engine_id, ts_ns))
+def observe(det, engine_id, engine, info, ts_ns, prompt_pages=None):
+    """As the pipeline calls it: a request's end (with the tracker's prompt-page counts), at
+    its engine and time."""
+    return det.observe(RequestEnded(info, prompt_pages), At(None, engine, engine_id, ts_ns))
 
 
 def req(i, prompt, ttft_ns, cached=0, finish="length"):
@@ -199,27 +200,26 @@ def test_a_suspect_whose_forwards_wrote_its_prompt_is_explained_not_flagged():
     """The PD soak under concurrency: a prompt prefilled alone is 10x faster than its size
     class was while prompts overlapped. Its own forwards wrote every uncached prompt page:
     it was prefilled, just fast. Learned from, never flagged."""
-    asked = []
-    det = TTFTDetector(warmup=5, prefill_evidence=lambda eid, info: asked.append(info.rid) or (25, 25))
+    det = TTFTDetector(warmup=5)
     for i in range(5):
-        observe(det, 1, ENGINE, req(i, 100, 100_000_000), 0)
-    assert observe(det, 1, ENGINE, req(9, 100, 8_000_000), 7) == []  # 12x below
-    assert observe(det, 1, ENGINE, req(10, 100, 1_000_000), 8) == []  # even 100x below: it was written
-    assert asked == ["r9", "r10"] and det.suspects_explained == 2 and det.suspects[1] == []
+        observe(det, 1, ENGINE, req(i, 100, 100_000_000), 0, (25, 25))
+    assert observe(det, 1, ENGINE, req(9, 100, 8_000_000), 7, (25, 25)) == []  # 12x below
+    assert observe(det, 1, ENGINE, req(10, 100, 1_000_000), 8, (24, 25)) == []  # 100x below: it was written
+    assert det.suspects_explained == 2 and det.suspects[1] == []
     assert len(det.models[1].samples) == 7
 
 
 def test_a_suspect_whose_prompt_was_never_written_is_flagged_with_the_counts():
-    det = TTFTDetector(warmup=5, prefill_evidence=lambda eid, info: (1, 150))  # the 1-token placeholder
+    det = TTFTDetector(warmup=5)
     for i in range(5):
-        observe(det, 1, ENGINE, req(i, 600, 100_000_000), 0)
-    (f,) = observe(det, 1, ENGINE, req(9, 600, 1_000_000), 7)
+        observe(det, 1, ENGINE, req(i, 600, 100_000_000), 0, (150, 150))
+    (f,) = observe(det, 1, ENGINE, req(9, 600, 1_000_000), 7, (1, 150))  # the 1-token placeholder
     assert (f.evidence["prompt_pages_written"], f.evidence["uncached_prompt_pages"]) == (1, 150)
     assert det.suspects_explained == 0
 
 
 def test_no_records_means_timing_alone():
-    det = TTFTDetector(warmup=5, prefill_evidence=lambda eid, info: None)  # history no longer holds it
+    det = TTFTDetector(warmup=5)  # no counts: the request began before the sidecar attached
     for i in range(5):
         observe(det, 1, ENGINE, req(i, 600, 100_000_000), 0)
     (f,) = observe(det, 1, ENGINE, req(9, 600, 1_000_000), 7)

@@ -65,9 +65,14 @@ class RecordsLost:
 
 @dataclass(frozen=True, slots=True)
 class RequestEnded:
-    """A request's REQ_END, with what the model knows about it."""
+    """A request's REQ_END, with what the model knows about it.
+
+    ``prompt_pages``: (pages its own forwards wrote while within its prompt, pages its
+    uncached prompt spans), kept by the tracker as the forwards came; None when the
+    records cannot tell (its REQ_BEGIN unseen, or a gap since)."""
 
     info: RequestInfo
+    prompt_pages: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

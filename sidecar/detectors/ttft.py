@@ -38,12 +38,12 @@ Evidence before timing: TTFT also depends on how much other work shares the requ
 forwards (a PD soak at 8 concurrent clients: a prompt prefilled alone in 5-9 ms, its
 size class 45-120 ms when prompts overlapped), so a request can be fast for a good
 reason. Before a suspect waits or is flagged, the sidecar's own records are asked
-(``prefill_evidence``, given by the pipeline): the pages this request's own forwards
-wrote while its seq_len was within its prompt, against the pages its uncached prompt
-spans. A suspect whose forwards wrote its whole uncached prompt (one page of slack) was
+(``RequestEnded.prompt_pages``, counted by the tracker as the forwards came): the pages
+this request's own forwards wrote while its seq_len was within its prompt, against the
+pages its uncached prompt spans. A suspect whose forwards wrote its whole uncached prompt (one page of slack) was
 prefilled, just fast: it is learned from (``suspects_explained``), never flagged.
-Only suspects the records cannot explain (prompt pages never written, or the records
-gone from the bounded history) go on to the timing verdict, and a finding carries
+Only suspects the records cannot explain (prompt pages never written, or no count: the
+request began before the sidecar attached, or a gap since) go on to the timing verdict, and a finding carries
 both counts as evidence.
 
 Warm-up: no verdicts until ``warmup`` samples were learned (a cold engine's first
@@ -168,7 +168,6 @@ class TTFTDetector:
         certain_factor: float = 32.0,
         max_wait_ns: int = 300_000_000_000,
         max_suspects: int = 256,
-        prefill_evidence=None,
     ):
         self.enabled = enabled
         if factor <= 1:
@@ -182,9 +181,6 @@ class TTFTDetector:
         self.suspects: dict[int, list[Suspect]] = {}  # engine id -> waiting, oldest first
         self.suspects_cleared = 0  # suspects the later requests showed to be a speed-up, not an anomaly
         self.suspects_explained = 0  # suspects whose own forwards wrote their whole uncached prompt
-        # (engine_id, RequestInfo) -> (prompt pages its forwards wrote, pages its uncached prompt spans),
-        # or None when the records cannot tell; None: timing alone
-        self.prefill_evidence = prefill_evidence
 
     # ------------------------------------------------------------------ input
     kinds: ClassVar[tuple[str, ...]] = ("ttft_anomaly",)
@@ -212,7 +208,7 @@ class TTFTDetector:
         if len(model.samples) >= self.warmup:
             floor = model.floor_ns(uncached)
             if floor is not None and self._too_fast(info.ttft_ns, uncached, floor, model.floor_ns_per_token()):
-                written = self.prefill_evidence(engine_id, info) if self.prefill_evidence is not None else None
+                written = ended.prompt_pages  # None: the records cannot tell, timing alone
                 if written is not None and written[0] + 1 >= written[1]:  # it was prefilled, just fast
                     self.suspects_explained += 1
                     model.samples.append((uncached, info.ttft_ns))

@@ -128,7 +128,7 @@ class Watch:
                 info = RequestInfo(
                     b.req_key, b.rid, b.tenant, prompt_tokens=b.prompt_tokens, cached_tokens=b.cached_tokens
                 )
-                got = p._prompt_pages_written(r.engine_id, info)
+                got = prompt_pages_from_history(p, r.engine_id, info)
                 out["judged"] += 1
                 if got is None:
                     out["not_in_history"] += 1
@@ -335,3 +335,24 @@ class Watch:
 
     def pages_of(self, finding: Finding) -> np.ndarray:
         return np.asarray(finding.pages, np.int64)
+
+
+def prompt_pages_from_history(pipeline, engine_id: int, info: RequestInfo) -> tuple[int, int] | None:
+    """The soak's reference for ttft_anomaly's prefill evidence, from the sidecar's bounded
+    event history rather than from the tracker's counts: (pages this request's own forwards
+    wrote while its seq_len was within its prompt, pages its uncached prompt spans); None
+    when the history no longer holds its REQ_BEGIN. Counted per forward, as the tracker
+    counts (tracker.count_prompt_writes)."""
+    t = pipeline.engines.get(engine_id)
+    if t is None or pipeline.history is None:
+        return None
+    ev = pipeline.history.request_events(info.key, limit=pipeline.history.capacity)
+    ev = ev[ev["engine"] == engine_id]
+    if not (ev["event"] == Event.REQ_BEGIN).any():
+        return None
+    prompt = info.prompt_tokens
+    prefill_ts = ev["ts_ns"][(ev["event"] == Event.READ) & (ev["aux"] <= prompt)]
+    writes = ev[(ev["event"] == Event.WRITE) & np.isin(ev["ts_ns"], prefill_ts)]
+    ps = max(t.page_size, 1)
+    per_forward = np.unique(writes[["ts_ns", "page"]]) if len(writes) else writes
+    return len(per_forward), -(-prompt // ps) - info.cached_tokens // ps
