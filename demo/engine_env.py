@@ -1,0 +1,170 @@
+"""Where the engine harness finds things and how it starts an engine subprocess: the
+SGLang versions and per-version folders, the tiny model's folder, free ports, the
+engine subprocess's environment and ``sglang.launch_server`` arguments, and the
+tenant fields of a /generate body. Re-exported by :mod:`kvguard.demo.engines`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvguard.demo.model import write_tiny_gpt2
+
+SGLANG_VERSIONS = ("0.5.19", "0.5.23")
+ROLES = (None, "prefill", "decode")
+LEAKING_VERSION = "0.5.19"  # newest release with the incident's bug
+FIXED_VERSION = "0.5.23"
+
+DEFAULT_CONTEXT_LENGTH = 2048
+DEFAULT_WAITING_TIMEOUT_S = 20
+DEFAULT_STARTUP_TIMEOUT_S = 240.0
+LOG_TAIL_LINES = 40
+
+# Tenant label as sent in the /generate body. SGLang's `routing_key` reaches the
+# scheduler's Req in 0.5.19..0.5.23 (custom_labels does not): the adapter reads it
+# there (engine_hooks/sglang/README.md).
+TENANT_FIELD = "routing_key"
+# sglang-router 0.3.2 re-serialises a /generate body from its own request type, which
+# has no `routing_key` (dropped, as is an x-smg-routing-key header on /generate) but
+# has `extra_key`, which reaches Req on both workers. Routed requests carry the tenant
+# in both fields, and the engines read `routing_key` first, then `extra_key`.
+# NOTE: extra_key also scopes SGLang's prefix cache to the tenant (no cross-tenant
+# prefix hits), which the demo's prompts never have anyway.
+ROUTED_TENANT_FIELDS = ("routing_key", "extra_key")
+# KVGUARD_SGLANG_TENANT_FIELDS of the engines started here (the plugin's default too; pinned
+# because the harness relies on it)
+ENGINE_TENANT_FIELDS = "routing_key,extra_key"
+
+
+def tenant_payload(tenant: str | None, routed: bool = False) -> dict[str, Any]:
+    """The /generate body fields that carry the tenant label (to an engine, or through the router)."""
+    if tenant is None:
+        return {}
+    return {f: tenant for f in ROUTED_TENANT_FIELDS} if routed else {TENANT_FIELD: tenant}
+
+
+# ---------------------------------------------------------------- paths, env, args
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[1]
+
+
+def shim_dir() -> Path:
+    """Folder with the test-only ``sitecustomize.py`` (torchvision op schemas)."""
+    return Path(__file__).resolve().parent / "shim"
+
+
+def sglang_dir(version: str, root: Path | None = None) -> Path:
+    """``.venv/sglang/<version>``; ValueError for an unknown version, FileNotFoundError if absent."""
+    if version not in SGLANG_VERSIONS:
+        raise ValueError(f"SGLang version must be one of {SGLANG_VERSIONS}, got {version!r}")
+    d = (root or repo_root()) / ".venv" / "sglang" / version
+    if not (d / "sglang").is_dir():
+        raise FileNotFoundError(f"SGLang {version} is not installed at {d}: run `make venv`")
+    return d
+
+
+def default_model_dir(context_length: int = DEFAULT_CONTEXT_LENGTH) -> Path:
+    """The tiny model, cached under ``<repo>/.kvguard-cache/models``."""
+    return write_tiny_gpt2(
+        repo_root() / ".kvguard-cache" / "models" / f"tiny-gpt2-{context_length}",
+        n_positions=context_length,
+    )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_env(
+    version: str,
+    ring_dir: str | os.PathLike | None = None,
+    *,
+    waiting_timeout_s: int = DEFAULT_WAITING_TIMEOUT_S,
+    extra_pythonpath: Iterable[str | os.PathLike] = (),
+    extra_env: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of an engine subprocess."""
+    env = dict(os.environ)
+    paths = [str(sglang_dir(version)), str(shim_dir()), *map(str, extra_pythonpath)]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env.update(
+        PYTHONPATH=os.pathsep.join(paths),
+        # 0.5.19's paged allocator calls Triton kernels even on CPU.
+        TRITON_INTERPRET="1",
+        MOONCAKE_PROTOCOL="tcp",
+        MC_FORCE_TCP="1",
+        SGLANG_DISAGGREGATION_WAITING_TIMEOUT=str(waiting_timeout_s),
+        # /health answers from server state instead of running a 1-token request,
+        # so readiness polls put no phantom requests into the KV cache.
+        SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION="0",
+        # Prefill's early send of radix-cached prefix pages records a torch.cuda.Event
+        # under the overlap scheduler: no CUDA here. The regular final send still
+        # transfers every page. (Override via extra_env, with --disable-overlap-schedule
+        # in prefill_args, to exercise the early-send path on CPU.)
+        SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX="0",
+        KVGUARD_SGLANG_CPU_COMPAT="1",
+        PYTHONUNBUFFERED="1",
+    )
+    env.setdefault("KVGUARD_SGLANG_TENANT_FIELDS", ENGINE_TENANT_FIELDS)
+    if ring_dir is not None:
+        Path(ring_dir).mkdir(parents=True, exist_ok=True)
+        env["KVGUARD_RING_DIR"] = str(ring_dir)
+    if extra_env:
+        env.update(extra_env)
+    return env
+
+
+def engine_args(
+    model_dir: str | os.PathLike,
+    port: int,
+    *,
+    role: str | None = None,
+    max_total_tokens: int = 1024,
+    context_length: int = DEFAULT_CONTEXT_LENGTH,
+    bootstrap_port: int | None = None,
+    load_format: str = "dummy",
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """``sglang.launch_server`` arguments (after ``-m sglang.launch_server``).
+
+    ``load_format``: ``"dummy"`` (random weights, the tiny model) or ``"auto"`` (the
+    checkpoint's own weights, e.g. the echo model).
+    """
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    args = [
+        "--model-path", str(model_dir),
+        "--load-format", load_format,
+        "--device", "cpu",
+        "--attention-backend", "torch_native",
+        "--disable-cuda-graph",
+        "--dtype", "bfloat16",
+        "--page-size", "4",
+        "--max-total-tokens", str(max_total_tokens),
+        "--context-length", str(context_length),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+    ]  # fmt: skip
+    if role is not None:
+        if bootstrap_port is None:
+            raise ValueError(f"role {role!r} needs bootstrap_port")
+        args += [
+            "--disaggregation-mode", role,
+            "--disaggregation-transfer-backend", "mooncake",
+            "--disaggregation-bootstrap-port", str(bootstrap_port),
+        ]  # fmt: skip
+        if role == "decode":
+            args += [
+                "--num-reserved-decode-tokens", "32",
+                "--disaggregation-decode-retraction-backup", "cpu_tensor",
+            ]  # fmt: skip
+    return args + list(extra_args)
