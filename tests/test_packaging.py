@@ -80,34 +80,24 @@ def test_installed_wheel_runs_without_the_demo(kvguard_wheel, tmp_path):
         z.extractall(tmp_path / "site")
     import sysconfig
 
-    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), sysconfig.get_paths()["purelib"]])}
-    where = subprocess.run(
-        [sys.executable, "-S", "-c", "import kvguard.sidecar.cli as c; print(c.__file__)"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={**os.environ, **env},
-        timeout=120,
-    )
+    path = os.pathsep.join([str(tmp_path / "site"), sysconfig.get_paths()["purelib"]])
+
+    def wheel_python(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-S", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": path},
+            timeout=120,
+        )
+
+    where = wheel_python("-c", "import kvguard.sidecar.cli as c; print(c.__file__)")
     assert where.returncode == 0, where.stderr
     assert where.stdout.strip().startswith(str(tmp_path / "site"))
-    helped = subprocess.run(
-        [sys.executable, "-S", "-m", "kvguard.sidecar.cli", "--help"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={**os.environ, **env},
-        timeout=120,
-    )
+    helped = wheel_python("-m", "kvguard.sidecar.cli", "--help")
     assert helped.returncode == 0 and "sidecar" in helped.stdout, helped.stderr
-    demo = subprocess.run(
-        [sys.executable, "-S", "-m", "kvguard.sidecar.cli", "demo"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={**os.environ, **env},
-        timeout=120,
-    )
+    demo = wheel_python("-m", "kvguard.sidecar.cli", "demo")
     assert demo.returncode == 1 and "kvguard-demo" in demo.stderr, demo.stderr
 
 
