@@ -324,7 +324,7 @@ def _flag(args: list[str], name: str):
 
 
 def sidecar_args(container: dict):
-    """The sidecar's command line parsed by kvguard's own parser (sidecar.cli)."""
+    """The sidecar's command line parsed by kvguard's own parser (kvguard.sidecar.cli)."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     from kvguard.sidecar.cli import build_parser
