@@ -38,10 +38,9 @@ STORED_FINDING_BYTES = 3_000  # one finding kept as a dict (Finding.to_dict), no
 PAGE_ID_BYTES = 40  # a page id kept in a set (the incident's unions) or a list (a stored finding): ~35 B measured
 DEFAULT_MAX_BYTES = 32 << 20
 SEVERITY_RANK = {"info": 0, "warning": 1, CRITICAL: 2}
-# from the catalogue (sidecar/catalogue.py): which kinds are grouped per reader request,
-# and which resolve after a quiet period rather than with their reader (a ttft verdict is
-# made as the request ends; ledger_degraded repeats while it lasts)
-READER_KINDS = kinds_with(incident_by=BY_READER)
+# from the catalogue (sidecar/catalogue.py): the kinds that resolve after a quiet period
+# rather than with their reader (a ttft verdict is made as the request ends;
+# ledger_degraded repeats while it lasts)
 QUIET_KINDS = kinds_with(resolves=AFTER_QUIET)
 
 

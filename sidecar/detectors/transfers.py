@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from ..findings import CRITICAL, WARNING, EngineRef, Finding
+from ..findings import CRITICAL, WARNING, Finding
 from ..ledger import DigestVerdict, Pairing, RoomState
 from .base import At, DigestsCompared, LedgerUnreachable, TransferOrphaned
 from .reads import reader_party
@@ -138,22 +138,10 @@ class LedgerDegradedDetector:
     events: ClassVar[tuple[type, ...]] = (LedgerUnreachable,)
 
     def observe(self, event: LedgerUnreachable, at: At) -> list[Finding]:
-        return [ledger_degraded_finding(event.display_url, event.last_error, event.waiting, at.ts_ns)]
-
-
-def ledger_degraded_finding(url: str, error: str, waiting: int, ts_ns: int) -> Finding:
-    summary = (
-        f"shared transfer ledger {url} unreachable ({error}): transfers cannot be paired with the other "
-        f"pod; {waiting} wait for it (bounded), local detection continues"
-    )
-    return Finding(
-        "ledger_degraded",
-        WARNING,
-        EngineRef("sidecar", 0, 0),
-        None,
-        [],
-        [],
-        ts_ns,
-        summary,
-        {"ledger": url, "error": error, "transfers_waiting": waiting},
-    )
+        # at.engine is the sidecar itself (Pipeline: SIDECAR_ENGINE): no engine is at fault
+        summary = (
+            f"shared transfer ledger {event.display_url} unreachable ({event.last_error}): transfers cannot be "
+            f"paired with the other pod; {event.waiting} wait for it (bounded), local detection continues"
+        )
+        evidence = {"ledger": event.display_url, "error": event.last_error, "transfers_waiting": event.waiting}
+        return [Finding("ledger_degraded", WARNING, at.engine, None, [], [], at.ts_ns, summary, evidence)]
