@@ -29,7 +29,7 @@ File layout (all integers little-endian)::
     520  <3576  sticky_record     producer  a copy of the engine's latest HELLO record, so a
                                             sidecar that attaches after it was consumed (a
                                             restart) still learns the page size and roles
-   4096      …  data              producer  records (wire.py), never straddling the end
+   4096      …  data              producer  records (wire/), never straddling the end
 
 Publishing: the producer copies a whole record into the data area with one slice
 assignment and only then stores the new ``write_pos`` (one aligned 8-byte store), so

@@ -124,3 +124,26 @@ def test_req_end_carries_the_reprefilled_flag_and_old_zero_padding_reads_as_not(
         wire.DecodeStats(),
     )
     assert rec.body.reprefilled is False
+
+
+def test_the_package_re_exports_every_public_name_of_its_modules():
+    """engine_hooks/wire/ is one contract split by concern: a name added to a submodule but not
+    to wire/__init__.py would be reachable only by its file's path."""
+    import importlib
+    import inspect
+
+    for part in ("layout", "types", "encode", "decode", "recording"):
+        module = importlib.import_module(f"kvguard.engine_hooks.wire.{part}")
+        defined_here = [
+            name
+            for name, value in vars(module).items()
+            if not name.startswith("_")
+            and not inspect.ismodule(value)
+            and getattr(value, "__module__", module.__name__) == module.__name__
+        ]
+        missing = [
+            name
+            for name in defined_here
+            if name not in wire.__all__ or getattr(wire, name) is not getattr(module, name)
+        ]
+        assert not missing, (part, missing)

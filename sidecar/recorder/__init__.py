@@ -2,8 +2,8 @@
 
 ``docs/recording-api.md`` describes the format byte by byte and the API with a runnable
 example. The bytes are defined in the contract module, ``kvguard.engine_hooks.wire``
-(segment header, chunk framing, LOST markers and the sidecar's own events, kinds
-0xF0..0xF2, next to the record layouts); this package writes and reads the files:
+(its ``recording.py``: segment header, chunk framing, LOST markers and the sidecar's own
+events, kinds 0xF0..0xF2, beside the record layouts); this package writes and reads the files:
 
 * ``writer.py``: ``RecordingWriter(path)``, one segment file, for tests, benchmarks and
   third parties; ``.engine(engine_id)`` gives an ``EngineWriter``, a ``RingWriter``

@@ -1,7 +1,7 @@
 """Segment files on disk: their names, and one open segment being written.
 
 The bytes of a segment (header, chunk framing, the recordings-only record kinds) are
-defined in the contract module, ``kvguard.engine_hooks.wire`` (its last section), and
+defined in the contract module, ``kvguard.engine_hooks.wire`` (``wire/recording.py``), and
 described in ``docs/recording-api.md``; this module only puts them in files.
 """
 

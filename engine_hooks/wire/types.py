@@ -1,21 +1,19 @@
-"""The decoded forms of wire records: what ``wire.decode_stream`` yields and the payload encoders take.
+"""The decoded forms of wire records: what ``decode_stream`` yields and the payload encoders take.
 
 Import them through ``kvguard.engine_hooks.wire`` (``wire.Hello``, ``wire.Record``, ...),
-which re-exports every name here: the bytes these stand for are defined there, in the
-contract module, with its structs and enums. This module imports nothing from ``wire`` at
-run time (``wire.Pages``, whose default is a ``wire.FreeKind``, stays in ``wire``), so
-either module can be imported first.
+which re-exports every name here. The bytes these stand for are defined in ``layout.py``
+(structs and enums), ``encode.py`` and ``decode.py``; this module needs only the enums of
+``layout.py`` (``Pages``' default is a ``FreeKind``), so it never imports the codecs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .wire import DigestAlg, Finish, Kind, Phase, Role, Side, XferStatus
+from .layout import DigestAlg, Finish, FreeKind, Kind, Phase, Role, Side, XferStatus
 
 
 @dataclass(slots=True)
@@ -54,6 +52,14 @@ class ReqEnd:
     finish: Finish
     reason: str
     reprefilled: bool = False  # its KV was released before it finished (optimistic PD retry, retraction)
+
+
+@dataclass(slots=True)
+class Pages:
+    """ALLOC and FREE: a set of page ids (FREE also says which free path)."""
+
+    pages: np.ndarray
+    free_kind: FreeKind = FreeKind.FREE
 
 
 @dataclass(slots=True)
@@ -166,7 +172,7 @@ class Record:
     ts_ns: int
     engine_id: int
     pool: int
-    # one of the payload classes above (or ``wire.Pages``), chosen by ``kind`` (a tagged union the
+    # one of the payload classes above, chosen by ``kind`` (a tagged union the
     # type checker cannot narrow on an int; the pipeline's handlers take the concrete class)
     body: Any = field(default=None)
 

@@ -1,0 +1,275 @@
+"""Record decoding: ``read_header`` validates one header, ``decode_stream`` decodes a run of records.
+
+The ring reader (``engine_hooks/ring.py``, driven by the sidecar's ingest) decodes with
+these, and so does ``recording.py``'s chunk decoder. ``decode_stream`` never raises on bad
+bytes: it counts them in ``DecodeStats``. The payload decoders read through ``_Cursor``,
+which bounds-checks every read against the record's declared length. The layouts are
+``layout.py``'s; the decoded forms are ``types.py``'s.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from .layout import (
+    ALIGN,
+    ASSIGN_FIXED,
+    FORWARD_FIXED,
+    FWD_HAS_ROWS,
+    HEADER,
+    HEADER_SIZE,
+    HEARTBEAT_FIXED,
+    HELLO_FIXED,
+    MAGIC,
+    MAX_RECORD_BYTES,
+    MAX_STRING_BYTES,
+    PAGES_FIXED,
+    PROBE_ERROR_FIXED,
+    REJECT_FIXED,
+    REQ_BEGIN_FIXED,
+    REQ_END_FIXED,
+    REQ_END_REPREFILLED,
+    REQ_WARMUP,
+    TIER1_FIXED,
+    VERSION,
+    XFER_DIGEST_FIXED,
+    XFER_DONE_FIXED,
+    XFER_RESERVE_FIXED,
+    XFER_SEND_FIXED,
+    DigestAlg,
+    Finish,
+    FreeKind,
+    Kind,
+    Phase,
+    Role,
+    Side,
+    Tier1Tag,
+    XferStatus,
+)
+from .types import (
+    Assign,
+    DecodeStats,
+    Forward,
+    Heartbeat,
+    Hello,
+    Pages,
+    ProbeError,
+    Record,
+    Reject,
+    ReqBegin,
+    ReqEnd,
+    Tier1Violation,
+    XferDigest,
+    XferDone,
+    XferReserve,
+    XferSend,
+)
+
+
+class DecodeError(ValueError):
+    """A record whose payload does not fit its declared layout."""
+
+
+class _Cursor:
+    """Bounds-checked reads over one record's payload."""
+
+    __slots__ = ("buf", "pos", "end")
+
+    def __init__(self, buf: memoryview, pos: int, end: int):
+        self.buf, self.pos, self.end = buf, pos, end
+
+    def take(self, n: int) -> int:
+        start = self.pos
+        if n < 0 or start + n > self.end:
+            raise DecodeError(f"payload truncated: need {n} bytes at {start - HEADER_SIZE}, have {self.end - start}")
+        self.pos = start + n
+        return start
+
+    def fixed(self, s: struct.Struct) -> tuple:
+        return s.unpack_from(self.buf, self.take(s.size))
+
+    def array(self, dtype: str, count: int) -> np.ndarray:
+        itemsize = np.dtype(dtype).itemsize
+        start = self.take(count * itemsize)
+        return np.frombuffer(self.buf, dtype=dtype, count=count, offset=start).copy()
+
+    def string(self) -> str:
+        (n,) = struct.unpack_from("<H", self.buf, self.take(2))
+        if n > MAX_STRING_BYTES:
+            raise DecodeError(f"string of {n} bytes exceeds {MAX_STRING_BYTES}")
+        start = self.take(n)
+        return bytes(self.buf[start : start + n]).decode("utf-8", "replace")
+
+
+def _decode_hello(c: _Cursor) -> Hello:
+    role, _, tp_rank, pid, page_size, pool_pages, pool_tokens, context_len, max_in = c.fixed(HELLO_FIXED)
+    if page_size < 1:
+        raise DecodeError(f"HELLO page_size {page_size} < 1")
+    strings = [c.string() for _ in range(4)]
+    return Hello(Role(role), tp_rank, pid, page_size, pool_pages, pool_tokens, context_len, max_in, *strings)
+
+
+def _decode_req_begin(c: _Cursor) -> ReqBegin:
+    key, room, prompt, cached, flags = c.fixed(REQ_BEGIN_FIXED)
+    return ReqBegin(key, room, prompt, cached, bool(flags & REQ_WARMUP), c.string(), c.string())
+
+
+def _decode_req_end(c: _Cursor) -> ReqEnd:
+    key, ttft, e2e, out, finish, flags = c.fixed(REQ_END_FIXED)
+    return ReqEnd(key, ttft, e2e, out, Finish(finish), c.string(), bool(flags & REQ_END_REPREFILLED))
+
+
+def _decode_pages(c: _Cursor) -> Pages:
+    count, free_kind = c.fixed(PAGES_FIXED)
+    return Pages(c.array("<i4", count), FreeKind(free_kind))
+
+
+def _decode_assign(c: _Cursor) -> Assign:
+    key, start, end, shared_until, count = c.fixed(ASSIGN_FIXED)
+    if not start <= shared_until <= end:
+        raise DecodeError(f"ASSIGN shared_until {shared_until} outside row [{start}, {end})")
+    return Assign(key, start, end, shared_until, c.array("<i4", count))
+
+
+def _decode_forward(c: _Cursor) -> Forward:
+    n, n_write, n_read, flags, mode = c.fixed(FORWARD_FIXED)
+    keys = c.array("<u8", n)
+    seq_lens = c.array("<u4", n)
+    write_counts = c.array("<u4", n)
+    read_counts = c.array("<u4", n) if flags & FWD_HAS_ROWS else None
+    if int(write_counts.sum()) != n_write:
+        raise DecodeError(f"FORWARD write counts sum to {int(write_counts.sum())}, header says {n_write}")
+    write_pages = c.array("<i4", n_write)
+    read_pages = None
+    if read_counts is not None:
+        if int(read_counts.sum()) != n_read:
+            raise DecodeError(f"FORWARD read counts sum to {int(read_counts.sum())}, header says {n_read}")
+        read_pages = c.array("<i4", n_read)
+    return Forward(keys, seq_lens, write_counts, write_pages, read_counts, read_pages, mode)
+
+
+def _decode_xfer_reserve(c: _Cursor) -> XferReserve:
+    key, room, tokens, count = c.fixed(XFER_RESERVE_FIXED)
+    return XferReserve(key, room, tokens, c.array("<i4", count))
+
+
+def _decode_xfer_send(c: _Cursor) -> XferSend:
+    key, room, digest, t0, t1, count, is_last = c.fixed(XFER_SEND_FIXED)
+    if t1 < t0:
+        raise DecodeError(f"XFER_SEND token_end {t1} < token_start {t0}")
+    return XferSend(key, room, digest, t0, t1, bool(is_last), c.array("<i4", count))
+
+
+def _decode_xfer_done(c: _Cursor) -> XferDone:
+    key, room, side, status = c.fixed(XFER_DONE_FIXED)
+    return XferDone(key, room, Side(side), XferStatus(status))
+
+
+def _decode_xfer_digest(c: _Cursor) -> XferDigest:
+    key, room, digest, t0, t1, layers, h0, hn, htotal, side, alg = c.fixed(XFER_DIGEST_FIXED)
+    if t1 < t0:
+        raise DecodeError(f"XFER_DIGEST token_end {t1} < token_start {t0}")
+    if h0 + hn > htotal:
+        raise DecodeError(f"XFER_DIGEST heads [{h0}, {h0 + hn}) exceed total {htotal}")
+    return XferDigest(key, room, Side(side), DigestAlg(alg), digest, t0, t1, layers, h0, hn, htotal)
+
+
+def _decode_tier1_violation(c: _Cursor) -> Tier1Violation:
+    key, total, seq_len, n = c.fixed(TIER1_FIXED)
+    pages, rows, owners, tags = c.array("<i4", n), c.array("<u4", n), c.array("<u8", n), c.array("u1", n)
+    bad = tags[(tags < Tier1Tag.FREE) | (tags > Tier1Tag.OTHER_REQUEST)]
+    if len(bad):
+        raise DecodeError(f"TIER1_VIOLATION tag {int(bad[0])} unknown")
+    return Tier1Violation(key, total, seq_len, pages, rows, owners, tags)
+
+
+def _decode_reject(c: _Cursor) -> Reject:
+    key, phase = c.fixed(REJECT_FIXED)
+    return Reject(key, Phase(phase), c.string())
+
+
+def _decode_heartbeat(c: _Cursor) -> Heartbeat:
+    return Heartbeat(*c.fixed(HEARTBEAT_FIXED))
+
+
+def _decode_probe_error(c: _Cursor) -> ProbeError:
+    (count,) = c.fixed(PROBE_ERROR_FIXED)
+    return ProbeError(count, c.string(), c.string())
+
+
+_DECODERS = {
+    Kind.HELLO: _decode_hello,
+    Kind.REQ_BEGIN: _decode_req_begin,
+    Kind.REQ_END: _decode_req_end,
+    Kind.ALLOC: _decode_pages,
+    Kind.FREE: _decode_pages,
+    Kind.ASSIGN: _decode_assign,
+    Kind.FORWARD: _decode_forward,
+    Kind.XFER_RESERVE: _decode_xfer_reserve,
+    Kind.XFER_SEND: _decode_xfer_send,
+    Kind.XFER_DONE: _decode_xfer_done,
+    Kind.XFER_DIGEST: _decode_xfer_digest,
+    Kind.TIER1_VIOLATION: _decode_tier1_violation,
+    Kind.REJECT: _decode_reject,
+    Kind.HEARTBEAT: _decode_heartbeat,
+    Kind.PROBE_ERROR: _decode_probe_error,
+}
+
+
+def read_header(buf, pos: int, end: int) -> tuple | None:
+    """The header at ``pos`` if it is structurally valid (magic, length in bounds), else None."""
+    if end - pos < HEADER_SIZE:
+        return None
+    head = HEADER.unpack_from(buf, pos)
+    magic, _version, _kind, length = head[:4]
+    if magic != MAGIC or length < HEADER_SIZE or length % ALIGN or length > end - pos or length > MAX_RECORD_BYTES:
+        return None
+    return head
+
+
+def decode_stream(
+    buf, stats: DecodeStats, start: int = 0, end: int | None = None, short_tail_ok: bool = False
+) -> list[Record]:
+    """Decode back-to-back records from ``buf[start:end]``.
+
+    Never raises on bad bytes. A record of another contract version or of an unknown
+    kind is skipped by its length and counted; a record whose payload does not fit
+    its layout is skipped and counted; bytes that do not start with a valid header
+    are counted as corrupt and the rest of the buffer is skipped, because record
+    boundaries can no longer be trusted. ``short_tail_ok``: the buffer ends at the end
+    of a ring's data area, where fewer than 32 unused bytes are normal.
+    """
+    view = memoryview(buf).cast("B")
+    end = len(view) if end is None else end
+    out: list[Record] = []
+    pos = start
+    while pos < end:
+        if short_tail_ok and end - pos < HEADER_SIZE:
+            break
+        head = read_header(view, pos, end)
+        if head is None:
+            stats.corrupt_bytes += end - pos
+            stats.last_error = f"no valid record header at byte {pos}"
+            break
+        _magic, version, kind, length, seq, ts_ns, engine_id, pool, _flags = head
+        record_end = pos + length
+        if version != VERSION:
+            stats.bad_version += 1
+            stats.last_error = f"record version {version}, this reader speaks {VERSION}"
+        elif kind == Kind.PAD:
+            pass
+        elif kind not in _DECODERS:
+            stats.unknown_kind += 1
+        else:
+            try:
+                body = _DECODERS[Kind(kind)](_Cursor(view, pos + HEADER_SIZE, record_end))
+            except (DecodeError, ValueError, struct.error) as exc:
+                stats.bad_payload += 1
+                stats.last_error = f"{Kind(kind).name} seq {seq}: {exc}"
+            else:
+                stats.records += 1
+                out.append(Record(Kind(kind), seq, ts_ns, engine_id, pool, body))
+        pos = record_end
+    return out

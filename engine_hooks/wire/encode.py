@@ -1,0 +1,181 @@
+"""Record encoding: ``encode`` frames one record, the ``*_payload`` functions lay out each kind.
+
+The engine's probes (``engine_hooks/probes.py``) call these once per hook, the FORWARD
+encoder once per forward step: they stay plain module-level functions over the structs
+of ``layout.py``, with no dispatch in between (``wire.forward_payload`` is this module's
+function, re-exported). Decoding is ``decode.py``; the re-encoding of decoded records and
+the recordings-only records are in ``recording.py``.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from .layout import (
+    ALIGN,
+    ASSIGN_FIXED,
+    FORWARD_FIXED,
+    FWD_HAS_ROWS,
+    HEADER,
+    HEADER_SIZE,
+    HEARTBEAT_FIXED,
+    HELLO_FIXED,
+    MAGIC,
+    MAX_STRING_BYTES,
+    PAGES_FIXED,
+    PROBE_ERROR_FIXED,
+    REJECT_FIXED,
+    REQ_BEGIN_FIXED,
+    REQ_END_FIXED,
+    REQ_END_REPREFILLED,
+    REQ_WARMUP,
+    TIER1_FIXED,
+    VERSION,
+    XFER_DIGEST_FIXED,
+    XFER_DONE_FIXED,
+    XFER_RESERVE_FIXED,
+    XFER_SEND_FIXED,
+    FreeKind,
+)
+from .types import (
+    Assign,
+    Forward,
+    Heartbeat,
+    Hello,
+    ProbeError,
+    Reject,
+    ReqBegin,
+    ReqEnd,
+    Tier1Violation,
+    XferDigest,
+    XferDone,
+    XferReserve,
+    XferSend,
+)
+
+
+def _str_bytes(value: str) -> bytes:
+    raw = value.encode("utf-8", "replace")[:MAX_STRING_BYTES]
+    return struct.pack("<H", len(raw)) + raw
+
+
+def _i32(pages) -> bytes:
+    return np.ascontiguousarray(pages, dtype="<i4").tobytes()
+
+
+def encode(kind: int, seq: int, ts_ns: int, engine_id: int, payload: bytes, pool: int = 0, flags: int = 0) -> bytes:
+    """One whole record: header + payload + zero padding to a multiple of 8."""
+    length = HEADER_SIZE + len(payload)
+    padded = (length + ALIGN - 1) & ~(ALIGN - 1)
+    head = HEADER.pack(MAGIC, VERSION, int(kind), padded, seq, ts_ns, engine_id, pool, flags)
+    return head + payload + b"\0" * (padded - length)
+
+
+def hello_payload(h: Hello) -> bytes:
+    fixed = HELLO_FIXED.pack(
+        int(h.role), 0, h.tp_rank, h.pid, h.page_size, h.pool_pages, h.pool_tokens, h.context_len, h.max_req_input_len
+    )
+    return fixed + b"".join(_str_bytes(s) for s in (h.engine_name, h.engine_version, h.model, h.kvguard_version))
+
+
+def req_begin_payload(r: ReqBegin) -> bytes:
+    flags = REQ_WARMUP if r.warmup else 0
+    fixed = REQ_BEGIN_FIXED.pack(r.req_key, r.room, r.prompt_tokens, r.cached_tokens, flags)
+    return fixed + _str_bytes(r.rid) + _str_bytes(r.tenant)
+
+
+def req_end_payload(r: ReqEnd) -> bytes:
+    flags = REQ_END_REPREFILLED if r.reprefilled else 0
+    return REQ_END_FIXED.pack(r.req_key, r.ttft_ns, r.e2e_ns, r.output_tokens, int(r.finish), flags) + _str_bytes(
+        r.reason
+    )
+
+
+def pages_payload(pages: np.ndarray, free_kind: FreeKind = FreeKind.FREE) -> bytes:
+    return PAGES_FIXED.pack(len(pages), int(free_kind)) + _i32(pages)
+
+
+def assign_payload(a: Assign) -> bytes:
+    return ASSIGN_FIXED.pack(a.req_key, a.row_start, a.row_end, a.shared_until, len(a.pages)) + _i32(a.pages)
+
+
+def forward_payload(f: Forward) -> bytes:
+    has_rows = f.read_counts is not None
+    read_pages = f.read_pages
+    if has_rows and read_pages is None:
+        raise ValueError("a Forward with read_counts needs read_pages")
+    n = len(f.req_keys)
+    n_read = len(read_pages) if has_rows and read_pages is not None else 0
+    parts = [
+        FORWARD_FIXED.pack(n, len(f.write_pages), n_read, FWD_HAS_ROWS if has_rows else 0, f.mode),
+        np.ascontiguousarray(f.req_keys, dtype="<u8").tobytes(),
+        np.ascontiguousarray(f.seq_lens, dtype="<u4").tobytes(),
+        np.ascontiguousarray(f.write_counts, dtype="<u4").tobytes(),
+    ]
+    if has_rows:
+        parts.append(np.ascontiguousarray(f.read_counts, dtype="<u4").tobytes())
+    parts.append(_i32(f.write_pages))
+    if has_rows:
+        parts.append(_i32(read_pages))
+    return b"".join(parts)
+
+
+def xfer_reserve_payload(x: XferReserve) -> bytes:
+    return XFER_RESERVE_FIXED.pack(x.req_key, x.room, x.tokens, len(x.pages)) + _i32(x.pages)
+
+
+def xfer_send_payload(x: XferSend) -> bytes:
+    fixed = XFER_SEND_FIXED.pack(x.req_key, x.room, x.digest, x.token_start, x.token_end, len(x.pages), int(x.is_last))
+    return fixed + _i32(x.pages)
+
+
+def xfer_done_payload(x: XferDone) -> bytes:
+    return XFER_DONE_FIXED.pack(x.req_key, x.room, int(x.side), int(x.status))
+
+
+def xfer_digest_payload(x: XferDigest) -> bytes:
+    return XFER_DIGEST_FIXED.pack(
+        x.req_key,
+        x.room,
+        x.digest,
+        x.token_start,
+        x.token_end,
+        x.layers,
+        x.head_start,
+        x.head_count,
+        x.total_heads,
+        int(x.side),
+        int(x.alg),
+    )
+
+
+def tier1_violation_payload(v: Tier1Violation) -> bytes:
+    n = len(v.pages)
+    if not len(v.row_indices) == len(v.owner_keys) == len(v.tags) == n:
+        raise ValueError("TIER1_VIOLATION arrays differ in length")
+    return b"".join(
+        (
+            TIER1_FIXED.pack(v.reader_key, v.violations_total, v.seq_len, n),
+            _i32(v.pages),
+            np.ascontiguousarray(v.row_indices, dtype="<u4").tobytes(),
+            np.ascontiguousarray(v.owner_keys, dtype="<u8").tobytes(),
+            np.ascontiguousarray(v.tags, dtype="u1").tobytes(),
+        )
+    )
+
+
+def reject_payload(r: Reject) -> bytes:
+    return REJECT_FIXED.pack(
+        r.req_key,
+        int(r.phase),
+    ) + _str_bytes(r.reason)
+
+
+def heartbeat_payload(h: Heartbeat) -> bytes:
+    return HEARTBEAT_FIXED.pack(h.records_written, h.records_dropped, h.probe_errors)
+
+
+def probe_error_payload(p: ProbeError) -> bytes:
+    return PROBE_ERROR_FIXED.pack(p.count) + _str_bytes(p.probe) + _str_bytes(p.error)

@@ -1,0 +1,158 @@
+"""Record layouts of the wire contract: the header, the kinds, the enums and every payload struct.
+
+This is the part of ``kvguard.engine_hooks.wire`` that both directions read: the encoders
+(``encode.py``), the decoders (``decode.py``) and the recording format (``recording.py``)
+all lay bytes out with the structs here, and ``ring.py`` frames records with ``HEADER``.
+``docs/wire-format.md`` describes these bytes in prose.
+
+Header (``HEADER``, 32 bytes)::
+
+    off size field      meaning
+      0   2  magic      0x4B47 ("GK" on the wire), constant
+      2   1  version    contract version of the payload layout (1)
+      3   1  kind       Kind below
+      4   4  length     total record bytes, header + payload + padding, multiple of 8
+      8   8  seq        per-ring sequence number; increments for every record the
+                        producer *tried* to write, so dropped records leave a gap
+     16   8  ts_ns      CLOCK_MONOTONIC nanoseconds when the probe fired
+     24   4  engine_id  the producing ring's engine id (see ring.py)
+     28   2  pool       KV pool index inside the engine (0 = the token KV pool)
+     30   2  flags      kind-specific bits, 0 unless stated
+
+Request ids are carried once, in REQ_BEGIN; every other record names the request by
+its 64-bit key (``request_key(rid)``: xxh3-64 of the UTF-8 rid), so hot records
+carry 8 bytes, not strings. The same rid gives the same key on prefill and decode.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+import xxhash
+
+MAGIC = 0x4B47
+VERSION = 1
+HEADER = struct.Struct("<HBBIQQIHH")
+HEADER_SIZE = HEADER.size
+ALIGN = 8
+NO_ROOM = (1 << 64) - 1  # bootstrap_room of a request that has none
+MAX_STRING_BYTES = 256  # longer strings are truncated by the encoder
+MAX_RECORD_BYTES = 1 << 26  # 64 MiB: anything longer is corrupt by definition
+
+assert HEADER_SIZE == 32, HEADER_SIZE
+
+
+class Kind(enum.IntEnum):
+    PAD = 0  # ring filler up to the end of the data area; never decoded
+    HELLO = 1
+    REQ_BEGIN = 2
+    REQ_END = 3
+    ALLOC = 4
+    ASSIGN = 5
+    FORWARD = 6
+    FREE = 7
+    XFER_RESERVE = 8
+    XFER_SEND = 9
+    XFER_DONE = 10
+    REJECT = 11
+    HEARTBEAT = 12
+    PROBE_ERROR = 13
+    LOST = 14  # never on the wire: readers insert it at a sequence gap (body = records missing)
+    XFER_DIGEST = 15  # digest of one end's KV for a transfer (sender: what it sent; receiver: what it reserved)
+    TIER1_VIOLATION = 16  # the engine's own read check (engine_hooks/tier1.py) found a row page not the reader's
+
+
+class Role(enum.IntEnum):
+    UNIFIED = 0
+    PREFILL = 1
+    DECODE = 2
+
+
+class Finish(enum.IntEnum):
+    UNKNOWN = 0
+    STOP = 1
+    LENGTH = 2
+    ABORT = 3
+    REJECT = 4
+
+
+class FreeKind(enum.IntEnum):
+    FREE = 0  # allocator.free, immediate
+    GROUP = 1  # flushed at free_group_end
+    DEFERRED = 2  # deferred release (e.g. after a transfer drained)
+    PAGE_IDS = 3  # free_page_ids
+
+
+class Side(enum.IntEnum):
+    SENDER = 1
+    RECEIVER = 2
+
+
+class XferStatus(enum.IntEnum):
+    SUCCESS = 1
+    FAILED = 2
+    ABORTED = 3
+
+
+class DigestAlg(enum.IntEnum):
+    """How an XFER_DIGEST was computed; digests of different algorithms are never compared.
+
+    All are defined over (layer, kv head, token) units so that ends with different
+    tensor-parallel sizes agree (docs/wire-format.md, "Transfer digests").
+    """
+
+    XXH3_UNIT_BYTES = 1  # host pools until alg 3 (no longer emitted; decoded for recordings): xxh3-64 over
+    #                      each (layer, head)'s units, K then V bytes per token, in token order
+    XXH3_DEVICE_REDUCED = 2  # device pools: units reduced to u64 on the device, then xxh3-64 on the host
+    XXH3_HEAD_STREAMS = 3  # host pools: xxh3-64 over each (layer, head)'s K bytes, and over its V bytes, in token order
+
+
+class Phase(enum.IntEnum):
+    ADMISSION = 0
+    PREFILL = 1
+    DECODE = 2
+    TRANSFER = 3
+    CLIENT_ABORT = 4  # the client (or an operator) aborted it: an AbortReq, not a refusal by the engine
+
+
+class Tier1Tag(enum.IntEnum):
+    """What the engine's page tag said about a page a row named (TIER1_VIOLATION)."""
+
+    FREE = 1  # in the allocator's free list: a use after free
+    ALLOCATED = 2  # handed out but in no request's row yet
+    OTHER_REQUEST = 3  # another live request's own page: a foreign read
+
+
+# Fixed payload parts, after the header. Variable parts follow in the order given.
+HELLO_FIXED = struct.Struct("<BBHIIIQQQ")
+#   role, _, tp_rank, pid, page_size, pool_pages, pool_tokens, context_len, max_req_input_len;
+#   then strings: engine_name, engine_version, model, kvguard_version
+REQ_BEGIN_FIXED = struct.Struct("<QQIIB7x")  # req_key, room, prompt_tokens, cached_tokens, flags(bit0 warmup)
+#   then strings: rid, tenant
+REQ_END_FIXED = struct.Struct("<QQQIBB2x")  # req_key, ttft_ns, e2e_ns, output_tokens, finish, flags
+#   then string: reason
+PAGES_FIXED = struct.Struct("<IB3x")  # ALLOC/FREE: count, free_kind; then int32[count]
+ASSIGN_FIXED = struct.Struct("<QIIII")  # req_key, row_start, row_end, shared_until, count; then int32[count]
+FORWARD_FIXED = struct.Struct("<IIIBB2x")  # n_reqs, n_write_pages, n_read_pages, flags, mode
+#   then u64 req_keys[n], u32 seq_lens[n], u32 write_counts[n], u32 read_counts[n] (if FWD_HAS_ROWS),
+#   int32 write_pages[n_write_pages], int32 read_pages[n_read_pages]
+XFER_RESERVE_FIXED = struct.Struct("<QQII")  # req_key, room, tokens, count; then int32 dst pages
+XFER_SEND_FIXED = struct.Struct("<QQQIIIB3x")  # req_key, room, digest, token_start, token_end, count, is_last
+XFER_DONE_FIXED = struct.Struct("<QQBB6x")  # req_key, room, side, status
+XFER_DIGEST_FIXED = struct.Struct("<QQQIIHHHHBB6x")
+#   req_key, room, digest, token_start, token_end, layers, head_start, head_count, total_heads, side, alg
+REJECT_FIXED = struct.Struct("<QB7x")  # req_key, phase; then string reason
+HEARTBEAT_FIXED = struct.Struct("<QQQ")  # records_written, records_dropped, probe_errors
+TIER1_FIXED = struct.Struct("<QQII")  # reader req_key, violations so far in the engine, seq_len, count
+#   then int32 pages[count], u32 row_page_index[count], u64 owner_keys[count], u8 tags[count] (Tier1Tag)
+PROBE_ERROR_FIXED = struct.Struct("<I4x")  # count of errors so far for this probe; then strings probe, error type
+
+FWD_HAS_ROWS = 1  # FORWARD flags: read_counts/read_pages carry the engine's actual rows
+REQ_WARMUP = 1  # REQ_BEGIN flags: warmup / health-check request, never alarmed
+REQ_END_REPREFILLED = 1  # REQ_END flags: KV released and prefilled again before the first token (not comparable TTFT)
+
+
+def request_key(rid: str) -> int:
+    """64-bit key for a request id; identical on every engine that sees the rid."""
+    return xxhash.xxh3_64_intdigest(rid.encode("utf-8", "replace"))
