@@ -130,24 +130,26 @@ def create_app(sidecar: Sidecar, registry: CollectorRegistry | None = None, api_
 
     @app.get("/v1/engines", dependencies=auth, responses=AUTH_RESPONSES)
     def engines():
+        # the figures /metrics renders too (sidecar/stats.py): plain values, so the lock is
+        # held only while they are taken, not while the response is built
         with sidecar.lock:
-            out = []
-            for engine_id, t in sidecar.pipeline.engines.items():
-                h = t.hello
-                out.append(
-                    {
-                        "engine": engine_id,
-                        "role": sidecar.pipeline.engine_ref(t).role,
-                        "rank": h.tp_rank if h else None,
-                        "pid": h.pid if h else None,
-                        "page_size": t.page_size,
-                        "pool_pages": h.pool_pages if h else None,
-                        "context_len": h.context_len if h else None,
-                        "pages": t.pool.counts_by_state(),
-                        "live_requests": len(t.rows),
-                    }
-                )
-            return {"engines": out}
+            engines = sidecar.pipeline.engine_stats()
+        return {
+            "engines": [
+                {
+                    "engine": e.engine_id,
+                    "role": e.role,
+                    "rank": e.rank,
+                    "pid": e.pid,
+                    "page_size": e.page_size,
+                    "pool_pages": e.pool_pages,
+                    "context_len": e.context_len,
+                    "pages": dict(e.pages_by_state),
+                    "live_requests": e.live_requests,
+                }
+                for e in engines
+            ]
+        }
 
     @app.get(
         "/v1/pages/{engine}/{page}/timeline",

@@ -27,6 +27,7 @@ import xxhash
 
 from .catalogue import AFTER_QUIET, BY_FIRST_PAGE, BY_READER, KINDS, kinds_with
 from .findings import CRITICAL, Finding
+from .stats import IncidentStats, KindAndSeverity
 
 FIRING, RESOLVED = "firing", "resolved"
 # What the store's memory estimate charges (tracemalloc-measured and rounded up:
@@ -267,6 +268,16 @@ class IncidentStore:
             if inc.state == FIRING:
                 out[inc.kind] = out.get(inc.kind, 0) + 1
         return out
+
+    def stats(self) -> IncidentStats:
+        """The store's figures (sidecar/stats.py). Open incidents are counted per (kind,
+        severity): KVGuardDoubleFree pages on that gauge, so it carries the severity like
+        kvguard_findings_total does. One pass over the store (at most ``max_incidents``)."""
+        firing: dict[KindAndSeverity, int] = {}
+        for inc in self.incidents.values():
+            if inc.state == FIRING:
+                firing[(inc.kind, inc.severity)] = firing.get((inc.kind, inc.severity), 0) + 1
+        return IncidentStats(firing=firing, evicted=self.evicted)
 
     def list(
         self, state: str | None = None, kind: str | None = None, tenant: str | None = None, limit: int = 100

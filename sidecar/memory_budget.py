@@ -16,6 +16,8 @@ the process's real RSS (``process_resident_memory_bytes``).
 
 from __future__ import annotations
 
+from .stats import MemoryStats
+
 MIB = 1 << 20
 DEFAULT_BUDGET_BYTES = 384 * MIB  # the manifests' limit is 512Mi: the rest is merge buffers, copies, slack
 RUNTIME_BYTES = 100 * MIB  # Python, numpy, FastAPI/uvicorn, prometheus-client: ~70-90 MiB measured idle
@@ -116,3 +118,11 @@ class MemoryBudget:
             "incidents": incidents.nbytes if incidents is not None else 0,
             "transfer_rooms": ledger.nbytes if ledger is not None else 0,
         }
+
+    def stats(self, engines, incidents=None, ledger=None) -> MemoryStats:
+        """The budget, the estimate by part (``usage``) and the directories' share (sidecar/stats.py)."""
+        return MemoryStats(
+            budget_bytes=self.total_bytes,
+            bytes_by_part=self.usage(engines, incidents, ledger),
+            ended_per_engine=self.ended_per_engine,
+        )

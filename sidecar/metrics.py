@@ -1,33 +1,29 @@
-"""Prometheus metrics, read from the pipeline and ingest state at scrape time."""
+"""Prometheus metrics, rendered at scrape time from what the sidecar's parts publish.
+
+The pipeline's figures come as one ``PipelineStats`` (sidecar/stats.py, taken under the
+ingest lock by ``Sidecar.pipeline_stats``), the ingest figures from the ring set's stats,
+and those of the service's own parts (the shared ledger's link, the recorder) from
+theirs. This module only turns them into metric families, so that it does not depend on
+how the trackers, the ledger, the detectors or the incident store keep their numbers.
+"""
 
 from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvguard.engine_hooks import wire
 
-from .finding_kinds import possible_findings
 from .http_server import closed_connections
-from .incidents import FIRING
-from .pipeline import ROLE_NAMES
+from .stats import EngineStats, LedgerStats, SharedLedgerStats, SinkStats, TTFTStats
 
 # Record kinds the pipeline applies, exported at 0 from the start (PAD is ring filler,
 # never decoded; LOST is the gap marker the readers insert)
 APPLIED_RECORD_KINDS = tuple(k.name for k in wire.Kind if k != wire.Kind.PAD)
-
-
-def firing_by_kind_and_severity(store) -> dict[tuple[str, str], int]:
-    """Open incidents per (kind, severity): KVGuardDoubleFree pages on this gauge, so it
-    carries the severity like kvguard_findings_total does."""
-    out: dict[tuple[str, str], int] = {}
-    for inc in store.incidents.values():
-        if inc.state == FIRING:
-            out[(inc.kind, inc.severity)] = out.get((inc.kind, inc.severity), 0) + 1
-    return out
 
 
 def with_zeros(counts, keys) -> dict:
@@ -39,7 +35,7 @@ def with_zeros(counts, keys) -> dict:
 
 
 class KVGuardCollector(Collector):
-    """Reads the pipeline and ingest state under the ingest lock, but a scrape never waits
+    """Takes the pipeline's stats and the ingest figures under the ingest lock, but a scrape never waits
     for a busy ingest cycle (a saturated sidecar held it for seconds, longer than the
     probes' timeout): it takes the lock if it is free within ``LOCK_WAIT_S``, else it serves
     the last snapshot and asks the ingest thread to take a fresh one between two cycles
@@ -50,7 +46,7 @@ class KVGuardCollector(Collector):
     FIRST_LOCK_WAIT_S = 2.0  # nothing to serve yet: wait longer once
 
     def __init__(self, service):
-        self.service = service  # sidecar.service.Sidecar: pipeline + ringset, read under its lock
+        self.service = service  # sidecar.service.Sidecar: its pipeline_stats() and ring set, read under its lock
         self._snapshot: list = []
         self._snapshot_ns = 0
         self._wanted = False
@@ -124,9 +120,11 @@ class KVGuardCollector(Collector):
 
     @staticmethod
     def _families(svc):
-        pipeline, ingest = svc.pipeline, svc.rings.stats
+        # under the lock: the pipeline's figures as plain values (sidecar/stats.py), so that
+        # nothing here depends on how the pipeline's models keep them
+        stats, ingest = svc.pipeline_stats(), svc.rings.stats
         records = CounterMetricFamily("kvguard_records", "Records applied, by kind", labels=["kind"])
-        for kind, n in sorted(with_zeros(pipeline.records_by_kind, APPLIED_RECORD_KINDS).items()):
+        for kind, n in sorted(with_zeros(stats.records_by_kind, APPLIED_RECORD_KINDS).items()):
             records.add_metric([kind], n)
         yield records
         lost = CounterMetricFamily("kvguard_records_lost", "Records the engines dropped (ring full)")
@@ -153,8 +151,8 @@ class KVGuardCollector(Collector):
         yield rings
         findings = CounterMetricFamily("kvguard_findings", "Findings raised", labels=["kind", "severity"])
         # every pair this configuration can raise, at 0 until raised (sidecar/finding_kinds.py)
-        possible = possible_findings(pipeline)
-        for (kind, severity), n in sorted(with_zeros(pipeline.findings_by_kind, possible).items()):
+        possible = stats.possible_findings
+        for (kind, severity), n in sorted(with_zeros(stats.findings, possible).items()):
             findings.add_metric([kind, severity], n)
         yield findings
         incidents = CounterMetricFamily(
@@ -162,93 +160,102 @@ class KVGuardCollector(Collector):
             "Incidents opened (a finding's first occurrence for its kind, engine and reader)",
             labels=["kind", "severity"],
         )
-        for (kind, severity), n in sorted(with_zeros(pipeline.incidents_by_kind, possible).items()):
+        for (kind, severity), n in sorted(with_zeros(stats.incidents_opened, possible).items()):
             incidents.add_metric([kind, severity], n)
         yield incidents
+        # per (kind, severity): KVGuardDoubleFree pages on this gauge, so it carries the
+        # severity like kvguard_findings_total does
         firing = GaugeMetricFamily(
             "kvguard_incidents_firing", "Incidents not resolved yet", labels=["kind", "severity"]
         )
-        for (kind, severity), n in sorted(firing_by_kind_and_severity(pipeline.incidents).items()):
+        for (kind, severity), n in sorted(stats.incidents.firing.items()):
             firing.add_metric([kind, severity], n)
         yield firing
-        reads = CounterMetricFamily("kvguard_page_reads_checked", "Page reads judged", labels=["role", "pid"])
-        unverified = CounterMetricFamily(
-            "kvguard_page_reads_unverified",
-            "Page reads not judged (state unknown: blind window)",
-            labels=["role", "pid"],
-        )
-        pages = GaugeMetricFamily("kvguard_pages", "KV pages by ownership state", labels=["role", "pid", "state"])
-        pool = GaugeMetricFamily("kvguard_kv_pool_tokens", "KV pool size in tokens", labels=["role", "pid"])
-        ctx = GaugeMetricFamily("kvguard_context_length_tokens", "Engine context length", labels=["role", "pid"])
-        out_of_range = CounterMetricFamily(
-            "kvguard_page_ids_out_of_range",
-            "Page ids in records past the pool the engine announced (skipped)",
-            labels=["role", "pid"],
-        )
-        for tracker in pipeline.engines.values():
-            h = tracker.hello
-            role = ROLE_NAMES.get(h.role, "unknown") if h else "unknown"
-            pid = str(h.pid) if h else "0"
-            reads.add_metric([role, pid], tracker.pages_read)
-            unverified.add_metric([role, pid], tracker.pages_unverified)
-            out_of_range.add_metric([role, pid], tracker.pool.pages_out_of_range)
-            for state, n in tracker.pool.counts_by_state().items():
-                pages.add_metric([role, pid, state], n)
-            if h:
-                pool.add_metric([role, pid], h.pool_tokens)
-                ctx.add_metric([role, pid], h.context_len)
-        yield from (reads, unverified, out_of_range, pages, pool, ctx)
-        budget = pipeline.memory_budget
+        yield from engine_metrics(stats.engines)
+        memory = stats.memory
         mem_budget = GaugeMetricFamily("kvguard_memory_budget_bytes", "--memory-budget")
-        mem_budget.add_metric([], budget.total_bytes)
+        mem_budget.add_metric([], memory.budget_bytes)
         yield mem_budget
         mem = GaugeMetricFamily(
             "kvguard_memory_bytes", "Estimated bytes of the sidecar's state, by part", labels=["part"]
         )
-        for part, n in budget.usage(pipeline.engines.values(), pipeline.incidents, pipeline.ledger).items():
+        for part, n in memory.bytes_by_part.items():
             mem.add_metric([part], n)
         yield mem
         ended = GaugeMetricFamily(
             "kvguard_ended_requests_capacity",
             "Ended requests each engine's directory keeps (the memory budget's share)",
         )
-        ended.add_metric([], budget.ended_per_engine)
+        ended.add_metric([], memory.ended_per_engine)
         yield ended
         evicted = CounterMetricFamily(
             "kvguard_incidents_evicted",
             "Incidents dropped from the store to stay within "
             "its bounds (count, and the memory budget's share): oldest resolved first",
         )
-        evicted.add_metric([], pipeline.incidents.evicted)
+        evicted.add_metric([], stats.incidents.evicted)
         yield evicted
         apply_errors = CounterMetricFamily("kvguard_apply_errors", "Records the sidecar failed to apply")
-        apply_errors.add_metric([], pipeline.apply_errors)
+        apply_errors.add_metric([], stats.apply_errors)
         yield apply_errors
-        yield from ttft_metrics(pipeline.ttft_detector)
+        yield from ttft_metrics(stats.ttft)
         yield from recording_metrics(getattr(svc, "recorder", None))
-        yield from ledger_metrics(pipeline, getattr(svc, "shared_ledger", None))
-        yield from sink_metrics(pipeline.sinks)
+        shared = getattr(svc, "shared_ledger", None)  # the service's link to Redis, not the pipeline's
+        yield from ledger_metrics(stats.ledger, shared.stats() if shared is not None else None, stats.engines)
+        yield from sink_metrics(stats.sinks)
 
 
-def ledger_metrics(pipeline, shared):
+def engine_labels(engine: EngineStats) -> list[str]:
+    """``role`` and ``pid`` of an engine's series (``unknown`` and ``0`` before its HELLO)."""
+    return [engine.role, str(engine.pid) if engine.pid is not None else "0"]
+
+
+def engine_metrics(engines: Sequence[EngineStats]):
+    """Each engine's page model: reads judged and not, page ids refused, pages by state,
+    and (from its HELLO on) its pool and context sizes."""
+    reads = CounterMetricFamily("kvguard_page_reads_checked", "Page reads judged", labels=["role", "pid"])
+    unverified = CounterMetricFamily(
+        "kvguard_page_reads_unverified",
+        "Page reads not judged (state unknown: blind window)",
+        labels=["role", "pid"],
+    )
+    pages = GaugeMetricFamily("kvguard_pages", "KV pages by ownership state", labels=["role", "pid", "state"])
+    pool = GaugeMetricFamily("kvguard_kv_pool_tokens", "KV pool size in tokens", labels=["role", "pid"])
+    ctx = GaugeMetricFamily("kvguard_context_length_tokens", "Engine context length", labels=["role", "pid"])
+    out_of_range = CounterMetricFamily(
+        "kvguard_page_ids_out_of_range",
+        "Page ids in records past the pool the engine announced (skipped)",
+        labels=["role", "pid"],
+    )
+    for engine in engines:
+        role, pid = engine_labels(engine)
+        reads.add_metric([role, pid], engine.pages_read)
+        unverified.add_metric([role, pid], engine.pages_unverified)
+        out_of_range.add_metric([role, pid], engine.pages_out_of_range)
+        for state, n in engine.pages_by_state.items():
+            pages.add_metric([role, pid, state], n)
+        if engine.pool_tokens is not None:  # from its HELLO on (as is the context length)
+            pool.add_metric([role, pid], engine.pool_tokens)
+        if engine.context_len is not None:
+            ctx.add_metric([role, pid], engine.context_len)
+    yield from (reads, unverified, out_of_range, pages, pool, ctx)
+
+
+def ledger_metrics(ledger: LedgerStats, shared: SharedLedgerStats | None, engines: Sequence[EngineStats]):
     """The transfer ledger (sidecar/ledger): pairing outcomes per receiving engine and the shared
     ledger's health. Every engine has all four outcome series from its HELLO on, zeros included
     (only decode engines receive; the others' stay at 0, as the zero series of every panel and
     alert expect), so an alert on ``unpaired`` sees the first one as an increase."""
-    ledger = pipeline.ledger
     transfers = CounterMetricFamily(
         "kvguard_transfers",
         "Completed KV transfers by receiving engine and how they were judged (paired, unverified, unpaired, warmup)",
         labels=["role", "pid", "outcome"],
     )
-    for engine_id, tracker in pipeline.engines.items():
-        h = tracker.hello
-        if h is None:
+    for engine in engines:
+        if not engine.announced:
             continue
-        for outcome in ledger.OUTCOMES:
-            transfers.add_metric(
-                [ROLE_NAMES.get(h.role, "unknown"), str(h.pid), outcome], ledger.outcomes[(engine_id, outcome)]
-            )
+        for outcome, n in ledger.transfers_by_engine[engine.engine_id].items():
+            transfers.add_metric([*engine_labels(engine), outcome], n)
     yield transfers
     digests = CounterMetricFamily(
         "kvguard_transfer_digests", "Transfers whose two ends' digests were both complete", labels=["outcome"]
@@ -279,11 +286,10 @@ def ledger_metrics(pipeline, shared):
     yield errors
 
 
-def sink_metrics(sinks):
+def sink_metrics(sinks: Sequence[SinkStats]):
     """Alert delivery (sidecar/sinks/delivery.py): only queued sinks (PagerDuty, Alertmanager)
     have results; the log and JSON-lines sinks write synchronously and cannot fail quietly."""
-    queued = [s for s in sinks if hasattr(s, "results")]
-    if not queued:  # no alert sink configured: nothing to label these with
+    if not sinks:  # no alert sink configured: nothing to label these with
         return
     events = CounterMetricFamily(
         "kvguard_sink_events", "Alert events by sink, action and result", labels=["sink", "action", "result"]
@@ -300,12 +306,12 @@ def sink_metrics(sinks):
         "Unix time of the last delivered event (0: none yet)",
         labels=["sink"],
     )
-    for sink in queued:
-        for (action, result), n in sorted(sink.results.items()):
+    for sink in sinks:
+        for (action, result), n in sorted(sink.events.items()):
             events.add_metric([sink.name, action, result], n)
-        retries.add_metric([sink.name], sink.counts["retries"])
-        depth.add_metric([sink.name], sink.queue_depth())
-        capacity.add_metric([sink.name], sink.max_queue)
+        retries.add_metric([sink.name], sink.retries)
+        depth.add_metric([sink.name], sink.queue_depth)
+        capacity.add_metric([sink.name], sink.queue_capacity)
         last.add_metric([sink.name], sink.last_success_s)
     yield from (events, retries, depth, capacity, last)
 
@@ -341,7 +347,7 @@ def recording_metrics(recorder):
     yield missing
 
 
-def ttft_metrics(detector):
+def ttft_metrics(ttft: TTFTStats):
     """ttft_anomaly's deferred verdicts: suspects waiting for later requests, and those the
     later requests cleared (the engine had sped up). Always exported (0 while the detector
     is off), so that dashboards and the metrics doc see one fixed set of families."""
@@ -349,18 +355,18 @@ def ttft_metrics(detector):
         "kvguard_ttft_suspects_waiting",
         "Requests too fast against the past, waiting for later requests to confirm (ttft_anomaly)",
     )
-    waiting.add_metric([], sum(len(w) for w in detector.suspects.values()))
+    waiting.add_metric([], ttft.suspects_waiting)
     yield waiting
     cleared = CounterMetricFamily(
         "kvguard_ttft_suspects_cleared",
         "Suspects that later requests showed to be an engine speed-up, learned instead of flagged (ttft_anomaly)",
     )
-    cleared.add_metric([], detector.suspects_cleared)
+    cleared.add_metric([], ttft.suspects_cleared)
     yield cleared
     explained = CounterMetricFamily(
         "kvguard_ttft_suspects_explained",
         "Suspects whose own forwards wrote their "
         "whole uncached prompt: prefilled, just fast; learned, not flagged (ttft_anomaly)",
     )
-    explained.add_metric([], detector.suspects_explained)
+    explained.add_metric([], ttft.suspects_explained)
     yield explained

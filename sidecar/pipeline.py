@@ -31,19 +31,20 @@ from .detectors.reads import ReadDetector
 from .detectors.tier1 import Tier1Detector
 from .detectors.transfers import ChecksumDetector, LedgerDegradedDetector, OrphanDetector, TransferSizeDetector
 from .detectors.ttft import TTFTDetector
+from .finding_kinds import possible_findings
 from .findings import EngineRef, Finding
 from .history import Event, History
 from .incidents import IncidentStore
 from .ledger import TransferLedger
 from .memory_budget import DEFAULT_BUDGET_BYTES, MemoryBudget
-from .tracker import EngineTracker, RequestDirectory
+from .stats import EngineStats, PipelineStats
+from .tracker import ROLE_NAMES, EngineTracker, RequestDirectory
 from .transfer_flow import TransferFlow
 
 BUDGET_RESIZE_NS = 5_000_000_000  # the directories' share follows the live requests this often
 
 log = logging.getLogger("kvguard.pipeline")
 
-ROLE_NAMES = {wire.Role.UNIFIED: "unified", wire.Role.PREFILL: "prefill", wire.Role.DECODE: "decode"}
 # with a shared ledger, how long a receiver that finished waits for the sender's facts from the other
 # pod (its sidecar reads its ring, publishes, and this sidecar polls: a few cycles, plus outages)
 SHARED_GRACE_NS = 10_000_000_000
@@ -138,7 +139,7 @@ class Pipeline(TransferFlow):
         h = tracker.hello
         if h is None:
             return EngineRef("unknown", 0, 0)
-        return EngineRef(ROLE_NAMES.get(h.role, "unknown"), h.tp_rank, h.pid)
+        return EngineRef(tracker.role_name, h.tp_rank, h.pid)
 
     def _observe(self, event, t: EngineTracker | None, ts_ns: int) -> list[Finding]:
         """The findings of every detector that observes this event's type (not filed yet)."""
@@ -400,3 +401,30 @@ class Pipeline(TransferFlow):
             self._budget_sized_ns = now_ns
             self.memory_budget.size_directories(list(self.engines.values()))
         return found
+
+    # ------------------------------------------------------------------ what it publishes
+    def engine_stats(self) -> tuple[EngineStats, ...]:
+        """Each engine's page model, in the order the engines were first seen (sidecar/stats.py)."""
+        return tuple(tracker.stats() for tracker in self.engines.values())
+
+    def stats(self) -> PipelineStats:
+        """Every figure the pipeline publishes, as plain values (sidecar/stats.py): what
+        /metrics renders, so that no reader depends on how the models keep them. Taken
+        under the sidecar's lock; its cost is one pass over the incident store and a page
+        count per engine, the rest is sized by fixed label sets."""
+        engines = self.engine_stats()
+        return PipelineStats(
+            records_by_kind=dict(self.records_by_kind),
+            findings=dict(self.findings_by_kind),
+            incidents_opened=dict(self.incidents_by_kind),
+            possible_findings=tuple(possible_findings(self)),
+            apply_errors=self.apply_errors,
+            engines=engines,
+            incidents=self.incidents.stats(),
+            memory=self.memory_budget.stats(self.engines.values(), self.incidents, self.ledger),
+            ttft=self.ttft_detector.stats(),
+            ledger=self.ledger.stats(e.engine_id for e in engines),
+            # the queued alert sinks; the log and JSON-lines sinks (and the tracer) write
+            # synchronously and cannot fail quietly, so they have nothing to report
+            sinks=tuple(sink.delivery_stats() for sink in self.sinks if hasattr(sink, "delivery_stats")),
+        )

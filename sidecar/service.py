@@ -11,6 +11,7 @@ from .ingest import CYCLE_BYTES, DEFAULT_MAX_RINGS, RingSet
 from .ledger.shared import SharedLedger, parse_ledger_url
 from .memory_budget import DEFAULT_BUDGET_BYTES, MemoryBudget
 from .pipeline import Pipeline
+from .stats import PipelineStats
 
 if TYPE_CHECKING:
     from .gc_policy import GcFreeze
@@ -139,6 +140,12 @@ class Sidecar:
                 sink.shutdown()
             except Exception:
                 log.exception("sink shutdown failed")
+
+    def pipeline_stats(self) -> PipelineStats:
+        """The pipeline's figures as plain values (sidecar/stats.py), for readers such as the
+        metrics collector that must not depend on the pipeline's models. The caller holds
+        ``lock`` (the ingest thread changes the models between two records)."""
+        return self.pipeline.stats()
 
     def healthy(self) -> tuple[bool, dict]:
         """Never takes the ingest lock (a saturated cycle held it for seconds, past the

@@ -66,6 +66,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..findings import WARNING, EngineRef, Finding, Party
+from ..stats import TTFTStats
 from ..tracker import RequestInfo
 from .base import At, RequestEnded
 from .reads import reader_party
@@ -181,6 +182,14 @@ class TTFTDetector:
         self.suspects: dict[int, list[Suspect]] = {}  # engine id -> waiting, oldest first
         self.suspects_cleared = 0  # suspects the later requests showed to be a speed-up, not an anomaly
         self.suspects_explained = 0  # suspects whose own forwards wrote their whole uncached prompt
+
+    def stats(self) -> TTFTStats:
+        """The deferred verdicts' figures (sidecar/stats.py); all 0 while the detector is off."""
+        return TTFTStats(
+            suspects_waiting=sum(len(waiting) for waiting in self.suspects.values()),
+            suspects_cleared=self.suspects_cleared,
+            suspects_explained=self.suspects_explained,
+        )
 
     # ------------------------------------------------------------------ input
     kinds: ClassVar[tuple[str, ...]] = ("ttft_anomaly",)

@@ -43,12 +43,14 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvguard.engine_hooks import wire
 
+from ..stats import LedgerStats
 from .digests import DigestSum, DigestVerdict, Partial
 
 REMOTE_ENGINE = -1  # engine id under which facts from another pod's sidecar are applied
@@ -519,6 +521,21 @@ class TransferLedger:
         """The receiving engine is gone: drop its outcome counts (its metric series end with it)."""
         for outcome in self.OUTCOMES:
             self.outcomes.pop((engine_id, outcome), None)
+
+    def stats(self, receivers: Iterable[int]) -> LedgerStats:
+        """The ledger's figures (sidecar/stats.py), with every outcome of each engine in
+        ``receivers`` at 0 until counted: an alert on ``unpaired`` sees the first one as an
+        increase, and an engine that only sends still has its (zero) series."""
+        outcomes = self.outcomes
+        return LedgerStats(
+            transfers_by_engine={
+                engine_id: {outcome: outcomes[(engine_id, outcome)] for outcome in self.OUTCOMES}
+                for engine_id in receivers
+            },
+            digests_compared=self.digests_compared,
+            digests_incomparable=self.digests_incomparable,
+            rooms_evicted=self.rooms_evicted,
+        )
 
     def _unverified(self, state: RoomState) -> Pairing:
         n = len(state.reserved_pages)

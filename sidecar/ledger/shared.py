@@ -42,6 +42,8 @@ import time
 from collections import OrderedDict, deque
 from urllib.parse import urlparse
 
+from ..stats import SharedLedgerStats
+
 log = logging.getLogger("kvguard.ledger")
 
 SCHEMA = 2
@@ -205,6 +207,16 @@ class SharedLedger:
     @property
     def pending_publishes(self) -> int:
         return len(self._outbox) + self._commands.qsize()
+
+    def stats(self) -> SharedLedgerStats:
+        """The link's health (sidecar/stats.py): single reads of what the ledger's thread counts."""
+        return SharedLedgerStats(
+            degraded=self.degraded,
+            errors=self.errors,
+            queue_dropped=self.queue_dropped,
+            outbox_dropped=self.outbox_dropped,
+            bad_facts=self.bad_facts,
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> SharedLedger:

@@ -23,6 +23,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from ..stats import SinkStats
+
 ACTIONS = ("trigger", "resolve")
 RESULTS = ("delivered", "rejected", "gave_up", "dropped")
 
@@ -122,6 +124,19 @@ class QueuedSink:
     def queue_depth(self) -> int:
         """Items waiting, plus the one being delivered (retries included)."""
         return self._queue.unfinished_tasks
+
+    def delivery_stats(self) -> SinkStats:
+        """This sink's delivery figures (sidecar/stats.py), read on the caller's thread while
+        the worker may count: ``results`` has every (action, result) key from the start, so
+        copying it never meets a key being added."""
+        return SinkStats(
+            name=self.name,
+            events=dict(self.results),
+            retries=self.counts["retries"],
+            queue_depth=self.queue_depth(),
+            queue_capacity=self.max_queue,
+            last_success_s=self.last_success_s,
+        )
 
     def force_flush(self, timeout_s: float = 10.0) -> bool:
         deadline = time.monotonic() + timeout_s
