@@ -97,3 +97,42 @@ def kvguard_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert build.returncode == 0, build.stdout + build.stderr
     (wheel,) = out.glob("kvguard-*.whl")
     return wheel
+
+
+# ---------------------------------------------------------------- the shared 0.5.23 pair
+SHARED_PD = "shared_pd"
+_shared_pds: list = []  # the session's SharedPD, once started (stopped by the teardown hook below)
+
+
+@pytest.fixture(scope="session")
+def shared_pd(tmp_path_factory: pytest.TempPathFactory):
+    """One SGLang 0.5.23 prefill/decode pair behind SGLang's router, watched by one sidecar,
+    for the tests that need a healthy fixed pair (tests/shared_pd.py)."""
+    skip_unless_sglang("0.5.23")
+    from shared_pd import SharedPD
+
+    shared = SharedPD(tmp_path_factory.mktemp("shared-pd"))
+    _shared_pds.append(shared)
+    yield shared
+    shared.stop()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests that use the shared pair run one after the other, where the first of them
+    was collected, so that it is stopped after the last instead of idling to the session's end."""
+    users = [item for item in items if SHARED_PD in getattr(item, "fixturenames", ())]
+    if len(users) < 2:
+        return
+    first = items.index(users[0])
+    rest = [item for item in items if item not in users]
+    items[:] = rest[:first] + users + rest[first:]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    yield
+    if SHARED_PD in getattr(item, "fixturenames", ()) and (
+        nextitem is None or SHARED_PD not in getattr(nextitem, "fixturenames", ())
+    ):
+        for shared in _shared_pds:
+            shared.stop()

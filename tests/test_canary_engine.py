@@ -96,10 +96,11 @@ def test_sglang_0_5_19_pair_leaks_the_victims_markers(tmp_path, capsys, require_
         assert TENANT_A in {p.tenant for p in f.exposed}
 
 
-def test_sglang_0_5_23_pair_is_clean(tmp_path, capsys, require_sglang):
-    require_sglang("0.5.23")
-    with _pair("0.5.23", tmp_path) as pair:
-        rc, rep = _canary(capsys, pair)  # the default plan and budget
+def test_sglang_0_5_23_pair_is_clean(shared_pd, capsys):
+    """On the session's shared pair (tests/shared_pd.py: the same pools, waiting timeout and
+    echo model as above, with SGLang's router in front, which the canary's PD mode bypasses)."""
+    window = shared_pd.window()
+    rc, rep = _canary(capsys, shared_pd.pair)  # the default plan and budget
     assert rc == 0 and rep["verdict"] == "clean" and rep["findings"] == [], json.dumps(rep, indent=1)[:4000]
     assert rep["requests_sent"] <= 64 and rep["servers"][0]["version"] == "0.5.23"
     phases = {r["phase"] for r in rep["requests"]}
@@ -107,3 +108,16 @@ def test_sglang_0_5_23_pair_is_clean(tmp_path, capsys, require_sglang):
     # the fix: over-length prompts fail instead of being answered from someone else's KV
     assert all(not r["ok"] for r in rep["requests"] if r["phase"] in ("over_pool", "over_context"))
     assert all(r["ok"] for r in rep["requests"] if r["phase"] in ("victim", "near_pool", "concurrent"))
+
+    # the sidecar watching the pair agrees: no read of anyone's KV; decode's reservations for the
+    # prompts prefill refused are orphans until its waiting timeout, and nothing else is reported
+    window.settle()
+    rids = {r["rid"] for r in rep["requests"] if r.get("rid")}
+    refused = {r["rid"] for r in rep["requests"] if r["phase"] in ("over_pool", "over_context")}
+    deadline = time.monotonic() + 3 * WAITING_TIMEOUT_S  # an orphan is judged at decode's waiting timeout
+    while time.monotonic() < deadline and not any(f.kind == "orphan_transfer" for f in window.findings(rids=rids)):
+        time.sleep(0.5)
+    window.settle()
+    found = window.findings(rids=rids)
+    assert {f.kind for f in found} == {"orphan_transfer"}, [f.to_dict() for f in found]
+    assert {f.reader.rid for f in found} <= refused, [f.to_dict() for f in found]

@@ -1,17 +1,21 @@
 """The incident on the real engine: SGLang 0.5.19 leaks and kvguard names the parties;
 SGLang 0.5.23 rejects the prompt, nothing is read, and decode's pages held for it are an orphan.
 
-Each test runs the demo's setup (demo/run.py capture_incident): a real prefill +
+The 0.5.19 test runs the demo's setup (demo/run.py capture_incident): a real prefill +
 decode pair on CPU (Mooncake over TCP) with the kvguard plugin loaded by SGLang itself,
 SGLang's router (sglang-router) in front of it, and a real sidecar draining the rings
-(~1-2 minutes each). Clients send no rid: each engine draws its own, so prefill and
-decode rids differ for every request, and the findings name both.
+(~2 minutes). The 0.5.23 test runs the demo's scenario on the session's shared pair
+(tests/shared_pd.py), configured as the demo's. Clients send no rid: each engine draws its
+own, so prefill and decode rids differ for every request, and the findings name both.
 """
+
+import time
 
 import pytest
 
 from kvguard.demo.echo_model import attribute_echo, decode_text
 from kvguard.demo.run import capture_incident
+from kvguard.demo.scenario import run_incident_scenario
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
 
@@ -92,27 +96,36 @@ def test_sglang_0_5_19_leak_is_caught_with_the_exposed_tenants(tmp_path, require
     assert run.records_lost == 0
 
 
-def test_sglang_0_5_23_rejects_the_prompt_and_nothing_is_read(tmp_path, require_sglang):
-    require_sglang("0.5.23")
-    run = capture_incident("0.5.23", str(tmp_path))
-    long = run.scenario.long.result
+def test_sglang_0_5_23_rejects_the_prompt_and_nothing_is_read(shared_pd):
+    """The demo's scenario (demo/scenario.py) on the session's shared pair (tests/shared_pd.py:
+    the demo's pools and router, the echo model, a 5 s waiting timeout), judged by its own requests."""
+    window = shared_pd.window()
+    scenario = run_incident_scenario(shared_pd.pair)
+    long = scenario.long.result
     # through the router the client gets decode's answer: its reservation waited for KV that never came
     assert not long.ok and long.routed and long.decode_status == 500 and "WaitingForInput" in long.error
     assert long.room is not None  # decode's error names the room (and its rid)
     # prefill refused the prompt (the router does not relay prefill's 400 when decode fails too)
-    assert any("exceeds the maximum allowed length" in line for line in run.scenario.evidence["prefill"])
-    assert all(r.result.ok for r in run.scenario.normal)
-    # the configuration is as unsafe as before (pool < context); nothing was read or sent wrong, but decode
-    # holds the pages it reserved for the prompt prefill rejected (until its waiting timeout): an orphan
-    assert sorted(f.kind for f in run.findings) == ["orphan_transfer"] + ["pool_smaller_than_context"] * 2, [
-        f.to_dict() for f in run.findings
-    ]
-    (orphan,) = [f for f in run.findings if f.kind == "orphan_transfer"]
+    assert any("exceeds the maximum allowed length" in line for line in scenario.evidence["prefill"])
+    assert all(r.result.ok for r in scenario.normal)
+    # the configuration is as unsafe as before (pool < context, raised once per engine at start-up);
+    # nothing was read or sent wrong, but decode holds the pages it reserved for the prompt prefill
+    # rejected (until its waiting timeout): an orphan
+    assert sorted(f.kind for f in shared_pd.startup_findings) == ["pool_smaller_than_context"] * 2
+    deadline = time.monotonic() + 30  # the orphan is judged at decode's waiting timeout, 5 s after the reserve
+    while time.monotonic() < deadline and not window.findings(rids=[r.result.rid for r in scenario.requests]):
+        window.settle()
+        time.sleep(0.5)
+    window.settle()
+    found = window.findings(rids=[r.result.rid for r in scenario.requests], rooms=[long.room])
+    assert sorted(f.kind for f in found) == ["orphan_transfer"], [f.to_dict() for f in found]
+    (orphan,) = found
     assert orphan.severity == "warning" and orphan.engine.role == "decode"
     assert (orphan.reader.rid, orphan.reader.tenant, orphan.reader.bootstrap_room) == (long.rid, "initech", long.room)
     # prefill saw the same room under its own rid (it refused the prompt): both are named
     assert orphan.evidence["sender_rid"] not in (None, long.rid) and orphan.evidence["sender_tenant"] == "initech"
     assert orphan.evidence["sender"] == "reject" and len(orphan.pages) == 150  # ceil(600 / 4)
     # the sidecar did watch: reads were judged on both engines
-    assert run.records_by_kind.get("FORWARD", 0) > 0 and run.records_by_kind.get("XFER_SEND", 0) >= 8
-    assert run.records_lost == 0
+    records = window.records_by_kind()
+    assert records.get("FORWARD", 0) > 0 and records.get("XFER_SEND", 0) >= 8, records
+    assert shared_pd.sidecar.rings.stats.records_lost == 0

@@ -497,53 +497,46 @@ def wait_workers(url: str, n: int, proc: subprocess.Popen, timeout_s: float = 60
 
 @pytest.mark.engine
 @pytest.mark.timeout(480)
-def test_real_router_in_front_of_sglang_0_5_23_pd(tiny_model_dir, tmp_path, require_sglang, capsys, monkeypatch):
-    """Preflight through sglang-router 0.3.2 reports the prefill (pool 256 < context 2048) and
-    the decode (pool 4096) workers separately, in PD mode and in regular mode."""
-    require_sglang("0.5.23")
-    if missing := engines.router_available():
-        pytest.skip(missing)
+def test_real_router_in_front_of_sglang_0_5_23_pd(shared_pd, tmp_path, capsys, monkeypatch):
+    """Preflight through sglang-router 0.3.2 reports the prefill (pool 256 < context 2048:
+    critical) and the decode (pool 1024 < 2048: warning) workers separately, in PD mode and in
+    regular mode. On the session's shared pair (tests/shared_pd.py)."""
     monkeypatch.delenv("KVGUARD_BEARER_TOKEN", raising=False)
     monkeypatch.delenv("KVGUARD_BEARER_TOKEN_FILE", raising=False)
     t0 = time.monotonic()
-    logs = tmp_path / "logs"
-    with engines.PDPair(
-        "0.5.23",
-        None,
-        logs,
-        prefill_pool_tokens=256,
-        decode_pool_tokens=4096,
-        model_dir=tiny_model_dir,
-        context_length=2048,
-        router=True,
-    ) as pair:
-        assert pair.prefill is not None and pair.decode is not None and pair.router is not None
-        P, D, R = pair.prefill.url, pair.decode.url, pair.router.url
-        wait_workers(R, 2, pair.router.proc)
-        assert httpx.get(R + "/server_info", timeout=5).status_code == 404  # what tells a router from a server
-        assert cli.main(["preflight", "--url", R, "--json"]) == 2
-        reports = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-        assert cli.main(["preflight", "--url", R]) == 2
-        text = capsys.readouterr().out
-        regular = _RegularRouter([P, D], logs)
-        try:
-            wait_workers(regular.url, 2, regular.proc)
-            assert cli.main(["preflight", "--url", regular.url, "--json"]) == 2
-            reg_reports = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-        finally:
-            regular.stop()
+    pair = shared_pd.pair
+    assert pair.prefill is not None and pair.decode is not None and pair.router is not None
+    P, D, R = pair.prefill.url, pair.decode.url, pair.router.url
+    wait_workers(R, 2, pair.router.proc)
+    assert httpx.get(R + "/server_info", timeout=5).status_code == 404  # what tells a router from a server
+    assert cli.main(["preflight", "--url", R, "--json"]) == 2
+    reports = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert cli.main(["preflight", "--url", R]) == 2
+    text = capsys.readouterr().out
+    regular = _RegularRouter([P, D], tmp_path / "logs")
+    try:
+        wait_workers(regular.url, 2, regular.proc)
+        assert cli.main(["preflight", "--url", regular.url, "--json"]) == 2
+        reg_reports = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    finally:
+        regular.stop()
     assert [{k: r[k] for k in ("url", "role", "verdict", "severity", "pool_tokens", "context_len", "version",
                                "router", "router_worker_type")} for r in reports] == [
         {"url": P, "role": "prefill", "verdict": "pool_smaller_than_context", "severity": "critical",
          "pool_tokens": 256, "context_len": 2048, "version": "0.5.23", "router": R, "router_worker_type": "prefill"},
-        {"url": D, "role": "decode", "verdict": "safe", "severity": None, "pool_tokens": 4096, "context_len": 2048,
-         "version": "0.5.23", "router": R, "router_worker_type": "decode"},
+        {"url": D, "role": "decode", "verdict": "pool_smaller_than_context", "severity": "warning",
+         "pool_tokens": 1024, "context_len": 2048, "version": "0.5.23", "router": R, "router_worker_type": "decode"},
     ]  # fmt: skip
     assert reports[0]["reason"].startswith("KV pool holds 256 tokens but the context length is 2048 (0.12x)")
     assert text.startswith(f"{R}: SGLang router listing 2 workers (1 prefill, 1 decode)")
-    assert f"{P}: POOL SMALLER THAN CONTEXT (critical)" in text and f"{D}: SAFE" in text
+    assert f"{P}: POOL SMALLER THAN CONTEXT (critical)" in text and f"{D}: POOL SMALLER THAN CONTEXT (warning)" in text
     # regular mode: the same two servers, typed "regular" by the router, their own roles reported
-    assert sorted((r["url"], r["role"], r["verdict"], r["router_worker_type"]) for r in reg_reports) == sorted(
-        [(P, "prefill", "pool_smaller_than_context", "regular"), (D, "decode", "safe", "regular")]
+    assert sorted(
+        (r["url"], r["role"], r["verdict"], r["severity"], r["router_worker_type"]) for r in reg_reports
+    ) == sorted(
+        [
+            (P, "prefill", "pool_smaller_than_context", "critical", "regular"),
+            (D, "decode", "pool_smaller_than_context", "warning", "regular"),
+        ]
     )
-    print(f"engine test: {time.monotonic() - t0:.1f} s (pair and router start-up {pair.startup_s:.1f} s)")
+    print(f"engine test: {time.monotonic() - t0:.1f} s (shared pair and router start-up {pair.startup_s:.1f} s)")

@@ -7,7 +7,8 @@ record both ends (a ``RequestInfo`` per request per engine, with its rid, tenant
 room), so the test sees what the client cannot: that prefill and decode used different
 rids for the same room, that the tenant label reached both, and that kvguard paired them
 all by room (no read or transfer finding on clean traffic). A streamed request that the
-client cuts mid-way ends on decode as an abort. ~2 minutes.
+client cuts mid-way ends on decode as an abort. It runs on the session's shared pair
+(tests/shared_pd.py) and judges only its own requests.
 """
 
 from __future__ import annotations
@@ -20,13 +21,7 @@ import httpx
 import pytest
 from sidecar_settle import wait_until_applied
 
-from kvguard.demo.engines import PDPair
-from kvguard.sidecar.service import Sidecar
-from kvguard.sidecar.sinks.basic import MemorySink
-
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
-
-VERSION = "0.5.23"
 
 
 def prompt(rng: random.Random, n: int) -> list[int]:
@@ -45,67 +40,59 @@ def requests_by_role(sidecar) -> dict[str, list]:
     return out
 
 
-def test_routed_requests_without_rids_pair_by_room(tmp_path, tiny_model_dir, require_sglang):
-    require_sglang(VERSION)
+def test_routed_requests_without_rids_pair_by_room(shared_pd):
     pytest.importorskip("mooncake.engine", reason="Mooncake (mooncake-transfer-engine-non-cuda) not installed")
-    ring_dir = tmp_path / "rings"
-    ring_dir.mkdir()
-    memory = MemorySink()
-    sidecar = Sidecar(str(ring_dir), sinks=[memory], remove_dead_rings=False).start()
+    pair, sidecar = shared_pd.pair, shared_pd.sidecar
+    window = shared_pd.window()
     rng = random.Random(20)
-    try:
-        with PDPair(VERSION, ring_dir, tmp_path / "logs", model_dir=tiny_model_dir) as pair:
-            assert pair.router is not None and pair.router.startup_s < 60
-            print(
-                f"\nprefill {pair.prefill.startup_s:.1f} s, decode {pair.decode.startup_s:.1f} s, "
-                f"router {pair.router.startup_s:.1f} s"
-            )
-            jobs = [("acme", 20), ("globex", 90), ("acme", 180), ("globex", 233), ("initech", 60), ("acme", 120)]
-            with ThreadPoolExecutor(2) as pool:
-                results = list(
-                    pool.map(lambda job: pair.generate(prompt(rng, job[1]), tenant=job[0], max_new_tokens=6), jobs)
-                )
-            streamed = pair.generate(prompt(rng, 70), tenant="globex", max_new_tokens=6, stream=True)
-            # a client that goes away after 3 streamed tokens of 200
-            cut = pair.generate(
-                prompt(rng, 50),
-                tenant="initech",
-                max_new_tokens=200,
-                stream=True,
-                sampling_params={"ignore_eos": True},
-                disconnect_after_chunks=3,
-            )
-            # the engines keep serving after the disconnect
-            after = pair.generate(prompt(rng, 40), tenant="acme", max_new_tokens=6)
-            # what the router forwards of the tenant: routing_key in a /generate body is dropped, the
-            # x-smg-routing-key header on the OpenAI routes reaches both engines (engine_hooks/sglang/README.md)
-            with httpx.Client(base_url=pair.url, timeout=120) as client:
-                r = client.post(
-                    "/generate",
-                    json={
-                        "input_ids": prompt(rng, 30),
-                        "routing_key": "rk-only",
-                        "sampling_params": {"max_new_tokens": 2},
-                    },
-                )
-                assert r.status_code == 200, r.text
-                rk_only_rid = r.json()["meta_info"]["id"]
-                r = client.post(
-                    "/v1/completions",
-                    headers={"x-smg-routing-key": "hdr-tenant"},
-                    json={"model": "m", "prompt": "hello router", "max_tokens": 2, "temperature": 0},
-                )
-                assert r.status_code == 200, r.text
-            deadline = time.monotonic() + 30  # decode notices the closed stream at its next output
-            while time.monotonic() < deadline:
-                wait_until_applied(sidecar)
-                dec = {i.rid: i for i in requests_by_role(sidecar).get("decode", [])}
-                if cut.rid in dec and dec[cut.rid].finish:
-                    break
-                time.sleep(0.5)
-            seen = requests_by_role(sidecar)  # before the engines exit: the sidecar retires their state
-    finally:
-        sidecar.stop()
+    assert pair.router is not None and pair.router.startup_s < 60
+    print(
+        f"\nprefill {pair.prefill.startup_s:.1f} s, decode {pair.decode.startup_s:.1f} s, "
+        f"router {pair.router.startup_s:.1f} s"
+    )
+    jobs = [("acme", 20), ("globex", 90), ("acme", 180), ("globex", 233), ("initech", 60), ("acme", 120)]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda job: pair.generate(prompt(rng, job[1]), tenant=job[0], max_new_tokens=6), jobs))
+    streamed = pair.generate(prompt(rng, 70), tenant="globex", max_new_tokens=6, stream=True)
+    # a client that goes away after 3 streamed tokens of 200
+    cut = pair.generate(
+        prompt(rng, 50),
+        tenant="initech",
+        max_new_tokens=200,
+        stream=True,
+        sampling_params={"ignore_eos": True},
+        disconnect_after_chunks=3,
+    )
+    # the engines keep serving after the disconnect
+    after = pair.generate(prompt(rng, 40), tenant="acme", max_new_tokens=6)
+    # what the router forwards of the tenant: routing_key in a /generate body is dropped, the
+    # x-smg-routing-key header on the OpenAI routes reaches both engines (engine_hooks/sglang/README.md)
+    with httpx.Client(base_url=pair.url, timeout=120) as client:
+        r = client.post(
+            "/generate",
+            json={
+                "input_ids": prompt(rng, 30),
+                "routing_key": "rk-only",
+                "sampling_params": {"max_new_tokens": 2},
+            },
+        )
+        assert r.status_code == 200, r.text
+        rk_only_rid = r.json()["meta_info"]["id"]
+        r = client.post(
+            "/v1/completions",
+            headers={"x-smg-routing-key": "hdr-tenant"},
+            json={"model": "m", "prompt": "hello router", "max_tokens": 2, "temperature": 0},
+        )
+        assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 30  # decode notices the closed stream at its next output
+    while time.monotonic() < deadline:
+        wait_until_applied(sidecar)
+        dec = {i.rid: i for i in requests_by_role(sidecar).get("decode", [])}
+        if cut.rid in dec and dec[cut.rid].finish:
+            break
+        time.sleep(0.5)
+    window.settle()
+    seen = requests_by_role(sidecar)
 
     sent = results + [streamed, after]
     for r in sent:
@@ -131,7 +118,13 @@ def test_routed_requests_without_rids_pair_by_room(tmp_path, tiny_model_dir, req
         i.tenant == "hdr-tenant" for role in ("prefill", "decode") for i in seen[role]
     ) == 2
 
-    # clean traffic, paired by room: nothing but the configuration finding (pools smaller than the context)
-    kinds = sorted({f.kind for f in memory.findings})
-    assert kinds == ["pool_smaller_than_context"], [f.to_dict() for f in memory.findings]
+    # clean traffic, paired by room: no finding about any of these requests, at either end
+    rooms = {decode[r.rid].room for r in sent + [cut]} | {decode[rk_only_rid].room}
+    rooms |= {i.room for i in seen["decode"] if i.tenant == "hdr-tenant"}
+    rids = {i.rid for role in ("prefill", "decode") for i in seen[role] if i.room in rooms}
+    assert len(rids) == 2 * len(rooms) == 2 * (len(sent) + 3), (rids, rooms)
+    found = window.findings(rids=rids, rooms=rooms)
+    assert found == [], [f.to_dict() for f in found]
+    # nothing but the configuration finding at start-up (both pools are smaller than the context)
+    assert sorted(f.kind for f in shared_pd.startup_findings) == ["pool_smaller_than_context"] * 2
     assert sidecar.rings.stats.records_lost == 0 and sidecar.pipeline.apply_errors == 0
