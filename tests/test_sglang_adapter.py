@@ -8,8 +8,6 @@ the same wrapping semantics as SGLang's HookRegistry (AFTER / AROUND).
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -247,39 +245,6 @@ def test_cpu_compat(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="kvguard.sglang"):
         plugin._apply_cpu_compat()  # logged, never raised
     assert any("cpu_compat" in r.getMessage() for r in caplog.records)
-
-
-@pytest.mark.parametrize("version", sorted(SGLANG_DIRS))
-def test_real_targets_resolve(version, tmp_path):
-    """Every hook target of the version table exists with the expected parameters in
-    the installed SGLang, and SGLang's own plugin loader finds kvguard's entry point in
-    the installed distribution (no engine; imports SGLang in a subprocess)."""
-    d = SGLANG_DIRS[version]
-    if not (d / "sglang").is_dir():
-        pytest.skip(f"SGLang {version} not installed in {d}")
-    shim = tmp_path / "sitecustomize.py"
-    shim.write_text(TORCHVISION_SHIM)
-    code = (
-        "import sglang\n"
-        "from kvguard.engine_hooks.sglang import plugin\n"
-        "v = plugin.sglang_version(); ok, skipped = plugin.plan(v)\n"
-        "print(v, len(ok), len(skipped))\n"
-        "for s, why in skipped: print('SKIPPED', s.target, why)\n"
-        "from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group\n"
-        "func, dist = load_plugins_by_group(GENERAL_PLUGINS_GROUP)['kvguard']\n"
-        "print('PLUGIN', func.__module__, func.__name__, dist)\n"
-    )
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{d}")
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith(version)]
-    assert line, out.stdout
-    _v, n_ok, n_skipped = line[0].split()
-    assert int(n_skipped) == 0, out.stdout
-    assert int(n_ok) == len(plugin.SUPPORTED[version][1])
-    assert "PLUGIN kvguard.engine_hooks.sglang.plugin load kvguard" in out.stdout.splitlines()
 
 
 TORCHVISION_SHIM = """

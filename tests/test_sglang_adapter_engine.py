@@ -1,9 +1,11 @@
 """The SGLang adapter on real engines (CPU): SGLang 0.5.19 through 0.5.23.
 
-Each test runs a driver in a subprocess with one SGLang version on PYTHONPATH; the
-plugin is discovered through the ``sglang.srt.plugins`` entry point in the engine's
-spawned scheduler process and writes to a real ring in a temporary
-``KVGUARD_RING_DIR``, which this process reads back.
+One driver subprocess per SGLang version (that version on PYTHONPATH) starts the
+scenarios' engines one after the other (SGLang is imported once, not once per engine); the
+plugin is discovered through the ``sglang.srt.plugins`` entry point in each engine's
+spawned scheduler process and writes to a real ring in that engine's own
+``KVGUARD_RING_DIR``, which this process reads back. Before its engines, the driver checks
+the adapter's version table against that SGLang (test_real_targets_resolve).
 
 Scenarios: a unified engine (radix prefix hit, concurrent batch, chunked prefill, an
 over-length prompt rejected at admission); a decode-role engine with the fake
@@ -28,6 +30,7 @@ import pytest
 
 from kvguard.engine_hooks import wire
 from kvguard.engine_hooks.ring import RingReader
+from kvguard.engine_hooks.sglang import plugin
 
 pytestmark = pytest.mark.engine
 
@@ -62,8 +65,19 @@ def build_model(d):
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                             eos_token="</s>").save_pretrained(d)
 
-def main(mode, model_dir):
-    build_model(model_dir)
+def plan_check():
+    # what test_real_targets_resolve reads: the version table against this SGLang, and SGLang's
+    # own plugin loader finding kvguard's entry point
+    from kvguard.engine_hooks.sglang import plugin
+    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
+    v = plugin.sglang_version()
+    ok, skipped = plugin.plan(v)
+    func, dist = load_plugins_by_group(GENERAL_PLUGINS_GROUP)["kvguard"]
+    print("KVG_PLAN " + json.dumps({"version": v, "ok": len(ok), "skipped": [[s.target, why] for s, why in skipped],
+                                   "plugin": [func.__module__, func.__name__, str(dist)]}), flush=True)
+
+def run_mode(label, model_dir):
+    mode = label.split("-")[0]  # decode-off: the decode engine, with the plugin switched off
     import sglang
     from sglang.srt.managers.io_struct import GenerateReqInput
     kw = dict(model_path=model_dir, load_format="dummy", device="cpu", attention_backend="torch_native",
@@ -107,11 +121,24 @@ def main(mode, model_dir):
     else:
         for i in range(2):
             out[f"dreq-{i}"] = run(one([7 + i] * 30, rid=f"dreq-{i}", bootstrap_room=1000 + i, **fake))
-    print("KVG_RESULT " + json.dumps(out), flush=True)
+    print(f"KVG_RESULT {label} " + json.dumps(out), flush=True)
     eng.shutdown()
 
+def main(modes, model_dir, ring_root):
+    # one process, the engines one after the other: each sglang.Engine spawns its own scheduler,
+    # whose kvguard plugin reads KVGUARD_RING_DIR and KVGUARD_DISABLE from the environment at spawn
+    build_model(model_dir)
+    plan_check()
+    for mode in modes.split(","):
+        os.environ["KVGUARD_RING_DIR"] = os.path.join(ring_root, mode)
+        if mode == "decode-off":
+            os.environ["KVGUARD_DISABLE"] = "1"
+        else:
+            os.environ.pop("KVGUARD_DISABLE", None)
+        run_mode(mode, model_dir)
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
 """
 
 
@@ -130,50 +157,90 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_engine(version: str, mode: str, tmp_path: Path) -> tuple[list, dict]:
-    sglang_dir = _sglang_dir(version)
-    if mode == "prefill":
-        pytest.importorskip("mooncake.engine", reason="Mooncake (mooncake-transfer-engine-non-cuda) not installed")
-    shim = tmp_path / "shim"
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text(TORCHVISION_SHIM)
-    (tmp_path / "driver.py").write_text(DRIVER)
-    ring_dir = tmp_path / "rings"
-    ring_dir.mkdir()
-    env = dict(os.environ)
-    env.update(
-        PYTHONPATH=f"{shim}{os.pathsep}{sglang_dir}",
-        KVGUARD_RING_DIR=str(ring_dir),
-        TRITON_INTERPRET="1",
-        MOONCAKE_PROTOCOL="tcp",
-        MC_FORCE_TCP="1",
-        KVGUARD_SGLANG_CPU_COMPAT="1",
-        KVG_BOOTSTRAP_PORT=str(_free_port()),
-        SGLANG_DISAGGREGATION_WAITING_TIMEOUT="20",
-        KVGUARD_ROW_SAMPLE_EVERY="1",
-    )  # every forward carries its rows: the replay below checks them all
-    env.pop("KVGUARD_DISABLE", None)
-    proc = subprocess.run(
-        [sys.executable, str(tmp_path / "driver.py"), mode, str(tmp_path / "model")],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVG_RESULT ")]
-    assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-5000:])
-    rings = glob.glob(str(ring_dir / "*.ring"))
-    assert len(rings) == 1, f"expected one ring (the scheduler's), got {rings}"
-    reader = RingReader(rings[0])
-    records = []
-    while True:
-        got = reader.poll().records
-        if not got:
-            break
-        records.extend(got)
-    reader.close()
-    return records, json.loads(lines[0][len("KVG_RESULT ") :])
+class DriverRun:
+    """One driver process for one SGLang version: the plan check, then each mode's engine in
+    turn (the driver's ``main``), each engine's ring in its own folder."""
+
+    def __init__(self, version: str, work: Path) -> None:
+        sglang_dir = _sglang_dir(version)
+        self.modes = ["unified", "decode"]
+        self.no_prefill = None
+        try:
+            import mooncake.engine  # noqa: F401
+        except ImportError:
+            self.no_prefill = "Mooncake (mooncake-transfer-engine-non-cuda) not installed"
+        else:
+            self.modes.append("prefill")
+        if version == "0.5.23":
+            self.modes.append("decode-off")  # last: no later engine depends on the main process's plugin
+        shim = work / "shim"
+        shim.mkdir()
+        (shim / "sitecustomize.py").write_text(TORCHVISION_SHIM)
+        (work / "driver.py").write_text(DRIVER)
+        self.ring_root = work / "rings"
+        self.ring_root.mkdir()
+        env = dict(os.environ)
+        env.update(
+            PYTHONPATH=f"{shim}{os.pathsep}{sglang_dir}",
+            TRITON_INTERPRET="1",
+            MOONCAKE_PROTOCOL="tcp",
+            MC_FORCE_TCP="1",
+            KVGUARD_SGLANG_CPU_COMPAT="1",
+            KVG_BOOTSTRAP_PORT=str(_free_port()),
+            SGLANG_DISAGGREGATION_WAITING_TIMEOUT="20",
+            KVGUARD_ROW_SAMPLE_EVERY="1",
+        )  # every forward carries its rows: the replay below checks them all
+        env.pop("KVGUARD_DISABLE", None)
+        self.proc = subprocess.run(
+            [sys.executable, str(work / "driver.py"), ",".join(self.modes), str(work / "model"), str(self.ring_root)],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        self.results = {}
+        self.plan = None
+        for line in self.proc.stdout.splitlines():
+            if line.startswith("KVG_RESULT "):
+                mode, _, body = line[len("KVG_RESULT ") :].partition(" ")
+                self.results[mode] = json.loads(body)
+            elif line.startswith("KVG_PLAN "):
+                self.plan = json.loads(line[len("KVG_PLAN ") :])
+
+    def failure(self) -> tuple[str, str]:
+        return self.proc.stdout[-3000:], self.proc.stderr[-5000:]
+
+    def mode(self, mode: str) -> tuple[list, dict]:
+        """That engine's ring records and the driver's view of its requests."""
+        if mode == "prefill" and self.no_prefill:
+            pytest.skip(self.no_prefill)
+        assert self.proc.returncode == 0 and mode in self.results, self.failure()
+        rings = glob.glob(str(self.ring_root / mode / "*.ring"))
+        assert len(rings) == 1, f"expected one ring (the scheduler's), got {rings}"
+        reader = RingReader(rings[0])
+        records = []
+        while True:
+            got = reader.poll().records
+            if not got:
+                break
+            records.extend(got)
+        reader.close()
+        return records, self.results[mode]
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory):
+    """``driver(version)``: that version's DriverRun, started by the first test that asks (each
+    process imports SGLang once for all its engines: ~15 s of a core saved per engine)."""
+    runs: dict[str, DriverRun] = {}
+
+    def get(version: str) -> DriverRun:
+        if version not in runs:
+            runs[version] = DriverRun(version, tmp_path_factory.mktemp(f"sglang-{version}"))
+        return runs[version]
+
+    return get
 
 
 class Trace:
@@ -262,8 +329,8 @@ VERSIONS = ["0.5.19", *(pytest.param(v, marks=pytest.mark.sweep) for v in ("0.5.
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_unified_engine(version, tmp_path):
-    records, result = run_engine(version, "unified", tmp_path)
+def test_unified_engine(version, driver):
+    records, result = driver(version).mode("unified")
     for rid in ("req-a", "req-b", "req-c", "req-d"):
         assert result[rid]["finish"] == "length" and result[rid]["completion_tokens"] == 6, result
     assert result["req-b"]["cached_tokens"] == 32
@@ -312,8 +379,8 @@ def test_unified_engine(version, tmp_path):
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_decode_engine_fake_transfer(version, tmp_path):
-    records, result = run_engine(version, "decode", tmp_path)
+def test_decode_engine_fake_transfer(version, driver):
+    records, result = driver(version).mode("decode")
     assert all(r["completion_tokens"] == 6 for r in result.values()), result
     t = Trace(records)
     _hello(t, version, wire.Role.DECODE, 1024)
@@ -347,8 +414,8 @@ def test_decode_engine_fake_transfer(version, tmp_path):
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_prefill_engine_over_length_prompt(version, tmp_path):
-    records, result = run_engine(version, "prefill", tmp_path)
+def test_prefill_engine_over_length_prompt(version, driver):
+    records, result = driver(version).mode("prefill")
     t = Trace(records)
     _hello(t, version, wire.Role.PREFILL, 256)
     t.check_consistency()
@@ -382,25 +449,22 @@ def test_prefill_engine_over_length_prompt(version, tmp_path):
         assert not t.of(wire.Kind.XFER_SEND, "preq-long") and not t.of(wire.Kind.ASSIGN, "preq-long")
 
 
-def test_plugin_off_engine_unchanged(tmp_path):
-    """KVGUARD_DISABLE=1: no hooks, no ring (same driver, 0.5.23)."""
-    sglang_dir = _sglang_dir("0.5.23")
-    shim = tmp_path / "shim"
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text(TORCHVISION_SHIM)
-    (tmp_path / "driver.py").write_text(DRIVER)
-    ring_dir = tmp_path / "rings"
-    env = dict(
-        os.environ, PYTHONPATH=f"{shim}{os.pathsep}{sglang_dir}", KVGUARD_RING_DIR=str(ring_dir), KVGUARD_DISABLE="1"
-    )
-    proc = subprocess.run(
-        [sys.executable, str(tmp_path / "driver.py"), "decode", str(tmp_path / "model")],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "KVG_RESULT" in proc.stdout
-    assert not glob.glob(str(ring_dir / "*.ring"))
+def test_plugin_off_engine_unchanged(driver):
+    """KVGUARD_DISABLE=1: no hooks, no ring (the same driver's decode engine, 0.5.23)."""
+    run = driver("0.5.23")
+    assert run.proc.returncode == 0, run.failure()
+    assert run.results["decode-off"] == run.results["decode"]  # served the same, unwatched
+    assert not glob.glob(str(run.ring_root / "decode-off" / "*.ring"))
+    assert glob.glob(str(run.ring_root / "decode" / "*.ring"))  # where the plugin was on, it wrote
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_real_targets_resolve(version, driver):
+    """Every hook target of the version table exists with the expected parameters in the
+    installed SGLang, and SGLang's own plugin loader finds kvguard's entry point in the
+    installed distribution (checked in the driver process before its engines start)."""
+    run = driver(version)
+    assert run.plan is not None, run.failure()
+    assert run.plan["version"] == version and run.plan["skipped"] == [], run.plan
+    assert run.plan["ok"] == len(plugin.SUPPORTED[version][1])
+    assert run.plan["plugin"] == ["kvguard.engine_hooks.sglang.plugin", "load", "kvguard"], run.plan
