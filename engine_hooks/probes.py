@@ -509,6 +509,33 @@ class Probes:
         r = wire.Reject(wire.request_key(rid), _PHASE[phase], str(reason or ""))
         self._emit(wire.Kind.REJECT, wire.reject_payload(r))
 
+    @_guarded
+    def guard_acted(
+        self,
+        rid: str,
+        room: int,
+        rule: str,
+        action: str,
+        *,
+        prompt_tokens: int,
+        send_tokens: int,
+        reserved_pages: int,
+        reason: str,
+    ) -> None:
+        """The guard (KVGUARD_GUARD) found ``rule`` about to be broken for ``rid`` and did
+        ``action`` ("aborted" or "observed"); ``reserved_pages`` 0 when the sender cannot tell."""
+        g = wire.Guard(
+            wire.request_key(rid),
+            int(room) & wire.NO_ROOM,
+            wire.GuardRule[rule.upper()],
+            wire.GuardAction[action.upper()],
+            int(prompt_tokens),
+            int(send_tokens),
+            int(reserved_pages),
+            str(reason or ""),
+        )
+        self._emit(wire.Kind.GUARD, wire.guard_payload(g))
+
 
 _probes: Probes | None = None
 _probes_lock = threading.Lock()

@@ -34,6 +34,12 @@ ROUND_TRIPS = [
         ),
     ),
     (wire.Kind.REJECT, wire.reject_payload(wire.Reject(9, wire.Phase.ADMISSION, "too long"))),
+    (
+        wire.Kind.GUARD,
+        wire.guard_payload(
+            wire.Guard(9, 77, wire.GuardRule.REJECTED_SEND, wire.GuardAction.ABORTED, 600, 1, 150, "rejected")
+        ),
+    ),
     (wire.Kind.HEARTBEAT, wire.heartbeat_payload(wire.Heartbeat(1, 2, 3))),
     (wire.Kind.PROBE_ERROR, wire.probe_error_payload(wire.ProbeError(1, "forward", "TypeError"))),
 ]
@@ -147,3 +153,13 @@ def test_the_package_re_exports_every_public_name_of_its_modules():
             if name not in wire.__all__ or getattr(wire, name) is not getattr(module, name)
         ]
         assert not missing, (part, missing)
+
+
+def test_guard_record_keeps_every_field_and_refuses_an_unknown_rule():
+    g = wire.Guard(9, wire.NO_ROOM, wire.GuardRule.REJECTED_SEND, wire.GuardAction.OBSERVED, 600, 1, 0, "why")
+    (rec,) = wire.decode_stream(_rec(wire.Kind.GUARD, wire.guard_payload(g)), wire.DecodeStats())
+    assert rec.body == g
+    raw = bytearray(_rec(wire.Kind.GUARD, wire.guard_payload(g)))
+    raw[wire.HEADER_SIZE + 16] = 99  # the rule byte
+    stats = wire.DecodeStats()
+    assert wire.decode_stream(bytes(raw), stats) == [] and stats.bad_payload == 1

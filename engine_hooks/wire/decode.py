@@ -18,6 +18,7 @@ from .layout import (
     ASSIGN_FIXED,
     FORWARD_FIXED,
     FWD_HAS_ROWS,
+    GUARD_FIXED,
     HEADER,
     HEADER_SIZE,
     HEARTBEAT_FIXED,
@@ -41,6 +42,8 @@ from .layout import (
     DigestAlg,
     Finish,
     FreeKind,
+    GuardAction,
+    GuardRule,
     Kind,
     Phase,
     Role,
@@ -52,6 +55,7 @@ from .types import (
     Assign,
     DecodeStats,
     Forward,
+    Guard,
     Heartbeat,
     Hello,
     Pages,
@@ -190,6 +194,15 @@ def _decode_reject(c: _Cursor) -> Reject:
     return Reject(key, Phase(phase), c.string())
 
 
+def _decode_guard(c: _Cursor) -> Guard:
+    key, room, rule, action, prompt_tokens, send_tokens, reserved_pages = c.fixed(GUARD_FIXED)
+    try:
+        rule, action = GuardRule(rule), GuardAction(action)
+    except ValueError as exc:
+        raise DecodeError(f"GUARD {exc}") from None
+    return Guard(key, room, rule, action, prompt_tokens, send_tokens, reserved_pages, c.string())
+
+
 def _decode_heartbeat(c: _Cursor) -> Heartbeat:
     return Heartbeat(*c.fixed(HEARTBEAT_FIXED))
 
@@ -213,6 +226,7 @@ _DECODERS = {
     Kind.XFER_DIGEST: _decode_xfer_digest,
     Kind.TIER1_VIOLATION: _decode_tier1_violation,
     Kind.REJECT: _decode_reject,
+    Kind.GUARD: _decode_guard,
     Kind.HEARTBEAT: _decode_heartbeat,
     Kind.PROBE_ERROR: _decode_probe_error,
 }

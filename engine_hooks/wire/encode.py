@@ -18,6 +18,7 @@ from .layout import (
     ASSIGN_FIXED,
     FORWARD_FIXED,
     FWD_HAS_ROWS,
+    GUARD_FIXED,
     HEADER,
     HEADER_SIZE,
     HEARTBEAT_FIXED,
@@ -42,6 +43,7 @@ from .layout import (
 from .types import (
     Assign,
     Forward,
+    Guard,
     Heartbeat,
     Hello,
     ProbeError,
@@ -171,6 +173,12 @@ def reject_payload(r: Reject) -> bytes:
         r.req_key,
         int(r.phase),
     ) + _str_bytes(r.reason)
+
+
+def guard_payload(g: Guard) -> bytes:
+    return GUARD_FIXED.pack(
+        g.req_key, g.room, int(g.rule), int(g.action), g.prompt_tokens, g.send_tokens, g.reserved_pages
+    ) + _str_bytes(g.reason)
 
 
 def heartbeat_payload(h: Heartbeat) -> bytes:

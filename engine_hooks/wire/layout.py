@@ -61,6 +61,7 @@ class Kind(enum.IntEnum):
     LOST = 14  # never on the wire: readers insert it at a sequence gap (body = records missing)
     XFER_DIGEST = 15  # digest of one end's KV for a transfer (sender: what it sent; receiver: what it reserved)
     TIER1_VIOLATION = 16  # the engine's own read check (engine_hooks/tier1.py) found a row page not the reader's
+    GUARD = 17  # the guard (KVGUARD_GUARD, engine_hooks/sglang/guard.py) found a violation and what it did about it
 
 
 class Role(enum.IntEnum):
@@ -124,6 +125,19 @@ class Tier1Tag(enum.IntEnum):
     OTHER_REQUEST = 3  # another live request's own page: a foreign read
 
 
+class GuardRule(enum.IntEnum):
+    """Which invariant a GUARD record says was about to be broken (docs/guard.md)."""
+
+    REJECTED_SEND = 1  # prefill was about to send a rejected or aborted request's KV as if it were done
+
+
+class GuardAction(enum.IntEnum):
+    """What the guard did about it."""
+
+    OBSERVED = 0  # reported only (the guard could not act, or acting is off for this rule)
+    ABORTED = 1  # the request was failed through the engine's error path before its KV went out
+
+
 # Fixed payload parts, after the header. Variable parts follow in the order given.
 HELLO_FIXED = struct.Struct("<BBHIIIQQQ")
 #   role, _, tp_rank, pid, page_size, pool_pages, pool_tokens, context_len, max_req_input_len;
@@ -146,6 +160,8 @@ REJECT_FIXED = struct.Struct("<QB7x")  # req_key, phase; then string reason
 HEARTBEAT_FIXED = struct.Struct("<QQQ")  # records_written, records_dropped, probe_errors
 TIER1_FIXED = struct.Struct("<QQII")  # reader req_key, violations so far in the engine, seq_len, count
 #   then int32 pages[count], u32 row_page_index[count], u64 owner_keys[count], u8 tags[count] (Tier1Tag)
+GUARD_FIXED = struct.Struct("<QQBB2xIII4x")
+#   req_key, room, rule, action, prompt_tokens, send_tokens, reserved_pages (0: unknown); then string reason
 PROBE_ERROR_FIXED = struct.Struct("<I4x")  # count of errors so far for this probe; then strings probe, error type
 
 FWD_HAS_ROWS = 1  # FORWARD flags: read_counts/read_pages carry the engine's actual rows

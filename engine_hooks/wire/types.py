@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .layout import DigestAlg, Finish, FreeKind, Kind, Phase, Role, Side, XferStatus
+from .layout import DigestAlg, Finish, FreeKind, GuardAction, GuardRule, Kind, Phase, Role, Side, XferStatus
 
 
 @dataclass(slots=True)
@@ -148,6 +148,18 @@ class Tier1Violation:
 class Reject:
     req_key: int
     phase: Phase
+    reason: str
+
+
+@dataclass(slots=True)
+class Guard:
+    req_key: int
+    room: int  # NO_ROOM when the request has none
+    rule: GuardRule
+    action: GuardAction
+    prompt_tokens: int  # the prompt the client sent (before any placeholder replaced it)
+    send_tokens: int  # tokens the engine was about to send
+    reserved_pages: int  # pages the receiver reserved for it, as the sender knows them (0: unknown)
     reason: str
 
 
