@@ -198,6 +198,14 @@ class KVGuardCollector(Collector):
         apply_errors = CounterMetricFamily("kvguard_apply_errors", "Records the sidecar failed to apply")
         apply_errors.add_metric([], stats.apply_errors)
         yield apply_errors
+        guard = CounterMetricFamily(
+            "kvguard_guard_aborts",
+            "Requests an engine's guard (KVGUARD_GUARD) failed before foreign KV reached the client, by finding kind",
+            labels=["kind"],
+        )
+        for kind, n in sorted(stats.guard_aborts.items()):
+            guard.add_metric([kind], n)
+        yield guard
         yield from ttft_metrics(stats.ttft)
         yield from recording_metrics(getattr(svc, "recorder", None))
         shared = getattr(svc, "shared_ledger", None)  # the service's link to Redis, not the pipeline's

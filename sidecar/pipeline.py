@@ -25,6 +25,7 @@ from .detectors.base import (
 )
 from .detectors.config import PoolContextDetector
 from .detectors.gaps import EventsLostDetector
+from .detectors.guard import GuardDetector
 from .detectors.isolation import TenantIsolationDetector
 from .detectors.lifetime import DoubleFreeDetector, WriteDetector
 from .detectors.reads import ReadDetector
@@ -106,6 +107,7 @@ class Pipeline(TransferFlow):
             WriteDetector(),
             DoubleFreeDetector(),
             Tier1Detector(),
+            GuardDetector(),
             PoolContextDetector(),
             TransferSizeDetector(),
             ChecksumDetector(),
@@ -120,6 +122,7 @@ class Pipeline(TransferFlow):
         self.findings_by_kind: Counter = Counter()
         self.incidents_by_kind: Counter = Counter()
         self.findings_suppressed = 0
+        self.guard_aborts: Counter = Counter()  # finding kind -> requests the engine's guard failed
         self.records_lost = 0
         self.records_lost_by_engine: dict[int, int] = {}  # engine id -> records lost since first seen
         self.apply_errors = 0
@@ -235,7 +238,16 @@ class Pipeline(TransferFlow):
             K.LOST: self._on_lost,
             # the engine's own read check (sidecar/detectors/tier1.py)
             K.TIER1_VIOLATION: lambda t, rec: self._emit(self._observe(rec.body, t, rec.ts_ns)),
+            # what the engine's guard did (sidecar/detectors/guard.py)
+            K.GUARD: self._on_guard,
         }
+
+    def _on_guard(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+        found = self._emit(self._observe(rec.body, t, rec.ts_ns))
+        if rec.body.action == wire.GuardAction.ABORTED:
+            for f in found:
+                self.guard_aborts[f.kind] += 1
+        return found
 
     def _on_alloc(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
         pages = t.on_alloc(rec.body.pages)  # the valid ids: one past the pool's limit is counted and skipped
@@ -427,4 +439,5 @@ class Pipeline(TransferFlow):
             # the queued alert sinks; the log and JSON-lines sinks (and the tracer) write
             # synchronously and cannot fail quietly, so they have nothing to report
             sinks=tuple(sink.delivery_stats() for sink in self.sinks if hasattr(sink, "delivery_stats")),
+            guard_aborts={kind: self.guard_aborts[kind] for kind in GuardDetector.kinds},
         )

@@ -20,7 +20,7 @@ keep a reader from writing back; the ``Mapping`` types say the same of their con
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 KindAndSeverity = tuple[str, str]  # (finding kind, severity), the label pair of findings and incidents
 
@@ -130,3 +130,5 @@ class PipelineStats:
     ttft: TTFTStats
     ledger: LedgerStats
     sinks: tuple[SinkStats, ...]  # the queued alert sinks (PagerDuty, Alertmanager), in order
+    # finding kind -> requests an engine's guard (KVGUARD_GUARD) failed; every kind a guard can raise, zeros included
+    guard_aborts: Mapping[str, int] = field(default_factory=dict)

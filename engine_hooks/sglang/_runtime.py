@@ -162,7 +162,7 @@ class State:
     row_rid: dict = {}  # req_to_token row -> rid (rows bound by ReqToTokenPool.alloc)
     begun: _Bounded = _Bounded()  # rid -> True once REQ_BEGIN went out
     ended: _Bounded = _Bounded()  # rid -> True once REQ_END went out
-    rejected: _Bounded = _Bounded()  # rid -> True once REJECT went out
+    rejected: _Bounded = _Bounded()  # rid -> its prompt's length before the rejection, once REJECT went out
     xfer_failed: _Bounded = _Bounded()  # prefill rids whose sender failed (inflight queue)
     tenant_fields: tuple = DEFAULT_TENANT_FIELDS
     row_sampler: RowSampler = RowSampler()  # set from the environment at load (row_sampler.from_env)

@@ -46,6 +46,7 @@ from collections import OrderedDict
 from kvguard.engine_hooks import digest as dg
 
 from . import _runtime as rt
+from . import guard
 from ._runtime import State
 
 
@@ -172,7 +173,16 @@ def _send_post(token, result, self, *args, **kwargs):
 
 
 def send_kv_chunk_hook(name: str):
-    return rt.around(name, _send_pre, _send_post)
+    """The guard's step (guard.py) first, under its own name and failure policy, so that
+    an observation failure never switches it off; then the observing hook."""
+    observe = rt.around(name, _send_pre, _send_post)
+
+    def hook(original, *args, **kwargs):
+        guard.before_send(*args, **kwargs)
+        return observe(original, *args, **kwargs)
+
+    hook.__name__ = hook.__qualname__ = observe.__name__
+    return hook
 
 
 def _inflight_post(result, self, *args, **kwargs):

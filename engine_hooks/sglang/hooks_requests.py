@@ -118,8 +118,9 @@ def reject_phase(frames) -> str:
 def _set_finish_with_abort_pre(req, *args, **kwargs):
     if not State.hello_done:
         return None
-    rt.ensure_begun(req, cached_tokens=0, prompt_tokens=len(req.origin_input_ids))
-    return True
+    prompt_tokens = len(req.origin_input_ids)  # before the placeholder replaces the prompt
+    rt.ensure_begun(req, cached_tokens=0, prompt_tokens=prompt_tokens)
+    return prompt_tokens
 
 
 def _set_finish_with_abort_post(token, result, req, *args, **kwargs):
@@ -128,7 +129,8 @@ def _set_finish_with_abort_post(token, result, req, *args, **kwargs):
     error_msg = args[0] if args else kwargs.get("error_msg", "")
     phase = reject_phase(rt.caller_frames())
     if phase != "client_abort":  # a client abort ends as "abort", not "reject"
-        State.rejected[req.rid] = True
+        if req.rid not in State.rejected:  # the first rejection's prompt length, not a later placeholder's
+            State.rejected[req.rid] = token
     rt.probes().rejected(req.rid, phase, str(error_msg))
 
 
@@ -143,7 +145,8 @@ def _prepare_abort_post(result, req, *args, **kwargs):
     rt.ensure_begun(req)
     phase = reject_phase(rt.caller_frames())
     if phase != "client_abort":
-        State.rejected[req.rid] = True
+        if req.rid not in State.rejected:
+            State.rejected[req.rid] = len(req.origin_input_ids)
     rt.probes().rejected(req.rid, phase, str(error_message))
 
 

@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass
 
 from . import _runtime as rt
+from . import guard
 from . import hooks_allocator as ha
 from . import hooks_disagg as hd
 from . import hooks_requests as hq
@@ -310,6 +311,7 @@ def load() -> None:
         from .row_sampler import from_env
 
         rt.State.row_sampler = from_env()
+        guard.configure()  # KVGUARD_GUARD, KVGUARD_GUARD_FAIL (a bad value with fail closed raises below)
         from kvguard.engine_hooks import native
 
         native.library()  # logs which digest routine runs; a bad KVGUARD_DIGEST_NATIVE fails here

@@ -1,0 +1,66 @@
+"""Findings from the guard (``KVGUARD_GUARD``, engine_hooks/sglang/guard.py).
+
+The guard checks an invariant in the engine, and when it is about to be broken it fails
+the request there (``action: aborted``) or, when it cannot, lets it go on and says so
+(``action: observed``). Either way it sends a GUARD record; here it becomes the finding
+the same event would have raised without the guard, carrying what the guard did:
+
+- ``rejected_send`` (prefill was about to send a rejected request's KV as a finished
+  transfer, SGLang 0.5.19's incident path) -> ``transfer_size_mismatch`` on the prefill
+  engine: the engine sends a placeholder's ``send_tokens`` for a prompt of
+  ``prompt_tokens``, into ``reserved_pages`` pages decode reserved. When the guard
+  aborted it, decode never read those pages: nobody is exposed, and the finding says what
+  was prevented. When it only observed, decode's own findings (``unwritten_read`` with
+  the exposed tenants, ``transfer_size_mismatch``) follow from decode's records as usual.
+
+``evidence.source`` is ``"engine_guard"``. Warmup requests are never alarmed.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from kvguard.engine_hooks import wire
+
+from ..findings import CRITICAL, Finding, Party
+from .base import At
+from .reads import reader_party
+
+ACTIONS = {wire.GuardAction.ABORTED: "aborted", wire.GuardAction.OBSERVED: "observed"}
+
+
+class GuardDetector:
+    """A GUARD record: the engine's guard caught an invariant about to be broken."""
+
+    kinds: ClassVar[tuple[str, ...]] = ("transfer_size_mismatch",)
+    events: ClassVar[tuple[type, ...]] = (wire.Guard,)
+
+    def observe(self, g: wire.Guard, at: At) -> list[Finding]:
+        tracker = at.tracker
+        info = tracker.requests.get(g.req_key) if tracker is not None else None
+        if info is not None and info.warmup:
+            return []
+        room = None if g.room == wire.NO_ROOM else g.room
+        reader = reader_party(info) if info is not None else Party(f"key:{g.req_key:016x}", "", room)
+        action = ACTIONS[g.action]
+        into = f" into the {g.reserved_pages} pages decode reserved" if g.reserved_pages else ""
+        outcome = (
+            "the guard failed the request before decode read any of them: nothing was exposed"
+            if action == "aborted"
+            else "the guard could not fail it on this transfer backend (observed only): see decode's findings"
+        )
+        summary = (
+            f"{at.engine.role} rank {at.engine.rank}: request {reader.rid} (tenant {reader.tenant or '?'}, room "
+            f"{room}) was rejected by the engine, which then sent {g.send_tokens} token(s) of its "
+            f"{g.prompt_tokens}-token prompt as a finished transfer{into}; {outcome}"
+        )
+        evidence = {
+            "source": "engine_guard",
+            "action": action,
+            "rule": g.rule.name.lower(),
+            "prompt_tokens": g.prompt_tokens,
+            "sent_tokens": g.send_tokens,
+            "reserved_pages": g.reserved_pages or None,
+            "reason": g.reason,
+        }
+        return [Finding("transfer_size_mismatch", CRITICAL, at.engine, reader, [], [], at.ts_ns, summary, evidence)]
