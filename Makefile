@@ -9,6 +9,7 @@
 #   make test        venv + apt, then pytest
 #   make demo        the incident demo on the leaking SGLang (0.5.19)
 #   make demo-fixed  the same demo on the fixed SGLang (0.5.23)
+#   make demo-guard  the leaking 0.5.19 pair with kvguard's guard on: the request is failed, nothing leaks
 #   make soak-memory 30 min of 8 synthetic ranks: the sidecar's RSS stays flat (not in CI)
 #   make test-reliability  tests/reliability only
 #   make test-versions  the adapter's engine tests on all five supported SGLang releases
@@ -48,7 +49,7 @@ APT_PACKAGES ?= libibverbs1 prometheus prometheus-alertmanager redis-server libx
 
 VENV_STAMP := $(VENV)/.kvguard-venv
 
-.PHONY: venv apt native test demo demo-fixed clean distclean
+.PHONY: venv apt native test demo demo-fixed demo-guard clean distclean
 
 # The compiled alg-3 digest routine. The hooks fall back to the numpy path without it
 # (same digests, about 1.7x slower; engine_hooks/native/__init__.py says which is used);
@@ -150,6 +151,11 @@ demo: venv apt native
 
 demo-fixed: venv apt native
 	$(VENV)/bin/kvguard demo --sglang 0.5.23
+
+# The leaking 0.5.19 pair with kvguard's guard on (docs/guard.md): the over-long request gets an
+# error instead of other tenants' KV, the others are served, and kvguard reports what it prevented.
+demo-guard: venv apt native
+	$(VENV)/bin/kvguard demo --guard
 
 clean:
 	rm -rf .kvguard-cache .pytest_cache build *.egg-info bench-results.json $(NATIVE_DIR)/*.so

@@ -16,6 +16,7 @@ def cmd_demo(args) -> int:
         workdir=args.workdir,
         keep=args.keep,
         words=not args.dummy_weights,
+        guard=args.guard_mode,
     )
 
 
@@ -37,5 +38,15 @@ def register(sub) -> None:
         action="store_true",
         help="serve a dummy-weight model (the leak shows as "
         "pages only) instead of the echo model (the leak shows as another tenant's words)",
+    )
+    p.add_argument(
+        "--guard",
+        dest="guard_mode",
+        nargs="?",
+        const="transfer",
+        default="off",
+        choices=["off", "transfer", "full"],
+        help="run the engines with kvguard's guard (KVGUARD_GUARD; bare --guard: transfer): the request that "
+        "would read other tenants' KV is failed in the engine instead of served (docs/guard.md)",
     )
     p.set_defaults(func=cmd_demo)

@@ -161,6 +161,18 @@ def tell_story(run: DemoRun, out) -> None:
             f"Whom to notify: tenant(s) {', '.join(exposed)} (their KV was read by another request) and "
             f"{', '.join(readers)} (received a response computed over other tenants' data)."
         )
+    elif guard_aborts(findings):
+        prevented = guard_aborts(findings)[0]
+        say(
+            f"What happened: the engine was about to answer {long.result.tenant}'s rejected prompt over KV pages "
+            f"that still held other tenants' data (SGLang {version}'s bug); kvguard's guard "
+            f"(KVGUARD_GUARD={run.guard}) failed that one request in the engine instead, before decode read any of "
+            f"those pages. The {len(scenario.normal)} other requests were served as usual."
+        )
+        say(
+            f"Whom to notify: no tenant's data was exposed. Tenant {prevented.reader.tenant if prevented.reader else '?'} "
+            f"got an error for its over-length prompt. The engine still has the bug: upgrade it (docs/guard.md)."
+        )
     elif not long.result.ok:
         say(
             "What happened: the over-length prompt was rejected with an error and no request read foreign or "
@@ -174,8 +186,23 @@ def tell_story(run: DemoRun, out) -> None:
             )
 
 
-def expected(version: str, scenario, findings: list[Finding]) -> tuple[bool, str]:
+def guard_aborts(findings: list[Finding]) -> list[Finding]:
+    """The findings of what the engine's guard prevented (sidecar/detectors/guard.py)."""
+    return [f for f in findings if f.evidence.get("source") == "engine_guard" and f.evidence.get("action") == "aborted"]
+
+
+def expected(version: str, scenario, findings: list[Finding], guard: str = "off") -> tuple[bool, str]:
     reads = [f for f in findings if f.kind in READ_KINDS]
+    if version == "0.5.19" and guard != "off":
+        if reads:
+            return False, f"expected the guard to prevent every read finding, got {[f.kind for f in reads]}"
+        if scenario.long.result.ok:
+            return False, "expected the guard to fail the over-length prompt"
+        if not all(r.result.ok for r in scenario.normal):
+            return False, "expected the normal requests to complete under the guard"
+        if not guard_aborts(findings):
+            return False, "expected a finding of what the guard prevented (action: aborted)"
+        return True, ""
     if version == "0.5.19":
         if not any(f.kind == "unwritten_read" and f.exposed for f in reads):
             return False, "expected an unwritten_read naming exposed tenants on 0.5.19"
@@ -197,12 +224,15 @@ class DemoRun:
     records_by_kind: dict
     records_lost: int
     echo_lag: int | None = None  # set when the echo model served the demo (the leak in words)
+    guard: str = "off"  # KVGUARD_GUARD in the engines
 
 
 INITECH_TEXT = "initech quarterly TPS report, draft 3: all cover sheets must be attached. "
 
 
-def capture_incident(sglang_version: str, work: str, progress=sys.stderr, words: bool = False) -> DemoRun:
+def capture_incident(
+    sglang_version: str, work: str, progress=sys.stderr, words: bool = False, guard: str = "off"
+) -> DemoRun:
     """Sidecar + real PD pair behind SGLang's router + the incident scenario; everything
     stopped on return.
 
@@ -210,6 +240,8 @@ def capture_incident(sglang_version: str, work: str, progress=sys.stderr, words:
     ``lag`` positions back) with prompts laid out so that the leaked KV shows up as
     another tenant's words (demo/scenario.py WORDS_DEMO, docs/echo-model.md).
     ``progress``: where the progress lines go (a file; None: nowhere).
+    ``guard``: ``KVGUARD_GUARD`` in both engines (docs/guard.md): ``transfer`` fails the
+    rejected request instead of serving it over other tenants' KV.
     """
     from .engines import PDPair
     from .scenario import WORDS_DEMO, run_incident_scenario, words_demo_prompts
@@ -232,12 +264,18 @@ def capture_incident(sglang_version: str, work: str, progress=sys.stderr, words:
             "long_max_new_tokens": WORDS_DEMO["long_max_new_tokens"],
         }
 
+    if guard != "off":
+        pair_kwargs["extra_env"] = {"KVGUARD_GUARD": guard}
     ring_dir, log_dir = os.path.join(work, "rings"), os.path.join(work, "logs")
     os.makedirs(ring_dir, exist_ok=True)
     memory = MemorySink()
     sidecar = Sidecar(ring_dir, sinks=[memory], remove_dead_rings=False).start()
     try:
-        say(f"starting SGLang {sglang_version} prefill + decode on CPU with the kvguard plugin (a minute or two)")
+        say(
+            f"starting SGLang {sglang_version} prefill + decode on CPU with the kvguard plugin"
+            + (f" (KVGUARD_GUARD={guard})" if guard != "off" else "")
+            + " (a minute or two)"
+        )
         with PDPair(
             sglang_version, ring_dir, log_dir, router_args=DEMO_ROUTER_ARGS, progress=say, **pair_kwargs
         ) as pair:
@@ -250,7 +288,13 @@ def capture_incident(sglang_version: str, work: str, progress=sys.stderr, words:
         sidecar.stop()
     pipeline = sidecar.pipeline
     return DemoRun(
-        sglang_version, scenario, memory.findings, dict(pipeline.records_by_kind), sidecar.rings.stats.records_lost, lag
+        sglang_version,
+        scenario,
+        memory.findings,
+        dict(pipeline.records_by_kind),
+        sidecar.rings.stats.records_lost,
+        lag,
+        guard,
     )
 
 
@@ -311,6 +355,7 @@ def run_demo(
     workdir: str | None = None,
     keep: bool = False,
     words: bool = True,
+    guard: str = "off",
 ) -> int:
     """The demo as ``kvguard demo`` runs it. The work directory (rings, logs) is removed
     afterwards unless it was given, ``keep`` is set, or the run failed or was unexpected."""
@@ -326,8 +371,8 @@ def run_demo(
     ok, why, run = False, "the demo did not finish", None
     try:
         with library_logs_to(os.path.join(log_dir, "kvguard-demo.log")):
-            run = capture_incident(sglang_version, work, words=words)
-        ok, why = expected(sglang_version, run.scenario, run.findings)
+            run = capture_incident(sglang_version, work, words=words, guard=guard)
+        ok, why = expected(sglang_version, run.scenario, run.findings, guard)
     finally:
         if keep or workdir is not None or not ok:
             if workdir is None:

@@ -16,6 +16,7 @@ EXPOSURE_KINDS = "unwritten_read|foreign_read|use_after_free"
 FINDINGS = "kvguard_findings_total"
 INCIDENTS = "kvguard_incidents_total"
 INCIDENTS_FIRING = "kvguard_incidents_firing"
+GUARD_ABORTS = "kvguard_guard_aborts_total"
 
 WHO_WAS_EXPOSED = """
 Tenants and request ids are **never metric labels** (they are unbounded and name
@@ -158,6 +159,18 @@ def findings_row(d: Dashboard) -> Dashboard:
                 "Incidents opened since each sidecar started, by kind and severity.",
                 q(f"sum by (kind, severity) ({INCIDENTS}{{{INSTANCE}}})", "{{kind}} ({{severity}})", instant=True),
                 steps=((None, "orange"),),
+            )
+        )
+        .with_panel(
+            graph(
+                "Prevented by the guard: requests failed in the engine",
+                "Requests the engines' guard (KVGUARD_GUARD, docs/guard.md) failed through the engine's error path "
+                "instead of serving them over other tenants' KV, by the finding kind it raised (action: aborted). "
+                "Nobody was exposed; the engine still has the bug. Flat at 0 with the guard off.",
+                q(raised(GUARD_ABORTS, INSTANCE, "kind, instance"), "{{kind}} on {{instance}}"),
+                bars=True,
+                stacked=True,
+                span=24,
             )
         )
     )
