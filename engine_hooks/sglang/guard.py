@@ -38,11 +38,13 @@ A bad value of either variable is logged naming it and leaves the guard off, unl
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from . import _runtime as rt
 from ._runtime import State
@@ -180,12 +182,9 @@ def _fail_room(mgr, room: int, reason: str) -> bool:
     needed = ("record_failure", "update_status", "sync_status_to_decode_endpoint", "_prefill_unique_rank")
     if "mooncake" not in type(mgr).__module__ or not all(hasattr(mgr, n) for n in needed):
         return False
-    KVPoll = getattr(sys.modules.get(type(mgr).__module__), "KVPoll", None)  # what the manager's module uses
-    if KVPoll is None:
-        from sglang.srt.disaggregation.base.conn import KVPoll
-
+    failed = _kvpoll_failed(mgr)
     mgr.record_failure(room, reason)
-    mgr.update_status(room, KVPoll.Failed)
+    mgr.update_status(room, failed)
     # what the transfer worker sends decode when a transfer fails: [room, status, rank], no
     # more frames (0.5.19's decode thread unpacks exactly three). Only when no chunk of the
     # room is in flight: decode then frees the pages at once, with nothing left to land in them.
@@ -193,5 +192,13 @@ def _fail_room(mgr, room: int, reason: str) -> bool:
         rank = mgr._prefill_unique_rank()
         for info in getattr(mgr, "transfer_infos", {}).get(room, {}).values():
             if not info.is_dummy:
-                mgr.sync_status_to_decode_endpoint(info.endpoint, info.dst_port, room, KVPoll.Failed, rank)
+                mgr.sync_status_to_decode_endpoint(info.endpoint, info.dst_port, room, failed, rank)
     return True
+
+
+def _kvpoll_failed(mgr) -> int:
+    """``KVPoll.Failed`` as the manager's own module knows it (0 in every supported release)."""
+    kvpoll: Any = getattr(sys.modules.get(type(mgr).__module__), "KVPoll", None)
+    if kvpoll is None:
+        kvpoll = importlib.import_module("sglang.srt.disaggregation.base.conn").KVPoll
+    return int(kvpoll.Failed)
