@@ -104,7 +104,14 @@ def describe_finding(f: Finding, clients: dict[str, str] | None = None) -> list[
             )
     if f.kind == "pool_smaller_than_context":
         lines.append(f"    {f.summary}")
-    if f.kind == "transfer_size_mismatch":
+    if f.kind == "transfer_size_mismatch" and f.evidence.get("source") == "engine_guard":
+        e = f.evidence
+        lines.append(
+            f"    the engine's guard {'FAILED the request instead' if e['action'] == 'aborted' else 'only observed it'}: "
+            f"prefill was about to send {e['sent_tokens']} token(s) of a {e['prompt_tokens']}-token prompt it had "
+            f"rejected" + (f" into {e['reserved_pages']} pages decode reserved" if e.get("reserved_pages") else "")
+        )
+    elif f.kind == "transfer_size_mismatch":
         e = f.evidence
         lines.append(
             f"    prefill sent {e['sent_tokens']} token(s) in {e['sent_pages']} page(s) into a reservation "
