@@ -75,12 +75,17 @@ CHUNKED_PREFILL = 64
 # then bootstraps a request decode has already dropped and waits for decode's KV
 # indices until this timeout (SGLang's default is 300 s). 20 s, like the waiting
 # timeout engines.py sets for decode.
-PD_ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "20"}
+# kvguard's guard on in every soak engine (docs/guard.md): on a healthy engine it must change no
+# response and act on nothing (no GUARD record); "full" so that the read enforcement, when it lands,
+# is soaked too (until then it enforces the transfer invariants and says so in the engine log)
+GUARD_ENV = {"KVGUARD_GUARD": "full"}
+GUARD_LOG_LINE = "kvguard guard: KVGUARD_GUARD=full"
+PD_ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "20", **GUARD_ENV}
 # SGLang's admission reserves new_token_ratio x max_new_tokens per request; the ratio
 # starts at 0.7 and decays to ~0.1 over 600 decode steps, then resets to 1.0 at each
 # retraction. Starting lower and decaying faster makes the pool over-commit (and
 # retract) several times per run instead of once or twice late in it.
-RETRACTION_ENV = {"SGLANG_INIT_NEW_TOKEN_RATIO": "0.3", "SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS": "150"}
+RETRACTION_ENV = {"SGLANG_INIT_NEW_TOKEN_RATIO": "0.3", "SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS": "150", **GUARD_ENV}
 RETRACT_LINE = re.compile(r"KV cache pool is full\. Retract requests\. #retracted_reqs: (\d+)")
 
 KNOWN_FALSE_ALARMS = (
@@ -334,6 +339,10 @@ def check_sidecar_health(run: SoakRun) -> None:
     assert not any(s["ring_decode_errors"].values()), s["ring_decode_errors"]
     assert s["apply_errors"] == 0, s
     assert s["records_by_kind"].get("PROBE_ERROR", 0) == 0 and not run.probe_errors, run.probe_errors
+    # the guard was on in every engine (its start-up line) and acted on nothing
+    engine_logs = [p for p in run.logs if "router" not in os.path.basename(p)]
+    assert engine_logs and all(GUARD_LOG_LINE in Path(p).read_text(errors="replace") for p in engine_logs), engine_logs
+    assert s["records_by_kind"].get("GUARD", 0) == 0, s["records_by_kind"]
 
 
 def check_probes_fired(run: SoakRun, kinds) -> None:
