@@ -33,6 +33,7 @@ SGLANG_VERSION = "0.5.23"
 # targets (the brief's "Performance" section)
 TARGET_PAGE_READS_PER_S = 200e6  # whole 8-rank node on one core, ring -> verdict
 TARGET_PROBE_US_B256 = 160.0  # <= 1% of a 16 ms decode step
+TARGET_GUARD_TRANSFER_US = 20.0  # issue #15: the transfer guard under 20 us per request
 TARGET_LATENCY_MS = 100.0
 TARGET_BYTES_PER_PAGE = 64.0
 TARGET_DIGEST_RATIO = 0.8
@@ -315,6 +316,24 @@ def engine_part(sz: Sizes, res: dict, details: dict, log) -> None:
     )
 
 
+def guard_part(sz: Sizes, res: dict, details: dict, log) -> None:
+    """The guard on prefill's send path (bench/guard_bench.py, docs/guard.md)."""
+    from bench import guard_bench
+
+    log("guard: the transfer rule on the send path")
+    r = guard_bench.bench(calls=2_000 if sz.quick else 20_000)
+    res["engine.guard_transfer_us_per_request"] = r["guard_transfer_us_per_request"]
+    res["engine.guard_transfer_us_rejected"] = r["guard_transfer_us_rejected"]
+    res["engine.guard_off_us_per_request"] = r["guard_off_us_per_request"]
+    # nothing to measure yet: null with the reason, never an estimate
+    res["engine.guard_full_us_per_step_b256"] = None
+    res["notes"]["engine.guard_full_us_per_step_b256"] = (
+        "not measured: KVGUARD_GUARD=full's read enforcement is not built"
+    )
+    res["gpu.guard_step_ratio"] = None
+    res["notes"]["gpu.guard_step_ratio"] = "not measured: KVGUARD_GUARD=full's read enforcement is not built"
+
+
 def digest_part(sz: Sizes, res: dict, details: dict, log) -> None:
     log("raw xxh3 over page-sized buffers")
     raw = digest_bench.raw_xxh3(rounds=2 if sz.quick else 8)
@@ -543,6 +562,29 @@ def table(res: dict) -> str:
             "",
         ),
     ]
+    if g("engine.guard_transfer_us_per_request") is not None:
+        v = g("engine.guard_transfer_us_per_request")
+        rows += [
+            (
+                "guard (transfer) on prefill's send path, per request",
+                _fmt(v, " us"),
+                "< 20 us",
+                _status(v, TARGET_GUARD_TRANSFER_US, False),
+            ),
+            ("  the same with the guard off", _fmt(g("engine.guard_off_us_per_request"), " us"), "", ""),
+            (
+                "  a rejected request: decide, fail, record, log",
+                _fmt(g("engine.guard_transfer_us_rejected"), " us"),
+                "",
+                "",
+            ),
+            (
+                "guard (full) per decode step, batch 256",
+                "null (" + str(res["notes"].get("engine.guard_full_us_per_step_b256", "not measured")) + ")",
+                "<= 1% step (GPU)",
+                "",
+            ),
+        ]
     w = [max(len(r[i]) for r in rows) for i in range(4)]
     head = ("metric", "value", "target", "status")
     w = [max(w[i], len(head[i])) for i in range(4)]
@@ -594,6 +636,7 @@ def main(argv=None) -> int:
         ("sidecar", sidecar_part),
         ("latency", latency_part),
         ("engine", engine_part),
+        ("guard", guard_part),
         ("scaling", scaling_part),
         ("gpu", gpu_part),
     )

@@ -107,8 +107,14 @@ def test_quick_run_writes_results_and_nulls_what_is_not_implemented(tmp_path, ca
         "digest.raw_xxh3_page_buffers_gbps",
         "sidecar.records_per_s",
         "ratio.sidecar_over_raw",
+        "engine.guard_transfer_us_per_request",
+        "engine.guard_transfer_us_rejected",
     ):
         assert isinstance(res[key], (int, float)) and res[key] > 0, key
+    assert (
+        res["engine.guard_full_us_per_step_b256"] is None
+        and "not built" in res["notes"]["engine.guard_full_us_per_step_b256"]
+    )
     assert res["engine.probe_us_per_step_b256_tier1"] is None
     assert "engine part was skipped" in res["notes"]["engine.probe_us_per_step_b256_tier1"]
     assert res["digest.gbps"] > 0 and 0 < res["ratio.digest_over_raw_xxh3"] == pytest.approx(
@@ -122,6 +128,7 @@ def test_quick_run_writes_results_and_nulls_what_is_not_implemented(tmp_path, ca
     assert {p["axis"] for p in res["details"]["scaling"]} == {"batch", "context_tokens", "page_size", "ranks"}
     table = capsys.readouterr().out
     assert "sidecar page reads/s" in table and "null (not measured: the engine part was skipped)" in table
+    assert "guard (transfer) on prefill's send path, per request" in table
 
 
 @pytest.mark.engine

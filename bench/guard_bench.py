@@ -1,0 +1,100 @@
+"""The guard's cost on prefill's send path (KVGUARD_GUARD=transfer, docs/guard.md).
+
+``guard.before_send`` runs once per transfer chunk before SGLang's ``send_kv_chunk``.
+For a request the engine did not reject (every healthy request) it is a flag test and a
+dictionary lookup; for a rejected one it decides, fails the room through the transfer
+manager (a no-op stand-in here, so the figure is the guard's own work) and writes the
+GUARD record into a real ring. CPU time of the calling thread, median of repeats.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import statistics
+import tempfile
+import time
+import types
+
+import numpy as np
+
+from kvguard.engine_hooks.probes import Probes
+from kvguard.engine_hooks.ring import RingWriter
+from kvguard.engine_hooks.sglang import _runtime as rt
+from kvguard.engine_hooks.sglang import guard
+from kvguard.engine_hooks.sglang._runtime import State
+
+
+class _Manager:
+    """0.5.23's manager shape; its failure call does nothing (what the engine's own costs)."""
+
+    def __init__(self) -> None:
+        info = types.SimpleNamespace(dst_kv_indices=np.arange(150), is_dummy=False)
+        self.transfer_infos = {7: {"s": info}}
+
+    def conclude_failure(self, *, bootstrap_room, failure_reason) -> None:
+        pass
+
+
+def _req(rid: str, mgr) -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        rid=rid,
+        bootstrap_room=7,
+        bootstrap_host="10.0.0.2",
+        disagg_kv_sender=types.SimpleNamespace(kv_mgr=mgr),
+        origin_input_ids=[5],
+    )
+
+
+def _per_call_us(fn, calls: int, repeats: int = 5) -> float:
+    runs = []
+    for _ in range(repeats):
+        t0 = time.thread_time_ns()
+        for i in range(calls):
+            fn(i)
+        runs.append((time.thread_time_ns() - t0) / calls / 1e3)
+    return statistics.median(runs)
+
+
+def bench(calls: int = 20_000) -> dict:
+    # the guard's log line per rejected request is formatted and written, to memory (an
+    # engine writes it to its log; a terminal here would measure the terminal)
+    logger = logging.getLogger("kvguard.sglang")
+    handler = logging.StreamHandler(io.StringIO())
+    saved_handlers, saved_propagate = logger.handlers[:], logger.propagate
+    logger.handlers, logger.propagate = [handler], False
+    saved = rt.probes
+    with tempfile.TemporaryDirectory() as d:
+        probes = Probes(RingWriter(d, 1 << 22))
+        rt.probes = lambda: probes
+        try:
+            State.reset()
+            State.hello_done = True
+            guard.Guard.reset(guard.GuardConfig("transfer"))
+            mgr, sched = _Manager(), object()
+            healthy = [_req(f"ok-{i}", mgr) for i in range(calls)]
+            per_request = _per_call_us(lambda i: guard.before_send(sched, healthy[i], True), calls)
+            rejected = [_req(f"rej-{i}", mgr) for i in range(calls)]
+
+            def reject_and_send(i: int) -> None:
+                State.rejected[rejected[i].rid] = 600
+                guard.Guard.acted.pop(rejected[i].rid, None)
+                guard.before_send(sched, rejected[i], True)
+
+            per_rejected = _per_call_us(reject_and_send, calls // 10)
+            guard.Guard.reset(guard.GuardConfig("off"))
+            off = _per_call_us(lambda i: guard.before_send(sched, healthy[i], True), calls)
+        finally:
+            rt.probes = saved
+            logger.handlers, logger.propagate = saved_handlers, saved_propagate
+            guard.Guard.reset()
+            State.reset()
+    return {
+        "guard_transfer_us_per_request": per_request,
+        "guard_transfer_us_rejected": per_rejected,
+        "guard_off_us_per_request": off,
+    }
+
+
+if __name__ == "__main__":
+    print(bench())
