@@ -59,6 +59,7 @@ def every_kind(p: Probes, rid="r-1"):
     p.forward([rid], [13], [slots([4])[:1]], [slots([1, 2, 3, 4])[:13]])  # rows present (+ first HEARTBEAT)
     p.forward([rid, "other"], [14, 3], [[17], []])  # no rows
     p.rejected(rid, "decode", "out of memory \u2603")
+    p.guard_acted(rid, 42, "rejected_send", "aborted", prompt_tokens=16, send_tokens=1, reserved_pages=3, reason="g")
     p.request_end(rid, "length", 1000, 2000, 3, "done")
     p.pages_freed(slots([1, 2]), "group")
     p.pages_freed([3], "page_ids")
