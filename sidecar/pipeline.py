@@ -243,11 +243,13 @@ class Pipeline(TransferFlow):
         }
 
     def _on_guard(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
-        found = self._emit(self._observe(rec.body, t, rec.ts_ns))
+        found = self._observe(rec.body, t, rec.ts_ns)
         if rec.body.action == wire.GuardAction.ABORTED:
+            # counted before filing: a finding that joins an open incident is not delivered
+            # again, but the engine still failed that request
             for f in found:
                 self.guard_aborts[f.kind] += 1
-        return found
+        return self._emit(found)
 
     def _on_alloc(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
         pages = t.on_alloc(rec.body.pages)  # the valid ids: one past the pool's limit is counted and skipped
