@@ -50,6 +50,7 @@ def test_engine_args_pd_roles(tmp_path):
     for args in (prefill, decode, plain):
         assert args[args.index("--load-format") + 1] == "dummy"
         assert args[args.index("--context-length") + 1] == "2048"
+        assert "--sleep-on-idle" in args  # an idle scheduler would spin a core
     assert prefill[prefill.index("--disaggregation-mode") + 1] == "prefill"
     assert prefill[prefill.index("--max-total-tokens") + 1] == "256"
     assert decode[decode.index("--disaggregation-bootstrap-port") + 1] == "999"
