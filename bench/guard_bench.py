@@ -1,4 +1,5 @@
-"""The guard's cost on prefill's send path (KVGUARD_GUARD=transfer, docs/guard.md).
+"""The guard's cost on prefill's send path (KVGUARD_GUARD=transfer, docs/guard.md), and
+what KVGUARD_GUARD=full adds per step besides the Tier 1 check.
 
 ``guard.before_send`` runs once per transfer chunk before SGLang's ``send_kv_chunk``.
 For a request the engine did not reject (every healthy request) it is a flag test and a
@@ -93,7 +94,36 @@ def bench(calls: int = 20_000) -> dict:
         "guard_transfer_us_per_request": per_request,
         "guard_transfer_us_rejected": per_rejected,
         "guard_off_us_per_request": off,
+        "guard_full_hooks_us_per_step_b256": full_hooks_us_per_step(256, max(calls // 20, 200)),
     }
+
+
+def full_hooks_us_per_step(batch_size: int, steps: int) -> float:
+    """KVGUARD_GUARD=full's two per-step hooks on a healthy batch, as SGLang calls them
+    (``process_batch_result`` and ``stream_output``, each through the adapter's AROUND
+    wrapper around a no-op original): what ``full`` adds to each step besides the Tier 1
+    check itself, which the engine part measures (``engine.part_tier1_check_us_b256``)."""
+    State.reset()
+    State.hello_done = True
+    guard.Guard.reset(guard.GuardConfig("full"))
+    saved = rt.probes
+    probes = types.SimpleNamespace(tier1=None)  # the check's own cost is measured elsewhere
+    rt.probes = lambda: probes
+    try:
+        result = guard.result_hook("Scheduler.process_batch_result")
+        stream = guard.stream_hook("SchedulerOutputStreamer.stream_output")
+        reqs = [types.SimpleNamespace(rid=f"r{i}", output_ids=[1, 2], to_finish=None) for i in range(batch_size)]
+        batch, noop = types.SimpleNamespace(reqs=reqs), (lambda *a, **k: None)
+
+        def step(_i: int) -> None:
+            result(noop, object(), batch, None)
+            stream(noop, object(), reqs, False)
+
+        return _per_call_us(step, steps)
+    finally:
+        rt.probes = saved
+        guard.Guard.reset()
+        State.reset()
 
 
 if __name__ == "__main__":

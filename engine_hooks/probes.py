@@ -405,14 +405,19 @@ class Probes:
 
     def start_tier1(self, pool_pages: int) -> tier1_mod.Tier1:
         """Create Tier 1 (engine_hooks/tier1.py), fed from now on by the probes below."""
+        required = tier1_mod.required_by()
         self.tier1 = tier1_mod.Tier1(
             int(pool_pages),
             self.page_size,
             on_violation=self._tier1_violation,
             on_error=lambda where, exc: self.report_probe_error("tier1." + where, exc),
+            on_reader=required[1] if required else None,
         )
         log.info(
-            "kvguard tier1 read check on (%s=1): %d pages of %d tokens", tier1_mod.ENV, int(pool_pages), self.page_size
+            "kvguard tier1 read check on (%s): %d pages of %d tokens",
+            required[0] if required else tier1_mod.ENV + "=1",
+            int(pool_pages),
+            self.page_size,
         )
         return self.tier1
 

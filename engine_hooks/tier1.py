@@ -68,10 +68,31 @@ TAG_FREE, TAG_ALLOCATED, TAG_OTHER = 1, 2, 3
 TAG_NAMES = {TAG_FREE: "free", TAG_ALLOCATED: "allocated", TAG_OTHER: "other_request"}
 
 
+# Set by an enforcer that needs the check whatever KVGUARD_TIER1 says (the guard's
+# ``KVGUARD_GUARD=full``, engine_hooks/sglang/guard.py): (who asked, its per-reader callback).
+_required: tuple[str, object] | None = None
+
+
+def require(by: str | None, on_reader=None) -> None:
+    """Turn the check on for this process, for ``by``, and hand every reader a check finds
+    violating to ``on_reader(rid, tags, pages, owners)`` (each check that finds it, not only
+    the first: an enforcer must see the reader in the step it acts on). ``None``: no longer
+    required (KVGUARD_TIER1 decides again)."""
+    global _required
+    _required = None if by is None else (by, on_reader)
+
+
+def required_by() -> tuple[str, object] | None:
+    return _required
+
+
 def enabled_from_env(environ=None) -> bool:
     """``KVGUARD_TIER1=1`` turns the check on. Off by default: on a GPU it costs a few
     small kernels per step, and on a CPU engine the gather runs on the serving cores
-    (docs/performance.md); a bad value is logged and leaves it off."""
+    (docs/performance.md); a bad value is logged and leaves it off. An enforcer that
+    :func:`require` d it turns it on regardless."""
+    if _required is not None:
+        return True
     raw = (os.environ if environ is None else environ).get(ENV, "0").strip().lower()
     if raw in ("1", "true", "yes", "on"):
         return True
@@ -113,7 +134,7 @@ class Violation:
 
 
 class Tier1:
-    def __init__(self, num_pages: int, page_size: int, on_violation=None, on_error=None):
+    def __init__(self, num_pages: int, page_size: int, on_violation=None, on_error=None, on_reader=None):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = int(page_size)
@@ -122,6 +143,9 @@ class Tier1:
         self.row_tags = np.zeros(1024, np.int32)  # 0: row not bound to a known request (not judged)
         self.on_violation = on_violation
         self.on_error = on_error  # (where, exception) once, when Tier 1 turns itself off
+        # (rid, tags, pages, owners) for every violating reader of every check, before the
+        # once-per-(reader, page) report: the guard's read enforcement (KVGUARD_GUARD=full)
+        self.on_reader = on_reader
         self.enabled = True
         self.disabled_reason = ""
         self.errors = 0
@@ -415,6 +439,18 @@ class Tier1:
             if int(self._pinned[slot]):
                 self._details(bad, pages, got, rids, seq)
 
+    def resolve(self) -> None:
+        """Look at every check in flight now, waiting for the GPU where needed (nothing to do
+        on CPU, where each check is looked at inline). The guard calls this where the
+        scheduler itself synchronizes for the sampled tokens: the checks were queued before
+        the forwards whose results it waits for, so this adds at most the check kernels'
+        own time to a wait the scheduler makes anyway."""
+        if self.enabled and self._pending:
+            try:
+                self._poll(block=True)
+            except Exception as exc:  # noqa: BLE001
+                self._failed("resolve", exc)
+
     def flush(self) -> None:
         """Wait for every GPU check in flight and report what it found (tests, shutdown)."""
         if self.enabled:
@@ -433,6 +469,8 @@ class Tier1:
         for i in np.unique(where[:, 0]).tolist():
             sel = where[:, 0] == i
             rid = rids[i]
+            if self.on_reader is not None:
+                self._tell_reader(rid, pg[sel], tg[sel])
             fresh = [k for k in np.flatnonzero(sel).tolist() if (rid, int(pg[k])) not in self._seen]
             if not fresh:
                 continue
@@ -450,6 +488,14 @@ class Tier1:
                     self.on_violation(v, self.reported)
                 except Exception as exc:  # noqa: BLE001 - the log line and the counter stand on their own
                     log.warning("kvguard tier1: reporting a violation failed: %s: %s", type(exc).__name__, exc)
+
+    def _tell_reader(self, rid, pages: np.ndarray, tags: np.ndarray) -> None:
+        kinds = [TAG_FREE if t == FREE else TAG_ALLOCATED if t == ALLOCATED else TAG_OTHER for t in tags.tolist()]
+        owners = [self._tag_rid.get(int(t)) if k == TAG_OTHER else None for t, k in zip(tags.tolist(), kinds)]
+        try:
+            self.on_reader(rid, kinds, pages.tolist(), owners)
+        except Exception as exc:  # noqa: BLE001 - the enforcer's failure is its own; the check goes on
+            log.warning("kvguard tier1: the reader callback failed: %s: %s", type(exc).__name__, exc)
 
     def stats(self) -> dict:
         return {

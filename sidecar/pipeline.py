@@ -25,7 +25,7 @@ from .detectors.base import (
 )
 from .detectors.config import PoolContextDetector
 from .detectors.gaps import EventsLostDetector
-from .detectors.guard import GuardDetector
+from .detectors.guard import ACTIONS, GUARD_ABORT_KINDS, READ_RULES, GuardDetector
 from .detectors.isolation import TenantIsolationDetector
 from .detectors.lifetime import DoubleFreeDetector, WriteDetector
 from .detectors.reads import ReadDetector
@@ -243,7 +243,14 @@ class Pipeline(TransferFlow):
         }
 
     def _on_guard(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
-        found = self._observe(rec.body, t, rec.ts_ns)
+        body = rec.body
+        read_kind = READ_RULES.get(body.rule)
+        if read_kind is not None:  # the reader's read findings, raised after this, carry the action
+            t.requests.get_or_stub(body.req_key).guard_action = ACTIONS[body.action]
+            if body.action == wire.GuardAction.ABORTED:
+                self.guard_aborts[read_kind] += 1
+            return []
+        found = self._observe(body, t, rec.ts_ns)
         if rec.body.action == wire.GuardAction.ABORTED:
             # counted before filing: a finding that joins an open incident is not delivered
             # again, but the engine still failed that request
@@ -441,5 +448,5 @@ class Pipeline(TransferFlow):
             # the queued alert sinks; the log and JSON-lines sinks (and the tracer) write
             # synchronously and cannot fail quietly, so they have nothing to report
             sinks=tuple(sink.delivery_stats() for sink in self.sinks if hasattr(sink, "delivery_stats")),
-            guard_aborts={kind: self.guard_aborts[kind] for kind in GuardDetector.kinds},
+            guard_aborts={kind: self.guard_aborts[kind] for kind in GUARD_ABORT_KINDS},
         )

@@ -26,6 +26,7 @@ class RequestInfo:
     rejected: str = ""
     reprefilled: bool = False  # KV released and prefilled again (REQ_END flag): TTFT not comparable
     known: bool = True  # False: a stub for a request whose REQ_BEGIN we never saw (not judged)
+    guard_action: str = ""  # what the engine's guard did about its reads (GUARD read rules): aborted / observed
 
 
 class RequestDirectory:

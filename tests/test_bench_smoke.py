@@ -109,11 +109,12 @@ def test_quick_run_writes_results_and_nulls_what_is_not_implemented(tmp_path, ca
         "ratio.sidecar_over_raw",
         "engine.guard_transfer_us_per_request",
         "engine.guard_transfer_us_rejected",
+        "engine.guard_full_hooks_us_per_step_b256",
     ):
         assert isinstance(res[key], (int, float)) and res[key] > 0, key
     assert (
         res["engine.guard_full_us_per_step_b256"] is None
-        and "not built" in res["notes"]["engine.guard_full_us_per_step_b256"]
+        and "the engine part (Tier 1's check) was skipped" in res["notes"]["engine.guard_full_us_per_step_b256"]
     )
     assert res["engine.probe_us_per_step_b256_tier1"] is None
     assert "engine part was skipped" in res["notes"]["engine.probe_us_per_step_b256_tier1"]

@@ -15,6 +15,7 @@ import pytest
 from recording_probes import RecordingProbes
 from test_pipeline import engines, pd_request, run
 
+from kvguard.engine_hooks import tier1
 from kvguard.engine_hooks.sglang import _runtime as rt
 from kvguard.engine_hooks.sglang import guard
 from kvguard.engine_hooks.sglang import hooks_disagg as hd
@@ -51,10 +52,18 @@ def test_configure_logs_a_bad_value_and_stays_off_unless_fail_closed(caplog):
         guard.configure({"KVGUARD_GUARD": "yes", "KVGUARD_GUARD_FAIL": "closed"})
 
 
-def test_full_says_at_start_up_that_it_enforces_the_transfer_invariants_only(caplog):
-    with caplog.at_level(logging.WARNING, logger="kvguard.sglang"):
-        assert guard.configure({"KVGUARD_GUARD": "full"}).mode == "full"
-    assert "not in this build" in caplog.text and Guard.config.transfer
+def test_full_turns_the_read_check_on_for_the_guard_and_says_so(caplog):
+    try:
+        with caplog.at_level(logging.INFO, logger="kvguard.sglang"):
+            assert guard.configure({"KVGUARD_GUARD": "full"}).mode == "full"
+        assert "KVGUARD_GUARD=full: transfer invariants and the read check (Tier 1) enforced" in caplog.text
+        assert Guard.config.transfer and Guard.config.read
+        assert tier1.required_by() == ("KVGUARD_GUARD=full", guard.on_read_violation)
+        assert tier1.enabled_from_env({"KVGUARD_TIER1": "0"})  # on whatever KVGUARD_TIER1 says
+        guard.configure({"KVGUARD_GUARD": "transfer"})
+        assert tier1.required_by() is None and not tier1.enabled_from_env({})
+    finally:
+        guard.configure({})
 
 
 # --------------------------------------------------------------------------- prefill's send
@@ -244,7 +253,7 @@ def test_the_guard_record_becomes_a_finding_saying_what_was_prevented(tmp_path):
     }
     assert "nothing was exposed" in guarded.summary
     stats = sidecar.pipeline_stats()
-    assert stats.guard_aborts == {"transfer_size_mismatch": 1}
+    assert stats.guard_aborts == {"transfer_size_mismatch": 1, "foreign_read": 0, "use_after_free": 0}
     sidecar.stop()
 
 
@@ -257,5 +266,155 @@ def test_an_observed_guard_finding_is_not_counted_as_an_abort(tmp_path):
     sidecar, findings = run(tmp_path)
     (guarded,) = [f for f in findings if f.evidence.get("source") == "engine_guard"]
     assert guarded.evidence["action"] == "observed" and guarded.evidence["reserved_pages"] is None
-    assert sidecar.pipeline_stats().guard_aborts == {"transfer_size_mismatch": 0}
+    assert sidecar.pipeline_stats().guard_aborts == {
+        "transfer_size_mismatch": 0,
+        "foreign_read": 0,
+        "use_after_free": 0,
+    }
+    sidecar.stop()
+
+
+# --------------------------------------------------------------------------- full: reads
+class FINISH_ABORT:  # SGLang's name: the guard finds it in the req's own module
+    def __init__(self, message=None, status_code=None, err_type=None):
+        self.message, self.status_code, self.err_type = message, status_code, err_type
+
+
+class Req:
+    """SGLang's Req, as far as the read guard uses it."""
+
+    def __init__(self, rid, output_ids=()):
+        self.rid = rid
+        self.output_ids = list(output_ids)
+        self.to_finish = None
+        self.finished_reason = None
+
+    def finished(self):
+        return self.finished_reason is not None
+
+    def append_and_finish(self, token):  # what process_batch_result does with a sampled token
+        self.output_ids.append(token)
+        if self.to_finish:
+            self.finished_reason, self.to_finish = self.to_finish, None
+
+
+@pytest.fixture
+def full(probes):
+    Guard.reset(GuardConfig("full"))
+    State.role = "unified"
+    return probes
+
+
+def batch(*reqs):
+    return types.SimpleNamespace(reqs=list(reqs))
+
+
+def test_a_refused_reader_is_aborted_at_its_result_and_streamed_without_the_token(full):
+    victim, other = Req("victim", [7, 8]), Req("other", [1])
+    # Tier 1, during the forward: the victim's row names a page of request "owner"
+    guard.on_read_violation("victim", [tier1.TAG_OTHER, tier1.TAG_OTHER], [41, 42], ["owner", "owner"])
+    ((_, args, kwargs),) = full.named("guard_acted")
+    assert args == ("victim", -1, "read_foreign", "aborted") and kwargs["reserved_pages"] == 2
+    assert "request victim's forward read 2 KV page(s) not its own (of request owner)" in kwargs["reason"]
+    # process_batch_result: SGLang's own abort, before the sampled tokens are appended
+    guard.before_result(object(), batch(other, victim), object())
+    assert isinstance(victim.to_finish, FINISH_ABORT) and other.to_finish is None
+    assert (victim.to_finish.status_code, victim.to_finish.err_type) == (500, "KVGuardReadViolation")
+    assert victim.to_finish.message == kwargs["reason"]
+    for req, token in ((other, 2), (victim, 666)):
+        req.append_and_finish(token)
+    # stream_output: the token of the refused forward never leaves; the other request's does
+    guard.before_stream(object(), [other, victim], False)
+    assert victim.output_ids == [7, 8] and victim.finished() and other.output_ids == [1, 2]
+    assert Guard.to_cut == {}
+    # once per request
+    guard.on_read_violation("victim", [tier1.TAG_OTHER], [41], ["owner"])
+    assert len(full.named("guard_acted")) == 1 and Guard.to_abort == {}
+
+
+def test_a_reader_not_yet_finished_keeps_its_cut_until_it_is(full):
+    chunked = Req("chunked", [])
+    guard.on_read_violation("chunked", [tier1.TAG_FREE], [9], [None])
+    assert full.named("guard_acted")[0][1][2] == "read_freed"
+    guard.before_result(object(), batch(chunked), object())
+    guard.before_stream(object(), [chunked], False)  # a middle chunk: no token, not finished
+    assert id(chunked) in Guard.to_cut
+    chunked.append_and_finish(666)  # its last chunk's token
+    guard.before_stream(object(), [chunked], False)
+    assert chunked.output_ids == [] and Guard.to_cut == {}
+
+
+def test_on_prefill_of_a_pair_the_readers_transfer_is_failed_instead(full, mooncake_module):
+    State.role = "prefill"
+    mgr = mooncake_module(transfer_infos={7: {"a": Info("10.0.0.2", 9000, np.arange(4))}})
+    guard.on_read_violation("r", [tier1.TAG_OTHER], [5], ["owner"])
+    assert Guard.to_abort == {} and "r" in Guard.to_fail_send
+    guard.before_send(object(), make_req("r", mgr), True)
+    assert [c[0] for c in mgr.calls] == ["record_failure", "update_status", "sync"]
+    assert "forward read 1 KV page(s) not its own" in mgr.calls[0][2]
+    assert len(full.named("guard_acted")) == 1  # said when Tier 1 found it, not again at the send
+
+
+def test_a_health_check_reader_is_observed_not_aborted(full):
+    guard.on_read_violation("HEALTH_CHECK_1", [tier1.TAG_OTHER], [5], ["owner"])
+    assert full.named("guard_acted")[0][1][3] == "observed" and Guard.to_abort == {}
+
+
+@pytest.mark.parametrize("mode", ["off", "transfer"])
+def test_below_full_reads_are_not_enforced(full, mode):
+    Guard.reset(GuardConfig(mode))
+    guard.on_read_violation("victim", [tier1.TAG_OTHER], [5], ["owner"])
+    req = Req("victim")
+    guard.before_result(object(), batch(req), object())
+    assert full.named("guard_acted") == [] and req.to_finish is None
+
+
+def test_an_internal_error_in_the_read_guard_turns_it_off_unless_fail_closed(full):
+    guard.on_read_violation("victim", [tier1.TAG_OTHER], [5], ["owner"])
+    guard.before_result(object(), object(), object())  # no .reqs: fail open
+    assert not rt.is_enabled(guard.GUARD_READ)
+    assert [c[1][0] for c in full.named("report_probe_error")] == ["sglang." + guard.GUARD_READ]
+    Guard.reset(GuardConfig("full", "closed"))
+    State.reset()
+    guard.on_read_violation("victim", [tier1.TAG_OTHER], [5], ["owner"])
+    with pytest.raises(AttributeError):
+        guard.before_result(object(), object(), object())
+
+
+def test_tier1_hands_the_reader_to_the_guard_on_every_check_that_finds_it():
+    import torch
+
+    seen = []
+    t = tier1.Tier1(16, 4, on_reader=lambda *a: seen.append(a))
+    t.allocated([1, 2])
+    t.assigned("owner", 0, 0, [1])
+    t.assigned("victim", 0, 0, [2])
+    t.bind_row(0, "victim")
+    req_to_token = torch.zeros((2, 16), dtype=torch.int32)
+    req_to_token[0, :8] = torch.tensor([8, 9, 10, 11, 4, 5, 6, 7])  # page 2, then the owner's page 1
+    rows, lens = torch.tensor([0]), torch.tensor([8])
+    assert t.check(req_to_token, rows, lens, ["victim"]) == 1
+    assert t.check(req_to_token, rows, lens, ["victim"]) == 1  # reported once, handed over each time
+    assert seen == [("victim", [tier1.TAG_OTHER], [1], ["owner"])] * 2 and t.reported == 1
+
+
+def test_the_read_findings_carry_what_the_guard_did(tmp_path):
+    _prefill, decode = engines(tmp_path)
+    decode.request_begin("owner", "acme", None, 8, 0, False)
+    decode.request_begin("victim", "initech", None, 8, 0, False)
+    decode.guard_acted(
+        "victim", -1, "read_foreign", "aborted", prompt_tokens=0, send_tokens=0, reserved_pages=1, reason="why"
+    )
+    # Tier 1's record for the same read, after the guard's (engine_hooks/tier1.py hands the reader over first)
+    decode._tier1_violation(tier1.Violation("victim", 8, [1], [1], ["owner"], [tier1.TAG_OTHER]), 1)
+    sidecar, findings = run(tmp_path)
+    (read,) = [f for f in findings if f.kind == "foreign_read"]
+    assert read.evidence["action"] == "aborted" and read.evidence["source"] == "engine_tier1"
+    assert "the engine's guard failed the request before that forward's token was returned" in read.summary
+    assert [p.tenant for p in read.exposed] == ["acme"] and read.reader.rid == "victim"
+    assert sidecar.pipeline_stats().guard_aborts == {
+        "transfer_size_mismatch": 0,
+        "foreign_read": 1,
+        "use_after_free": 0,
+    }
     sidecar.stop()

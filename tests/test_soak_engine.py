@@ -76,10 +76,11 @@ CHUNKED_PREFILL = 64
 # indices until this timeout (SGLang's default is 300 s). 20 s, like the waiting
 # timeout engines.py sets for decode.
 # kvguard's guard on in every soak engine (docs/guard.md): on a healthy engine it must change no
-# response and act on nothing (no GUARD record); "full" so that the read enforcement, when it lands,
-# is soaked too (until then it enforces the transfer invariants and says so in the engine log)
+# response and act on nothing (no GUARD record); "full", so that the transfer invariants and the
+# read check (Tier 1, enforced: a false positive would fail a client's request) are both soaked
 GUARD_ENV = {"KVGUARD_GUARD": "full"}
 GUARD_LOG_LINE = "kvguard guard: KVGUARD_GUARD=full"
+TIER1_LOG_LINE = "kvguard tier1: first check ran"  # the read check did run on the soak's forwards
 PD_ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "20", **GUARD_ENV}
 # SGLang's admission reserves new_token_ratio x max_new_tokens per request; the ratio
 # starts at 0.7 and decays to ~0.1 over 600 decode steps, then resets to 1.0 at each
@@ -342,6 +343,7 @@ def check_sidecar_health(run: SoakRun) -> None:
     # the guard was on in every engine (its start-up line) and acted on nothing
     engine_logs = [p for p in run.logs if "router" not in os.path.basename(p)]
     assert engine_logs and all(GUARD_LOG_LINE in Path(p).read_text(errors="replace") for p in engine_logs), engine_logs
+    assert all(TIER1_LOG_LINE in Path(p).read_text(errors="replace") for p in engine_logs), engine_logs
     assert s["records_by_kind"].get("GUARD", 0) == 0, s["records_by_kind"]
 
 

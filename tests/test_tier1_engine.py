@@ -1,13 +1,16 @@
-"""Tier 1 inside a real SGLang 0.5.23 engine on CPU, with no sidecar at all.
+"""Tier 1 and the guard's read enforcement inside a real SGLang 0.5.23 engine on CPU, with no sidecar at all.
 
-The engine runs with ``KVGUARD_TIER1=1``, a small chunked-prefill size and the
-radix cache on; nothing reads its ring while it serves. First a healthy mix
-(shared prefixes, a prompt prefilled in several chunks, concurrent requests) must
-give no Tier-1 violation; then the test-only fault plugin (tests/faults/kvguard_faults,
-fault ``row_corruption``) points one req_to_token entry of a running request at
-another running request's page, and the engine itself must say so: its log line
-names the reader, the page and the page's owner, and a TIER1_VIOLATION record with
-the same facts is in the ring for a sidecar that attaches later.
+The engine runs with ``KVGUARD_GUARD=full`` (which turns Tier 1 on and enforces it,
+docs/guard.md), a small chunked-prefill size and the radix cache on; nothing reads its
+ring while it serves. First a healthy mix (shared prefixes, a prompt prefilled in
+several chunks, concurrent requests) must give no Tier-1 violation and no abort; then
+the test-only fault plugin (tests/faults/kvguard_faults, fault ``row_corruption``)
+points one req_to_token entry of a running request at another running request's page,
+and the engine itself must say so and act: its log line names the reader, the page and
+the page's owner; the reader, a streaming client, is finished with SGLang's abort
+(status 500, the guard's reason) and receives none of the tokens of the forward that
+read the owner's page; the owner is served in full; GUARD and TIER1_VIOLATION records
+with the same facts are in the ring for a sidecar that attaches later.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def engine(tmp_path_factory, require_sglang):
         ring_dir=ring_dir,
         # one batch at a time, so the corrupted row is read by exactly the next forward
         extra_args=["--disable-overlap-schedule", "--max-running-requests", "8", "--chunked-prefill-size", "16"],
-        extra_env={"KVGUARD_TIER1": "1", "KVGUARD_FAULT": "row_corruption", "KVGUARD_FAULT_DIR": str(events_dir)},
+        extra_env={"KVGUARD_GUARD": "full", "KVGUARD_FAULT": "row_corruption", "KVGUARD_FAULT_DIR": str(events_dir)},
         extra_pythonpath=[FAULTS_DIR],
     )
     print(f"\nengine ready in {time.monotonic() - t0:.1f} s")
@@ -105,10 +108,27 @@ def test_healthy_traffic_gives_no_violation(engine):
     jobs += [("plain-%d" % i, [rng.randint(3, 255) for _ in range(5 + 7 * i)], 10 + i) for i in range(3)]
     with ThreadPoolExecutor(len(jobs)) as pool:
         [f.result() for f in [pool.submit(generate, eng.url, *j) for j in jobs]]
-    assert log_lines(eng, "kvguard tier1 read check on"), "Tier 1 was not switched on in the engine"
+    assert log_lines(eng, "kvguard tier1 read check on (KVGUARD_GUARD=full)"), "the guard did not turn Tier 1 on"
     assert wait_for(lambda: log_lines(eng, "kvguard tier1: first check"), "first Tier-1 check", 10)
     assert log_lines(eng, VIOLATION) == []
-    assert log_lines(eng, "kvguard tier1 check failed") == []
+    assert log_lines(eng, "kvguard tier1 check failed") == [] and log_lines(eng, "kvguard guard: request") == []
+    assert log_lines(eng, "hook guard.read failed") == []
+
+
+def generate_stream(url: str, rid: str, input_ids: list[int], max_new_tokens: int) -> tuple[int, list[dict]]:
+    """A streaming client: (HTTP status, every chunk's JSON)."""
+    body = {
+        "rid": rid,
+        "input_ids": input_ids,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+    }
+    chunks = []
+    with httpx.stream("POST", url + "/generate", json=body, timeout=120.0) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                chunks.append(json.loads(line[5:]))
+        return r.status_code, chunks
 
 
 def test_a_foreign_row_entry_is_caught_by_the_engine_itself(engine):
@@ -116,26 +136,47 @@ def test_a_foreign_row_entry_is_caught_by_the_engine_itself(engine):
     rng = random.Random(3)
     reader, owner = make_rid("row_corruption", "reader", "1"), make_rid("row_corruption", "owner", "1")
     with ThreadPoolExecutor(2) as pool:
-        futures = [
-            pool.submit(generate, eng.url, reader, [rng.randint(3, 255) for _ in range(16)], 16),
-            pool.submit(generate, eng.url, owner, [rng.randint(3, 255) for _ in range(16)], 16),
-        ]
-        [f.result() for f in futures]
+        streamed = pool.submit(generate_stream, eng.url, reader, [rng.randint(3, 255) for _ in range(16)], 16)
+        served = pool.submit(generate, eng.url, owner, [rng.randint(3, 255) for _ in range(16)], 16)
+        served.result()  # the owner: HTTP 200, all 16 tokens (generate asserts both)
+        status, chunks = streamed.result()
     (ev,) = wait_for(lambda: events(events_dir, "row_corruption", "row_corrupted"), "row_corrupted event")
-    wait_for(lambda: events(events_dir, "row_corruption", "row_restored"), "row_restored event")
     (line,) = wait_for(lambda: log_lines(eng, VIOLATION), "Tier-1 violation in the engine log", 10)
     print(line)
     page = ev["owner_page"]
     assert f"request {reader} read page {page} (row page 1, request {owner})" in line
-    # the same facts in the ring, for a sidecar that attaches later
+    (guard_line,) = log_lines(eng, "kvguard guard: request")
+    assert (
+        f"request {reader}'s forward read 1 KV page(s) not its own (of request {owner}): page(s) {page}" in guard_line
+    )
+
+    # the reader: SGLang's abort with the guard's reason, and only the tokens of the forwards before
+    # the one that read the owner's page (a stream's status is sent before the first token)
+    assert status == 200 and chunks, chunks
+    last = chunks[-1]["meta_info"]
+    finish = last["finish_reason"]
+    assert finish["type"] == "abort" and finish["status_code"] == 500, last
+    assert finish["err_type"] == "KVGuardReadViolation" and "not its own" in finish["message"], finish
+    assert last["completion_tokens"] == ev["reader_output_tokens"] < 16, (last, ev)
+    # each chunk carries the output so far (SGLang's default, non-incremental streaming)
+    assert max(len(c.get("output_ids") or []) for c in chunks) <= ev["reader_output_tokens"], (chunks[-1], ev)
+
+    # the same facts in the ring, for a sidecar that attaches later: the guard's record first
     recs = []
     for path in ring_dir.glob("*.ring"):
         recs += [
-            r.body
+            r
             for r in RingReader(str(path)).poll(max_bytes=64 << 20).records
-            if r.kind == wire.Kind.TIER1_VIOLATION
+            if r.kind in (wire.Kind.TIER1_VIOLATION, wire.Kind.GUARD)
         ]
-    (v,) = recs
+    assert [r.kind for r in recs] == [wire.Kind.GUARD, wire.Kind.TIER1_VIOLATION], recs
+    g, v = recs[0].body, recs[1].body
+    assert (g.req_key, g.rule, g.action) == (
+        wire.request_key(reader),
+        wire.GuardRule.READ_FOREIGN,
+        wire.GuardAction.ABORTED,
+    )
+    assert g.reserved_pages == 1 and g.reason == finish["message"]
     assert v.reader_key == wire.request_key(reader) and v.pages.tolist() == [page]
     assert v.owner_keys.tolist() == [wire.request_key(owner)] and v.row_indices.tolist() == [1]
     assert v.tags.tolist() == [wire.Tier1Tag.OTHER_REQUEST]

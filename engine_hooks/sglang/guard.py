@@ -10,9 +10,24 @@ Modes:
   is replaced by a 1-token placeholder, still bootstrapped, and its one page sent as a
   successful transfer into the 150 pages decode reserved; decode's attention then reads
   the other 149, still holding other tenants' KV.
-* ``full``: ``transfer`` plus enforcing the engine's own read check (Tier 1). The read
-  enforcement is not in this build: ``full`` logs so at start-up and enforces
-  ``transfer``.
+* ``full``: ``transfer`` plus enforcing the engine's own read check (Tier 1,
+  engine_hooks/tier1.py, turned on by this mode): a request whose forward reads a row
+  page of another live request, one handed out but in no row, or a freed page, is
+  finished with an error before that forward's token reaches the client (below). Not
+  enforced in the engine: a reserved page of the reader's own that nothing wrote (the
+  sidecar reports it as ``unwritten_read``; on prefill/decode the transfer rule above
+  is what stops the incident's case).
+
+How a reader is failed (``full``): Tier 1 hands each violating reader to
+:func:`on_read_violation` during the forward (inline on CPU; on a GPU where the
+scheduler waits for the sampled tokens, :func:`before_result`). At that batch's
+``process_batch_result`` the request gets ``req.to_finish = FINISH_ABORT(reason, 500)``,
+SGLang's own path for aborting a running request (client aborts, retraction failures):
+it is finished, its KV released, its answer an HTTP 500 with the reason. The token the
+violating forward produced for it is cut from its output before ``stream_output`` sends
+anything (:func:`before_stream`), so a streaming client never sees it either. The other
+requests of the batch are untouched. On a prefill engine of a pair the reader's
+transfer is failed instead, as for a rejected send.
 
 How a request is failed: in prefill's ``send_kv_chunk`` (the hook
 engine_hooks/sglang/hooks_disagg.py already wraps), before the original runs, the room
@@ -54,6 +69,9 @@ log = logging.getLogger("kvguard.sglang")
 MODES = ("off", "transfer", "full")
 FAIL_POLICIES = ("open", "closed")
 GUARD_TRANSFER = "guard.transfer"  # its name in the hook machinery (disabled on error, fail open)
+GUARD_READ = "guard.read"  # the read enforcement's (KVGUARD_GUARD=full)
+ABORT_STATUS = 500  # what SGLang answers for its own internal aborts (retraction failures)
+ABORT_ERR_TYPE = "KVGuardReadViolation"
 
 
 class GuardConfigError(ValueError):
@@ -68,6 +86,10 @@ class GuardConfig:
     @property
     def transfer(self) -> bool:
         return self.mode in ("transfer", "full")
+
+    @property
+    def read(self) -> bool:
+        return self.mode == "full"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> GuardConfig:
@@ -87,11 +109,20 @@ class Guard:
 
     config = GuardConfig()
     acted: rt._Bounded = rt._Bounded()  # rids the guard already acted on (once per request)
+    # full: readers Tier 1 refused, waiting for their batch's result: rid -> (rule, reason, pages)
+    to_abort: rt._Bounded = rt._Bounded()
+    # full: reqs given to_finish, until their output is streamed: id(req) -> (req, output length to keep)
+    to_cut: dict = {}
+    # full, prefill of a pair: readers whose transfer is to be failed: rid -> (rule, reason, pages)
+    to_fail_send: rt._Bounded = rt._Bounded()
 
     @classmethod
     def reset(cls, config: GuardConfig | None = None) -> None:
         cls.config = config or GuardConfig()
         cls.acted = rt._Bounded()
+        cls.to_abort = rt._Bounded()
+        cls.to_cut = {}
+        cls.to_fail_send = rt._Bounded()
 
 
 def configure(environ: Mapping[str, str] = os.environ) -> GuardConfig:
@@ -104,13 +135,19 @@ def configure(environ: Mapping[str, str] = os.environ) -> GuardConfig:
             raise
         log.error("kvguard guard: %s; the guard is off for this engine", exc)
         config = GuardConfig()
+    from kvguard.engine_hooks import tier1
+
+    tier1.require("KVGUARD_GUARD=full" if config.read else None, on_read_violation)
+    # WARNING, not INFO: this runs at plugin load, before SGLang configures its logging (only
+    # WARNING and up reach the engine log then), and an operator must see that enforcement is on
     if config.mode == "full":
         log.warning(
-            "kvguard guard: KVGUARD_GUARD=full: enforcing the read check (Tier 1) is not in this build; "
-            "enforcing the transfer invariants only"
+            "kvguard guard: KVGUARD_GUARD=full: transfer invariants and the read check (Tier 1) enforced "
+            "(KVGUARD_GUARD_FAIL=%s)",
+            config.fail,
         )
     elif config.mode == "transfer":
-        log.info("kvguard guard: transfer invariants enforced (KVGUARD_GUARD_FAIL=%s)", config.fail)
+        log.warning("kvguard guard: transfer invariants enforced (KVGUARD_GUARD_FAIL=%s)", config.fail)
     Guard.reset(config)
     return config
 
@@ -132,6 +169,10 @@ def before_send(sched, *args, **kwargs) -> None:
 
 def _check_send(req) -> None:
     rid = req.rid
+    read = Guard.to_fail_send.pop(rid, None) if Guard.to_fail_send else None
+    if read is not None:
+        _fail_send(req, *read)
+        return
     prompt_tokens = State.rejected.get(rid)
     if prompt_tokens is None or rid in Guard.acted or rt.is_warmup(req):
         return
@@ -202,3 +243,124 @@ def _kvpoll_failed(mgr) -> int:
     if kvpoll is None:
         kvpoll = importlib.import_module("sglang.srt.disaggregation.base.conn").KVPoll
     return int(kvpoll.Failed)
+
+
+def _fail_send(req, rule: str, reason: str, pages: int) -> None:
+    """Prefill of a pair, ``full``: the reader's forward read pages it does not own, so the KV
+    it is about to send was computed over them; its transfer is failed like a rejected send's.
+    (The GUARD record went out when Tier 1 found it: :func:`on_read_violation`.)"""
+    room = getattr(req, "bootstrap_room", None)
+    room = -1 if room is None else int(room)
+    mgr = getattr(getattr(req, "disagg_kv_sender", None), "kv_mgr", None)
+    if room >= 0 and _fail_room(mgr, room, reason):
+        log.error("%s: transfer failed, the request finishes with an error", reason)
+    else:
+        log.error("%s: this transfer backend cannot be failed by the guard; its KV is sent", reason)
+
+
+# --------------------------------------------------------------------------- full: reads
+def on_read_violation(rid, tags, pages, owners) -> None:
+    """Tier 1's per-reader callback (engine_hooks/tier1.py ``require``), in the forward that
+    read the pages: decide once per request, and say so to the sidecar before Tier 1's own
+    TIER1_VIOLATION record, so that the finding it raises carries what the guard did."""
+    if not Guard.config.read or not rt.is_enabled(GUARD_READ) or rid in Guard.acted:
+        return
+    try:
+        _decide_read(rid, tags, pages, owners)
+    except Exception as exc:
+        if Guard.config.fail == "closed":
+            raise
+        rt.hook_failed(GUARD_READ, exc)
+
+
+def _decide_read(rid, tags, pages, owners) -> None:
+    from kvguard.engine_hooks import tier1
+
+    Guard.acted[rid] = True
+    freed = all(t == tier1.TAG_FREE for t in tags)
+    rule = "read_freed" if freed else "read_foreign"
+    whose = sorted({str(o) for o in owners if o is not None})
+    what = "freed" if freed else "not its own" + (f" (of request {', '.join(whose[:3])})" if whose else "")
+    shown = ", ".join(str(p) for p in pages[:8]) + (", ..." if len(pages) > 8 else "")
+    reason = (
+        f"kvguard guard: request {rid}'s forward read {len(pages)} KV page(s) {what}: page(s) {shown}; "
+        f"the request is failed before that forward's token is returned"
+    )
+    warmup = str(rid).startswith(rt.HEALTH_CHECK_RID_PREFIX)
+    action = "observed" if warmup else "aborted"
+    if not warmup:
+        if State.role == "prefill":
+            Guard.to_fail_send[rid] = (rule, reason, len(pages))
+        else:
+            Guard.to_abort[rid] = (rule, reason, len(pages))
+    log.error("%s%s", reason, " (an engine health check: observed only)" if warmup else "")
+    rt.probes().guard_acted(
+        rid,
+        -1,
+        rule,
+        action,
+        prompt_tokens=0,
+        send_tokens=0,
+        reserved_pages=len(pages),
+        reason=reason,
+    )
+
+
+def before_result(sched, *args, **kwargs) -> None:
+    """``Scheduler.process_batch_result(batch, result)``'s guard step (``full``), before the
+    original appends the batch's sampled tokens: look at the checks in flight (a GPU's; the
+    scheduler is about to wait for the same step's tokens), then give each refused reader of
+    this batch SGLang's own abort, and remember how much of its output may be streamed."""
+    if not Guard.config.read or not rt.is_enabled(GUARD_READ):
+        return
+    try:
+        tier1 = rt.probes().tier1
+        if tier1 is not None:
+            tier1.resolve()
+        if Guard.to_abort:
+            batch = args[0] if args else kwargs["batch"]
+            for req in batch.reqs:
+                entry = Guard.to_abort.pop(req.rid, None)
+                if entry is not None:
+                    _abort(req, entry[1])
+    except Exception as exc:
+        if Guard.config.fail == "closed":
+            raise
+        rt.hook_failed(GUARD_READ, exc)
+
+
+def _abort(req, reason: str) -> None:
+    finish_abort: Any = getattr(sys.modules.get(type(req).__module__), "FINISH_ABORT", None)
+    if finish_abort is None:
+        finish_abort = importlib.import_module("sglang.srt.managers.schedule_batch").FINISH_ABORT
+    req.to_finish = finish_abort(reason, ABORT_STATUS, ABORT_ERR_TYPE)
+    if len(Guard.to_cut) >= rt.MAX_TRACKED:  # a request finished but never streamed: forget the oldest
+        del Guard.to_cut[next(iter(Guard.to_cut))]
+    Guard.to_cut[id(req)] = (req, len(req.output_ids))
+
+
+def before_stream(streamer, *args, **kwargs) -> None:
+    """``stream_output(reqs, ...)``'s guard step (``full``): a reader the guard aborted is
+    streamed without the tokens its refused forward (or any later one) produced."""
+    if not Guard.to_cut:
+        return
+    try:
+        reqs = args[0] if args else kwargs["reqs"]
+        for req in reqs:
+            entry = Guard.to_cut.get(id(req))
+            if entry is None or entry[0] is not req or not req.finished():
+                continue  # not yet finished (a chunked prefill's middle chunk): its token comes later
+            del Guard.to_cut[id(req)]
+            del req.output_ids[entry[1] :]
+    except Exception as exc:
+        if Guard.config.fail == "closed":
+            raise
+        rt.hook_failed(GUARD_READ, exc)
+
+
+def result_hook(name: str):
+    return rt.around(name, before_result, None)
+
+
+def stream_hook(name: str):
+    return rt.around(name, before_stream, None)

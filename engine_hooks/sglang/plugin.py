@@ -175,6 +175,26 @@ _OPTIONAL_FREE_PAGE_IDS = tuple(
     HookSpec(h.target, h.kind, h.factory, h.params, h.area, required=False) for h in _FREE_PAGE_IDS
 )
 
+# KVGUARD_GUARD=full only (engine_hooks/sglang/guard.py): a refused reader is aborted where its
+# batch's sampled tokens are processed, and streamed without the refused forward's token.
+# Registered only in that mode, so that no other engine pays for two more wrappers per step.
+_GUARD_FULL = (
+    HookSpec(
+        S + "managers.scheduler.Scheduler.process_batch_result",
+        "around",
+        guard.result_hook,
+        ("batch", "result"),
+        "guard",
+    ),
+    HookSpec(
+        S + "managers.scheduler_components.output_streamer.SchedulerOutputStreamer.stream_output",
+        "around",
+        guard.stream_hook,
+        ("reqs", "return_logprob"),
+        "guard",
+    ),
+)
+
 # version -> (verified on a real engine, hook specs). Every version here runs the real
 # engine tests (tests/test_sglang_adapter_engine.py: unified, decode, prefill roles);
 # free_page_ids exists from 0.5.20 on.
@@ -247,12 +267,15 @@ def resolve(spec: HookSpec) -> tuple[object | None, str]:
     return fn, ""
 
 
-def plan(version: str) -> tuple[list[HookSpec], list[tuple[HookSpec, str]]]:
-    """The specs to register for this version, and the skipped ones with the reason."""
+def plan(version: str, guard_full: bool = False) -> tuple[list[HookSpec], list[tuple[HookSpec, str]]]:
+    """The specs to register for this version (with ``guard_full``, the read guard's too),
+    and the skipped ones with the reason."""
     entry = specs_for(version)
     if entry is None:
         return [], []
     _verified, specs = entry
+    if guard_full:
+        specs = specs + _GUARD_FULL
     ok, skipped = [], []
     for spec in specs:
         fn, why = resolve(spec)
@@ -317,7 +340,7 @@ def load() -> None:
         native.library()  # logs which digest routine runs; a bad KVGUARD_DIGEST_NATIVE fails here
         from sglang.srt.plugins.hook_registry import HookRegistry
 
-        ok, skipped = plan(version)
+        ok, skipped = plan(version, guard_full=guard.Guard.config.read)
         for spec, why in skipped:
             level = logging.WARNING if spec.required else logging.INFO
             log.log(level, "kvguard: not hooking %s: %s", spec.target, why)

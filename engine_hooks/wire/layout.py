@@ -129,6 +129,10 @@ class GuardRule(enum.IntEnum):
     """Which invariant a GUARD record says was about to be broken (docs/guard.md)."""
 
     REJECTED_SEND = 1  # prefill was about to send a rejected or aborted request's KV as if it were done
+    # KVGUARD_GUARD=full, the engine's read check (Tier 1) on a forward's rows. For these two,
+    # Guard.prompt_tokens is the reader's prompt, send_tokens 0, reserved_pages the refused pages
+    READ_FOREIGN = 2  # a row page of another live request, or one handed out but in no row
+    READ_FREED = 3  # a row page free in the allocator
 
 
 class GuardAction(enum.IntEnum):

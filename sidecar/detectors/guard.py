@@ -12,6 +12,10 @@ the same event would have raised without the guard, carrying what the guard did:
   aborted it, decode never read those pages: nobody is exposed, and the finding says what
   was prevented. When it only observed, decode's own findings (``unwritten_read`` with
   the exposed tenants, ``transfer_size_mismatch``) follow from decode's records as usual.
+- ``read_foreign`` / ``read_freed`` (``KVGUARD_GUARD=full``: the engine's read check refused a
+  reader) -> no finding here: the pipeline keeps the action on the reader's request
+  (``RequestInfo.guard_action``), and the ``foreign_read`` / ``use_after_free`` findings of
+  that reader (sidecar/detectors/tier1.py and reads.py) carry ``evidence.action``.
 
 ``evidence.source`` is ``"engine_guard"``. Warmup requests are never alarmed.
 """
@@ -27,6 +31,12 @@ from .base import At
 from .reads import reader_party
 
 ACTIONS = {wire.GuardAction.ABORTED: "aborted", wire.GuardAction.OBSERVED: "observed"}
+# KVGUARD_GUARD=full: the engine's read check refused a reader. No finding of its own: the
+# reader's read findings (Tier 1's TIER1_VIOLATION, Tier 2's FORWARD judgement, both after
+# this record) carry the action; the kind an abort is counted under
+READ_RULES = {wire.GuardRule.READ_FOREIGN: "foreign_read", wire.GuardRule.READ_FREED: "use_after_free"}
+# every kind kvguard_guard_aborts_total{kind} counts (exported at 0 from the start)
+GUARD_ABORT_KINDS = ("transfer_size_mismatch", *READ_RULES.values())
 
 
 class GuardDetector:
@@ -36,6 +46,8 @@ class GuardDetector:
     events: ClassVar[tuple[type, ...]] = (wire.Guard,)
 
     def observe(self, g: wire.Guard, at: At) -> list[Finding]:
+        if g.rule in READ_RULES:
+            return []  # the model keeps the action; the read findings carry it (pipeline._on_guard)
         tracker = at.tracker
         info = tracker.requests.get(g.req_key) if tracker is not None else None
         if info is not None and info.warmup:

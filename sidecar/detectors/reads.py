@@ -27,6 +27,18 @@ def reader_party(info: RequestInfo) -> Party:
     return Party(info.rid, info.tenant, info.room)
 
 
+GUARD_OUTCOME = {
+    "aborted": "; the engine's guard failed the request before that forward's token was returned",
+    "observed": "; the engine's guard saw it and let it run (observed only)",
+}
+
+
+def guard_evidence(info: RequestInfo | None) -> dict:
+    """What the engine's guard did about this reader's reads (KVGUARD_GUARD=full), for a read
+    finding's evidence; empty when it did nothing (off, or no GUARD record for the reader)."""
+    return {"action": info.guard_action} if info is not None and info.guard_action else {}
+
+
 def exposed_parties(
     tracker: EngineTracker,
     pages: np.ndarray,
@@ -103,6 +115,7 @@ class ReadDetector:
         if exposed:
             summary += f"; they hold data of {len(exposed)} other request(s) of tenant(s) {', '.join(tenants)}"
         severity = CRITICAL if exposed or kind != "unwritten_read" else WARNING
+        summary += GUARD_OUTCOME.get(reader.guard_action, "")
         return Finding(
             kind,
             severity,
@@ -112,5 +125,9 @@ class ReadDetector:
             exposed,
             ts_ns,
             summary,
-            {"reader_prompt_tokens": reader.prompt_tokens, "reader_rejected": reader.rejected},
+            {
+                "reader_prompt_tokens": reader.prompt_tokens,
+                "reader_rejected": reader.rejected,
+                **guard_evidence(reader),
+            },
         )

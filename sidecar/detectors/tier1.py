@@ -8,6 +8,10 @@ already logged and counted it; here it becomes the finding a sidecar raises:
   (exposed: the page's owner, from the record; else whoever the sidecar knows wrote it)
 - a page free in the allocator -> ``use_after_free``
 
+With ``KVGUARD_GUARD=full`` the engine's guard acts on the same reader first (a GUARD record
+of rule ``read_foreign`` / ``read_freed`` arrives before this one): the finding's evidence
+then carries ``action`` (``aborted`` / ``observed``), as the Tier 2 read findings do.
+
 ``evidence.source`` is ``"engine_tier1"``, so a read the sidecar also judged from the
 FORWARD record (Tier 2) can be told apart. Warmup and health-check readers are never
 alarmed.
@@ -24,7 +28,7 @@ from kvguard.engine_hooks import wire
 from ..findings import CRITICAL, EngineRef, Finding, Party
 from ..tracker import EngineTracker
 from .base import At
-from .reads import exposed_parties, reader_party
+from .reads import GUARD_OUTCOME, exposed_parties, guard_evidence, reader_party
 
 
 class Tier1Detector:
@@ -71,7 +75,7 @@ def tier1_findings(tracker: EngineTracker, engine: EngineRef, v: wire.Tier1Viola
         summary = (
             f"{engine.role} rank {engine.rank}: the engine's own read check (Tier 1) saw request "
             f"{reader.rid} (tenant {reader.tenant or '?'}) read {int(mask.sum())} {what}"
-        )
+        ) + GUARD_OUTCOME.get(info.guard_action if info is not None else "", "")
         out.append(
             Finding(
                 kind,
@@ -86,6 +90,7 @@ def tier1_findings(tracker: EngineTracker, engine: EngineRef, v: wire.Tier1Viola
                     "source": "engine_tier1",
                     "row_page_indices": v.row_indices[mask].tolist(),
                     "engine_violations_total": int(v.violations_total),
+                    **guard_evidence(info),
                 },
             )
         )

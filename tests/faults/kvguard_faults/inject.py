@@ -365,6 +365,7 @@ class Driver:
             row_page_index=1,
             reader_page=int(original[0]) // ps,
             owner_page=int(rt[o_row, start]) // ps,
+            reader_output_tokens=len(reader.output_ids),  # before the forward that reads the corrupt row
         )
 
     def _row_restore(self, sched, batch):
