@@ -105,12 +105,13 @@ apt:
 	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing
 
 # Two runs: what needs no real engine on two pytest-xdist workers (make test-fast), then
-# the real-engine tests one at a time (each boots SGLang processes that use both cores).
-# Both run whatever the first says; the target fails if either did.
+# the real-engine tests, also on two workers, each test that shares an engine in the same one
+# (--dist loadscope with tests/conftest.py's engine_scope; docs/testing.md). Both run
+# whatever the first says; the target fails if either did.
 test: venv apt native
 	rc=0; \
 	$(PY) -m pytest -q --durations=15 -n 2 -m "not engine and not sweep" || rc=$$?; \
-	$(PY) -m pytest -q --durations=30 -m "engine and not sweep" || rc=$$?; \
+	$(PY) -m pytest -q --durations=30 -n 2 --dist loadscope -m "engine and not sweep" || rc=$$?; \
 	exit $$rc
 
 # Everything that needs no real SGLang engine (the `engine` marker), on two pytest-xdist

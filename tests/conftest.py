@@ -117,10 +117,54 @@ def shared_pd(tmp_path_factory: pytest.TempPathFactory):
     shared.stop()
 
 
+# ---------------------------------------------------------------- two workers for the engine tier
+# `make test` runs the engine tier on two pytest-xdist workers. Each worker is its own pytest
+# session, so tests that share an engine (a session-, module- or class-scoped fixture) must run
+# in one worker, or the engine starts twice. pytest-xdist's `--dist loadgroup` would do it from
+# marks, but it renames items (`item._nodeid`), which pytest 9.2 no longer honours; so the
+# scheduler below groups by node id alone (the controller sees nothing else).
+SHARED_PD_MODULES = (  # every module with a test that takes the `shared_pd` fixture (checked below)
+    "tests/test_canary_engine.py",
+    "tests/test_incident_engine.py",
+    "tests/test_preflight_router.py",
+    "tests/test_router_engine.py",
+)
+# modules whose module-scoped engines are independent of each other: one group per test-name prefix
+SPLIT_BY_PREFIX = {"tests/test_soak_engine.py": ("test_unified_soak", "test_pd_soak")}
+
+
+def engine_scope(nodeid: str) -> str:
+    """The work unit a test goes to a worker in: the shared pair's modules together; a soak run;
+    a test class (class-scoped engines); else its module (module-scoped engines)."""
+    module, _, rest = nodeid.partition("::")
+    if module in SHARED_PD_MODULES:
+        return SHARED_PD
+    for prefix in SPLIT_BY_PREFIX.get(module, ()):
+        if rest.startswith(prefix):
+            return f"{module}::{prefix}"
+    cls, sep, _ = rest.partition("::")
+    return f"{module}::{cls}" if sep and cls[:1].isupper() else module
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EngineScopeScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return engine_scope(nodeid)
+
+    return EngineScopeScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The tests that use the shared pair run one after the other, where the first of them
     was collected, so that it is stopped after the last instead of idling to the session's end."""
     users = [item for item in items if SHARED_PD in getattr(item, "fixturenames", ())]
+    strays = sorted({item.nodeid.partition("::")[0] for item in users} - set(SHARED_PD_MODULES))
+    if strays:
+        raise pytest.UsageError(f"tests/conftest.py: add {strays} to SHARED_PD_MODULES (they use shared_pd)")
     if len(users) < 2:
         return
     first = items.index(users[0])
