@@ -8,6 +8,7 @@ Engine tests (``@pytest.mark.engine``) run real SGLang HTTP servers on CPU
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -131,17 +132,24 @@ SHARED_PD_MODULES = (  # every module with a test that takes the `shared_pd` fix
 )
 # modules whose module-scoped engines are independent of each other: one group per test-name prefix
 SPLIT_BY_PREFIX = {"tests/test_soak_engine.py": ("test_unified_soak", "test_pd_soak")}
+# modules with one engine process per SGLang version: one group per version in the test id
+# (the value: the version of the tests that take none)
+SPLIT_BY_VERSION = {"tests/test_sglang_adapter_engine.py": "0.5.23"}
 
 
 def engine_scope(nodeid: str) -> str:
     """The work unit a test goes to a worker in: the shared pair's modules together; a soak run;
-    a test class (class-scoped engines); else its module (module-scoped engines)."""
+    the adapter's engines of one SGLang version; a test class (class-scoped engines); else its
+    module (module-scoped engines)."""
     module, _, rest = nodeid.partition("::")
     if module in SHARED_PD_MODULES:
         return SHARED_PD
     for prefix in SPLIT_BY_PREFIX.get(module, ()):
         if rest.startswith(prefix):
             return f"{module}::{prefix}"
+    if module in SPLIT_BY_VERSION:
+        version = re.search(r"\[(\d+\.\d+\.\d+)\]", rest)
+        return f"{module}::{version.group(1) if version else SPLIT_BY_VERSION[module]}"
     cls, sep, _ = rest.partition("::")
     return f"{module}::{cls}" if sep and cls[:1].isupper() else module
 
