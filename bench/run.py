@@ -387,6 +387,14 @@ def _fmt(v, unit="") -> str:
     return f"{v}{unit}"
 
 
+def _fmt_or_why(res: dict, key: str, unit: str = "", note: str | None = None) -> str:
+    """``key``'s value, or ``null (<why>)`` from the run's notes (``note``: the note's key, if not ``key``)."""
+    v = res.get(key)
+    if v is not None:
+        return _fmt(v, unit)
+    return "null (" + str(res["notes"].get(note or key, "not measured")) + ")"
+
+
 def table(res: dict) -> str:
     g = res.get
     node = g("sidecar.node_ranks", 8)
@@ -487,9 +495,7 @@ def table(res: dict) -> str:
         ("  median per step, batch 256", _fmt(g("engine.probe_us_per_step_b256_median"), " us"), "", ""),
         (
             "engine probe CPU per step, batch 256, Tier 1 on (CPU device)",
-            _fmt(g("engine.probe_us_per_step_b256_tier1"), " us")
-            if g("engine.probe_us_per_step_b256_tier1") is not None
-            else "null (" + str(res["notes"].get("engine.probe_us_per_step_b256_tier1", "not measured")) + ")",
+            _fmt_or_why(res, "engine.probe_us_per_step_b256_tier1", " us"),
             "<= 1% step (GPU)",
             "n/a on CPU",
         ),
@@ -501,9 +507,7 @@ def table(res: dict) -> str:
         ),
         (
             "GPU: decode step with / without Tier 1 (attention, batch 256 x 32k, 80 layers)",
-            _fmt(g("gpu.tier1_step_ratio"))
-            if g("gpu.tier1_step_ratio") is not None
-            else "null (" + str(res["notes"].get("gpu", "not measured")) + ")",
+            _fmt_or_why(res, "gpu.tier1_step_ratio", note="gpu"),
             "<= 1.01",
             _status(g("gpu.tier1_step_ratio"), TARGET_GPU_STEP_RATIO, False),
         ),
@@ -588,9 +592,7 @@ def table(res: dict) -> str:
             ),
             (
                 "guard (full) per decode step, batch 256: Tier 1 check + 2 hooks",
-                _fmt(g("engine.guard_full_us_per_step_b256"), " us")
-                if g("engine.guard_full_us_per_step_b256") is not None
-                else "null (" + str(res["notes"].get("engine.guard_full_us_per_step_b256", "not measured")) + ")",
+                _fmt_or_why(res, "engine.guard_full_us_per_step_b256", " us"),
                 "<= 1% step (GPU)",
                 "",
             ),

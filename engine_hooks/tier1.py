@@ -439,21 +439,13 @@ class Tier1:
             if int(self._pinned[slot]):
                 self._details(bad, pages, got, rids, seq)
 
-    def resolve(self) -> None:
-        """Look at every check in flight now, waiting for the GPU where needed (nothing to do
-        on CPU, where each check is looked at inline). The guard calls this where the
-        scheduler itself synchronizes for the sampled tokens: the checks were queued before
-        the forwards whose results it waits for, so this adds at most the check kernels'
-        own time to a wait the scheduler makes anyway."""
-        if self.enabled and self._pending:
-            try:
-                self._poll(block=True)
-            except Exception as exc:  # noqa: BLE001
-                self._failed("resolve", exc)
-
     def flush(self) -> None:
-        """Wait for every GPU check in flight and report what it found (tests, shutdown)."""
-        if self.enabled:
+        """Wait for every GPU check in flight and report what it found (nothing to do on CPU,
+        where each check is looked at inline). Tests and shutdown call it, and the guard
+        (KVGUARD_GUARD=full) where the scheduler itself synchronizes for the sampled tokens:
+        the checks were queued before the forwards whose results it waits for, so this adds
+        at most the check kernels' own time to a wait the scheduler makes anyway."""
+        if self.enabled and self._pending:
             try:
                 self._poll(block=True)
             except Exception as exc:  # noqa: BLE001
@@ -476,8 +468,7 @@ class Tier1:
                 continue
             for k in fresh:
                 self._seen[(rid, int(pg[k]))] = True
-            kinds = [TAG_FREE if tg[k] == FREE else TAG_ALLOCATED if tg[k] == ALLOCATED else TAG_OTHER for k in fresh]
-            owners = [self._tag_rid.get(int(tg[k])) if kind == TAG_OTHER else None for k, kind in zip(fresh, kinds)]
+            kinds, owners = self._kinds_owners(tg[fresh])
             v = Violation(
                 rid, int(seq[i]), [int(pg[k]) for k in fresh], [int(where[k, 1]) for k in fresh], owners, kinds
             )
@@ -489,9 +480,14 @@ class Tier1:
                 except Exception as exc:  # noqa: BLE001 - the log line and the counter stand on their own
                     log.warning("kvguard tier1: reporting a violation failed: %s: %s", type(exc).__name__, exc)
 
-    def _tell_reader(self, rid, pages: np.ndarray, tags: np.ndarray) -> None:
+    def _kinds_owners(self, tags: np.ndarray) -> tuple[list[int], list]:
+        """What each refused page's tag says (TAG_*), and its owning rid for another request's page."""
         kinds = [TAG_FREE if t == FREE else TAG_ALLOCATED if t == ALLOCATED else TAG_OTHER for t in tags.tolist()]
-        owners = [self._tag_rid.get(int(t)) if k == TAG_OTHER else None for t, k in zip(tags.tolist(), kinds)]
+        owners = [self._tag_rid.get(t) if k == TAG_OTHER else None for t, k in zip(tags.tolist(), kinds)]
+        return kinds, owners
+
+    def _tell_reader(self, rid, pages: np.ndarray, tags: np.ndarray) -> None:
+        kinds, owners = self._kinds_owners(tags)
         try:
             self.on_reader(rid, kinds, pages.tolist(), owners)
         except Exception as exc:  # noqa: BLE001 - the enforcer's failure is its own; the check goes on

@@ -109,11 +109,11 @@ class Guard:
 
     config = GuardConfig()
     acted: rt._Bounded = rt._Bounded()  # rids the guard already acted on (once per request)
-    # full: readers Tier 1 refused, waiting for their batch's result: rid -> (rule, reason, pages)
+    # full: readers Tier 1 refused, waiting for their batch's result: rid -> reason
     to_abort: rt._Bounded = rt._Bounded()
     # full: reqs given to_finish, until their output is streamed: id(req) -> (req, output length to keep)
     to_cut: dict = {}
-    # full, prefill of a pair: readers whose transfer is to be failed: rid -> (rule, reason, pages)
+    # full, prefill of a pair: readers whose transfer is to be failed: rid -> reason
     to_fail_send: rt._Bounded = rt._Bounded()
 
     @classmethod
@@ -169,17 +169,15 @@ def before_send(sched, *args, **kwargs) -> None:
 
 def _check_send(req) -> None:
     rid = req.rid
-    read = Guard.to_fail_send.pop(rid, None) if Guard.to_fail_send else None
-    if read is not None:
-        _fail_send(req, *read)
+    read_reason = Guard.to_fail_send.pop(rid, None) if Guard.to_fail_send else None
+    if read_reason is not None:
+        _fail_send(req, read_reason)
         return
     prompt_tokens = State.rejected.get(rid)
     if prompt_tokens is None or rid in Guard.acted or rt.is_warmup(req):
         return
     Guard.acted[rid] = True
-    room = getattr(req, "bootstrap_room", None)
-    room = -1 if room is None else int(room)
-    mgr = getattr(getattr(req, "disagg_kv_sender", None), "kv_mgr", None)
+    room, mgr = _room_and_manager(req)
     send_tokens = len(req.origin_input_ids)
     reserved_pages = _reserved_pages(mgr, room)
     reason = (
@@ -245,13 +243,17 @@ def _kvpoll_failed(mgr) -> int:
     return int(kvpoll.Failed)
 
 
-def _fail_send(req, rule: str, reason: str, pages: int) -> None:
+def _room_and_manager(req) -> tuple[int, Any]:
+    """The request's bootstrap room (-1: none) and its sender's transfer manager (None: none)."""
+    room = getattr(req, "bootstrap_room", None)
+    return (-1 if room is None else int(room)), getattr(getattr(req, "disagg_kv_sender", None), "kv_mgr", None)
+
+
+def _fail_send(req, reason: str) -> None:
     """Prefill of a pair, ``full``: the reader's forward read pages it does not own, so the KV
     it is about to send was computed over them; its transfer is failed like a rejected send's.
     (The GUARD record went out when Tier 1 found it: :func:`on_read_violation`.)"""
-    room = getattr(req, "bootstrap_room", None)
-    room = -1 if room is None else int(room)
-    mgr = getattr(getattr(req, "disagg_kv_sender", None), "kv_mgr", None)
+    room, mgr = _room_and_manager(req)
     if room >= 0 and _fail_room(mgr, room, reason):
         log.error("%s: transfer failed, the request finishes with an error", reason)
     else:
@@ -289,10 +291,7 @@ def _decide_read(rid, tags, pages, owners) -> None:
     warmup = str(rid).startswith(rt.HEALTH_CHECK_RID_PREFIX)
     action = "observed" if warmup else "aborted"
     if not warmup:
-        if State.role == "prefill":
-            Guard.to_fail_send[rid] = (rule, reason, len(pages))
-        else:
-            Guard.to_abort[rid] = (rule, reason, len(pages))
+        (Guard.to_fail_send if State.role == "prefill" else Guard.to_abort)[rid] = reason
     log.error("%s%s", reason, " (an engine health check: observed only)" if warmup else "")
     rt.probes().guard_acted(
         rid,
@@ -316,13 +315,13 @@ def before_result(sched, *args, **kwargs) -> None:
     try:
         tier1 = rt.probes().tier1
         if tier1 is not None:
-            tier1.resolve()
+            tier1.flush()
         if Guard.to_abort:
             batch = args[0] if args else kwargs["batch"]
             for req in batch.reqs:
-                entry = Guard.to_abort.pop(req.rid, None)
-                if entry is not None:
-                    _abort(req, entry[1])
+                reason = Guard.to_abort.pop(req.rid, None)
+                if reason is not None:
+                    _abort(req, reason)
     except Exception as exc:
         if Guard.config.fail == "closed":
             raise
