@@ -10,6 +10,7 @@
 #   make demo        the incident demo on the leaking SGLang (0.5.19)
 #   make demo-fixed  the same demo on the fixed SGLang (0.5.23)
 #   make demo-guard  the leaking 0.5.19 pair with kvguard's guard on: the request is failed, nothing leaks
+#   make soak        the long zero-false-alarm soak on real engines: 4,000 + 600 requests (not in CI)
 #   make soak-memory 30 min of 8 synthetic ranks: the sidecar's RSS stays flat (not in CI)
 #   make test-reliability  tests/reliability only
 #   make test-versions  the adapter's engine tests on all five supported SGLang releases
@@ -193,6 +194,14 @@ soak-memory: venv native
 # The reliability suite alone (tests/reliability: the real sidecar process under bad
 # rings, full volumes, forged records, saturation, hostile connections). `make test`
 # runs it too.
+# The zero-false-alarm soak at length (tests/test_soak_engine.py, docs/soak.md): make test
+# runs it at 800 unified + 200 prefill/decode requests; this runs SOAK_REQUESTS (4,000)
+# and SOAK_PD_REQUESTS (600), one engine after the other, each run's summary printed.
+.PHONY: soak
+soak: venv apt native
+	KVGUARD_SOAK_REQUESTS=$(or $(SOAK_REQUESTS),4000) KVGUARD_SOAK_PD_REQUESTS=$(or $(SOAK_PD_REQUESTS),600) \
+	  $(PY) -m pytest -q -rxX -s tests/test_soak_engine.py
+
 .PHONY: test-reliability
 test-reliability: venv apt native
 	$(PY) -m pytest -q tests/reliability
