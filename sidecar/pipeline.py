@@ -25,7 +25,7 @@ from .detectors.base import (
 )
 from .detectors.config import PoolContextDetector
 from .detectors.gaps import EventsLostDetector
-from .detectors.guard import ACTIONS, GUARD_ABORT_KINDS, READ_RULES, GuardDetector
+from .detectors.guard import ACTIONS, CARRIED_RULES, GUARD_ABORT_KINDS, GuardDetector
 from .detectors.isolation import TenantIsolationDetector
 from .detectors.lifetime import DoubleFreeDetector, WriteDetector
 from .detectors.reads import ReadDetector
@@ -244,11 +244,11 @@ class Pipeline(TransferFlow):
 
     def _on_guard(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
         body = rec.body
-        read_kind = READ_RULES.get(body.rule)
-        if read_kind is not None:  # the reader's read findings, raised after this, carry the action
+        carried_kind = CARRIED_RULES.get(body.rule)
+        if carried_kind is not None:  # the request's read / checksum findings, raised after this, carry the action
             t.requests.get_or_stub(body.req_key).guard_action = ACTIONS[body.action]
             if body.action == wire.GuardAction.ABORTED:
-                self.guard_aborts[read_kind] += 1
+                self.guard_aborts[carried_kind] += 1
             return []
         found = self._observe(body, t, rec.ts_ns)
         if rec.body.action == wire.GuardAction.ABORTED:

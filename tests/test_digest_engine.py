@@ -10,8 +10,21 @@ docs/wire-format.md "Transfer digests"):
   tokens, equal; the sidecar reports nothing;
 * the test-only ``flip_received_page`` fault (tests/faults/kvguard_faults) flips one
   byte of one page decode received, after the transfer arrived and before kvguard
-  hashes it: the two digests differ for that room only, and the sidecar reports one
-  ``checksum_mismatch`` for that request (sidecar/detectors/transfers.py).
+  hashes it: the two digests differ for that room only, decode's guard fails that
+  request before its first decode step (HTTP 500; prefill's digest travelled in the
+  transfer's metadata row, engine_hooks/sglang/guard_marker.py), and the sidecar reports
+  one ``checksum_mismatch`` for it (sidecar/detectors/transfers.py) with ``action:
+  aborted``.
+
+The pair runs with the guard's ``transfer`` mode (docs/guard.md), so the normal requests
+above (one to four chunks each) also show that its page-count rule never fails a
+healthy transfer, and:
+
+* the test-only ``send_truncated`` fault initialises prefill's sender for 1 page of the
+  50 decode reserved (SGLang would report the transfer complete after that page): the
+  guard fails the transfer before its first chunk, decode answers HTTP 500 and never
+  reads the reserved pages, the next request is served, and the sidecar reports one
+  ``transfer_size_mismatch`` with ``action: aborted`` and nobody exposed.
 """
 
 from __future__ import annotations
@@ -104,7 +117,11 @@ def pd(tmp_path_factory, require_sglang):
         decode_pool_tokens=512,
         context_length=CONTEXT,
         prefill_args=["--chunked-prefill-size", str(CHUNK)],
-        extra_env={"KVGUARD_FAULT": "flip_received_page", "KVGUARD_FAULT_DIR": str(events_dir)},
+        extra_env={
+            "KVGUARD_FAULT": "flip_received_page,send_truncated",
+            "KVGUARD_FAULT_DIR": str(events_dir),
+            "KVGUARD_GUARD": "transfer",
+        },
         extra_pythonpath=[FAULTS_DIR],
         # direct: each case looks its digests up by the room the client chose
         router=False,
@@ -175,8 +192,11 @@ def test_flipped_received_page_digests_differ_for_that_room_only(pd):
     rid = make_rid("flip_received_page", "r", "1")
     flipped = pair.generate(prompt(rng, 90), tenant="globex", max_new_tokens=4, rid=rid)
     after = pair.generate(prompt(rng, 90), tenant="acme", max_new_tokens=4)
-    for r in (before, flipped, after):
+    for r in (before, after):
         assert r.ok and r.prompt_tokens == 90, r.summary()
+    # decode's guard failed it before any decode step: an error, no token
+    assert not flipped.ok and flipped.decode_status == 500 and not flipped.output_ids, flipped.summary()
+    assert "differs from what prefill sent" in flipped.error, flipped.error
     t_end = time.monotonic() + WAIT_S
     while not watch.events("flipped") and time.monotonic() < t_end:
         time.sleep(0.05)
@@ -192,12 +212,52 @@ def test_flipped_received_page_digests_differ_for_that_room_only(pd):
         assert same_s.digest == same_d.digest
     # the sidecar pairs the two ends: one checksum_mismatch naming the request, its
     # reserved pages (the flipped one among them: one digest per transfer cannot say
-    # which page) and both digests; nothing else
+    # which page), both digests and what the guard did; nothing else
     found = watch.memory.findings[mark:]
-    assert [f.kind for f in found] == ["checksum_mismatch"], [f.to_dict() for f in found]
+    assert [f.kind for f in found if f.kind != "orphan_transfer"] == ["checksum_mismatch"], [f.to_dict() for f in found]
+    found = [f for f in found if f.kind == "checksum_mismatch"]
     f = found[0]
     assert f.severity == "critical" and f.engine.role == "decode"
     assert (f.reader.rid, f.reader.tenant, f.reader.bootstrap_room) == (rid, "globex", flipped.room)
     assert ev["page"] in f.pages and len(f.pages) == 90 // PAGE + 1
     assert f.evidence["sender_digest"] == f"{s.digest:016x}" and f.evidence["receiver_digest"] == f"{d.digest:016x}"
     assert f.evidence["sender_tokens"] == [0, 90] and f.evidence["receiver_tokens"] == [0, 90]
+    assert f.evidence["action"] == "aborted" and "before its first decode step" in f.summary
+    assert watch.sidecar.pipeline_stats().guard_aborts["checksum_mismatch"] == 1
+
+
+def test_the_guard_fails_a_send_of_fewer_pages_than_decode_reserved(pd):
+    pair, watch = pd
+    rng = random.Random(3)
+    watch.settle()
+    mark = len(watch.memory.findings)
+    rid = make_rid("send_truncated", "g", "1")
+    short = pair.generate(prompt(rng, 200), tenant="initech", max_new_tokens=8, rid=rid)
+    after = pair.generate(prompt(rng, 90), tenant="acme", max_new_tokens=4)
+    # the client gets decode's error, not tokens computed over 49 pages nobody wrote
+    assert not short.ok and short.decode_status == 500 and not short.output_ids, short.summary()
+    assert "KVTransferError" in short.error or "Failed to get kvcache" in short.error, short.error
+    assert after.ok and after.prompt_tokens == 90, after.summary()
+    (init,) = [e for e in watch.events("sender_init") if e["rid"] == rid]
+    assert (init["engine_pages"], init["pages"], init["room"]) == (50, 1, short.room)
+    log = pair.prefill.log_path.read_text(errors="replace")
+    assert "kvguard guard: transfer invariants enforced" in log
+    assert (
+        f"request {rid} (bootstrap room {short.room}): prefill was about to send 1 KV page(s) where decode reserved 50"
+        in log
+    )
+    watch.settle()
+    found = watch.memory.findings[mark:]
+    kinds = sorted(f.kind for f in found if f.kind != "orphan_transfer")
+    assert kinds == ["transfer_size_mismatch"], [f.to_dict() for f in found]
+    (prevented,) = [f for f in found if f.kind == "transfer_size_mismatch"]
+    assert prevented.engine.role == "prefill" and prevented.severity == "critical"
+    assert (prevented.reader.rid, prevented.reader.tenant, prevented.reader.bootstrap_room) == (
+        rid,
+        "initech",
+        short.room,
+    )
+    assert prevented.exposed == [] and prevented.evidence["action"] == "aborted"
+    assert prevented.evidence["rule"] == "send_size" and prevented.evidence["reserved_pages"] == 50
+    assert (prevented.evidence["prompt_tokens"], prevented.evidence["sent_tokens"]) == (200, PAGE)
+    assert watch.sidecar.pipeline_stats().guard_aborts["transfer_size_mismatch"] >= 1

@@ -228,7 +228,95 @@ def test_the_send_hook_runs_the_guard_first_and_then_the_original_once(probes, m
     assert seen == [["record_failure", "update_status", "sync"]]
 
 
+# --------------------------------------------------------------------------- sent == reserved
+def sending(rid, mgr, *, send_pages, sent_pages=0, prompt=30, prefix=0):
+    """A request prefill is about to send: its sender initialised for ``send_pages``
+    (SGLang's ``num_kv_indices``), ``sent_pages`` of them handed over so far (``curr_idx``)."""
+    req = make_req(rid, mgr, prompt=prompt)
+    req.disagg_kv_sender.num_kv_indices = send_pages
+    req.disagg_kv_sender.curr_idx = sent_pages
+    req.disagg_decode_prefix_len = prefix
+    return req
+
+
+@pytest.fixture
+def reserved8(mooncake_module):
+    """A 0.5.19 Mooncake manager whose room 7 has 8 pages reserved at decode, page size 4."""
+    mgr = mooncake_module(transfer_infos={7: {"a": Info("10.0.0.2", 9000, np.arange(8))}})
+    mgr.kv_args = types.SimpleNamespace(page_size=4)
+    return mgr
+
+
+@pytest.mark.parametrize("send_pages", [1, 7, 9])
+def test_a_send_of_other_than_the_reserved_pages_is_failed_before_its_first_chunk(probes, reserved8, send_pages):
+    guard.before_send(object(), sending("r", reserved8, send_pages=send_pages), False)
+    (rec, room, reason), (upd, _, status), sync = reserved8.calls
+    assert (rec, room, upd, status) == ("record_failure", 7, "update_status", KVPoll.Failed)
+    assert f"prefill was about to send {send_pages} KV page(s) where decode reserved 8" in reason
+    assert ("decode would read reserved pages nothing wrote" in reason) == (send_pages < 8)
+    assert sync == ("sync", "10.0.0.2", 9000, 7, KVPoll.Failed, 0)
+    ((_, args, kwargs),) = probes.named("guard_acted")
+    assert args == ("r", 7, "send_size", "aborted")
+    sent_tokens = min(30, send_pages * 4)
+    assert kwargs == {"prompt_tokens": 30, "send_tokens": sent_tokens, "reserved_pages": 8, "reason": reason}
+    # once per request: the next chunk's call changes nothing
+    guard.before_send(object(), sending("r", reserved8, send_pages=send_pages), True)
+    assert len(reserved8.calls) == 3 and len(probes.named("guard_acted")) == 1
+
+
+def test_decodes_cached_prefix_is_not_counted_as_sent(probes, reserved8):
+    # 0.5.23: decode holds the first 16 tokens; both ends count the 8 pages after them
+    guard.before_send(object(), sending("r", reserved8, send_pages=8, prompt=46, prefix=16), False)
+    assert reserved8.calls == [] and probes.named("guard_acted") == []
+    guard.before_send(object(), sending("s", reserved8, send_pages=4, prompt=46, prefix=16), False)
+    ((_, args, kwargs),) = probes.named("guard_acted")
+    assert (
+        args[2] == "send_size" and kwargs["send_tokens"] == 16 and "(16 token(s) cached at decode)" in kwargs["reason"]
+    )
+
+
+@pytest.mark.parametrize(
+    "case", ["equal", "after the first chunk", "no sender count", "unknown reservation", "relayout", "warmup"]
+)
+def test_the_size_rule_touches_nothing_it_cannot_judge(probes, reserved8, case):
+    req = sending("r", reserved8, send_pages=8 if case == "equal" else 1, sent_pages=1 if "after" in case else 0)
+    if case == "no sender count":
+        del req.disagg_kv_sender.num_kv_indices
+    if case == "unknown reservation":  # a dummy rank, or decode's pages not known here
+        reserved8.transfer_infos.clear()
+    if case == "relayout":  # decode asked for a DCP relayout: pages do not map one to one
+        reserved8.transfer_infos[7]["a"].mooncake_session_id = "s1"
+        reserved8.decode_kv_args_table = {"s1": types.SimpleNamespace(requires_dcp_relayout=True)}
+    if case == "warmup":
+        req.bootstrap_host = "2.2.2.2"
+    guard.before_send(object(), req, False)
+    assert reserved8.calls == [] and probes.named("guard_acted") == []
+
+
+def test_a_rejected_request_is_judged_by_the_rejection_rule_not_the_size_rule(probes, reserved8):
+    State.rejected["long"] = 600
+    guard.before_send(object(), sending("long", reserved8, send_pages=1, prompt=1), True)
+    ((_, args, _kwargs),) = probes.named("guard_acted")
+    assert args[2] == "rejected_send"
+
+
 # --------------------------------------------------------------------------- the sidecar's side
+def test_a_size_guard_record_becomes_a_transfer_size_mismatch_that_names_the_rule(tmp_path):
+    prefill, decode = engines(tmp_path)
+    prefill.request_begin("r-b", "globex", 21, 30, 0, False)
+    prefill.guard_acted(
+        "r-b", 21, "send_size", "aborted", prompt_tokens=30, send_tokens=4, reserved_pages=8, reason="w"
+    )
+    sidecar, findings = run(tmp_path)
+    (guarded,) = [f for f in findings if f.evidence.get("source") == "engine_guard"]
+    assert (guarded.kind, guarded.reader.rid, guarded.reader.tenant) == ("transfer_size_mismatch", "r-b", "globex")
+    assert guarded.evidence["rule"] == "send_size" and guarded.evidence["sent_tokens"] == 4
+    assert "4 token(s) of its 30-token prompt sent" in guarded.summary and "8 decode reserved" in guarded.summary
+    assert "nothing was exposed" in guarded.summary and guarded.exposed == []
+    assert sidecar.pipeline_stats().guard_aborts["transfer_size_mismatch"] == 1
+    sidecar.stop()
+
+
 def test_the_guard_record_becomes_a_finding_saying_what_was_prevented(tmp_path):
     prefill, decode = engines(tmp_path, prefill_pool_tokens=256)
     pd_request(prefill, decode, "r-acme", "acme", 11, [1, 2], 8, 8)
@@ -253,7 +341,12 @@ def test_the_guard_record_becomes_a_finding_saying_what_was_prevented(tmp_path):
     }
     assert "nothing was exposed" in guarded.summary
     stats = sidecar.pipeline_stats()
-    assert stats.guard_aborts == {"transfer_size_mismatch": 1, "foreign_read": 0, "use_after_free": 0}
+    assert stats.guard_aborts == {
+        "transfer_size_mismatch": 1,
+        "foreign_read": 0,
+        "use_after_free": 0,
+        "checksum_mismatch": 0,
+    }
     sidecar.stop()
 
 
@@ -270,6 +363,7 @@ def test_an_observed_guard_finding_is_not_counted_as_an_abort(tmp_path):
         "transfer_size_mismatch": 0,
         "foreign_read": 0,
         "use_after_free": 0,
+        "checksum_mismatch": 0,
     }
     sidecar.stop()
 
@@ -377,8 +471,17 @@ def test_an_internal_error_in_the_read_guard_turns_it_off_unless_fail_closed(ful
     Guard.reset(GuardConfig("full", "closed"))
     State.reset()
     guard.on_read_violation("victim", [tier1.TAG_OTHER], [5], ["owner"])
+    ran = []
+    hook = guard.result_hook("Scheduler.process_batch_result")  # as SGLang calls it: the error reaches it
     with pytest.raises(AttributeError):
-        guard.before_result(object(), object(), object())
+        hook(lambda *a: ran.append(a), object(), object(), object())
+    assert ran == []
+    # fail open through the hook: the original still runs once
+    Guard.reset(GuardConfig("full", "open"))
+    State.reset()
+    guard.on_read_violation("victim", [tier1.TAG_OTHER], [5], ["owner"])
+    hook(lambda *a: ran.append(a), object(), object(), object())
+    assert len(ran) == 1
 
 
 def test_tier1_hands_the_reader_to_the_guard_on_every_check_that_finds_it():
@@ -416,5 +519,6 @@ def test_the_read_findings_carry_what_the_guard_did(tmp_path):
         "transfer_size_mismatch": 0,
         "foreign_read": 1,
         "use_after_free": 0,
+        "checksum_mismatch": 0,
     }
     sidecar.stop()

@@ -71,7 +71,7 @@ def plan_check():
     from kvguard.engine_hooks.sglang import plugin
     from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
     v = plugin.sglang_version()
-    ok, skipped = plugin.plan(v, guard_full=True)  # every target, the read guard's included
+    ok, skipped = plugin.plan(v, guard_full=True)  # every target, the guard's included
     func, dist = load_plugins_by_group(GENERAL_PLUGINS_GROUP)["kvguard"]
     print("KVG_PLAN " + json.dumps({"version": v, "ok": len(ok), "skipped": [[s.target, why] for s, why in skipped],
                                    "plugin": [func.__module__, func.__name__, str(dist)]}), flush=True)
@@ -466,5 +466,5 @@ def test_real_targets_resolve(version, driver):
     run = driver(version)
     assert run.plan is not None, run.failure()
     assert run.plan["version"] == version and run.plan["skipped"] == [], run.plan
-    assert run.plan["ok"] == len(plugin.SUPPORTED[version][1]) + len(plugin._GUARD_FULL)
+    assert run.plan["ok"] == len(plugin.SUPPORTED[version][1]) + len(plugin._GUARD_FULL) + len(plugin._GUARD_TRANSFER)
     assert run.plan["plugin"] == ["kvguard.engine_hooks.sglang.plugin", "load", "kvguard"], run.plan

@@ -9,7 +9,11 @@ Modes:
   sent as if it were done. That is SGLang 0.5.19's incident path: the over-long prompt
   is replaced by a 1-token placeholder, still bootstrapped, and its one page sent as a
   successful transfer into the 150 pages decode reserved; decode's attention then reads
-  the other 149, still holding other tenants' KV.
+  the other 149, still holding other tenants' KV. And, for every other request, the
+  pages prefill's sender will send are the pages decode reserved (``send_size``), judged
+  before its first chunk leaves. On decode, the received KV must match the digest
+  prefill's guard carried in the transfer's metadata row (``digest_mismatch``,
+  engine_hooks/sglang/guard_marker.py), checked before the first decode step.
 * ``full``: ``transfer`` plus enforcing the engine's own read check (Tier 1,
   engine_hooks/tier1.py, turned on by this mode): a request whose forward reads a row
   page of another live request, one handed out but in no row, or a freed page, is
@@ -174,7 +178,10 @@ def _check_send(req) -> None:
         _fail_send(req, read_reason)
         return
     prompt_tokens = State.rejected.get(rid)
-    if prompt_tokens is None or rid in Guard.acted or rt.is_warmup(req):
+    if prompt_tokens is None:
+        _check_send_size(req)
+        return
+    if rid in Guard.acted or rt.is_warmup(req):
         return
     Guard.acted[rid] = True
     room, mgr = _room_and_manager(req)
@@ -200,6 +207,66 @@ def _check_send(req) -> None:
         reserved_pages=reserved_pages,
         reason=reason,
     )
+
+
+def _check_send_size(req) -> None:
+    """Before a request's first chunk leaves (its sender has handed nothing to the manager
+    yet): the pages the sender will send must be the pages decode reserved for it. Fewer
+    leave reserved pages that nothing writes, holding whatever KV they held before (the
+    incident's shape, here for any cause that leaves the sender initialised short, as
+    the fault plugin's ``send_truncated`` does); more are cut by Mooncake to the reservation (its own warning),
+    which means the two ends disagree about the prompt. Either way the transfer is failed
+    before anything is sent. Once per request: after the first chunk ``curr_idx`` > 0."""
+    sender = getattr(req, "disagg_kv_sender", None)
+    if getattr(sender, "curr_idx", None) != 0:
+        return
+    send_pages = getattr(sender, "num_kv_indices", None)
+    if not isinstance(send_pages, int) or req.rid in Guard.acted or rt.is_warmup(req):
+        return
+    room, mgr = _room_and_manager(req)
+    reserved_pages = _reserved_pages(mgr, room)
+    if reserved_pages == 0 or send_pages == reserved_pages or _relayout(mgr, room):
+        return  # unknown (a dummy rank, another backend), equal, or not positional
+    rid = req.rid
+    Guard.acted[rid] = True
+    prompt_tokens = len(req.origin_input_ids)
+    prefix = int(getattr(req, "disagg_decode_prefix_len", 0) or 0)  # 0.5.23: decode holds these
+    page_size = int(getattr(getattr(mgr, "kv_args", None), "page_size", 0) or 0)
+    send_tokens = min(prompt_tokens - prefix, send_pages * page_size) if page_size else 0
+    reason = (
+        f"kvguard guard: request {rid} (bootstrap room {room}): prefill was about to send {send_pages} KV "
+        f"page(s) where decode reserved {reserved_pages} for its {prompt_tokens}-token prompt"
+        + (f" ({prefix} token(s) cached at decode)" if prefix else "")
+        + ("; decode would read reserved pages nothing wrote" if send_pages < reserved_pages else "")
+    )
+    failed = _fail_room(mgr, room, reason)
+    if failed:
+        log.error("%s: transfer failed, the request finishes with an error", reason)
+    else:
+        log.error("%s: this transfer backend cannot be failed by the guard; observed only", reason)
+    rt.probes().guard_acted(
+        rid,
+        room,
+        "send_size",
+        "aborted" if failed else "observed",
+        prompt_tokens=prompt_tokens,
+        send_tokens=send_tokens,
+        reserved_pages=reserved_pages,
+        reason=reason,
+    )
+
+
+def _relayout(mgr, room: int) -> bool:
+    """Whether prefill's pages map onto decode's other than one to one, in order (context
+    parallel filtering, DCP relayout): then the two counts are not comparable."""
+    if getattr(mgr, "enable_all_cp_ranks_for_transfer", False) or getattr(mgr, "is_dummy_cp_rank", False):
+        return True
+    table = getattr(mgr, "decode_kv_args_table", None) or {}
+    for info in mgr.transfer_infos.get(room, {}).values():
+        registered = table.get(getattr(info, "mooncake_session_id", None))
+        if getattr(registered, "requires_dcp_relayout", False):
+            return True
+    return False
 
 
 def _reserved_pages(mgr, room: int) -> int:
@@ -357,9 +424,22 @@ def before_stream(streamer, *args, **kwargs) -> None:
         rt.hook_failed(GUARD_READ, exc)
 
 
+def _step_first(step, name: str):
+    """An AROUND hook running the guard's ``step`` and then the original once. Not
+    ``rt.around``: that swallows a step's exception, and with KVGUARD_GUARD_FAIL=closed the
+    guard's internal error must reach the engine (the step decides; it raises only then)."""
+
+    def hook(original, *args, **kwargs):
+        step(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    hook.__name__ = hook.__qualname__ = f"kvguard_{name}"
+    return hook
+
+
 def result_hook(name: str):
-    return rt.around(name, before_result, None)
+    return _step_first(before_result, name)
 
 
 def stream_hook(name: str):
-    return rt.around(name, before_stream, None)
+    return _step_first(before_stream, name)

@@ -47,6 +47,7 @@ from kvguard.engine_hooks import digest as dg
 
 from . import _runtime as rt
 from . import guard
+from . import guard_marker as marker
 from ._runtime import State
 
 
@@ -91,7 +92,9 @@ def _pre_alloc_post(token, kv_loc, self, *args, **kwargs):
     if not resumed:
         p.transfer_reserved(req.rid, _room(req), n, kv_loc)
         if n:
-            _digest_guarded(RECEIVER_GUARD, _receiver_reserved, req, total_prefix_len, block[total_prefix_len:end])
+            _digest_guarded(
+                RECEIVER_GUARD, _receiver_reserved, self.scheduler, req, total_prefix_len, block[total_prefix_len:end]
+            )
 
 
 def pre_alloc_hook(name: str):
@@ -115,6 +118,7 @@ def _pop_transferred_post(before, result, self, *args, **kwargs):
             p.transfer_done(req.rid, _room(req), "receiver", "success")
         elif id(req) not in still_queued:
             Digests.receivers.pop(req.rid, None)
+            Digests.verified.pop(req.rid, None)
             p.transfer_done(req.rid, _room(req), "receiver", "failed")
 
 
@@ -147,13 +151,19 @@ def _room_already_failed(req) -> bool:
 
 def _send_pre(self, *args, **kwargs):
     req = _arg(args, kwargs, 0, "req")
-    return req, int(req.start_send_idx or 0), _room_already_failed(req)
+    start, dropped = int(req.start_send_idx or 0), _room_already_failed(req)
+    ahead = None
+    if not dropped and State.hello_done and _arg(args, kwargs, 1, "last_chunk", False) and marker.wanted():
+        # the guard's transfer marker goes out in the metadata row the original writes and
+        # hands to the transfer worker: the last chunk is hashed before, not after, the call
+        ahead = marker.sender_ahead(self, req, start, _arg(args, kwargs, 2, "end_idx"))
+    return req, start, dropped, ahead
 
 
 def _send_post(token, result, self, *args, **kwargs):
     if not State.hello_done:
         return
-    req, start, dropped = token
+    req, start, dropped, ahead = token
     if dropped:
         # the room had failed before the call: Mooncake dropped the chunk, nothing was
         # written into decode's pages (which decode may already have freed); an XFER_SEND
@@ -164,12 +174,20 @@ def _send_post(token, result, self, *args, **kwargs):
     end = int(req.start_send_idx or 0)
     if end < start or (end == start and not last_chunk):
         return  # nothing sent (skipped)
-    from .hooks_rows import _rows_block
-
-    slots = _rows_block(self.req_to_token_pool.req_to_token, [int(req.kv.req_pool_idx)], end)[0, start:end]
+    slots = _row_slots(self, req, start, end)
     rt.ensure_begun(req)
     rt.probes().transfer_sent(req.rid, _room(req), start, end, slots, last_chunk, unit="slots")
-    _digest_guarded(SENDER_GUARD, _sender_chunk, self, req, start, end, slots, last_chunk)
+    if ahead is not None:
+        _digest_guarded(SENDER_GUARD, marker.sender_sent, req, ahead, end)
+    else:
+        _digest_guarded(SENDER_GUARD, _sender_chunk, self, req, start, end, slots, last_chunk)
+
+
+def _row_slots(sched, req, start: int, end: int):
+    """The KV slots of the request's row over token positions ``[start, end)``."""
+    from .hooks_rows import _rows_block
+
+    return _rows_block(sched.req_to_token_pool.req_to_token, [int(req.kv.req_pool_idx)], end)[0, start:end]
 
 
 def send_kv_chunk_hook(name: str):
@@ -241,12 +259,16 @@ class _Sender:
 class Digests:
     senders: _BoundedStates = _BoundedStates(MAX_SENDERS)  # rid -> _Sender
     receivers: _BoundedStates = _BoundedStates(MAX_RECEIVERS)  # rid -> (token_start, reserved slots)
+    verified: _BoundedStates = _BoundedStates(MAX_RECEIVERS)  # rid -> the digest the guard compared
+    receiver_setup: _Setup | None = None  # decode's, for the guard (no scheduler at its hook)
     setups: dict = {}  # id(pool) -> _Setup, or the reason it cannot be digested
 
     @classmethod
     def reset(cls) -> None:
         cls.senders = _BoundedStates(MAX_SENDERS)
         cls.receivers = _BoundedStates(MAX_RECEIVERS)
+        cls.verified = _BoundedStates(MAX_RECEIVERS)
+        cls.receiver_setup = None
         cls.setups = {}
         dg.skips.reset()
 
@@ -370,9 +392,12 @@ def _sender_chunk(sched, req, start: int, end: int, slots, last_chunk: bool) -> 
         _emit(req, "sender", st.setup, st.stream.digest(), st.token_start, end)
 
 
-def _receiver_reserved(req, token_start: int, slots) -> None:
-    if not rt.is_warmup(req):  # the fake (warmup) transfer writes nothing
-        Digests.receivers[req.rid] = (int(token_start), slots.clone())
+def _receiver_reserved(sched, req, token_start: int, slots) -> None:
+    if rt.is_warmup(req):  # the fake (warmup) transfer writes nothing
+        return
+    Digests.receivers[req.rid] = (int(token_start), slots.clone())
+    if Digests.receiver_setup is None and marker.wanted():  # the guard compares before pop_transferred
+        Digests.receiver_setup = _setup(sched)
 
 
 def _receiver_digest(queue, req) -> None:
@@ -387,5 +412,7 @@ def _receiver_digest(queue, req) -> None:
     s = _setup(queue.scheduler)
     if s is None:
         return
-    digest = dg.transfer_digest(s.view, slots, s.head_start, s.alg)
+    digest = Digests.verified.pop(req.rid, None)  # the guard hashed it already (guard_marker.py)
+    if digest is None:
+        digest = dg.transfer_digest(s.view, slots, s.head_start, s.alg)
     _emit(req, "receiver", s, digest, token_start, token_start + int(slots.numel()))

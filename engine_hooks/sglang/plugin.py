@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from . import _runtime as rt
 from . import guard
+from . import guard_marker as marker
 from . import hooks_allocator as ha
 from . import hooks_disagg as hd
 from . import hooks_requests as hq
@@ -195,6 +196,19 @@ _GUARD_FULL = (
     ),
 )
 
+# KVGUARD_GUARD=transfer or full (engine_hooks/sglang/guard_marker.py): decode compares the
+# digest of what it received with prefill's marker where SGLang gates each transfer's
+# status on its metadata, before the TP ranks agree on it. Registered only with the guard.
+_GUARD_TRANSFER = (
+    HookSpec(
+        S + "disaggregation.utils._apply_metadata_gate",
+        "after",
+        marker.gate_hook,
+        ("polls", "decode_reqs", "metadata_buffers"),
+        "guard",
+    ),
+)
+
 # version -> (verified on a real engine, hook specs). Every version here runs the real
 # engine tests (tests/test_sglang_adapter_engine.py: unified, decode, prefill roles);
 # free_page_ids exists from 0.5.20 on.
@@ -267,13 +281,17 @@ def resolve(spec: HookSpec) -> tuple[object | None, str]:
     return fn, ""
 
 
-def plan(version: str, guard_full: bool = False) -> tuple[list[HookSpec], list[tuple[HookSpec, str]]]:
-    """The specs to register for this version (with ``guard_full``, the read guard's too),
-    and the skipped ones with the reason."""
+def plan(
+    version: str, guard_full: bool = False, guard_transfer: bool = False
+) -> tuple[list[HookSpec], list[tuple[HookSpec, str]]]:
+    """The specs to register for this version (with ``guard_transfer`` / ``guard_full``, the
+    guard's too), and the skipped ones with the reason."""
     entry = specs_for(version)
     if entry is None:
         return [], []
     _verified, specs = entry
+    if guard_transfer or guard_full:
+        specs = specs + _GUARD_TRANSFER
     if guard_full:
         specs = specs + _GUARD_FULL
     ok, skipped = [], []
@@ -340,7 +358,7 @@ def load() -> None:
         native.library()  # logs which digest routine runs; a bad KVGUARD_DIGEST_NATIVE fails here
         from sglang.srt.plugins.hook_registry import HookRegistry
 
-        ok, skipped = plan(version, guard_full=guard.Guard.config.read)
+        ok, skipped = plan(version, guard_full=guard.Guard.config.read, guard_transfer=guard.Guard.config.transfer)
         for spec, why in skipped:
             level = logging.WARNING if spec.required else logging.INFO
             log.log(level, "kvguard: not hooking %s: %s", spec.target, why)

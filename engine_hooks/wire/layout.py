@@ -133,6 +133,13 @@ class GuardRule(enum.IntEnum):
     # Guard.prompt_tokens is the reader's prompt, send_tokens 0, reserved_pages the refused pages
     READ_FOREIGN = 2  # a row page of another live request, or one handed out but in no row
     READ_FREED = 3  # a row page free in the allocator
+    # prefill was about to send a number of KV pages other than the pages decode reserved
+    # (Guard.send_tokens: the prompt tokens those pages hold; reserved_pages: decode's)
+    SEND_SIZE = 4
+    # decode's digest of the pages it received differs from the digest prefill's guard
+    # carried in the transfer's metadata row (engine_hooks/wire/marker.py), before decode's
+    # first step. Guard.send_tokens: the tokens compared; reserved_pages: their pages
+    DIGEST_MISMATCH = 5
 
 
 class GuardAction(enum.IntEnum):

@@ -12,10 +12,16 @@ the same event would have raised without the guard, carrying what the guard did:
   aborted it, decode never read those pages: nobody is exposed, and the finding says what
   was prevented. When it only observed, decode's own findings (``unwritten_read`` with
   the exposed tenants, ``transfer_size_mismatch``) follow from decode's records as usual.
+- ``send_size`` (prefill was about to send a number of pages other than decode reserved
+  for the request: a sender initialised short, pages dropped below the scheduler) ->
+  ``transfer_size_mismatch`` on the prefill engine, as above.
 - ``read_foreign`` / ``read_freed`` (``KVGUARD_GUARD=full``: the engine's read check refused a
   reader) -> no finding here: the pipeline keeps the action on the reader's request
   (``RequestInfo.guard_action``), and the ``foreign_read`` / ``use_after_free`` findings of
   that reader (sidecar/detectors/tier1.py and reads.py) carry ``evidence.action``.
+- ``digest_mismatch`` (decode's guard found the received KV differing from prefill's
+  digest before the first decode step) -> likewise no finding here: the
+  ``checksum_mismatch`` the two XFER_DIGEST records raise (transfers.py) carries it.
 
 ``evidence.source`` is ``"engine_guard"``. Warmup requests are never alarmed.
 """
@@ -35,8 +41,11 @@ ACTIONS = {wire.GuardAction.ABORTED: "aborted", wire.GuardAction.OBSERVED: "obse
 # reader's read findings (Tier 1's TIER1_VIOLATION, Tier 2's FORWARD judgement, both after
 # this record) carry the action; the kind an abort is counted under
 READ_RULES = {wire.GuardRule.READ_FOREIGN: "foreign_read", wire.GuardRule.READ_FREED: "use_after_free"}
+# the same for the decode guard's digest comparison: the sidecar's own checksum_mismatch,
+# from the two XFER_DIGEST records, carries the action
+CARRIED_RULES = {**READ_RULES, wire.GuardRule.DIGEST_MISMATCH: "checksum_mismatch"}
 # every kind kvguard_guard_aborts_total{kind} counts (exported at 0 from the start)
-GUARD_ABORT_KINDS = ("transfer_size_mismatch", *READ_RULES.values())
+GUARD_ABORT_KINDS = ("transfer_size_mismatch", *CARRIED_RULES.values())
 
 
 class GuardDetector:
@@ -46,8 +55,8 @@ class GuardDetector:
     events: ClassVar[tuple[type, ...]] = (wire.Guard,)
 
     def observe(self, g: wire.Guard, at: At) -> list[Finding]:
-        if g.rule in READ_RULES:
-            return []  # the model keeps the action; the read findings carry it (pipeline._on_guard)
+        if g.rule in CARRIED_RULES:
+            return []  # the model keeps the action; the read / checksum findings carry it (pipeline._on_guard)
         tracker = at.tracker
         info = tracker.requests.get(g.req_key) if tracker is not None else None
         if info is not None and info.warmup:
@@ -61,11 +70,20 @@ class GuardDetector:
             if action == "aborted"
             else "the guard could not fail it on this transfer backend (observed only): see decode's findings"
         )
-        summary = (
-            f"{at.engine.role} rank {at.engine.rank}: request {reader.rid} (tenant {reader.tenant or '?'}, room "
-            f"{room}) was rejected by the engine, which then sent {g.send_tokens} token(s) of its "
-            f"{g.prompt_tokens}-token prompt as a finished transfer{into}; {outcome}"
+        who = (
+            f"{at.engine.role} rank {at.engine.rank}: request {reader.rid} (tenant {reader.tenant or '?'}, room {room})"
         )
+        if g.rule == wire.GuardRule.SEND_SIZE:
+            what = (
+                f"was about to have {g.send_tokens} token(s) of its {g.prompt_tokens}-token prompt sent, in a "
+                f"number of pages other than the {g.reserved_pages} decode reserved"
+            )
+        else:
+            what = (
+                f"was rejected by the engine, which then sent {g.send_tokens} token(s) of its "
+                f"{g.prompt_tokens}-token prompt as a finished transfer{into}"
+            )
+        summary = f"{who} {what}; {outcome}"
         evidence = {
             "source": "engine_guard",
             "action": action,

@@ -17,7 +17,7 @@ from typing import ClassVar
 from ..findings import CRITICAL, WARNING, Finding
 from ..ledger import DigestVerdict, Pairing, RoomState
 from .base import At, DigestsCompared, LedgerUnreachable, TransferOrphaned
-from .reads import reader_party
+from .reads import guard_evidence, reader_party
 
 ALG_NAMES = {1: "xxh3_unit_bytes", 2: "xxh3_device_reduced", 3: "xxh3_head_streams"}
 
@@ -62,6 +62,13 @@ class TransferSizeDetector:
         ]
 
 
+# what decode's guard did (KVGUARD_GUARD=transfer, engine_hooks/sglang/guard_marker.py)
+DIGEST_GUARD_OUTCOME = {
+    "aborted": "; decode's guard failed the request before its first decode step: no token was computed over it",
+    "observed": "; decode's guard saw it and let it run (observed only)",
+}
+
+
 class ChecksumDetector:
     kinds: ClassVar[tuple[str, ...]] = ("checksum_mismatch",)
     events: ClassVar[tuple[type, ...]] = (DigestsCompared,)
@@ -83,6 +90,7 @@ class ChecksumDetector:
             f"from what prefill sent: {alg} digest {verdict.receiver:016x} over tokens "
             f"[{verdict.receiver_range[0]}, {verdict.receiver_range[1]}) vs {verdict.sender:016x} over "
             f"[{verdict.sender_range[0]}, {verdict.sender_range[1]}) ({len(pages)} pages)"
+            + DIGEST_GUARD_OUTCOME.get(reader.guard_action, "")
         )
         evidence = {
             "alg": alg,
@@ -91,6 +99,7 @@ class ChecksumDetector:
             "sender_tokens": list(verdict.sender_range),
             "receiver_tokens": list(verdict.receiver_range),
             "bootstrap_room": state.room,
+            **guard_evidence(reader),
         }
         return [
             Finding("checksum_mismatch", CRITICAL, engine, reader_party(reader), pages, [], ts_ns, summary, evidence)

@@ -20,10 +20,11 @@ PD prefill engine:
   * ``MooncakeKVSender.send`` (around): ``sender_truncated`` drops all but the first
     page inside the sender, below the scheduler (which believes it sent everything).
 PD decode engine:
-  * ``DecodeTransferQueue._commit_transfer_to_req`` (before): ``flip_received_page``
-    flips one byte in one page the request received. It runs inside
-    ``pop_transferred`` for a request whose transfer polled Success, so always after
-    the KV arrived and before kvguard's ``pop_transferred`` hook hashes it.
+  * ``DecodeTransferQueue._poll_with_metadata_gate`` (before): ``flip_received_page``
+    flips one byte in one page the request received, once its receiver's manager says
+    the transfer succeeded. It runs inside ``pop_transferred`` before SGLang polls the
+    queue, so always after the KV arrived and before kvguard hashes it (the guard in
+    ``_apply_metadata_gate`` during that poll, the observer after ``pop_transferred``).
 
 Every injection is logged and appended to ``<KVGUARD_FAULT_DIR>/events.jsonl``.
 A failure inside an injector is reported as an ``error`` event and never propagates
@@ -49,7 +50,7 @@ PROCESS_BATCH_RESULT = S + "managers.scheduler.Scheduler.process_batch_result"
 NUM_PAGES_TO_SEND = S + "disaggregation.prefill.PrefillBootstrapQueue._num_pages_to_send"
 SEND_KV_CHUNK_INNER = S + "disaggregation.prefill.SchedulerDisaggregationPrefillMixin._send_kv_chunk"
 MOONCAKE_SEND = S + "disaggregation.mooncake.conn.MooncakeKVSender.send"
-COMMIT_TRANSFER = S + "disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req"
+POLL_GATE = S + "disaggregation.decode.DecodeTransferQueue._poll_with_metadata_gate"
 
 UNIFIED_FAULTS = ("use_after_free", "double_free", "row_corruption", "late_write_forward", "late_write_pool")
 PD_FAULTS = ("send_truncated", "sender_truncated")
@@ -587,6 +588,17 @@ class Driver:
         )
 
 
+def transfer_landed(decode_req) -> bool:
+    """Whether the receiver's transfer manager reports the room's transfer done (a plain
+    read of its status table: no poll, which would change the receiver's state)."""
+    receiver = decode_req.kv_receiver
+    room = getattr(receiver, "bootstrap_room", None)
+    mgr = getattr(receiver, "kv_mgr", None)
+    if room is None or mgr is None or room not in getattr(mgr, "request_status", {}):
+        return False
+    return int(mgr.check_status(room)) == 4  # KVPoll.Success
+
+
 # --------------------------------------------------------------------------- registration
 _driver: Driver | None = None
 
@@ -635,11 +647,13 @@ def register(faults: set[str], folder: str | None) -> Driver:
 
     if faults & set(DECODE_FAULTS):
 
-        def commit_hook(queue, decode_req, *args, **kwargs):
-            d.guarded("flip_received_page", d.flip_received_page, queue, decode_req)
+        def gate_hook(queue, *args, **kwargs):
+            for decode_req in list(queue.queue):
+                if d.guarded("transfer_landed", transfer_landed, decode_req):
+                    d.guarded("flip_received_page", d.flip_received_page, queue, decode_req)
             return None  # BEFORE hook: the arguments are unchanged
 
-        HookRegistry.register(COMMIT_TRANSFER, commit_hook, HookType.BEFORE)
+        HookRegistry.register(POLL_GATE, gate_hook, HookType.BEFORE)
 
     log.warning("kvguard_faults: TEST-ONLY fault injection armed in pid %d: %s", os.getpid(), ", ".join(sorted(faults)))
     d.ev.emit("plugin", "armed", faults=sorted(faults))
