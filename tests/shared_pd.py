@@ -1,8 +1,9 @@
 """One SGLang 0.5.23 prefill/decode pair for the engine tests that only need a healthy one.
 
 Booting a pair costs ~90 s of two cores (six Python processes importing torch and SGLang,
-docs/testing.md), and four tests need the same fixed pair: the router pairing test, the
-canary's clean verdict, preflight through the router and the fixed incident. They share
+docs/testing.md), and five tests need the same fixed pair: the router pairing test, the
+canary's clean verdict, preflight through the router and against one server, and the
+fixed incident. They share
 one pair for the session, watched by one sidecar from before the engines start, the way
 a sidecar runs beside a pod in production. tests/conftest.py runs the tests that use it
 one after the other and stops the pair after the last of them.

@@ -310,7 +310,10 @@ def test_sglang_greedy_output_copies_the_lagged_prompt_token(tmp_path, require_s
     """SGLang 0.5.23 on CPU, real weights: batched and single requests echo exactly (~30 s).
 
     bfloat16, as the demo serves it. (float32 with lag 8 passes too: dtype="float32",
-    lag=8 here; left out to keep one engine start.)
+    lag=8 here; left out to keep one engine start.) The same engine checks the demo
+    harness's own contract for a plain engine (demo/engines.py ``start_engine``): it
+    reports its start-up time and SGLang's view of the pool, and ``stop`` leaves no
+    process of its group behind.
     """
     require_sglang("0.5.23")
     dtype, lag = "bfloat16", 64
@@ -323,8 +326,10 @@ def test_sglang_greedy_output_copies_the_lagged_prompt_token(tmp_path, require_s
         extra_args=["--load-format", "auto", "--dtype", dtype],
     )  # fmt: skip
     try:
+        assert engine.startup_s is not None
         info = engine.server_info()
         assert (info["load_format"], info["dtype"]) == ("auto", dtype)
+        assert (info["max_total_num_tokens"], info["page_size"]) == (4096, 4)
         new = lag + 16
         prompts = [random_prompt(n, seed) for n, seed in ((lag, 1), (lag + 37, 2), (400, 3))]
         sampling = {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}
@@ -337,5 +342,9 @@ def test_sglang_greedy_output_copies_the_lagged_prompt_token(tmp_path, require_s
             engine.url + "/generate", json={"input_ids": prompts[2], "sampling_params": sampling}, timeout=120
         )
         assert r.status_code == 200 and r.json()["output_ids"] == expected_echo(prompts[2], lag, new)
+        assert r.json()["meta_info"]["prompt_tokens"] == len(prompts[2])
+        assert r.json()["meta_info"]["finish_reason"]["type"] == "length"
     finally:
         engine.stop()
+    assert not engine.is_running()
+    assert engines._group_members(engine.proc.pid) == []

@@ -464,32 +464,5 @@ def test_malformed_url_from_the_shell_has_no_traceback(repo_root):
     assert "'localhost:30000' has no scheme" in p.stdout and "http://localhost:30000" in p.stdout
 
 
-# ---------------------------------------------------------------- a real SGLang server
-
-
-@pytest.mark.engine
-@pytest.mark.timeout(300)
-def test_real_sglang_0_5_23_pool_smaller_than_context(tiny_model_dir, tmp_path, require_sglang, capsys):
-    require_sglang("0.5.23")
-    t0 = time.monotonic()
-    engine = engines.start_engine(
-        "0.5.23", tmp_path / "logs", model_dir=tiny_model_dir, max_total_tokens=256, context_length=2048
-    )
-    try:
-        assert cli.main(["preflight", "--url", engine.url]) == 2
-        text = capsys.readouterr().out
-        assert "POOL SMALLER THAN CONTEXT (warning)" in text and "SGLang version:     0.5.23" in text
-        assert cli.main(["preflight", "--url", engine.url, "--json"]) == 2
-        r = json.loads(capsys.readouterr().out)
-    finally:
-        engine.stop()
-    assert {k: r[k] for k in ("url", "role", "pool_tokens", "context_len", "max_req_input_len", "page_size",
-                              "verdict", "version", "context_source", "server_info_context_length",
-                              "model_max_len", "severity")} == {
-        "url": engine.url, "role": "unified", "pool_tokens": 256, "context_len": 2048, "max_req_input_len": 250,
-        "page_size": 4, "verdict": "pool_smaller_than_context", "version": "0.5.23",
-        "context_source": "/v1/models", "server_info_context_length": 2048, "model_max_len": 2048,
-        "severity": "warning",
-    }  # fmt: skip
-    assert r["reason"].startswith("KV pool holds 256 tokens but the context length is 2048 (0.12x)")
-    print(f"engine test: {time.monotonic() - t0:.1f} s (start-up {engine.startup_s:.1f} s)")
+# A real SGLang server: tests/test_preflight_router.py, on the session's shared pair
+# (its prefill alone, then through the router).

@@ -540,3 +540,27 @@ def test_real_router_in_front_of_sglang_0_5_23_pd(shared_pd, tmp_path, capsys, m
         ]
     )
     print(f"engine test: {time.monotonic() - t0:.1f} s (shared pair and router start-up {pair.startup_s:.1f} s)")
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(300)
+def test_real_sglang_0_5_23_server_pool_smaller_than_context(shared_pd, capsys, monkeypatch):
+    """``kvguard preflight --url`` given one real SGLang 0.5.23 server (the shared pair's
+    prefill: pool 256 tokens, context 2048), text and JSON, every field it reads from it."""
+    monkeypatch.delenv("KVGUARD_BEARER_TOKEN", raising=False)
+    monkeypatch.delenv("KVGUARD_BEARER_TOKEN_FILE", raising=False)
+    url = shared_pd.pair.prefill.url
+    assert cli.main(["preflight", "--url", url]) == 2
+    text = capsys.readouterr().out
+    assert "POOL SMALLER THAN CONTEXT (critical)" in text and "SGLang version:     0.5.23" in text
+    assert cli.main(["preflight", "--url", url, "--json"]) == 2
+    r = json.loads(capsys.readouterr().out)
+    assert {k: r[k] for k in ("url", "role", "pool_tokens", "context_len", "max_req_input_len", "page_size",
+                              "verdict", "version", "context_source", "server_info_context_length",
+                              "model_max_len", "severity")} == {
+        "url": url, "role": "prefill", "pool_tokens": 256, "context_len": 2048, "max_req_input_len": 250,
+        "page_size": 4, "verdict": "pool_smaller_than_context", "version": "0.5.23",
+        "context_source": "/v1/models", "server_info_context_length": 2048, "model_max_len": 2048,
+        "severity": "critical",
+    }  # fmt: skip
+    assert r["reason"].startswith("KV pool holds 256 tokens but the context length is 2048 (0.12x)")
