@@ -10,7 +10,9 @@ and the engine itself must say so and act: its log line names the reader, the pa
 the page's owner; the reader, a streaming client, is finished with SGLang's abort
 (status 500, the guard's reason) and receives none of the tokens of the forward that
 read the owner's page; the owner is served in full; GUARD and TIER1_VIOLATION records
-with the same facts are in the ring for a sidecar that attaches later.
+with the same facts are in the ring for a sidecar that attaches later. Last, fault
+``use_after_free`` frees two pages still in a decoding request's row: the engine finishes
+that reader the same way before the token of the forward that read the free pages.
 """
 
 from __future__ import annotations
@@ -83,7 +85,11 @@ def engine(tmp_path_factory, require_sglang):
         ring_dir=ring_dir,
         # one batch at a time, so the corrupted row is read by exactly the next forward
         extra_args=["--disable-overlap-schedule", "--max-running-requests", "8", "--chunked-prefill-size", "16"],
-        extra_env={"KVGUARD_GUARD": "full", "KVGUARD_FAULT": "row_corruption", "KVGUARD_FAULT_DIR": str(events_dir)},
+        extra_env={
+            "KVGUARD_GUARD": "full",
+            "KVGUARD_FAULT": "row_corruption,use_after_free",
+            "KVGUARD_FAULT_DIR": str(events_dir),
+        },
         extra_pythonpath=[FAULTS_DIR],
     )
     print(f"\nengine ready in {time.monotonic() - t0:.1f} s")
@@ -180,3 +186,42 @@ def test_a_foreign_row_entry_is_caught_by_the_engine_itself(engine):
     assert v.reader_key == wire.request_key(reader) and v.pages.tolist() == [page]
     assert v.owner_keys.tolist() == [wire.request_key(owner)] and v.row_indices.tolist() == [1]
     assert v.tags.tolist() == [wire.Tier1Tag.OTHER_REQUEST]
+
+
+def test_a_freed_row_page_is_caught_and_the_reader_aborted(engine):
+    """The fault plugin's ``use_after_free`` frees two prompt pages of a request through the
+    allocator while its row still names them (after its first prefill chunk): the reader's
+    next forward reads free pages, and the engine finishes it (status 500) before that
+    forward's token is streamed. Last in the module: the reader's own release then frees those pages a second
+    time, which leaves the allocator's free list wrong for whatever would come next."""
+    eng, ring_dir, events_dir = engine
+    rng = random.Random(5)
+    victim = make_rid("use_after_free", "victim", "1")
+    status, chunks = generate_stream(eng.url, victim, [rng.randint(3, 255) for _ in range(21)], 40)
+    (freed,) = wait_for(lambda: events(events_dir, "use_after_free", "freed"), "freed event")
+    pages = sorted(freed["pages"])
+    assert len(pages) == 2, freed
+    (guard_line,) = [x for x in log_lines(eng, "kvguard guard: request") if victim in x]
+    assert f"request {victim}'s forward read 2 KV page(s) freed: page(s)" in guard_line, guard_line
+
+    assert status == 200 and chunks, chunks
+    last = chunks[-1]["meta_info"]
+    finish = last["finish_reason"]
+    assert finish["type"] == "abort" and finish["status_code"] == 500, last
+    assert finish["err_type"] == "KVGuardReadViolation" and "freed" in finish["message"], finish
+    # the fault frees them after the first of the prompt's two 16-token prefill chunks, and the
+    # second chunk's forward reads them: the reader is failed before its first token
+    assert last["completion_tokens"] == 0 and not any(c.get("output_ids") for c in chunks), last
+
+    recs = []
+    for path in ring_dir.glob("*.ring"):
+        recs += [
+            r
+            for r in RingReader(str(path)).poll(max_bytes=64 << 20).records
+            if (r.kind == wire.Kind.GUARD and r.body.req_key == wire.request_key(victim))
+            or (r.kind == wire.Kind.TIER1_VIOLATION and r.body.reader_key == wire.request_key(victim))
+        ]
+    assert [r.kind for r in recs] == [wire.Kind.GUARD, wire.Kind.TIER1_VIOLATION], recs
+    g, v = recs[0].body, recs[1].body
+    assert (g.rule, g.action, g.reserved_pages) == (wire.GuardRule.READ_FREED, wire.GuardAction.ABORTED, 2)
+    assert sorted(v.pages.tolist()) == pages and v.tags.tolist() == [wire.Tier1Tag.FREE] * 2
