@@ -2,10 +2,14 @@
 what KVGUARD_GUARD=full adds per step besides the Tier 1 check.
 
 ``guard.before_send`` runs once per transfer chunk before SGLang's ``send_kv_chunk``.
-For a request the engine did not reject (every healthy request) it is a flag test and a
-dictionary lookup; for a rejected one it decides, fails the room through the transfer
-manager (a no-op stand-in here, so the figure is the guard's own work) and writes the
-GUARD record into a real ring. CPU time of the calling thread, median of repeats.
+For a request the engine did not reject (every healthy request), before its first chunk,
+it compares the pages its sender will send with the pages decode reserved (the
+``send_size`` rule; later chunks skip it); for a rejected one it decides, fails the room
+through the transfer manager (a no-op stand-in here, so the figure is the guard's own
+work) and writes the GUARD record into a real ring. The digest rule's own work (the
+marker packed on prefill, unpacked and compared on decode; the hashing is the transfer
+digest's, made anyway) is ``guard_marker_us_per_request``. CPU time of the calling
+thread, median of repeats.
 """
 
 from __future__ import annotations
@@ -38,13 +42,31 @@ class _Manager:
 
 
 def _req(rid: str, mgr) -> types.SimpleNamespace:
+    # before its first chunk (curr_idx 0), its sender set for the 150 pages decode reserved
+    sender = types.SimpleNamespace(kv_mgr=mgr, curr_idx=0, num_kv_indices=150)
     return types.SimpleNamespace(
         rid=rid,
         bootstrap_room=7,
         bootstrap_host="10.0.0.2",
-        disagg_kv_sender=types.SimpleNamespace(kv_mgr=mgr),
-        origin_input_ids=[5],
+        disagg_kv_sender=sender,
+        origin_input_ids=[5] * 600,
+        disagg_decode_prefix_len=0,
     )
+
+
+def marker_us_per_request(calls: int) -> float:
+    """The digest rule's own work per transfer: prefill packs the marker into its metadata
+    row, decode unpacks it for the room and compares the digests."""
+    from kvguard.engine_hooks.wire import marker as wm
+
+    row = np.zeros(wm.SLOTS, np.int32)
+
+    def one(i: int) -> None:
+        row[:] = wm.pack(wm.Marker(i, 0, 600, 0, 8, 3, 0x1234_5678_9ABC_DEF0 + i))
+        got = wm.unpack(row, i)
+        assert got is not None and got.digest == 0x1234_5678_9ABC_DEF0 + i
+
+    return _per_call_us(one, calls)
 
 
 def _per_call_us(fn, calls: int, repeats: int = 5) -> float:
@@ -95,6 +117,7 @@ def bench(calls: int = 20_000) -> dict:
         "guard_transfer_us_rejected": per_rejected,
         "guard_off_us_per_request": off,
         "guard_full_hooks_us_per_step_b256": full_hooks_us_per_step(256, max(calls // 20, 200)),
+        "guard_marker_us_per_request": marker_us_per_request(max(calls // 4, 500)),
     }
 
 

@@ -325,6 +325,7 @@ def guard_part(sz: Sizes, res: dict, details: dict, log) -> None:
     res["engine.guard_transfer_us_per_request"] = r["guard_transfer_us_per_request"]
     res["engine.guard_transfer_us_rejected"] = r["guard_transfer_us_rejected"]
     res["engine.guard_off_us_per_request"] = r["guard_off_us_per_request"]
+    res["engine.guard_marker_us_per_request"] = r["guard_marker_us_per_request"]
     # full = the Tier 1 check (measured by the engine part, same run) + the guard's two per-step hooks
     res["engine.guard_full_hooks_us_per_step_b256"] = r["guard_full_hooks_us_per_step_b256"]
     check = res.get("engine.part_tier1_check_us_b256")
@@ -584,6 +585,12 @@ def table(res: dict) -> str:
                 _status(v, TARGET_GUARD_TRANSFER_US, False),
             ),
             ("  the same with the guard off", _fmt(g("engine.guard_off_us_per_request"), " us"), "", ""),
+            (
+                "  the digest rule's marker: pack (prefill), unpack + compare (decode)",
+                _fmt(g("engine.guard_marker_us_per_request"), " us"),
+                "",
+                "",
+            ),
             (
                 "  a rejected request: decide, fail, record, log",
                 _fmt(g("engine.guard_transfer_us_rejected"), " us"),

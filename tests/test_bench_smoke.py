@@ -110,6 +110,7 @@ def test_quick_run_writes_results_and_nulls_what_is_not_implemented(tmp_path, ca
         "engine.guard_transfer_us_per_request",
         "engine.guard_transfer_us_rejected",
         "engine.guard_full_hooks_us_per_step_b256",
+        "engine.guard_marker_us_per_request",
     ):
         assert isinstance(res[key], (int, float)) and res[key] > 0, key
     assert (

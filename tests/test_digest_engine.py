@@ -16,13 +16,14 @@ docs/wire-format.md "Transfer digests"):
   one ``checksum_mismatch`` for it (sidecar/detectors/transfers.py) with ``action:
   aborted``.
 
-The pair runs with the guard's ``transfer`` mode (docs/guard.md), so the normal requests
-above (one to four chunks each) also show that its page-count rule never fails a
-healthy transfer, and:
+The pair runs with the guard's ``full`` mode (docs/guard.md: the transfer rules and the
+read check), so the normal requests above (one to four chunks each) also show that
+neither its page-count rule nor its digest rule fails a healthy transfer, and:
 
 * the test-only ``send_truncated`` fault initialises prefill's sender for 1 page of the
-  50 decode reserved (SGLang would report the transfer complete after that page): the
-  guard fails the transfer before its first chunk, decode answers HTTP 500 and never
+  50 decode reserved (SGLang would report the transfer complete after that page, and
+  decode's first step would read 49 reserved pages nothing wrote: an unwritten read):
+  the guard fails the transfer before its first chunk, decode answers HTTP 500 and never
   reads the reserved pages, the next request is served, and the sidecar reports one
   ``transfer_size_mismatch`` with ``action: aborted`` and nobody exposed.
 """
@@ -120,7 +121,8 @@ def pd(tmp_path_factory, require_sglang):
         extra_env={
             "KVGUARD_FAULT": "flip_received_page,send_truncated",
             "KVGUARD_FAULT_DIR": str(events_dir),
-            "KVGUARD_GUARD": "transfer",
+            # full: the transfer rules and the read check (Tier 1) in both engines
+            "KVGUARD_GUARD": "full",
         },
         extra_pythonpath=[FAULTS_DIR],
         # direct: each case looks its digests up by the room the client chose
@@ -241,7 +243,7 @@ def test_the_guard_fails_a_send_of_fewer_pages_than_decode_reserved(pd):
     (init,) = [e for e in watch.events("sender_init") if e["rid"] == rid]
     assert (init["engine_pages"], init["pages"], init["room"]) == (50, 1, short.room)
     log = pair.prefill.log_path.read_text(errors="replace")
-    assert "kvguard guard: transfer invariants enforced" in log
+    assert "kvguard guard: KVGUARD_GUARD=full: transfer invariants and the read check" in log
     assert (
         f"request {rid} (bootstrap room {short.room}): prefill was about to send 1 KV page(s) where decode reserved 50"
         in log

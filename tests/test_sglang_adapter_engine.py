@@ -188,8 +188,11 @@ class DriverRun:
             KVGUARD_SGLANG_CPU_COMPAT="1",
             KVG_BOOTSTRAP_PORT=str(_free_port()),
             SGLANG_DISAGGREGATION_WAITING_TIMEOUT="20",
-            KVGUARD_ROW_SAMPLE_EVERY="1",
-        )  # every forward carries its rows: the replay below checks them all
+            KVGUARD_ROW_SAMPLE_EVERY="1",  # every forward carries its rows: the replay below checks them all
+            # every engine watched runs the guard's strictest mode: each version's exact results
+            # below, and decode-off's equal to decode's, show it changes no clean response
+            KVGUARD_GUARD="full",
+        )
         env.pop("KVGUARD_DISABLE", None)
         self.proc = subprocess.run(
             [sys.executable, str(work / "driver.py"), ",".join(self.modes), str(work / "model"), str(self.ring_root)],
@@ -450,7 +453,8 @@ def test_prefill_engine_over_length_prompt(version, driver):
 
 
 def test_plugin_off_engine_unchanged(driver):
-    """KVGUARD_DISABLE=1: no hooks, no ring (the same driver's decode engine, 0.5.23)."""
+    """KVGUARD_DISABLE=1: no hooks, no ring (the same driver's decode engine, 0.5.23), and the
+    same responses as the decode engine watched with KVGUARD_GUARD=full."""
     run = driver("0.5.23")
     assert run.proc.returncode == 0, run.failure()
     assert run.results["decode-off"] == run.results["decode"]  # served the same, unwatched

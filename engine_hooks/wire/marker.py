@@ -41,10 +41,11 @@ class Marker:
     digest: int  # u64
 
 
-def _check(words: np.ndarray, room: int) -> int:
+def _check(words: list[int], room: int) -> int:
+    """The XOR of the first seven words (as u32) and of the room's two 32-bit halves."""
     acc = (int(room) & _MASK32) ^ ((int(room) >> 32) & _MASK32)
-    for w in words[:7].tolist():
-        acc ^= int(w) & _MASK32
+    for w in words[:7]:
+        acc ^= w & _MASK32
     return acc
 
 
@@ -54,38 +55,26 @@ def pack(m: Marker) -> np.ndarray:
         raise ValueError(f"head range {m.head_start}+{m.head_count} does not fit the marker")
     if not (0 <= m.token_start <= m.token_end < 1 << 31):
         raise ValueError(f"token range [{m.token_start}, {m.token_end}) does not fit the marker")
-    words = np.array(
-        [
-            MAGIC,
-            m.token_start,
-            m.token_end,
-            m.head_start | m.head_count << 16,
-            int(m.alg),
-            m.digest & _MASK32,
-            (m.digest >> 32) & _MASK32,
-            0,
-        ],
-        dtype=np.uint32,
-    )
-    words[7] = _check(words, m.room)
-    return words.view(np.int32)
+    words = [
+        MAGIC,
+        m.token_start,
+        m.token_end,
+        m.head_start | m.head_count << 16,
+        int(m.alg),
+        m.digest & _MASK32,
+        (m.digest >> 32) & _MASK32,
+    ]
+    words.append(_check(words, m.room))
+    return np.array(words, dtype=np.uint32).view(np.int32)
 
 
 def unpack(words, room: int) -> Marker | None:
     """The marker in ``words`` (eight int32) for ``room``; None when there is none, or it
     was written for another room, or it is torn."""
-    w = np.asarray(words, dtype=np.int32).view(np.uint32)
-    if len(w) != SLOTS or int(w[0]) != MAGIC or int(w[7]) != _check(w, room):
+    w = np.asarray(words, dtype=np.int32).view(np.uint32).tolist()
+    if len(w) != SLOTS or w[0] != MAGIC or w[7] != _check(w, room):
         return None
-    return Marker(
-        int(room),
-        int(w[1]),
-        int(w[2]),
-        int(w[3]) & 0xFFFF,
-        int(w[3]) >> 16,
-        int(w[4]),
-        int(w[5]) | int(w[6]) << 32,
-    )
+    return Marker(int(room), w[1], w[2], w[3] & 0xFFFF, w[3] >> 16, w[4], w[5] | w[6] << 32)
 
 
 def row(buffers, index: int):
