@@ -229,7 +229,10 @@ class Probes:
         engine_name: str,
         engine_version: str,
         model: str,
+        pid: int | None = None,
     ) -> None:
+        """The engine's identity (first record of every engine). ``pid``: the engine process's
+        (default: this process's; a recording made outside the engine passes each engine's own)."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = int(page_size)
@@ -238,7 +241,7 @@ class Probes:
         h = wire.Hello(
             _ROLES[str(role).lower()],
             int(tp_rank),
-            os.getpid(),
+            os.getpid() if pid is None else int(pid),
             self.page_size,
             int(pool_pages),
             int(pool_tokens),

@@ -127,6 +127,17 @@ class Pipeline(TransferFlow):
         self.records_lost_by_engine: dict[int, int] = {}  # engine id -> records lost since first seen
         self.apply_errors = 0
 
+    def verdict_options(self) -> dict:
+        """The settings that change what this pipeline finds, as a recording keeps them for
+        ``kvguard replay`` (sidecar/replay.py ``VERDICT_OPTIONS``; ``shared_ledger`` is
+        recorded only: a replay has no other pod's facts)."""
+        return {
+            "isolate_tenants": bool(self.isolation_detector.enabled),
+            "ttft_anomaly": bool(self.ttft_detector.enabled),
+            "orphan_timeout_s": float(self.orphan_timeout_s),
+            "shared_ledger": self.shared_ledger is not None,
+        }
+
     # ------------------------------------------------------------------ helpers
     def tracker(self, engine_id: int) -> EngineTracker:
         tracker = self.engines.get(engine_id)

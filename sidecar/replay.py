@@ -17,13 +17,25 @@ What a recording cannot vouch for is reported, never guessed over:
 * The CARRIED HELLOs at the start of a rotated segment are applied only when the replay
   has not seen that engine (the replay starts at this segment); otherwise they are skipped.
 
-Exit status: 0 when the replay ran (findings or not, problems or not); 1 when an input
-cannot be read at all (missing, not a recording, a newer format or another wire
-contract version), checked for every input before anything is replayed.
+Settings that change verdicts (``VERDICT_OPTIONS``: tenant isolation, the TTFT detector,
+the orphan timeout) are taken from the recording: the live sidecar writes them at the
+start of every segment (an OPTIONS event, format version 2). A flag given to ``kvguard
+replay`` overrides the recording's value; a recording without them (format 1) replays
+with the flags, else the sidecar's defaults. The summary says which value came from
+where. A recording made with a shared ledger (Redis) is replayed with the embedded one
+(the other pod's facts are not in it), and the summary says so.
+
+Exit status: 0 when the replay ran (findings or not, recording damage or not); 3 when it
+ran but something failed that may have cost findings: the pipeline raised on a record
+(``apply_errors``) or the engines recorded a probe failure (``probe_errors``: a
+PROBE_ERROR record, a hook that turned itself off); 1 when an input cannot be read at
+all (missing, not a recording, a newer format or another wire contract version),
+checked for every input before anything is replayed.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -38,6 +50,8 @@ from .pipeline import Pipeline
 from .recorder import RecordingError, SegmentHeader, SegmentReader, SidecarEvent, is_segment_name
 
 MAX_PROBLEMS_KEPT = 100
+# Pipeline keyword -> the sidecar's default: the settings a recording carries and replay applies
+VERDICT_OPTIONS = {"isolate_tenants": False, "ttft_anomaly": True, "orphan_timeout_s": 120.0}
 
 
 @dataclass
@@ -88,10 +102,18 @@ def find_segments(paths) -> list[str]:
 class Replay:
     """Replays segments through a fresh Pipeline. ``run(paths)`` returns the findings delivered."""
 
-    def __init__(self, sinks=(), on_problem=None):
+    def __init__(self, sinks=(), on_problem=None, overrides: dict | None = None):
         self.sinks = list(sinks)
-        self.pipeline = Pipeline(self.sinks)
+        unknown = set(overrides or ()) - set(VERDICT_OPTIONS)
+        if unknown:
+            raise ValueError(f"not a replay option: {', '.join(sorted(unknown))}")
+        # flags given to `kvguard replay`: they win over the recording's values
+        self.overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+        self.options, self.options_source = self._merge(None)
+        self.recorded_shared_ledger = False
+        self.pipeline = Pipeline(self.sinks, **self.options)
         self.pipelines = [self.pipeline]  # one per recording run (a run is one live sidecar process)
+        self._run_records = 0  # records applied to the current run's pipeline
         self._run_id: int | None = None
         self.stats = ReplayStats()
         self.header: SegmentHeader | None = None  # the segment being replayed (maps ts_ns to wall time)
@@ -180,10 +202,39 @@ class Replay:
             self.stats.bad_records += rs.decode.unknown_kind + rs.decode.bad_version + rs.decode.bad_payload
         return findings
 
+    def _merge(self, recorded: dict | None) -> tuple[dict, dict]:
+        """Each verdict option's value and where it came from: a flag, the recording, the default."""
+        options, source = {}, {}
+        for name, default in VERDICT_OPTIONS.items():
+            if name in self.overrides:
+                options[name], source[name] = self.overrides[name], "flag"
+            elif recorded is not None and name in recorded:
+                options[name], source[name] = type(default)(recorded[name]), "recording"
+            else:
+                options[name], source[name] = default, "default"
+        return options, source
+
+    def _use_options(self, recorded: dict) -> None:
+        """An OPTIONS event: the live sidecar's settings. At the start of a run (before any
+        record) the run's pipeline is rebuilt with them; later, a change is reported (a live
+        sidecar keeps its settings for its life) and the replay goes on with the first."""
+        options, source = self._merge(recorded)
+        self.recorded_shared_ledger = self.recorded_shared_ledger or bool(recorded.get("shared_ledger"))
+        if options == self.options:
+            self.options_source = source if self._run_records == 0 else self.options_source
+            return
+        if self._run_records == 0:
+            self.options, self.options_source = options, source
+            self.pipeline = Pipeline(self.sinks, **options)
+            self.pipelines[-1] = self.pipeline
+            return
+        self._problem(f"{self._path}: recorded options changed within a run ({recorded}); replay keeps {self.options}")
+
     def _new_run(self) -> None:
         """A new recording run is a restarted live sidecar: it started from an empty pipeline too."""
-        self.pipeline = Pipeline(self.sinks)
+        self.pipeline = Pipeline(self.sinks, **self.options)
         self.pipelines.append(self.pipeline)
+        self._run_records = 0
         self._expected.clear()
         self._hello.clear()
         self._seen.clear()
@@ -235,6 +286,7 @@ class Replay:
             self._hello[eid] = _hello_key(rec)
         self._seen.add(eid)
         self.stats.records += 1
+        self._run_records += 1
         found = self.pipeline.apply(rec)
         for f in found:
             self.findings_by_kind[f.kind] += 1
@@ -250,6 +302,9 @@ class Replay:
     def _sidecar_event(self, ev: SidecarEvent) -> list[Finding]:
         """The live sidecar's own state changes, at the point in the stream where it made them."""
         self.stats.sidecar_events += 1
+        if ev.kind == "options":
+            self._use_options(ev.options or {})
+            return []
         if ev.kind == "gap":
             self.stats.records_missing += ev.count
             self._expected.clear()  # the gaps that follow are this one: do not count them twice
@@ -290,6 +345,7 @@ class Replay:
         by_kind = self.findings_by_kind
         suppressed = sum(p.findings_suppressed for p in self.pipelines)
         apply_errors = sum(p.apply_errors for p in self.pipelines)
+        probe_errors = sum(p.records_by_kind.get("PROBE_ERROR", 0) for p in self.pipelines)
         return {
             "segments": s.files,
             "recordings": s.recordings,
@@ -313,8 +369,12 @@ class Replay:
             "blind_resets": s.blind_resets,
             "sidecar_events": s.sidecar_events,
             "apply_errors": apply_errors,
+            "probe_errors": probe_errors,
             "problems": s.problems_total,
             "problem_messages": list(s.problems),
+            "options": dict(self.options),
+            "options_source": dict(self.options_source),
+            "recorded_with_shared_ledger": self.recorded_shared_ledger,
         }
 
 
@@ -394,7 +454,31 @@ def _print_summary(s: dict) -> None:
     lines.append(
         "recording problems: " + (", ".join(damage) + " (details on stderr)" if damage or s["problems"] else "none")
     )
+    if s["probe_errors"]:
+        lines.append(
+            f"probe errors: {s['probe_errors']} recorded by the engines (a hook failed and turned itself off: "
+            "what it would have reported is not in the recording)"
+        )
+    src = s["options_source"]
+    lines.append(
+        "options: "
+        + ", ".join(f"{k}={_option_text(v)} ({src[k]})" for k, v in s["options"].items())
+        + (
+            "; recorded with a shared ledger, replayed with the embedded one"
+            if s["recorded_with_shared_ledger"]
+            else ""
+        )
+    )
     sys.stdout.write("\n".join(lines) + "\n")
+
+
+def _option_text(value) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else f"{value:g}"
+
+
+def exit_status(summary: dict) -> int:
+    """0, or 3 when the replay ran but a pipeline or probe error may have cost findings."""
+    return 3 if summary["apply_errors"] or summary["probe_errors"] else 0
 
 
 def cmd_replay(args) -> int:
@@ -411,13 +495,24 @@ def cmd_replay(args) -> int:
 
     ref: list = []
     sink = JsonLinesSink(sys.stdout) if args.json else _PrintSink(ref)  # --json: the live sidecar's own sink
-    r = Replay([sink], on_problem=on_problem)
+    overrides = {
+        "isolate_tenants": args.isolate_tenants,
+        "ttft_anomaly": args.ttft_anomaly,
+        "orphan_timeout_s": args.orphan_timeout_s,
+    }
+    if args.orphan_timeout_s is not None and not args.orphan_timeout_s > 0:
+        sys.stderr.write(
+            f"kvguard replay: error: --orphan-timeout-s: expected seconds > 0, got {args.orphan_timeout_s}\n"
+        )
+        return 2
+    r = Replay([sink], on_problem=on_problem, overrides=overrides)
     ref.append(r)
     try:
         plan = r.plan(args.paths)
     except RecordingError as exc:
         sys.stderr.write(f"kvguard replay: error: {exc}\n")
         return 1
+    summary = None
     try:
         for path, _header in plan:
             r.replay_segment(path)
@@ -430,7 +525,7 @@ def cmd_replay(args) -> int:
     except BrokenPipeError:  # `kvguard replay ... | head`: the reader left, not an error
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-    return 0
+    return exit_status(summary or r.summary())
 
 
 def register(subparsers) -> None:
@@ -438,8 +533,33 @@ def register(subparsers) -> None:
         "replay",
         help="re-run detection offline over recorded segment files",
         description="Replay recorded segments (files, or directories of kvguard-*.kvgrec) through the same "
-        "detection pipeline as the live sidecar, in recording order. Exit 0 when it ran (with or "
-        "without findings), 1 when an input cannot be read.",
+        "detection pipeline as the live sidecar, in recording order. The settings that change verdicts "
+        "(--isolate-tenants, --ttft-anomaly, --orphan-timeout-s) are taken from the recording, where the "
+        "live sidecar wrote its own; a flag given here overrides the recording's value, and a recording "
+        "without them (format 1) uses the flags, else the sidecar's defaults. The summary names each "
+        "value's source. Exit 0 when it ran (with or without findings), 3 when it ran but a pipeline "
+        "error or a recorded probe error may have cost findings, 1 when an input cannot be read, 2 for "
+        "a bad flag value.",
+    )
+    p.add_argument(
+        "--isolate-tenants",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="report prefix-cache pages written by one tenant and read by another (cross_tenant_prefix_share); "
+        "default: as recorded, else off",
+    )
+    p.add_argument(
+        "--ttft-anomaly",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the ttft_anomaly detector; default: as recorded, else on",
+    )
+    p.add_argument(
+        "--orphan-timeout-s",
+        type=float,
+        default=None,
+        help="seconds before a reserved transfer whose prefill never reported is an orphan_transfer; "
+        "default: as recorded, else 120",
     )
     p.add_argument("paths", nargs="+", metavar="FILE", help="segment files or recording directories")
     p.add_argument(

@@ -64,6 +64,8 @@ class Sidecar:
         )
         # sidecar.recorder.Recorder (or None): records every batch before it is applied; never raises
         self.recorder = recorder
+        if recorder is not None:  # so that `kvguard replay` judges the recording with the same settings
+            recorder.set_options(self.pipeline.verdict_options())
         self.poll_interval_s = poll_interval_s
         self.lock = threading.Lock()  # guards pipeline + rings against the metrics scrape
         self._stop = threading.Event()

@@ -341,12 +341,13 @@ def test_a_mutated_segment_replays_what_it_can_and_never_crashes(case):
 
 @FEW
 @given(mutated_segment(), st.booleans())
-def test_the_replay_command_exits_0_or_1_and_never_raises(case, as_json):
+def test_the_replay_command_exits_0_1_or_3_and_never_raises(case, as_json):
     raw, _ = case
     path = os.path.join(SCRATCH, "c.kvgrec")
     with open(path, "wb") as f:
         f.write(raw)
-    assert main(["replay", path] + (["--json"] if as_json else [])) in (0, 1)
+    # 3: it ran, and the garbage held a PROBE_ERROR record or made the pipeline raise
+    assert main(["replay", path] + (["--json"] if as_json else [])) in (0, 1, 3)
 
 
 def test_the_fuzzed_segment_itself_replays_cleanly():

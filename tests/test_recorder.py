@@ -205,7 +205,7 @@ def test_unreadable_files_are_refused_with_the_reason(tmp_path):
         "text.kvgrec": (b"hello, world\n" * 10, "not a kvguard recording"),
         "short.kvgrec": (raw[:20], "shorter than a recording header"),
         "flipped.kvgrec": (raw[:20] + bytes([raw[20] ^ 1]) + raw[21:], "header is corrupt"),
-        "newer.kvgrec": (header_with(format_version=2), "newer than this kvguard reads"),
+        "newer.kvgrec": (header_with(format_version=wire.FORMAT_VERSION + 1), "newer than this kvguard reads"),
         "wire2.kvgrec": (header_with(wire_version=2), "wire contract version 2"),
     }
     for name, (content, reason) in cases.items():

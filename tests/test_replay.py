@@ -279,7 +279,10 @@ def test_the_command_prints_findings_and_a_summary(live, capsys):
     assert any(line.startswith(f"replayed {len(segs)} segment(s) of 1 recording(s)") for line in out)
     assert any(line.startswith("findings: ") and "unwritten_read 1" in line for line in out)
     assert any(line.startswith("lost records: ") and "0 missing from the recording" in line for line in out)
-    assert out[-1] == "recording problems: none"
+    assert "recording problems: none" in out
+    assert out[-1] == (
+        "options: isolate_tenants=off (recording), ttft_anomaly=on (recording), orphan_timeout_s=120 (recording)"
+    )
 
 
 def test_the_command_with_json_prints_the_live_finding_objects(live, capsys):
@@ -299,7 +302,12 @@ def test_unreadable_input_exits_1_before_printing_anything(live, tmp_path, capsy
     h = SegmentHeader.unpack(raw)
     newer = (
         SegmentHeader(
-            2, h.wire_version, h.created_realtime_ns, h.created_monotonic_ns, h.recording_id, h.segment_index
+            wire.FORMAT_VERSION + 1,
+            h.wire_version,
+            h.created_realtime_ns,
+            h.created_monotonic_ns,
+            h.recording_id,
+            h.segment_index,
         ).pack()
         + raw[64:]
     )
@@ -330,3 +338,131 @@ def test_a_damaged_recording_still_exits_0_and_says_what_is_wrong(tmp_path, caps
     captured = capsys.readouterr()
     assert "kvguard replay: warning:" in captured.err and "corrupt chunk" in captured.err
     assert "recording problems: 1 corrupt chunks" in captured.out and "truncated bytes" in captured.out
+
+
+# --------------------------------------------------------------------------- the live sidecar's settings
+def _isolated_live_run(base):
+    """A live sidecar with --isolate-tenants and a recorder, over a prefix page shared across tenants."""
+    from test_isolation import shared_prefix_stream
+
+    ring_dir, rec_dir = base / "rings", base / "rec"
+    ring_dir.mkdir()
+    sink = MemorySink()
+    shared_prefix_stream(ring_dir, "globex")
+    sc = Sidecar(
+        str(ring_dir), sinks=[sink], slack_ns=0, isolate_tenants=True, recorder=Recorder(rec_dir, max_bytes=1 << 22)
+    )
+    sc.run_once(flush=True)
+    sc.stop()
+    return sink.findings, sorted(str(p) for p in rec_dir.glob("*.kvgrec"))
+
+
+def test_replay_judges_with_the_recorded_settings_and_a_flag_overrides_them(tmp_path, capsys):
+    live_findings, segs = _isolated_live_run(tmp_path)
+    assert [f.kind for f in live_findings] == ["cross_tenant_prefix_share"]
+    # no flag: the recording's --isolate-tenants, so the same finding, field for field
+    assert main(["replay", "--json", *segs]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines[:-1] == [json.loads(f.to_json()) for f in live_findings]
+    summary = lines[-1]["summary"]
+    assert summary["options"] == {"isolate_tenants": True, "ttft_anomaly": True, "orphan_timeout_s": 120.0}
+    assert set(summary["options_source"].values()) == {"recording"}
+    assert summary["recorded_with_shared_ledger"] is False
+    # a flag wins over the recording
+    assert main(["replay", "--json", "--no-isolate-tenants", *segs]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines[:-1] == []
+    summary = lines[-1]["summary"]
+    assert summary["options"]["isolate_tenants"] is False and summary["options_source"]["isolate_tenants"] == "flag"
+
+
+def test_every_segment_carries_the_settings_so_each_replays_alone(tmp_path):
+    rec_dir = tmp_path / "rec"
+    rec = Recorder(rec_dir, segment_bytes=4096, max_bytes=1 << 22)
+    rec.set_options({"isolate_tenants": True, "ttft_anomaly": False, "orphan_timeout_s": 30.0, "shared_ledger": True})
+    e = rec.engine(1)
+    p = Probes(e)
+    p.hello("unified", 0, 4, 64, 256, 256, 256, "sglang", "0.5.23", "tiny")
+    for i in range(300):  # several segments
+        p.pages_allocated([4 * (i % 60 + 1)])
+    rec.close()
+    segs = sorted(str(x) for x in rec_dir.glob("*.kvgrec"))
+    assert len(segs) >= 3
+    _, run = replay([segs[-1]])  # the last segment alone
+    s = run.summary()
+    assert s["options"] == {"isolate_tenants": True, "ttft_anomaly": False, "orphan_timeout_s": 30.0}
+    assert set(s["options_source"].values()) == {"recording"} and s["recorded_with_shared_ledger"] is True
+    assert run.pipeline.isolation_detector.enabled and not run.pipeline.ttft_detector.enabled
+    assert run.pipeline.orphan_timeout_s == 30.0
+
+
+def test_a_recording_without_settings_uses_the_flags_then_the_defaults(tmp_path):
+    path = tmp_path / "third-party.kvgrec"
+    with RecordingWriter(path) as rec:  # a third party's writer sets no options
+        Probes(rec.engine(1)).hello("unified", 0, 4, 64, 256, 256, 256, "sglang", "0.5.23", "tiny")
+    r = Replay(overrides={"orphan_timeout_s": 5.0, "isolate_tenants": None})
+    r.run([path])
+    s = r.summary()
+    assert s["options"] == {"isolate_tenants": False, "ttft_anomaly": True, "orphan_timeout_s": 5.0}
+    assert s["options_source"] == {"isolate_tenants": "default", "ttft_anomaly": "default", "orphan_timeout_s": "flag"}
+    with pytest.raises(ValueError, match="not a replay option: shared_ledger"):
+        Replay(overrides={"shared_ledger": True})
+
+
+def test_settings_changed_within_a_run_are_reported_and_the_first_kept(tmp_path):
+    path = tmp_path / "changed.kvgrec"
+    with RecordingWriter(path) as rec:
+        rec.set_options({"isolate_tenants": True})
+        Probes(rec.engine(1)).hello("unified", 0, 4, 64, 256, 256, 256, "sglang", "0.5.23", "tiny")
+        rec.set_options({"isolate_tenants": False})
+    _, run = replay([path])
+    s = run.summary()
+    assert s["options"]["isolate_tenants"] is True
+    assert any("recorded options changed within a run" in m for m in s["problem_messages"])
+
+
+def test_a_recorded_probe_error_or_a_pipeline_error_makes_the_exit_status_3(tmp_path, capsys):
+    path = tmp_path / "probe-error.kvgrec"
+    with RecordingWriter(path) as rec:
+        p = Probes(rec.engine(1))
+        p.hello("unified", 0, 4, 64, 256, 256, 256, "sglang", "0.5.23", "tiny")
+        p.report_probe_error("sglang.rows", RuntimeError("hook broke"))
+    assert main(["replay", str(path)]) == 3
+    out = capsys.readouterr().out
+    assert "probe errors: 1 recorded by the engines" in out
+    assert main(["replay", "--json", str(path)]) == 3
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])["summary"]
+    assert summary["probe_errors"] == 1 and summary["apply_errors"] == 0
+
+
+def test_a_bad_orphan_timeout_flag_exits_2(live, capsys):
+    _, _, segs = live
+    assert main(["replay", "--orphan-timeout-s", "0", *segs]) == 2
+    assert "--orphan-timeout-s: expected seconds > 0, got 0.0" in capsys.readouterr().err
+
+
+def test_a_recording_takes_every_probe_the_ring_takes_and_each_engines_pid(tmp_path):
+    """The recording writer has the ring writer's batch write: a probe that writes in
+    batches (decode_rows_assigned) records, instead of disabling itself with a PROBE_ERROR;
+    and each engine's HELLO carries the pid given, not the writer's."""
+    path = tmp_path / "batch.kvgrec"
+    with RecordingWriter(path) as rec:
+        p = Probes(rec.engine(1))
+        p.hello("unified", 0, 4, 64, 256, 256, 256, "sglang", "0.5.23", "tiny", pid=4242)
+        p.request_begin("r-1", "acme", None, 4, 0, False)
+        p.request_begin("r-2", "acme", None, 4, 0, False)
+        p.pages_allocated(np.arange(4, 12))
+        p.rows_assigned("r-1", 0, 4, 0, np.arange(4, 8))
+        p.rows_assigned("r-2", 0, 4, 0, np.arange(8, 12))
+        p.decode_rows_assigned(["r-1", "r-2"], [4, 4], [12, 16])
+    assert "decode_rows_assigned" not in p.disabled_probes
+    with SegmentReader(path) as reader:
+        recs = [r for r, _carried in reader]
+    (hello,) = [r for r in recs if r.kind == wire.Kind.HELLO]
+    assert hello.body.pid == 4242
+    assign = [r for r in recs if r.kind == wire.Kind.ASSIGN]
+    assert [(r.body.row_start, r.body.pages.tolist()) for r in assign[-2:]] == [(4, [3]), (4, [4])]
+    assert assign[-1].ts_ns == assign[-2].ts_ns and assign[-1].seq == assign[-2].seq + 1  # one batch
+    _, run = replay([path])
+    s = run.summary()
+    assert s["probe_errors"] == 0 and s["problems"] == 0 and s["records_missing"] == 0

@@ -97,10 +97,12 @@ from .recording import (
     FORMAT_VERSION,
     KIND_ENGINE_GONE,
     KIND_GAP,
+    KIND_OPTIONS,
     KIND_TICK,
     LOST_PAYLOAD,
     LOST_RECORD_BYTES,
     MAX_CHUNK_DATA,
+    MAX_OPTIONS_BYTES,
     SEGMENT_FIXED,
     SEGMENT_HEADER_SIZE,
     SEGMENT_MAGIC,
@@ -111,6 +113,7 @@ from .recording import (
     encode_chunk,
     encode_record,
     lost_record,
+    options_record,
     sidecar_event_record,
 )
 from .types import (
@@ -225,6 +228,8 @@ __all__ = [
     "FORMAT_VERSION",
     "KIND_ENGINE_GONE",
     "KIND_GAP",
+    "KIND_OPTIONS",
+    "MAX_OPTIONS_BYTES",
     "KIND_TICK",
     "LOST_PAYLOAD",
     "LOST_RECORD_BYTES",
@@ -239,5 +244,6 @@ __all__ = [
     "encode_chunk",
     "encode_record",
     "lost_record",
+    "options_record",
     "sidecar_event_record",
 ]

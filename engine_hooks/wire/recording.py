@@ -10,6 +10,7 @@ and the sidecar's own events, with their chunk decoder (``decode_chunk``).
 
 from __future__ import annotations
 
+import json
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,8 +44,10 @@ from .types import DecodeStats, Record, SidecarEvent
 #   segment header (64 bytes: magic, format version, wire contract version, clocks, ids, checksum)
 #   chunk*         (24-byte chunk header: magic, length, record count, flags, xxh3-64) + records
 # The records in a chunk are wire records as ``encode`` lays them out, plus LOST markers
-# (kind LOST, u64 count: never on the wire) and the sidecar's own events (kinds 0xF0..0xF2).
-FORMAT_VERSION = 1
+# (kind LOST, u64 count: never on the wire) and the sidecar's own events (kinds 0xF0..0xF3).
+# Version 2 added the OPTIONS event (0xF3); version 1 recordings are still read (no options:
+# replay then uses its defaults and flags).
+FORMAT_VERSION = 2
 SEGMENT_MAGIC = b"KVGRSEG\0"
 # magic, format_version, header_size, wire_version, created_realtime_ns, created_monotonic_ns,
 # recording_id, segment_index; then the xxh3-64 of these 56 bytes
@@ -63,6 +66,10 @@ LOST_RECORD_BYTES = HEADER_SIZE + LOST_PAYLOAD.size  # 40
 KIND_ENGINE_GONE = 0xF0  # the engine's ring was retired (Pipeline.on_engine_gone(engine_id, ts_ns))
 KIND_TICK = 0xF1  # Pipeline.tick(ts_ns): time-based incident resolution
 KIND_GAP = 0xF2  # the recorder itself failed to record ``count`` records here (u64 payload)
+# the live sidecar's settings that change verdicts (a JSON object, UTF-8), at the start of
+# every segment (in its CARRIED chunk) and wherever they change: replay uses them
+KIND_OPTIONS = 0xF3
+MAX_OPTIONS_BYTES = 4096
 SIDECAR_EVENTS = {KIND_ENGINE_GONE: "engine_gone", KIND_TICK: "tick", KIND_GAP: "gap"}
 _EVENT_PAYLOAD = {KIND_ENGINE_GONE: 0, KIND_TICK: 0, KIND_GAP: 8}
 _EVENT_KINDS = {name: kind for kind, name in SIDECAR_EVENTS.items()}
@@ -104,6 +111,8 @@ def encode_record(rec) -> bytes:
     decoder and are written as 0.
     """
     if isinstance(rec, SidecarEvent):
+        if rec.kind == "options":
+            return options_record(rec.ts_ns, rec.options or {})
         kind = _EVENT_KINDS[rec.kind]
         return sidecar_event_record(kind, rec.ts_ns, rec.engine_id, rec.count if _EVENT_PAYLOAD[kind] else None)
     return encode(rec.kind, rec.seq, rec.ts_ns, rec.engine_id, _PAYLOADS[rec.kind](rec.body), rec.pool)
@@ -118,6 +127,25 @@ def lost_record(engine_id: int, first_seq: int, count: int, ts_ns: int) -> bytes
 
 def sidecar_event_record(kind: int, ts_ns: int, engine_id: int = 0, count: int | None = None) -> bytes:
     return encode(kind, 0, ts_ns, engine_id, b"" if count is None else LOST_PAYLOAD.pack(count))
+
+
+def options_record(ts_ns: int, options: dict) -> bytes:
+    """The OPTIONS event: ``options`` as a JSON object (keys sorted), at most 4 KiB."""
+    if not isinstance(options, dict):
+        raise ValueError(f"options must be a dict, got {type(options).__name__}")
+    payload = json.dumps(options, sort_keys=True, separators=(",", ":")).encode()
+    if len(payload) > MAX_OPTIONS_BYTES:
+        raise ValueError(f"options take {len(payload)} bytes, more than {MAX_OPTIONS_BYTES}")
+    return encode(KIND_OPTIONS, 0, ts_ns, 0, payload)
+
+
+def _decode_options(view, pos: int, length: int) -> dict | None:
+    try:
+        # the record is padded with NULs to a multiple of 8 bytes; JSON text has none
+        got = json.loads(bytes(view[pos + HEADER_SIZE : pos + length]).rstrip(b"\0").decode())
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return got if isinstance(got, dict) else None
 
 
 def decode_chunk(data, stats: DecodeStats) -> list:
@@ -145,6 +173,17 @@ def decode_chunk(data, stats: DecodeStats) -> list:
             else:
                 stats.bad_payload += 1
                 stats.last_error = f"LOST seq {seq}: length {length}, count {count}"
+            run = pos + length
+        elif kind == KIND_OPTIONS and version == VERSION:
+            if run < pos:
+                out += decode_stream(view, stats, run, pos)
+            options = _decode_options(view, pos, length) if length <= HEADER_SIZE + MAX_OPTIONS_BYTES else None
+            if options is not None:
+                stats.records += 1
+                out.append(SidecarEvent("options", ts_ns, engine_id, 0, options))
+            else:
+                stats.bad_payload += 1
+                stats.last_error = f"options event: {length} bytes that are not a JSON object"
             run = pos + length
         elif kind in SIDECAR_EVENTS and version == VERSION:
             if run < pos:

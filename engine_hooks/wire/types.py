@@ -204,10 +204,12 @@ class DecodeStats:
 
 @dataclass(slots=True, frozen=True)
 class SidecarEvent:
-    """A recordings-only event of the sidecar itself: ``kind`` is "engine_gone", "tick" or "gap"
-    (``count`` records the recorder could not record)."""
+    """A recordings-only event of the sidecar itself: ``kind`` is "engine_gone", "tick", "gap"
+    (``count`` records the recorder could not record) or "options" (``options``: the live
+    sidecar's settings that change verdicts, for replay)."""
 
     kind: str
     ts_ns: int
     engine_id: int = 0
     count: int = 0
+    options: dict | None = None

@@ -187,8 +187,9 @@ class Recorder(_Writer):
                 + OPEN_SUFFIX,
             )
             seg = _Segment(path, header)
-            if self._hellos:
-                seg.add_chunk(list(self._hellos.values()), CHUNK_CARRIED)
+            carried = ([self._options] if self._options is not None else []) + list(self._hellos.values())
+            if carried:
+                seg.add_chunk(carried, CHUNK_CARRIED)
             seg.file.flush()
         except OSError as exc:
             self._io_error(f"cannot open a recording segment in {self.directory}: {exc}")
@@ -300,6 +301,19 @@ class Recorder(_Writer):
             if now >= self._next_retention_ns:
                 self._next_retention_ns = now + 5_000_000_000
                 self._retention(room_for_new=False)
+
+    def _options_changed(self, raw: bytes) -> None:
+        """Into the open segment, if any; every segment opened from now on starts with them."""
+        if self._segment is not None:
+            self._flush_tick()
+            self._append(raw)
+
+    def set_options(self, options: dict) -> None:
+        """See ``_Writer.set_options``. Never raises (a bad value is logged and not recorded)."""
+        try:
+            super().set_options(options)
+        except Exception as exc:  # noqa: BLE001 - recording must never cost detection
+            self._unexpected(exc)
 
     def record_batch(self, records) -> None:
         """Record one batch of decoded records before the pipeline applies them. Never raises."""

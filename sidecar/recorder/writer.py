@@ -25,6 +25,7 @@ from kvguard.engine_hooks.wire import (
     SidecarEvent,
     encode_record,
     lost_record,
+    options_record,
     sidecar_event_record,
 )
 
@@ -74,6 +75,31 @@ class EngineWriter:
         self.records_written += 1
         return True
 
+    def write_batch(self, kind: wire.Kind, payloads) -> int:
+        """``RingWriter.write_batch``: several records of one kind with one timestamp (each
+        its own record and seq); returns how many were recorded. Probes that write in
+        batches (``decode_rows_assigned``) need it."""
+        try:
+            with self._owner._lock:
+                ts_ns = self._owner._clock()
+                written = 0
+                for payload in payloads:
+                    written += self._write_at(kind, payload, ts_ns)
+                return written
+        except Exception as exc:  # noqa: BLE001 - the RingWriter contract: never raise into the engine
+            self._owner._note_error(f"engine {self.engine_id}: {type(exc).__name__}: {exc}")
+            return 0
+
+    def _write_at(self, kind, payload: bytes, ts_ns: int) -> bool:
+        try:
+            self._owner.write_record(kind, payload, engine_id=self.engine_id, ts_ns=ts_ns)
+        except Exception as exc:  # noqa: BLE001
+            self.dropped_records += 1
+            self._owner._note_error(f"engine {self.engine_id}: {type(exc).__name__}: {exc}")
+            return False
+        self.records_written += 1
+        return True
+
     def write_sticky(self, kind: wire.Kind, payload: bytes) -> bool:
         """``RingWriter.write_sticky``: a ring keeps a copy for late consumers; a recording
         carries HELLOs over at every rotation instead, so this is ``write``."""
@@ -101,6 +127,19 @@ class _Writer:
         self.stats = RecorderStats()
         self.recording_id = int.from_bytes(os.urandom(8), "little")
         self._pending_tick: int | None = None
+        self._options: bytes | None = None  # the OPTIONS event every segment starts with
+
+    def set_options(self, options: dict) -> None:
+        """The settings of the sidecar being recorded that change its verdicts (its pipeline's
+        ``verdict_options()``): an OPTIONS event here, and at the start of every later
+        segment, so that ``kvguard replay`` judges the recording as the live sidecar did."""
+        with self._lock:
+            self._options = options_record(self._clock(), dict(options))
+            self._options_changed(self._options)
+
+    def _options_changed(self, raw: bytes) -> None:
+        self._flush_tick()
+        self._append(raw)
 
     # -------------------------------------------------------------- public API
     def write_record(
