@@ -424,7 +424,13 @@ class TestPrefillDecodePair:
             assert (f.reader.rid, f.reader.tenant, f.reader.bootstrap_room) == (rid, "initech", r.room)
         # the two ends' digests cover what each saw: 4 tokens sent, 200 reserved
         assert digest.evidence["sender_tokens"] == [0, PAGE] and digest.evidence["receiver_tokens"] == [0, 200]
-        assert size.evidence == {"sent_tokens": PAGE, "reserved_tokens": 200, "sent_pages": 1, "reserved_pages": 50}
+        assert size.evidence == {
+            "direction": "fewer_sent",
+            "sent_tokens": PAGE,
+            "reserved_tokens": 200,
+            "sent_pages": 1,
+            "reserved_pages": 50,
+        }
         # 49 reserved pages were never written for it; decode's own first write goes to a 51st page
         assert len(read.pages) == 49 and sorted(read.pages) == sorted(size.pages)
         assert read.exposed, "the stale pages must name whose KV they held"

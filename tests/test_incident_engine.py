@@ -76,6 +76,7 @@ def test_sglang_0_5_19_leak_is_caught_with_the_exposed_tenants(tmp_path, require
 
     (size,) = [f for f in run.findings if f.kind == "transfer_size_mismatch"]
     assert size.evidence == {
+        "direction": "fewer_sent",
         "sent_tokens": 1,
         "reserved_tokens": 600,
         "sent_pages": 1,

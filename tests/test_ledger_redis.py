@@ -229,7 +229,13 @@ def test_the_incident_across_pods_is_caught_once_by_the_decode_sidecar_only(pods
     assert p.kinds("decode") == ["transfer_size_mismatch", "unwritten_read"]
     assert p.kinds("prefill") == []
     size = next(f for f in p.sinks["decode"].findings if f.kind == "transfer_size_mismatch")
-    assert size.evidence == {"sent_tokens": 1, "reserved_tokens": 600, "sent_pages": 1, "reserved_pages": 150}
+    assert size.evidence == {
+        "direction": "fewer_sent",
+        "sent_tokens": 1,
+        "reserved_tokens": 600,
+        "sent_pages": 1,
+        "reserved_pages": 150,
+    }
     read = next(f for f in p.sinks["decode"].findings if f.kind == "unwritten_read")
     assert (read.reader.rid, read.reader.tenant) == ("r-initech", "initech") and len(read.pages) == 149
     assert {e.tenant for e in read.exposed} == {"acme", "globex"}

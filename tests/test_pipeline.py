@@ -87,7 +87,13 @@ def test_the_incident_is_an_unwritten_read_naming_the_exposed_tenants(tmp_path):
         ("r-globex", "globex", (3, 4)),
     ]
     (size,) = [f for f in findings if f.kind == "transfer_size_mismatch"]
-    assert size.evidence == {"sent_tokens": 1, "reserved_tokens": 16, "sent_pages": 1, "reserved_pages": 4}
+    assert size.evidence == {
+        "direction": "fewer_sent",
+        "sent_tokens": 1,
+        "reserved_tokens": 16,
+        "sent_pages": 1,
+        "reserved_pages": 4,
+    }
     sidecar.stop()
 
 
@@ -293,3 +299,39 @@ def test_a_trailing_short_send_after_the_reader_ended_is_still_caught(tmp_path):
     assert read.pages == [2] and [(e.rid, e.tenant) for e in read.exposed] == [("r-acme", "acme")]
     assert read.reader.rid == "r-x"
     sidecar.stop()
+
+
+def test_a_sender_that_sends_more_than_decode_reserved_is_a_size_mismatch_the_other_way(tmp_path):
+    prefill, decode = engines(tmp_path)
+    last = pd_request(prefill, decode, "r-over", "acme", 21, [1, 2], 8, 16, src_page=50)  # 16 tokens into 8
+    finish(decode, "r-over", [1, 2, last])
+    _, findings = run(tmp_path)
+    (size,) = [f for f in findings if f.kind == "transfer_size_mismatch"]
+    assert size.severity == "critical" and size.engine.role == "decode" and size.reader.rid == "r-over"
+    assert size.evidence == {
+        "direction": "more_sent",
+        "sent_tokens": 16,
+        "reserved_tokens": 8,
+        "sent_pages": 1,
+        "reserved_pages": 2,
+    }
+    assert "8 more than decode made room for" in size.summary and sorted(size.pages) == [1, 2]
+    assert size.exposed == []
+
+
+def test_a_sender_that_starts_after_decodes_cached_prefix_is_not_an_oversend(tmp_path):
+    """Decode holds the first 8 tokens (its radix cache) and reserves the next 8; prefill
+    sends positions [8, 16): 16 is where its chunks end, 8 what they carried."""
+    prefill, decode = engines(tmp_path)
+    for p in (prefill, decode):
+        p.request_begin("r-pre", "acme", 22, 16, 8, False)
+    decode.pages_allocated(slots([1, 2, 3, 4]))
+    decode.rows_assigned("r-pre", 0, 8, 8, slots([1, 2]))
+    decode.rows_assigned("r-pre", 8, 16, 8, slots([3, 4]))
+    decode.transfer_reserved("r-pre", 22, 8, slots([3, 4]))
+    prefill.pages_allocated(slots([50, 51]))
+    prefill.transfer_sent("r-pre", 22, 8, 16, [50, 51], True)
+    prefill.transfer_done("r-pre", 22, "sender", "success")
+    decode.transfer_done("r-pre", 22, "receiver", "success")
+    _, findings = run(tmp_path)
+    assert [f for f in findings if f.kind == "transfer_size_mismatch"] == [], [f.to_dict() for f in findings]

@@ -34,7 +34,14 @@ class TransferSizeDetector:
     def observe(self, pairing: Pairing, at: At) -> list[Finding]:
         tracker, engine, ts_ns = at.tracker, at.engine, at.ts_ns
         assert tracker is not None  # the receiver's model
-        if not pairing.verified or pairing.sent_tokens >= pairing.reserved_tokens:
+        if not pairing.verified:
+            return []
+        # more: the sender's chunks span more tokens than decode reserved (counted from the
+        # first token they cover, so decode's cached prefix before it is not counted as sent)
+        span = pairing.sent_tokens - pairing.sent_start
+        if span > pairing.reserved_tokens and pairing.sent_tokens > 0:
+            return self._oversend(pairing, at, span)
+        if pairing.sent_tokens >= pairing.reserved_tokens:
             return []
         reader = tracker.requests.get_or_stub(pairing.receiver_key)
         if reader.warmup:
@@ -50,6 +57,7 @@ class TransferSizeDetector:
             f"({pairing.sent_pages} of {pairing.reserved_pages} pages)"
         )
         evidence = {
+            "direction": "fewer_sent",
             "sent_tokens": pairing.sent_tokens,
             "reserved_tokens": pairing.reserved_tokens,
             "sent_pages": pairing.sent_pages,
@@ -58,6 +66,37 @@ class TransferSizeDetector:
         return [
             Finding(
                 "transfer_size_mismatch", CRITICAL, engine, reader_party(reader), unfilled, [], ts_ns, summary, evidence
+            )
+        ]
+
+    def _oversend(self, pairing: Pairing, at: At, span: int) -> list[Finding]:
+        """The sender shipped more than decode made room for: whatever lands past the
+        reservation overwrites decode pages that are not this request's (vLLM/NIXL region
+        mismatches); SGLang's Mooncake worker cuts the excess (its own warning). Either way
+        the two ends disagree about the prompt, and decode's request holds KV for only part
+        of what prefill computed."""
+        tracker, engine = at.tracker, at.engine
+        assert tracker is not None
+        reader = tracker.requests.get_or_stub(pairing.receiver_key)
+        if reader.warmup:
+            return []
+        summary = (
+            f"decode rank {engine.rank}: transfer for request {reader.rid} (room {pairing.room}) "
+            f"carried {span} tokens ({pairing.sent_pages} pages) into {pairing.reserved_tokens} reserved "
+            f"({pairing.reserved_pages} pages): {span - pairing.reserved_tokens} more than decode made room for, "
+            "which land past the reservation unless the transfer engine cuts them"
+        )
+        evidence = {
+            "direction": "more_sent",
+            "sent_tokens": span,
+            "reserved_tokens": pairing.reserved_tokens,
+            "sent_pages": pairing.sent_pages,
+            "reserved_pages": pairing.reserved_pages,
+        }
+        pages = _held_pages(pairing.state) if isinstance(pairing.state, RoomState) else []
+        return [
+            Finding(
+                "transfer_size_mismatch", CRITICAL, engine, reader_party(reader), pages, [], at.ts_ns, summary, evidence
             )
         ]
 

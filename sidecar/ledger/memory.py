@@ -136,6 +136,7 @@ class Pairing:
     provisional: bool = False  # receiver succeeded before the sender's last chunk was seen: decided later
     receiver_engine: int | None = None
     state: object = None  # the RoomState (provisional pairings keep their saved page state there)
+    sent_start: int = 0  # the first token the sender's chunks covered (decode's cached prefix before it)
 
 
 class TransferLedger:
@@ -577,6 +578,7 @@ class TransferLedger:
             verified=True,
             receiver_engine=state.receiver_engine,
             state=state,
+            sent_start=min((c.token_start for c in state.chunks), default=0),
         )
 
 
