@@ -64,8 +64,11 @@ class Sidecar:
         )
         # sidecar.recorder.Recorder (or None): records every batch before it is applied; never raises
         self.recorder = recorder
-        if recorder is not None:  # so that `kvguard replay` judges the recording with the same settings
-            recorder.set_options(self.pipeline.verdict_options())
+        # so that `kvguard replay` judges the recording with the same settings (a recorder-like
+        # object that keeps records some other way need not take them)
+        set_options = getattr(recorder, "set_options", None)
+        if callable(set_options):
+            set_options(self.pipeline.verdict_options())
         self.poll_interval_s = poll_interval_s
         self.lock = threading.Lock()  # guards pipeline + rings against the metrics scrape
         self._stop = threading.Event()

@@ -466,3 +466,32 @@ def test_a_recording_takes_every_probe_the_ring_takes_and_each_engines_pid(tmp_p
     _, run = replay([path])
     s = run.summary()
     assert s["probe_errors"] == 0 and s["problems"] == 0 and s["records_missing"] == 0
+
+
+def test_a_recorder_like_object_without_settings_still_records(tmp_path):
+    """``Sidecar(recorder=...)`` takes any object with the recorder's record methods (the
+    soak keeps records in memory that way); ``set_options`` is used only where it exists."""
+
+    class Keeper:
+        def __init__(self):
+            self.records = []
+
+        def record_batch(self, records):
+            self.records += list(records)
+
+        def record_tick(self, now_ns):
+            pass
+
+        def record_engine_gone(self, engine_id, ts_ns):
+            pass
+
+        def close(self):
+            pass
+
+    keeper = Keeper()
+    p = Probes(RingWriter(str(tmp_path), 1 << 16))
+    p.hello("unified", 0, 4, 64, 256, 256, 256, "sglang", "0.5.23", "tiny")
+    sc = Sidecar(str(tmp_path), slack_ns=0, recorder=keeper)
+    sc.run_once(flush=True)
+    sc.stop()
+    assert [r.kind for r in keeper.records] == [wire.Kind.HELLO]
