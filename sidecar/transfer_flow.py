@@ -73,9 +73,11 @@ class TransferFlow:
             # the sender's last chunk is not applied yet (its record may trail the receiver's):
             # take the pages as written for now, remember what they held, decide on the chunk
             if row is not None:
-                row_pages = row.pages[: pairing.reserved_pages]
+                base = getattr(pairing.state, "reserved_row_base", 0)
+                row_pages = row.pages[base : base + pairing.reserved_pages]
                 idx = np.flatnonzero(row_pages > 0)
                 pages = row_pages[idx].astype(np.int64)
+                idx = idx + base  # row page indices, as the sender's written rows are
                 state: Any = pairing.state  # the RoomState keeps the saved page state
                 state.provisional = ProvisionalWrite(
                     pages,
@@ -133,6 +135,7 @@ class TransferFlow:
 
     def _on_reserve(self, t: EngineTracker, x: wire.XferReserve, ts_ns: int) -> list[Finding]:
         state = self.ledger.on_reserve(t.engine_id, x, ts_ns)
+        state.reserved_row_base = _row_base(t, x)
         info = t.requests.get(x.req_key)
         state.warmup = state.warmup or bool(info is not None and info.warmup)
         if self.shared_ledger is not None and not state.warmup:
@@ -334,3 +337,14 @@ class TransferFlow:
                 {"via": "transfer", "bootstrap_room": x.room, "token_start": x.token_start, "token_end": x.token_end}
             )
         return self._emit(found)
+
+
+def _row_base(t: EngineTracker, x: wire.XferReserve) -> int:
+    """The row page index where the reservation starts in the receiver's row (0 when the
+    row is not known or does not hold the first reserved page)."""
+    row = t.rows.get(x.req_key)
+    pages = x.pages[x.pages > 0] if len(x.pages) else x.pages
+    if row is None or len(pages) == 0:
+        return 0
+    hit = np.flatnonzero(row.pages == int(pages[0]))
+    return int(hit[0]) if len(hit) else 0

@@ -335,3 +335,45 @@ def test_a_sender_that_starts_after_decodes_cached_prefix_is_not_an_oversend(tmp
     decode.transfer_done("r-pre", 22, "receiver", "success")
     _, findings = run(tmp_path)
     assert [f for f in findings if f.kind == "transfer_size_mismatch"] == [], [f.to_dict() for f in findings]
+
+
+def _prefix_transfer(tmp_path, sent_end):
+    """Decode holds the first 8 tokens (pages 1, 2, written by an earlier request and kept by
+    its radix cache) and reserves positions [8, 16) in pages 3, 4; prefill sends [8, sent_end);
+    decode's first step reads the whole row."""
+    prefill, decode = engines(tmp_path)
+    for p in (prefill, decode):
+        p.request_begin("r-pre", "acme", 22, 16, 8, False)
+    decode.request_begin("r-old", "acme", None, 8, 0, False)
+    decode.pages_allocated(slots([1, 2]))
+    decode.rows_assigned("r-old", 0, 8, 0, slots([1, 2]))
+    decode.forward(["r-old"], [8], [slots([1, 2])], [slots([1, 2])])
+    decode.request_end("r-old", "length", 1, 2, 1, "")
+    decode.pages_allocated(slots([3, 4, 5]))
+    decode.rows_assigned("r-pre", 0, 8, 8, slots([1, 2]))
+    decode.rows_assigned("r-pre", 8, 16, 8, slots([3, 4]))
+    decode.transfer_reserved("r-pre", 22, 8, slots([3, 4]))
+    prefill.pages_allocated(slots([50, 51]))
+    prefill.transfer_sent("r-pre", 22, 8, sent_end, [50, 51][: -(-(sent_end - 8) // 4)], True)
+    prefill.transfer_done("r-pre", 22, "sender", "success")
+    decode.transfer_done("r-pre", 22, "receiver", "success")
+    decode.rows_assigned("r-pre", 16, 17, 16, [20])
+    decode.forward(["r-pre"], [17], [[20]], [list(slots([1, 2, 3, 4])) + [20]])
+    _, findings = run(tmp_path)
+    return findings
+
+
+def test_a_transfer_after_decodes_cached_prefix_fills_the_pages_it_was_reserved(tmp_path):
+    """The sender's rows start at decode's prefix (row page 2), not at 0: its pages count as
+    written, and decode's read of its row raises nothing."""
+    assert _prefix_transfer(tmp_path, 16) == []
+
+
+def test_a_short_transfer_after_decodes_cached_prefix_leaves_its_last_page_unwritten(tmp_path):
+    findings = _prefix_transfer(tmp_path, 12)
+    (read,) = [f for f in findings if f.kind == "unwritten_read"]
+    assert read.reader.rid == "r-pre" and read.pages == [4]
+    # 4 tokens into the 8 reserved after the prefix (position 12 is not "12 tokens sent")
+    (size,) = [f for f in findings if f.kind == "transfer_size_mismatch"]
+    assert size.evidence["direction"] == "fewer_sent" and size.pages == [4]
+    assert (size.evidence["sent_tokens"], size.evidence["reserved_tokens"]) == (4, 8)

@@ -41,7 +41,11 @@ class TransferSizeDetector:
         span = pairing.sent_tokens - pairing.sent_start
         if span > pairing.reserved_tokens and pairing.sent_tokens > 0:
             return self._oversend(pairing, at, span)
-        if pairing.sent_tokens >= pairing.reserved_tokens:
+        # fewer: the sender's chunks end before the reservation does (it starts after decode's
+        # own cached prefix, if any: those tokens were never the transfer's to send)
+        base = getattr(pairing.state, "reserved_row_base", 0)
+        sent = pairing.sent_tokens - base * tracker.page_size
+        if sent >= pairing.reserved_tokens:
             return []
         reader = tracker.requests.get_or_stub(pairing.receiver_key)
         if reader.warmup:
@@ -50,15 +54,16 @@ class TransferSizeDetector:
         unfilled = []
         if row is not None:
             filled = set(int(i) for i in pairing.written_row_pages)
-            unfilled = [int(p) for i, p in enumerate(row.pages[: pairing.reserved_pages]) if i not in filled and p > 0]
+            reserved = row.pages[base : base + pairing.reserved_pages]
+            unfilled = [int(p) for i, p in enumerate(reserved, start=base) if i not in filled and p > 0]
         summary = (
             f"decode rank {engine.rank}: transfer for request {reader.rid} (room {pairing.room}) "
-            f"carried {pairing.sent_tokens} tokens into {pairing.reserved_tokens} reserved "
+            f"carried {sent} tokens into {pairing.reserved_tokens} reserved "
             f"({pairing.sent_pages} of {pairing.reserved_pages} pages)"
         )
         evidence = {
             "direction": "fewer_sent",
-            "sent_tokens": pairing.sent_tokens,
+            "sent_tokens": sent,
             "reserved_tokens": pairing.reserved_tokens,
             "sent_pages": pairing.sent_pages,
             "reserved_pages": pairing.reserved_pages,

@@ -96,6 +96,9 @@ class RoomState:
     warmup: bool = False
     reserved_tokens: int = 0
     reserved_pages: np.ndarray | None = None
+    # the receiver's row page index of its first reserved page: decode's own cached prefix
+    # (0.5.23's decode radix cache) comes before it in the row, and the sender starts there
+    reserved_row_base: int = 0
     receiver_engine: int | None = None
     receiver_key: int = 0  # the receiving request's key (a hash of decode's rid)
     reserve_ns: int = 0
@@ -543,7 +546,7 @@ class TransferLedger:
         return Pairing(
             state.room,
             state.receiver_key,
-            np.arange(n),
+            np.arange(state.reserved_row_base, state.reserved_row_base + n),
             state.reserved_tokens,
             state.reserved_tokens,
             n,
@@ -558,11 +561,12 @@ class TransferLedger:
             self._count(state, "unverified")
             return self._unverified(state)
         n_reserved = len(state.reserved_pages)
+        top = state.reserved_row_base + n_reserved  # row pages past the reservation are not the transfer's
         written: list[np.ndarray] = []
         sent_tokens = 0
         for c in state.chunks:
             first, end = c.token_start // page_size, -(-c.token_end // page_size)
-            written.append(np.arange(first, min(end, n_reserved)))
+            written.append(np.arange(first, min(end, top)))
             sent_tokens = max(sent_tokens, c.token_end)
         rows = np.unique(np.concatenate(written)) if written else np.zeros(0, np.int64)
         # no chunk at all: a local sender was expected and none matched (judged as nothing written)
