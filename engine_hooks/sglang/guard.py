@@ -192,6 +192,14 @@ def _check_send(req) -> None:
         f"KV as a finished transfer ({send_tokens} token(s) of a {prompt_tokens}-token prompt"
         + (f" into {reserved_pages} reserved page(s))" if reserved_pages else ")")
     )
+    _fail_send_rule(rid, room, mgr, "rejected_send", reason, prompt_tokens, send_tokens, reserved_pages)
+
+
+def _fail_send_rule(
+    rid, room: int, mgr, rule: str, reason: str, prompt_tokens: int, send_tokens: int, reserved_pages: int
+) -> None:
+    """A transfer rule broken at prefill's send: fail the room (when the backend lets the
+    guard), log it once, and tell the sidecar what was done (a GUARD record)."""
     failed = _fail_room(mgr, room, reason) if room >= 0 else False
     if failed:
         log.error("%s: transfer failed, the request finishes with an error", reason)
@@ -200,7 +208,7 @@ def _check_send(req) -> None:
     rt.probes().guard_acted(
         rid,
         room,
-        "rejected_send",
+        rule,
         "aborted" if failed else "observed",
         prompt_tokens=prompt_tokens,
         send_tokens=send_tokens,
@@ -239,21 +247,7 @@ def _check_send_size(req) -> None:
         + (f" ({prefix} token(s) cached at decode)" if prefix else "")
         + ("; decode would read reserved pages nothing wrote" if send_pages < reserved_pages else "")
     )
-    failed = _fail_room(mgr, room, reason)
-    if failed:
-        log.error("%s: transfer failed, the request finishes with an error", reason)
-    else:
-        log.error("%s: this transfer backend cannot be failed by the guard; observed only", reason)
-    rt.probes().guard_acted(
-        rid,
-        room,
-        "send_size",
-        "aborted" if failed else "observed",
-        prompt_tokens=prompt_tokens,
-        send_tokens=send_tokens,
-        reserved_pages=reserved_pages,
-        reason=reason,
-    )
+    _fail_send_rule(rid, room, mgr, "send_size", reason, prompt_tokens, send_tokens, reserved_pages)
 
 
 def _relayout(mgr, room: int) -> bool:
