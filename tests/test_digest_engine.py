@@ -26,6 +26,11 @@ neither its page-count rule nor its digest rule fails a healthy transfer, and:
   the guard fails the transfer before its first chunk, decode answers HTTP 500 and never
   reads the reserved pages, the next request is served, and the sidecar reports one
   ``transfer_size_mismatch`` with ``action: aborted`` and nobody exposed.
+
+Decode runs with its own radix cache (``--disaggregation-decode-enable-radix-cache``):
+three prompts sharing a 64-token prefix, the later two reserved and sent from after the
+prefix, raise nothing and abort nothing (before the ledger counted a transfer's rows from
+where the reservation starts, each of them raised false ``unwritten_read`` findings).
 """
 
 from __future__ import annotations
@@ -118,6 +123,9 @@ def pd(tmp_path_factory, require_sglang):
         decode_pool_tokens=512,
         context_length=CONTEXT,
         prefill_args=["--chunked-prefill-size", str(CHUNK)],
+        # decode keeps its own radix cache: a prompt whose prefix decode already holds is
+        # reserved and sent from after it (the last test)
+        decode_args=["--disaggregation-decode-enable-radix-cache"],
         extra_env={
             "KVGUARD_FAULT": "flip_received_page,send_truncated",
             "KVGUARD_FAULT_DIR": str(events_dir),
@@ -263,3 +271,30 @@ def test_the_guard_fails_a_send_of_fewer_pages_than_decode_reserved(pd):
     assert prevented.evidence["rule"] == "send_size" and prevented.evidence["reserved_pages"] == 50
     assert (prevented.evidence["prompt_tokens"], prevented.evidence["sent_tokens"]) == (200, PAGE)
     assert watch.sidecar.pipeline_stats().guard_aborts["transfer_size_mismatch"] >= 1
+
+
+def test_a_transfer_after_decodes_own_cached_prefix_is_judged_from_where_it_starts(pd):
+    """Decode's radix cache holds a 64-token prefix: it reserves, and prefill sends, only
+    what follows. The sidecar counts the transfer's rows from the reservation's start (no
+    false unwritten_read), both ends' digests cover the same tokens after the prefix, and
+    the guard's page-count and digest rules agree: nothing is reported, nothing aborted."""
+    pair, watch = pd
+    rng = random.Random(4)
+    watch.settle()
+    mark = len(watch.memory.findings)
+    prefix = prompt(rng, 64)
+    results = [pair.generate(prefix + prompt(rng, 10 + i), tenant="acme", max_new_tokens=4) for i in range(3)]
+    for r in results:
+        assert r.ok and r.completion_tokens == 4, r.summary()
+    rooms = watch.digests()
+    later = [rooms[r.room] for r in results[1:]]
+    # decode served the later two from its own cache: their transfers start at the prefix
+    for r, ends in zip(results[1:], later):
+        s, d = ends["sender"], ends["receiver"]
+        assert (s.token_start, s.token_end) == (d.token_start, d.token_end) == (64, r.prompt_tokens), (s, d)
+        assert s.digest == d.digest
+    found = watch.memory.findings[mark:]
+    assert found == [], [f.to_dict() for f in found]
+    log = pair.decode.log_path.read_text(errors="replace") + pair.prefill.log_path.read_text(errors="replace")
+    guarded = [ln for ln in log.splitlines() if "kvguard guard: request" in ln]
+    assert not [ln for ln in guarded for r in results if f"(bootstrap room {r.room})" in ln], guarded
