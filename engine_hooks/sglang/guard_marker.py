@@ -26,7 +26,6 @@ that are not SGLang's 16-slot host rows.
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any
 
 from kvguard.engine_hooks import digest as dg
@@ -203,10 +202,3 @@ def gate_hook(name: str):
 
     hook.__name__ = hook.__qualname__ = f"kvguard_{GUARD_DIGEST}"
     return hook
-
-
-def kvpoll_values_ok() -> bool:
-    """Whether SGLang's KVPoll still has the values this module assumes."""
-    conn = sys.modules.get("sglang.srt.disaggregation.base.conn")
-    kvpoll = getattr(conn, "KVPoll", None)
-    return kvpoll is None or (int(kvpoll.Failed), int(kvpoll.Success)) == (KVPOLL_FAILED, KVPOLL_SUCCESS)
