@@ -221,7 +221,8 @@ class Replay:
         options, source = self._merge(recorded)
         self.recorded_shared_ledger = self.recorded_shared_ledger or bool(recorded.get("shared_ledger"))
         if options == self.options:
-            self.options_source = source if self._run_records == 0 else self.options_source
+            if self._run_records == 0:  # the same values, now known to come from the recording
+                self.options_source = source
             return
         if self._run_records == 0:
             self.options, self.options_source = options, source
