@@ -97,8 +97,12 @@ def test_routed_requests_without_rids_pair_by_room(shared_pd):
     sent = results + [streamed, after]
     for r in sent:
         assert r.ok and r.routed and r.room is None and r.completion_tokens == 6, r.summary()
-    assert streamed.ttft_s is not None and streamed.chunks >= 6 and not streamed.disconnected
-    assert cut.disconnected and cut.chunks == 3 and cut.completion_tokens == 3
+    # SGLang's tokenizer manager may put several tokens in one chunk when the client reads
+    # slower than decode produces (seen in CI: 4 tokens in 3 chunks), so chunks and tokens are
+    # checked apart: the stream came in pieces, and the cut client got some tokens, not all
+    assert streamed.ttft_s is not None and streamed.chunks >= 2 and not streamed.disconnected
+    assert cut.disconnected and cut.chunks == 3, cut.summary()
+    assert 3 <= cut.completion_tokens == len(cut.output_ids) < 200, cut.summary()
     # the engines drew the rids (uuid hex), one per request
     assert len({r.rid for r in sent + [cut]}) == len(sent) + 1 and all(len(r.rid) == 32 for r in sent)
 
