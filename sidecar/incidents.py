@@ -4,7 +4,9 @@ An incident is keyed by (kind, engine, reader) — for findings without a reader
 (double_free, events_lost, pool_smaller_than_context) by (kind, engine). Its id is
 stable (a hash of that key), so a restarted sidecar or an offline replay names the
 same incident the same way. Repeats update ``count``, ``last_seen_ns`` and the union
-of pages and exposed parties; they are not re-delivered. An events_lost incident also
+of pages and exposed parties; they are not re-delivered, unless they name an exposed
+party the incident had not (a second tenant's KV read by the same request is news for
+whoever notifies customers). An events_lost incident also
 adds up its gaps: ``evidence.records_lost`` is the total of every gap it grouped (its
 summary says so), each finding keeps its own gap's size.
 
@@ -79,9 +81,13 @@ class Incident:
     resolution: str = ""
     findings: list = field(default_factory=list)  # the first few findings, as dicts
     nbytes: int = INCIDENT_BYTES  # the memory estimate (IncidentStore.max_bytes)
+    # whether the finding absorbed last named a party this incident had not named: the
+    # pipeline delivers such a repeat (someone else's KV was exposed: another tenant to tell)
+    exposed_grew: bool = False
 
     def absorb(self, f: Finding, max_findings: int) -> None:
         self.count += 1
+        self.exposed_grew = False
         if self.kind == "events_lost":
             self._add_gap(f)
         self.last_seen_ns = max(self.last_seen_ns, f.first_seen_ns)
@@ -95,6 +101,7 @@ class Incident:
             if entry is None:
                 entry = self.exposed[party.rid] = {"rid": party.rid, "tenant": party.tenant, "pages": set()}
                 self.nbytes += STORED_FINDING_BYTES // 4  # the party's dict
+                self.exposed_grew = self.count > 1
             before = len(entry["pages"])
             entry["pages"].update(party.pages)
             ids += len(entry["pages"]) - before

@@ -167,14 +167,17 @@ class Pipeline(TransferFlow):
         return found
 
     def _emit(self, findings: list[Finding]) -> list[Finding]:
-        """File findings into incidents; deliver the first finding of each new incident."""
+        """File findings into incidents; deliver the first finding of each new incident, and a
+        repeat that names an exposed party its incident had not named."""
         out = []
         for finding in findings:
             self._name_sender(finding)
             self.findings_by_kind[(finding.kind, finding.severity)] += 1
-            _incident, is_new = self.incidents.observe(finding)
+            incident, is_new = self.incidents.observe(finding)
             if is_new:
                 self.incidents_by_kind[(finding.kind, finding.severity)] += 1
+                out.append(finding)
+            elif incident.exposed_grew:
                 out.append(finding)
             else:
                 self.findings_suppressed += 1
@@ -376,10 +379,16 @@ class Pipeline(TransferFlow):
                     if verdict is not None:
                         findings += self._emit(self._observe(verdict, t, ts_ns))
                     t.mark_written(key, written, ts_ns)
+                    if verdict is not None and len(verdict.foreign):
+                        t.mark_overwritten(verdict.foreign)
         else:  # the whole batch at once: verdicts only for the requests that wrote where they should not
-            for _i, verdict in t.check_writes(f.req_keys, f.write_counts, f.write_pages):
+            verdicts = t.check_writes(f.req_keys, f.write_counts, f.write_pages)
+            for _i, verdict in verdicts:
                 findings += self._emit(self._observe(verdict, t, ts_ns))
             t.mark_writes(f.req_keys, f.write_counts, f.write_pages, ts_ns)
+            for _i, verdict in verdicts:
+                if len(verdict.foreign):
+                    t.mark_overwritten(verdict.foreign)
         t.count_prompt_writes(f.req_keys, f.seq_lens, f.write_counts, f.write_pages)
         self._record(ts_ns, t.engine_id, Event.WRITE, np.repeat(f.req_keys, f.write_counts), f.write_pages)
         self._record(ts_ns, t.engine_id, Event.READ, f.req_keys, aux=f.seq_lens)

@@ -97,6 +97,9 @@ RETIRE_SCAN_NS = 10 * 10**9
 LOST_UNSEEN_NS = 60 * 10**9
 
 
+MAX_OVERWRITTEN = 4096  # pages kept in EngineTracker.overwritten (each a late write's)
+
+
 class EngineTracker(Judge):
     """Ownership state of one engine process, updated record by record."""
 
@@ -127,6 +130,10 @@ class EngineTracker(Judge):
         # free the request's pages, which its next chunk then reuses.
         self.prompt_writing: dict[int, list[int]] = {}
         self.prompt_written: dict[int, int] = {}
+        # page -> gen: pages of a live request that another request's late write landed in since
+        # the owner's own transfer chunk did (mark_overwritten). The owner's transfer pairing
+        # does not count them as written for it. Only late writes put pages here (a bug's).
+        self.overwritten: dict[int, int] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def retire_idle_requests(self, now_ns: int, idle_ns: int = IDLE_REQUEST_NS) -> int:
@@ -189,6 +196,7 @@ class EngineTracker(Judge):
         """Records were lost: page states are unknown, and every live request may have ended in
         the gap (``ts_ns``: when; None, a hole in a recording, marks no request)."""
         self.pool.forget_all()
+        self.overwritten.clear()
         # a forward of any live request may be in the gap: its prompt count is not evidence any more
         self.prompt_writing.clear()
         self.prompt_written.clear()
@@ -425,6 +433,37 @@ class EngineTracker(Judge):
         pool.written_gen[known] = pool.gen[known]
         pool.writer_slot[pages] = self._slot(req_key, self.rows.get(req_key))
         pool.mark_write_time(pages, ts_ns)
+
+    def mark_overwritten(self, pages: np.ndarray) -> None:
+        """Pages of another live request that a late write just landed in (``WriteVerdict.foreign``,
+        after ``mark_written`` named the late writer their last writer): they no longer hold what
+        their owner wrote, so the owner's next read of them is judged unwritten and names the
+        late writer as the exposed party, until the owner writes them again."""
+        pool = self.pool
+        if len(self.overwritten) + len(pages) > MAX_OVERWRITTEN:  # drop the reallocated ones, then the oldest
+            self.overwritten = {p: g for p, g in self.overwritten.items() if pool.gen[p] == g}
+            while len(self.overwritten) + len(pages) > MAX_OVERWRITTEN and self.overwritten:
+                del self.overwritten[next(iter(self.overwritten))]
+        for p in pages.tolist():
+            self.overwritten[p] = int(pool.gen[p])
+        pages = pages[pool.written_gen[pages] == pool.gen[pages]]
+        if len(pages):
+            pool.changed(pages)  # written_gen goes back: logged for the incremental judge
+            pool.written_gen[pages] = pool.gen[pages] - np.uint32(1)
+
+    def not_overwritten(self, pages: np.ndarray) -> np.ndarray:
+        """``pages`` without those a late write replaced at their current gen (mark_overwritten)."""
+        if not self.overwritten or len(pages) == 0:
+            return pages
+        gens = self.pool.gen[pages]
+        keep = [self.overwritten.get(p) != g for p, g in zip(pages.tolist(), gens.tolist())]
+        return pages[np.array(keep, bool)]
+
+    def rewritten_by_owner(self, pages: np.ndarray) -> None:
+        """The owner's own transfer chunk landed in ``pages``: what a late write put there is gone."""
+        if self.overwritten:
+            for p in pages.tolist():
+                self.overwritten.pop(p, None)
 
     # ------------------------------------------------------------------ reads
     def row_pages_for(self, req_key: int, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:

@@ -20,6 +20,7 @@ from .detectors.base import DigestsCompared, LedgerUnreachable, TransferOrphaned
 from .findings import Finding
 from .history import Event
 from .ledger import REMOTE_ENGINE, RoomState, TransferLedger
+from .page_pool import FREE, PADDING_PAGE
 from .provisional import ProvisionalWrite
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ class TransferFlow:
     # ------------------------------------------------------------------ transfer records
     def _on_xfer_send(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
         body, ts = rec.body, rec.ts_ns
-        found = self._late_send(body, ts)
+        found = self._check_send_target(body, ts)
         receiver = self.ledger.pending.get(body.room)
         receiver_engine = receiver.receiver_engine if receiver is not None else None
         receiver_t = self.engines.get(receiver_engine) if receiver_engine is not None else None
@@ -108,7 +109,14 @@ class TransferFlow:
                     found += self._observe(verdict, t, ts_ns)
         if row is not None:
             idx = pairing.written_row_pages[pairing.written_row_pages < len(row.pages)]
-            t.mark_written(pairing.receiver_key, row.pages[idx], ts_ns)
+            # only the row's pages still at the generation they were reserved with (a buggy free
+            # elsewhere may have released one under the receiver and the allocator handed it on:
+            # that page is not the receiver's to be written), and not those another request's
+            # late write replaced after the sender's chunk landed
+            pages = row.pages[idx].astype(np.int64)
+            still = (pages >= 0) & (pages < t.pool.num_pages)
+            still[still] = (t.pool.gen[pages[still]] == row.gens[idx][still]) & (t.pool.state[pages[still]] != FREE)
+            t.mark_written(pairing.receiver_key, t.not_overwritten(pages[still]), ts_ns)
             self._record(
                 ts_ns, t.engine_id, Event.TRANSFER_WRITE, pairing.receiver_key, row.pages[idx], aux=pairing.sent_tokens
             )
@@ -315,23 +323,34 @@ class TransferFlow:
             self.shared_ledger.unwatch(room, "sender")
         return found
 
-    def _late_send(self, x: wire.XferSend, ts_ns: int) -> list[Finding]:
-        """A chunk sent for a room whose receiver already finished: does it land in pages
-        that are now free or another request's?"""
-        if x.room not in self.ledger.closed:
-            return []
-        receiver_engine = self.ledger.closed[x.room].receiver_engine
+    def _check_send_target(self, x: wire.XferSend, ts_ns: int) -> list[Finding]:
+        """A chunk lands in decode's reserved pages: are they still the receiver's? After the
+        receiver gave up (waiting timeout, abort) they may be free or another request's (a late
+        write); while it waits, a buggy free elsewhere may have released them under it."""
+        state = self.ledger.find(x.room, sender_key=x.req_key)
+        receiver_engine = state.receiver_engine if state is not None else None
         t = self.engines.get(receiver_engine) if receiver_engine is not None else None
         if t is None or t.hello is None:
             return []
-        hit = self.ledger.late_target(x, t.page_size)
+        hit = self.ledger.send_target(x, t.page_size)
         if hit is None:
             return []
         state, pages = hit
         verdict = t.check_write(state.receiver_key, pages, require_known_writer=False)
+        # the chunk's KV is in those pages now, whoever holds them: it is what a stray read of
+        # them exposes. (Whether they count as written for the receiver is the pairing's call,
+        # made when both ends are known: sidecar/ledger.)
+        pages = t.pool.ensure(pages)
+        pages = pages[pages != PADDING_PAGE]
+        t.pool.writer_slot[pages] = t.pool.slot(state.receiver_key)
+        t.pool.mark_write_time(pages, ts_ns)
         if verdict is None:
+            t.rewritten_by_owner(pages)
             return []
+        mine = np.setdiff1d(pages, np.concatenate((verdict.freed, verdict.foreign)))
+        t.rewritten_by_owner(mine)
         found = self._observe(verdict, t, ts_ns)
+        t.mark_overwritten(verdict.foreign)
         for f in found:
             f.evidence.update(
                 {"via": "transfer", "bootstrap_room": x.room, "token_start": x.token_start, "token_end": x.token_end}

@@ -133,3 +133,15 @@ def test_a_storm_of_incidents_stays_within_the_byte_bound_and_keeps_the_newest()
     assert ids[-1] not in store.incidents and ids[-2] in store.incidents and len(store.incidents) <= kept
     # an evicted reader's end finds nothing to resolve, and nothing is left behind for it
     assert store.on_request_end(42, f"{0:032x}", 10**9) == [] and len(store._by_reader) <= len(store.incidents)
+
+
+def test_a_repeat_naming_a_new_exposed_party_says_so_and_one_naming_none_does_not():
+    store = IncidentStore()
+    inc, new = store.observe(read(exposed=(("a", "acme", (2,)),), ts=1))
+    assert new and not inc.exposed_grew
+    inc, new = store.observe(read(exposed=(("a", "acme", (2,)),), ts=2))
+    assert not new and not inc.exposed_grew
+    inc, new = store.observe(read(exposed=(("b", "globex", (3,)),), ts=3))
+    assert not new and inc.exposed_grew and sorted(inc.exposed) == ["a", "b"]
+    inc, new = store.observe(read(exposed=(), ts=4))
+    assert not new and not inc.exposed_grew

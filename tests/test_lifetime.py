@@ -87,3 +87,50 @@ def test_writes_into_own_pages_and_decode_appends_are_fine(tmp_path):
     p.rows_assigned("a", 5, 6, 5, [9])
     p.forward(["a"], [6], [[9]], [slots(1, 2)[:6]])
     assert findings(tmp_path) == []
+
+
+def test_the_owner_reading_a_page_a_late_write_replaced_is_told_whose_kv_it_read(tmp_path):
+    #   page 2: a owns it -> freed (a aborted) -> b gets it and writes it -> a's late write lands
+    #   there -> b reads its own page, which now holds a's KV
+    p = engine(tmp_path)
+    start(p, "a", "acme", 1, 2)
+    p.pages_freed(slots(2))
+    start(p, "b", "globex", 2)
+    p.forward(["a"], [9], [[8]], None)
+    p.forward(["b"], [4], [[]], [slots(2)])
+    found = findings(tmp_path)
+    assert [(f.kind, f.reader.rid) for f in found] == [
+        ("late_write", "a"),
+        ("foreign_read", "a"),
+        ("unwritten_read", "b"),
+    ]
+    read = found[2]
+    assert read.severity == "critical" and read.pages == [2]
+    assert [(e.rid, e.tenant) for e in read.exposed] == [("a", "acme")]
+
+
+def test_the_owner_writing_its_page_again_after_a_late_write_reads_clean(tmp_path):
+    p = engine(tmp_path)
+    start(p, "a", "acme", 1, 2)
+    p.pages_freed(slots(2))
+    start(p, "b", "globex", 2)
+    p.forward(["a"], [9], [[8]], None)
+    p.forward(["b"], [4], [slots(2)], [slots(2)])  # b recomputes its page: its own KV again
+    assert [(f.kind, f.reader.rid) for f in findings(tmp_path)] == [("late_write", "a"), ("foreign_read", "a")]
+
+
+def test_a_write_into_a_free_page_names_no_exposed_party_and_a_later_read_names_the_writer(tmp_path):
+    p = engine(tmp_path)
+    start(p, "a", "acme", 1, 2)
+    p.pages_freed(slots(2))
+    p.forward(["a"], [9], [[8]], None)  # a's KV lands in free page 2
+    p.request_end("a", "stop", 1, 1, 1, "")
+    p.pages_freed(slots(1))
+    p.request_begin("b", "globex", None, 4, 0, False)
+    p.pages_allocated(slots(2))
+    p.rows_assigned("b", 0, 4, 0, slots(2))
+    p.forward(["b"], [4], [[]], [slots(2)])  # nothing wrote it for b: a's KV is what it holds
+    uaf, read = findings(tmp_path)
+    assert (uaf.kind, uaf.evidence.get("access"), uaf.exposed) == ("use_after_free", "write", [])
+    assert (read.kind, read.reader.rid) == ("unwritten_read", "b")
+    assert [(e.rid, e.tenant) for e in read.exposed] == [("a", "acme")]

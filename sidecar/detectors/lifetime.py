@@ -42,7 +42,9 @@ class WriteDetector:
                     engine,
                     reader_party(writer),
                     [int(p) for p in pages],
-                    exposed_parties(tracker, pages, writer.key),
+                    # nobody else's KV is exposed by the write itself: the writer's own KV now sits
+                    # in free pages (the reader field names it), and a later read of them names it
+                    [],
                     ts_ns,
                     f"{engine.role} rank {engine.rank}: request {writer.rid} (tenant {writer.tenant or '?'}) wrote KV "
                     f"into {len(pages)} page(s) that are free in the allocator",

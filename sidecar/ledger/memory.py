@@ -260,19 +260,26 @@ class TransferLedger:
         while len(self.closed) > self.max_closed:
             self.closed.popitem(last=False)
 
-    def late_target(self, x: wire.XferSend, page_size: int) -> tuple[RoomState, np.ndarray] | None:
-        """For a chunk sent after its receiver gave up: the room and the decode pages it lands in.
-        (A receiver that reported success had all the bytes: nothing after that is late.)"""
+    def send_target(self, x: wire.XferSend, page_size: int) -> tuple[RoomState, np.ndarray] | None:
+        """The decode pages a chunk lands in, with its room: for a room whose receiver gave up
+        (closed without success: anything it writes is late) and for a room whose receiver
+        still waits (its pages may have been freed or handed on under it). A receiver that
+        reported success had all the bytes: a chunk recorded after that is not late."""
         state = self.closed.get(x.room)
-        if (
-            state is None
-            or state.reserved_pages is None
-            or state.done_status == wire.XferStatus.SUCCESS
-            or (state.sender_key and state.sender_key != x.req_key)
-        ):
+        if state is not None and state.done_status == wire.XferStatus.SUCCESS:
             return None
-        first, end = x.token_start // page_size, -(-x.token_end // page_size)
-        return state, state.reserved_pages[first : min(end, len(state.reserved_pages))].astype(np.int64)
+        if state is None:
+            state = self.rooms.get(x.room)
+            if state is None or not state.receiver_open:
+                return None
+        if state.reserved_pages is None or (state.sender_key and state.sender_key != x.req_key):
+            return None
+        # chunk tokens count from the prompt's start; the reservation starts at row page
+        # reserved_row_base (after decode's own cached prefix)
+        n, base = len(state.reserved_pages), state.reserved_row_base
+        first = max(x.token_start // page_size - base, 0)
+        end = min(-(-x.token_end // page_size) - base, n)
+        return state, state.reserved_pages[first:end].astype(np.int64)
 
     # ------------------------------------------------------------------ sender side
     def on_sender_begin(
