@@ -496,3 +496,31 @@ def test_a_recording_can_be_read_and_written_back(tmp_path):
     second, run_b = replay([tmp_path / "b.kvgrec"])
     assert [f.to_dict() for f in first] == [f.to_dict() for f in second] and first
     assert run_a.summary()["sidecar_events"] == run_b.summary()["sidecar_events"] == 2
+
+
+def test_the_every_engine_event_example_runs_clean_and_its_one_line_changes_raise_what_the_page_says(tmp_path):
+    with open(os.path.join(ROOT, "docs", "recording-api.md")) as f:
+        doc = f.read()
+    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+    example = next(b for b in blocks if "decode_rows_assigned" in b and "replay(" in b)
+    report = 'findings, run = replay(["events.kvgrec"])\nprint(sorted((f.kind, f.pages) for f in findings))\n'
+
+    def run(code):
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": ROOT},
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()
+
+    assert run(example)[-1] == "0 43 3" and "# 0 43 3" in example
+    short = example.replace("0, 8, [9, 10], True)", "0, 4, [9], True)")
+    assert short != example
+    assert run(short + report)[-1] == "[('transfer_size_mismatch', [6]), ('unwritten_read', [6])]"
+    twice = 'eng.pages_freed([1], "page_ids")'
+    line = next(x for x in example.splitlines() if twice in x)
+    assert run(example.replace(line, line + "\n" + "    " + twice) + report)[-1] == "[('double_free', [1])]"
