@@ -11,6 +11,7 @@
 #   make demo-fixed  the same demo on the fixed SGLang (0.5.23)
 #   make demo-guard  the leaking 0.5.19 pair with kvguard's guard on: the request is failed, nothing leaks
 #   make soak        the long zero-false-alarm soak on real engines: 4,000 + 600 requests (not in CI)
+#   make spec        the executable specification at its full bound: spin, the model checker, conformance
 #   make soak-memory 30 min of 8 synthetic ranks: the sidecar's RSS stays flat (not in CI)
 #   make test-reliability  tests/reliability only
 #   make test-versions  the adapter's engine tests on all five supported SGLang releases
@@ -46,7 +47,8 @@ SGLANG_TEST_DIRS := $(foreach v,$(SGLANG_TEST_VERSIONS),$(VENV)/sglang/$(v)/.ins
 # prometheus, prometheus-alertmanager, redis-server: alert-rule tests, Alertmanager
 # delivery and the Redis ledger (~35 MB in all, a few seconds).
 # libxxhash-dev: xxhash.h for the compiled digest routine (`make native`).
-APT_PACKAGES ?= libibverbs1 prometheus prometheus-alertmanager redis-server libxxhash-dev
+# spin: the Promela model of the transfer protocol (spec/transfer.pml, docs/spec.md).
+APT_PACKAGES ?= libibverbs1 prometheus prometheus-alertmanager redis-server libxxhash-dev spin
 
 VENV_STAMP := $(VENV)/.kvguard-venv
 
@@ -201,6 +203,17 @@ soak-memory: venv native
 soak: venv apt native
 	KVGUARD_SOAK_REQUESTS=$(or $(SOAK_REQUESTS),4000) KVGUARD_SOAK_PD_REQUESTS=$(or $(SOAK_PD_REQUESTS),600) \
 	  $(PY) -m pytest -q -rxX -s tests/test_soak_engine.py
+
+# The executable specification at its full bound (docs/spec.md): spin's exhaustive search of
+# the Promela model, the Python model checker, and kvguard's replay of every model trace at
+# two requests (111,906) plus SPEC_SAMPLES (10,000) random walks per protocol of each
+# three-request config, compared with the model's verdicts. Prints `0 disagreements`.
+# make test runs the small bound (tests/test_spec.py).
+.PHONY: spec
+spec: venv apt
+	bash spec/spin_check.sh
+	$(PY) spec/check.py
+	$(PY) spec/conformance.py --bound full --samples $(or $(SPEC_SAMPLES),10000) --jobs $(or $(SPEC_JOBS),2)
 
 .PHONY: test-reliability
 test-reliability: venv apt native
