@@ -25,6 +25,16 @@ def start(p, rid, tenant, *pages):
     p.forward([rid], [4 * len(pages)], [slots(*pages)], [slots(*pages)])
 
 
+def late_write_into_b(tmp_path):
+    """page 2: a owns it -> freed (a aborted) -> b gets it -> a's late write lands there."""
+    p = engine(tmp_path)
+    start(p, "a", "acme", 1, 2)
+    p.pages_freed(slots(2))
+    start(p, "b", "globex", 2)
+    p.forward(["a"], [9], [[8]], None)
+    return p
+
+
 def findings(tmp_path):
     sink = MemorySink()
     sidecar = Sidecar(str(tmp_path), sinks=[sink], slack_ns=0)
@@ -65,12 +75,7 @@ def test_a_write_into_a_freed_page_is_use_after_free(tmp_path):
 
 
 def test_a_write_into_a_page_reassigned_to_another_request_is_a_late_write(tmp_path):
-    #   page 2: a owns it -> freed (a aborted) -> b gets it -> a's late write lands there
-    p = engine(tmp_path)
-    start(p, "a", "acme", 1, 2)
-    p.pages_freed(slots(2))
-    start(p, "b", "globex", 2)
-    p.forward(["a"], [9], [[8]], None)
+    late_write_into_b(tmp_path)
     late, read = findings(tmp_path)
     assert (late.kind, late.reader.rid, late.pages) == ("late_write", "a", [2])
     assert [(e.rid, e.tenant) for e in late.exposed] == [("b", "globex")]
@@ -90,13 +95,8 @@ def test_writes_into_own_pages_and_decode_appends_are_fine(tmp_path):
 
 
 def test_the_owner_reading_a_page_a_late_write_replaced_is_told_whose_kv_it_read(tmp_path):
-    #   page 2: a owns it -> freed (a aborted) -> b gets it and writes it -> a's late write lands
-    #   there -> b reads its own page, which now holds a's KV
-    p = engine(tmp_path)
-    start(p, "a", "acme", 1, 2)
-    p.pages_freed(slots(2))
-    start(p, "b", "globex", 2)
-    p.forward(["a"], [9], [[8]], None)
+    # ... then b reads its own page, which now holds a's KV
+    p = late_write_into_b(tmp_path)
     p.forward(["b"], [4], [[]], [slots(2)])
     found = findings(tmp_path)
     assert [(f.kind, f.reader.rid) for f in found] == [
@@ -110,11 +110,7 @@ def test_the_owner_reading_a_page_a_late_write_replaced_is_told_whose_kv_it_read
 
 
 def test_the_owner_writing_its_page_again_after_a_late_write_reads_clean(tmp_path):
-    p = engine(tmp_path)
-    start(p, "a", "acme", 1, 2)
-    p.pages_freed(slots(2))
-    start(p, "b", "globex", 2)
-    p.forward(["a"], [9], [[8]], None)
+    p = late_write_into_b(tmp_path)
     p.forward(["b"], [4], [slots(2)], [slots(2)])  # b recomputes its page: its own KV again
     assert [(f.kind, f.reader.rid) for f in findings(tmp_path)] == [("late_write", "a"), ("foreign_read", "a")]
 

@@ -439,33 +439,35 @@ def test_size_and_duration_values():
             parse_seconds(bad)
 
 
-def test_the_documented_example_runs_as_written(tmp_path):
+def doc_example(marker: str) -> str:
+    """The Python block of docs/recording-api.md that contains ``marker`` and calls replay()."""
     with open(os.path.join(ROOT, "docs", "recording-api.md")) as f:
         doc = f.read()
     blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
-    example = next(b for b in blocks if "RecordingWriter(" in b and "replay(" in b)
+    return next(b for b in blocks if marker in b and "replay(" in b)
+
+
+def run_python(cwd, *args: str) -> list[str]:
+    """``python ARGS`` in ``cwd`` with this checkout importable; its stdout lines (it must succeed)."""
     out = subprocess.run(
-        [sys.executable, "-c", example],
-        cwd=tmp_path,
+        [sys.executable, *args],
+        cwd=cwd,
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": ROOT},
         timeout=60,
     )
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+    return out.stdout.splitlines()
+
+
+def test_the_documented_example_runs_as_written(tmp_path):
+    example = doc_example("RecordingWriter(")
+    lines = run_python(tmp_path, "-c", example)
     assert lines == ["unwritten_read warning [1, 2]", "events_lost warning []", "4"]
     assert all(f"# {line}" in example for line in lines)  # what the page promises is what it prints
-    cli = subprocess.run(
-        [sys.executable, "-m", "kvguard.sidecar.cli", "replay", "example.kvgrec"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": ROOT},
-        timeout=60,
-    )
-    assert cli.returncode == 0, cli.stderr
-    assert "unwritten_read" in cli.stdout and "findings: 2 (events_lost 1, unwritten_read 1)" in cli.stdout
+    cli = "\n".join(run_python(tmp_path, "-m", "kvguard.sidecar.cli", "replay", "example.kvgrec"))
+    assert "unwritten_read" in cli and "findings: 2 (events_lost 1, unwritten_read 1)" in cli
 
 
 def test_chunk_checksums_cover_the_chunk_header(tmp_path):
@@ -499,23 +501,11 @@ def test_a_recording_can_be_read_and_written_back(tmp_path):
 
 
 def test_the_every_engine_event_example_runs_clean_and_its_one_line_changes_raise_what_the_page_says(tmp_path):
-    with open(os.path.join(ROOT, "docs", "recording-api.md")) as f:
-        doc = f.read()
-    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
-    example = next(b for b in blocks if "decode_rows_assigned" in b and "replay(" in b)
+    example = doc_example("decode_rows_assigned")
     report = 'findings, run = replay(["events.kvgrec"])\nprint(sorted((f.kind, f.pages) for f in findings))\n'
 
     def run(code):
-        out = subprocess.run(
-            [sys.executable, "-c", code],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            env={**os.environ, "PYTHONPATH": ROOT},
-            timeout=60,
-        )
-        assert out.returncode == 0, out.stderr
-        return out.stdout.splitlines()
+        return run_python(tmp_path, "-c", code)
 
     assert run(example)[-1] == "0 43 3" and "# 0 43 3" in example
     short = example.replace("0, 8, [9, 10], True)", "0, 4, [9], True)")
