@@ -379,16 +379,13 @@ class Pipeline(TransferFlow):
                     if verdict is not None:
                         findings += self._emit(self._observe(verdict, t, ts_ns))
                     t.mark_written(key, written, ts_ns)
-                    if verdict is not None and len(verdict.foreign):
-                        t.mark_overwritten(verdict.foreign)
         else:  # the whole batch at once: verdicts only for the requests that wrote where they should not
-            verdicts = t.check_writes(f.req_keys, f.write_counts, f.write_pages)
-            for _i, verdict in verdicts:
+            for _i, verdict in t.check_writes(f.req_keys, f.write_counts, f.write_pages):
                 findings += self._emit(self._observe(verdict, t, ts_ns))
             t.mark_writes(f.req_keys, f.write_counts, f.write_pages, ts_ns)
-            for _i, verdict in verdicts:
-                if len(verdict.foreign):
-                    t.mark_overwritten(verdict.foreign)
+        # (a forward's late write is not marked as replacing its owner's KV, as a late transfer
+        # chunk is: it writes single token slots, the owner may write that slot itself before
+        # it reads it, and the record names pages, not slots: docs/detectors.md, late_write)
         t.count_prompt_writes(f.req_keys, f.seq_lens, f.write_counts, f.write_pages)
         self._record(ts_ns, t.engine_id, Event.WRITE, np.repeat(f.req_keys, f.write_counts), f.write_pages)
         self._record(ts_ns, t.engine_id, Event.READ, f.req_keys, aux=f.seq_lens)

@@ -435,10 +435,10 @@ class EngineTracker(Judge):
         pool.mark_write_time(pages, ts_ns)
 
     def mark_overwritten(self, pages: np.ndarray) -> None:
-        """Pages of another live request that a late write just landed in (``WriteVerdict.foreign``,
-        after ``mark_written`` named the late writer their last writer): they no longer hold what
-        their owner wrote, so the owner's next read of them is judged unwritten and names the
-        late writer as the exposed party, until the owner writes them again."""
+        """Pages of another live request that a late transfer chunk just landed in
+        (``WriteVerdict.foreign``; the chunk is already their last writer): they no longer hold
+        what their owner wrote, so the owner's next read of them is judged unwritten and names
+        the late writer as the exposed party, until the owner writes them again."""
         pool = self.pool
         if len(self.overwritten) + len(pages) > MAX_OVERWRITTEN:  # drop the reallocated ones, then the oldest
             self.overwritten = {p: g for p, g in self.overwritten.items() if pool.gen[p] == g}

@@ -94,25 +94,16 @@ def test_writes_into_own_pages_and_decode_appends_are_fine(tmp_path):
     assert findings(tmp_path) == []
 
 
-def test_the_owner_reading_a_page_a_late_write_replaced_is_told_whose_kv_it_read(tmp_path):
-    # ... then b reads its own page, which now holds a's KV
+def test_the_owner_of_a_page_a_forward_wrote_late_into_is_not_judged_on_its_next_read(tmp_path):
+    """A forward writes token slots: the owner may write that slot itself before it reads it,
+    and the record names pages, not slots. So the late write is reported (late_write, naming
+    the owner) and the owner's read of the page is not judged unwritten (a late transfer chunk,
+    which fills whole pages, is: tests/test_spec.py)."""
     p = late_write_into_b(tmp_path)
     p.forward(["b"], [4], [[]], [slots(2)])
     found = findings(tmp_path)
-    assert [(f.kind, f.reader.rid) for f in found] == [
-        ("late_write", "a"),
-        ("foreign_read", "a"),
-        ("unwritten_read", "b"),
-    ]
-    read = found[2]
-    assert read.severity == "critical" and read.pages == [2]
-    assert [(e.rid, e.tenant) for e in read.exposed] == [("a", "acme")]
-
-
-def test_the_owner_writing_its_page_again_after_a_late_write_reads_clean(tmp_path):
-    p = late_write_into_b(tmp_path)
-    p.forward(["b"], [4], [slots(2)], [slots(2)])  # b recomputes its page: its own KV again
-    assert [(f.kind, f.reader.rid) for f in findings(tmp_path)] == [("late_write", "a"), ("foreign_read", "a")]
+    assert [(f.kind, f.reader.rid) for f in found] == [("late_write", "a"), ("foreign_read", "a")]
+    assert [(e.rid, e.tenant) for e in found[0].exposed] == [("b", "globex")]
 
 
 def test_a_write_into_a_free_page_names_no_exposed_party_and_a_later_read_names_the_writer(tmp_path):
