@@ -309,7 +309,7 @@ def successors(cfg: Config, proto: Protocol, state: State) -> Iterator[Step]:
                 # decode gave up before prefill began: the bootstrap fails, nothing is ever sent
                 yield step("p_gone", r._replace(s=S_GONE))
             yield step("p_begin", r._replace(s=S_BEGUN), events=[Event("p_begin", i, (), req.tokens)])
-        if r.s == S_BEGUN and r.d != D_NEW and r.row:
+        if r.s == S_BEGUN and r.row:  # decode has reserved (its row is empty until d_admit)
             refuse = req.too_long and (proto.reject_fails or proto.check_size)
             if not refuse:
                 # the sender writes into the page ids decode reserved, whoever owns them now

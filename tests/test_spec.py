@@ -19,8 +19,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from spec.check import CHECK_CONFIGS, check, count_traces, traces
-from spec.conformance import BOUNDS, INCIDENT, SAMPLED, run_trace, sweep
-from spec.model import BUGGY, FIXED, Config, Req, initial, successors
+from spec.conformance import BOUNDS, SAMPLED, run_trace, sweep
+from spec.model import BUGGY, FIXED, Config, initial, successors
 
 SAFETY = {"unwritten_read", "foreign_read", "use_after_free", "late_write", "double_free", "transfer_size_mismatch"}
 AC2 = BOUNDS["small"]["ac2"]
@@ -195,7 +195,3 @@ def test_regression_traces(tmp_path, cfg, proto, actions, verdicts):
     exp, obs, summary = run_trace(str(tmp_path / "t.kvgrec"), cfg, by_actions(cfg, proto, actions))
     assert exp == {k: frozenset(v) for k, v in verdicts.items()}
     assert obs == exp and summary["problems"] == 0
-
-
-def test_the_incident_request_is_the_one_the_checker_and_the_sweep_use():
-    assert INCIDENT == Req("c", "initech", 2, too_long=True) and INCIDENT in CHECK_CONFIGS["two"].reqs
