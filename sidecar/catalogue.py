@@ -102,6 +102,12 @@ CATALOGUE: tuple[KindSpec, ...] = (
         resolves=AFTER_QUIET,
     ),
     _paging("transfer_size_mismatch", "decode took a transfer with fewer tokens than it reserved"),
+    _paging(
+        "unwritten_send",
+        "a sender shipped KV pages its request never wrote (stale or another request's KV goes to decode); "
+        "a warning when no one else's data is there",
+        warning=True,
+    ),
     _paging("checksum_mismatch", "the KV decode received is not the KV prefill sent (digests differ)"),
     KindSpec(
         "pool_smaller_than_context",

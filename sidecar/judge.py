@@ -278,19 +278,52 @@ class Judge:
             )
         return out
 
-    def _judge_pages(self, pages, m_pages, m_gens, reader, req_keys):
+    def classify_send(self, req_key: int, token_start: int, pages: np.ndarray) -> ReadVerdict | None:
+        """Judge the source pages a sender shipped (an XFER_SEND: one page per row page from the
+        page holding ``token_start`` on) as a read by the sending request, against its row: each
+        must be its own page (or a prefix-cache page handed to it) and written at this
+        generation. None when nothing is wrong or the sender is not judged (unknown, warmup
+        is the detector's call). Not counted as pages read: /metrics counts forwards' reads."""
+        info = self.requests.get(req_key)
+        row = self.rows.get(req_key)
+        if self.hello is None or info is None or row is None or not info.known or len(pages) == 0:
+            return None
+        pages = pages.astype(np.int64)
+        first = int(token_start) // self.page_size
+        m_pages = row.pages[first : first + len(pages)].astype(np.int64)
+        m_gens = row.gen_shared[first : first + len(pages)]
+        if len(m_pages) < len(pages):  # row pages the model never saw assigned: not the sender's
+            missing = len(pages) - len(m_pages)
+            m_pages = np.concatenate((m_pages, np.full(missing, -2, np.int64)))
+            m_gens = np.concatenate((m_gens, np.zeros(missing, np.uint32)))
+        pool = self.pool
+        keep = (pages > PADDING_PAGE) & (pages < pool.limit)
+        pages, m_pages, m_gens = pages[keep], m_pages[keep], m_gens[keep]
+        if len(pages) == 0:
+            return None
+        pool.ensure(pages)
+        reader = np.zeros(len(pages), np.int64)
+        known, freed, foreign, unwritten, _ = self._judge_pages(
+            pages, m_pages, m_gens, reader, np.array([req_key], np.uint64), count=False
+        )
+        if not (freed | foreign | unwritten).any():
+            return None
+        return ReadVerdict(info, pages[unwritten], pages[foreign], pages[freed], int(np.count_nonzero(~known)))
+
+    def _judge_pages(self, pages, m_pages, m_gens, reader, req_keys, count: bool = True):
         """The read rules over read ``pages`` (ids in 0 < page < limit, the pool grown to hold
         them) against the readers' row entries (``m_pages``, ``m_gens`` as ``Row.gen_shared``;
         ``reader`` indexes ``req_keys``).
-        Counts them as read (state known) or unverified; returns per page the masks known,
-        freed, foreign, unwritten and shared (a legitimately read prefix-cache page)."""
+        Counts them (``count``) as read (state known) or unverified; returns per page the masks
+        known, freed, foreign, unwritten and shared (a legitimately read prefix-cache page)."""
         pool = self.pool
         state = pool.state[pages]
         gen = pool.gen[pages]
         known = state != UNKNOWN
-        n_known = int(np.count_nonzero(known))
-        self.pages_read += n_known
-        self.pages_unverified += len(pages) - n_known
+        if count:
+            n_known = int(np.count_nonzero(known))
+            self.pages_read += n_known
+            self.pages_unverified += len(pages) - n_known
         freed = state == FREE  # FREE is known
         # the reader's own page: assigned to it at this generation, and either handed to it
         # through the prefix cache or owned by it (a fresh row entry naming another

@@ -29,6 +29,7 @@ from .detectors.guard import ACTIONS, CARRIED_RULES, GUARD_ABORT_KINDS, GuardDet
 from .detectors.isolation import TenantIsolationDetector
 from .detectors.lifetime import DoubleFreeDetector, WriteDetector
 from .detectors.reads import ReadDetector
+from .detectors.sends import UnwrittenSendDetector
 from .detectors.tier1 import Tier1Detector
 from .detectors.transfers import ChecksumDetector, LedgerDegradedDetector, OrphanDetector, TransferSizeDetector
 from .detectors.ttft import TTFTDetector
@@ -112,6 +113,7 @@ class Pipeline(TransferFlow):
             TransferSizeDetector(),
             ChecksumDetector(),
             OrphanDetector(),
+            UnwrittenSendDetector(),
             LedgerDegradedDetector(),
             EventsLostDetector(),
             self.ttft_detector,

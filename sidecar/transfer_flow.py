@@ -16,8 +16,9 @@ import numpy as np
 
 from kvguard.engine_hooks import wire
 
-from .detectors.base import DigestsCompared, LedgerUnreachable, TransferOrphaned
-from .findings import Finding
+from .detectors.base import DigestsCompared, LedgerUnreachable, SourcePagesSent, TransferOrphaned
+from .detectors.reads import reader_party
+from .findings import Finding, Party
 from .history import Event
 from .ledger import REMOTE_ENGINE, RoomState, TransferLedger
 from .page_pool import FREE, PADDING_PAGE
@@ -48,11 +49,28 @@ class TransferFlow:
         receiver = self.ledger.pending.get(body.room)
         receiver_engine = receiver.receiver_engine if receiver is not None else None
         receiver_t = self.engines.get(receiver_engine) if receiver_engine is not None else None
+        found += self._check_send_source(t, body, ts)
         final = self.ledger.on_send(rec.engine_id, body, receiver_t.page_size if receiver_t else t.page_size)
         if final is not None:
             found += self._apply_final([final], ts)
         self._publish_sender(self.ledger.find(body.room, sender_key=body.req_key))
         return found
+
+    def _check_send_source(self, t: EngineTracker, body: wire.XferSend, ts_ns: int) -> list[Finding]:
+        """The pages a sender ships are read from its own row: each must be written for it
+        (``unwritten_send``, sidecar/detectors/sends.py)."""
+        verdict = t.classify_send(body.req_key, body.token_start, body.pages)
+        if verdict is None:
+            return []
+        party: Party | None = None  # the decode request it went to, when this sidecar sees it
+        room = self.ledger.find(body.room, sender_key=body.req_key)
+        receiver_t = (
+            self.engines.get(room.receiver_engine) if room is not None and room.receiver_engine is not None else None
+        )
+        if room is not None and receiver_t is not None and room.receiver_key:
+            party = reader_party(receiver_t.requests.get_or_stub(room.receiver_key))
+        event = SourcePagesSent(verdict, body.room, body.token_start, body.token_end, party)
+        return self._emit(self._observe(event, t, ts_ns))
 
     def _on_xfer_done(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
         body = rec.body

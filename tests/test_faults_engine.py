@@ -355,7 +355,7 @@ def pd(tmp_path_factory, require_sglang):
         prefill_pool_tokens=PREFILL_POOL,
         decode_pool_tokens=DECODE_POOL,
         context_length=CONTEXT,
-        extra_env=fault_env(events_dir, "send_truncated,sender_truncated"),
+        extra_env=fault_env(events_dir, "send_truncated,sender_truncated,send_foreign_page"),
         extra_pythonpath=[FAULTS_DIR],
         # direct: the faults fire by rid and the checks name the room the client chose
         router=False,
@@ -461,3 +461,34 @@ class TestPrefillDecodePair:
         assert (f.reader.rid, f.reader.tenant, f.reader.bootstrap_room) == (rid, "initech", r.room)
         assert f.evidence["sender_tokens"] == f.evidence["receiver_tokens"] == [0, 200]
         assert f.evidence["sender_digest"] != f.evidence["receiver_digest"] and len(f.pages) == 50
+
+    def test_prefill_sends_a_page_its_request_never_wrote(self, pd):
+        """The sender ships a page its request never wrote: for the faulty request's last
+        chunk, its row's last page names the victim's first page (the victim's KV goes to
+        decode as the prompt's). Decode's reads and the digests look clean (the transfer
+        wrote every reserved page, both ends hash what was shipped): only the send says it."""
+        pair, watch = pd
+        rng = random.Random(9)
+        mark = watch.mark()
+        victim = pair.generate(
+            prompt(rng, 40), tenant="acme", max_new_tokens=4, rid=make_rid("send_foreign_page", "v", "1")
+        )
+        assert victim.ok, victim.summary()
+        victim_page = watch.wait_event("send_foreign_page", "victim")["page"]
+        watch.settle()
+        assert watch.since(mark) == [], describe(watch.since(mark))
+        rid = make_rid("send_foreign_page", "f", "1")
+        r = pair.generate(prompt(rng, 40), tenant="initech", max_new_tokens=4, rid=rid)
+        assert r.ok and r.prompt_tokens == 40, r.summary()  # what a status-code check sees: success
+        ev = watch.wait_event("send_foreign_page", "swapped")
+        assert ev["victim_page"] == victim_page and ev["room"] == r.room
+        watch.wait_event("send_foreign_page", "restored")
+        found = watch.since(mark)
+        assert [f.kind for f in found] == ["unwritten_send"], describe(found)
+        f = found[0]
+        assert (f.severity, f.engine.role, f.pages) == ("critical", "prefill", [victim_page])
+        assert (f.reader.rid, f.reader.tenant, f.reader.bootstrap_room) == (rid, "initech", r.room)
+        assert f.evidence["receiver"] == {"rid": rid, "tenant": "initech"}  # decode's request (same rid, direct)
+        assert (f.evidence["token_start"], f.evidence["token_end"]) == (0, 40)
+        if victim_page != ev["own_page"]:  # the victim's page was not handed to the sender itself meanwhile
+            assert victim.rid in [p.rid for p in f.exposed], describe(found)

@@ -514,3 +514,5 @@ def test_the_every_engine_event_example_runs_clean_and_its_one_line_changes_rais
     twice = 'eng.pages_freed([1], "page_ids")'
     line = next(x for x in example.splitlines() if twice in x)
     assert run(example.replace(line, line + "\n" + "    " + twice) + report)[-1] == "[('double_free', [1])]"
+    unsent = next(x for x in example.splitlines() if 'pre.forward(["p-7"]' in x)
+    assert run(example.replace(unsent + "\n", "") + report)[-1] == "[('unwritten_send', [9, 10])]"

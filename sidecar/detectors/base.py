@@ -98,3 +98,15 @@ class TransferOrphaned:
 
     state: Any  # sidecar.ledger RoomState
     timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SourcePagesSent:
+    """A sender shipped source pages its request does not hold written: an XFER_SEND judged
+    as a read by the sending request (``EngineTracker.classify_send``)."""
+
+    verdict: Any  # sidecar.judge ReadVerdict: the sender, and its unwritten / foreign / freed pages
+    room: int
+    token_start: int
+    token_end: int
+    receiver: Any  # sidecar.findings Party: the decode request the pages went to, None when not known here

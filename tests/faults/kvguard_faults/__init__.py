@@ -39,6 +39,7 @@ FAULTS = (
     "late_write_pool",
     "send_truncated",
     "sender_truncated",
+    "send_foreign_page",
     "flip_received_page",
 )
 

@@ -19,6 +19,12 @@ PD prefill engine:
     sends the first page only, through the scheduler (``start_send_idx`` = 1 page).
   * ``MooncakeKVSender.send`` (around): ``sender_truncated`` drops all but the first
     page inside the sender, below the scheduler (which believes it sent everything).
+  * ``_send_kv_chunk`` and ``Scheduler.process_batch_result`` (around):
+    ``send_foreign_page`` notes a victim request's first page when the victim sends;
+    when the faulty request sends its last chunk, its row's last sent page names the
+    victim's page instead of its own for the duration of the send (the sender ships a
+    page its request never wrote: the victim's KV, TensorRT-LLM #12542's shape), and
+    the row is put back after the step's results (before any free reads the row).
 PD decode engine:
   * ``DecodeTransferQueue._poll_with_metadata_gate`` (before): ``flip_received_page``
     flips one byte in one page the request received, once its receiver's manager says
@@ -53,7 +59,8 @@ MOONCAKE_SEND = S + "disaggregation.mooncake.conn.MooncakeKVSender.send"
 POLL_GATE = S + "disaggregation.decode.DecodeTransferQueue._poll_with_metadata_gate"
 
 UNIFIED_FAULTS = ("use_after_free", "double_free", "row_corruption", "late_write_forward", "late_write_pool")
-PD_FAULTS = ("send_truncated", "sender_truncated")
+PD_FAULTS = ("send_truncated", "sender_truncated", "send_foreign_page")
+SHORT_SEND_FAULTS = ("send_truncated", "sender_truncated")  # the sender is initialised for 1 page
 DECODE_FAULTS = ("flip_received_page",)
 FLIP_ROW_PAGE = 1  # the request's row page whose first slot gets the flipped byte (page 0 if shorter)
 
@@ -189,6 +196,9 @@ class Driver:
         }
         # PD: bootstrap_room -> fault
         self.pd_rooms: dict[int, str] = {}
+        # send_foreign_page: the victim's first page's slots; the row entries to put back
+        self.sfp_victim_slots: list[int] | None = None
+        self.sfp_restore = None  # (req_to_token, row, start, original slots tensor)
 
     # ------------------------------------------------------------------ plumbing
     def guarded(self, what: str, fn, *args):
@@ -510,7 +520,7 @@ class Driver:
     # ------------------------------------------------------------------ PD prefill
     def num_pages_to_send(self, result, queue, req, *args, **kwargs):
         fault, _role = fault_and_role(getattr(req, "rid", None))
-        if fault not in PD_FAULTS or fault not in self.faults:
+        if fault not in SHORT_SEND_FAULTS or fault not in self.faults:
             return None
         room = int(req.bootstrap_room)
         self.pd_rooms[room] = fault
@@ -519,6 +529,8 @@ class Driver:
 
     def send_kv_chunk_inner(self, original, sched, req, last_chunk=False, end_idx=None):
         fault, _role = fault_and_role(getattr(req, "rid", None))
+        if fault == "send_foreign_page" and fault in self.faults and last_chunk:
+            self.guarded("send_foreign_page", self.swap_in_victim_page, sched, req, _role)
         if fault == "send_truncated" and fault in self.faults and last_chunk:
             ps = page_size(sched)
             new_end = min(ps, len(req.origin_input_ids))
@@ -532,6 +544,42 @@ class Driver:
             )
             return original(sched, req, last_chunk=last_chunk, end_idx=new_end)
         return original(sched, req, last_chunk=last_chunk, end_idx=end_idx)
+
+    def swap_in_victim_page(self, sched, req, role) -> None:
+        ps = page_size(sched)
+        n = len(req.origin_input_ids)
+        rt = sched.req_to_token_pool.req_to_token
+        row = int(req.kv.req_pool_idx)
+        if role == "v":
+            self.sfp_victim_slots = rt[row, :ps].to("cpu").tolist()
+            self.ev.emit("send_foreign_page", "victim", rid=req.rid, page=self.sfp_victim_slots[0] // ps)
+            return
+        if self.sfp_victim_slots is None or (self.sfp_restore is not None) or n <= ps:
+            self.ev.emit("send_foreign_page", "skipped", rid=req.rid, why="no victim yet, or the prompt is one page")
+            return
+        start = ((n - 1) // ps) * ps  # the row's last page (partial or whole) within the prompt
+        torch = _torch()
+        original_slots = rt[row, start : start + ps].clone()
+        own_page = int(original_slots[0]) // ps
+        rt[row, start : start + ps] = torch.tensor(self.sfp_victim_slots, dtype=rt.dtype, device=rt.device)
+        self.sfp_restore = (rt, row, start, original_slots)
+        self.ev.emit(
+            "send_foreign_page",
+            "swapped",
+            rid=req.rid,
+            room=int(req.bootstrap_room),
+            row_page_index=start // ps,
+            own_page=own_page,
+            victim_page=self.sfp_victim_slots[0] // ps,
+        )
+
+    def restore_swapped_row(self) -> None:
+        if self.sfp_restore is None:
+            return
+        rt, row, start, original_slots = self.sfp_restore
+        self.sfp_restore = None
+        rt[row, start : start + len(original_slots)] = original_slots
+        self.ev.emit("send_foreign_page", "restored", row_page_start=start)
 
     def sender_send(self, original, sender, kv_indices, state_indices=None, num_kv_tokens=None, indices_event=None):
         fault = self.pd_rooms.get(int(getattr(sender, "bootstrap_room", -1)))
@@ -638,6 +686,15 @@ def register(faults: set[str], folder: str | None) -> Driver:
 
         HookRegistry.register(NUM_PAGES_TO_SEND, num_pages_hook, HookType.AFTER)
         HookRegistry.register(SEND_KV_CHUNK_INNER, send_inner_hook, HookType.AROUND)
+        if "send_foreign_page" in faults and not faults & set(UNIFIED_FAULTS):
+
+            def restore_hook(original, sched, batch, *args, **kwargs):
+                try:
+                    return original(sched, batch, *args, **kwargs)
+                finally:
+                    d.guarded("restore_swapped_row", d.restore_swapped_row)
+
+            HookRegistry.register(PROCESS_BATCH_RESULT, restore_hook, HookType.AROUND)
         if "sender_truncated" in faults:
 
             def sender_hook(original, sender, kv_indices, state_indices=None, num_kv_tokens=None, indices_event=None):
