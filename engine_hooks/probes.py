@@ -257,7 +257,15 @@ class Probes:
 
     @_guarded
     def request_begin(
-        self, rid: str, tenant: str, bootstrap_room: int | None, prompt_tokens: int, cached_tokens: int, warmup: bool
+        self,
+        rid: str,
+        tenant: str,
+        bootstrap_room: int | None,
+        prompt_tokens: int,
+        cached_tokens: int,
+        warmup: bool,
+        extra_key: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         room = wire.NO_ROOM if bootstrap_room is None else int(bootstrap_room) & wire.NO_ROOM
         r = wire.ReqBegin(
@@ -270,6 +278,9 @@ class Probes:
             str(tenant or ""),
         )
         self._emit(wire.Kind.REQ_BEGIN, wire.req_begin_payload(r))
+        if extra_key or cache_salt:  # its prefix-cache scope, as a hash only (contract 1.1)
+            s = wire.ReqScope(r.req_key, wire.request_scope(extra_key, cache_salt))
+            self._emit(wire.Kind.REQ_SCOPE, wire.req_scope_payload(s))
 
     @_guarded
     def request_end(

@@ -157,6 +157,15 @@ CATALOGUE: tuple[KindSpec, ...] = (
         "a first token came implausibly fast for the uncached prompt: its KV may not have been computed",
     ),
     KindSpec(
+        "cross_salt_prefix_share",
+        (CRITICAL,),
+        ALWAYS,
+        BY_READER,
+        WITH_READER,
+        {CRITICAL: CRITICAL_CATCH_ALL},
+        "a prefix-cache page written under one cache salt / extra key was handed to a request of another",
+    ),
+    KindSpec(
         "cross_tenant_prefix_share",
         (WARNING,),
         ISOLATION,

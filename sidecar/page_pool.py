@@ -207,8 +207,25 @@ class PagePool:
         self.changes: list[tuple[np.ndarray, np.ndarray]] = []
         self.changes_len = 0
         self.changes_overflow = False  # too many to replay, or all forgotten: re-judge everything
+        # the prefix-cache scope of each page's last writer (REQ_SCOPE), kept only once an
+        # engine names a scope: 8 bytes per page where salts are in use, none elsewhere
+        self.scope: np.ndarray | None = None
 
-    ARRAYS = ("state", "gen", "written_gen", "owner_slot", "writer_slot", "last_write_ms", "clean_shared")
+    ARRAYS: tuple[str, ...] = (
+        "state",
+        "gen",
+        "written_gen",
+        "owner_slot",
+        "writer_slot",
+        "last_write_ms",
+        "clean_shared",
+    )
+
+    def enable_scopes(self) -> None:
+        """Start keeping each page's writer scope; pages written before hold the default (0)."""
+        if self.scope is None:
+            self.scope = np.zeros(self.num_pages, np.uint64)
+            self.ARRAYS = PagePool.ARRAYS + ("scope",)  # grown and counted with the others from now on
 
     @property
     def nbytes(self) -> int:

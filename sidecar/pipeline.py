@@ -29,6 +29,7 @@ from .detectors.guard import ACTIONS, CARRIED_RULES, GUARD_ABORT_KINDS, GuardDet
 from .detectors.isolation import TenantIsolationDetector
 from .detectors.lifetime import DoubleFreeDetector, WriteDetector
 from .detectors.reads import ReadDetector
+from .detectors.scopes import ScopeDetector
 from .detectors.sends import UnwrittenSendDetector
 from .detectors.tier1 import Tier1Detector
 from .detectors.transfers import ChecksumDetector, LedgerDegradedDetector, OrphanDetector, TransferSizeDetector
@@ -114,6 +115,7 @@ class Pipeline(TransferFlow):
             ChecksumDetector(),
             OrphanDetector(),
             UnwrittenSendDetector(),
+            ScopeDetector(),
             LedgerDegradedDetector(),
             EventsLostDetector(),
             self.ttft_detector,
@@ -245,6 +247,7 @@ class Pipeline(TransferFlow):
             K.FREE: self._on_free,
             K.REQ_BEGIN: self._on_request_begin,
             K.REQ_END: self._on_request_end,
+            K.REQ_SCOPE: lambda t, rec: t.on_scope(rec.body) or [],
             K.REJECT: self._on_reject,
             K.HELLO: self._on_hello,
             K.XFER_SEND: self._on_xfer_send,
@@ -281,9 +284,9 @@ class Pipeline(TransferFlow):
 
     def _on_assign(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
         body = rec.body
-        t.on_assign(body)
+        crossed = t.on_assign(body)
         self._record(rec.ts_ns, rec.engine_id, Event.ASSIGN, body.req_key, body.pages, aux=body.row_start)
-        return []
+        return [] if crossed is None else self._emit(self._observe(crossed, t, rec.ts_ns))
 
     def _on_free(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
         body = rec.body

@@ -27,6 +27,7 @@ class RequestInfo:
     reprefilled: bool = False  # KV released and prefilled again (REQ_END flag): TTFT not comparable
     known: bool = True  # False: a stub for a request whose REQ_BEGIN we never saw (not judged)
     guard_action: str = ""  # what the engine's guard did about its reads (GUARD read rules): aborted / observed
+    scope: int = 0  # its prefix-cache scope (REQ_SCOPE: cache salt / extra key, hashed); 0 = the default
 
 
 class RequestDirectory:

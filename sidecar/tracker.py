@@ -17,6 +17,7 @@ import numpy as np
 from kvguard.engine_hooks import wire
 
 # (EngineTracker reads INCREMENTAL_JUDGE from this module: tests patch it here)
+from .detectors.base import PrefixSharedAcrossScopes
 from .judge import INCREMENTAL_JUDGE, JUDGE_ENV, Judge, ReadVerdict, WriteVerdict
 from .page_pool import (
     ALLOCATED,
@@ -352,16 +353,44 @@ class EngineTracker(Judge):
             return False
         return shared or int(pool.state[page]) != ALLOCATED  # an ALLOCATED page would be claimed now
 
-    def on_assign(self, a: wire.Assign) -> None:
+    def on_scope(self, s: wire.ReqScope) -> None:
+        """A request's prefix-cache scope (it follows the request's REQ_BEGIN)."""
+        info = self.requests.get(s.req_key)
+        if info is None:
+            return
+        info.scope = s.scope
+        self.pool.enable_scopes()
+
+    def _scope_of(self, key: int) -> int:
+        info = self.requests.get(key)
+        return info.scope if info is not None else 0
+
+    def _shared_across_scopes(self, req_key: int, shared_pages: np.ndarray) -> PrefixSharedAcrossScopes | None:
+        """Prefix-cache pages just handed to a request whose KV was written under another scope
+        (salt / extra key): the engine's cache let the two scopes share KV."""
+        pool = self.pool
+        assert pool.scope is not None
+        reader = self.requests.get(req_key)
+        if reader is None or not reader.known or len(shared_pages) == 0:
+            return None
+        p = shared_pages[
+            (pool.state[shared_pages] != UNKNOWN) & (pool.written_gen[shared_pages] == pool.gen[shared_pages])
+        ]
+        crossed = p[pool.scope[p] != np.uint64(reader.scope)]
+        if len(crossed) == 0:
+            return None
+        return PrefixSharedAcrossScopes(reader, crossed, pool.scope[crossed].copy())
+
+    def on_assign(self, a: wire.Assign) -> PrefixSharedAcrossScopes | None:
         if a.row_start // self.page_size + len(a.pages) > self.row_limit or a.row_end > self.row_limit * self.page_size:
             self._assign_out_of_range(a)
-            return
+            return None
         if self._assign_changes_nothing(a):
             self.requests.get_or_stub(a.req_key)
-            return
+            return None
         pages = self.pool.ensure(a.pages.astype(np.int64))
         if len(pages) != len(a.pages):
-            return
+            return None
         self.requests.get_or_stub(a.req_key)
         row = self.rows.setdefault(a.req_key, Row())
         first = a.row_start // self.page_size
@@ -379,11 +408,13 @@ class EngineTracker(Judge):
             (pool.state[fresh] == ALLOCATED)
             | ((pool.state[fresh] == OWNED) & (pool.owner_keys(fresh) == np.uint64(a.req_key)))
         ]
-        if len(claim) == 0:
-            return
-        pool.changed(claim)
-        pool.state[claim] = OWNED
-        pool.owner_slot[claim] = self._slot(a.req_key, row)
+        if len(claim):
+            pool.changed(claim)
+            pool.state[claim] = OWNED
+            pool.owner_slot[claim] = self._slot(a.req_key, row)
+        if pool.scope is not None and shared.any():  # salts in use: the cache must keep scopes apart
+            return self._shared_across_scopes(a.req_key, pages[shared])
+        return None
 
     def _assign_out_of_range(self, a: wire.Assign) -> None:
         """Skip an ASSIGN whose positions lie past any row this engine can have (counted, its first
@@ -424,6 +455,12 @@ class EngineTracker(Judge):
         pool.written_gen[known] = pool.gen[known]  # (not logged: see PagePool.changed)
         pool.writer_slot[pages] = writer
         pool.mark_write_time(pages, ts_ns)
+        if pool.scope is not None:  # salts in use: each page takes its writer's scope
+            scopes = np.array([self._scope_of(k) for k in req_keys.tolist()], np.uint64)
+            written = np.repeat(scopes, write_counts.astype(np.int64))
+            if not valid.all():
+                written = written[valid]
+            pool.scope[pages] = written[real]
 
     def mark_written(self, req_key: int, pages: np.ndarray, ts_ns: int) -> None:
         pages = self.pool.ensure(pages.astype(np.int64))
@@ -433,6 +470,8 @@ class EngineTracker(Judge):
         pool.written_gen[known] = pool.gen[known]
         pool.writer_slot[pages] = self._slot(req_key, self.rows.get(req_key))
         pool.mark_write_time(pages, ts_ns)
+        if pool.scope is not None:
+            pool.scope[pages] = self._scope_of(req_key)
 
     def mark_overwritten(self, pages: np.ndarray) -> None:
         """Pages of another live request that a late transfer chunk just landed in

@@ -110,12 +110,13 @@ def prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randint(3, 255) for _ in range(n)]
 
 
-def generate(url: str, rid: str, input_ids: list[int], max_new_tokens: int, tenant: str) -> dict:
+def generate(url: str, rid: str, input_ids: list[int], max_new_tokens: int, tenant: str, **extra) -> dict:
     body = {
         "rid": rid,
         "input_ids": input_ids,
         "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
         "routing_key": tenant,
+        **extra,
     }
     r = httpx.post(url + "/generate", json=body, timeout=120.0)
     assert r.status_code == 200, (rid, r.status_code, r.text[:500])
@@ -166,7 +167,10 @@ def unified(tmp_path_factory, require_sglang):
             # one batch at a time (run_batch -> process_batch_result), so each fault lands between two known steps
             extra_args=["--disable-overlap-schedule", "--max-running-requests", "8"],
             extra_env={
-                **fault_env(events_dir, "use_after_free,double_free,row_corruption,late_write_forward,late_write_pool"),
+                **fault_env(
+                    events_dir,
+                    "use_after_free,double_free,row_corruption,late_write_forward,late_write_pool,salt_dropped",
+                ),
                 # use_after_free leaves the radix tree and the free list sharing two pages, which SGLang's
                 # idle check (strict by default) turns into a scheduler exception; the other faults leave
                 # the engine consistent.
@@ -305,6 +309,35 @@ class TestUnifiedEngine:
             )
         assert [f.kind for f in found] == ["late_write"], describe(found)
         assert [p.rid for p in found[0].exposed] == [y]
+
+    def test_a_dropped_cache_salt_hands_another_scopes_prefix(self, unified):
+        """Salts keep otherwise-identical prefixes apart in SGLang's radix cache: requests with
+        the same salt share, different salts do not (both quiet). The fault drops one request's
+        salt from its cache lookup: it is handed the unsalted victim's cached prefix."""
+        engine, watch = unified
+        rng = random.Random(11)
+        shared_prompt = prompt(rng, 24)
+        mark = watch.mark()
+        victim = make_rid("salt_dropped", "v", "1")
+        generate(engine.url, victim, shared_prompt, 2, "acme")  # no salt: the default scope
+        out = [
+            generate(engine.url, f"kvg-salted-{i}", shared_prompt, 2, "globex", cache_salt="globex-1") for i in (1, 2)
+        ]
+        # the second globex request hit the first's prefix (same salt), neither hit acme's
+        assert out[0]["meta_info"]["cached_tokens"] == 0, out[0]["meta_info"]
+        assert out[1]["meta_info"]["cached_tokens"] >= PAGE, out[1]["meta_info"]
+        assert watch.since(mark) == [], describe(watch.since(mark))
+        rid = make_rid("salt_dropped", "f", "1")
+        hit = generate(engine.url, rid, shared_prompt, 2, "initech", cache_salt="initech-1")
+        watch.wait_event("salt_dropped", "dropped")
+        assert hit["meta_info"]["cached_tokens"] >= PAGE, hit["meta_info"]  # it was handed a cached prefix
+        found = watch.since(mark)
+        assert [f.kind for f in found] == ["cross_salt_prefix_share"], describe(found)
+        f = found[0]
+        assert (f.severity, f.reader.rid, f.reader.tenant) == ("critical", rid, "initech")
+        assert [(p.rid, p.tenant) for p in f.exposed] == [(victim, "acme")]
+        assert len(f.pages) == hit["meta_info"]["cached_tokens"] // PAGE
+        assert f.evidence["writer_scopes"] == ["0000000000000000"]
 
     def test_use_after_free(self, unified):
         """Two pages of a decoding request are freed early, read while free, then handed

@@ -69,7 +69,7 @@ def _corpus():
     p = Probes(Capture())
     s = lambda pages: np.concatenate([np.arange(q * 4, q * 4 + 4) for q in pages])
     p.hello("decode", 1, 4, 64, 256, 512, 512, "sglang", "0.5.23", "tiny")
-    p.request_begin("r-1", "acme", 42, 16, 4, False)
+    p.request_begin("r-1", "acme", 42, 16, 4, False, extra_key="lora-a", cache_salt="s")
     p.request_begin("warm", "", None, 2, 0, True)
     p.pages_allocated(s([1, 2, 3]))
     p.rows_assigned("r-1", 0, 12, 4, s([1, 2, 3]))

@@ -49,7 +49,7 @@ def slots(pages, page_size=4):
 def every_kind(p: Probes, rid="r-1"):
     """One call per probe: every wire kind an engine emits."""
     p.hello("decode", 1, 4, 64, 256, 512, 512, "sglang", "0.5.23", "tiny")
-    p.request_begin(rid, "acme", 42, 16, 4, False)
+    p.request_begin(rid, "acme", 42, 16, 4, False, cache_salt="s")  # + REQ_SCOPE
     p.pages_allocated(slots([1, 2, 3]))
     p.rows_assigned(rid, 0, 12, 4, slots([1, 2, 3]))
     p.transfer_reserved(rid, 42, 12, slots([1, 2, 3]))

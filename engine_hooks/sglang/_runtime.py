@@ -222,6 +222,9 @@ def ensure_begun(req, cached_tokens: int = 0, prompt_tokens: int | None = None) 
         int(prompt_tokens),
         int(cached_tokens),
         is_warmup(req),
+        # what the radix cache keys by besides the tokens (RadixKey): hashed by the probe
+        extra_key=getattr(req, "extra_key", None),
+        cache_salt=getattr(req, "cache_salt", None),
     )
 
 

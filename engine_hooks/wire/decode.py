@@ -32,6 +32,7 @@ from .layout import (
     REQ_BEGIN_FIXED,
     REQ_END_FIXED,
     REQ_END_REPREFILLED,
+    REQ_SCOPE_FIXED,
     REQ_WARMUP,
     TIER1_FIXED,
     VERSION,
@@ -64,6 +65,7 @@ from .types import (
     Reject,
     ReqBegin,
     ReqEnd,
+    ReqScope,
     Tier1Violation,
     XferDigest,
     XferDone,
@@ -203,6 +205,10 @@ def _decode_guard(c: _Cursor) -> Guard:
     return Guard(key, room, rule, action, prompt_tokens, send_tokens, reserved_pages, c.string())
 
 
+def _decode_req_scope(c: _Cursor) -> ReqScope:
+    return ReqScope(*c.fixed(REQ_SCOPE_FIXED))
+
+
 def _decode_heartbeat(c: _Cursor) -> Heartbeat:
     return Heartbeat(*c.fixed(HEARTBEAT_FIXED))
 
@@ -227,6 +233,7 @@ _DECODERS = {
     Kind.TIER1_VIOLATION: _decode_tier1_violation,
     Kind.REJECT: _decode_reject,
     Kind.GUARD: _decode_guard,
+    Kind.REQ_SCOPE: _decode_req_scope,
     Kind.HEARTBEAT: _decode_heartbeat,
     Kind.PROBE_ERROR: _decode_probe_error,
 }

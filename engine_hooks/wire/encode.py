@@ -31,6 +31,7 @@ from .layout import (
     REQ_BEGIN_FIXED,
     REQ_END_FIXED,
     REQ_END_REPREFILLED,
+    REQ_SCOPE_FIXED,
     REQ_WARMUP,
     TIER1_FIXED,
     VERSION,
@@ -50,6 +51,7 @@ from .types import (
     Reject,
     ReqBegin,
     ReqEnd,
+    ReqScope,
     Tier1Violation,
     XferDigest,
     XferDone,
@@ -179,6 +181,10 @@ def guard_payload(g: Guard) -> bytes:
     return GUARD_FIXED.pack(
         g.req_key, g.room, int(g.rule), int(g.action), g.prompt_tokens, g.send_tokens, g.reserved_pages
     ) + _str_bytes(g.reason)
+
+
+def req_scope_payload(r: ReqScope) -> bytes:
+    return REQ_SCOPE_FIXED.pack(r.req_key, r.scope)
 
 
 def heartbeat_payload(h: Heartbeat) -> bytes:

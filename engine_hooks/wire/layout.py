@@ -33,6 +33,11 @@ import xxhash
 
 MAGIC = 0x4B47
 VERSION = 1
+# Kinds added since the payload layouts of version 1 were fixed, without changing any of them:
+# a 1.0 reader skips them (counted in ``unknown_kind``), a 1.1 reader replays 1.0 streams as
+# they were. 1: REQ_SCOPE. Carried in HELLO's kvguard_version string only for people, never
+# needed to decode.
+WIRE_MINOR = 1
 HEADER = struct.Struct("<HBBIQQIHH")
 HEADER_SIZE = HEADER.size
 ALIGN = 8
@@ -62,6 +67,8 @@ class Kind(enum.IntEnum):
     XFER_DIGEST = 15  # digest of one end's KV for a transfer (sender: what it sent; receiver: what it reserved)
     TIER1_VIOLATION = 16  # the engine's own read check (engine_hooks/tier1.py) found a row page not the reader's
     GUARD = 17  # the guard (KVGUARD_GUARD, engine_hooks/sglang/guard.py) found a violation and what it did about it
+    # contract 1.1 (WIRE_MINOR 1): a request's prefix-cache scope (cache salt / extra key), as a hash
+    REQ_SCOPE = 18
 
 
 class Role(enum.IntEnum):
@@ -173,6 +180,7 @@ TIER1_FIXED = struct.Struct("<QQII")  # reader req_key, violations so far in the
 #   then int32 pages[count], u32 row_page_index[count], u64 owner_keys[count], u8 tags[count] (Tier1Tag)
 GUARD_FIXED = struct.Struct("<QQBB2xIII4x")
 #   req_key, room, rule, action, prompt_tokens, send_tokens, reserved_pages (0: unknown); then string reason
+REQ_SCOPE_FIXED = struct.Struct("<QQ")  # req_key, scope (request_scope(extra_key, cache_salt); never 0)
 PROBE_ERROR_FIXED = struct.Struct("<I4x")  # count of errors so far for this probe; then strings probe, error type
 
 FWD_HAS_ROWS = 1  # FORWARD flags: read_counts/read_pages carry the engine's actual rows
@@ -183,3 +191,16 @@ REQ_END_REPREFILLED = 1  # REQ_END flags: KV released and prefilled again before
 def request_key(rid: str) -> int:
     """64-bit key for a request id; identical on every engine that sees the rid."""
     return xxhash.xxh3_64_intdigest(rid.encode("utf-8", "replace"))
+
+
+def request_scope(extra_key: str | None, cache_salt: str | None) -> int:
+    """The 64-bit prefix-cache scope of a request: what an engine keys its prefix cache by
+    besides the tokens (SGLang: ``extra_key`` and ``cache_salt``; vLLM: the salt). 0 when
+    the request has neither (the default scope: no REQ_SCOPE record is written). A keyed
+    hash of both, so that neither value crosses the contract; the two are length-prefixed
+    so that ("ab", "c") and ("a", "bc") differ."""
+    if not extra_key and not cache_salt:
+        return 0
+    parts = [(s or "").encode("utf-8", "replace") for s in (extra_key, cache_salt)]
+    blob = b"".join(len(p).to_bytes(4, "little") + p for p in parts)
+    return xxhash.xxh3_64_intdigest(blob, seed=0x6B76675F73636F70) or 1  # ("kvg_scop"; 0 is "no scope")

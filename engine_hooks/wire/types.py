@@ -164,6 +164,15 @@ class Guard:
 
 
 @dataclass(slots=True)
+class ReqScope:
+    """A request's prefix-cache scope (``request_scope``): requests of different scopes must
+    never share prefix-cache pages."""
+
+    req_key: int
+    scope: int
+
+
+@dataclass(slots=True)
 class Heartbeat:
     records_written: int
     records_dropped: int

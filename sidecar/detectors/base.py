@@ -110,3 +110,13 @@ class SourcePagesSent:
     token_start: int
     token_end: int
     receiver: Any  # sidecar.findings Party: the decode request the pages went to, None when not known here
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixSharedAcrossScopes:
+    """Prefix-cache pages handed to a request (an ASSIGN's shared part) whose KV was written
+    under another prefix-cache scope (REQ_SCOPE: cache salt / extra key)."""
+
+    reader: RequestInfo
+    pages: np.ndarray
+    writer_scopes: np.ndarray  # u64 per page: the scope each page was written under

@@ -37,6 +37,7 @@ FAULTS = (
     "row_corruption",
     "late_write_forward",
     "late_write_pool",
+    "salt_dropped",
     "send_truncated",
     "sender_truncated",
     "send_foreign_page",

@@ -12,6 +12,9 @@ Unified engine (run with ``--disable-overlap-schedule`` so steps are
   * ``Scheduler.process_batch_result`` (around): before, the ``row_corruption``
     restore; after, every other injection (the step's forward has run, its results
     are applied, finished requests are released).
+  * ``mem_cache.common._req_radix_key`` (around): ``salt_dropped`` drops the cache salt
+    from the radix key a faulty request's prefix is looked up with (a salt lost on the
+    way to the cache, SGLang #37160): it matches, and is handed, an unsalted request's KV.
 PD prefill engine:
   * ``PrefillBootstrapQueue._num_pages_to_send`` (after): the sender is initialised
     for 1 page (so that 1 page completes the transfer).
@@ -52,6 +55,7 @@ log = logging.getLogger("kvguard.faults")
 
 S = "sglang.srt."
 RUN_BATCH = S + "managers.scheduler.Scheduler.run_batch"
+RADIX_KEY = S + "mem_cache.common._req_radix_key"
 PROCESS_BATCH_RESULT = S + "managers.scheduler.Scheduler.process_batch_result"
 NUM_PAGES_TO_SEND = S + "disaggregation.prefill.PrefillBootstrapQueue._num_pages_to_send"
 SEND_KV_CHUNK_INNER = S + "disaggregation.prefill.SchedulerDisaggregationPrefillMixin._send_kv_chunk"
@@ -581,6 +585,14 @@ class Driver:
         rt[row, start : start + len(original_slots)] = original_slots
         self.ev.emit("send_foreign_page", "restored", row_page_start=start)
 
+    def drop_salt(self, req, key) -> None:
+        fault, role = fault_and_role(getattr(req, "rid", None))
+        if fault == "salt_dropped" and role == "f" and getattr(key, "cache_salt", None) is not None:
+            if ("salt_dropped", req.rid) not in self.done:
+                self.done.add(("salt_dropped", req.rid))
+                self.ev.emit("salt_dropped", "dropped", rid=req.rid)
+            key.cache_salt = None
+
     def sender_send(self, original, sender, kv_indices, state_indices=None, num_kv_tokens=None, indices_event=None):
         fault = self.pd_rooms.get(int(getattr(sender, "bootstrap_room", -1)))
         if fault == "sender_truncated" and len(kv_indices) > 1:
@@ -675,6 +687,15 @@ def register(faults: set[str], folder: str | None) -> Driver:
 
         HookRegistry.register(RUN_BATCH, run_batch_hook, HookType.AROUND)
         HookRegistry.register(PROCESS_BATCH_RESULT, process_batch_result_hook, HookType.AROUND)
+
+    if "salt_dropped" in faults:
+
+        def radix_key_hook(original, tree_cache, req, *args, **kwargs):
+            key = original(tree_cache, req, *args, **kwargs)
+            d.guarded("drop_salt", d.drop_salt, req, key)
+            return key
+
+        HookRegistry.register(RADIX_KEY, radix_key_hook, HookType.AROUND)
 
     if faults & set(PD_FAULTS):
 
