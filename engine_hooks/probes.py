@@ -13,7 +13,6 @@ PROBE_ERROR record, and disabled for the rest of the process.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import struct
@@ -24,6 +23,8 @@ import numpy as np
 
 from . import tier1 as tier1_mod
 from . import wire
+from .probe_support import as_int64, guarded_probe
+from .probes_transfer import TransferProbes
 from .ring import DEFAULT_CAPACITY, RingSpaceError, RingWriter, ring_dir
 
 log = logging.getLogger("kvguard.probes")
@@ -51,13 +52,6 @@ _FREE = {
     "deferred": wire.FreeKind.DEFERRED,
     "page_ids": wire.FreeKind.PAGE_IDS,
 }
-_SIDE = {"sender": wire.Side.SENDER, "receiver": wire.Side.RECEIVER}
-_STATUS = {"success": wire.XferStatus.SUCCESS, "failed": wire.XferStatus.FAILED, "aborted": wire.XferStatus.ABORTED}
-_DIGEST_ALG = {
-    "unit_bytes": wire.DigestAlg.XXH3_UNIT_BYTES,
-    "device_reduced": wire.DigestAlg.XXH3_DEVICE_REDUCED,
-    "head_streams": wire.DigestAlg.XXH3_HEAD_STREAMS,
-}
 _PHASE = {
     "admission": wire.Phase.ADMISSION,
     "prefill": wire.Phase.PREFILL,
@@ -67,46 +61,13 @@ _PHASE = {
 }
 
 
-def as_int64(values) -> np.ndarray:
-    """A 1-D int64 numpy array of a torch tensor, numpy array or sequence (host side);
-    a view when the values already are int64 on the host (callers never write to it)."""
-    if getattr(values, "is_cpu", False) and not values.requires_grad:
-        values = values.numpy()  # a CPU tensor: a view, without detach/to (~2 µs per call on the hot path)
-    elif hasattr(values, "detach"):  # torch.Tensor, without importing torch here
-        values = values.detach().to("cpu").numpy()
-    a = np.asarray(values, dtype=np.int64)
-    return a if a.ndim == 1 else a.reshape(-1)
-
-
 _SMALL = 64  # below this many values, Python sets beat np.unique's fixed cost (~3 µs)
 # One decode ASSIGN's payload: wire.ASSIGN_FIXED with count 1, then its one int32 page
 # (exactly wire.assign_payload's bytes; tests/test_probes.py checks it)
 _ASSIGN_ONE = struct.Struct(wire.ASSIGN_FIXED.format + "i")
 
 
-def _guarded(method):
-    """Run a probe; on any exception count it, report it once, disable that probe."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        if not self.enabled:
-            if self.no_ring_reason:
-                self._dropped_for_want_of_a_ring()
-            return None
-        if name in self.disabled_probes:
-            return None
-        try:
-            return method(self, *args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - the engine must never see our failures
-            self.disabled_probes.add(name)
-            self.report_probe_error(name, exc)
-            return None
-
-    return wrapper
-
-
-class Probes:
+class Probes(TransferProbes):
     """``Probes(None)`` is a no-op. With ``no_ring_reason`` (the ring could not be made: a
     full ring volume, a bad directory) it also counts, in ``dropped_no_ring``, the probe
     records it does not write (one per probe call), and logs the running total now and
@@ -216,7 +177,7 @@ class Probes:
             )
 
     # ------------------------------------------------------------------ probes
-    @_guarded
+    @guarded_probe
     def hello(
         self,
         role: str,
@@ -255,7 +216,7 @@ class Probes:
         self.calls += 1
         self.writer.write_sticky(wire.Kind.HELLO, wire.hello_payload(h))
 
-    @_guarded
+    @guarded_probe
     def request_begin(
         self,
         rid: str,
@@ -282,7 +243,7 @@ class Probes:
             s = wire.ReqScope(r.req_key, wire.request_scope(extra_key, cache_salt))
             self._emit(wire.Kind.REQ_SCOPE, wire.req_scope_payload(s))
 
-    @_guarded
+    @guarded_probe
     def request_end(
         self,
         rid: str,
@@ -304,7 +265,7 @@ class Probes:
         )
         self._emit(wire.Kind.REQ_END, wire.req_end_payload(r))
 
-    @_guarded
+    @guarded_probe
     def pages_allocated(self, slots) -> None:
         pages = self.slots_to_pages(slots)
         if len(pages):
@@ -312,7 +273,7 @@ class Probes:
                 self.tier1.allocated(pages)
             self._emit(wire.Kind.ALLOC, wire.pages_payload(pages))
 
-    @_guarded
+    @guarded_probe
     def pages_freed(self, slots, kind: str = "free") -> None:
         free_kind = _FREE[kind]
         pages = np.unique(as_int64(slots)) if free_kind == wire.FreeKind.PAGE_IDS else self.slots_to_pages(slots)
@@ -321,7 +282,7 @@ class Probes:
                 self.tier1.freed(pages)
             self._emit(wire.Kind.FREE, wire.pages_payload(pages, free_kind))
 
-    @_guarded
+    @guarded_probe
     def rows_assigned(self, rid: str, row_start: int, row_end: int, shared_until: int, slots) -> None:
         row_start, row_end = int(row_start), int(row_end)
         shared_until = min(max(int(shared_until), row_start), row_end)
@@ -331,7 +292,7 @@ class Probes:
         a = wire.Assign(self.request_key(rid), row_start, row_end, shared_until, pages)
         self._emit(wire.Kind.ASSIGN, wire.assign_payload(a))
 
-    @_guarded
+    @guarded_probe
     def decode_rows_assigned(self, rids, positions, slots) -> None:
         """One token each: request ``rids[i]``'s position ``positions[i]`` went to slot
         ``slots[i]``. The same records as ``rows_assigned(rid, pos, pos + 1, pos, [slot])``
@@ -355,7 +316,7 @@ class Probes:
         self.calls += n
         self.writer.write_batch(wire.Kind.ASSIGN, payloads)
 
-    @_guarded
+    @guarded_probe
     def forward(
         self,
         rids,
@@ -452,108 +413,10 @@ class Probes:
         )
         self._emit(wire.Kind.TIER1_VIOLATION, wire.tier1_violation_payload(rec))
 
-    @_guarded
-    def transfer_reserved(self, rid: str, room: int, tokens: int, slots) -> None:
-        pages = self.row_pages(0, slots)
-        x = wire.XferReserve(wire.request_key(rid), int(room) & wire.NO_ROOM, int(tokens), pages)
-        self._emit(wire.Kind.XFER_RESERVE, wire.xfer_reserve_payload(x))
-
-    @_guarded
-    def transfer_sent(
-        self,
-        rid: str,
-        room: int,
-        token_start: int,
-        token_end: int,
-        slots_or_pages,
-        is_last: bool,
-        unit: str = "pages",
-        digest: int = 0,
-    ) -> None:
-        if unit == "pages":
-            pages = as_int64(slots_or_pages)
-        elif unit == "slots":
-            pages = self.row_pages(int(token_start), slots_or_pages)
-        else:
-            raise ValueError(f"unit must be 'pages' or 'slots', got {unit!r}")
-        x = wire.XferSend(
-            wire.request_key(rid),
-            int(room) & wire.NO_ROOM,
-            int(digest) & wire.NO_ROOM,
-            int(token_start),
-            int(token_end),
-            bool(is_last),
-            pages,
-        )
-        self._emit(wire.Kind.XFER_SEND, wire.xfer_send_payload(x))
-
-    @_guarded
-    def transfer_done(self, rid: str, room: int, side: str, status: str) -> None:
-        x = wire.XferDone(wire.request_key(rid), int(room) & wire.NO_ROOM, _SIDE[side], _STATUS[status])
-        self._emit(wire.Kind.XFER_DONE, wire.xfer_done_payload(x))
-
-    @_guarded
-    def transfer_digest(
-        self,
-        rid: str,
-        room: int,
-        side: str,
-        digest: int,
-        token_start: int,
-        token_end: int,
-        layers: int,
-        head_start: int,
-        head_count: int,
-        total_heads: int,
-        alg: str = "unit_bytes",
-    ) -> None:
-        """One end's digest of a transfer's KV (docs/wire-format.md, "Transfer digests")."""
-        x = wire.XferDigest(
-            wire.request_key(rid),
-            int(room) & wire.NO_ROOM,
-            _SIDE[side],
-            _DIGEST_ALG[alg],
-            int(digest) & wire.NO_ROOM,
-            int(token_start),
-            int(token_end),
-            int(layers),
-            int(head_start),
-            int(head_count),
-            int(total_heads),
-        )
-        self._emit(wire.Kind.XFER_DIGEST, wire.xfer_digest_payload(x))
-
-    @_guarded
+    @guarded_probe
     def rejected(self, rid: str, phase: str, reason: str) -> None:
         r = wire.Reject(wire.request_key(rid), _PHASE[phase], str(reason or ""))
         self._emit(wire.Kind.REJECT, wire.reject_payload(r))
-
-    @_guarded
-    def guard_acted(
-        self,
-        rid: str,
-        room: int,
-        rule: str,
-        action: str,
-        *,
-        prompt_tokens: int,
-        send_tokens: int,
-        reserved_pages: int,
-        reason: str,
-    ) -> None:
-        """The guard (KVGUARD_GUARD) found ``rule`` about to be broken for ``rid`` and did
-        ``action`` ("aborted" or "observed"); ``reserved_pages`` 0 when the sender cannot tell."""
-        g = wire.Guard(
-            wire.request_key(rid),
-            int(room) & wire.NO_ROOM,
-            wire.GuardRule[rule.upper()],
-            wire.GuardAction[action.upper()],
-            int(prompt_tokens),
-            int(send_tokens),
-            int(reserved_pages),
-            str(reason or ""),
-        )
-        self._emit(wire.Kind.GUARD, wire.guard_payload(g))
 
 
 _probes: Probes | None = None

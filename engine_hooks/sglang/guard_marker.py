@@ -51,7 +51,7 @@ def _failed(exc: Exception) -> None:
 
 
 def _alg(setup) -> int:
-    from kvguard.engine_hooks.probes import _DIGEST_ALG
+    from kvguard.engine_hooks.probes_transfer import _DIGEST_ALG
 
     return int(_DIGEST_ALG[setup.alg])
 

@@ -1,0 +1,120 @@
+"""The probes of the prefill/decode transfer and of the guard: a mixin of
+:class:`~kvguard.engine_hooks.probes.Probes` (same failure policy, same ring), kept apart
+so that probes.py holds the page and request probes."""
+
+from __future__ import annotations
+
+from . import wire
+from .probe_support import as_int64, guarded_probe
+
+_SIDE = {"sender": wire.Side.SENDER, "receiver": wire.Side.RECEIVER}
+_STATUS = {"success": wire.XferStatus.SUCCESS, "failed": wire.XferStatus.FAILED, "aborted": wire.XferStatus.ABORTED}
+_DIGEST_ALG = {
+    "unit_bytes": wire.DigestAlg.XXH3_UNIT_BYTES,
+    "device_reduced": wire.DigestAlg.XXH3_DEVICE_REDUCED,
+    "head_streams": wire.DigestAlg.XXH3_HEAD_STREAMS,
+}
+
+
+class TransferProbes:
+    # the Probes attributes these methods use, declared for the type checker
+    def _emit(self, kind: wire.Kind, payload: bytes, flags: int = 0) -> None: ...
+    def row_pages(self, row_start: int, slots): ...
+
+    @guarded_probe
+    def transfer_reserved(self, rid: str, room: int, tokens: int, slots) -> None:
+        pages = self.row_pages(0, slots)
+        x = wire.XferReserve(wire.request_key(rid), int(room) & wire.NO_ROOM, int(tokens), pages)
+        self._emit(wire.Kind.XFER_RESERVE, wire.xfer_reserve_payload(x))
+
+    @guarded_probe
+    def transfer_sent(
+        self,
+        rid: str,
+        room: int,
+        token_start: int,
+        token_end: int,
+        slots_or_pages,
+        is_last: bool,
+        unit: str = "pages",
+        digest: int = 0,
+    ) -> None:
+        if unit == "pages":
+            pages = as_int64(slots_or_pages)
+        elif unit == "slots":
+            pages = self.row_pages(int(token_start), slots_or_pages)
+        else:
+            raise ValueError(f"unit must be 'pages' or 'slots', got {unit!r}")
+        x = wire.XferSend(
+            wire.request_key(rid),
+            int(room) & wire.NO_ROOM,
+            int(digest) & wire.NO_ROOM,
+            int(token_start),
+            int(token_end),
+            bool(is_last),
+            pages,
+        )
+        self._emit(wire.Kind.XFER_SEND, wire.xfer_send_payload(x))
+
+    @guarded_probe
+    def transfer_done(self, rid: str, room: int, side: str, status: str) -> None:
+        x = wire.XferDone(wire.request_key(rid), int(room) & wire.NO_ROOM, _SIDE[side], _STATUS[status])
+        self._emit(wire.Kind.XFER_DONE, wire.xfer_done_payload(x))
+
+    @guarded_probe
+    def transfer_digest(
+        self,
+        rid: str,
+        room: int,
+        side: str,
+        digest: int,
+        token_start: int,
+        token_end: int,
+        layers: int,
+        head_start: int,
+        head_count: int,
+        total_heads: int,
+        alg: str = "unit_bytes",
+    ) -> None:
+        """One end's digest of a transfer's KV (docs/wire-format.md, "Transfer digests")."""
+        x = wire.XferDigest(
+            wire.request_key(rid),
+            int(room) & wire.NO_ROOM,
+            _SIDE[side],
+            _DIGEST_ALG[alg],
+            int(digest) & wire.NO_ROOM,
+            int(token_start),
+            int(token_end),
+            int(layers),
+            int(head_start),
+            int(head_count),
+            int(total_heads),
+        )
+        self._emit(wire.Kind.XFER_DIGEST, wire.xfer_digest_payload(x))
+
+    @guarded_probe
+    def guard_acted(
+        self,
+        rid: str,
+        room: int,
+        rule: str,
+        action: str,
+        *,
+        prompt_tokens: int,
+        send_tokens: int,
+        reserved_pages: int,
+        reason: str,
+    ) -> None:
+        """The guard (KVGUARD_GUARD) found ``rule`` about to be broken for ``rid`` and did
+        ``action`` ("aborted" or "observed"); ``reserved_pages`` 0 when the sender cannot tell."""
+        g = wire.Guard(
+            wire.request_key(rid),
+            int(room) & wire.NO_ROOM,
+            wire.GuardRule[rule.upper()],
+            wire.GuardAction[action.upper()],
+            int(prompt_tokens),
+            int(send_tokens),
+            int(reserved_pages),
+            str(reason or ""),
+        )
+        self._emit(wire.Kind.GUARD, wire.guard_payload(g))
