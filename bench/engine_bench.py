@@ -375,6 +375,39 @@ def components(eng: Engine, fb) -> dict:
     res["tier1_check"] = _best_of(
         lambda: t1.check(req_to_token, fb.req_pool_indices, fb.seq_lens, rids, int(seq.max())), repeat
     )[0]
+    res.update(content_check_parts(req_to_token, fb, seq, repeat))
+    return res
+
+
+CONTENT_BUDGETS = (128, 512)  # KVGUARD_CONTENT_CHECK=N: read slots verified per forward (the first is the figure)
+CONTENT_SLOTS = 131_072  # a host KV buffer of 8 heads x 128 dims bf16 (a Llama-3-8B layer): 256 MiB per K or V
+
+
+def content_check_parts(req_to_token, fb, seq, repeat: int) -> dict:
+    """The content check's per-step work (engine_hooks/content.py): the verify before a
+    forward (pick CONTENT_BUDGET of the readers' slots, gather their rows' slots, re-hash,
+    compare) and the record after it (hash the batch's written slots), on a layer-0 K/V
+    buffer of a real model's per-slot size. Slot ids are taken modulo the buffer (the
+    bench's pool is larger than memory would hold at this size); the cost per slot is the same."""
+    import numpy as np
+    import torch
+
+    from kvguard.engine_hooks import content as ct
+    from kvguard.engine_hooks.sglang import content_hooks
+
+    k = torch.zeros(CONTENT_SLOTS, 8, 128, dtype=torch.bfloat16)
+    v = torch.zeros(CONTENT_SLOTS, 8, 128, dtype=torch.bfloat16)
+    check = ct.ContentCheck(k, v, CONTENT_BUDGETS[0])
+    check.written(np.arange(1, CONTENT_SLOTS))  # every slot fingerprinted (touches the buffer once)
+    wrapped = torch.remainder(req_to_token, CONTENT_SLOTS)
+    out = (fb.out_cache_loc.numpy() % CONTENT_SLOTS).astype(np.int64)
+    res = {"content_written": _best_of(lambda: check.written(out), repeat)[0]}
+    for budget in CONTENT_BUDGETS:
+        check.budget = budget
+        res[f"content_verify_{budget}"] = _best_of(
+            lambda: content_hooks.verify_reads(check, wrapped, fb.req_pool_indices, seq - 1), repeat
+        )[0]
+    assert check.slots_changed == 0
     return res
 
 

@@ -310,6 +310,12 @@ def engine_part(sz: Sizes, res: dict, details: dict, log) -> None:
         res[f"engine.probe_us_per_step_b{b}_tier1_median"] = r["probe_cpu_us_per_step_median"]
         res[f"engine.tier1_violations_b{b}"] = r["tier1_violations"]  # a clean workload: must be 0
     res["notes"].pop("engine.probe_us_per_step_b256_tier1", None)
+    written = res.get("engine.part_content_written_us_b256")
+    for budget, key in ((128, ""), (512, "_512")):  # KVGUARD_CONTENT_CHECK=N (engine_hooks/content.py)
+        verify = res.get(f"engine.part_content_verify_{budget}_us_b256")
+        if verify is not None and written is not None:
+            res[f"engine.content_check_us_per_step_b256{key}"] = verify + written
+            res["notes"].pop(f"engine.content_check_us_per_step_b256{key}", None)
     big = max(eng["batches"], key=int)
     res["ratio.engine_probe_over_target_b256"] = (
         res[f"engine.probe_us_per_step_b{big}"] / TARGET_PROBE_US_B256 if big == "256" else None
@@ -507,6 +513,13 @@ def table(res: dict) -> str:
             "",
         ),
         (
+            "content check per decode step, batch 256 (KVGUARD_CONTENT_CHECK=128: 128 read + 256 written slots)",
+            _fmt_or_why(res, "engine.content_check_us_per_step_b256", " us"),
+            "<= 160 us",
+            _status(g("engine.content_check_us_per_step_b256"), TARGET_PROBE_US_B256, False),
+        ),
+        ("  the same with 512 read slots", _fmt(g("engine.content_check_us_per_step_b256_512"), " us"), "", ""),
+        (
             "GPU: decode step with / without Tier 1 (attention, batch 256 x 32k, 80 layers)",
             _fmt_or_why(res, "gpu.tier1_step_ratio", note="gpu"),
             "<= 1.01",
@@ -650,6 +663,9 @@ def main(argv=None) -> int:
     # nothing to measure yet: null with the reason, never an estimate
     res["engine.probe_us_per_step_b256_tier1"] = None
     res["notes"]["engine.probe_us_per_step_b256_tier1"] = "not measured: the engine part was skipped"
+    for key in ("engine.content_check_us_per_step_b256", "engine.content_check_us_per_step_b256_512"):
+        res[key] = None
+        res["notes"][key] = "not measured: the engine part was skipped"
     details: dict = {}
     parts = (
         ("digest", digest_part),

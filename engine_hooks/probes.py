@@ -414,6 +414,14 @@ class Probes(TransferProbes):
         self._emit(wire.Kind.TIER1_VIOLATION, wire.tier1_violation_payload(rec))
 
     @guarded_probe
+    def content_changed(self, slots) -> None:
+        """KV ``slots`` whose bytes changed with no hooked write (engine_hooks/content.py)."""
+        slots = as_int64(slots)
+        pages = np.unique(slots // self.page_size) if self.page_size > 1 else np.unique(slots)
+        c = wire.ContentChanged(len(slots), pages)
+        self._emit(wire.Kind.CONTENT_CHANGED, wire.content_changed_payload(c))
+
+    @guarded_probe
     def rejected(self, rid: str, phase: str, reason: str) -> None:
         r = wire.Reject(wire.request_key(rid), _PHASE[phase], str(reason or ""))
         self._emit(wire.Kind.REJECT, wire.reject_payload(r))

@@ -108,7 +108,11 @@ CATALOGUE: tuple[KindSpec, ...] = (
         "a warning when no one else's data is there",
         warning=True,
     ),
-    _paging("checksum_mismatch", "the KV decode received is not the KV prefill sent (digests differ)"),
+    _paging(
+        "checksum_mismatch",
+        "the KV decode received is not the KV prefill sent (digests differ), or KV at rest changed with no "
+        "write kvguard saw (evidence.via content)",
+    ),
     KindSpec(
         "pool_smaller_than_context",
         (CRITICAL, WARNING),

@@ -18,12 +18,14 @@ from kvguard.engine_hooks import wire
 
 from .detectors.base import (
     At,
+    ContentChangedAt,
     Detector,
     PagesFreedTwice,
     RecordsLost,
     RequestEnded,
 )
 from .detectors.config import PoolContextDetector
+from .detectors.content import ContentDetector
 from .detectors.gaps import EventsLostDetector
 from .detectors.guard import ACTIONS, CARRIED_RULES, GUARD_ABORT_KINDS, GuardDetector
 from .detectors.isolation import TenantIsolationDetector
@@ -116,6 +118,7 @@ class Pipeline(TransferFlow):
             OrphanDetector(),
             UnwrittenSendDetector(),
             ScopeDetector(),
+            ContentDetector(),
             LedgerDegradedDetector(),
             EventsLostDetector(),
             self.ttft_detector,
@@ -248,6 +251,9 @@ class Pipeline(TransferFlow):
             K.REQ_BEGIN: self._on_request_begin,
             K.REQ_END: self._on_request_end,
             K.REQ_SCOPE: lambda t, rec: t.on_scope(rec.body) or [],
+            K.CONTENT_CHANGED: lambda t, rec: self._emit(
+                self._observe(ContentChangedAt(rec.body.pages, rec.body.slots_changed), t, rec.ts_ns)
+            ),
             K.REJECT: self._on_reject,
             K.HELLO: self._on_hello,
             K.XFER_SEND: self._on_xfer_send,

@@ -79,6 +79,7 @@ def _corpus():
     p.transfer_done("r-1", 42, "receiver", "success")
     p.forward(["r-1"], [13], [s([4])[:1]], [s([1, 2, 3, 4])[:13]])
     p.forward(["r-1", "warm"], [14, 3], [[17], []])
+    p.content_changed(s([2])[:2])
     p.rejected("r-1", "decode", "out of memory \u2603")
     p.guard_acted("r-1", 42, "rejected_send", "observed", prompt_tokens=16, send_tokens=1, reserved_pages=0, reason="")
     p.request_end("r-1", "length", 1000, 2000, 3, "done")

@@ -79,8 +79,10 @@ CHUNKED_PREFILL = 64
 # timeout engines.py sets for decode.
 # kvguard's guard on in every soak engine (docs/guard.md): on a healthy engine it must change no
 # response and act on nothing (no GUARD record); "full", so that the transfer invariants and the
-# read check (Tier 1, enforced: a false positive would fail a client's request) are both soaked
-GUARD_ENV = {"KVGUARD_GUARD": "full"}
+# read check (Tier 1, enforced: a false positive would fail a client's request) are both soaked;
+# and the content check on every slot read (engine_hooks/content.py): a legitimate KV write it
+# does not know of (chunked prefill, retraction, radix sharing, transfers) would be a finding
+GUARD_ENV = {"KVGUARD_GUARD": "full", "KVGUARD_CONTENT_CHECK": "all"}
 GUARD_LOG_LINE = "kvguard guard: KVGUARD_GUARD=full"
 TIER1_LOG_LINE = "kvguard tier1: first check ran"  # the read check did run on the soak's forwards
 PD_ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "20", **GUARD_ENV}

@@ -179,6 +179,9 @@ class State:
         cls.xfer_failed = _Bounded()
         cls.tenant_fields = tenant_fields_from_env()
         cls.row_sampler = RowSampler()
+        from .content_hooks import Content  # (imports this module: not at the top)
+
+        Content.reset()
         _disabled.clear()
         _errors.clear()
 

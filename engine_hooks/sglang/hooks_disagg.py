@@ -46,7 +46,7 @@ from collections import OrderedDict
 from kvguard.engine_hooks import digest as dg
 
 from . import _runtime as rt
-from . import guard
+from . import content_hooks, guard
 from . import guard_marker as marker
 from ._runtime import State
 
@@ -114,6 +114,7 @@ def _pop_transferred_post(before, result, self, *args, **kwargs):
     p = rt.probes()
     for req in before:
         if id(req) in returned:
+            content_hooks.guarded(content_hooks.written_by_transfer, self, req)
             _digest_guarded(RECEIVER_GUARD, _receiver_digest, self, req)
             p.transfer_done(req.rid, _room(req), "receiver", "success")
         elif id(req) not in still_queued:

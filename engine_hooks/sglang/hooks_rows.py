@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from . import _runtime as rt
+from . import content_hooks
 from ._runtime import State
 
 # Writes coming from these engine files rebind positions onto prefix-cache pages.
@@ -255,6 +256,12 @@ def _forward_pre(self, *args, **kwargs):
     if int(counts.sum()) != len(out):  # padded / speculative layouts we do not model: report no writes
         out, counts = out[:0], np.zeros(n, np.int64)
     req_to_token = self.req_to_token_pool.req_to_token
+    check = content_hooks.active(self)
+    if check is not None and len(out):
+        # KV at rest: the slots each reader attends over that this forward does not write first
+        # still hold what hooked writes left there (a slot about to be written may hold anything)
+        kept = seq_lens - counts
+        content_hooks.guarded(content_hooks.verify_reads, check, req_to_token, fb.req_pool_indices, kept)
     if p.tier1 is not None:  # the engine's own read check, on the engine's device (engine_hooks/tier1.py)
         p.tier1.check(req_to_token, fb.req_pool_indices, fb.seq_lens, rids, max_seq_len=int(seq_lens.max()) if n else 0)
     read_pages = read_counts = None
@@ -264,7 +271,14 @@ def _forward_pre(self, *args, **kwargs):
         read_pages, read_counts = _row_page_starts(req_to_token, fb.req_pool_indices[:n], seq_lens, State.page_size)
         sampler.spent(time.perf_counter_ns() - t0)
     p.forward(rids, seq_lens, out, written_counts=counts, read_pages=read_pages, read_counts=read_counts)
+    return (check, out) if check is not None else None
+
+
+def _forward_post(token, result, self, *args, **kwargs):
+    if token is not None:  # the forward wrote its new tokens' KV: fingerprint it
+        check, out = token
+        content_hooks.guarded(check.written, out)
 
 
 def forward_hook(name: str):
-    return rt.around(name, _forward_pre, None)
+    return rt.around(name, _forward_pre, _forward_post)

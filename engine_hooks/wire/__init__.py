@@ -32,6 +32,7 @@ from __future__ import annotations
 from .decode import DecodeError, decode_stream, read_header
 from .encode import (
     assign_payload,
+    content_changed_payload,
     encode,
     forward_payload,
     guard_payload,
@@ -52,6 +53,7 @@ from .encode import (
 from .layout import (
     ALIGN,
     ASSIGN_FIXED,
+    CONTENT_CHANGED_FIXED,
     FORWARD_FIXED,
     FWD_HAS_ROWS,
     GUARD_FIXED,
@@ -122,6 +124,7 @@ from .recording import (
 )
 from .types import (
     Assign,
+    ContentChanged,
     DecodeStats,
     Forward,
     Guard,
@@ -148,6 +151,7 @@ __all__ = [
     # layout.py
     "ALIGN",
     "ASSIGN_FIXED",
+    "CONTENT_CHANGED_FIXED",
     "FORWARD_FIXED",
     "FWD_HAS_ROWS",
     "HEADER",
@@ -187,6 +191,7 @@ __all__ = [
     "request_scope",
     # types.py
     "Assign",
+    "ContentChanged",
     "DecodeStats",
     "Forward",
     "Heartbeat",
@@ -210,6 +215,7 @@ __all__ = [
     # encode.py
     "encode",
     "assign_payload",
+    "content_changed_payload",
     "forward_payload",
     "heartbeat_payload",
     "hello_payload",

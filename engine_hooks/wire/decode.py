@@ -16,6 +16,7 @@ import numpy as np
 from .layout import (
     ALIGN,
     ASSIGN_FIXED,
+    CONTENT_CHANGED_FIXED,
     FORWARD_FIXED,
     FWD_HAS_ROWS,
     GUARD_FIXED,
@@ -54,6 +55,7 @@ from .layout import (
 )
 from .types import (
     Assign,
+    ContentChanged,
     DecodeStats,
     Forward,
     Guard,
@@ -205,6 +207,11 @@ def _decode_guard(c: _Cursor) -> Guard:
     return Guard(key, room, rule, action, prompt_tokens, send_tokens, reserved_pages, c.string())
 
 
+def _decode_content_changed(c: _Cursor) -> ContentChanged:
+    slots_changed, count = c.fixed(CONTENT_CHANGED_FIXED)
+    return ContentChanged(slots_changed, c.array("<i4", count))
+
+
 def _decode_req_scope(c: _Cursor) -> ReqScope:
     return ReqScope(*c.fixed(REQ_SCOPE_FIXED))
 
@@ -234,6 +241,7 @@ _DECODERS = {
     Kind.REJECT: _decode_reject,
     Kind.GUARD: _decode_guard,
     Kind.REQ_SCOPE: _decode_req_scope,
+    Kind.CONTENT_CHANGED: _decode_content_changed,
     Kind.HEARTBEAT: _decode_heartbeat,
     Kind.PROBE_ERROR: _decode_probe_error,
 }

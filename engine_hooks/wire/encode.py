@@ -16,6 +16,7 @@ import numpy as np
 from .layout import (
     ALIGN,
     ASSIGN_FIXED,
+    CONTENT_CHANGED_FIXED,
     FORWARD_FIXED,
     FWD_HAS_ROWS,
     GUARD_FIXED,
@@ -43,6 +44,7 @@ from .layout import (
 )
 from .types import (
     Assign,
+    ContentChanged,
     Forward,
     Guard,
     Heartbeat,
@@ -181,6 +183,11 @@ def guard_payload(g: Guard) -> bytes:
     return GUARD_FIXED.pack(
         g.req_key, g.room, int(g.rule), int(g.action), g.prompt_tokens, g.send_tokens, g.reserved_pages
     ) + _str_bytes(g.reason)
+
+
+def content_changed_payload(c: ContentChanged) -> bytes:
+    pages = np.ascontiguousarray(c.pages, dtype="<i4")
+    return CONTENT_CHANGED_FIXED.pack(int(c.slots_changed), len(pages)) + pages.tobytes()
 
 
 def req_scope_payload(r: ReqScope) -> bytes:

@@ -35,7 +35,7 @@ MAGIC = 0x4B47
 VERSION = 1
 # Kinds added since the payload layouts of version 1 were fixed, without changing any of them:
 # a 1.0 reader skips them (counted in ``unknown_kind``), a 1.1 reader replays 1.0 streams as
-# they were. 1: REQ_SCOPE. Carried in HELLO's kvguard_version string only for people, never
+# they were. 1: REQ_SCOPE, CONTENT_CHANGED. Carried in HELLO's kvguard_version string only for people, never
 # needed to decode.
 WIRE_MINOR = 1
 HEADER = struct.Struct("<HBBIQQIHH")
@@ -69,6 +69,8 @@ class Kind(enum.IntEnum):
     GUARD = 17  # the guard (KVGUARD_GUARD, engine_hooks/sglang/guard.py) found a violation and what it did about it
     # contract 1.1 (WIRE_MINOR 1): a request's prefix-cache scope (cache salt / extra key), as a hash
     REQ_SCOPE = 18
+    # contract 1.1: KV slots whose bytes changed with no hooked write (engine_hooks/content.py)
+    CONTENT_CHANGED = 19
 
 
 class Role(enum.IntEnum):
@@ -180,6 +182,7 @@ TIER1_FIXED = struct.Struct("<QQII")  # reader req_key, violations so far in the
 #   then int32 pages[count], u32 row_page_index[count], u64 owner_keys[count], u8 tags[count] (Tier1Tag)
 GUARD_FIXED = struct.Struct("<QQBB2xIII4x")
 #   req_key, room, rule, action, prompt_tokens, send_tokens, reserved_pages (0: unknown); then string reason
+CONTENT_CHANGED_FIXED = struct.Struct("<II")  # slots_changed, count; then int32 pages[count]
 REQ_SCOPE_FIXED = struct.Struct("<QQ")  # req_key, scope (request_scope(extra_key, cache_salt); never 0)
 PROBE_ERROR_FIXED = struct.Struct("<I4x")  # count of errors so far for this probe; then strings probe, error type
 

@@ -21,6 +21,7 @@ import xxhash
 from .decode import decode_stream, read_header
 from .encode import (
     assign_payload,
+    content_changed_payload,
     encode,
     forward_payload,
     guard_payload,
@@ -98,6 +99,7 @@ _PAYLOADS: dict[int, Callable[[Any], bytes]] = {
     Kind.REJECT: reject_payload,
     Kind.GUARD: guard_payload,
     Kind.REQ_SCOPE: req_scope_payload,
+    Kind.CONTENT_CHANGED: content_changed_payload,
     Kind.HEARTBEAT: heartbeat_payload,
     Kind.PROBE_ERROR: probe_error_payload,
     Kind.LOST: lambda count: LOST_PAYLOAD.pack(int(count)),

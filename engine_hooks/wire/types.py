@@ -164,6 +164,14 @@ class Guard:
 
 
 @dataclass(slots=True)
+class ContentChanged:
+    """KV slots whose bytes changed since a hooked path last wrote them, and their pages."""
+
+    slots_changed: int
+    pages: np.ndarray
+
+
+@dataclass(slots=True)
 class ReqScope:
     """A request's prefix-cache scope (``request_scope``): requests of different scopes must
     never share prefix-cache pages."""

@@ -120,3 +120,11 @@ class PrefixSharedAcrossScopes:
     reader: RequestInfo
     pages: np.ndarray
     writer_scopes: np.ndarray  # u64 per page: the scope each page was written under
+
+
+@dataclass(frozen=True, slots=True)
+class ContentChangedAt:
+    """The engine's content check found KV slots changed with no hooked write (CONTENT_CHANGED)."""
+
+    pages: np.ndarray
+    slots_changed: int
