@@ -20,6 +20,7 @@ class TransferProbes:
     # the Probes attributes these methods use, declared for the type checker
     def _emit(self, kind: wire.Kind, payload: bytes, flags: int = 0) -> None: ...
     def row_pages(self, row_start: int, slots): ...
+    def slots_to_pages(self, slots): ...
 
     @guarded_probe
     def transfer_reserved(self, rid: str, room: int, tokens: int, slots) -> None:
@@ -118,3 +119,61 @@ class TransferProbes:
             str(reason or ""),
         )
         self._emit(wire.Kind.GUARD, wire.guard_payload(g))
+
+    # ---------------------------------------------------------------- host / storage tiers
+    def _tier_pages(self, slots_or_pages, unit: str):
+        if unit == "pages":
+            return as_int64(slots_or_pages)
+        if unit == "slots":
+            return self.slots_to_pages(slots_or_pages)
+        raise ValueError(f"unit must be 'pages' or 'slots', got {unit!r}")
+
+    @guarded_probe
+    def kv_stored(
+        self,
+        rid: str | None,
+        object_key: int,
+        slots_or_pages,
+        *,
+        digest: int = 0,
+        extra_key: str | None = None,
+        cache_salt: str | None = None,
+        unit: str = "pages",
+    ) -> None:
+        """Device pages copied out to a host / storage object (``rid`` None: a prefix-cache
+        node's, no request's). ``object_key``: the adapter's stable 64-bit id of the object
+        (the same id its load-back names); ``extra_key`` / ``cache_salt``: what the object is
+        keyed by besides the tokens (hashed, as REQ_SCOPE)."""
+        s = wire.KvStore(
+            0 if rid is None else wire.request_key(rid),
+            int(object_key) & wire.NO_ROOM,
+            int(digest) & wire.NO_ROOM,
+            wire.request_scope(extra_key, cache_salt),
+            self._tier_pages(slots_or_pages, unit),
+        )
+        self._emit(wire.Kind.KV_STORE, wire.kv_store_payload(s))
+
+    @guarded_probe
+    def kv_loaded(
+        self,
+        rid: str | None,
+        object_key: int,
+        slots_or_pages,
+        phase: str,
+        *,
+        digest: int = 0,
+        extra_key: str | None = None,
+        cache_salt: str | None = None,
+        unit: str = "pages",
+    ) -> None:
+        """A host / storage object loaded into device pages: ``phase`` "issued" (destination
+        chosen, copy queued), "completed" (the bytes are there), "failed"."""
+        x = wire.KvLoad(
+            0 if rid is None else wire.request_key(rid),
+            int(object_key) & wire.NO_ROOM,
+            int(digest) & wire.NO_ROOM,
+            wire.request_scope(extra_key, cache_salt),
+            wire.LoadPhase[phase.upper()],
+            self._tier_pages(slots_or_pages, unit),
+        )
+        self._emit(wire.Kind.KV_LOAD, wire.kv_load_payload(x))

@@ -30,6 +30,7 @@ from .detectors.gaps import EventsLostDetector
 from .detectors.guard import ACTIONS, CARRIED_RULES, GUARD_ABORT_KINDS, GuardDetector
 from .detectors.isolation import TenantIsolationDetector
 from .detectors.lifetime import DoubleFreeDetector, WriteDetector
+from .detectors.offload import OffloadDetector
 from .detectors.reads import ReadDetector
 from .detectors.scopes import ScopeDetector
 from .detectors.sends import UnwrittenSendDetector
@@ -42,6 +43,7 @@ from .history import Event, History
 from .incidents import IncidentStore
 from .ledger import TransferLedger
 from .memory_budget import DEFAULT_BUDGET_BYTES, MemoryBudget
+from .offload import OffloadFlow
 from .stats import EngineStats, PipelineStats
 from .tracker import ROLE_NAMES, EngineTracker, RequestDirectory
 from .transfer_flow import TransferFlow
@@ -67,7 +69,7 @@ def dispatch_table(detectors) -> dict[type, tuple]:
     return {event_type: tuple(ds) for event_type, ds in table.items()}
 
 
-class Pipeline(TransferFlow):
+class Pipeline(TransferFlow, OffloadFlow):
     def __init__(
         self,
         sinks=(),
@@ -119,11 +121,13 @@ class Pipeline(TransferFlow):
             UnwrittenSendDetector(),
             ScopeDetector(),
             ContentDetector(),
+            OffloadDetector(),
             LedgerDegradedDetector(),
             EventsLostDetector(),
             self.ttft_detector,
         ]
         self.detectors_for = dispatch_table(self.detectors)
+        self._init_offload()
         self._handlers = self._record_handlers()
         self.records_by_kind: Counter = Counter()
         self.findings_by_kind: Counter = Counter()
@@ -251,6 +255,9 @@ class Pipeline(TransferFlow):
             K.REQ_BEGIN: self._on_request_begin,
             K.REQ_END: self._on_request_end,
             K.REQ_SCOPE: lambda t, rec: t.on_scope(rec.body) or [],
+            # host / storage tiers (sidecar/offload.py)
+            K.KV_STORE: self._on_kv_store,
+            K.KV_LOAD: self._on_kv_load,
             K.CONTENT_CHANGED: lambda t, rec: self._emit(
                 self._observe(ContentChangedAt(rec.body.pages, rec.body.slots_changed), t, rec.ts_ns)
             ),

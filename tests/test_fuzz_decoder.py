@@ -80,6 +80,8 @@ def _corpus():
     p.forward(["r-1"], [13], [s([4])[:1]], [s([1, 2, 3, 4])[:13]])
     p.forward(["r-1", "warm"], [14, 3], [[17], []])
     p.content_changed(s([2])[:2])
+    p.kv_stored("r-1", 0xABC, s([1, 2]), digest=7, unit="slots")
+    p.kv_loaded(None, 0xABC, [5, 6], "issued")
     p.rejected("r-1", "decode", "out of memory \u2603")
     p.guard_acted("r-1", 42, "rejected_send", "observed", prompt_tokens=16, send_tokens=1, reserved_pages=0, reason="")
     p.request_end("r-1", "length", 1000, 2000, 3, "done")

@@ -24,6 +24,8 @@ from .layout import (
     HEADER_SIZE,
     HEARTBEAT_FIXED,
     HELLO_FIXED,
+    KV_LOAD_FIXED,
+    KV_STORE_FIXED,
     MAGIC,
     MAX_RECORD_BYTES,
     MAX_STRING_BYTES,
@@ -47,6 +49,7 @@ from .layout import (
     GuardAction,
     GuardRule,
     Kind,
+    LoadPhase,
     Phase,
     Role,
     Side,
@@ -61,6 +64,8 @@ from .types import (
     Guard,
     Heartbeat,
     Hello,
+    KvLoad,
+    KvStore,
     Pages,
     ProbeError,
     Record,
@@ -207,6 +212,20 @@ def _decode_guard(c: _Cursor) -> Guard:
     return Guard(key, room, rule, action, prompt_tokens, send_tokens, reserved_pages, c.string())
 
 
+def _decode_kv_store(c: _Cursor) -> KvStore:
+    key, obj, digest, scope, count = c.fixed(KV_STORE_FIXED)
+    return KvStore(key, obj, digest, scope, c.array("<i4", count))
+
+
+def _decode_kv_load(c: _Cursor) -> KvLoad:
+    key, obj, digest, scope, count, phase = c.fixed(KV_LOAD_FIXED)
+    try:
+        load_phase = LoadPhase(phase)
+    except ValueError:
+        raise DecodeError(f"KV_LOAD phase {phase} unknown") from None
+    return KvLoad(key, obj, digest, scope, load_phase, c.array("<i4", count))
+
+
 def _decode_content_changed(c: _Cursor) -> ContentChanged:
     slots_changed, count = c.fixed(CONTENT_CHANGED_FIXED)
     return ContentChanged(slots_changed, c.array("<i4", count))
@@ -242,6 +261,8 @@ _DECODERS = {
     Kind.GUARD: _decode_guard,
     Kind.REQ_SCOPE: _decode_req_scope,
     Kind.CONTENT_CHANGED: _decode_content_changed,
+    Kind.KV_STORE: _decode_kv_store,
+    Kind.KV_LOAD: _decode_kv_load,
     Kind.HEARTBEAT: _decode_heartbeat,
     Kind.PROBE_ERROR: _decode_probe_error,
 }

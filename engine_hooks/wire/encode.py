@@ -24,6 +24,8 @@ from .layout import (
     HEADER_SIZE,
     HEARTBEAT_FIXED,
     HELLO_FIXED,
+    KV_LOAD_FIXED,
+    KV_STORE_FIXED,
     MAGIC,
     MAX_STRING_BYTES,
     PAGES_FIXED,
@@ -49,6 +51,8 @@ from .types import (
     Guard,
     Heartbeat,
     Hello,
+    KvLoad,
+    KvStore,
     ProbeError,
     Reject,
     ReqBegin,
@@ -183,6 +187,17 @@ def guard_payload(g: Guard) -> bytes:
     return GUARD_FIXED.pack(
         g.req_key, g.room, int(g.rule), int(g.action), g.prompt_tokens, g.send_tokens, g.reserved_pages
     ) + _str_bytes(g.reason)
+
+
+def kv_store_payload(s: KvStore) -> bytes:
+    pages = np.ascontiguousarray(s.pages, dtype="<i4")
+    return KV_STORE_FIXED.pack(s.req_key, s.object_key, s.digest, s.scope, len(pages)) + pages.tobytes()
+
+
+def kv_load_payload(x: KvLoad) -> bytes:
+    pages = np.ascontiguousarray(x.pages, dtype="<i4")
+    fixed = KV_LOAD_FIXED.pack(x.req_key, x.object_key, x.digest, x.scope, len(pages), int(x.phase))
+    return fixed + pages.tobytes()
 
 
 def content_changed_payload(c: ContentChanged) -> bytes:

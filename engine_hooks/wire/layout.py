@@ -35,7 +35,7 @@ MAGIC = 0x4B47
 VERSION = 1
 # Kinds added since the payload layouts of version 1 were fixed, without changing any of them:
 # a 1.0 reader skips them (counted in ``unknown_kind``), a 1.1 reader replays 1.0 streams as
-# they were. 1: REQ_SCOPE, CONTENT_CHANGED. Carried in HELLO's kvguard_version string only for people, never
+# they were. 1: REQ_SCOPE, CONTENT_CHANGED, KV_STORE, KV_LOAD. Carried in HELLO's kvguard_version string only for people, never
 # needed to decode.
 WIRE_MINOR = 1
 HEADER = struct.Struct("<HBBIQQIHH")
@@ -71,6 +71,10 @@ class Kind(enum.IntEnum):
     REQ_SCOPE = 18
     # contract 1.1: KV slots whose bytes changed with no hooked write (engine_hooks/content.py)
     CONTENT_CHANGED = 19
+    # contract 1.1: KV copied from device pages to a host / storage object (HiCache, LMCache)
+    KV_STORE = 20
+    # contract 1.1: KV loaded from a host / storage object into device pages (issued, completed, failed)
+    KV_LOAD = 21
 
 
 class Role(enum.IntEnum):
@@ -116,6 +120,12 @@ class DigestAlg(enum.IntEnum):
     #                      each (layer, head)'s units, K then V bytes per token, in token order
     XXH3_DEVICE_REDUCED = 2  # device pools: units reduced to u64 on the device, then xxh3-64 on the host
     XXH3_HEAD_STREAMS = 3  # host pools: xxh3-64 over each (layer, head)'s K bytes, and over its V bytes, in token order
+
+
+class LoadPhase(enum.IntEnum):
+    ISSUED = 1  # the destination pages are chosen and the copy is queued
+    COMPLETED = 2  # the bytes are in the destination pages
+    FAILED = 3  # the copy will not happen (or did not complete)
 
 
 class Phase(enum.IntEnum):
@@ -182,6 +192,10 @@ TIER1_FIXED = struct.Struct("<QQII")  # reader req_key, violations so far in the
 #   then int32 pages[count], u32 row_page_index[count], u64 owner_keys[count], u8 tags[count] (Tier1Tag)
 GUARD_FIXED = struct.Struct("<QQBB2xIII4x")
 #   req_key, room, rule, action, prompt_tokens, send_tokens, reserved_pages (0: unknown); then string reason
+KV_STORE_FIXED = struct.Struct("<QQQQI4x")  # req_key (0: a cache node's), object_key, digest, scope, count
+#   then int32 device_pages[count] (the pages copied out, in object order)
+KV_LOAD_FIXED = struct.Struct("<QQQQIB3x")  # req_key (0: a cache prefetch), object_key, digest, scope, count, phase
+#   then int32 device_pages[count] (the destination pages, in object order)
 CONTENT_CHANGED_FIXED = struct.Struct("<II")  # slots_changed, count; then int32 pages[count]
 REQ_SCOPE_FIXED = struct.Struct("<QQ")  # req_key, scope (request_scope(extra_key, cache_salt); never 0)
 PROBE_ERROR_FIXED = struct.Struct("<I4x")  # count of errors so far for this probe; then strings probe, error type

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .layout import DigestAlg, Finish, FreeKind, GuardAction, GuardRule, Kind, Phase, Role, Side, XferStatus
+from .layout import DigestAlg, Finish, FreeKind, GuardAction, GuardRule, Kind, LoadPhase, Phase, Role, Side, XferStatus
 
 
 @dataclass(slots=True)
@@ -161,6 +161,29 @@ class Guard:
     send_tokens: int  # tokens the engine was about to send
     reserved_pages: int  # pages the receiver reserved for it, as the sender knows them (0: unknown)
     reason: str
+
+
+@dataclass(slots=True)
+class KvStore:
+    """Device pages copied out to a host / storage object (an offload, a backup)."""
+
+    req_key: int  # 0: a prefix-cache node's, no request's
+    object_key: int  # the adapter's 64-bit id of the host / storage object
+    digest: int  # of the bytes stored (0: none)
+    scope: int  # the prefix-cache scope the object is keyed by (REQ_SCOPE's hash; 0 default)
+    pages: np.ndarray
+
+
+@dataclass(slots=True)
+class KvLoad:
+    """A host / storage object loaded back into device pages."""
+
+    req_key: int  # the request it is loaded for (0: a prefetch into the cache)
+    object_key: int
+    digest: int  # of the bytes loaded (0: none)
+    scope: int  # the scope of the lookup that found the object
+    phase: LoadPhase
+    pages: np.ndarray  # destination pages
 
 
 @dataclass(slots=True)

@@ -110,6 +110,8 @@ class SourcePagesSent:
     token_start: int
     token_end: int
     receiver: Any  # sidecar.findings Party: the decode request the pages went to, None when not known here
+    via: str = "transfer_source"  # or "offload": a KV_STORE to a host / storage object
+    object_key: int = 0  # (offload) the object the pages went to
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,3 +130,15 @@ class ContentChangedAt:
 
     pages: np.ndarray
     slots_changed: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedObjectMismatch:
+    """A completed KV_LOAD of an object that is not what the request may read: stored by an
+    engine of another model, with another digest, or under another prefix-cache scope."""
+
+    reader: Any  # sidecar.request_directory RequestInfo, None for a prefetch into the cache
+    pages: np.ndarray  # the destination pages
+    object_key: int
+    stored_by: Any  # sidecar.findings Party of the request whose KV was stored, None if unknown
+    problems: tuple  # (kind, evidence) pairs

@@ -49,34 +49,51 @@ class UnwrittenSendDetector:
                     exposed.append(party)
                     named.add(party.rid)
         receiver = sent.receiver
-        to = f"decode request {receiver.rid} (tenant {receiver.tenant or '?'})" if receiver else "decode"
-        summary = (
-            f"{engine.role} rank {engine.rank}: request {sender.rid} (tenant {sender.tenant or '?'}) sent "
-            f"{len(pages)} page(s) it never wrote (room {sent.room}, tokens {sent.token_start}-{sent.token_end}) to {to}"
-        )
+        offload = sent.via == "offload"
+        if offload:  # a store to a host / storage object (sidecar/offload.py): whoever hits it reads this
+            whose = f"request {sender.rid} (tenant {sender.tenant or '?'})" if sender.key else "the prefix cache"
+            summary = (
+                f"{engine.role} rank {engine.rank}: {whose} stored {len(pages)} page(s) holding no KV written at "
+                f"their current allocation to host / storage object {sent.object_key:016x}"
+            )
+            taker = "a later hit on that object serves as its prompt's KV"
+        else:
+            to = f"decode request {receiver.rid} (tenant {receiver.tenant or '?'})" if receiver else "decode"
+            summary = (
+                f"{engine.role} rank {engine.rank}: request {sender.rid} (tenant {sender.tenant or '?'}) sent "
+                f"{len(pages)} page(s) it never wrote (room {sent.room}, tokens {sent.token_start}-{sent.token_end}) "
+                f"to {to}"
+            )
+            taker = "decode now takes as this prompt's KV"
         if exposed:
             tenants = sorted({p.tenant or "?" for p in exposed})
             summary += (
-                f"; they hold data of {len(exposed)} other request(s) of tenant(s) {', '.join(tenants)}, "
-                "which decode now takes as this prompt's KV"
+                f"; they hold data of {len(exposed)} other request(s) of tenant(s) {', '.join(tenants)}, which {taker}"
             )
         severity = CRITICAL if exposed or len(foreign) or len(freed) else WARNING
-        evidence = {
-            "via": "transfer_source",
-            "bootstrap_room": sent.room,
-            "token_start": sent.token_start,
-            "token_end": sent.token_end,
+        evidence: dict = {
+            "via": sent.via,
             "unwritten_pages": [int(p) for p in unwritten],
             "foreign_pages": [int(p) for p in foreign],
             "freed_pages": [int(p) for p in freed],
-            "receiver": None if receiver is None else {"rid": receiver.rid, "tenant": receiver.tenant},
         }
+        if offload:
+            evidence["object_key"] = f"{sent.object_key:016x}"
+        else:
+            evidence.update(
+                {
+                    "bootstrap_room": sent.room,
+                    "token_start": sent.token_start,
+                    "token_end": sent.token_end,
+                    "receiver": None if receiver is None else {"rid": receiver.rid, "tenant": receiver.tenant},
+                }
+            )
         return [
             Finding(
                 "unwritten_send",
                 severity,
                 engine,
-                reader_party(sender),
+                reader_party(sender) if sender.key else None,
                 [int(p) for p in pages],
                 exposed,
                 at.ts_ns,

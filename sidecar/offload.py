@@ -1,0 +1,165 @@
+"""KV copied out to a host / storage tier and loaded back (KV_STORE, KV_LOAD; SGLang's
+HiCache device <-> host <-> storage, LMCache's tiers): a mixin of
+:class:`~kvguard.sidecar.pipeline.Pipeline`, like the transfer flow.
+
+What can go wrong, and what the sidecar says (docs/detectors.md):
+
+- a store of pages that hold no KV written at their current allocation (freed, or
+  reallocated and not yet written): the object holds someone else's stale KV, and a
+  later hit serves it: ``unwritten_send`` with ``evidence.via = "offload"``;
+- a load that completes after its destination pages were freed or handed to another
+  request (SGLang #31427 / #30321: a load-back racing an eviction): ``late_write`` /
+  ``use_after_free`` with ``evidence.via = "load"``, as a late transfer chunk;
+- a load of an object stored under another prefix-cache scope than the lookup's (a salt
+  dropped on the way to an external cache, SGLang #37160, LMCache #4825):
+  ``cross_salt_prefix_share`` with ``evidence.via = "load"``;
+- a load of an object stored by an engine serving another model, or whose digest differs
+  from the stored one (LMCache #4385, SGLang #24758): ``checksum_mismatch`` with
+  ``evidence.via = "load"``.
+
+The completed load's pages count as written by the request it was loaded for (or by
+the cache, for a prefetch), so reads of loaded prefixes are judged like any other.
+Objects are remembered (model, scope, digest, who stored them) up to ``MAX_OBJECTS``,
+oldest forgotten first (counted); a load of an object not remembered is counted as
+unverified, never guessed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvguard.engine_hooks import wire
+
+from .detectors.base import LoadedObjectMismatch, SourcePagesSent
+from .detectors.reads import reader_party
+from .findings import Finding, Party
+from .judge import ReadVerdict
+from .page_pool import FREE, PADDING_PAGE, UNKNOWN
+from .request_directory import RequestInfo
+
+if TYPE_CHECKING:
+    from .tracker import EngineTracker
+
+MAX_OBJECTS = 100_000  # ~120 bytes each: 12 MB at most
+MAX_PENDING_LOADS = 10_000
+CACHE = RequestInfo(0, rid="(prefix cache)", tenant="")  # the writer / reader of a cache node's store or load
+
+
+@dataclass(slots=True)
+class StoredObject:
+    model: str
+    scope: int
+    digest: int
+    stored_by: Party | None  # the request whose KV it holds, when the store named one
+
+
+class OffloadFlow:
+    # the pipeline's (Pipeline.__init__ sets them), declared for the type checker
+    _observe: Callable[..., list[Finding]]
+    _emit: Callable[[list[Finding]], list[Finding]]
+
+    def _init_offload(self) -> None:
+        self.stored_objects: OrderedDict[int, StoredObject] = OrderedDict()
+        self.pending_loads: OrderedDict[tuple, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self.objects_forgotten = 0
+        self.loads_unverified = 0  # completed loads of objects this sidecar never saw stored
+
+    # ------------------------------------------------------------------ stores
+    def _on_kv_store(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+        body: wire.KvStore = rec.body
+        info = t.requests.get(body.req_key) if body.req_key else CACHE
+        model = t.hello.model if t.hello is not None else ""
+        stored_by = reader_party(info) if info is not None and body.req_key else None
+        self.stored_objects[body.object_key] = StoredObject(model, body.scope, body.digest, stored_by)
+        self.stored_objects.move_to_end(body.object_key)
+        while len(self.stored_objects) > MAX_OBJECTS:
+            self.stored_objects.popitem(last=False)
+            self.objects_forgotten += 1
+        if info is None or t.hello is None or (body.req_key and (not info.known or info.warmup)):
+            return []
+        pages = t.pool.ensure(body.pages.astype(np.int64))
+        pages = pages[pages != PADDING_PAGE]
+        pool = t.pool
+        known = pages[pool.state[pages] != UNKNOWN]
+        freed = known[pool.state[known] == FREE]
+        unwritten = known[(pool.state[known] != FREE) & (pool.written_gen[known] != pool.gen[known])]
+        if len(freed) == 0 and len(unwritten) == 0:
+            return []
+        verdict = ReadVerdict(info, unwritten, np.zeros(0, np.int64), freed, 0)
+        event = SourcePagesSent(verdict, wire.NO_ROOM, 0, 0, None, via="offload", object_key=body.object_key)
+        return self._emit(self._observe(event, t, rec.ts_ns))
+
+    # ------------------------------------------------------------------ loads
+    def _on_kv_load(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+        body: wire.KvLoad = rec.body
+        key = (rec.engine_id, body.object_key, body.req_key)
+        pages = t.pool.ensure(body.pages.astype(np.int64))
+        pages = pages[pages != PADDING_PAGE]
+        if body.phase == wire.LoadPhase.ISSUED:
+            self.pending_loads[key] = (pages, t.pool.gen[pages].copy())
+            while len(self.pending_loads) > MAX_PENDING_LOADS:
+                self.pending_loads.popitem(last=False)
+            return []
+        issued = self.pending_loads.pop(key, None)
+        if body.phase != wire.LoadPhase.COMPLETED or t.hello is None:
+            return []
+        found = self._load_landed(t, body, pages, issued, rec.ts_ns)
+        found += self._load_matches_object(t, body, pages, rec.ts_ns)
+        return found
+
+    def _load_landed(self, t: EngineTracker, body: wire.KvLoad, pages, issued, ts_ns: int) -> list[Finding]:
+        """The bytes are in ``pages`` now: still where the load was meant to go?"""
+        pool = t.pool
+        moved = np.zeros(0, np.int64)
+        if issued is not None:  # pages freed and handed out again since the load was issued
+            was, gens = issued
+            same = was[: len(pages)] == pages[: len(was)]
+            moved = pages[: len(same)][same & (pool.gen[pages[: len(same)]] != gens[: len(same)])]
+        verdict = t.check_write(body.req_key, pages, require_known_writer=False)
+        found: list[Finding] = []
+        bad = np.zeros(0, np.int64)
+        if verdict is not None:
+            bad = np.concatenate((verdict.freed, verdict.foreign))
+            found = self._observe(verdict, t, ts_ns)
+            t.mark_overwritten(verdict.foreign)
+            for f in found:
+                f.evidence.update({"via": "load", "object_key": f"{body.object_key:016x}"})
+        good = np.setdiff1d(pages, np.concatenate((bad, moved)))
+        if len(good):
+            t.mark_written(body.req_key, good, ts_ns)
+        return self._emit(found)
+
+    def _load_matches_object(self, t: EngineTracker, body: wire.KvLoad, pages, ts_ns: int) -> list[Finding]:
+        """Is the object what was stored under this key, for this model and scope?"""
+        obj = self.stored_objects.get(body.object_key)
+        if obj is None:
+            self.loads_unverified += 1
+            return []
+        reader = t.requests.get(body.req_key) if body.req_key else None
+        if reader is not None and reader.warmup:
+            return []
+        model = t.hello.model if t.hello is not None else ""
+        problems: list[tuple[str, dict]] = []
+        if obj.model and model and obj.model != model:
+            problems.append(("checksum_mismatch", {"stored_model": obj.model, "loaded_model": model}))
+        if obj.digest and body.digest and obj.digest != body.digest:
+            problems.append(
+                ("checksum_mismatch", {"stored_digest": f"{obj.digest:016x}", "loaded_digest": f"{body.digest:016x}"})
+            )
+        reader_scope = body.scope  # the scope of the lookup that found the object
+        if obj.scope != reader_scope:
+            problems.append(
+                (
+                    "cross_salt_prefix_share",
+                    {"reader_scope": f"{reader_scope:016x}", "writer_scopes": [f"{obj.scope:016x}"]},
+                )
+            )
+        if not problems:
+            return []
+        event = LoadedObjectMismatch(reader, pages, body.object_key, obj.stored_by, tuple(problems))
+        return self._emit(self._observe(event, t, ts_ns))

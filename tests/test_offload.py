@@ -1,0 +1,155 @@
+"""Host / storage tiers (KV_STORE, KV_LOAD; sidecar/offload.py), through the public
+recording API and ``kvguard replay``: each bug next to its clean twin.
+
+A unified engine, page_size 4. ``r-acme`` writes pages 1, 2; the cache stores them to
+object 0xA and evicts them; ``r-ini`` hits the object: it is loaded into pages 5, 6,
+which become ``r-ini``'s cached prefix (positions 0..7), and ``r-ini`` reads them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvguard.engine_hooks.probes import Probes
+from kvguard.sidecar.recorder import RecordingWriter
+from kvguard.sidecar.replay import replay
+
+PS = 4
+MS = 1_000_000
+OBJ = 0xA
+
+
+def slots(*pages):
+    return np.concatenate([np.arange(p * PS, (p + 1) * PS) for p in pages])
+
+
+def engine(rec, engine_id=1, model="tiny"):
+    eng = Probes(rec.engine(engine_id=engine_id))
+    eng.hello("unified", 0, PS, 64, 64 * PS, 256, 256, "sglang", "0.5.23", model, pid=1000 + engine_id)
+    return eng
+
+
+def store_from_acme(eng, write=True, salt=None, digest=0):
+    eng.request_begin("r-acme", "acme", None, 8, 0, False, cache_salt=salt)
+    eng.pages_allocated(slots(1, 2))
+    eng.rows_assigned("r-acme", 0, 8, 0, slots(1, 2))
+    if write:
+        eng.forward(["r-acme"], [8], [slots(1, 2)])
+    eng.request_end("r-acme", "length", ttft_ns=MS, e2e_ns=MS, output_tokens=1, reason="")
+    eng.kv_stored(None, OBJ, [1, 2], digest=digest, cache_salt=salt)  # the cache backs its node up ...
+    eng.pages_freed(slots(1, 2))  # ... and evicts it from the device
+
+
+def load_for_ini(eng, salt=None, digest=0, between=None):
+    eng.request_begin("r-ini", "initech", None, 12, 8, False, cache_salt=salt)
+    eng.pages_allocated(slots(5, 6))
+    eng.kv_loaded("r-ini", OBJ, [5, 6], "issued", cache_salt=salt)
+    if between is not None:
+        between(eng)
+    eng.kv_loaded("r-ini", OBJ, [5, 6], "completed", digest=digest, cache_salt=salt)
+    eng.pages_allocated(slots(7))
+    eng.rows_assigned("r-ini", 0, 12, 8, slots(5, 6, 7))  # positions < 8: the loaded prefix
+    eng.forward(["r-ini"], [12], [slots(7)])
+    eng.request_end("r-ini", "stop", ttft_ns=MS, e2e_ns=MS, output_tokens=1, reason="")
+
+
+def run(tmp_path, body):
+    path = tmp_path / "o.kvgrec"
+    with RecordingWriter(path, overwrite=True) as rec:
+        body(rec)
+    findings, r = replay([path])
+    return findings, r
+
+
+def test_a_loaded_prefix_counts_as_written_and_a_clean_round_trip_is_quiet(tmp_path):
+    findings, r = run(tmp_path, lambda rec: (lambda e: (store_from_acme(e), load_for_ini(e)))(engine(rec)))
+    assert findings == [], [f.to_dict() for f in findings]
+    assert r.pipeline.loads_unverified == 0 and r.summary()["apply_errors"] == 0
+
+
+def test_without_the_load_record_the_same_read_is_unwritten(tmp_path):
+    """What the records are for: a loaded prefix the sidecar did not see loaded reads as
+    pages nothing wrote (HiCache without offload records)."""
+
+    def body(rec):
+        eng = engine(rec)
+        store_from_acme(eng)
+        eng.request_begin("r-ini", "initech", None, 12, 8, False)
+        eng.pages_allocated(slots(5, 6, 7))
+        eng.rows_assigned("r-ini", 0, 12, 8, slots(5, 6, 7))
+        eng.forward(["r-ini"], [12], [slots(7)])
+
+    findings, _ = run(tmp_path, body)
+    assert [f.kind for f in findings] == ["unwritten_read"]
+
+
+def test_storing_pages_nothing_wrote_ships_stale_kv_to_the_tier(tmp_path):
+    def body(rec):
+        eng = engine(rec)
+        eng.request_begin("r-old", "globex", None, 8, 0, False)  # pages 1, 2 last held globex's KV
+        eng.pages_allocated(slots(1, 2))
+        eng.rows_assigned("r-old", 0, 8, 0, slots(1, 2))
+        eng.forward(["r-old"], [8], [slots(1, 2)])
+        eng.request_end("r-old", "length", ttft_ns=MS, e2e_ns=MS, output_tokens=1, reason="")
+        eng.pages_freed(slots(1, 2))
+        store_from_acme(eng, write=False)  # acme's forward never ran: the pages hold globex's KV
+
+    findings, _ = run(tmp_path, body)
+    (f,) = [f for f in findings if f.kind == "unwritten_send"]
+    assert (f.severity, f.reader, f.pages) == ("critical", None, [1, 2])
+    assert f.evidence["via"] == "offload" and f.evidence["object_key"] == f"{OBJ:016x}"
+    assert [(p.rid, p.tenant) for p in f.exposed] == [("r-old", "globex")]
+
+
+def test_a_load_landing_after_its_pages_went_to_another_request_is_a_late_write(tmp_path):
+    """SGLang #31427 / #30321: the load-back races an eviction; by completion the destination
+    pages were freed and handed to r-other, whose KV the load overwrites."""
+
+    def steal(eng):
+        eng.pages_freed(slots(5, 6))  # the bug: freed while the load is in flight
+        eng.request_begin("r-other", "globex", None, 8, 0, False)
+        eng.pages_allocated(slots(5, 6))
+        eng.rows_assigned("r-other", 0, 8, 0, slots(5, 6))
+        eng.forward(["r-other"], [8], [slots(5, 6)])
+
+    def body(rec):
+        eng = engine(rec)
+        store_from_acme(eng)
+        eng.request_begin("r-ini", "initech", None, 12, 8, False)
+        eng.pages_allocated(slots(5, 6))
+        eng.kv_loaded("r-ini", OBJ, [5, 6], "issued")
+        steal(eng)
+        eng.kv_loaded("r-ini", OBJ, [5, 6], "completed")
+
+    findings, _ = run(tmp_path, body)
+    (f,) = findings
+    assert (f.kind, f.severity, f.reader.rid) == ("late_write", "critical", "r-ini")
+    assert f.evidence["via"] == "load" and sorted(f.pages) == [5, 6]
+    assert [p.rid for p in f.exposed] == ["r-other"]
+
+
+def test_an_object_stored_under_another_salt_is_not_this_lookups(tmp_path):
+    findings, _ = run(
+        tmp_path,
+        lambda rec: (lambda e: (store_from_acme(e, salt="acme-1"), load_for_ini(e, salt="ini-1")))(engine(rec)),
+    )
+    (f,) = findings
+    assert (f.kind, f.severity, f.reader.rid) == ("cross_salt_prefix_share", "critical", "r-ini")
+    assert f.evidence["via"] == "load" and sorted(f.pages) == [5, 6]
+
+
+def test_another_models_kv_and_other_bytes_are_checksum_mismatches(tmp_path):
+    def body(rec):
+        store_from_acme(engine(rec, 1, model="llama-a"), digest=11)
+        load_for_ini(engine(rec, 2, model="llama-b"), digest=12)
+
+    findings, _ = run(tmp_path, body)
+    (f,) = findings
+    assert (f.kind, f.reader.rid, f.evidence["via"]) == ("checksum_mismatch", "r-ini", "load")
+    assert (f.evidence["stored_model"], f.evidence["loaded_model"]) == ("llama-a", "llama-b")
+    assert (f.evidence["stored_digest"], f.evidence["loaded_digest"]) == (f"{11:016x}", f"{12:016x}")
+
+
+def test_a_load_of_an_object_never_seen_stored_is_counted_not_guessed(tmp_path):
+    findings, r = run(tmp_path, lambda rec: load_for_ini(engine(rec)))
+    assert findings == [] and r.pipeline.loads_unverified == 1
