@@ -170,6 +170,17 @@ def _typed(fdp, kind: wire.Kind) -> bytes | None:
         )
     if kind == wire.Kind.REJECT:
         return wire.reject_payload(wire.Reject(key, wire.Phase(fdp.ConsumeIntInRange(0, len(wire.Phase) - 1)), "r"))
+    scope = fdp.ConsumeIntInRange(0, 3)  # a few scopes, so that they meet
+    if kind == wire.Kind.REQ_SCOPE:
+        return wire.req_scope_payload(wire.ReqScope(key, scope))
+    if kind == wire.Kind.CONTENT_CHANGED:
+        return wire.content_changed_payload(wire.ContentChanged(fdp.ConsumeIntInRange(0, 1 << 20), _pages(fdp)))
+    obj = fdp.ConsumeIntInRange(0, 3)
+    if kind == wire.Kind.KV_STORE:
+        return wire.kv_store_payload(wire.KvStore(key if fdp.ConsumeBool() else 0, obj, scope, scope, _pages(fdp)))
+    if kind == wire.Kind.KV_LOAD:
+        phase = wire.LoadPhase(fdp.ConsumeIntInRange(1, 3))
+        return wire.kv_load_payload(wire.KvLoad(key if fdp.ConsumeBool() else 0, obj, scope, scope, phase, _pages(fdp)))
     return None  # the other kinds: raw payload bytes
 
 
