@@ -206,6 +206,15 @@ class KVGuardCollector(Collector):
         for kind, n in sorted(stats.guard_aborts.items()):
             guard.add_metric([kind], n)
         yield guard
+        tiers = CounterMetricFamily(
+            "kvguard_kv_tier_unverified",
+            "Host / storage tier facts the sidecar could not check: loads of objects it never saw stored, "
+            "stored objects forgotten at its bound",
+            labels=["reason"],
+        )
+        tiers.add_metric(["load_of_unknown_object"], stats.loads_unverified)
+        tiers.add_metric(["object_forgotten"], stats.objects_forgotten)
+        yield tiers
         yield from ttft_metrics(stats.ttft)
         yield from recording_metrics(getattr(svc, "recorder", None))
         shared = getattr(svc, "shared_ledger", None)  # the service's link to Redis, not the pipeline's

@@ -484,4 +484,6 @@ class Pipeline(TransferFlow, OffloadFlow):
             # synchronously and cannot fail quietly, so they have nothing to report
             sinks=tuple(sink.delivery_stats() for sink in self.sinks if hasattr(sink, "delivery_stats")),
             guard_aborts={kind: self.guard_aborts[kind] for kind in GUARD_ABORT_KINDS},
+            loads_unverified=self.loads_unverified,
+            objects_forgotten=self.objects_forgotten,
         )

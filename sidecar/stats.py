@@ -132,3 +132,6 @@ class PipelineStats:
     sinks: tuple[SinkStats, ...]  # the queued alert sinks (PagerDuty, Alertmanager), in order
     # finding kind -> requests an engine's guard (KVGUARD_GUARD) failed; every kind a guard can raise, zeros included
     guard_aborts: Mapping[str, int] = field(default_factory=dict)
+    # host / storage tiers (sidecar/offload.py): loads of objects never seen stored; objects forgotten at the bound
+    loads_unverified: int = 0
+    objects_forgotten: int = 0
