@@ -14,7 +14,9 @@ from typing import Any
 
 from kvguard.demo.model import write_tiny_gpt2
 
-SGLANG_VERSIONS = ("0.5.19", "0.5.23")
+# every release the adapter supports; `make venv` installs 0.5.19 and 0.5.23, `make
+# test-versions` the three between them
+SGLANG_VERSIONS = ("0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
 ROLES = (None, "prefill", "decode")
 LEAKING_VERSION = "0.5.19"  # newest release with the incident's bug
 FIXED_VERSION = "0.5.23"
@@ -65,7 +67,8 @@ def sglang_dir(version: str, root: Path | None = None) -> Path:
         raise ValueError(f"SGLang version must be one of {SGLANG_VERSIONS}, got {version!r}")
     d = (root or repo_root()) / ".venv" / "sglang" / version
     if not (d / "sglang").is_dir():
-        raise FileNotFoundError(f"SGLang {version} is not installed at {d}: run `make venv`")
+        how = "make venv" if version in (LEAKING_VERSION, FIXED_VERSION) else "make test-versions"
+        raise FileNotFoundError(f"SGLang {version} is not installed at {d}: run `{how}`")
     return d
 
 

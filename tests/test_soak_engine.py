@@ -59,7 +59,9 @@ from soak.workload import (
 from kvguard.demo.engines import PDPair, start_engine
 from kvguard.engine_hooks import wire
 
-VERSION = "0.5.23"
+# the release soaked: 0.5.23 in `make test`; `make soak-versions` runs the soak on every supported
+# release with the guard in full mode (KVGUARD_SOAK_SGLANG=0.5.20 ...)
+VERSION = os.environ.get("KVGUARD_SOAK_SGLANG", "0.5.23")
 # make test's size: every request kind, 4 pressure bursts (SGLang retracts), in ~2 min per
 # run on two shared cores; `make soak` runs the long one (docs/soak.md)
 REQUESTS = int(os.environ.get("KVGUARD_SOAK_REQUESTS", "800"))
@@ -82,7 +84,7 @@ CHUNKED_PREFILL = 64
 # read check (Tier 1, enforced: a false positive would fail a client's request) are both soaked;
 # and the content check on every slot read (engine_hooks/content.py): a legitimate KV write it
 # does not know of (chunked prefill, retraction, radix sharing, transfers) would be a finding
-GUARD_ENV = {"KVGUARD_GUARD": "full", "KVGUARD_CONTENT_CHECK": "all"}
+GUARD_ENV = {"KVGUARD_GUARD": os.environ.get("KVGUARD_SOAK_GUARD", "full"), "KVGUARD_CONTENT_CHECK": "all"}
 GUARD_LOG_LINE = "kvguard guard: KVGUARD_GUARD=full"
 TIER1_LOG_LINE = "kvguard tier1: first check ran"  # the read check did run on the soak's forwards
 PD_ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "20", **GUARD_ENV}
