@@ -87,7 +87,14 @@ def test_the_0_5_19_leak_across_two_pods_is_caught_by_the_decode_sidecar(
         "reserved_pages": 150,
     }
     read = next(f for f in sinks["decode"].findings if f.kind == "unwritten_read")
-    assert len(read.pages) == 149 and {p.tenant for p in read.exposed} <= {"acme", "globex"} and read.exposed
+    # whose KV the stale pages held: the earlier requests of acme and globex, and sometimes (about
+    # 1 run in 3, more under load) a request with no tenant that decode also served between them
+    # (seen: a router-generated rid with no extra_key; its KV is as exposed as theirs, just unlabelled)
+    assert len(read.pages) == 149 and read.exposed, read.to_dict()
+    exposed = [(p.rid, p.tenant, len(p.pages)) for p in read.exposed]
+    assert {p.tenant for p in read.exposed} <= {"acme", "globex", ""}, exposed
+    assert {"acme", "globex"} & {p.tenant for p in read.exposed}, exposed
+    assert not any(p.rid.startswith("key:") for p in read.exposed), exposed  # every one a request decode saw begin
     ledger = sidecars["decode"].pipeline.ledger
     assert ledger.unverified == 0 and ledger.paired >= 9  # 8 normal transfers and the incident's
     assert sidecars["decode"].shared_ledger.errors == 0 and sidecars["decode"].shared_ledger.bad_facts == 0
