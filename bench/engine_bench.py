@@ -128,11 +128,11 @@ class Engine:
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
         from kvguard.engine_hooks import probes as probes_mod
+        from kvguard.engine_hooks import row_sampler
         from kvguard.engine_hooks.ring import RingReader, RingWriter
         from kvguard.engine_hooks.sglang import _runtime as rt
         from kvguard.engine_hooks.sglang import hooks_allocator as ha
         from kvguard.engine_hooks.sglang import hooks_rows as hr
-        from kvguard.engine_hooks.sglang import row_sampler
 
         self.torch, self.hr, self.rt = torch, hr, rt
         self.batch = batch

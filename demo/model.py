@@ -61,6 +61,36 @@ def tiny_gpt2_config(n_positions: int = 2048) -> dict:
     }
 
 
+def tiny_llama_config(n_positions: int = 2048) -> dict:
+    """A tiny Llama for vLLM on CPU (its CPU attention wants head_dim 32 or more; GPT-2's 16
+    is refused): 2 layers, hidden 64, 2 heads of 32, the same 256-token vocabulary."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": n_positions,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+        "pad_token_id": 0,
+        "torch_dtype": "bfloat16",
+        "kvguard_tiny_model_version": _FORMAT_VERSION,
+    }
+
+
+_CONFIGS = {"gpt2": tiny_gpt2_config, "llama": tiny_llama_config}
+
+
 def _vocab() -> dict[str, int]:
     chars = [chr(c) for c in range(32, 127)]  # printable ASCII, incl. space
     chars += [chr(c) for c in range(161, 1000) if chr(c).isprintable()]
@@ -81,8 +111,8 @@ def _build_tokenizer_json(path: Path) -> None:
     tok.save(str(path))
 
 
-def _write_files(d: Path, n_positions: int) -> None:
-    (d / "config.json").write_text(json.dumps(tiny_gpt2_config(n_positions), indent=2))
+def _write_files(d: Path, n_positions: int, arch: str = "gpt2") -> None:
+    (d / "config.json").write_text(json.dumps(_CONFIGS[arch](n_positions), indent=2))
     (d / "generation_config.json").write_text(
         json.dumps({"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID}, indent=2)
     )
@@ -104,16 +134,26 @@ def _write_files(d: Path, n_positions: int) -> None:
     )
 
 
-def _is_current(d: Path, n_positions: int) -> bool:
+def _is_current(d: Path, n_positions: int, arch: str = "gpt2") -> bool:
     try:
         cfg = json.loads((d / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return cfg == tiny_gpt2_config(n_positions) and (d / "tokenizer.json").is_file()
+    return cfg == _CONFIGS[arch](n_positions) and (d / "tokenizer.json").is_file()
 
 
 def write_tiny_gpt2(out_dir: str | os.PathLike, n_positions: int = 2048) -> Path:
-    """Write the tiny GPT-2 model directory at ``out_dir`` and return its path.
+    """Write the tiny GPT-2 model directory at ``out_dir`` and return its path (SGLang's)."""
+    return write_tiny_model(out_dir, n_positions, "gpt2")
+
+
+def write_tiny_llama(out_dir: str | os.PathLike, n_positions: int = 512) -> Path:
+    """Write the tiny Llama model directory at ``out_dir`` and return its path (vLLM's)."""
+    return write_tiny_model(out_dir, n_positions, "llama")
+
+
+def write_tiny_model(out_dir: str | os.PathLike, n_positions: int = 2048, arch: str = "gpt2") -> Path:
+    """Write a tiny model directory (``arch``: gpt2 or llama) at ``out_dir`` and return its path.
 
     Idempotent: an existing directory with the same config is reused as is.
     Written into a temporary sibling and renamed, so concurrent callers (pytest
@@ -122,20 +162,22 @@ def write_tiny_gpt2(out_dir: str | os.PathLike, n_positions: int = 2048) -> Path
     if n_positions < 8:
         raise ValueError(f"n_positions must be >= 8, got {n_positions}")
     out = Path(out_dir)
-    if _is_current(out, n_positions):
+    if arch not in _CONFIGS:
+        raise ValueError(f"arch must be one of {sorted(_CONFIGS)}, got {arch!r}")
+    if _is_current(out, n_positions, arch):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        _write_files(tmp, n_positions)
+        _write_files(tmp, n_positions, arch)
         if out.exists():
-            if _is_current(out, n_positions):  # another writer won the race
+            if _is_current(out, n_positions, arch):  # another writer won the race
                 return out
             shutil.rmtree(out)
         try:
             os.rename(tmp, out)
         except OSError:
-            if not _is_current(out, n_positions):
+            if not _is_current(out, n_positions, arch):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -217,6 +217,18 @@ class Probes(TransferProbes):
         self.writer.write_sticky(wire.Kind.HELLO, wire.hello_payload(h))
 
     @guarded_probe
+    def engine_part(self, primary_pid: int, part: str, rank: int, page_size: int) -> None:
+        """Instead of a HELLO, in a process that is one part of an engine whose HELLO another
+        process sends (vLLM's Worker: forwards; its EngineCore: pages and requests). The
+        sidecar applies this ring's records to that engine's timeline, merged by time."""
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = int(page_size)
+        p = wire.EnginePart(int(primary_pid), wire.PartRole[part.upper()], int(rank))
+        self.calls += 1
+        self.writer.write_sticky(wire.Kind.ENGINE_PART, wire.engine_part_payload(p))
+
+    @guarded_probe
     def request_begin(
         self,
         rid: str,
@@ -287,6 +299,20 @@ class Probes(TransferProbes):
         row_start, row_end = int(row_start), int(row_end)
         shared_until = min(max(int(shared_until), row_start), row_end)
         pages = self.row_pages(row_start, slots)
+        if self.tier1 is not None:
+            self.tier1.assigned(rid, row_start, shared_until, pages)
+        a = wire.Assign(self.request_key(rid), row_start, row_end, shared_until, pages)
+        self._emit(wire.Kind.ASSIGN, wire.assign_payload(a))
+
+    @guarded_probe
+    def row_pages_assigned(self, rid: str, row_start: int, row_end: int, shared_until: int, pages) -> None:
+        """``rows_assigned`` for an engine that hands out whole pages (vLLM's blocks): ``pages``
+        holds one page id per row page from ``row_start`` (page-aligned) on."""
+        row_start, row_end = int(row_start), int(row_end)
+        if row_start % self.page_size:
+            raise ValueError(f"row_start {row_start} is not a multiple of the page size {self.page_size}")
+        shared_until = min(max(int(shared_until), row_start), row_end)
+        pages = as_int64(pages)
         if self.tier1 is not None:
             self.tier1.assigned(rid, row_start, shared_until, pages)
         a = wire.Assign(self.request_key(rid), row_start, row_end, shared_until, pages)

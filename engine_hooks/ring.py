@@ -20,13 +20,16 @@ File layout (all integers little-endian)::
      80      8  dropped_records   producer  records dropped because the ring was full
      88      8  dropped_bytes     producer  their bytes
      96      8  records_written   producer  records published
+    104      8  writing_since_ns  producer  CLOCK_MONOTONIC ns at which the record being written
+                                            now was stamped (0 = none): a consumer merging rings
+                                            releases nothing stamped after it (sidecar/ingest.py)
     128      8  read_pos          consumer  total bytes consumed (monotonic)
     136      8  consumer_pid      consumer  pid of the attached sidecar, 0 if none
     144      8  consumer_next_seq consumer  sequence number the consumer expects next (a
                                             restarted sidecar resumes from it without
                                             mistaking consumed records for lost ones)
     512      4  sticky_len        producer  length of the sticky record copy below (0 = none)
-    520  <3576  sticky_record     producer  a copy of the engine's latest HELLO record, so a
+    520  <3576  sticky_record     producer  a copy of the engine's latest HELLO (or a part's ENGINE_PART) record, so a
                                             sidecar that attaches after it was consumed (a
                                             restart) still learns the page size and roles
    4096      …  data              producer  records (wire/), never straddling the end
@@ -98,7 +101,7 @@ RING_SUFFIX = ".ring"
 
 _FIXED = struct.Struct("<8sIIQIIQQ")  # magic .. proc_start_ticks
 # indices into the header viewed as uint64
-_WRITE_POS, _NEXT_SEQ, _DROPPED_RECORDS, _DROPPED_BYTES, _RECORDS_WRITTEN = 8, 9, 10, 11, 12
+_WRITE_POS, _NEXT_SEQ, _DROPPED_RECORDS, _DROPPED_BYTES, _RECORDS_WRITTEN, _WRITING_SINCE = 8, 9, 10, 11, 12, 13
 _READ_POS, _CONSUMER_PID, _CONSUMER_NEXT_SEQ = 16, 17, 18
 _STICKY_LEN_OFF, _STICKY_OFF = 512, 520
 MAX_STICKY_BYTES = HEADER_BYTES - _STICKY_OFF
@@ -236,11 +239,16 @@ class RingWriter:
     def write(self, kind: wire.Kind, payload: bytes, pool: int = 0, flags: int = 0) -> bool:
         """Publish one record; False if it was dropped because the ring is full."""
         with self._lock:
-            seq = self._seq
-            self._seq = seq + 1
-            self._u64[_NEXT_SEQ] = seq + 1
-            record = wire.encode(kind, seq, time.monotonic_ns(), self.engine_id, payload, pool, flags)
-            return self._publish(record)
+            # stamped, and the stamp shown in the header, before anything that can stall (encoding,
+            # a GC pause, a page fault): the consumer waits for it instead of passing it by
+            ts = self._u64[_WRITING_SINCE] = time.monotonic_ns()
+            try:
+                seq = self._seq
+                self._seq = seq + 1
+                self._u64[_NEXT_SEQ] = seq + 1
+                return self._publish(wire.encode(kind, seq, ts, self.engine_id, payload, pool, flags))
+            finally:
+                self._u64[_WRITING_SINCE] = 0
 
     def write_batch(self, kind: wire.Kind, payloads) -> int:
         """Publish several records of one kind under one lock hold and one timestamp
@@ -248,26 +256,33 @@ class RingWriter:
         were written (the others were dropped because the ring is full)."""
         written = 0
         with self._lock:
-            ts = time.monotonic_ns()
-            for payload in payloads:
-                seq = self._seq
-                self._seq = seq + 1
-                self._u64[_NEXT_SEQ] = seq + 1
-                written += self._publish(wire.encode(kind, seq, ts, self.engine_id, payload))
+            ts = self._u64[_WRITING_SINCE] = time.monotonic_ns()
+            try:
+                for payload in payloads:
+                    seq = self._seq
+                    self._seq = seq + 1
+                    self._u64[_NEXT_SEQ] = seq + 1
+                    written += self._publish(wire.encode(kind, seq, ts, self.engine_id, payload))
+            finally:
+                self._u64[_WRITING_SINCE] = 0
         return written
 
     def write_sticky(self, kind: wire.Kind, payload: bytes) -> bool:
         """Publish a record and keep a copy in the header for consumers that attach later."""
         with self._lock:
-            seq = self._seq
-            self._seq = seq + 1
-            self._u64[_NEXT_SEQ] = seq + 1
-            record = wire.encode(kind, seq, time.monotonic_ns(), self.engine_id, payload)
-            if len(record) <= MAX_STICKY_BYTES:
-                self._mm[_STICKY_LEN_OFF : _STICKY_LEN_OFF + 4] = struct.pack("<I", 0)
-                self._mm[_STICKY_OFF : _STICKY_OFF + len(record)] = record
-                self._mm[_STICKY_LEN_OFF : _STICKY_LEN_OFF + 4] = struct.pack("<I", len(record))
-            return self._publish(record)
+            ts = self._u64[_WRITING_SINCE] = time.monotonic_ns()
+            try:
+                seq = self._seq
+                self._seq = seq + 1
+                self._u64[_NEXT_SEQ] = seq + 1
+                record = wire.encode(kind, seq, ts, self.engine_id, payload)
+                if len(record) <= MAX_STICKY_BYTES:
+                    self._mm[_STICKY_LEN_OFF : _STICKY_LEN_OFF + 4] = struct.pack("<I", 0)
+                    self._mm[_STICKY_OFF : _STICKY_OFF + len(record)] = record
+                    self._mm[_STICKY_LEN_OFF : _STICKY_LEN_OFF + 4] = struct.pack("<I", len(record))
+                return self._publish(record)
+            finally:
+                self._u64[_WRITING_SINCE] = 0
 
     def _publish(self, record: bytes) -> bool:
         size = len(record)
@@ -418,6 +433,12 @@ class RingReader:
         """The producer's own count of dropped records (includes drops before we attached)."""
         self._check()
         return int(self._u64[_DROPPED_RECORDS])
+
+    @property
+    def writing_since_ns(self) -> int:
+        """When the record the producer is writing now was stamped (0: none in progress)."""
+        self._check()
+        return int(self._u64[_WRITING_SINCE])
 
     @property
     def backlog_bytes(self) -> int:

@@ -15,8 +15,10 @@ once, until one detaches. The directory is listed only when its mtime changed (a
 once a second), so thousands of junk entries cost nothing between changes.
 
 Records of all rings are merged by their monotonic timestamps and released only once
-they are ``slack_ns`` old, so that causally ordered events on different engines (a
-prefill send before the decode's "transfer complete") are processed in that order.
+they were stamped ``slack_ns`` before the poll that drained them began, so that causally
+ordered events on different engines or processes (a prefill send before the decode's
+"transfer complete"; vLLM's EngineCore handing out a block before its Worker's forward
+writes it) are processed in that order however long a poll takes.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class IngestStats:
     ring_errors: int = 0
     records_read: int = 0
     records_lost: int = 0
+    polls_held: int = 0  # polls whose releases waited for a record being written or left unread
+    records_out_of_order: int = 0  # released after a newer record of another ring (the merge slack was short)
     last_error: str = ""
     dropped_before_attach: dict = field(default_factory=dict)
     # decode counters of rings already retired, so exported totals never go down
@@ -57,6 +61,10 @@ class IngestStats:
 # ring: a saturated cycle that read 8 MiB from each of four rings held the ingest lock for
 # tens of seconds on a loaded 2-core machine. About 1 MiB is ~7,000 records, tens of ms to apply.
 CYCLE_BYTES = 1 << 20
+# the longest a record a producer is still writing holds back the release of every ring's
+# newer records: a GC pause or a descheduled engine thread takes this long at most, a
+# stopped or wedged one is passed by after it (its record then counts as out of order)
+MAX_WRITER_HOLD_NS = 2_000_000_000
 MIN_RING_BYTES = 64 << 10
 
 # At most this many rings attached at once (``--max-rings``); the file descriptor limit may
@@ -132,6 +140,9 @@ class RingSet:
             raise ValueError(f"--max-rings must be >= 1, got {max_rings}")
         self.directory = directory
         self.slack_ns = slack_ns
+        self.polled_at_ns = 0  # when the last poll began
+        self.released_until_ns = 0  # the newest record released so far
+        self.hold_ns = 0  # the last poll's hold (0: none): see poll
         self.remove_dead = remove_dead
         self.max_rings = max_rings
         self.rescan_s = rescan_s
@@ -312,23 +323,39 @@ class RingSet:
         (shared out between the rings, at least ``MIN_RING_BYTES`` each), so that one cycle
         under a backlog stays short (the ingest lock is held for a cycle); retire rings of
         dead engines. True when a ring still has a backlog (call again without waiting)."""
+        # before any ring is read: a record stamped before this was published before it, so the
+        # horizon of ``ready`` counts from here (not from when the poll ended: a ring read early
+        # in a slow poll can miss a record that a ring read late already depends on)
+        self.polled_at_ns = time.monotonic_ns()
         self.scan()
         share = max(MIN_RING_BYTES, max_bytes // max(1, len(self.readers)))
         backlogged = False
+        hold = 0  # releases stop short of this stamp: a record still being written, or left unread
         for path, reader in list(self.readers.items()):
             try:
                 alive = reader.producer_alive()
+                writing_since = reader.writing_since_ns  # before its data: a record stamped then may land after
                 result = reader.poll(max_bytes=share)
                 self.stats.records_read += len(result.records)
                 self.stats.records_lost += result.lost
                 for rec in result.records:
                     heapq.heappush(self._heap, (rec.ts_ns, next(self._tiebreak), rec))
                 backlog = reader.backlog_bytes
+                # (not for long, and not for a dead producer: a writer killed mid-record, or stopped,
+                # must not hold every other engine's records back)
+                if writing_since and alive and self.polled_at_ns - writing_since < MAX_WRITER_HOLD_NS:
+                    hold = min(hold or writing_since, writing_since)
+                if backlog > 0:  # the rest is older than anything published later: wait for it
+                    last = result.records[-1].ts_ns if result.records else self.polled_at_ns
+                    hold = min(hold or last, last)
                 if not alive and backlog == 0:
                     self._detach(path, reader)
                 backlogged = backlogged or backlog > 0
             except (RingError, OSError) as exc:  # RingTruncated: reading its mapping now would be SIGBUS
                 self._retire_broken(path, reader, exc)
+        self.hold_ns = hold
+        if hold:
+            self.stats.polls_held += 1
         return backlogged
 
     def _retire_broken(self, path: str, reader: RingReader, exc: Exception) -> None:
@@ -387,11 +414,18 @@ class RingSet:
             self._next_rescan = 0.0
 
     def ready(self, now_ns: int | None = None, flush: bool = False) -> list[wire.Record]:
-        """Records old enough to be processed in global time order (all of them if ``flush``)."""
-        horizon = (time.monotonic_ns() if now_ns is None else now_ns) - self.slack_ns
+        """Records old enough to be processed in global time order (all of them if ``flush``):
+        stamped ``slack_ns`` before the last poll began (``now_ns``: before that time instead)."""
+        horizon = (self.polled_at_ns if now_ns is None else now_ns) - self.slack_ns
+        if self.hold_ns:  # a producer was writing a record stamped then (or a ring was left unread)
+            horizon = min(horizon, self.hold_ns - 1)
         out = []
         while self._heap and (flush or self._heap[0][0] <= horizon):
             out.append(heapq.heappop(self._heap)[2])
+        if out:
+            if out[0].ts_ns < self.released_until_ns:  # only past a writer stopped for over 2 s
+                self.stats.records_out_of_order += 1
+            self.released_until_ns = max(self.released_until_ns, out[-1].ts_ns)
         return out
 
     @property

@@ -146,6 +146,12 @@ class KVGuardCollector(Collector):
         errs = CounterMetricFamily("kvguard_ring_errors", "Ring files refused or unreadable")
         errs.add_metric([], ingest.ring_errors)
         yield errs
+        disorder = CounterMetricFamily(
+            "kvguard_records_out_of_order",
+            "Records released after a newer record of another ring (their producer stalled mid-write for over 2 s)",
+        )
+        disorder.add_metric([], ingest.records_out_of_order)
+        yield disorder
         rings = GaugeMetricFamily("kvguard_rings_attached", "Engine rings currently attached")
         rings.add_metric([], len(svc.rings.readers))
         yield rings
@@ -198,6 +204,13 @@ class KVGuardCollector(Collector):
         apply_errors = CounterMetricFamily("kvguard_apply_errors", "Records the sidecar failed to apply")
         apply_errors.add_metric([], stats.apply_errors)
         yield apply_errors
+        orphaned = CounterMetricFamily(
+            "kvguard_records_without_engine",
+            "Records of an engine part (vLLM's Worker) whose engine (its EngineCore's HELLO) "
+            "the sidecar had not seen: skipped, not judged",
+        )
+        orphaned.add_metric([], stats.records_without_engine)
+        yield orphaned
         guard = CounterMetricFamily(
             "kvguard_guard_aborts",
             "Requests an engine's guard (KVGUARD_GUARD) failed before foreign KV reached the client, by finding kind",

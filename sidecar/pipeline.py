@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 
@@ -37,6 +38,7 @@ from .detectors.sends import UnwrittenSendDetector
 from .detectors.tier1 import Tier1Detector
 from .detectors.transfers import ChecksumDetector, LedgerDegradedDetector, OrphanDetector, TransferSizeDetector
 from .detectors.ttft import TTFTDetector
+from .engine_parts import EngineParts
 from .finding_kinds import possible_findings
 from .findings import EngineRef, Finding
 from .history import Event, History
@@ -137,6 +139,7 @@ class Pipeline(TransferFlow, OffloadFlow):
         self.records_lost = 0
         self.records_lost_by_engine: dict[int, int] = {}  # engine id -> records lost since first seen
         self.apply_errors = 0
+        self.parts = EngineParts()  # rings that are one part of another process's engine (vLLM's Worker)
 
     def verdict_options(self) -> dict:
         """The settings that change what this pipeline finds, as a recording keeps them for
@@ -238,6 +241,15 @@ class Pipeline(TransferFlow, OffloadFlow):
             return []
 
     def _apply(self, rec: wire.Record) -> list[Finding]:
+        if rec.kind == wire.Kind.ENGINE_PART:
+            self.parts.on_part(rec.engine_id, rec.body)
+            return []
+        if self.parts.primary_of:  # a part's records belong to its engine's timeline (sidecar/engine_parts.py)
+            engine_id = self.parts.route(rec.engine_id)
+            if engine_id is None:
+                return []
+            if engine_id != rec.engine_id:
+                rec = replace(rec, engine_id=engine_id)
         t = self.tracker(rec.engine_id)
         if t.unseen_since_loss:  # requests live at a gap: each record naming one shows it outlived it
             t.on_named(rec.body)
@@ -367,6 +379,7 @@ class Pipeline(TransferFlow, OffloadFlow):
                 allowed,
             )
         t.on_hello(body, max_pages=allowed)
+        self.parts.on_hello(rec.engine_id, body.pid)
         self.memory_budget.size_directories(list(self.engines.values()))  # its page model is known now
         log.info(
             "engine %d: %s %s rank %d pid %d, page_size %d, pool %d pages / %d tokens, context %d",
@@ -428,6 +441,10 @@ class Pipeline(TransferFlow, OffloadFlow):
     def on_engine_gone(self, engine_id: int, ts_ns: int) -> list[Finding]:
         """An engine process exited (its ring was retired): close what only it could clear.
         TTFT suspects still waiting for later requests are judged now (no more will come)."""
+        if self.parts.is_part(engine_id):  # a part's exit ends nothing: its engine's ring says when that goes
+            self.parts.on_gone(engine_id)
+            return []
+        self.parts.on_gone(engine_id)
         tracker = self.engines.get(engine_id)
         if tracker is None:
             return []
@@ -486,4 +503,5 @@ class Pipeline(TransferFlow, OffloadFlow):
             guard_aborts={kind: self.guard_aborts[kind] for kind in GUARD_ABORT_KINDS},
             loads_unverified=self.loads_unverified,
             objects_forgotten=self.objects_forgotten,
+            records_without_engine=self.parts.records_without_engine,
         )

@@ -68,6 +68,7 @@ def every_kind(p: Probes, rid="r-1"):
     p.pages_freed([3], "page_ids")
     p.report_probe_error("forward", RuntimeError("x"))
     p._tier1_violation(Violation("r-1", 13, [4], [3], ["r-2"], [3]), 1)
+    p.engine_part(os.getpid() + 1, "worker", 0, 4)  # (last: a part's later records go to another engine)
 
 
 def records_of(path):

@@ -20,12 +20,12 @@ torch = pytest.importorskip("torch")
 from recording_probes import RecordingProbes  # noqa: E402
 
 from kvguard.engine_hooks import probes as probes_mod  # noqa: E402
+from kvguard.engine_hooks.row_sampler import RowSampler, from_env  # noqa: E402
 from kvguard.engine_hooks.sglang import _runtime as rt  # noqa: E402
 from kvguard.engine_hooks.sglang import hooks_allocator as ha  # noqa: E402
 from kvguard.engine_hooks.sglang import hooks_requests as hq  # noqa: E402
 from kvguard.engine_hooks.sglang import hooks_rows as hr  # noqa: E402
 from kvguard.engine_hooks.sglang import plugin  # noqa: E402
-from kvguard.engine_hooks.sglang.row_sampler import RowSampler, from_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SGLANG_DIRS = {v: REPO / ".venv" / "sglang" / v for v in ("0.5.19", "0.5.23")}

@@ -34,9 +34,9 @@ from kvguard.engine_hooks import probes as probes_mod  # noqa: E402
 from kvguard.engine_hooks import tier1 as t1  # noqa: E402
 from kvguard.engine_hooks import wire  # noqa: E402
 from kvguard.engine_hooks.ring import RingReader, RingWriter  # noqa: E402
+from kvguard.engine_hooks.row_sampler import RowSampler  # noqa: E402
 from kvguard.engine_hooks.sglang import _runtime as rt  # noqa: E402
 from kvguard.engine_hooks.sglang import hooks_rows as hr  # noqa: E402
-from kvguard.engine_hooks.sglang.row_sampler import RowSampler  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PS = 4  # page size

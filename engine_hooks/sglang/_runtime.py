@@ -21,7 +21,7 @@ import sys
 import threading
 from collections import OrderedDict
 
-from .row_sampler import RowSampler
+from ..row_sampler import RowSampler
 
 log = logging.getLogger("kvguard.sglang")
 

@@ -266,7 +266,7 @@ def _forward_pre(self, *args, **kwargs):
         p.tier1.check(req_to_token, fb.req_pool_indices, fb.seq_lens, rids, max_seq_len=int(seq_lens.max()) if n else 0)
     read_pages = read_counts = None
     sampler = State.row_sampler
-    if sampler.due():  # the engine's actual rows with this forward (engine_hooks/sglang/row_sampler.py)
+    if sampler.due():  # the engine's actual rows with this forward (engine_hooks/row_sampler.py)
         t0 = time.perf_counter_ns()
         read_pages, read_counts = _row_page_starts(req_to_token, fb.req_pool_indices[:n], seq_lens, State.page_size)
         sampler.spent(time.perf_counter_ns() - t0)

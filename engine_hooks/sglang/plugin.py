@@ -349,7 +349,7 @@ def load() -> None:
             return
         verified, _ = entry
         rt.State.engine_version = version
-        from .row_sampler import from_env
+        from ..row_sampler import from_env
 
         rt.State.row_sampler = from_env()
         from kvguard.engine_hooks.content import budget_from_env

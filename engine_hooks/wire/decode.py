@@ -17,6 +17,7 @@ from .layout import (
     ALIGN,
     ASSIGN_FIXED,
     CONTENT_CHANGED_FIXED,
+    ENGINE_PART_FIXED,
     FORWARD_FIXED,
     FWD_HAS_ROWS,
     GUARD_FIXED,
@@ -50,6 +51,7 @@ from .layout import (
     GuardRule,
     Kind,
     LoadPhase,
+    PartRole,
     Phase,
     Role,
     Side,
@@ -60,6 +62,7 @@ from .types import (
     Assign,
     ContentChanged,
     DecodeStats,
+    EnginePart,
     Forward,
     Guard,
     Heartbeat,
@@ -235,6 +238,15 @@ def _decode_req_scope(c: _Cursor) -> ReqScope:
     return ReqScope(*c.fixed(REQ_SCOPE_FIXED))
 
 
+def _decode_engine_part(c: _Cursor) -> EnginePart:
+    primary_pid, rank, part = c.fixed(ENGINE_PART_FIXED)
+    try:
+        role = PartRole(part)
+    except ValueError:
+        raise DecodeError(f"ENGINE_PART part {part} unknown") from None
+    return EnginePart(primary_pid, role, rank)
+
+
 def _decode_heartbeat(c: _Cursor) -> Heartbeat:
     return Heartbeat(*c.fixed(HEARTBEAT_FIXED))
 
@@ -263,6 +275,7 @@ _DECODERS = {
     Kind.CONTENT_CHANGED: _decode_content_changed,
     Kind.KV_STORE: _decode_kv_store,
     Kind.KV_LOAD: _decode_kv_load,
+    Kind.ENGINE_PART: _decode_engine_part,
     Kind.HEARTBEAT: _decode_heartbeat,
     Kind.PROBE_ERROR: _decode_probe_error,
 }

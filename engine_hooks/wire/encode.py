@@ -17,6 +17,7 @@ from .layout import (
     ALIGN,
     ASSIGN_FIXED,
     CONTENT_CHANGED_FIXED,
+    ENGINE_PART_FIXED,
     FORWARD_FIXED,
     FWD_HAS_ROWS,
     GUARD_FIXED,
@@ -47,6 +48,7 @@ from .layout import (
 from .types import (
     Assign,
     ContentChanged,
+    EnginePart,
     Forward,
     Guard,
     Heartbeat,
@@ -207,6 +209,10 @@ def content_changed_payload(c: ContentChanged) -> bytes:
 
 def req_scope_payload(r: ReqScope) -> bytes:
     return REQ_SCOPE_FIXED.pack(r.req_key, r.scope)
+
+
+def engine_part_payload(p: EnginePart) -> bytes:
+    return ENGINE_PART_FIXED.pack(int(p.primary_pid), int(p.rank), int(p.part))
 
 
 def heartbeat_payload(h: Heartbeat) -> bytes:

@@ -35,9 +35,9 @@ MAGIC = 0x4B47
 VERSION = 1
 # Kinds added since the payload layouts of version 1 were fixed, without changing any of them:
 # a 1.0 reader skips them (counted in ``unknown_kind``), a 1.1 reader replays 1.0 streams as
-# they were. 1: REQ_SCOPE, CONTENT_CHANGED, KV_STORE, KV_LOAD. Carried in HELLO's kvguard_version string only for people, never
+# they were. 1: REQ_SCOPE, CONTENT_CHANGED, KV_STORE, KV_LOAD. 2: ENGINE_PART. Carried in HELLO's kvguard_version string only for people, never
 # needed to decode.
-WIRE_MINOR = 1
+WIRE_MINOR = 2
 HEADER = struct.Struct("<HBBIQQIHH")
 HEADER_SIZE = HEADER.size
 ALIGN = 8
@@ -75,6 +75,10 @@ class Kind(enum.IntEnum):
     KV_STORE = 20
     # contract 1.1: KV loaded from a host / storage object into device pages (issued, completed, failed)
     KV_LOAD = 21
+    # contract 1.2 (WIRE_MINOR 2): this ring's process is one part of an engine whose bookkeeping
+    # lives in another process (vLLM: the Worker's forwards, the EngineCore's pages); the sidecar
+    # applies its records to that engine's timeline (docs/wire-format.md)
+    ENGINE_PART = 22
 
 
 class Role(enum.IntEnum):
@@ -101,6 +105,10 @@ class FreeKind(enum.IntEnum):
 class Side(enum.IntEnum):
     SENDER = 1
     RECEIVER = 2
+
+
+class PartRole(enum.IntEnum):
+    WORKER = 1  # runs the forwards (vLLM's Worker): block tables and KV
 
 
 class XferStatus(enum.IntEnum):
@@ -197,6 +205,8 @@ KV_STORE_FIXED = struct.Struct("<QQQQI4x")  # req_key (0: a cache node's), objec
 KV_LOAD_FIXED = struct.Struct("<QQQQIB3x")  # req_key (0: a cache prefetch), object_key, digest, scope, count, phase
 #   then int32 device_pages[count] (the destination pages, in object order)
 CONTENT_CHANGED_FIXED = struct.Struct("<II")  # slots_changed, count; then int32 pages[count]
+# primary_pid (the engine process whose HELLO this part's records belong to), rank, part (PartRole)
+ENGINE_PART_FIXED = struct.Struct("<IHBx")
 REQ_SCOPE_FIXED = struct.Struct("<QQ")  # req_key, scope (request_scope(extra_key, cache_salt); never 0)
 PROBE_ERROR_FIXED = struct.Struct("<I4x")  # count of errors so far for this probe; then strings probe, error type
 

@@ -13,7 +13,20 @@ from typing import Any
 
 import numpy as np
 
-from .layout import DigestAlg, Finish, FreeKind, GuardAction, GuardRule, Kind, LoadPhase, Phase, Role, Side, XferStatus
+from .layout import (
+    DigestAlg,
+    Finish,
+    FreeKind,
+    GuardAction,
+    GuardRule,
+    Kind,
+    LoadPhase,
+    PartRole,
+    Phase,
+    Role,
+    Side,
+    XferStatus,
+)
 
 
 @dataclass(slots=True)
@@ -201,6 +214,16 @@ class ReqScope:
 
     req_key: int
     scope: int
+
+
+@dataclass(slots=True)
+class EnginePart:
+    """This ring's process is one part (``part``, ``rank``) of the engine whose HELLO came from
+    process ``primary_pid``: its records belong to that engine's timeline."""
+
+    primary_pid: int
+    part: PartRole
+    rank: int
 
 
 @dataclass(slots=True)

@@ -227,7 +227,7 @@ class _Writer:
         self._next_seq[engine_id] = next_seq
         self._flush_tick()
         self._append(raw)  # first: a segment this record opens must not carry the record itself
-        if kind == wire.Kind.HELLO:
+        if kind == wire.Kind.HELLO or kind == wire.Kind.ENGINE_PART:  # a part's identity, as a HELLO
             self._hellos[engine_id] = raw
             self._hellos.move_to_end(engine_id)
             while len(self._hellos) > MAX_CARRIED_ENGINES:

@@ -26,7 +26,7 @@ DEFAULT_BUDGET_US = 30  # ~0.2 % of a 16 ms decode step
 DEFAULT_EVERY = 16  # the fixed interval when a budget is switched off (KVGUARD_ROW_SAMPLE_BUDGET_US=0)
 MAX_INTERVAL = 64  # with a budget: rows at least every this many forwards
 
-log = logging.getLogger("kvguard.sglang")
+log = logging.getLogger("kvguard.probes")
 
 
 class RowSampler:

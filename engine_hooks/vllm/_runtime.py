@@ -1,0 +1,149 @@
+"""Shared state and the patching rules of the vLLM hooks.
+
+The rules are the SGLang adapter's (engine_hooks/sglang/_runtime.py):
+
+* a wrapped engine method runs exactly once with its own arguments, and its result and its
+  exceptions are the engine's, untouched;
+* our code around it runs inside ``try``: a failure is counted, logged once, reported to the
+  sidecar as PROBE_ERROR, and that hook is disabled for the rest of the process;
+* nothing is emitted before this process has said who it is (the EngineCore's HELLO, the
+  Worker's ENGINE_PART), so page ids are always computed with the real block size.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections import OrderedDict
+from typing import Any
+
+from ..row_sampler import RowSampler
+
+log = logging.getLogger("kvguard.vllm")
+
+TENANT_FIELDS_ENV = "KVGUARD_VLLM_TENANT_FIELDS"
+# keys of the request's ``vllm_xargs`` (SamplingParams.extra_args) naming its tenant
+DEFAULT_TENANT_FIELDS = ("kvguard_tenant", "tenant")
+MAX_TRACKED = 1 << 16  # bound on per-request bookkeeping (requests that never end)
+ORIGINAL = "__kvguard_original__"
+
+
+def probes():
+    """The process-wide Probes (looked up each time so tests can swap it)."""
+    from kvguard.engine_hooks import probes as probes_mod
+
+    return probes_mod.get_probes()
+
+
+_disabled: set[str] = set()
+_errors: dict[str, int] = {}
+
+
+def hook_failed(name: str, exc: BaseException) -> None:
+    """Count, report once, disable: the engine must never see our failure."""
+    first = name not in _disabled
+    _disabled.add(name)
+    _errors[name] = _errors.get(name, 0) + 1
+    if first:
+        log.warning("kvguard vllm hook %s failed and is disabled: %s: %s", name, type(exc).__name__, exc)
+        try:
+            probes().report_probe_error("vllm." + name, exc)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def disabled_hooks() -> set[str]:
+    return set(_disabled)
+
+
+def wrap(owner: type, attr: str, name: str, pre=None, post=None) -> None:
+    """Replace ``owner.attr`` by a wrapper: guarded ``pre(*a, **k) -> token``, the original,
+    then guarded ``post(token, result, *a, **k)``. Wrapping twice is a no-op."""
+    original = owner.__dict__[attr]
+    if getattr(original, ORIGINAL, None) is not None:
+        return
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        ok = name not in _disabled
+        token = None
+        if ok and pre is not None:
+            try:
+                token = pre(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001
+                hook_failed(name, exc)
+                ok = False
+        result = original(*args, **kwargs)
+        if ok and post is not None:
+            try:
+                post(token, result, *args, **kwargs)
+            except Exception as exc:  # noqa: BLE001
+                hook_failed(name, exc)
+        return result
+
+    setattr(wrapper, ORIGINAL, original)
+    setattr(owner, attr, wrapper)
+
+
+def unwrap(owner: type, attr: str) -> None:
+    original = getattr(owner.__dict__.get(attr), ORIGINAL, None)
+    if original is not None:
+        setattr(owner, attr, original)
+
+
+class Bounded(OrderedDict):
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        if len(self) > MAX_TRACKED:
+            self.popitem(last=False)
+
+
+class State:
+    """Per process. EngineCore: the pool it watches, each request's announced row; Worker:
+    whether it announced itself."""
+
+    hello_done = False  # EngineCore: HELLO sent
+    part_done = False  # Worker: ENGINE_PART sent (or this worker stays silent: ``worker_silent``)
+    worker_silent = ""  # why this Worker emits nothing (a rank > 0, a layout we do not model)
+    page_size = 1
+    block_pool: Any = None  # the BlockPool whose blocks we report (the scheduler's)
+    rows: Bounded = Bounded()  # rid -> (blocks announced, id of the last one)
+    begun: Bounded = Bounded()  # rid -> True once REQ_BEGIN went out
+    in_alloc = 0  # inside BlockPool.get_new_blocks: its evictions are the allocation's
+    tenant_fields: tuple = DEFAULT_TENANT_FIELDS
+    row_sampler: RowSampler = RowSampler()
+    engine_version = ""
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.hello_done = cls.part_done = False
+        cls.worker_silent = ""
+        cls.page_size = 1
+        cls.block_pool = None
+        cls.rows = Bounded()
+        cls.begun = Bounded()
+        cls.in_alloc = 0
+        cls.tenant_fields = tenant_fields_from_env()
+        cls.row_sampler = RowSampler()
+        _disabled.clear()
+        _errors.clear()
+
+
+def tenant_fields_from_env() -> tuple:
+    raw = os.environ.get(TENANT_FIELDS_ENV)
+    if raw is None:
+        return DEFAULT_TENANT_FIELDS
+    return tuple(f.strip() for f in raw.split(",") if f.strip())
+
+
+def tenant_of(request) -> str:
+    """The tenant label a client put in ``vllm_xargs`` (``{"kvguard_tenant": "acme"}``), or ""."""
+    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None)
+    if not extra:
+        return ""
+    for field in State.tenant_fields:
+        value = extra.get(field)
+        if value:
+            return str(value)
+    return ""

@@ -1,0 +1,213 @@
+"""kvguard_vllm_faults: a TEST-ONLY vLLM general plugin that breaks vLLM's KV block
+bookkeeping in a running engine, for kvguard's engine tests (tests/test_vllm_engine.py,
+docs/fault-injection.md). Never install it anywhere.
+
+vLLM finds it through ``kvguard_vllm_faults-0.1.0.dist-info/entry_points.txt`` (group
+``vllm.general_plugins``) once ``tests/faults_vllm`` is on the engine's PYTHONPATH; it
+patches only when ``KVGUARD_FAULT`` names faults, and a fault only touches requests whose
+``vllm_xargs`` carry ``{"kvgf": "<fault>:<role>"}`` (clients cannot choose vLLM's request ids).
+
+Faults (the bug families of issue 17):
+  ``free_live_block``      an ``intruder``'s first allocation frees the last block of a live
+                           ``reader`` while it is still in the reader's table, so the intruder is
+                           handed it (vLLM PR #32255 / #52234: blocks freed under a live request)
+  ``double_free_preempt``  preempting a ``victim`` frees its blocks twice (the preemption paths
+                           that free a request twice); vLLM's counts are put back at once, so
+                           the engine runs on
+  ``salt_ignored``         requests with this fault hash their prompt blocks as if they had no
+                           ``cache_salt`` (#44701, #37160: a salt lost on the way to the cache)
+
+``KVGUARD_FAULT_DIR``: ``events.jsonl`` gets one line per thing done (request ids, block ids).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import threading
+import time
+
+log = logging.getLogger("kvguard.faults")
+
+FAULT_ENV = "KVGUARD_FAULT"
+DIR_ENV = "KVGUARD_FAULT_DIR"
+FAULTS = ("free_live_block", "double_free_preempt", "salt_ignored")
+_lock = threading.Lock()
+_roles: dict[str, tuple[str, str]] = {}  # request id -> (fault, role), for the requests we saw arrive
+_stolen: dict[str, object] = {}  # reader request id -> the block freed under it
+_done: set[str] = set()
+
+
+def xargs(fault: str, role: str) -> dict:
+    """The ``vllm_xargs`` a test sends so that ``fault`` treats the request as ``role``."""
+    if fault not in FAULTS:
+        raise ValueError(f"unknown fault {fault!r}")
+    return {"kvgf": f"{fault}:{role}"}
+
+
+def _event(**fields) -> None:
+    d = os.environ.get(DIR_ENV)
+    if not d:
+        return
+    with _lock, open(os.path.join(d, "events.jsonl"), "a") as f:
+        f.write(json.dumps(fields) + "\n")
+
+
+def _role_of(request) -> tuple[str, str] | None:
+    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
+    raw = extra.get("kvgf")
+    if not raw or ":" not in str(raw):
+        return None
+    fault, role = str(raw).split(":", 1)
+    return fault, role
+
+
+def _wrap(cls, attr, make):
+    original = cls.__dict__[attr]
+    setattr(cls, attr, functools.wraps(original)(make(original)))
+
+
+def _free_live_block(armed: set[str]) -> None:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def add_request(original):
+        def f(self, request, *a, **k):
+            role = _role_of(request)
+            if role is not None:
+                _roles[request.request_id] = role
+            return original(self, request, *a, **k)
+
+        return f
+
+    _wrap(Scheduler, "add_request", add_request)
+
+    def allocate_slots(original):
+        def f(self, request, *a, **k):
+            rid = request.request_id
+            if _roles.get(rid) == ("free_live_block", "reader") and request.num_computed_tokens:
+                if rid not in _done:
+                    _done.add(rid)  # decoding: the test sends its intruder now
+                    _event(fault="observe", event="reader_decoding", reader=rid)
+                if rid not in _stolen:
+                    time.sleep(0.005)  # a slow step, so that the intruder's request meets a live reader
+
+            if _roles.get(request.request_id) == ("free_live_block", "intruder") and request.request_id not in _done:
+                table = self.coordinator.single_type_managers[0].req_to_blocks
+                for rid, blocks in table.items():
+                    if _roles.get(rid) == ("free_live_block", "reader") and blocks and rid not in _stolen:
+                        block = blocks[-1]
+                        if block.is_null or block.ref_cnt != 1 or block.block_hash is not None:
+                            continue
+                        _stolen[rid] = block
+                        _done.add(request.request_id)
+                        # the bug: freed while still in the reader's table; the front of the
+                        # free queue, so this very allocation hands it to the intruder
+                        self.block_pool.free_blocks([block])
+                        _event(
+                            fault="free_live_block",
+                            reader=rid,
+                            intruder=request.request_id,
+                            block=block.block_id,
+                            index=len(blocks) - 1,
+                        )
+                        break
+            return original(self, request, *a, **k)
+
+        return f
+
+    _wrap(KVCacheManager, "allocate_slots", allocate_slots)
+
+    def release(original):
+        def f(self, request, *a, **k):
+            block = _stolen.pop(request.request_id, None)
+            if block is not None:  # keep vLLM's counts sane afterwards: the reader no longer frees it
+                blocks = self.coordinator.single_type_managers[0].req_to_blocks.get(request.request_id, [])
+                if block in blocks:
+                    blocks.remove(block)
+            return original(self, request, *a, **k)
+
+        return f
+
+    _wrap(KVCacheManager, "free", release)
+    _wrap(KVCacheManager, "pop_blocks_for_free", release)
+
+
+def _double_free_preempt(armed: set[str]) -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def preempt(original):
+        def f(self, request, *a, **k):
+            role = _role_of(request)
+            _event(fault="observe", event="preempted", request=request.request_id)
+            if role != ("double_free_preempt", "victim") or "double_free_preempt" in _done:
+                return original(self, request, *a, **k)
+            manager = self.kv_cache_manager
+            blocks = list(manager.coordinator.single_type_managers[0].req_to_blocks.get(request.request_id, []))
+            # only blocks this request alone held: a shared one freed twice would go to 0 under its other holder
+            own = [b for b in blocks if not b.is_null and b.ref_cnt == 1]
+            result = original(self, request, *a, **k)
+            if own:
+                _done.add("double_free_preempt")
+                manager.block_pool.free_blocks(list(reversed(own)))  # the second free
+                for b in own:
+                    if b.ref_cnt < 0:
+                        b.ref_cnt = 0  # as if nothing happened (vLLM asserts 0 when it hands them out again)
+                _event(
+                    fault="double_free_preempt",
+                    victim=request.request_id,
+                    blocks=[b.block_id for b in own],
+                    hashed=[b.block_id for b in own if b.block_hash is not None],
+                )
+            return result
+
+        return f
+
+    _wrap(Scheduler, "_preempt_request", preempt)
+
+
+def _salt_ignored(armed: set[str]) -> None:
+    from vllm.v1.core import kv_cache_utils
+
+    original = kv_cache_utils.generate_block_hash_extra_keys
+
+    @functools.wraps(original)
+    def f(request, *a, **k):
+        if _role_of(request) is None or _role_of(request)[0] != "salt_ignored" or not request.cache_salt:
+            return original(request, *a, **k)
+        salt, request.cache_salt = request.cache_salt, None
+        try:
+            return original(request, *a, **k)
+        finally:
+            request.cache_salt = salt
+
+    kv_cache_utils.generate_block_hash_extra_keys = f
+
+
+_INSTALL = {
+    "free_live_block": _free_live_block,
+    "double_free_preempt": _double_free_preempt,
+    "salt_ignored": _salt_ignored,
+}
+_loaded = False
+
+
+def load() -> None:
+    """Entry point (``vllm.general_plugins``): patch the armed faults."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    raw = os.environ.get(FAULT_ENV, "")
+    armed = {x.strip() for x in raw.split(",") if x.strip()}
+    if "all" in armed:
+        armed = set(FAULTS)
+    for name in sorted(armed & set(FAULTS)):
+        try:
+            _INSTALL[name](armed)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("kvguard_vllm_faults: cannot arm %s: %s: %s", name, type(exc).__name__, exc)
+            continue
+        log.warning("kvguard_vllm_faults: TEST-ONLY fault %s armed", name)
