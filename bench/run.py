@@ -29,6 +29,7 @@ from .workload import WorkloadParams, capture
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SGLANG_VERSION = "0.5.23"
+VLLM_VERSION = "0.32.0"
 
 # targets (the brief's "Performance" section)
 TARGET_PAGE_READS_PER_S = 200e6  # whole 8-rank node on one core, ring -> verdict
@@ -322,6 +323,35 @@ def engine_part(sz: Sizes, res: dict, details: dict, log) -> None:
     )
 
 
+def vllm_part(sz: Sizes, res: dict, details: dict, log) -> None:
+    """The vLLM adapter's hooks per decode step on real vLLM objects (bench/vllm_bench.py), in vLLM's venv."""
+    python = os.path.join(REPO, ".venv", "vllm", VLLM_VERSION, "bin", "python")
+    if not os.path.exists(python):
+        reason = f"vLLM {VLLM_VERSION} not installed at {os.path.dirname(os.path.dirname(python))} (make venv)"
+        log(f"vLLM probes skipped: {reason}")
+        for b in (64, 256):
+            res[f"engine.vllm_probe_us_per_step_b{b}"] = None
+        res["notes"]["engine.vllm_probe_us_per_step_b256"] = reason
+        return
+    log(f"vLLM adapter probes on real vLLM {VLLM_VERSION} objects (subprocess)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "vllm.json")
+        steps = "10" if sz.quick else "60"
+        cmd = [python, "-m", "bench.vllm_bench", "--batches", "64,256", "--steps", steps, "--json", out]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"vLLM bench failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        with open(out) as f:
+            got = json.load(f)
+    details["vllm"] = got
+    for b, r in got["batches"].items():
+        res[f"engine.vllm_probe_us_per_step_b{b}"] = r["probe_cpu_us_per_step"]
+        res[f"engine.vllm_probe_us_per_step_b{b}_median"] = r["probe_cpu_us_per_step_median"]
+        res[f"engine.vllm_ring_bytes_per_step_b{b}"] = r["ring_bytes_per_step"]
+    v = res.get("engine.vllm_probe_us_per_step_b256")
+    res["ratio.vllm_probe_over_target_b256"] = v / TARGET_PROBE_US_B256 if v is not None else None
+
+
 def guard_part(sz: Sizes, res: dict, details: dict, log) -> None:
     """The guard on prefill's send path (bench/guard_bench.py, docs/guard.md)."""
     from bench import guard_bench
@@ -498,6 +528,18 @@ def table(res: dict) -> str:
                 _status(v, TARGET_PROBE_US_B256, False) if b == 256 else "",
             )
         )
+    for b in (64, 256):
+        v = g(f"engine.vllm_probe_us_per_step_b{b}", "absent")
+        if v == "absent":
+            continue
+        rows.append(
+            (
+                f"vLLM adapter probe CPU per decode step, batch {b}",
+                _fmt_or_why(res, f"engine.vllm_probe_us_per_step_b{b}", " us"),
+                "<= 160 us" if b == 256 else "",
+                _status(v, TARGET_PROBE_US_B256, False) if b == 256 and v is not None else "",
+            )
+        )
     rows += [
         ("  median per step, batch 256", _fmt(g("engine.probe_us_per_step_b256_median"), " us"), "", ""),
         (
@@ -639,7 +681,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny sizes (seconds): checks the code, not the figures")
     ap.add_argument("--steps", type=int, default=None, help="decode steps per throughput measurement")
     ap.add_argument("--out", default=os.path.join(REPO, "bench-results.json"))
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: digest,sidecar,latency,engine,scaling,gpu")
+    ap.add_argument(
+        "--skip", default="", help="comma list of parts to skip: digest,sidecar,latency,engine,vllm,scaling,gpu"
+    )
     args = ap.parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}
     sz = Sizes(args.quick, args.steps)
@@ -672,6 +716,7 @@ def main(argv=None) -> int:
         ("sidecar", sidecar_part),
         ("latency", latency_part),
         ("engine", engine_part),
+        ("vllm", vllm_part),
         ("guard", guard_part),
         ("scaling", scaling_part),
         ("gpu", gpu_part),

@@ -95,7 +95,7 @@ def test_latency_finds_every_injected_violation():
 
 def test_quick_run_writes_results_and_nulls_what_is_not_implemented(tmp_path, capsys):
     out = tmp_path / "bench-results.json"
-    assert run.main(["--quick", "--skip", "latency,engine", "--out", str(out)]) == 0
+    assert run.main(["--quick", "--skip", "latency,engine,vllm", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     for key in (
         "sidecar.page_reads_per_s",
@@ -131,6 +131,26 @@ def test_quick_run_writes_results_and_nulls_what_is_not_implemented(tmp_path, ca
     table = capsys.readouterr().out
     assert "sidecar page reads/s" in table and "null (not measured: the engine part was skipped)" in table
     assert "guard (transfer) on prefill's send path, per request" in table
+
+
+@pytest.mark.engine
+def test_vllm_bench_runs_the_adapter_hooks_on_real_vllm_objects(tmp_path):
+    """The vLLM adapter's per-step hooks on vLLM's own KVCacheManager and block table (~20 s)."""
+    python = REPO / ".venv" / "vllm" / "0.32.0" / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"vLLM 0.32.0 is not installed at {python.parent.parent}: run `make venv`")
+    out = tmp_path / "vllm.json"
+    proc = subprocess.run(
+        [str(python), "-m", "bench.vllm_bench", "--batches", "2,40", "--steps", "40", "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for b, r in json.loads(out.read_text())["batches"].items():
+        assert r["probe_errors"] == 0 and r["disabled_hooks"] == [] and r["dropped_records"] == 0, (b, r)
+        assert r["probe_cpu_us_per_step"] > 0 and r["ring_bytes_per_step"] > 0, (b, r)
 
 
 @pytest.mark.engine

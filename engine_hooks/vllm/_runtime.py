@@ -108,7 +108,7 @@ class State:
     worker_silent = ""  # why this Worker emits nothing (a rank > 0, a layout we do not model)
     page_size = 1
     block_pool: Any = None  # the BlockPool whose blocks we report (the scheduler's)
-    rows: Bounded = Bounded()  # rid -> (blocks announced, id of the last one)
+    rows: Bounded = Bounded()  # rid -> blocks of its row announced so far
     begun: Bounded = Bounded()  # rid -> True once REQ_BEGIN went out
     in_alloc = 0  # inside BlockPool.get_new_blocks: its evictions are the allocation's
     tenant_fields: tuple = DEFAULT_TENANT_FIELDS

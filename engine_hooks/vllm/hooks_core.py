@@ -12,13 +12,13 @@ allocated; eviction frees them), so the mapping is:
   block evicted while at 0 outside an allocation (``evict_blocks``, a prefix-cache reset),
   and any block whose count went below 0 (freed more often than handed out: the sidecar
   judges what that means);
-* ASSIGN: each request's blocks in its row, from ``allocate_slots``: the first call names
-  the prefix-cache hits as shared (``shared_until`` = the hit tokens), later calls the blocks
-  appended; a row that changed in place (a CoW or skipped block) is announced again whole;
-* REQ_BEGIN at a request's first allocation (its prefix hit is known then, for the TTFT
+* ASSIGN: each request's blocks in its row, from the step ``Scheduler.schedule`` returns
+  (the block ids the Worker applies to its tables): a new request's whole row with its
+  prefix-cache hit as shared (``shared_until`` = its computed tokens), a running request's
+  blocks gained this step, a request resumed after a preemption its whole new row;
+* REQ_BEGIN when a request is first scheduled (its prefix hit is known then, for the TTFT
   rule and the scope), with its ``cache_salt`` as the prefix-cache scope; REQ_END when the
-  scheduler frees a finished request; a preempted request's row is announced again from 0
-  when it is scheduled again.
+  scheduler frees a finished request.
 """
 
 from __future__ import annotations
@@ -148,66 +148,58 @@ def reset_prefix_cache_post(_token, ok, self, *args, **kwargs) -> None:
 
 
 # --------------------------------------------------------------------------- rows
-def _req_blocks(manager, rid: str):
-    return manager.coordinator.single_type_managers[0].req_to_blocks.get(rid, ())
-
-
-def allocate_slots_pre(self, request, num_new_tokens, num_new_computed_tokens=0, *args, **kwargs):
-    # the prefix hit this call adds (first allocation only) and the computed tokens before it
-    return (
-        int(num_new_computed_tokens),
-        int(request.num_computed_tokens),
-        int(kwargs.get("num_external_computed_tokens", args[3] if len(args) > 3 else 0) or 0),
-    )
-
-
-def allocate_slots_post(token, result, self, request, *args, **kwargs) -> None:
-    if result is None or not State.hello_done or token is None:
-        return
-    rid = request.request_id
-    blocks = _req_blocks(self, rid)
-    n = len(blocks)
-    if n == 0:
+def schedule_post(_token, out, self, *args, **kwargs) -> None:
+    """``Scheduler.schedule``: the step's rows, as the Worker will apply them. A new request
+    brings its whole row (its prefix-cache hit is the row's first ``num_computed_tokens``); a
+    running one the blocks it gained this step (mostly none); one resumed after a preemption
+    its whole new row. One hook per step instead of one per request and allocation: at batch
+    256 the per-request hooks cost ~1.7 µs each (docs/performance.md)."""
+    if out is None or not State.hello_done:
         return
     p = rt.probes()
-    hit, computed, external = token
-    if rid not in State.begun:
-        State.begun[rid] = True
-        salt = getattr(request, "cache_salt", None)
-        p.request_begin(
-            rid,
-            rt.tenant_of(request),
-            None,
-            int(request.num_prompt_tokens),
-            computed + hit + external,
-            False,
-            cache_salt=salt,
-        )
     ps = State.page_size
-    announced = State.rows.get(rid)
-    if announced is None:  # its first allocation (or the first since a preemption): the hit is shared
-        start, shared_until = 0, computed + hit
-    else:
-        count, last, shared_until = announced
-        if count == n and blocks[n - 1].block_id == last:
-            return  # nothing new this step (a decode token inside its last block)
-        # blocks appended (the usual), or the row changed in place: announce it whole
-        start = count if count <= n and blocks[count - 1].block_id == last else 0
-    ids = _ids(blocks[start:] if start else blocks)
-    p.row_pages_assigned(rid, start * ps, n * ps, max(shared_until, start * ps), ids)
-    State.rows[rid] = (n, int(ids[-1]), shared_until)
-
-
-def row_released_post(_token, _result, self, request, *args, **kwargs) -> None:
-    """``KVCacheManager.free`` / ``pop_blocks_for_free``: the request holds no row now (it ended,
-    or was preempted and will be announced again from 0)."""
-    State.rows.pop(request.request_id, None)
+    rows = State.rows
+    for new in out.scheduled_new_reqs:
+        rid = new.req_id
+        ids = new.block_ids[0]
+        computed = int(new.num_computed_tokens)
+        if rid not in State.begun:
+            State.begun[rid] = True
+            request = self.requests.get(rid)
+            p.request_begin(
+                rid,
+                rt.tenant_of(request),
+                None,
+                int(getattr(request, "num_prompt_tokens", 0) or 0),
+                computed,
+                False,
+                cache_salt=getattr(request, "cache_salt", None),
+            )
+        if ids:
+            p.row_pages_assigned(rid, 0, len(ids) * ps, computed, ids)
+        rows[rid] = len(ids)
+    cached = out.scheduled_cached_reqs
+    resumed = cached.resumed_req_ids
+    for rid, gained, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+        if not gained or not gained[0]:
+            continue  # the usual decode step: no new block
+        ids = gained[0]
+        if rid in resumed:  # after a preemption: a new row, its own cached blocks shared
+            p.row_pages_assigned(rid, 0, len(ids) * ps, int(computed), ids)
+            rows[rid] = len(ids)
+            continue
+        start = rows.get(rid)
+        if start is None:
+            continue  # a row we never saw begin (attached mid-run): nothing to place it against
+        p.row_pages_assigned(rid, start * ps, (start + len(ids)) * ps, start * ps, ids)
+        rows[rid] = start + len(ids)
 
 
 # --------------------------------------------------------------------------- requests
 def free_request_pre(self, request, *args, **kwargs) -> None:
     """``Scheduler._free_request``: the request finished (stop, length, abort)."""
     rid = request.request_id
+    State.rows.pop(rid, None)
     if State.begun.pop(rid, None) is None:
         return  # never scheduled: it held no KV
     reason = request.get_finished_reason()

@@ -65,25 +65,7 @@ TARGETS = (
     Target(_CORE + "block_pool", "BlockPool", "free_blocks", ("ordered_blocks",), custom=hc.free_blocks),
     Target(_CORE + "block_pool", "BlockPool", "_maybe_evict_cached_block", ("block",), post=hc.evict_post),
     Target(_CORE + "block_pool", "BlockPool", "reset_prefix_cache", (), post=hc.reset_prefix_cache_post),
-    Target(
-        _CORE + "kv_cache_manager",
-        "KVCacheManager",
-        "allocate_slots",
-        (
-            "request",
-            "num_new_tokens",
-            "num_new_computed_tokens",
-            "new_computed_blocks",
-            "num_lookahead_tokens",
-            "num_external_computed_tokens",
-        ),
-        pre=hc.allocate_slots_pre,
-        post=hc.allocate_slots_post,
-    ),
-    Target(_CORE + "kv_cache_manager", "KVCacheManager", "free", ("request",), post=hc.row_released_post),
-    Target(
-        _CORE + "kv_cache_manager", "KVCacheManager", "pop_blocks_for_free", ("request",), post=hc.row_released_post
-    ),
+    Target(_CORE + "sched.scheduler", "Scheduler", "schedule", (), post=hc.schedule_post),
     Target(
         "vllm.v1.worker.gpu_model_runner",
         "GPUModelRunner",

@@ -1,0 +1,215 @@
+"""The vLLM adapter's hooks on stand-ins for vLLM's objects (no vLLM needed): what each hook
+emits, and that the version gate installs nothing for an unsupported release. The same hooks
+on the real engine: tests/test_vllm_engine.py."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from kvguard.engine_hooks import probes as probes_mod
+from kvguard.engine_hooks import wire
+from kvguard.engine_hooks.probes import Probes
+from kvguard.engine_hooks.vllm import _runtime as rt
+from kvguard.engine_hooks.vllm import hooks_core as hc
+from kvguard.engine_hooks.vllm import hooks_worker as hw
+from kvguard.engine_hooks.vllm import plugin
+
+PAGE = 32
+
+
+class Capture:
+    def __init__(self):
+        self.records, self.records_written, self.dropped_records = [], 0, 0
+
+    def write(self, kind, payload, pool=0, flags=0):
+        self.records.append((wire.Kind(kind), bytes(payload)))
+        self.records_written += 1
+        return True
+
+    write_sticky = write
+
+    def write_batch(self, kind, payloads):
+        return sum(self.write(kind, p) for p in payloads)
+
+    def take(self):
+        out = []
+        for kind, payload in self.records:
+            (rec,) = wire.decode_stream(wire.encode(kind, 0, 1, 1, payload), wire.DecodeStats())
+            out.append(rec)
+        self.records.clear()
+        return out
+
+
+@pytest.fixture
+def captured():
+    cap = Capture()
+    probes_mod.reset_probes_for_tests(Probes(cap, page_size=PAGE))
+    rt.State.reset()
+    yield cap
+    probes_mod.reset_probes_for_tests(None)
+    rt.State.reset()
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_cnt: int = 1
+    block_hash: object = None
+    is_null: bool = False
+    pool: object = None
+
+
+@dataclass(eq=False)
+class Pool:
+    blocks: list = field(default_factory=list)
+    cached_block_hashes_by_block: dict = field(default_factory=dict)
+
+
+def _free(pool, blocks):  # what BlockPool.free_blocks does to the counts
+    for b in blocks:
+        b.ref_cnt -= 1
+
+
+def _pool(n=8):
+    pool = Pool()
+    pool.blocks = [Block(i, 0, pool=pool, is_null=i == 0) for i in range(n)]
+    rt.State.block_pool, rt.State.page_size, rt.State.hello_done = pool, PAGE, True
+    return pool
+
+
+def test_a_free_is_reported_only_when_nothing_can_read_the_block_again(captured):
+    pool = _pool()
+    b = pool.blocks
+    b[1].ref_cnt, b[2].ref_cnt, b[3].ref_cnt, b[4].ref_cnt = 1, 1, 2, 0
+    b[2].block_hash = "h"  # a prefix-cache block: readable at 0 until evicted
+    wrapper = hc.free_blocks(_free, "BlockPool.free_blocks")
+    wrapper(pool, reversed([b[1], b[2], b[3], b[4]]))  # (an iterator, as vLLM passes it)
+    assert [b[i].ref_cnt for i in (1, 2, 3, 4)] == [0, 0, 1, -1]  # the engine saw every block
+    (rec,) = captured.take()
+    # 1: unhashed at 0; 4: freed more often than handed out; not 2 (cached), not 3 (still held)
+    assert rec.kind == wire.Kind.FREE and sorted(rec.body.pages.tolist()) == [1, 4]
+
+
+def test_an_eviction_outside_an_allocation_frees_the_block(captured):
+    pool = _pool()
+    hc.evict_post(None, True, pool, pool.blocks[5])
+    assert [r.body.pages.tolist() for r in captured.take()] == [[5]]
+    hc.get_new_blocks_pre(pool, 1)  # inside get_new_blocks: the allocation says it
+    hc.evict_post(None, True, pool, pool.blocks[6])
+    hc.get_new_blocks_post(None, [pool.blocks[6]], pool, 1)
+    (rec,) = captured.take()
+    assert rec.kind == wire.Kind.ALLOC and rec.body.pages.tolist() == [6]
+
+
+def _step(new=(), cached=(), resumed=()):
+    """The fields of a SchedulerOutput the hook reads: ``new`` (rid, block ids, computed),
+    ``cached`` (rid, block ids gained or None, computed)."""
+    return types.SimpleNamespace(
+        scheduled_new_reqs=[
+            types.SimpleNamespace(req_id=r, block_ids=(ids,), num_computed_tokens=c) for r, ids, c in new
+        ],
+        scheduled_cached_reqs=types.SimpleNamespace(
+            req_ids=[r for r, _, _ in cached],
+            new_block_ids=[None if ids is None else (ids,) for _, ids, _ in cached],
+            num_computed_tokens=[c for _, _, c in cached],
+            resumed_req_ids=set(resumed),
+        ),
+    )
+
+
+def test_a_steps_rows_become_a_begin_and_the_blocks_each_row_gained(captured):
+    _pool()
+    request = types.SimpleNamespace(
+        num_prompt_tokens=70,
+        cache_salt="s",
+        sampling_params=types.SimpleNamespace(extra_args={"kvguard_tenant": "acme"}),
+    )
+    scheduler = types.SimpleNamespace(requests={"r": request})
+    hc.schedule_post(None, _step(new=[("r", [3, 4, 5], 32)]), scheduler)  # a 32-token prefix hit
+    begin, scope, assign = captured.take()
+    assert begin.kind == wire.Kind.REQ_BEGIN and (begin.body.tenant, begin.body.cached_tokens) == ("acme", 32)
+    assert scope.kind == wire.Kind.REQ_SCOPE
+    assert (assign.body.row_start, assign.body.shared_until, assign.body.pages.tolist()) == (0, 32, [3, 4, 5])
+    hc.schedule_post(None, _step(cached=[("r", None, 70)]), scheduler)
+    assert captured.take() == []  # a decode token inside the last block: nothing new
+    hc.schedule_post(None, _step(cached=[("r", [6], 96)]), scheduler)
+    (assign,) = captured.take()
+    assert (assign.body.row_start, assign.body.shared_until, assign.body.pages.tolist()) == (96, 96, [6])
+    # preempted, then resumed: a whole new row, its own cached block shared
+    hc.schedule_post(None, _step(cached=[("r", [3, 7], 32)], resumed=["r"]), scheduler)
+    (assign,) = captured.take()  # (no second REQ_BEGIN)
+    assert (assign.body.row_start, assign.body.shared_until, assign.body.pages.tolist()) == (0, 32, [3, 7])
+    hc.schedule_post(None, _step(cached=[("unseen", [9], 400)]), scheduler)
+    assert captured.take() == []  # a row never seen begin (attached mid-run): not placed anywhere
+
+
+def test_a_finished_request_ends_once_and_one_never_scheduled_not_at_all(captured):
+    rt.State.hello_done = True
+    rt.State.begun["r"] = True
+    req = types.SimpleNamespace(request_id="r", num_output_tokens=5, stop_reason=None, get_finished_reason=lambda: 1)
+    hc.free_request_pre(None, req)
+    hc.free_request_pre(None, req)
+    hc.free_request_pre(None, types.SimpleNamespace(request_id="never", get_finished_reason=lambda: 2))
+    (end,) = captured.take()
+    assert end.kind == wire.Kind.REQ_END and end.body.finish == wire.Finish.LENGTH and end.body.output_tokens == 5
+
+
+def _runner(req_ids, computed, table, block_size=PAGE):
+    bt = types.SimpleNamespace(block_size=block_size, block_table=types.SimpleNamespace(np=np.asarray(table, np.int32)))
+    batch = types.SimpleNamespace(
+        num_reqs=len(req_ids),
+        req_ids=list(req_ids),
+        num_computed_tokens_cpu=np.asarray(computed, np.int32),
+        block_table=types.SimpleNamespace(block_tables=[bt]),
+    )
+    return types.SimpleNamespace(
+        input_batch=batch, cache_config=types.SimpleNamespace(block_size=PAGE), speculative_config=None
+    )
+
+
+def test_a_workers_forward_names_the_pages_written_and_the_lengths_read(captured, monkeypatch):
+    monkeypatch.setattr(hw.os, "getppid", lambda: 777)
+    rt.State.row_sampler.every, rt.State.row_sampler.budget_ns = 1, 0  # rows with every forward
+    runner = _runner(["a", "b"], [0, 40], [[3, 4, 0], [5, 6, 9]])
+    hw.prepare_inputs_pre(runner, None, np.array([40, 1]))  # a's prefill of 40, b's decode token
+    part, fwd = captured.take()[:2]
+    assert part.kind == wire.Kind.ENGINE_PART and (part.body.primary_pid, part.body.rank) == (777, 0)
+    assert fwd.kind == wire.Kind.FORWARD
+    assert fwd.body.seq_lens.tolist() == [40, 41] and fwd.body.write_counts.tolist() == [2, 1]
+    assert fwd.body.write_pages.tolist() == [3, 4, 6]
+    assert fwd.body.read_counts.tolist() == [2, 2] and fwd.body.read_pages.tolist() == [3, 4, 5, 6]
+
+
+def test_a_worker_whose_layout_is_not_modelled_stays_silent(captured, caplog):
+    runner = _runner(["a"], [0], [[3]], block_size=16)  # kernel blocks split the cache's
+    with caplog.at_level(logging.INFO, logger="kvguard.vllm"):
+        hw.prepare_inputs_pre(runner, None, np.array([8]))
+        hw.prepare_inputs_pre(runner, None, np.array([8]))
+    assert captured.take() == [] and "kernel block size 16" in rt.State.worker_silent
+    assert sum("reports no forwards" in r.message for r in caplog.records) == 1
+
+
+def test_an_unsupported_vllm_gets_one_line_and_no_hooks(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.29.1"))
+    called = []
+    monkeypatch.setattr(plugin, "install", lambda version: called.append(version))
+    with caplog.at_level(logging.WARNING, logger="kvguard.vllm"):
+        plugin.load()
+    assert called == [] and any("0.29.1 is not a supported release" in r.message for r in caplog.records)
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.32.0+cpu"))
+    monkeypatch.setattr(plugin, "install", lambda version: called.append(version) or [])
+    plugin.load()
+    assert called == ["0.32.0+cpu"]
+
+
+def test_a_target_that_moved_is_skipped_with_its_reason():
+    cls, why = plugin._check(plugin.Target("kvguard_no_such_module", "X", "y", ()))
+    assert cls is None and "cannot import kvguard_no_such_module" in why
+    cls, why = plugin._check(plugin.Target("kvguard.engine_hooks.vllm.plugin", "Target", "__init__", ("nope",)))
+    assert cls is None and "does not start with ('nope',)" in why
