@@ -313,7 +313,7 @@ def test_neither_server_nor_router(stubs):
     rc, [r] = run_json(other.url)
     assert rc == 1 and r["reason"] == (
         "GET /server_info answered HTTP 404; GET /workers answered HTTP 404 too: "
-        "neither an SGLang server nor SGLang's router at this URL"
+        "neither an SGLang server, nor SGLang's router, nor a vLLM server at this URL"
     )
     other.routes["/workers"] = (200, [{"url": "http://x:1"}], "application/json")  # not the router's shape
     rc, [r] = run_json(other.url)

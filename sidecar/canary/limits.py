@@ -4,8 +4,10 @@ SGLang answers ``GET /server_info`` (``/get_server_info`` before 0.5.x, deprecat
 since) with ``max_total_num_tokens`` (the KV pool, tokens), ``page_size``,
 ``chunked_prefill_size``, ``max_req_input_len``, ``disaggregation_mode``,
 ``version`` and the launch ``context_length``; ``GET /v1/models`` gives the
-enforced ``max_model_len`` and the model id. OpenAI-compatible servers of other
-engines answer only ``/v1/models`` (often without ``max_model_len``): the canary then
+enforced ``max_model_len`` and the model id. A vLLM server (its model cards say
+``owned_by: vllm``) gives its pool and block size in ``/metrics``
+(``vllm:cache_config_info``, sidecar/preflight/vllm.py). OpenAI-compatible servers of
+other engines answer only ``/v1/models`` (often without ``max_model_len``): the canary then
 uses ``--context-length`` / ``--pool-tokens`` and says in its report what it could not
 read. Every GET goes through the request budget.
 """
@@ -18,6 +20,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from ..preflight import vllm
 from .budget import Budget
 
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
@@ -132,9 +135,27 @@ def read_limits(client: httpx.Client, budget: Budget, base: str) -> ServerLimits
                 lim.context_len = max(lens)
     else:
         lim.unread.append(f"{MODELS_PATH} ({why or 'no data list'}): no model id or max_model_len")
+    if lim.pool_tokens is None and vllm.is_vllm_models(models):
+        _read_vllm_pool(client, budget, base, lim)
     if lim.context_len is None:
         lim.unread.append("context length: neither max_model_len nor context_length was reported")
     return lim
+
+
+def _read_vllm_pool(client: httpx.Client, budget: Budget, base: str, lim: ServerLimits) -> None:
+    """A vLLM server: its pool and block size from ``/metrics`` (sidecar/preflight/vllm.py)."""
+    budget.take(what=f"GET {base}{vllm.METRICS_PATH}")
+    try:
+        r = client.get(base + vllm.METRICS_PATH)
+        got = vllm.cache_info(r.text) if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        got = None
+    lim.unread = [u for u in lim.unread if not u.startswith("SGLang server info")]
+    if got is None:
+        lim.unread.append(f"KV pool size: vLLM's {vllm.METRICS_PATH} has no {vllm.CACHE_INFO}")
+        return
+    blocks, size = got
+    lim.pool_tokens, lim.page_size = max(blocks - 1, 0) * size, size
 
 
 def proxied(lim: ServerLimits) -> bool:

@@ -1,4 +1,4 @@
-"""``kvguard preflight``: compare a live SGLang server's KV pool with its context length.
+"""``kvguard preflight``: compare a live SGLang (or vLLM) server's KV pool with its context length.
 
 Cloudflare's lesson from the 2026 incident: *compare the KV pool size with the
 context length automatically, every deploy*. SGLang sizes the KV pool at start-up
@@ -18,6 +18,9 @@ The command reads two endpoints of each server (no request is generated):
 
 Verified on SGLang 0.5.19 and 0.5.23 HTTP servers (same top-level fields; see
 docs/preflight.md).
+
+A vLLM server (no ``/server_info`` outside its development mode) is read from
+``/v1/models`` and ``/metrics`` instead (sidecar/preflight/vllm.py).
 
 A ``--url`` may also be SGLang's router (``sglang-router``; it answers ``/server_info``
 with 404): preflight lists its workers (``GET /workers``) and checks each one
@@ -48,7 +51,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from ..detectors.config import PoolVsContext, severity_for
-from . import router
+from . import router, vllm
 
 EXIT_SAFE = 0
 EXIT_UNKNOWN = 1
@@ -406,15 +409,23 @@ def _probe(client: httpx.Client, base: str, deadline: float, timeout_s: float, f
     try:
         info = _get_json(client, base, SERVER_INFO_PATH, deadline, timeout_s)
     except PreflightError as exc:
-        if exc.status != 404 or not follow_router:
+        if exc.status != 404:
+            raise
+        if not follow_router:
+            served = _probe_vllm(client, base, deadline, timeout_s)  # vLLM: no /server_info outside dev mode
+            if served is not None:
+                return "server", served
             raise
         try:
             body = _get_json(client, base, router.WORKERS_PATH, deadline, timeout_s)
         except PreflightError as wexc:
             if wexc.status == 404:
+                served = _probe_vllm(client, base, deadline, timeout_s)
+                if served is not None:
+                    return "server", served
                 raise PreflightError(
                     f"{exc}; GET {router.WORKERS_PATH} answered HTTP 404 too: neither an SGLang "
-                    f"server nor SGLang's router at this URL"
+                    f"server, nor SGLang's router, nor a vLLM server at this URL"
                 ) from None
             raise PreflightError(f"{exc}; as SGLang's router: {wexc}") from None
         if not router.is_router_listing(body):
@@ -438,6 +449,34 @@ def _probe(client: httpx.Client, base: str, deadline: float, timeout_s: float, f
     except PreflightError as exc:
         models_error = str(exc)
     return "server", (info, models, models_error)
+
+
+def _probe_vllm(client: httpx.Client, base: str, deadline: float, timeout_s: float) -> tuple | None:
+    """``(server_info, models, None)`` for a vLLM server (sidecar/preflight/vllm.py), else None.
+    Raises PreflightError for a vLLM server whose /metrics cannot be read or lacks its cache config."""
+    try:
+        models = _get_json(client, base, MODELS_PATH, deadline, timeout_s)
+    except PreflightError:
+        return None
+    if not vllm.is_vllm_models(models):
+        return None
+    remaining = deadline - time.monotonic()
+    try:
+        r = client.get(base + vllm.METRICS_PATH, timeout=max(remaining, 0.001))
+    except httpx.HTTPError as exc:
+        raise PreflightError(f"vLLM server: GET {vllm.METRICS_PATH} failed: {type(exc).__name__}") from None
+    if r.status_code != 200:
+        raise PreflightError(
+            f"vLLM server: GET {vllm.METRICS_PATH} answered HTTP {r.status_code}", status=r.status_code
+        )
+    try:
+        version = _get_json(client, base, vllm.VERSION_PATH, deadline, timeout_s)
+    except PreflightError:
+        version = None
+    info = vllm.server_info(r.text, version)
+    if info is None:
+        raise PreflightError(f"vLLM server: GET {vllm.METRICS_PATH} has no {vllm.CACHE_INFO} with num_gpu_blocks")
+    return info, models, None
 
 
 def check(
