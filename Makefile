@@ -12,6 +12,7 @@
 #   make demo-fixed  the same demo on the fixed SGLang (0.5.23)
 #   make demo-guard  the leaking 0.5.19 pair with kvguard's guard on: the request is failed, nothing leaks
 #   make soak        the long zero-false-alarm soak on real engines: 4,000 + 600 requests (not in CI)
+#   make soak-vllm   the same on a real vLLM engine: 600 requests (make test runs 240)
 #   make spec        the executable specification at its full bound: spin, the model checker, conformance
 #   make soak-memory 30 min of 8 synthetic ranks: the sidecar's RSS stays flat (not in CI)
 #   make test-reliability  tests/reliability only
@@ -209,6 +210,12 @@ soak-memory: venv native
 # The reliability suite alone (tests/reliability: the real sidecar process under bad
 # rings, full volumes, forged records, saturation, hostile connections). `make test`
 # runs it too.
+# The zero-false-alarm soak on a real vLLM engine (tests/test_vllm_soak.py): make test runs
+# it at 240 requests; this at VLLM_SOAK_REQUESTS (600), its summary printed.
+.PHONY: soak-vllm
+soak-vllm: venv native
+	KVGUARD_VLLM_SOAK_REQUESTS=$(or $(VLLM_SOAK_REQUESTS),600) $(PY) -m pytest -q -s tests/test_vllm_soak.py
+
 # The zero-false-alarm soak at length (tests/test_soak_engine.py, docs/soak.md): make test
 # runs it at 800 unified + 200 prefill/decode requests; this runs SOAK_REQUESTS (4,000)
 # and SOAK_PD_REQUESTS (600), one engine after the other, each run's summary printed.

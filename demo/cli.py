@@ -4,10 +4,19 @@ distribution (this folder) is installed; engine and sidecar images leave it out.
 
 from __future__ import annotations
 
+import sys
+
 from . import model_cli
 
 
 def cmd_demo(args) -> int:
+    if args.engine == "vllm":
+        if args.guard_mode != "off" or args.sglang != "0.5.19" or args.dummy_weights:
+            print("kvguard demo --engine vllm: --guard, --sglang and --dummy-weights are SGLang's", file=sys.stderr)
+            return 1
+        from .vllm_demo import run_vllm_demo
+
+        return run_vllm_demo(as_json=args.json, workdir=args.workdir, keep=args.keep)
     from .run import run_demo
 
     return run_demo(
@@ -24,6 +33,13 @@ def register(sub) -> None:
     model_cli.register(sub)
 
     p = sub.add_parser("demo", help="catch the 2026 KV exposure on a real SGLang prefill/decode pair on CPU")
+    p.add_argument(
+        "--engine",
+        default="sglang",
+        choices=["sglang", "vllm"],
+        help="sglang: the 2026 incident on SGLang's prefill/decode pair (default); vllm: a block freed under a "
+        "live request in a real vLLM engine (an injected fault), and the tenants it exposed",
+    )
     p.add_argument(
         "--sglang",
         default="0.5.19",

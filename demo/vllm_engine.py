@@ -190,9 +190,19 @@ def complete(
     return r.json()
 
 
-def complete_and_hang_up(engine: Engine, prompt: str, max_tokens: int, *, tenant: str | None = None) -> int:
+def complete_and_hang_up(
+    engine: Engine,
+    prompt: str,
+    max_tokens: int,
+    *,
+    tenant: str | None = None,
+    xargs: Mapping[str, Any] | None = None,
+) -> int:
     """Stream a completion and close the connection after its first chunk, as a client that
     goes away does (vLLM aborts the request); returns the chunks read."""
+    extra = dict(xargs or {})
+    if tenant:
+        extra["kvguard_tenant"] = tenant
     body = {
         "model": "tiny",
         "prompt": prompt,
@@ -200,7 +210,7 @@ def complete_and_hang_up(engine: Engine, prompt: str, max_tokens: int, *, tenant
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
-        "vllm_xargs": {"kvguard_tenant": tenant} if tenant else None,
+        "vllm_xargs": extra or None,
     }
     read = 0
     with httpx.stream("POST", engine.url + "/v1/completions", json=body, timeout=60.0) as r:

@@ -27,6 +27,7 @@ import pytest
 from sidecar_settle import wait_until_applied
 
 from kvguard.demo.vllm_engine import complete, complete_and_hang_up, start_vllm, vllm_python
+from kvguard.sidecar.cli import main
 from kvguard.sidecar.findings import Finding
 from kvguard.sidecar.service import Sidecar
 from kvguard.sidecar.sinks.basic import MemorySink
@@ -166,9 +167,10 @@ def test_clean_traffic_is_quiet(vllm):
     # 8 sequences of one prompt at once (n=8, a shared prefix): 8 x 15 blocks at full length
     # in a pool of 32, so some are preempted (and resumed on their own cached blocks)
     assert complete(engine, _text(rng, 160), 300, tenant="globex", n=8)["usage"]["completion_tokens"] == 8 * 300
-    # and clients that hang up one at a time, on an idle server (which notices at once)
+    # and clients that hang up while their request is surely still running (paced by the
+    # test plugin: 20 ms a step, so the server has seconds to notice the closed connection)
     for i in range(3):
-        complete_and_hang_up(engine, _text(rng, 40 + i), 400, tenant="acme")
+        complete_and_hang_up(engine, _text(rng, 40 + i), 400, tenant="acme", xargs={"kvgf_pace": 0.02})
     served = [r for r in results if r is not None]
     assert len(served) == len(jobs) - len([j for j in jobs if j[4]])
     assert all(r["usage"]["completion_tokens"] == j[1] for r, j in zip(results, jobs) if r is not None)
@@ -184,7 +186,29 @@ def test_clean_traffic_is_quiet(vllm):
     assert preempted, "no request was preempted: the cache is not small enough to exercise preemption"
     ended = [info for t in watch.sidecar.pipeline.engines.values() for info in t.requests._ended.values()]
     finishes = Counter(info.finish for info in ended)
-    assert finishes["abort"] >= 1, ("no client abort reached the engine", finishes)
+    assert finishes["abort"] >= 3, ("the client aborts did not reach the engine", finishes)
+
+
+def test_preflight_reads_the_pool_and_context_of_a_vllm_server(vllm, capsys):
+    engine, _watch = vllm
+    capsys.readouterr()
+    assert main(["preflight", "--url", engine.url, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip())
+    # 32 blocks of 32 tokens (vLLM's null block not counted), context 512
+    assert (report["pool_tokens"], report["context_len"], report["page_size"]) == (NUM_BLOCKS * 32, 512, 32), report
+    assert report["version"] == "vllm 0.32.0"
+
+
+def test_the_canary_finds_nothing_on_a_clean_vllm_server_and_kvguard_agrees(vllm, capsys):
+    engine, watch = vllm
+    mark = watch.mark()
+    capsys.readouterr()
+    rc = main(["canary", "--url", engine.url, "--json", "--seed", "5", "--budget", "24", "--time-limit", "120"])
+    out = capsys.readouterr().out
+    report = json.loads(out)
+    assert rc == 0, out[-3000:]
+    assert report["api"] == "openai" and report["limits"]["pool_tokens"] == NUM_BLOCKS * 32, report["limits"]
+    assert watch.since(mark) == []
 
 
 def test_prefix_shared_across_salts_is_reported(vllm):
@@ -264,3 +288,15 @@ def test_double_free_through_preemption_is_reported(vllm):
     found = watch.since(mark)
     assert {f.kind for f in found} == {"double_free"}, [f.to_dict() for f in found]
     assert sorted({p for f in found for p in f.pages}) == unhashed, ([f.to_dict() for f in found], done[0])
+
+
+def test_the_vllm_demo_names_the_exposed_tenant_as_json(capsys):
+    """``kvguard demo --engine vllm --json``: its own engine, its findings as JSON lines."""
+    if _missing:
+        pytest.skip(_missing)
+    capsys.readouterr()
+    assert main(["demo", "--engine", "vllm", "--json"]) == 0
+    findings = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    reads = [f for f in findings if f["kind"] == "foreign_read"]
+    assert reads and reads[0]["reader"]["tenant"] == "acme", findings
+    assert [(p["tenant"], bool(p["rid"])) for p in reads[0]["exposed"]] == [("globex", True)], findings

@@ -186,6 +186,26 @@ def _salt_ignored(armed: set[str]) -> None:
     kv_cache_utils.generate_block_hash_extra_keys = f
 
 
+def _pace() -> None:
+    """Not a fault: a request whose ``vllm_xargs`` carry ``{"kvgf_pace": SECONDS}`` sleeps that
+    long in each of its scheduling steps, so that it is still running when a test's client
+    hangs up (a tiny model on an idle CPU decodes 400 tokens before uvicorn notices a closed
+    connection under load). Armed with any fault."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    def allocate_slots(original):
+        def f(self, request, *a, **k):
+            extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
+            pace = extra.get("kvgf_pace")
+            if pace:
+                time.sleep(min(float(pace), 0.1))
+            return original(self, request, *a, **k)
+
+        return f
+
+    _wrap(KVCacheManager, "allocate_slots", allocate_slots)
+
+
 _INSTALL = {
     "free_live_block": _free_live_block,
     "double_free_preempt": _double_free_preempt,
@@ -204,6 +224,11 @@ def load() -> None:
     armed = {x.strip() for x in raw.split(",") if x.strip()}
     if "all" in armed:
         armed = set(FAULTS)
+    if armed & set(FAULTS):
+        try:
+            _pace()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("kvguard_vllm_faults: cannot install the pace: %s: %s", type(exc).__name__, exc)
     for name in sorted(armed & set(FAULTS)):
         try:
             _INSTALL[name](armed)
