@@ -366,20 +366,27 @@ def run_demo(
 ) -> int:
     """The demo as ``kvguard demo`` runs it. The work directory (rings, logs) is removed
     afterwards unless it was given, ``keep`` is set, or the run failed or was unexpected."""
-    work = workdir or tempfile.mkdtemp(prefix="kvguard-demo-")
+
+    def capture(work: str):
+        run = capture_incident(sglang_version, work, words=words, guard=guard)
+        return run, *expected(sglang_version, run.scenario, run.findings, guard)
+
+    return run_and_report(f"SGLang {sglang_version}", "kvguard-demo-", capture, tell_story, as_json, workdir, keep)
+
+
+def run_and_report(what: str, prefix: str, capture, tell, as_json: bool, workdir: str | None, keep: bool) -> int:
+    """A demo's frame: a work directory (removed afterwards unless given, ``keep`` is set or the
+    run failed or was unexpected), the library logs sent to a file, ``capture(work) -> (run, ok,
+    why)``, then the findings as JSON lines or ``tell(run, stdout)``; exit 0 only when expected."""
+    work = workdir or tempfile.mkdtemp(prefix=prefix)
     log_dir = os.path.join(work, "logs")
     os.makedirs(log_dir, exist_ok=True)
     t0 = time.monotonic()
-    print(
-        f"kvguard demo on SGLang {sglang_version}; engine, router and library logs: {log_dir}",
-        file=sys.stderr,
-        flush=True,
-    )
+    print(f"kvguard demo on {what}; engine, router and library logs: {log_dir}", file=sys.stderr, flush=True)
     ok, why, run = False, "the demo did not finish", None
     try:
         with library_logs_to(os.path.join(log_dir, "kvguard-demo.log")):
-            run = capture_incident(sglang_version, work, words=words, guard=guard)
-        ok, why = expected(sglang_version, run.scenario, run.findings, guard)
+            run, ok, why = capture(work)
     finally:
         if keep or workdir is not None or not ok:
             if workdir is None:
@@ -390,6 +397,6 @@ def run_demo(
         for f in run.findings:
             print(json.dumps(f.to_dict()), flush=True)
     else:
-        tell_story(run, sys.stdout)
+        tell(run, sys.stdout)
     print(f"demo finished in {time.monotonic() - t0:.0f} s" + ("" if ok else f"; UNEXPECTED: {why}"), file=sys.stderr)
     return 0 if ok else 1

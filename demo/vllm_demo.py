@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -23,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvguard.demo.engine_env import repo_root
-from kvguard.demo.run import describe_finding, library_logs_to
+from kvguard.demo.run import describe_finding, run_and_report
+from kvguard.demo.settle import wait_until_applied
 from kvguard.demo.vllm_engine import DEFAULT_VLLM_VERSION, complete, start_vllm
 from kvguard.sidecar.findings import Finding
 from kvguard.sidecar.service import Sidecar
@@ -58,17 +58,6 @@ def _events(path: Path) -> list[dict]:
         return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     except FileNotFoundError:
         return []
-
-
-def _settle(sidecar: Sidecar, quiet_s: float = 0.6, max_s: float = 15.0) -> None:
-    t_end, last, since = time.monotonic() + max_s, -1, time.monotonic()
-    while time.monotonic() < t_end:
-        n = sum(sidecar.pipeline.records_by_kind.values())
-        if n != last:
-            last, since = n, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            return
-        time.sleep(0.05)
 
 
 def capture(work: str) -> VllmDemoRun:
@@ -111,7 +100,7 @@ def capture(work: str) -> VllmDemoRun:
                     stolen[0]["block"],
                 )
                 break
-        _settle(sidecar)
+        wait_until_applied(sidecar, 0.6, 15.0)
         run.findings = list(sink.findings)
     finally:
         if engine is not None:
@@ -158,28 +147,10 @@ def tell_story(run: VllmDemoRun, out) -> None:
 
 
 def run_vllm_demo(as_json: bool = False, workdir: str | None = None, keep: bool = False) -> int:
-    work = workdir or tempfile.mkdtemp(prefix="kvguard-demo-vllm-")
-    log_dir = os.path.join(work, "logs")
-    os.makedirs(log_dir, exist_ok=True)
-    t0 = time.monotonic()
-    print(
-        f"kvguard demo on vLLM {DEFAULT_VLLM_VERSION}; engine and library logs: {log_dir}", file=sys.stderr, flush=True
+    def capture_and_judge(work: str):
+        run = capture(work)
+        return run, *expected(run)
+
+    return run_and_report(
+        f"vLLM {DEFAULT_VLLM_VERSION}", "kvguard-demo-vllm-", capture_and_judge, tell_story, as_json, workdir, keep
     )
-    ok, why, run = False, "the demo did not finish", VllmDemoRun()
-    try:
-        with library_logs_to(os.path.join(log_dir, "kvguard-demo.log")):
-            run = capture(work)
-        ok, why = expected(run)
-    finally:
-        if keep or workdir is not None or not ok:
-            if workdir is None:
-                print(f"logs kept in {log_dir}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
-    if as_json:
-        for f in run.findings:
-            print(json.dumps(f.to_dict()), flush=True)
-    else:
-        tell_story(run, sys.stdout)
-    print(f"demo finished in {time.monotonic() - t0:.0f} s" + ("" if ok else f"; UNEXPECTED: {why}"), file=sys.stderr)
-    return 0 if ok else 1

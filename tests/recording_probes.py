@@ -19,3 +19,32 @@ class RecordingProbes:
 
     def named(self, name):
         return [c for c in self.calls if c[0] == name]
+
+
+class CaptureWriter:
+    """A ring writer for the real Probes that keeps each record as (kind, payload bytes);
+    ``take()`` decodes and clears them (engine id 1)."""
+
+    def __init__(self, engine_id: int = 1):
+        self.engine_id, self.records, self.records_written, self.dropped_records = engine_id, [], 0, 0
+
+    def write(self, kind, payload, pool=0, flags=0):
+        from kvguard.engine_hooks import wire
+
+        self.records.append((wire.Kind(kind), bytes(payload)))
+        self.records_written += 1
+        return True
+
+    write_sticky = write
+
+    def write_batch(self, kind, payloads):
+        return sum(self.write(kind, p) for p in payloads)
+
+    def take(self) -> list:
+        from kvguard.engine_hooks import wire
+
+        out = []
+        for kind, payload in self.records:
+            out += wire.decode_stream(wire.encode(kind, 0, 1, self.engine_id, payload), wire.DecodeStats())
+        self.records.clear()
+        return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+from recording_probes import CaptureWriter
 
 from kvguard.engine_hooks import wire
 from kvguard.engine_hooks.probes import Probes
@@ -18,24 +19,7 @@ from kvguard.sidecar.pipeline import Pipeline
 PAGE = 4
 
 
-class Capture:
-    """A ring writer that keeps (kind, payload) for a pipeline fed by hand."""
-
-    def __init__(self, engine_id: int):
-        self.engine_id, self.records, self.records_written, self.dropped_records = engine_id, [], 0, 0
-
-    def write(self, kind, payload, pool=0, flags=0):
-        self.records.append((wire.Kind(kind), bytes(payload)))
-        self.records_written += 1
-        return True
-
-    write_sticky = write
-
-    def write_batch(self, kind, payloads):
-        return sum(self.write(kind, p) for p in payloads)
-
-
-def _feed(pipeline: Pipeline, *writers: Capture) -> list:
+def _feed(pipeline: Pipeline, *writers: CaptureWriter) -> list:
     """Decode each writer's records, interleave them in the order given by ``order`` (a list of
     writer indices per record, via ``_take``) and apply them; returns the findings."""
     found = []
@@ -54,7 +38,7 @@ def _take(writers):
 
 
 def _core_and_worker():
-    core, worker = Capture(1), Capture(2)
+    core, worker = CaptureWriter(1), CaptureWriter(2)
     pc, pw = Probes(core), Probes(worker)
     pc.hello("unified", 0, PAGE, 64, 64 * PAGE, 128, 128, "vllm", "0.32.0", "tiny", pid=4242)
     pw.engine_part(4242, "worker", 0, PAGE)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from recording_probes import CaptureWriter
 
 from kvguard.engine_hooks import probes as probes_mod
 from kvguard.engine_hooks import wire
@@ -23,32 +24,9 @@ from kvguard.engine_hooks.vllm import plugin
 PAGE = 32
 
 
-class Capture:
-    def __init__(self):
-        self.records, self.records_written, self.dropped_records = [], 0, 0
-
-    def write(self, kind, payload, pool=0, flags=0):
-        self.records.append((wire.Kind(kind), bytes(payload)))
-        self.records_written += 1
-        return True
-
-    write_sticky = write
-
-    def write_batch(self, kind, payloads):
-        return sum(self.write(kind, p) for p in payloads)
-
-    def take(self):
-        out = []
-        for kind, payload in self.records:
-            (rec,) = wire.decode_stream(wire.encode(kind, 0, 1, 1, payload), wire.DecodeStats())
-            out.append(rec)
-        self.records.clear()
-        return out
-
-
 @pytest.fixture
 def captured():
-    cap = Capture()
+    cap = CaptureWriter()
     probes_mod.reset_probes_for_tests(Probes(cap, page_size=PAGE))
     rt.State.reset()
     yield cap

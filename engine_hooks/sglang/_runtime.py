@@ -21,6 +21,7 @@ import sys
 import threading
 from collections import OrderedDict
 
+from ..hook_failures import HookFailures, current_probes
 from ..row_sampler import RowSampler
 
 log = logging.getLogger("kvguard.sglang")
@@ -34,29 +35,13 @@ DEFAULT_TENANT_FIELDS = ("routing_key", "extra_key")
 MAX_TRACKED = 1 << 16  # bound on per-request bookkeeping (requests that never end)
 
 
-def probes():
-    """The process-wide Probes (looked up each time so tests can swap it)."""
-    from kvguard.engine_hooks import probes as probes_mod
-
-    return probes_mod.get_probes()
-
+probes = current_probes
 
 # --------------------------------------------------------------------------- guard
-_disabled: set[str] = set()
-_errors: dict[str, int] = {}
-
-
-def hook_failed(name: str, exc: BaseException) -> None:
-    """Count, report once, disable: the engine must never see our failure."""
-    first = name not in _disabled
-    _disabled.add(name)
-    _errors[name] = _errors.get(name, 0) + 1
-    if first:
-        log.warning("kvguard sglang hook %s failed and is disabled: %s: %s", name, type(exc).__name__, exc)
-        try:
-            probes().report_probe_error("sglang." + name, exc)
-        except Exception:  # noqa: BLE001
-            pass
+_failures = HookFailures("sglang", log, lambda: probes())  # (the module's name: tests swap it)
+_disabled = _failures.disabled  # (the same set and dict: read by the hooks, cleared by State.reset)
+_errors = _failures.errors
+hook_failed = _failures.failed
 
 
 def is_enabled(name: str) -> bool:

@@ -18,6 +18,7 @@ import os
 from collections import OrderedDict
 from typing import Any
 
+from ..hook_failures import HookFailures, current_probes
 from ..row_sampler import RowSampler
 
 log = logging.getLogger("kvguard.vllm")
@@ -29,28 +30,10 @@ MAX_TRACKED = 1 << 16  # bound on per-request bookkeeping (requests that never e
 ORIGINAL = "__kvguard_original__"
 
 
-def probes():
-    """The process-wide Probes (looked up each time so tests can swap it)."""
-    from kvguard.engine_hooks import probes as probes_mod
-
-    return probes_mod.get_probes()
-
-
-_disabled: set[str] = set()
-_errors: dict[str, int] = {}
-
-
-def hook_failed(name: str, exc: BaseException) -> None:
-    """Count, report once, disable: the engine must never see our failure."""
-    first = name not in _disabled
-    _disabled.add(name)
-    _errors[name] = _errors.get(name, 0) + 1
-    if first:
-        log.warning("kvguard vllm hook %s failed and is disabled: %s: %s", name, type(exc).__name__, exc)
-        try:
-            probes().report_probe_error("vllm." + name, exc)
-        except Exception:  # noqa: BLE001
-            pass
+probes = current_probes
+_failures = HookFailures("vllm", log, lambda: probes())  # (the module's name: tests swap it)
+_disabled = _failures.disabled
+hook_failed = _failures.failed
 
 
 def disabled_hooks() -> set[str]:
@@ -126,8 +109,7 @@ class State:
         cls.in_alloc = 0
         cls.tenant_fields = tenant_fields_from_env()
         cls.row_sampler = RowSampler()
-        _disabled.clear()
-        _errors.clear()
+        _failures.clear()
 
 
 def tenant_fields_from_env() -> tuple:
