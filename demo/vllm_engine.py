@@ -28,7 +28,7 @@ from kvguard.demo.model import write_tiny_llama
 
 logger = logging.getLogger("kvguard.demo.engines")
 
-VLLM_VERSIONS = ("0.32.0",)
+VLLM_VERSIONS = ("0.30.0", "0.31.0", "0.32.0")  # `make venv` installs 0.32.0; `make test-vllm-versions` the others
 DEFAULT_VLLM_VERSION = "0.32.0"
 MAX_MODEL_LEN = 512
 BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32 only
@@ -42,7 +42,8 @@ def vllm_python(version: str = DEFAULT_VLLM_VERSION, root: Path | None = None) -
         raise ValueError(f"vLLM version must be one of {VLLM_VERSIONS}, got {version!r}")
     python = (root or repo_root()) / ".venv" / "vllm" / version / "bin" / "python"
     if not python.is_file():
-        raise FileNotFoundError(f"vLLM {version} is not installed at {python.parent.parent}: run `make venv`")
+        how = "make venv" if version == DEFAULT_VLLM_VERSION else "make test-vllm-versions"
+        raise FileNotFoundError(f"vLLM {version} is not installed at {python.parent.parent}: run `{how}`")
     return python
 
 
