@@ -337,17 +337,21 @@ class RingReader:
 
     The ring file can shrink under the reader (truncated by anyone with write access):
     a load from a mapped page past the new end of file is SIGBUS, which would kill the
-    whole sidecar. So the mapping is only ever touched for the header's 8-byte counters,
-    each time right after ``fstat`` showed the file still covers it (``_check``); the
-    header's fixed fields, the sticky record and the data area are copied with ``pread``,
-    which returns short instead of faulting. A ring found shorter than its mapping raises
-    ``RingTruncated`` and is never touched through the mapping again (``close`` too).
+    whole sidecar. So the reader maps nothing: the header's 8-byte counters are read with
+    ``pread`` and its own (read position, next sequence, consumer pid) written with
+    ``pwrite``, the sticky record and the data area copied with ``pread``; a read past the
+    end returns short instead of faulting. (An earlier version touched a mapping right
+    after ``fstat`` showed the file covered it: a thread stopped between the two, the file
+    cut meanwhile, was SIGBUS on resuming; seen once in the truncation test.) A ring found
+    shorter than it should be raises ``RingTruncated`` and is not read or written again.
+    The producer's counters are published through its mapping; the page cache is the same
+    object, so ``pread`` sees each 8-byte aligned store whole.
     """
 
     def __init__(self, path: str):
         self.path = path
-        self._u64 = None
-        self.truncated = ""  # why the mapping must not be touched any more ("" while it may)
+        self._open = False  # the header may be read and written (False once truncated or closed)
+        self.truncated = ""  # why the ring must not be touched any more ("" while it may)
         try:
             # never through a symbolic link, never blocking (a FIFO swapped in after the caller's lstat)
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -387,8 +391,7 @@ class RingReader:
                 problem = f"file is {size} bytes, header says {HEADER_BYTES + capacity}"
             if problem:
                 raise RingError(f"{path}: {problem}")
-            self._size = HEADER_BYTES + capacity  # what is mapped; the file must stay at least this long
-            self._mm = mmap.mmap(fd, self._size)
+            self._size = HEADER_BYTES + capacity  # the file must stay at least this long
         except BaseException:
             os.close(fd)
             raise
@@ -396,19 +399,18 @@ class RingReader:
         self.capacity, self.pid, self.engine_id = capacity, pid, engine_id
         self.start_ns, self.proc_start_ticks = start_ns, ticks
         self._mask = capacity - 1
-        self._u64 = np.frombuffer(self._mm, dtype="<u8", count=HEADER_BYTES // 8)
+        self._open = True
         self._check()
-        self._u64[_CONSUMER_PID] = os.getpid()
-        self.read_pos = int(self._u64[_READ_POS])
+        self._set(_CONSUMER_PID, os.getpid())
+        self.read_pos = self._get(_READ_POS)
         # a previous consumer left read_pos and the next sequence it expected: resume there
-        self.next_seq: int | None = int(self._u64[_CONSUMER_NEXT_SEQ]) if self.read_pos else None
+        self.next_seq: int | None = self._get(_CONSUMER_NEXT_SEQ) if self.read_pos else None
         self.resumed = self.read_pos > 0
         self.stats = wire.DecodeStats()
         self.records_lost = 0
 
     def _check(self) -> None:
-        """Raise ``RingTruncated`` unless the file still covers the whole mapping (call it
-        right before touching the mapping: a load past the end of file is SIGBUS)."""
+        """Raise ``RingTruncated`` unless the file still covers the whole ring."""
         if not self.truncated:
             size = os.fstat(self._lock_fd).st_size
             if size >= self._size:
@@ -417,8 +419,28 @@ class RingReader:
                 f"{self.path}: truncated to {size} bytes while attached (the ring is {self._size} "
                 f"bytes): not read again"
             )
-            self._u64 = None  # nothing may reach the mapping any more
+            self._open = False  # nothing is read or written any more
         raise RingTruncated(self.truncated)
+
+    def _get(self, index: int) -> int:
+        """The header's 8-byte counter ``index`` (a copy: cannot fault)."""
+        if not self._open:
+            self._check()
+            raise RingTruncated(f"{self.path}: closed")
+        data = os.pread(self._lock_fd, 8, index * 8)
+        if len(data) < 8:
+            self._check()  # the file shrank: raises
+            raise RingTruncated(f"{self.path}: header read short: not read again")
+        return int.from_bytes(data, "little")
+
+    def _set(self, index: int, value: int) -> None:
+        """Store the reader's own counter ``index``. (A file cut between the size check and
+        this write grows back by at most the header: never a fault, and the next check
+        still sees it shorter than the ring.)"""
+        self._check()
+        if not self._open:
+            raise RingTruncated(f"{self.path}: closed")
+        os.pwrite(self._lock_fd, (int(value) & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little"), index * 8)
 
     def _pread(self, offset: int, length: int) -> bytes:
         """``length`` bytes of the file at ``offset``: a copy that cannot fault."""
@@ -431,19 +453,16 @@ class RingReader:
     @property
     def dropped_records(self) -> int:
         """The producer's own count of dropped records (includes drops before we attached)."""
-        self._check()
-        return int(self._u64[_DROPPED_RECORDS])
+        return self._get(_DROPPED_RECORDS)
 
     @property
     def writing_since_ns(self) -> int:
         """When the record the producer is writing now was stamped (0: none in progress)."""
-        self._check()
-        return int(self._u64[_WRITING_SINCE])
+        return self._get(_WRITING_SINCE)
 
     @property
     def backlog_bytes(self) -> int:
-        self._check()
-        return int(self._u64[_WRITE_POS]) - self.read_pos
+        return self._get(_WRITE_POS) - self.read_pos
 
     def producer_alive(self) -> bool:
         """Whether the producer still holds its lock on the ring (see RingWriter)."""
@@ -485,14 +504,14 @@ class RingReader:
         """Decode what the producer published since the last poll (at most ``max_bytes``).
         Raises ``RingTruncated`` (and reads nothing more) if the file shrank under us."""
         self._check()
-        write_pos = int(self._u64[_WRITE_POS])
+        write_pos = self._get(_WRITE_POS)
         if write_pos - self.read_pos > self.capacity or write_pos < self.read_pos:
             # what was skipped cannot exceed what the ring holds: a garbage write_pos (2^64-ish)
             # must not become 1.8e19 corrupt bytes
             self.stats.corrupt_bytes += min(abs(write_pos - self.read_pos), self.capacity)
             self.stats.last_error = f"write_pos {write_pos} inconsistent with read_pos {self.read_pos}: resynchronised"
             self.read_pos = write_pos
-            self._u64[_READ_POS] = write_pos
+            self._set(_READ_POS, write_pos)
             return PollResult([], 0)
         records: list[wire.Record] = []
         limit = min(write_pos, self.read_pos + max_bytes)
@@ -512,8 +531,7 @@ class RingReader:
                 self.read_pos += chunk
             else:  # a copy no bigger than cap (or one record), however much is published
                 self.read_pos += self._read_bounded(offset, chunk, records, cap)
-        self._check()  # decoding took a while: the header must still be there to store read_pos
-        self._u64[_READ_POS] = self.read_pos
+        self._set(_READ_POS, self.read_pos)  # (checks the file is still whole first)
         return self._mark_gaps(records)
 
     def _read_bounded(self, offset: int, avail: int, records: list, cap: int = READ_CHUNK_BYTES) -> int:
@@ -548,7 +566,7 @@ class RingReader:
             out.append(rec)
             expected = rec.seq + 1
         self.next_seq = expected
-        self._u64[_CONSUMER_NEXT_SEQ] = expected
+        self._set(_CONSUMER_NEXT_SEQ, expected)
         self.records_lost += lost
         return PollResult(out, lost)
 
@@ -563,17 +581,12 @@ class RingReader:
         )
 
     def close(self) -> None:
-        if self._u64 is not None:
+        if self._open:
             try:
-                self._check()
-                self._u64[_CONSUMER_PID] = 0
-            except (RingTruncated, ValueError, TypeError, OSError):
+                self._set(_CONSUMER_PID, 0)
+            except (RingTruncated, OSError):
                 pass
-        self._u64 = None
-        try:
-            self._mm.close()
-        except BufferError:
-            pass
+        self._open = False
         try:
             os.close(self._lock_fd)
         except OSError:

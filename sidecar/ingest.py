@@ -71,7 +71,7 @@ MIN_RING_BYTES = 64 << 10
 # lower it (each attached ring holds FDS_PER_RING descriptors, FD_RESERVE are kept for the
 # HTTP server, logs and the recording). Rings past the cap wait, counted once, until one detaches.
 DEFAULT_MAX_RINGS = 1024
-FDS_PER_RING = 2  # the ring's own fd (the liveness lock) and the one mmap keeps (a dup)
+FDS_PER_RING = 1  # the ring's own fd (the liveness lock; the reader maps nothing, engine_hooks/ring.py)
 FD_RESERVE = 128
 # the directory is listed again only when its mtime changed, and at least this often (entries
 # refused earlier are looked at again then, by (inode, size, mtime), never re-read unchanged)

@@ -138,3 +138,39 @@ def test_bad_ring_files_are_refused_with_the_reason(tmp_path):
 def test_capacity_must_be_a_power_of_two(tmp_path):
     with pytest.raises(ValueError, match="KVGUARD_RING_BYTES.*5000"):
         RingWriter(str(tmp_path), 5000)
+
+
+def test_a_ring_cut_right_after_the_readers_size_check_is_an_error_not_sigbus(tmp_path):
+    """The size check and the access cannot be atomic (a thread may be stopped between them,
+    as the truncation test once caught): the reader must not fault even then. It maps
+    nothing, so a read past the new end returns short and becomes RingTruncated. Run in a
+    child process: a SIGBUS there kills only the child, and the test reads its exit."""
+    code = f"""
+import os, numpy as np
+from kvguard.engine_hooks import wire
+from kvguard.engine_hooks.ring import RingReader, RingTruncated, RingWriter
+w = RingWriter({str(tmp_path)!r}, 4096)
+w.write(wire.Kind.ALLOC, wire.pages_payload(np.arange(3)))
+r = RingReader(w.path)
+r._check = lambda: None  # as if each check ran just before the file was cut
+os.truncate(w.path, 0)
+outcomes = []
+for what in ("backlog_bytes", "writing_since_ns", "dropped_records", "poll"):
+    try:
+        getattr(r, what)() if what == "poll" else getattr(r, what)
+        outcomes.append(what + ": read")
+    except RingTruncated:
+        outcomes.append(what + ": truncated")
+r.close()
+print(";".join(outcomes))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__))
+    )
+    assert done.returncode == 0, f"the reader died (exit {done.returncode}): {done.stderr[-2000:]}"
+    assert done.stdout.strip().split(";") == [
+        "backlog_bytes: truncated",
+        "writing_since_ns: truncated",
+        "dropped_records: truncated",
+        "poll: truncated",
+    ]

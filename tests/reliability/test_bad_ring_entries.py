@@ -102,8 +102,8 @@ def test_a_bad_entry_is_refused_once_and_the_healthy_engine_is_still_checked(tmp
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["fd-limit", "max-rings"])
 def test_more_rings_than_it_may_attach_are_counted_once_and_never_stop_the_others(tmp_path, procs, how):
-    # 256 descriptors: (256 - 128 reserved) / 2 per ring = 64 rings, however many --max-rings allows
-    extra, nofile, cap = ((), 256, 64) if how == "fd-limit" else (("--max-rings", "8"), None, 8)
+    # 192 descriptors: (192 - 128 reserved) / 1 per ring = 64 rings, however many --max-rings allows
+    extra, nofile, cap = ((), 192, 64) if how == "fd-limit" else (("--max-rings", "8"), None, 8)
     ring_dir, engine, sidecar = healthy_setup(tmp_path, procs, extra=extra, nofile=nofile)
     n = 100
     # one process holds 100 live rings (each alive: its writer holds the ring's lock)
@@ -178,4 +178,4 @@ def test_an_unlimited_fd_limit_leaves_the_cap_at_max_rings(monkeypatch):
     monkeypatch.setattr(resource, "getrlimit", lambda _which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     assert RingSet("/nonexistent", max_rings=1024).ring_cap == 1024  # RLIM_INFINITY is -1: not a cap of 1
     monkeypatch.setattr(resource, "getrlimit", lambda _which: (256, 256))
-    assert RingSet("/nonexistent", max_rings=1024).ring_cap == 64  # (256 - 128 reserved) / 2 per ring
+    assert RingSet("/nonexistent", max_rings=1024).ring_cap == 128  # (256 - 128 reserved) / 1 per ring

@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.engine_hooks.probes import Probes
-from kvguard.engine_hooks.ring import RingWriter
+from kvguard.engine_hooks.ring import HEADER_BYTES, RingWriter
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "reliability-test-token"
@@ -229,9 +229,10 @@ def test_a_garbage_write_position_counts_at_most_the_rings_capacity_as_corrupt(t
 
 # --------------------------------------------------------------------------- recording failures
 def _small_file_limit():
-    # every file this process writes is capped at 32 bytes: a recording segment's first write
-    # fails (EFBIG) exactly as on a full disk (ENOSPC), through the same OSError path
-    resource.setrlimit(resource.RLIMIT_FSIZE, (32, 32))
+    # no file this process writes may reach past 4 KiB: a recording segment fails (EFBIG) as
+    # soon as it gets there, exactly as on a full disk (ENOSPC), through the same OSError path.
+    # (The sidecar writes its read position into the ring's 4 KiB header: that still works.)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (HEADER_BYTES, HEADER_BYTES))
 
 
 def test_a_recording_that_cannot_be_written_is_exported_as_failing(tmp_path, sidecars):
@@ -239,11 +240,13 @@ def test_a_recording_that_cannot_be_written_is_exported_as_failing(tmp_path, sid
     sc = SidecarProc(tmp_path, ring_dir, "--record-dir", str(record_dir), preexec_fn=_small_file_limit)
     sidecars.append(sc)
     p = engine(ring_dir)
-    for page in range(1, 50):
+    for page in range(1, 400):  # more than 4 KiB of records
         p.pages_allocated([page * 4])
     m = sc.wait_for(lambda m: m.get("kvguard_recording_failing") == 1, "the recording to be reported failing")
     assert m["kvguard_recording_enabled"] == 1
     assert m["kvguard_recording_write_errors_total"] >= 1
+    for page in range(400, 460):  # records that come while the recording is failing
+        p.pages_allocated([page * 4])
     m = sc.wait_for(
         lambda m: m.get("kvguard_recording_records_not_recorded_total", 0) >= 50,
         "the records not recorded to be counted",
