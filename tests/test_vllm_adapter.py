@@ -85,6 +85,23 @@ def test_an_eviction_outside_an_allocation_frees_the_block(captured):
     assert rec.kind == wire.Kind.ALLOC and rec.body.pages.tolist() == [6]
 
 
+def test_a_prefix_cache_reset_frees_only_the_cached_blocks_nobody_holds(captured):
+    """Blocks at 0 without a hash were reported free when they reached 0: saying it again at
+    a reset was a false double_free (found with /reset_prefix_cache on the real engine)."""
+    pool = _pool()
+    b = pool.blocks
+    b[2].block_hash = b[3].block_hash = "h"
+    b[3].ref_cnt = 1  # cached and held: still readable after the reset
+    cached_idle = hc.reset_prefix_cache_pre(pool)
+    for block in b:
+        block.block_hash = None  # what the reset does
+    hc.reset_prefix_cache_post(cached_idle, True, pool)
+    (rec,) = captured.take()
+    assert rec.kind == wire.Kind.FREE and rec.body.pages.tolist() == [2]
+    hc.reset_prefix_cache_post(hc.reset_prefix_cache_pre(pool), False, pool)  # a refused reset frees nothing
+    assert captured.take() == []
+
+
 def _step(new=(), cached=(), resumed=()):
     """The fields of a SchedulerOutput the hook reads: ``new`` (rid, block ids, computed),
     ``cached`` (rid, block ids gained or None, computed)."""

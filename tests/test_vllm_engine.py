@@ -230,8 +230,7 @@ def test_prefix_shared_across_salts_is_reported(vllm):
     prompt = _text(rng, 100)
     complete(engine, prompt, 4, tenant="acme", cache_salt="acme-salt", xargs=xargs("salt_ignored", "first"))
     mark = watch.mark()
-    out = complete(engine, prompt, 4, tenant="globex", cache_salt="globex-salt", xargs=xargs("salt_ignored", "second"))
-    assert out["usage"].get("prompt_tokens_details") is None or True  # (vLLM reports cached tokens only with a flag)
+    complete(engine, prompt, 4, tenant="globex", cache_salt="globex-salt", xargs=xargs("salt_ignored", "second"))
     found = watch.since(mark)
     assert [f.kind for f in found] == ["cross_salt_prefix_share"], [f.to_dict() for f in found]
     f = found[0]

@@ -97,6 +97,15 @@ class State:
     tenant_fields: tuple = DEFAULT_TENANT_FIELDS
     row_sampler: RowSampler = RowSampler()
     engine_version = ""
+    # the KV connector (hooks_connector.py)
+    scheduler: Any = None
+    connector_name = ""
+    connector_store_aware = False
+    matched: Bounded = Bounded()  # rid -> (local hit tokens, external tokens, async) from the connector's lookup
+    loads: Bounded = Bounded()  # rid -> (object key, pages, salt, async) issued, not landed
+    local_hit: Bounded = Bounded()  # rid -> its prefix-cache hit (tokens) when a connector loads the rest
+    pending_stores: dict = {}  # id(scheduler output) -> stores saved by that step's forward
+    stores_unattributed = 0
 
     @classmethod
     def reset(cls) -> None:
@@ -109,6 +118,14 @@ class State:
         cls.in_alloc = 0
         cls.tenant_fields = tenant_fields_from_env()
         cls.row_sampler = RowSampler()
+        cls.scheduler = None
+        cls.connector_name = ""
+        cls.connector_store_aware = False
+        cls.matched = Bounded()
+        cls.loads = Bounded()
+        cls.local_hit = Bounded()
+        cls.pending_stores = {}
+        cls.stores_unattributed = 0
         _failures.clear()
 
 

@@ -28,6 +28,7 @@ import logging
 import numpy as np
 
 from . import _runtime as rt
+from . import hooks_connector as hconn
 from ._runtime import State
 
 log = logging.getLogger("kvguard.vllm")
@@ -79,6 +80,7 @@ def scheduler_init_post(_token, _result, self, *args, **kwargs) -> None:
     max_len = int(self.max_model_len)
     State.page_size = page_size
     State.block_pool = manager.block_pool
+    State.scheduler = self
     rt.probes().hello(
         _role(self.vllm_config),
         0,
@@ -92,6 +94,7 @@ def scheduler_init_post(_token, _result, self, *args, **kwargs) -> None:
         _model_name(self.vllm_config.model_config),
     )
     State.hello_done = True
+    hconn.attach(self)  # after HELLO: its records need the page size
 
 
 # --------------------------------------------------------------------------- block pool
@@ -141,10 +144,17 @@ def evict_post(_token, evicted, self, block, *args, **kwargs) -> None:
             _emit_free([block.block_id])
 
 
-def reset_prefix_cache_post(_token, ok, self, *args, **kwargs) -> None:
-    """Every hash dropped: the blocks at 0 (all of them but the null block) are free for good."""
-    if ok and State.hello_done and self is State.block_pool:
-        _emit_free([b.block_id for b in self.blocks if b.ref_cnt == 0 and not b.is_null])
+def reset_prefix_cache_pre(self, *args, **kwargs):
+    """The cached blocks nobody holds, before the reset drops their hashes: the reset frees
+    exactly these for good (blocks at 0 without a hash were reported free already)."""
+    if not State.hello_done or self is not State.block_pool:
+        return None
+    return [b.block_id for b in self.blocks if b.ref_cnt == 0 and not b.is_null and _cached(self, b)]
+
+
+def reset_prefix_cache_post(cached_idle, ok, self, *args, **kwargs) -> None:
+    if ok and cached_idle:
+        _emit_free(cached_idle)
 
 
 # --------------------------------------------------------------------------- rows
@@ -163,6 +173,8 @@ def schedule_post(_token, out, self, *args, **kwargs) -> None:
         rid = new.req_id
         ids = new.block_ids[0]
         computed = int(new.num_computed_tokens)
+        # the row's prefix-cache hit (shared); tokens a KV connector loads are the request's own
+        shared = hconn.shared_until(rid, computed)
         if rid not in State.begun:
             State.begun[rid] = True
             request = self.requests.get(rid)
@@ -171,12 +183,12 @@ def schedule_post(_token, out, self, *args, **kwargs) -> None:
                 rt.tenant_of(request),
                 None,
                 int(getattr(request, "num_prompt_tokens", 0) or 0),
-                computed,
+                computed,  # prompt tokens this engine does not compute: the hit and a connector's load
                 False,
                 cache_salt=getattr(request, "cache_salt", None),
             )
         if ids:
-            p.row_pages_assigned(rid, 0, len(ids) * ps, computed, ids)
+            p.row_pages_assigned(rid, 0, len(ids) * ps, shared, ids)
         rows[rid] = len(ids)
     cached = out.scheduled_cached_reqs
     resumed = cached.resumed_req_ids
@@ -185,7 +197,7 @@ def schedule_post(_token, out, self, *args, **kwargs) -> None:
             continue  # the usual decode step: no new block
         ids = gained[0]
         if rid in resumed:  # after a preemption: a new row, its own cached blocks shared
-            p.row_pages_assigned(rid, 0, len(ids) * ps, int(computed), ids)
+            p.row_pages_assigned(rid, 0, len(ids) * ps, hconn.shared_until(rid, int(computed)), ids)
             rows[rid] = len(ids)
             continue
         start = rows.get(rid)
@@ -193,6 +205,13 @@ def schedule_post(_token, out, self, *args, **kwargs) -> None:
             continue  # a row we never saw begin (attached mid-run): nothing to place it against
         p.row_pages_assigned(rid, start * ps, (start + len(ids)) * ps, start * ps, ids)
         rows[rid] = start + len(ids)
+    hconn.loads_landed_in_schedule(out)
+
+
+def update_from_output_post(_token, _result, self, scheduler_output, *args, **kwargs) -> None:
+    """``Scheduler.update_from_output``: the step's forward is done (its connector saves too)."""
+    if State.pending_stores:
+        hconn.stores_landed(scheduler_output)
 
 
 # --------------------------------------------------------------------------- requests
@@ -200,6 +219,7 @@ def free_request_pre(self, request, *args, **kwargs) -> None:
     """``Scheduler._free_request``: the request finished (stop, length, abort)."""
     rid = request.request_id
     State.rows.pop(rid, None)
+    hconn.forget(rid)
     if State.begun.pop(rid, None) is None:
         return  # never scheduled: it held no KV
     reason = request.get_finished_reason()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _runtime as rt
+from . import hooks_connector as hconn
 from . import hooks_core as hc
 from . import hooks_worker as hw
 
@@ -64,8 +65,29 @@ TARGETS = (
     ),
     Target(_CORE + "block_pool", "BlockPool", "free_blocks", ("ordered_blocks",), custom=hc.free_blocks),
     Target(_CORE + "block_pool", "BlockPool", "_maybe_evict_cached_block", ("block",), post=hc.evict_post),
-    Target(_CORE + "block_pool", "BlockPool", "reset_prefix_cache", (), post=hc.reset_prefix_cache_post),
+    Target(
+        _CORE + "block_pool",
+        "BlockPool",
+        "reset_prefix_cache",
+        (),
+        pre=hc.reset_prefix_cache_pre,
+        post=hc.reset_prefix_cache_post,
+    ),
     Target(_CORE + "sched.scheduler", "Scheduler", "schedule", (), post=hc.schedule_post),
+    Target(
+        _CORE + "sched.scheduler",
+        "Scheduler",
+        "update_from_output",
+        ("scheduler_output", "model_runner_output"),
+        post=hc.update_from_output_post,
+    ),
+    Target(
+        _CORE + "sched.scheduler",
+        "Scheduler",
+        "_update_from_kv_xfer_finished",
+        ("kv_connector_output",),
+        pre=hconn.xfer_finished_pre,
+    ),
     Target(
         "vllm.v1.worker.gpu_model_runner",
         "GPUModelRunner",

@@ -1,0 +1,118 @@
+"""kvguard on a real vLLM engine with a KV connector: vLLM's reference ``ExampleConnector``
+(shared storage on disk, ``kv_role: kv_both``) stores each new prompt's KV and loads it into
+a later request's blocks. kvguard reports each store and load (KV_STORE, KV_LOAD through
+engine_hooks/vllm/hooks_connector.py), credits the loaded blocks as written by the load,
+and judges each load against what was stored.
+
+One engine for the module: prefill in one step (the reference connector saves a prompt's
+KV in the step that first schedules it), the local prefix cache reset between requests
+(``/reset_prefix_cache``, dev mode) so that a repeated prompt is loaded from the connector
+rather than found in the engine's own cache.
+
+The reference connector keys stored KV by the prompt's tokens alone, without the request's
+``cache_salt``: a request of another salt is served KV stored for the first one. That is the
+salt-dropped-on-the-way-to-an-external-cache bug of issue 16/17 (SGLang #37160, LMCache
+#4825), in an unmodified vLLM: kvguard reports it as ``cross_salt_prefix_share`` via the load.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import httpx
+import pytest
+from test_vllm_engine import VERSION, Watch, _missing, _text
+
+from kvguard.demo.vllm_engine import complete, start_vllm
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+
+
+def connector_name(version: str) -> str:
+    return "SharedStorageConnector" if version.startswith("0.30") else "ExampleConnector"
+
+
+@pytest.fixture(scope="module")
+def vllm_connector(tmp_path_factory):
+    if _missing:
+        pytest.skip(_missing)
+    base = tmp_path_factory.mktemp("vllm-connector")
+    ring_dir = Path(tempfile.mkdtemp(prefix="kvg-vllm-conn-rings-", dir="/dev/shm"))
+    store = base / "kv-store"
+    store.mkdir()
+    events_dir = base / "events"
+    events_dir.mkdir()
+    watch = Watch(ring_dir, events_dir)
+    config = {
+        "kv_connector": connector_name(VERSION),
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(store)},
+    }
+    engine = start_vllm(
+        base / "logs",
+        version=VERSION,
+        ring_dir=ring_dir,
+        num_blocks=64,
+        max_num_seqs=4,
+        extra_args=["--max-num-batched-tokens", "512", "--kv-transfer-config", json.dumps(config)],
+        extra_env={"VLLM_SERVER_DEV_MODE": "1"},
+    )
+    try:
+        yield engine, watch
+    finally:
+        engine.stop()
+        watch.sidecar.stop()
+        shutil.rmtree(ring_dir, ignore_errors=True)
+
+
+def _reset_local_cache(engine) -> None:
+    r = httpx.post(engine.url + "/reset_prefix_cache", timeout=30.0)
+    r.raise_for_status()
+
+
+def test_loads_from_the_connector_are_checked_and_clean_ones_are_quiet(vllm_connector):
+    engine, watch = vllm_connector
+    rng = random.Random(21)
+    mark = watch.mark()
+    before = dict(watch.stats().records_by_kind)
+    prompts = {"acme": _text(rng, 200), "globex": _text(rng, 170)}
+    first = {}
+    for tenant, prompt in prompts.items():  # stored
+        first[tenant] = complete(engine, prompt, 16, tenant=tenant, cache_salt=f"{tenant}-salt")["choices"][0]["text"]
+        _reset_local_cache(engine)
+    for tenant, prompt in prompts.items():  # loaded from the connector into new blocks: same salt
+        again = complete(engine, prompt, 16, tenant=tenant, cache_salt=f"{tenant}-salt")["choices"][0]["text"]
+        assert again == first[tenant]  # (greedy: the loaded KV is the KV the first request computed)
+        _reset_local_cache(engine)
+    found = watch.since(mark)
+    stats = watch.stats()
+    counts = {k: stats.records_by_kind.get(k, 0) - before.get(k, 0) for k in ("KV_STORE", "KV_LOAD")}
+    assert found == [], watch.explain(found)
+    assert counts == {"KV_STORE": 2, "KV_LOAD": 4}, counts  # two stores; two loads, issued and completed
+    assert stats.loads_unverified == 0  # each load met the store it loads
+    (engine_stats,) = [e for e in stats.engines if e.pages_read]
+    assert engine_stats.pages_unverified == 0
+
+
+def test_a_load_of_kv_stored_under_another_salt_is_reported(vllm_connector):
+    """The reference connector ignores cache_salt: globex's request with acme's prompt is
+    served acme's stored KV. kvguard: cross_salt_prefix_share via the load, globex the reader,
+    acme's request exposed."""
+    engine, watch = vllm_connector
+    rng = random.Random(22)
+    prompt = _text(rng, 190)
+    complete(engine, prompt, 8, tenant="acme", cache_salt="acme-salt")
+    _reset_local_cache(engine)
+    mark = watch.mark()
+    complete(engine, prompt, 8, tenant="globex", cache_salt="globex-salt")
+    found = watch.since(mark)
+    assert [f.kind for f in found] == ["cross_salt_prefix_share"], [f.to_dict() for f in found]
+    f = found[0]
+    assert f.severity == "critical" and f.reader.tenant == "globex", f.to_dict()
+    assert f.evidence.get("via") == "load", f.evidence
+    assert [p.tenant for p in f.exposed] == ["acme"], f.to_dict()
+    _reset_local_cache(engine)
