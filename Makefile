@@ -173,7 +173,7 @@ test-versions: venv apt native $(SGLANG_TEST_DIRS)
 .PHONY: test-vllm-versions
 test-vllm-versions: venv apt native $(VLLM_TEST_DIRS)
 	rc=0; for v in $(VLLM_TEST_VERSIONS); do \
-	  KVGUARD_TEST_VLLM=$$v $(PY) -m pytest -q tests/test_vllm_engine.py || rc=$$?; \
+	  KVGUARD_TEST_VLLM=$$v $(PY) -m pytest -q tests/test_vllm_engine.py tests/test_vllm_connector.py || rc=$$?; \
 	done; exit $$rc
 
 demo: venv apt native

@@ -146,6 +146,7 @@ def bench(batch: int, steps: int, ring_dir: str) -> dict:
     scheduled = np.ones(batch, np.int32)
     prepare = meter.wrap(hw.prepare_inputs_pre)
     schedule_post = meter.wrap(hc.schedule_post)
+    update_from_output = meter.wrap(hc.update_from_output_post)
     for r in reqs:  # (their first step: a new request's whole row)
         rt.State.rows[r.request_id] = len(manager.get_block_ids(r.request_id)[0])
         rt.State.begun[r.request_id] = True
@@ -178,6 +179,7 @@ def bench(batch: int, steps: int, ring_dir: str) -> dict:
         )
         schedule_post(None, out, scheduler)  # what Scheduler.schedule's hook sees
         prepare(Runner, None, scheduled)  # the worker's view of the same step
+        update_from_output(None, None, scheduler, out)  # the step's output (TTFT, connector stores)
         for r in reqs:
             r.num_computed_tokens += 1
             r.append_output_token_ids(7)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 import types
 from dataclasses import dataclass, field
 
@@ -153,6 +154,31 @@ def test_a_finished_request_ends_once_and_one_never_scheduled_not_at_all(capture
     hc.free_request_pre(None, types.SimpleNamespace(request_id="never", get_finished_reason=lambda: 2))
     (end,) = captured.take()
     assert end.kind == wire.Kind.REQ_END and end.body.finish == wire.Finish.LENGTH and end.body.output_tokens == 5
+
+
+def test_ttft_runs_from_the_first_forward_to_the_first_token_and_a_preempted_request_says_so(captured):
+    _pool()
+    a = types.SimpleNamespace(num_prompt_tokens=40, num_output_tokens=0, cache_salt=None, sampling_params=None)
+    b = types.SimpleNamespace(num_prompt_tokens=40, num_output_tokens=0, cache_salt=None, sampling_params=None)
+    scheduler = types.SimpleNamespace(requests={"a": a, "b": b})
+    step = _step(new=[("a", [3, 4], 0), ("b", [5, 6], 0)])
+    hc.schedule_post(None, step, scheduler)
+    captured.take()
+    time.sleep(0.01)
+    a.num_output_tokens = 1  # a got its first token in this step; b is still prefilling (chunked)
+    hc.update_from_output_post(None, None, scheduler, step)
+    assert set(rt.State.prefilling) == {"b"}
+    time.sleep(0.01)
+    b.num_output_tokens = 1
+    hc.update_from_output_post(None, None, scheduler, step)
+    for rid, request, preemptions in (("a", a, 0), ("b", b, 1)):
+        request.request_id, request.stop_reason, request.num_preemptions = rid, None, preemptions
+        request.get_finished_reason, request.arrival_time = (lambda: 0), time.time() - 0.5
+        hc.free_request_pre(scheduler, request)
+    end_a, end_b = captured.take()
+    assert 10e6 <= end_a.body.ttft_ns < end_b.body.ttft_ns < 5e9  # b's first token came a step later
+    assert end_a.body.e2e_ns >= 0.5e9 and not end_a.body.reprefilled and end_b.body.reprefilled
+    assert not rt.State.ttft_ns and not rt.State.prefilling
 
 
 def _runner(req_ids, computed, table, block_size=PAGE):

@@ -57,6 +57,7 @@ class Lookup:
 def _request(rid="r", salt=None, prompt=130, tenant="acme"):
     return types.SimpleNamespace(
         request_id=rid,
+        num_output_tokens=0,
         cache_salt=salt,
         num_prompt_tokens=prompt,
         prompt_token_ids=list(range(prompt)),

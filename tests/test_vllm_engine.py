@@ -190,6 +190,12 @@ def test_clean_traffic_is_quiet(vllm):
     ended = [info for t in watch.sidecar.pipeline.engines.values() for info in t.requests._ended.values()]
     finishes = Counter(info.finish for info in ended)
     assert finishes["abort"] >= 3, ("the client aborts did not reach the engine", finishes)
+    # TTFT: every request that got a token has one, and the TTFT rule learned this engine
+    # from them (warmup done) without flagging anything (found == [] above)
+    timed = [info for info in ended if info.finish in ("stop", "length")]
+    assert timed and all(info.ttft_ns > 0 for info in timed), [(i.rid, i.ttft_ns) for i in timed if i.ttft_ns <= 0]
+    (model,) = watch.sidecar.pipeline.ttft_detector.models.values()
+    assert len(model.samples) >= 10, len(model.samples)
 
 
 def test_preflight_reads_the_pool_and_context_of_a_vllm_server(vllm, capsys):

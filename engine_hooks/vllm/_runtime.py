@@ -97,6 +97,10 @@ class State:
     tenant_fields: tuple = DEFAULT_TENANT_FIELDS
     row_sampler: RowSampler = RowSampler()
     engine_version = ""
+    # TTFT: rid -> when its first forward was scheduled (perf_counter ns), until its first token;
+    # then rid -> its TTFT (ns) until it ends
+    prefilling: Bounded = Bounded()
+    ttft_ns: Bounded = Bounded()
     # the KV connector (hooks_connector.py)
     scheduler: Any = None
     connector_name = ""
@@ -118,6 +122,8 @@ class State:
         cls.in_alloc = 0
         cls.tenant_fields = tenant_fields_from_env()
         cls.row_sampler = RowSampler()
+        cls.prefilling = Bounded()
+        cls.ttft_ns = Bounded()
         cls.scheduler = None
         cls.connector_name = ""
         cls.connector_store_aware = False

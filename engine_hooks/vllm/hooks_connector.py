@@ -44,8 +44,8 @@ from ._runtime import State
 log = logging.getLogger("kvguard.vllm")
 
 OBJECT_KEY_SEED = 0x6B76675F6F626A6B  # "kvg_objk": keys leave the engine as keyed hashes only
-# connectors whose object identity and stores this module understands (the reference
-# connector: ExampleConnector since 0.31, SharedStorageConnector before)
+# connectors whose object identity and stores this module understands: the reference
+# connector (ExampleConnector in 0.30-0.32; SharedStorageConnector in older releases)
 STORE_AWARE = ("ExampleConnector", "SharedStorageConnector")
 MAX_PENDING_STEPS = 16  # steps scheduled whose output has not come back (async scheduling: 2)
 

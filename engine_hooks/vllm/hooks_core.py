@@ -18,12 +18,14 @@ allocated; eviction frees them), so the mapping is:
   blocks gained this step, a request resumed after a preemption its whole new row;
 * REQ_BEGIN when a request is first scheduled (its prefix hit is known then, for the TTFT
   rule and the scope), with its ``cache_salt`` as the prefix-cache scope; REQ_END when the
-  scheduler frees a finished request.
+  scheduler frees a finished request, with its TTFT (first scheduled forward to first
+  token, watched in ``Scheduler.update_from_output`` for the requests still prefilling).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
@@ -169,8 +171,11 @@ def schedule_post(_token, out, self, *args, **kwargs) -> None:
     p = rt.probes()
     ps = State.page_size
     rows = State.rows
+    now = time.perf_counter_ns()
     for new in out.scheduled_new_reqs:
         rid = new.req_id
+        if rid not in State.ttft_ns:
+            State.prefilling.setdefault(rid, now)  # its first forward: TTFT counts from here
         ids = new.block_ids[0]
         computed = int(new.num_computed_tokens)
         # the row's prefix-cache hit (shared); tokens a KV connector loads are the request's own
@@ -209,7 +214,19 @@ def schedule_post(_token, out, self, *args, **kwargs) -> None:
 
 
 def update_from_output_post(_token, _result, self, scheduler_output, *args, **kwargs) -> None:
-    """``Scheduler.update_from_output``: the step's forward is done (its connector saves too)."""
+    """``Scheduler.update_from_output``: the step's forward is done (its connector saves
+    too), and the requests that were prefilling may have their first token now. Only those
+    are looked at (a handful per step, not the batch)."""
+    if State.prefilling:
+        now = time.perf_counter_ns()
+        requests = self.requests
+        for rid, started in list(State.prefilling.items()):
+            request = requests.get(rid)
+            if request is None:
+                del State.prefilling[rid]
+            elif request.num_output_tokens > 0:
+                del State.prefilling[rid]
+                State.ttft_ns[rid] = now - started
     if State.pending_stores:
         hconn.stores_landed(scheduler_output)
 
@@ -219,16 +236,22 @@ def free_request_pre(self, request, *args, **kwargs) -> None:
     """``Scheduler._free_request``: the request finished (stop, length, abort)."""
     rid = request.request_id
     State.rows.pop(rid, None)
+    State.prefilling.pop(rid, None)
+    ttft = State.ttft_ns.pop(rid, 0)
     hconn.forget(rid)
     if State.begun.pop(rid, None) is None:
         return  # never scheduled: it held no KV
     reason = request.get_finished_reason()
     finish = _FINISH.get(int(reason), "unknown") if reason is not None else "unknown"
+    arrival = float(getattr(request, "arrival_time", 0.0) or 0.0)  # wall clock, stamped by the API server
+    e2e = int((time.time() - arrival) * 1e9) if arrival else 0
     rt.probes().request_end(
         rid,
         finish,
-        0,  # TTFT is not measured by the vLLM adapter yet (the TTFT rule skips 0)
-        0,
+        ttft,  # from its first forward to its first token: the prefill's own time (0: never got one)
+        e2e,
         int(request.num_output_tokens),
         str(getattr(request, "stop_reason", "") or ""),
+        # recomputed after a preemption: the cached-token count of its REQ_BEGIN no longer holds
+        reprefilled=int(getattr(request, "num_preemptions", 0) or 0) > 0,
     )
