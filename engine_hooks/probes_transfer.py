@@ -177,3 +177,17 @@ class TransferProbes:
             self._tier_pages(slots_or_pages, unit),
         )
         self._emit(wire.Kind.KV_LOAD, wire.kv_load_payload(x))
+
+    @guarded_probe
+    def kv_digest(self, rid: str | None, object_key: int, digest: int, side: str) -> None:
+        """One side's digest of object ``object_key``'s KV, computed where the KV is: ``side``
+        "stored" (the bytes copied out of the device pages) or "loaded" (the bytes as they
+        landed). ``rid`` None when the computing process does not know the request (vLLM's
+        Worker): the sidecar joins it to the object's KV_STORE / KV_LOAD by key."""
+        d = wire.KvDigest(
+            0 if rid is None else wire.request_key(rid),
+            int(object_key) & wire.NO_ROOM,
+            int(digest) & wire.NO_ROOM,
+            wire.TierSide[side.upper()],
+        )
+        self._emit(wire.Kind.KV_DIGEST, wire.kv_digest_payload(d))

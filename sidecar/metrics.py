@@ -228,6 +228,11 @@ class KVGuardCollector(Collector):
         tiers.add_metric(["load_of_unknown_object"], stats.loads_unverified)
         tiers.add_metric(["object_forgotten"], stats.objects_forgotten)
         yield tiers
+        yield CounterMetricFamily(
+            "kvguard_kv_tier_digests_compared",
+            "Host / storage tier loads whose KV digest was compared with the digest taken when the object was stored",
+            value=stats.load_digests_compared,
+        )
         yield from ttft_metrics(stats.ttft)
         yield from recording_metrics(getattr(svc, "recorder", None))
         shared = getattr(svc, "shared_ledger", None)  # the service's link to Redis, not the pipeline's

@@ -15,7 +15,11 @@ What can go wrong, and what the sidecar says (docs/detectors.md):
   ``cross_salt_prefix_share`` with ``evidence.via = "load"``;
 - a load of an object stored by an engine serving another model, or whose digest differs
   from the stored one (LMCache #4385, SGLang #24758): ``checksum_mismatch`` with
-  ``evidence.via = "load"``.
+  ``evidence.via = "load"``. The digests come in the KV_STORE / KV_LOAD records, or, when
+  another process of the engine holds the KV (vLLM's Worker), in KV_DIGEST records joined
+  to the object by key: a stored digest may come before its KV_STORE (the Worker hashes as
+  the forward saves; the EngineCore says KV_STORE after the step) and is kept for it; a
+  loaded digest comes after its KV_LOAD completed and is compared at once.
 
 The completed load's pages count as written by the request it was loaded for (or by
 the cache, for a prefetch), so reads of loaded prefixes are judged like any other.
@@ -47,6 +51,7 @@ if TYPE_CHECKING:
 
 MAX_OBJECTS = 100_000  # ~120 bytes each: 12 MB at most
 MAX_PENDING_LOADS = 10_000
+MAX_PENDING_DIGESTS = 10_000  # stored digests waiting for their KV_STORE; loads remembered for their digest
 CACHE = RequestInfo(0, rid="(prefix cache)", tenant="")  # the writer / reader of a cache node's store or load
 
 
@@ -68,6 +73,11 @@ class OffloadFlow:
         self.pending_loads: OrderedDict[tuple, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self.objects_forgotten = 0
         self.loads_unverified = 0  # completed loads of objects this sidecar never saw stored
+        self.load_digests_compared = 0  # loads whose digest was compared with the stored one
+        # (engine, object key) -> a stored digest whose KV_STORE has not come yet
+        self.pending_store_digests: OrderedDict[tuple, int] = OrderedDict()
+        # (engine, object key) -> (request key, pages) of its latest completed load, for its KV_DIGEST
+        self.recent_loads: OrderedDict[tuple, tuple[int, np.ndarray]] = OrderedDict()
 
     # ------------------------------------------------------------------ stores
     def _on_kv_store(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
@@ -75,7 +85,8 @@ class OffloadFlow:
         info = t.requests.get(body.req_key) if body.req_key else CACHE
         model = t.hello.model if t.hello is not None else ""
         stored_by = reader_party(info) if info is not None and body.req_key else None
-        self.stored_objects[body.object_key] = StoredObject(model, body.scope, body.digest, stored_by)
+        digest = body.digest or self.pending_store_digests.pop((t.engine_id, body.object_key), 0)
+        self.stored_objects[body.object_key] = StoredObject(model, body.scope, digest, stored_by)
         self.stored_objects.move_to_end(body.object_key)
         while len(self.stored_objects) > MAX_OBJECTS:
             self.stored_objects.popitem(last=False)
@@ -110,7 +121,33 @@ class OffloadFlow:
             return []
         found = self._load_landed(t, body, pages, issued, rec.ts_ns)
         found += self._load_matches_object(t, body, pages, rec.ts_ns)
+        _remember(self.recent_loads, (t.engine_id, body.object_key), (body.req_key, pages))
         return found
+
+    # ------------------------------------------------------------------ digests from elsewhere
+    def _on_kv_digest(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+        body: wire.KvDigest = rec.body
+        key = (t.engine_id, body.object_key)
+        if body.side == wire.TierSide.STORED:
+            obj = self.stored_objects.get(body.object_key)
+            if obj is not None and not obj.digest:
+                obj.digest = body.digest
+            else:  # its KV_STORE is still to come (or replaces an older object of that key)
+                _remember(self.pending_store_digests, key, body.digest)
+            return []
+        obj = self.stored_objects.get(body.object_key)
+        if obj is None or not obj.digest or not body.digest or t.hello is None:
+            return []  # (the load itself was counted unverified when it completed)
+        self.load_digests_compared += 1
+        if obj.digest == body.digest:
+            return []
+        req_key, pages = self.recent_loads.get(key, (body.req_key, np.zeros(0, np.int64)))
+        reader = t.requests.get(req_key) if req_key else None
+        if reader is not None and reader.warmup:
+            return []
+        evidence = {"stored_digest": f"{obj.digest:016x}", "loaded_digest": f"{body.digest:016x}"}
+        event = LoadedObjectMismatch(reader, pages, body.object_key, obj.stored_by, (("checksum_mismatch", evidence),))
+        return self._emit(self._observe(event, t, rec.ts_ns))
 
     def _load_landed(self, t: EngineTracker, body: wire.KvLoad, pages, issued, ts_ns: int) -> list[Finding]:
         """The bytes are in ``pages`` now: still where the load was meant to go?"""
@@ -163,3 +200,11 @@ class OffloadFlow:
             return []
         event = LoadedObjectMismatch(reader, pages, body.object_key, obj.stored_by, tuple(problems))
         return self._emit(self._observe(event, t, ts_ns))
+
+
+def _remember(table: OrderedDict, key, value) -> None:
+    """Bounded: the oldest entry goes first."""
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > MAX_PENDING_DIGESTS:
+        table.popitem(last=False)

@@ -270,6 +270,7 @@ class Pipeline(TransferFlow, OffloadFlow):
             # host / storage tiers (sidecar/offload.py)
             K.KV_STORE: self._on_kv_store,
             K.KV_LOAD: self._on_kv_load,
+            K.KV_DIGEST: self._on_kv_digest,
             K.CONTENT_CHANGED: lambda t, rec: self._emit(
                 self._observe(ContentChangedAt(rec.body.pages, rec.body.slots_changed), t, rec.ts_ns)
             ),
@@ -503,5 +504,6 @@ class Pipeline(TransferFlow, OffloadFlow):
             guard_aborts={kind: self.guard_aborts[kind] for kind in GUARD_ABORT_KINDS},
             loads_unverified=self.loads_unverified,
             objects_forgotten=self.objects_forgotten,
+            load_digests_compared=self.load_digests_compared,
             records_without_engine=self.parts.records_without_engine,
         )

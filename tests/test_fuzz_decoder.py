@@ -90,6 +90,7 @@ def _corpus():
     p.report_probe_error("forward", RuntimeError("x"))
     p._tier1_violation(Violation("r-1", 13, [4, 2], [3, 1], ["warm", None], [3, 1]), 2)
     p.engine_part(4242, "worker", 0, 4)
+    p.kv_digest(None, 0xABC, 0xFEED, "loaded")
     return p.writer.records
 
 

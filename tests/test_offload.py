@@ -153,3 +153,33 @@ def test_another_models_kv_and_other_bytes_are_checksum_mismatches(tmp_path):
 def test_a_load_of_an_object_never_seen_stored_is_counted_not_guessed(tmp_path):
     findings, r = run(tmp_path, lambda rec: load_for_ini(engine(rec)))
     assert findings == [] and r.pipeline.loads_unverified == 1
+
+
+def test_digests_from_the_process_holding_the_kv_join_their_objects_by_key(tmp_path):
+    """KV_DIGEST (vLLM's Worker hashes the KV; the EngineCore says KV_STORE / KV_LOAD): the
+    stored digest may come before its KV_STORE, the loaded one after its KV_LOAD. The same
+    bytes: compared, quiet. Other bytes (an object changed at rest): checksum_mismatch via
+    the load, naming the request it was loaded for and whose KV was stored."""
+
+    def scenario(loaded_digest):
+        def body(rec):
+            eng = engine(rec)
+            eng.kv_digest(None, OBJ, 0x1111, "stored")  # (hashed as the forward saved it)
+            store_from_acme(eng)
+            eng.kv_digest(None, OBJ, 0x2222, "stored")  # an unrelated later digest: the object keeps its own
+            eng.request_begin("r-ini", "initech", None, 12, 8, False)
+            eng.pages_allocated(slots(5, 6))
+            eng.kv_loaded("r-ini", OBJ, [5, 6], "issued")
+            eng.kv_loaded("r-ini", OBJ, [5, 6], "completed")
+            eng.kv_digest(None, OBJ, loaded_digest, "loaded")
+
+        return body
+
+    findings, r = run(tmp_path, scenario(0x1111))
+    assert findings == [] and r.pipeline.load_digests_compared == 1, [f.to_dict() for f in findings]
+    findings, r = run(tmp_path, scenario(0x9999))
+    assert [f.kind for f in findings] == ["checksum_mismatch"], [f.to_dict() for f in findings]
+    f = findings[0]
+    assert f.reader.rid == "r-ini" and f.evidence["via"] == "load", f.to_dict()
+    assert (f.evidence["stored_digest"], f.evidence["loaded_digest"]) == (f"{0x1111:016x}", f"{0x9999:016x}")
+    assert sorted(f.pages) == [5, 6]

@@ -61,6 +61,7 @@ def every_kind(p: Probes, rid="r-1"):
     p.content_changed(slots([2])[:2])
     p.kv_stored(None, 0xABC, [1, 2], digest=7)
     p.kv_loaded(rid, 0xABC, [5, 6], "completed", digest=7, cache_salt="s")
+    p.kv_digest(None, 0xABC, 7, "stored")
     p.rejected(rid, "decode", "out of memory \u2603")
     p.guard_acted(rid, 42, "rejected_send", "aborted", prompt_tokens=16, send_tokens=1, reserved_pages=3, reason="g")
     p.request_end(rid, "length", 1000, 2000, 3, "done")

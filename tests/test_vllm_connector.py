@@ -4,15 +4,15 @@ a later request's blocks. kvguard reports each store and load (KV_STORE, KV_LOAD
 engine_hooks/vllm/hooks_connector.py), credits the loaded blocks as written by the load,
 and judges each load against what was stored.
 
-One engine for the module: prefill in one step (the reference connector saves a prompt's
-KV in the step that first schedules it), the local prefix cache reset between requests
-(``/reset_prefix_cache``, dev mode) so that a repeated prompt is loaded from the connector
-rather than found in the engine's own cache.
+One engine for the module: chunked prefill of 128 tokens a step, the clean prompts shorter
+than one chunk, the local prefix cache reset between requests (``/reset_prefix_cache``, dev
+mode) so that a repeated prompt is loaded from the connector rather than found in the
+engine's own cache.
 
 The reference connector keys stored KV by the prompt's tokens alone, without the request's
-``cache_salt``: a request of another salt is served KV stored for the first one. That is the
-salt-dropped-on-the-way-to-an-external-cache bug of issue 16/17 (SGLang #37160, LMCache
-#4825), in an unmodified vLLM: kvguard reports it as ``cross_salt_prefix_share`` via the load.
+``cache_salt``: a request of another salt is served KV stored for the first one (the salt
+dropped on the way to an external cache of issue 16/17, SGLang #37160, LMCache #4825), in
+an unmodified vLLM: kvguard reports it as ``cross_salt_prefix_share`` via the load.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from test_vllm_engine import VERSION, Watch, _missing, _text
 from kvguard.demo.vllm_engine import complete, start_vllm
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+
+CHUNK = 128  # tokens prefilled per step
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +56,11 @@ def vllm_connector(tmp_path_factory):
         ring_dir=ring_dir,
         num_blocks=64,
         max_num_seqs=4,
-        extra_args=["--max-num-batched-tokens", "512", "--kv-transfer-config", json.dumps(config)],
+        extra_args=["--max-num-batched-tokens", str(CHUNK), "--kv-transfer-config", json.dumps(config)],
         extra_env={"VLLM_SERVER_DEV_MODE": "1"},
     )
     try:
-        yield engine, watch
+        yield engine, watch, store
     finally:
         engine.stop()
         watch.sidecar.stop()
@@ -71,11 +73,12 @@ def _reset_local_cache(engine) -> None:
 
 
 def test_loads_from_the_connector_are_checked_and_clean_ones_are_quiet(vllm_connector):
-    engine, watch = vllm_connector
+    engine, watch, store = vllm_connector
     rng = random.Random(21)
     mark = watch.mark()
-    before = dict(watch.stats().records_by_kind)
-    prompts = {"acme": _text(rng, 200), "globex": _text(rng, 170)}
+    before_stats = watch.stats()
+    before = dict(before_stats.records_by_kind)
+    prompts = {"acme": _text(rng, 110), "globex": _text(rng, 90)}  # (prefilled in one step each)
     first = {}
     for tenant, prompt in prompts.items():  # stored
         first[tenant] = complete(engine, prompt, 16, tenant=tenant, cache_salt=f"{tenant}-salt")["choices"][0]["text"]
@@ -86,10 +89,12 @@ def test_loads_from_the_connector_are_checked_and_clean_ones_are_quiet(vllm_conn
         _reset_local_cache(engine)
     found = watch.since(mark)
     stats = watch.stats()
-    counts = {k: stats.records_by_kind.get(k, 0) - before.get(k, 0) for k in ("KV_STORE", "KV_LOAD")}
+    counts = {k: stats.records_by_kind.get(k, 0) - before.get(k, 0) for k in ("KV_STORE", "KV_LOAD", "KV_DIGEST")}
     assert found == [], watch.explain(found)
-    assert counts == {"KV_STORE": 2, "KV_LOAD": 4}, counts  # two stores; two loads, issued and completed
+    # two stores; two loads, issued and completed; the Worker's digest of each store and load
+    assert counts == {"KV_STORE": 2, "KV_LOAD": 4, "KV_DIGEST": 4}, counts
     assert stats.loads_unverified == 0  # each load met the store it loads
+    assert stats.load_digests_compared - before_stats.load_digests_compared == 2  # ... and the bytes stored
     (engine_stats,) = [e for e in stats.engines if e.pages_read]
     assert engine_stats.pages_unverified == 0
 
@@ -98,9 +103,9 @@ def test_a_load_of_kv_stored_under_another_salt_is_reported(vllm_connector):
     """The reference connector ignores cache_salt: globex's request with acme's prompt is
     served acme's stored KV. kvguard: cross_salt_prefix_share via the load, globex the reader,
     acme's request exposed."""
-    engine, watch = vllm_connector
+    engine, watch, store = vllm_connector
     rng = random.Random(22)
-    prompt = _text(rng, 190)
+    prompt = _text(rng, 100)
     complete(engine, prompt, 8, tenant="acme", cache_salt="acme-salt")
     _reset_local_cache(engine)
     mark = watch.mark()
@@ -111,4 +116,29 @@ def test_a_load_of_kv_stored_under_another_salt_is_reported(vllm_connector):
     assert f.severity == "critical" and f.reader.tenant == "globex", f.to_dict()
     assert f.evidence.get("via") == "load", f.evidence
     assert [p.tenant for p in f.exposed] == ["acme"], f.to_dict()
+    _reset_local_cache(engine)
+
+
+def test_kv_changed_at_rest_in_the_connectors_store_is_reported_when_loaded(vllm_connector):
+    """A stored object's bytes change on disk (a corrupted or swapped file): the next load
+    puts other KV than was stored into acme's blocks. kvguard: checksum_mismatch via the
+    load, the stored and loaded digests in the evidence."""
+    engine, watch, store = vllm_connector
+    rng = random.Random(23)
+    prompt = _text(rng, 120)
+    before = {p.name for p in store.iterdir()}
+    complete(engine, prompt, 8, tenant="acme", cache_salt="acme-salt")
+    (folder,) = [p for p in store.iterdir() if p.name not in before]  # this prompt's object
+    _reset_local_cache(engine)
+    victim = sorted(folder.glob("*.safetensors"))[-1]
+    raw = bytearray(victim.read_bytes())
+    raw[-2] ^= 0x40  # one bf16 value of the last layer's KV, in the data after the header
+    victim.write_bytes(bytes(raw))
+    mark = watch.mark()
+    complete(engine, prompt, 8, tenant="acme", cache_salt="acme-salt")
+    found = watch.since(mark)
+    assert [f.kind for f in found] == ["checksum_mismatch"], [f.to_dict() for f in found]
+    f = found[0]
+    assert f.evidence.get("via") == "load" and f.evidence["stored_digest"] != f.evidence["loaded_digest"], f.evidence
+    assert f.reader is not None and f.reader.tenant == "acme", f.to_dict()
     _reset_local_cache(engine)

@@ -246,3 +246,42 @@ def test_a_store_the_hooks_cannot_attribute_is_counted_not_guessed(captured, cap
     assert [r for r in captured.take() if r.kind == wire.Kind.KV_STORE] == []
     assert rt.State.stores_unattributed == 2
     assert len([r for r in caplog.records if "could not attribute" in r.getMessage()]) == 1  # said once
+
+
+def test_the_worker_digests_what_the_reference_connector_stored_and_what_it_loaded(captured):
+    torch = pytest.importorskip("torch")
+    from kvguard.engine_hooks.vllm import hooks_connector_worker as hw_conn
+
+    rt.State.part_done = True  # this Worker announced itself
+    kv = {f"layer.{i}": torch.randn(8, 2, PAGE, 4).to(torch.bfloat16) for i in range(2)}  # [B, H, N, C]
+    tokens = torch.arange(2 * PAGE)
+
+    def meta(is_store, blocks):
+        slots = (torch.tensor(blocks)[:, None] * PAGE + torch.arange(PAGE)[None, :]).flatten()
+        return types.SimpleNamespace(token_ids=tokens, slot_mapping=slots, is_store=is_store, mm_hashes=[])
+
+    connector = ExampleConnector()
+    connector.requests = []
+    connector._get_connector_metadata = lambda: types.SimpleNamespace(requests=connector.requests)
+    connector.requests = [meta(True, [2, 3])]
+    for name, tensor in kv.items():
+        hw_conn.save_kv_layer_post(None, None, connector, name, tensor)
+    hw_conn.wait_for_save_post(None, None, connector)
+    (stored,) = captured.take()
+    assert stored.kind == wire.Kind.KV_DIGEST and stored.body.side == wire.TierSide.STORED
+    for tensor in kv.values():  # the connector loads the same bytes into blocks 5, 6
+        tensor[5:7] = tensor[2:4]
+    connector.requests = [meta(False, [5, 6])]
+    layers = {name: types.SimpleNamespace(kv_cache=t) for name, t in kv.items()}
+    context = types.SimpleNamespace(attn_metadata={}, no_compile_layers=layers)
+    hw_conn.start_load_kv_post(None, None, connector, context)
+    (loaded,) = captured.take()
+    assert loaded.body.side == wire.TierSide.LOADED and loaded.body.object_key == stored.body.object_key
+    assert loaded.body.digest == stored.body.digest
+    kv["layer.1"][6, 1, 3, 2] += 1  # one value changed at rest
+    hw_conn.start_load_kv_post(None, None, connector, context)
+    (changed,) = captured.take()
+    assert changed.body.digest != stored.body.digest
+    # no attention metadata: the connector loaded nothing, so nothing is hashed
+    hw_conn.start_load_kv_post(None, None, connector, types.SimpleNamespace(attn_metadata=None))
+    assert captured.take() == []

@@ -110,6 +110,8 @@ class State:
     local_hit: Bounded = Bounded()  # rid -> its prefix-cache hit (tokens) when a connector loads the rest
     pending_stores: dict = {}  # id(scheduler output) -> stores saved by that step's forward
     stores_unattributed = 0
+    saved_layers: dict = {}  # Worker: layer name -> the KV view the connector's save read
+    connector_digests_skipped = 0  # Worker: digests not taken (the KV is not in host memory)
 
     @classmethod
     def reset(cls) -> None:
@@ -132,6 +134,8 @@ class State:
         cls.local_hit = Bounded()
         cls.pending_stores = {}
         cls.stores_unattributed = 0
+        cls.saved_layers = {}
+        cls.connector_digests_skipped = 0
         _failures.clear()
 
 

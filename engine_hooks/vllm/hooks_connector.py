@@ -107,14 +107,20 @@ def _wrap_method(obj, attr: str, post, pre=None) -> None:
 
 
 # --------------------------------------------------------------------------- object keys
+def folder_key(connector, token_tensor, mm_hashes) -> int:
+    """The reference connector's folder for these tokens (its own code names it), hashed."""
+    folder = connector._generate_foldername_debug(token_tensor, mm_hashes, create_folder=False)
+    return _hash_key(str(folder).rsplit("/", 1)[-1].encode())
+
+
 def _example_key(connector, token_ids, mm_hashes) -> int:
-    """ExampleConnector's folder for the tokens it keys a prompt by (its own code computes it)."""
+    """The object a prompt's KV is stored as: the tokens it keys by are the prompt's first
+    ``align_to_block_size(len(prompt))`` (its ReqMeta's ``token_ids``)."""
     import torch
 
     block = connector._block_size
     n = (len(token_ids) - 1) // block * block  # example_connector.align_to_block_size(len(prompt))
-    folder = connector._generate_foldername_debug(torch.tensor(token_ids)[:n], mm_hashes, create_folder=False)
-    return _hash_key(str(folder).rsplit("/", 1)[-1].encode())
+    return folder_key(connector, torch.tensor(token_ids)[:n], mm_hashes)
 
 
 def _mm_hashes(request) -> list:

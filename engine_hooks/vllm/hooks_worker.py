@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from . import _runtime as rt
+from . import hooks_connector_worker as hconn_worker
 from ._runtime import State
 
 log = logging.getLogger("kvguard.vllm")
@@ -58,6 +59,7 @@ def _announce(runner) -> None:
         return
     State.page_size = int(tables[0].block_size)
     rt.probes().engine_part(os.getppid(), "worker", rank, State.page_size)
+    hconn_worker.attach()
 
 
 def prepare_inputs_pre(self, scheduler_output, num_scheduled_tokens, *args, **kwargs) -> None:

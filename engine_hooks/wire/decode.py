@@ -25,6 +25,7 @@ from .layout import (
     HEADER_SIZE,
     HEARTBEAT_FIXED,
     HELLO_FIXED,
+    KV_DIGEST_FIXED,
     KV_LOAD_FIXED,
     KV_STORE_FIXED,
     MAGIC,
@@ -56,6 +57,7 @@ from .layout import (
     Role,
     Side,
     Tier1Tag,
+    TierSide,
     XferStatus,
 )
 from .types import (
@@ -67,6 +69,7 @@ from .types import (
     Guard,
     Heartbeat,
     Hello,
+    KvDigest,
     KvLoad,
     KvStore,
     Pages,
@@ -229,6 +232,15 @@ def _decode_kv_load(c: _Cursor) -> KvLoad:
     return KvLoad(key, obj, digest, scope, load_phase, c.array("<i4", count))
 
 
+def _decode_kv_digest(c: _Cursor) -> KvDigest:
+    key, obj, digest, side = c.fixed(KV_DIGEST_FIXED)
+    try:
+        tier_side = TierSide(side)
+    except ValueError:
+        raise DecodeError(f"KV_DIGEST side {side} unknown") from None
+    return KvDigest(key, obj, digest, tier_side)
+
+
 def _decode_content_changed(c: _Cursor) -> ContentChanged:
     slots_changed, count = c.fixed(CONTENT_CHANGED_FIXED)
     return ContentChanged(slots_changed, c.array("<i4", count))
@@ -276,6 +288,7 @@ _DECODERS = {
     Kind.KV_STORE: _decode_kv_store,
     Kind.KV_LOAD: _decode_kv_load,
     Kind.ENGINE_PART: _decode_engine_part,
+    Kind.KV_DIGEST: _decode_kv_digest,
     Kind.HEARTBEAT: _decode_heartbeat,
     Kind.PROBE_ERROR: _decode_probe_error,
 }

@@ -25,6 +25,7 @@ from .layout import (
     HEADER_SIZE,
     HEARTBEAT_FIXED,
     HELLO_FIXED,
+    KV_DIGEST_FIXED,
     KV_LOAD_FIXED,
     KV_STORE_FIXED,
     MAGIC,
@@ -53,6 +54,7 @@ from .types import (
     Guard,
     Heartbeat,
     Hello,
+    KvDigest,
     KvLoad,
     KvStore,
     ProbeError,
@@ -200,6 +202,10 @@ def kv_load_payload(x: KvLoad) -> bytes:
     pages = np.ascontiguousarray(x.pages, dtype="<i4")
     fixed = KV_LOAD_FIXED.pack(x.req_key, x.object_key, x.digest, x.scope, len(pages), int(x.phase))
     return fixed + pages.tobytes()
+
+
+def kv_digest_payload(d: KvDigest) -> bytes:
+    return KV_DIGEST_FIXED.pack(d.req_key, d.object_key, d.digest, int(d.side))
 
 
 def content_changed_payload(c: ContentChanged) -> bytes:

@@ -35,9 +35,9 @@ MAGIC = 0x4B47
 VERSION = 1
 # Kinds added since the payload layouts of version 1 were fixed, without changing any of them:
 # a 1.0 reader skips them (counted in ``unknown_kind``), a 1.1 reader replays 1.0 streams as
-# they were. 1: REQ_SCOPE, CONTENT_CHANGED, KV_STORE, KV_LOAD. 2: ENGINE_PART. Carried in HELLO's kvguard_version string only for people, never
+# they were. 1: REQ_SCOPE, CONTENT_CHANGED, KV_STORE, KV_LOAD. 2: ENGINE_PART. 3: KV_DIGEST. Carried in HELLO's kvguard_version string only for people, never
 # needed to decode.
-WIRE_MINOR = 2
+WIRE_MINOR = 3
 HEADER = struct.Struct("<HBBIQQIHH")
 HEADER_SIZE = HEADER.size
 ALIGN = 8
@@ -79,6 +79,10 @@ class Kind(enum.IntEnum):
     # lives in another process (vLLM: the Worker's forwards, the EngineCore's pages); the sidecar
     # applies its records to that engine's timeline (docs/wire-format.md)
     ENGINE_PART = 22
+    # contract 1.3 (WIRE_MINOR 3): the digest of a host / storage object's KV as stored from
+    # or loaded into device pages, computed where the KV is (vLLM: the Worker) and joined to
+    # the object's KV_STORE / KV_LOAD by object key
+    KV_DIGEST = 23
 
 
 class Role(enum.IntEnum):
@@ -134,6 +138,11 @@ class LoadPhase(enum.IntEnum):
     ISSUED = 1  # the destination pages are chosen and the copy is queued
     COMPLETED = 2  # the bytes are in the destination pages
     FAILED = 3  # the copy will not happen (or did not complete)
+
+
+class TierSide(enum.IntEnum):
+    STORED = 1  # the KV as it was copied out of the device pages
+    LOADED = 2  # the KV as it landed in the device pages
 
 
 class Phase(enum.IntEnum):
@@ -207,6 +216,7 @@ KV_LOAD_FIXED = struct.Struct("<QQQQIB3x")  # req_key (0: a cache prefetch), obj
 CONTENT_CHANGED_FIXED = struct.Struct("<II")  # slots_changed, count; then int32 pages[count]
 # primary_pid (the engine process whose HELLO this part's records belong to), rank, part (PartRole)
 ENGINE_PART_FIXED = struct.Struct("<IHBx")
+KV_DIGEST_FIXED = struct.Struct("<QQQB7x")  # req_key (0: not known where computed), object_key, digest, side
 REQ_SCOPE_FIXED = struct.Struct("<QQ")  # req_key, scope (request_scope(extra_key, cache_salt); never 0)
 PROBE_ERROR_FIXED = struct.Struct("<I4x")  # count of errors so far for this probe; then strings probe, error type
 

@@ -25,6 +25,7 @@ from .layout import (
     Phase,
     Role,
     Side,
+    TierSide,
     XferStatus,
 )
 
@@ -197,6 +198,17 @@ class KvLoad:
     scope: int  # the scope of the lookup that found the object
     phase: LoadPhase
     pages: np.ndarray  # destination pages
+
+
+@dataclass(slots=True)
+class KvDigest:
+    """One side's digest of a host / storage object's KV (``TierSide``), for the object named
+    by the KV_STORE / KV_LOAD of the same ``object_key``."""
+
+    req_key: int  # 0: the process that computed it does not know the request
+    object_key: int
+    digest: int
+    side: TierSide
 
 
 @dataclass(slots=True)

@@ -181,6 +181,9 @@ def _typed(fdp, kind: wire.Kind) -> bytes | None:
     if kind == wire.Kind.KV_LOAD:
         phase = wire.LoadPhase(fdp.ConsumeIntInRange(1, 3))
         return wire.kv_load_payload(wire.KvLoad(key if fdp.ConsumeBool() else 0, obj, scope, scope, phase, _pages(fdp)))
+    if kind == wire.Kind.KV_DIGEST:
+        side = wire.TierSide(fdp.ConsumeIntInRange(1, 2))
+        return wire.kv_digest_payload(wire.KvDigest(key if fdp.ConsumeBool() else 0, obj, scope, side))
     if kind == wire.Kind.ENGINE_PART:  # the engine's own pid (routes to itself) or one never seen
         pid = HELLO.pid if fdp.ConsumeBool() else fdp.ConsumeIntInRange(0, 9)
         return wire.engine_part_payload(wire.EnginePart(pid, wire.PartRole.WORKER, fdp.ConsumeIntInRange(0, 3)))
