@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
-import tempfile
-from pathlib import Path
 
 import httpx
 import pytest
-from test_vllm_engine import VERSION, Watch, _missing, _text
+from test_vllm_engine import _missing, _text, watched_vllm
 
-from kvguard.demo.vllm_engine import complete, start_vllm
+from kvguard.demo.vllm_engine import complete
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -39,32 +36,22 @@ def vllm_connector(tmp_path_factory):
     if _missing:
         pytest.skip(_missing)
     base = tmp_path_factory.mktemp("vllm-connector")
-    ring_dir = Path(tempfile.mkdtemp(prefix="kvg-vllm-conn-rings-", dir="/dev/shm"))
     store = base / "kv-store"
     store.mkdir()
-    events_dir = base / "events"
-    events_dir.mkdir()
-    watch = Watch(ring_dir, events_dir)
     config = {
         "kv_connector": "ExampleConnector",  # (its name in 0.30-0.32)
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"shared_storage_path": str(store)},
     }
-    engine = start_vllm(
-        base / "logs",
-        version=VERSION,
-        ring_dir=ring_dir,
+    with watched_vllm(
+        base,
+        "kvg-vllm-conn-rings-",
         num_blocks=64,
         max_num_seqs=4,
         extra_args=["--max-num-batched-tokens", str(CHUNK), "--kv-transfer-config", json.dumps(config)],
         extra_env={"VLLM_SERVER_DEV_MODE": "1"},
-    )
-    try:
+    ) as (engine, watch):
         yield engine, watch, store
-    finally:
-        engine.stop()
-        watch.sidecar.stop()
-        shutil.rmtree(ring_dir, ignore_errors=True)
 
 
 def _reset_local_cache(engine) -> None:

@@ -12,6 +12,7 @@ last (the most disruptive).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -102,32 +103,41 @@ class Watch:
         return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def watched_vllm(base: Path, ring_prefix: str, **start_kwargs):
+    """A vLLM server of the release under test with an in-process sidecar on its rings (in
+    /dev/shm, where deployments keep them: docs/operations.md); ``events/`` for fault logs."""
+    ring_dir = Path(tempfile.mkdtemp(prefix=ring_prefix, dir="/dev/shm"))
+    events_dir = base / "events"
+    events_dir.mkdir()
+    watch = Watch(ring_dir, events_dir)
+    try:
+        engine = start_vllm(base / "logs", version=VERSION, ring_dir=ring_dir, **start_kwargs)
+        try:
+            yield engine, watch
+        finally:
+            engine.stop()
+    finally:
+        watch.sidecar.stop()
+        shutil.rmtree(ring_dir, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory):
     if _missing:
         pytest.skip(_missing)
     base = tmp_path_factory.mktemp("vllm")
-    # the rings in /dev/shm, where deployments keep them (docs/operations.md)
-    ring_dir = Path(tempfile.mkdtemp(prefix="kvg-vllm-rings-", dir="/dev/shm"))
     events_dir = base / "events"
-    events_dir.mkdir()
-    watch = Watch(ring_dir, events_dir)
-    engine = start_vllm(
-        base / "logs",
-        version=VERSION,
-        ring_dir=ring_dir,
+    with watched_vllm(
+        base,
+        "kvg-vllm-rings-",
         num_blocks=NUM_BLOCKS,
         max_num_seqs=8,
         extra_args=["--max-num-batched-tokens", "128"],
         extra_env={"KVGUARD_FAULT": "all", "KVGUARD_FAULT_DIR": str(events_dir)},
         extra_pythonpath=[FAULTS_DIR],
-    )
-    try:
-        yield engine, watch
-    finally:
-        engine.stop()
-        watch.sidecar.stop()
-        shutil.rmtree(ring_dir, ignore_errors=True)
+    ) as running:
+        yield running
 
 
 def _text(rng: random.Random, n: int) -> str:
