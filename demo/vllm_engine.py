@@ -197,6 +197,7 @@ def complete_and_hang_up(
     max_tokens: int,
     *,
     tenant: str | None = None,
+    cache_salt: str | None = None,
     xargs: Mapping[str, Any] | None = None,
 ) -> int:
     """Stream a completion and close the connection after its first chunk, as a client that
@@ -213,6 +214,8 @@ def complete_and_hang_up(
         "stream": True,
         "vllm_xargs": extra or None,
     }
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     read = 0
     with httpx.stream("POST", engine.url + "/v1/completions", json=body, timeout=60.0) as r:
         r.raise_for_status()

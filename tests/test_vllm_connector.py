@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import json
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from test_vllm_engine import _missing, _text, watched_vllm
 
-from kvguard.demo.vllm_engine import complete
+from kvguard.demo.vllm_engine import complete, complete_and_hang_up
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -129,3 +130,40 @@ def test_kv_changed_at_rest_in_the_connectors_store_is_reported_when_loaded(vllm
     assert f.evidence.get("via") == "load" and f.evidence["stored_digest"] != f.evidence["loaded_digest"], f.evidence
     assert f.reader is not None and f.reader.tenant == "acme", f.to_dict()
     _reset_local_cache(engine)
+
+
+def test_concurrent_traffic_through_the_connector_is_quiet(vllm_connector):
+    """Many requests at once over a few prompts per tenant (each prompt one tenant's, one
+    salt): stores, loads into blocks of concurrent requests, local prefix hits on top of
+    loads, decode long enough to preempt under 64 blocks, client hang-ups, and local cache
+    resets while it runs. Nothing reported; loads were made and their digests compared."""
+    engine, watch, _store = vllm_connector
+    rng = random.Random(25)
+    tenants = ("acme", "globex", "initech")
+    prompts = {t: [_text(rng, 40 + 25 * i) for i in range(3)] for t in tenants}
+    mark = watch.mark()
+    before = watch.stats()
+    jobs = [(tenants[i % 3], i) for i in range(60)]
+
+    def run(job):
+        tenant, i = job
+        prompt = prompts[tenant][(i // 3) % 3] + ("" if i % 4 else _text(rng, 10))  # some extend a stored prompt
+        if i % 17 == 5:
+            complete_and_hang_up(engine, prompt, 300, tenant=tenant, cache_salt=f"{tenant}-salt")
+        else:
+            complete(engine, prompt, 20 + (i * 53) % 260, tenant=tenant, cache_salt=f"{tenant}-salt")
+        if i % 10 == 9:
+            _reset_local_cache(engine)
+
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(run, jobs))
+    found = watch.since(mark)
+    stats = watch.stats()
+    assert found == [], watch.explain(found)
+    loads = stats.records_by_kind.get("KV_LOAD", 0) - before.records_by_kind.get("KV_LOAD", 0)
+    compared = stats.load_digests_compared - before.load_digests_compared
+    print(f"  {loads} KV_LOAD records, {compared} load digests compared")  # (shown with -s)
+    assert loads >= 10, loads
+    assert compared > 0
+    (engine_stats,) = [e for e in stats.engines if e.pages_read]
+    assert engine_stats.pages_unverified == 0
