@@ -10,6 +10,8 @@ What can go wrong, and what the sidecar says (docs/detectors.md):
 - a load that completes after its destination pages were freed or handed to another
   request (SGLang #31427 / #30321: a load-back racing an eviction): ``late_write`` /
   ``use_after_free`` with ``evidence.via = "load"``, as a late transfer chunk;
+- a load into more pages than its object was stored from (a truncated store):
+  ``transfer_size_mismatch`` with ``evidence.direction = "load_past_object"``, via the load;
 - a load of an object stored under another prefix-cache scope than the lookup's (a salt
   dropped on the way to an external cache, SGLang #37160, LMCache #4825):
   ``cross_salt_prefix_share`` with ``evidence.via = "load"``;
@@ -61,6 +63,7 @@ class StoredObject:
     scope: int
     digest: int
     stored_by: Party | None  # the request whose KV it holds, when the store named one
+    pages: int = 0  # how many device pages it was stored from (0: not said)
 
 
 class OffloadFlow:
@@ -86,7 +89,7 @@ class OffloadFlow:
         model = t.hello.model if t.hello is not None else ""
         stored_by = reader_party(info) if info is not None and body.req_key else None
         digest = body.digest or self.pending_store_digests.pop((t.engine_id, body.object_key), 0)
-        self.stored_objects[body.object_key] = StoredObject(model, body.scope, digest, stored_by)
+        self.stored_objects[body.object_key] = StoredObject(model, body.scope, digest, stored_by, len(body.pages))
         self.stored_objects.move_to_end(body.object_key)
         while len(self.stored_objects) > MAX_OBJECTS:
             self.stored_objects.popitem(last=False)
@@ -187,6 +190,16 @@ class OffloadFlow:
         if obj.digest and body.digest and obj.digest != body.digest:
             problems.append(
                 ("checksum_mismatch", {"stored_digest": f"{obj.digest:016x}", "loaded_digest": f"{body.digest:016x}"})
+            )
+        if obj.pages and len(pages) > obj.pages:
+            # the load fills more pages than the object holds: those past its end get bytes
+            # that were never stored for this key (a truncated store: the reference vLLM
+            # connector under chunked prefill saves only the first chunk's blocks)
+            problems.append(
+                (
+                    "transfer_size_mismatch",
+                    {"direction": "load_past_object", "stored_pages": obj.pages, "loaded_pages": len(pages)},
+                )
             )
         reader_scope = body.scope  # the scope of the lookup that found the object
         if obj.scope != reader_scope:

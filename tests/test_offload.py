@@ -183,3 +183,26 @@ def test_digests_from_the_process_holding_the_kv_join_their_objects_by_key(tmp_p
     assert f.reader.rid == "r-ini" and f.evidence["via"] == "load", f.to_dict()
     assert (f.evidence["stored_digest"], f.evidence["loaded_digest"]) == (f"{0x1111:016x}", f"{0x9999:016x}")
     assert sorted(f.pages) == [5, 6]
+
+
+def test_a_load_into_more_pages_than_its_object_was_stored_from_is_a_size_mismatch(tmp_path):
+    """The object was stored from 2 pages; a load fills 3: the third gets bytes never stored
+    under this key (a truncated store). The clean twin loads 2 (the round trip above)."""
+
+    def body(rec):
+        eng = engine(rec)
+        store_from_acme(eng)
+        eng.request_begin("r-ini", "initech", None, 12, 12, False)
+        eng.pages_allocated(slots(5, 6, 7))
+        eng.kv_loaded("r-ini", OBJ, [5, 6, 7], "issued")
+        eng.kv_loaded("r-ini", OBJ, [5, 6, 7], "completed")
+
+    findings, _ = run(tmp_path, body)
+    assert [f.kind for f in findings] == ["transfer_size_mismatch"], [f.to_dict() for f in findings]
+    f = findings[0]
+    assert f.reader.rid == "r-ini" and f.evidence["via"] == "load"
+    assert (f.evidence["direction"], f.evidence["stored_pages"], f.evidence["loaded_pages"]) == (
+        "load_past_object",
+        2,
+        3,
+    )

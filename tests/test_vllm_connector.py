@@ -167,3 +167,28 @@ def test_concurrent_traffic_through_the_connector_is_quiet(vllm_connector):
     assert compared > 0
     (engine_stats,) = [e for e in stats.engines if e.pages_read]
     assert engine_stats.pages_unverified == 0
+
+
+def test_a_load_past_a_truncated_object_is_named_before_the_engine_fails(vllm_connector):
+    """LAST in this module: it ends the engine. Under chunked prefill the reference connector
+    saves a new request's prompt in the step of its first chunk, from the blocks that step
+    has: 4 of the 9 its key claims (288 tokens). Loading it back fills 9 blocks from 4
+    blocks' worth of KV, which fails the engine (vLLM 0.32.0: the request gets a 500 and the
+    server exits). kvguard names the cause first: transfer_size_mismatch via the load."""
+    engine, watch, _store = vllm_connector
+    rng = random.Random(26)
+    prompt = _text(rng, 300)
+    complete(engine, prompt, 4, tenant="acme", cache_salt="acme-salt")
+    _reset_local_cache(engine)
+    mark = watch.mark()
+    with pytest.raises(httpx.HTTPError):
+        complete(engine, prompt, 4, tenant="acme", cache_salt="acme-salt", timeout_s=60.0)
+    found = [f for f in watch.since(mark) if f.kind == "transfer_size_mismatch"]
+    assert len(found) == 1, [f.to_dict() for f in watch.since(mark)]
+    f = found[0]
+    assert f.reader.tenant == "acme" and f.evidence["via"] == "load", f.to_dict()
+    assert (f.evidence["direction"], f.evidence["stored_pages"], f.evidence["loaded_pages"]) == (
+        "load_past_object",
+        4,
+        9,
+    )

@@ -1,6 +1,7 @@
 """Loads from a host / storage tier of an object the request may not read (sidecar/offload.py):
 ``checksum_mismatch`` (another model's KV, or other bytes than were stored) and
-``cross_salt_prefix_share`` (stored under another cache scope), ``evidence.via = "load"``."""
+``cross_salt_prefix_share`` (stored under another cache scope), ``transfer_size_mismatch``
+(more pages loaded than the object was stored from), ``evidence.via = "load"``."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from .reads import reader_party
 
 WHAT = {
     "checksum_mismatch": "loaded KV from a host / storage object that is not what was stored for it",
+    "transfer_size_mismatch": "loaded more pages from a host / storage object than it was stored from",
     "cross_salt_prefix_share": "loaded KV from a host / storage object stored under another cache scope (salt / extra key)",
 }
 
 
 class OffloadDetector:
-    kinds: ClassVar[tuple[str, ...]] = ("checksum_mismatch", "cross_salt_prefix_share")
+    kinds: ClassVar[tuple[str, ...]] = ("checksum_mismatch", "cross_salt_prefix_share", "transfer_size_mismatch")
     events: ClassVar[tuple[type, ...]] = (LoadedObjectMismatch,)
 
     def observe(self, event: LoadedObjectMismatch, at: At) -> list[Finding]:
