@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
 from recording_probes import CaptureWriter
 
@@ -285,3 +286,31 @@ def test_the_worker_digests_what_the_reference_connector_stored_and_what_it_load
     # no attention metadata: the connector loaded nothing, so nothing is hashed
     hw_conn.start_load_kv_post(None, None, connector, types.SimpleNamespace(attn_metadata=None))
     assert captured.take() == []
+
+
+def test_a_connector_that_cannot_be_wrapped_leaves_the_forward_hook_running(captured, monkeypatch):
+    """Watching a connector is optional: if wrapping it fails in the Worker, the failure is
+    counted under its own name and the forwards are still reported."""
+    from kvguard.engine_hooks.vllm import hooks_connector_worker as hw_conn
+    from kvguard.engine_hooks.vllm import hooks_worker as hw
+
+    def broken():
+        raise RuntimeError("no transfer group layout we know")
+
+    monkeypatch.setattr(hw_conn, "attach", broken)
+    rt.State.hello_done = False
+    table = types.SimpleNamespace(block_size=PAGE, block_table=types.SimpleNamespace(np=np.array([[3, 4]], np.int32)))
+    runner = types.SimpleNamespace(
+        input_batch=types.SimpleNamespace(
+            num_reqs=1,
+            req_ids=["r"],
+            num_computed_tokens_cpu=np.array([40], np.int32),
+            block_table=types.SimpleNamespace(block_tables=[table]),
+        ),
+        cache_config=types.SimpleNamespace(block_size=PAGE),
+        speculative_config=None,
+    )
+    hw.prepare_inputs_pre(runner, None, np.array([1], np.int32))
+    kinds = [r.kind for r in captured.take()]
+    assert wire.Kind.ENGINE_PART in kinds and wire.Kind.FORWARD in kinds
+    assert "KVConnector.worker_attach" in rt.disabled_hooks()

@@ -96,7 +96,10 @@ def scheduler_init_post(_token, _result, self, *args, **kwargs) -> None:
         _model_name(self.vllm_config.model_config),
     )
     State.hello_done = True
-    hconn.attach(self)  # after HELLO: its records need the page size
+    try:  # after HELLO: its records need the page size; a failure leaves the rest running
+        hconn.attach(self)
+    except Exception as exc:  # noqa: BLE001
+        rt.hook_failed("KVConnector.attach", exc)
 
 
 # --------------------------------------------------------------------------- block pool

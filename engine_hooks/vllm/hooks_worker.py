@@ -59,7 +59,10 @@ def _announce(runner) -> None:
         return
     State.page_size = int(tables[0].block_size)
     rt.probes().engine_part(os.getppid(), "worker", rank, State.page_size)
-    hconn_worker.attach()
+    try:  # optional: a failure here must not take the forward hook down with it
+        hconn_worker.attach()
+    except Exception as exc:  # noqa: BLE001
+        rt.hook_failed("KVConnector.worker_attach", exc)
 
 
 def prepare_inputs_pre(self, scheduler_output, num_scheduled_tokens, *args, **kwargs) -> None:
