@@ -40,14 +40,10 @@ def disabled_hooks() -> set[str]:
     return set(_disabled)
 
 
-def wrap(owner: type, attr: str, name: str, pre=None, post=None) -> None:
-    """Replace ``owner.attr`` by a wrapper: guarded ``pre(*a, **k) -> token``, the original,
-    then guarded ``post(token, result, *a, **k)``. Wrapping twice is a no-op."""
-    original = owner.__dict__[attr]
-    if getattr(original, ORIGINAL, None) is not None:
-        return
+def guarded(original, name: str, pre=None, post=None):
+    """``original`` with guarded ``pre(*a, **k) -> token`` before it and guarded
+    ``post(token, result, *a, **k)`` after it (the rules above)."""
 
-    @functools.wraps(original)
     def wrapper(*args, **kwargs):
         ok = name not in _disabled
         token = None
@@ -65,8 +61,30 @@ def wrap(owner: type, attr: str, name: str, pre=None, post=None) -> None:
                 hook_failed(name, exc)
         return result
 
+    return wrapper
+
+
+def wrap(owner: type, attr: str, name: str, pre=None, post=None) -> None:
+    """Replace ``owner.attr`` by ``guarded`` around it. Wrapping twice is a no-op."""
+    original = owner.__dict__[attr]
+    if getattr(original, ORIGINAL, None) is not None:
+        return
+    wrapper = functools.wraps(original)(guarded(original, name, pre, post))
     setattr(wrapper, ORIGINAL, original)
     setattr(owner, attr, wrapper)
+
+
+def wrap_instance(obj, attr: str, pre=None, post=None) -> bool:
+    """Shadow ``obj``'s method ``attr`` with ``guarded`` around it, for one object whose class
+    we do not patch (a KV connector: any class, configured at run time); ``pre`` / ``post``
+    get ``obj`` first, as for a class method. False (logged) if it has no such method."""
+    bound = getattr(obj, attr, None)
+    if bound is None:
+        log.warning("kvguard: %s has no %s; not watched there", type(obj).__name__, attr)
+        return False
+    inner = guarded(lambda _self, *a, **k: bound(*a, **k), f"{type(obj).__name__}.{attr}", pre, post)
+    setattr(obj, attr, functools.partial(inner, obj))
+    return True
 
 
 def unwrap(owner: type, attr: str) -> None:
@@ -103,7 +121,6 @@ class State:
     ttft_ns: Bounded = Bounded()
     # the KV connector (hooks_connector.py)
     scheduler: Any = None
-    connector_name = ""
     connector_store_aware = False
     matched: Bounded = Bounded()  # rid -> (local hit tokens, external tokens, async) from the connector's lookup
     loads: Bounded = Bounded()  # rid -> (object key, pages, salt, async) issued, not landed
@@ -111,7 +128,6 @@ class State:
     pending_stores: dict = {}  # id(scheduler output) -> stores saved by that step's forward
     stores_unattributed = 0
     saved_layers: dict = {}  # Worker: layer name -> the KV view the connector's save read
-    connector_digests_skipped = 0  # Worker: digests not taken (the KV is not in host memory)
 
     @classmethod
     def reset(cls) -> None:
@@ -127,7 +143,6 @@ class State:
         cls.prefilling = Bounded()
         cls.ttft_ns = Bounded()
         cls.scheduler = None
-        cls.connector_name = ""
         cls.connector_store_aware = False
         cls.matched = Bounded()
         cls.loads = Bounded()
@@ -135,7 +150,6 @@ class State:
         cls.pending_stores = {}
         cls.stores_unattributed = 0
         cls.saved_layers = {}
-        cls.connector_digests_skipped = 0
         _failures.clear()
 
 

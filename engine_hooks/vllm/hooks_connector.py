@@ -62,48 +62,18 @@ def attach(scheduler) -> None:
     if connector is None or getattr(connector, "__kvguard_wrapped__", False):
         return
     name = type(connector).__name__
-    State.connector_name = name
     # (a subclass too: its stores are checked against the metadata it builds, step by step)
     State.connector_store_aware = any(c.__name__ in STORE_AWARE for c in type(connector).__mro__)
-    _wrap_method(connector, "get_num_new_matched_tokens", _matched_post)
-    _wrap_method(connector, "update_state_after_alloc", _after_alloc_post)
+    rt.wrap_instance(connector, "get_num_new_matched_tokens", post=_matched_post)
+    rt.wrap_instance(connector, "update_state_after_alloc", post=_after_alloc_post)
     if State.connector_store_aware:
-        _wrap_method(connector, "build_connector_meta", _build_meta_post, pre=_build_meta_pre)
+        rt.wrap_instance(connector, "build_connector_meta", pre=_build_meta_pre, post=_build_meta_post)
     connector.__kvguard_wrapped__ = True
     log.info(
         "kvguard: vLLM KV connector %s: loads reported%s",
         name,
         " and stores" if State.connector_store_aware else " (its stores are not attributed: loads count unverified)",
     )
-
-
-def _wrap_method(obj, attr: str, post, pre=None) -> None:
-    """An instance attribute over the bound method: the same rules as ``rt.wrap`` (the
-    engine's call runs once, untouched; our code guarded, disabled on its first failure)."""
-    bound = getattr(obj, attr, None)
-    if bound is None:
-        log.warning("kvguard: connector %s has no %s; not watched there", type(obj).__name__, attr)
-        return
-    name = f"{type(obj).__name__}.{attr}"
-
-    def wrapper(*args, **kwargs):
-        ok = name not in rt._disabled
-        token = None
-        if ok and pre is not None:
-            try:
-                token = pre(obj, *args, **kwargs)
-            except Exception as exc:  # noqa: BLE001
-                rt.hook_failed(name, exc)
-                ok = False
-        result = bound(*args, **kwargs)
-        if ok:
-            try:
-                post(token, result, obj, *args, **kwargs)
-            except Exception as exc:  # noqa: BLE001
-                rt.hook_failed(name, exc)
-        return result
-
-    setattr(obj, attr, wrapper)
 
 
 # --------------------------------------------------------------------------- object keys

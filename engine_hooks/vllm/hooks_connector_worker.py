@@ -25,7 +25,7 @@ import xxhash
 
 from . import _runtime as rt
 from ._runtime import State
-from .hooks_connector import STORE_AWARE, _wrap_method, folder_key
+from .hooks_connector import STORE_AWARE, folder_key
 
 log = logging.getLogger("kvguard.vllm")
 
@@ -71,9 +71,9 @@ def attach() -> None:
         return
     if not any(c.__name__ in STORE_AWARE for c in type(connector).__mro__):
         return
-    _wrap_method(connector, "start_load_kv", start_load_kv_post)
-    _wrap_method(connector, "save_kv_layer", save_kv_layer_post)
-    _wrap_method(connector, "wait_for_save", wait_for_save_post)
+    rt.wrap_instance(connector, "start_load_kv", post=start_load_kv_post)
+    rt.wrap_instance(connector, "save_kv_layer", post=save_kv_layer_post)
+    rt.wrap_instance(connector, "wait_for_save", post=wait_for_save_post)
     connector.__kvguard_wrapped__ = True
     log.info("kvguard: vLLM KV connector %s: stored and loaded KV digested in this worker", type(connector).__name__)
 
@@ -85,8 +85,7 @@ def _emit(connector, requests, layers: dict, side: str) -> None:
     for req in requests:
         blocks = _blocks(req.slot_mapping, connector._block_size)
         digest = kv_digest(layers, blocks)
-        if digest is None:
-            State.connector_digests_skipped += 1
+        if digest is None:  # device memory: not digested (module docstring)
             continue
         p.kv_digest(None, folder_key(connector, req.token_ids, req.mm_hashes), digest, side)
 
