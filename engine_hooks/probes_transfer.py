@@ -13,6 +13,7 @@ _DIGEST_ALG = {
     "unit_bytes": wire.DigestAlg.XXH3_UNIT_BYTES,
     "device_reduced": wire.DigestAlg.XXH3_DEVICE_REDUCED,
     "head_streams": wire.DigestAlg.XXH3_HEAD_STREAMS,
+    "block_rows": wire.DigestAlg.XXH3_BLOCK_ROWS,
 }
 
 
@@ -23,8 +24,14 @@ class TransferProbes:
     def slots_to_pages(self, slots): ...
 
     @guarded_probe
-    def transfer_reserved(self, rid: str, room: int, tokens: int, slots) -> None:
-        pages = self.row_pages(0, slots)
+    def transfer_reserved(self, rid: str, room: int, tokens: int, slots_or_pages, unit: str = "slots") -> None:
+        """Decode reserved ``slots_or_pages`` (in row order) for ``tokens`` tokens of the transfer."""
+        if unit == "pages":
+            pages = as_int64(slots_or_pages)
+        elif unit == "slots":
+            pages = self.row_pages(0, slots_or_pages)
+        else:
+            raise ValueError(f"unit must be 'pages' or 'slots', got {unit!r}")
         x = wire.XferReserve(wire.request_key(rid), int(room) & wire.NO_ROOM, int(tokens), pages)
         self._emit(wire.Kind.XFER_RESERVE, wire.xfer_reserve_payload(x))
 

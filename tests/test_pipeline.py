@@ -377,3 +377,30 @@ def test_a_short_transfer_after_decodes_cached_prefix_leaves_its_last_page_unwri
     (size,) = [f for f in findings if f.kind == "transfer_size_mismatch"]
     assert size.evidence["direction"] == "fewer_sent" and size.pages == [4]
     assert (size.evidence["sent_tokens"], size.evidence["reserved_tokens"]) == (4, 8)
+
+
+def test_a_transfer_that_starts_past_the_reservation_leaves_its_first_pages_unfilled(tmp_path):
+    """Decode holds no prefix and reserves [0, 16) in pages 1-4; the sender ships only
+    [8, 16) (decode asked for fewer blocks than it reserved; vLLM's Mooncake then sends its
+    last ones): the front of the reservation is unfilled, a size mismatch before decode's
+    read of it is an unwritten one. The clean twin, a sender starting at decode's own cached
+    prefix, is test_a_transfer_after_decodes_cached_prefix_fills_the_pages_it_was_reserved."""
+    prefill, decode = engines(tmp_path)
+    for p in (prefill, decode):
+        p.request_begin("r-gap", "acme", 23, 16, 0, False)
+    decode.pages_allocated(slots([1, 2, 3, 4]))
+    decode.rows_assigned("r-gap", 0, 16, 0, slots([1, 2, 3, 4]))
+    decode.transfer_reserved("r-gap", 23, 16, [1, 2, 3, 4], unit="pages")
+    prefill.pages_allocated(slots([50, 51, 52, 53]))
+    prefill.forward(["r-gap"], [16], [slots([50, 51, 52, 53])], [slots([50, 51, 52, 53])])
+    prefill.transfer_sent("r-gap", 23, 8, 16, [52, 53], True)
+    prefill.transfer_done("r-gap", 23, "sender", "success")
+    decode.transfer_done("r-gap", 23, "receiver", "success")
+    decode.rows_assigned("r-gap", 16, 17, 16, [20])
+    decode.forward(["r-gap"], [17], [[20]], [list(slots([1, 2, 3, 4])) + [20]])
+    _, findings = run(tmp_path)
+    (size,) = [f for f in findings if f.kind == "transfer_size_mismatch"]
+    assert size.evidence["direction"] == "fewer_sent" and size.pages == [1, 2]
+    assert (size.evidence["sent_tokens"], size.evidence["reserved_tokens"]) == (8, 16)
+    (read,) = [f for f in findings if f.kind == "unwritten_read"]
+    assert read.reader.rid == "r-gap" and read.pages == [1, 2]

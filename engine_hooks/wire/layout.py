@@ -35,9 +35,10 @@ MAGIC = 0x4B47
 VERSION = 1
 # Kinds added since the payload layouts of version 1 were fixed, without changing any of them:
 # a 1.0 reader skips them (counted in ``unknown_kind``), a 1.1 reader replays 1.0 streams as
-# they were. 1: REQ_SCOPE, CONTENT_CHANGED, KV_STORE, KV_LOAD. 2: ENGINE_PART. 3: KV_DIGEST. Carried in HELLO's kvguard_version string only for people, never
+# they were. 1: REQ_SCOPE, CONTENT_CHANGED, KV_STORE, KV_LOAD. 2: ENGINE_PART. 3: KV_DIGEST.
+# 4: XFER_DIGEST alg 4 (block rows; a 1.3 reader counts such a record as one it cannot decode). Carried in HELLO's kvguard_version string only for people, never
 # needed to decode.
-WIRE_MINOR = 3
+WIRE_MINOR = 4
 HEADER = struct.Struct("<HBBIQQIHH")
 HEADER_SIZE = HEADER.size
 ALIGN = 8
@@ -132,6 +133,9 @@ class DigestAlg(enum.IntEnum):
     #                      each (layer, head)'s units, K then V bytes per token, in token order
     XXH3_DEVICE_REDUCED = 2  # device pools: units reduced to u64 on the device, then xxh3-64 on the host
     XXH3_HEAD_STREAMS = 3  # host pools: xxh3-64 over each (layer, head)'s K bytes, and over its V bytes, in token order
+    XXH3_BLOCK_ROWS = 4  # host pools, contract 1.4 (vLLM): xxh3-64 over the transfer's blocks as the pool holds
+    #                      them, each layer's rows in layer-name order (whole blocks: both ends' block layout
+    #                      must match, as the connector that copies them requires)
 
 
 class LoadPhase(enum.IntEnum):

@@ -19,7 +19,7 @@ from ..ledger import DigestVerdict, Pairing, RoomState
 from .base import At, DigestsCompared, LedgerUnreachable, TransferOrphaned
 from .reads import guard_evidence, reader_party
 
-ALG_NAMES = {1: "xxh3_unit_bytes", 2: "xxh3_device_reduced", 3: "xxh3_head_streams"}
+ALG_NAMES = {1: "xxh3_unit_bytes", 2: "xxh3_device_reduced", 3: "xxh3_head_streams", 4: "xxh3_block_rows"}
 
 
 def _held_pages(state: RoomState) -> list[int]:
@@ -41,10 +41,11 @@ class TransferSizeDetector:
         span = pairing.sent_tokens - pairing.sent_start
         if span > pairing.reserved_tokens and pairing.sent_tokens > 0:
             return self._oversend(pairing, at, span)
-        # fewer: the sender's chunks end before the reservation does (it starts after decode's
-        # own cached prefix, if any: those tokens were never the transfer's to send)
+        # fewer: the sender's chunks end before the reservation does, or start after it does
+        # (it starts after decode's own cached prefix, if any: those tokens were never the
+        # transfer's to send; a sender that starts later leaves the first reserved pages unfilled)
         base = getattr(pairing.state, "reserved_row_base", 0)
-        sent = pairing.sent_tokens - base * tracker.page_size
+        sent = pairing.sent_tokens - max(base * tracker.page_size, pairing.sent_start)
         if sent >= pairing.reserved_tokens:
             return []
         reader = tracker.requests.get_or_stub(pairing.receiver_key)
