@@ -144,6 +144,7 @@ def bench(batch: int, steps: int, ring_dir: str) -> dict:
         speculative_config = None
 
     scheduled = np.ones(batch, np.int32)
+    execute = meter.wrap(hw.execute_model_pre)
     prepare = meter.wrap(hw.prepare_inputs_pre)
     schedule_post = meter.wrap(hc.schedule_post)
     update_from_output = meter.wrap(hc.update_from_output_post)
@@ -178,6 +179,7 @@ def bench(batch: int, steps: int, ring_dir: str) -> dict:
             ),
         )
         schedule_post(None, out, scheduler)  # what Scheduler.schedule's hook sees
+        execute(Runner, None)  # the worker's step begins (its first: ENGINE_PART)
         prepare(Runner, None, scheduled)  # the worker's view of the same step
         update_from_output(None, None, scheduler, out)  # the step's output (TTFT, connector stores)
         for r in reqs:

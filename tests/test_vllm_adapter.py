@@ -145,13 +145,22 @@ def test_a_steps_rows_become_a_begin_and_the_blocks_each_row_gained(captured):
     assert captured.take() == []  # a row never seen begin (attached mid-run): not placed anywhere
 
 
+def _free_request(scheduler, request) -> None:
+    """``Scheduler._free_request`` as the plugin wraps it: pre, the engine (blocks freed: the
+    request leaves ``requests``), post."""
+    end_args = hc.free_request_pre(scheduler, request)
+    scheduler.requests.pop(request.request_id, None)
+    hc.free_request_post(end_args, None, scheduler, request)
+
+
 def test_a_finished_request_ends_once_and_one_never_scheduled_not_at_all(captured):
     rt.State.hello_done = True
     rt.State.begun["r"] = True
+    scheduler = types.SimpleNamespace(requests={})
     req = types.SimpleNamespace(request_id="r", num_output_tokens=5, stop_reason=None, get_finished_reason=lambda: 1)
-    hc.free_request_pre(None, req)
-    hc.free_request_pre(None, req)
-    hc.free_request_pre(None, types.SimpleNamespace(request_id="never", get_finished_reason=lambda: 2))
+    _free_request(scheduler, req)
+    _free_request(scheduler, req)
+    _free_request(scheduler, types.SimpleNamespace(request_id="never", get_finished_reason=lambda: 2))
     (end,) = captured.take()
     assert end.kind == wire.Kind.REQ_END and end.body.finish == wire.Finish.LENGTH and end.body.output_tokens == 5
 
@@ -174,7 +183,7 @@ def test_ttft_runs_from_the_first_forward_to_the_first_token_and_a_preempted_req
     for rid, request, preemptions in (("a", a, 0), ("b", b, 1)):
         request.request_id, request.stop_reason, request.num_preemptions = rid, None, preemptions
         request.get_finished_reason, request.arrival_time = (lambda: 0), time.time() - 0.5
-        hc.free_request_pre(scheduler, request)
+        _free_request(scheduler, request)
     end_a, end_b = captured.take()
     assert 10e6 <= end_a.body.ttft_ns < end_b.body.ttft_ns < 5e9  # b's first token came a step later
     assert end_a.body.e2e_ns >= 0.5e9 and not end_a.body.reprefilled and end_b.body.reprefilled

@@ -128,6 +128,15 @@ class State:
     pending_stores: dict = {}  # id(scheduler output) -> stores saved by that step's forward
     stores_unattributed = 0
     saved_layers: dict = {}  # Worker: layer name -> the KV view the connector's save read
+    # prefill/decode through a connector (hooks_transfer.py, hooks_transfer_worker.py)
+    pd_connector = False  # the connector pairs prefill and decode by a transfer id (Mooncake)
+    sending: Bounded = Bounded()  # prefill: rid -> room, until its send finished
+    ending: Bounded = Bounded()  # prefill: rid -> its REQ_END's arguments, held until then
+    receiving: Bounded = Bounded()  # decode: rid -> (room, reserved pages) until its pull ended
+    runner: Any = None  # Worker: the model runner (its requests' prompt lengths)
+    send_prompts: Bounded = Bounded()  # prefill worker: transfer id -> (rid, prompt tokens)
+    pulls: Bounded = Bounded()  # decode worker: rid -> the connector's pull of it (PullReqMeta)
+    kv_layers: dict = {}  # Worker: layer name -> its KV tensor (looked up once)
 
     @classmethod
     def reset(cls) -> None:
@@ -150,6 +159,14 @@ class State:
         cls.pending_stores = {}
         cls.stores_unattributed = 0
         cls.saved_layers = {}
+        cls.pd_connector = False
+        cls.sending = Bounded()
+        cls.ending = Bounded()
+        cls.receiving = Bounded()
+        cls.runner = None
+        cls.send_prompts = Bounded()
+        cls.pulls = Bounded()
+        cls.kv_layers = {}
         _failures.clear()
 
 

@@ -39,6 +39,7 @@ import numpy as np
 import xxhash
 
 from . import _runtime as rt
+from . import hooks_transfer as htx
 from ._runtime import State
 
 log = logging.getLogger("kvguard.vllm")
@@ -62,6 +63,7 @@ def attach(scheduler) -> None:
     if connector is None or getattr(connector, "__kvguard_wrapped__", False):
         return
     name = type(connector).__name__
+    State.pd_connector = htx.is_pd_connector(connector)
     # (a subclass too: its stores are checked against the metadata it builds, step by step)
     State.connector_store_aware = any(c.__name__ in STORE_AWARE for c in type(connector).__mro__)
     rt.wrap_instance(connector, "get_num_new_matched_tokens", post=_matched_post)
@@ -111,7 +113,9 @@ def _load_key(connector, request, end_tokens: int) -> int:
 def _matched_post(_token, result, connector, request, num_computed_tokens, *args, **kwargs) -> None:
     external, is_async = result
     if external:  # None: the connector cannot tell yet (it is asked again next step)
-        State.matched[request.request_id] = (int(num_computed_tokens), int(external), bool(is_async))
+        # (a prefill/decode pull is a transfer, not a load: told now, before the connector clears its flag)
+        room = htx.room_of(request) if htx.wants_remote_prefill(request) else None
+        State.matched[request.request_id] = (int(num_computed_tokens), int(external), bool(is_async), room)
     else:
         State.matched.pop(request.request_id, None)
 
@@ -121,7 +125,7 @@ def _after_alloc_post(_token, _result, connector, request, blocks, num_external_
     matched = State.matched.pop(rid, None)
     if not State.hello_done or not num_external_tokens or matched is None:
         return
-    local, _, is_async = matched
+    local, _, is_async, room = matched
     ps = State.page_size
     external = int(num_external_tokens)
     ids = blocks.get_block_ids()[0]
@@ -135,13 +139,16 @@ def _after_alloc_post(_token, _result, connector, request, blocks, num_external_
         p.request_begin(
             rid,
             rt.tenant_of(request),
-            None,
+            room,
             int(getattr(request, "num_prompt_tokens", 0) or 0),
             local + external,
             False,
             cache_salt=salt,
         )
     State.local_hit[rid] = local
+    if room is not None:
+        htx.reserve(request, room, ids, local, external)
+        return
     key = _load_key(connector, request, local + external)
     p.kv_loaded(rid, key, pages, "issued", cache_salt=salt)
     State.loads[rid] = (key, pages, salt, is_async)
@@ -173,13 +180,19 @@ def shared_until(rid: str, computed: int) -> int:
 
 
 def xfer_finished_pre(self, kv_connector_output, *args, **kwargs) -> None:
-    """``Scheduler._update_from_kv_xfer_finished``: the worker finished these async loads."""
+    """``Scheduler._update_from_kv_xfer_finished``: the worker finished these async loads,
+    pulls (decode) and sends (prefill)."""
+    if State.sending:
+        for rid in getattr(kv_connector_output, "finished_sending", None) or ():
+            htx.sent(rid)
     recving = getattr(kv_connector_output, "finished_recving", None)
-    if not recving or not State.loads:
+    if not recving or not (State.loads or State.receiving):
         return
     invalid = getattr(kv_connector_output, "invalid_block_ids", None) or set()
     p = rt.probes()
     for rid in recving:
+        if State.receiving:
+            htx.received(rid, invalid)
         load = State.loads.pop(rid, None)
         if load is None:
             continue

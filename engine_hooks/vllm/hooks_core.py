@@ -31,6 +31,7 @@ import numpy as np
 
 from . import _runtime as rt
 from . import hooks_connector as hconn
+from . import hooks_transfer as htx
 from ._runtime import State
 
 log = logging.getLogger("kvguard.vllm")
@@ -189,7 +190,7 @@ def schedule_post(_token, out, self, *args, **kwargs) -> None:
             p.request_begin(
                 rid,
                 rt.tenant_of(request),
-                None,
+                htx.request_room(request),  # a prefill/decode transfer's room, else none
                 int(getattr(request, "num_prompt_tokens", 0) or 0),
                 computed,  # prompt tokens this engine does not compute: the hit and a connector's load
                 False,
@@ -235,26 +236,39 @@ def update_from_output_post(_token, _result, self, scheduler_output, *args, **kw
 
 
 # --------------------------------------------------------------------------- requests
-def free_request_pre(self, request, *args, **kwargs) -> None:
-    """``Scheduler._free_request``: the request finished (stop, length, abort)."""
+def free_request_pre(self, request, *args, **kwargs):
+    """``Scheduler._free_request``: the request finished (stop, length, abort). Returns its
+    REQ_END's arguments (the post hook emits them, or holds them while a send is pending)."""
     rid = request.request_id
     State.rows.pop(rid, None)
     State.prefilling.pop(rid, None)
     ttft = State.ttft_ns.pop(rid, 0)
     hconn.forget(rid)
     if State.begun.pop(rid, None) is None:
-        return  # never scheduled: it held no KV
+        return None  # never scheduled: it held no KV
     reason = request.get_finished_reason()
     finish = _FINISH.get(int(reason), "unknown") if reason is not None else "unknown"
     arrival = float(getattr(request, "arrival_time", 0.0) or 0.0)  # wall clock, stamped by the API server
     e2e = int((time.time() - arrival) * 1e9) if arrival else 0
-    rt.probes().request_end(
-        rid,
-        finish,
-        ttft,  # from its first forward to its first token: the prefill's own time (0: never got one)
-        e2e,
-        int(request.num_output_tokens),
-        str(getattr(request, "stop_reason", "") or ""),
+    return (
+        (
+            rid,
+            finish,
+            ttft,  # from its first forward to its first token: the prefill's own time (0: never got one)
+            e2e,
+            int(request.num_output_tokens),
+            str(getattr(request, "stop_reason", "") or ""),
+        ),
         # recomputed after a preemption: the cached-token count of its REQ_BEGIN no longer holds
-        reprefilled=int(getattr(request, "num_preemptions", 0) or 0) > 0,
+        {"reprefilled": int(getattr(request, "num_preemptions", 0) or 0) > 0},
     )
+
+
+def free_request_post(end_args, _result, self, request, *args, **kwargs) -> None:
+    """A request whose blocks the scheduler kept (still in ``requests``) waits for a KV
+    connector's send: a prefill request's REQ_END goes out when it is sent (hooks_transfer)."""
+    delayed = request.request_id in self.requests
+    if State.sending and htx.sender_freed(request, end_args, delayed):
+        return
+    if end_args is not None:
+        rt.probes().request_end(*end_args[0], **end_args[1])

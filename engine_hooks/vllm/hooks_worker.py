@@ -24,6 +24,7 @@ import numpy as np
 
 from . import _runtime as rt
 from . import hooks_connector_worker as hconn_worker
+from . import hooks_transfer_worker as htx_worker
 from ._runtime import State
 
 log = logging.getLogger("kvguard.vllm")
@@ -63,6 +64,17 @@ def _announce(runner) -> None:
         hconn_worker.attach()
     except Exception as exc:  # noqa: BLE001
         rt.hook_failed("KVConnector.worker_attach", exc)
+    try:
+        htx_worker.attach(runner)
+    except Exception as exc:  # noqa: BLE001
+        rt.hook_failed("KVConnector.transfer_attach", exc)
+
+
+def execute_model_pre(self, scheduler_output, *args, **kwargs) -> None:
+    """Announce before the first step, forward or not: a decode worker's first steps only pull
+    KV (no forward, so no ``_prepare_inputs``), and its connector must be watched by then."""
+    if not State.part_done:
+        _announce(self)
 
 
 def prepare_inputs_pre(self, scheduler_output, num_scheduled_tokens, *args, **kwargs) -> None:

@@ -54,7 +54,14 @@ TARGETS = (
         ("vllm_config", "kv_cache_config"),
         post=hc.scheduler_init_post,
     ),
-    Target(_CORE + "sched.scheduler", "Scheduler", "_free_request", ("request",), pre=hc.free_request_pre),
+    Target(
+        _CORE + "sched.scheduler",
+        "Scheduler",
+        "_free_request",
+        ("request",),
+        pre=hc.free_request_pre,
+        post=hc.free_request_post,
+    ),
     Target(
         _CORE + "block_pool",
         "BlockPool",
@@ -87,6 +94,13 @@ TARGETS = (
         "_update_from_kv_xfer_finished",
         ("kv_connector_output",),
         pre=hconn.xfer_finished_pre,
+    ),
+    Target(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner",
+        "execute_model",
+        ("scheduler_output",),
+        pre=hw.execute_model_pre,
     ),
     Target(
         "vllm.v1.worker.gpu_model_runner",
