@@ -13,6 +13,7 @@
 #   make demo-guard  the leaking 0.5.19 pair with kvguard's guard on: the request is failed, nothing leaks
 #   make soak        the long zero-false-alarm soak on real engines: 4,000 + 600 requests (not in CI)
 #   make soak-vllm   the same on a real vLLM engine: 600 requests (make test runs 240)
+#   make soak-vllm-pd  the same on a vLLM prefill/decode pair (MooncakeConnector): 300 requests
 #   make spec        the executable specification at its full bound: spin, the model checker, conformance
 #   make soak-memory 30 min of 8 synthetic ranks: the sidecar's RSS stays flat (not in CI)
 #   make test-reliability  tests/reliability only
@@ -173,7 +174,7 @@ test-versions: venv apt native $(SGLANG_TEST_DIRS)
 .PHONY: test-vllm-versions
 test-vllm-versions: venv apt native $(VLLM_TEST_DIRS)
 	rc=0; for v in $(VLLM_TEST_VERSIONS); do \
-	  KVGUARD_TEST_VLLM=$$v $(PY) -m pytest -q tests/test_vllm_engine.py tests/test_vllm_connector.py || rc=$$?; \
+	  KVGUARD_TEST_VLLM=$$v $(PY) -m pytest -q tests/test_vllm_engine.py tests/test_vllm_connector.py tests/test_vllm_pd.py || rc=$$?; \
 	done; exit $$rc
 
 demo: venv apt native
@@ -224,6 +225,12 @@ soak-memory: venv native
 # runs it too.
 # The zero-false-alarm soak on a real vLLM engine (tests/test_vllm_soak.py): make test runs
 # it at 240 requests; this at VLLM_SOAK_REQUESTS (600), its summary printed.
+# The same on a vLLM prefill/decode pair (MooncakeConnector over TCP, tests/test_vllm_pd.py):
+# 300 requests through the pair, every transfer paired and digested, nothing reported.
+.PHONY: soak-vllm-pd
+soak-vllm-pd: venv native
+	KVGUARD_VLLM_PD_SOAK_REQUESTS=$(or $(VLLM_PD_SOAK_REQUESTS),300) $(PY) -m pytest -q -s tests/test_vllm_pd.py -k "soak or paired"
+
 .PHONY: soak-vllm
 soak-vllm: venv native
 	KVGUARD_VLLM_SOAK_REQUESTS=$(or $(VLLM_SOAK_REQUESTS),600) $(PY) -m pytest -q -s tests/test_vllm_soak.py

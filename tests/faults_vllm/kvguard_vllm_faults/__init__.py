@@ -17,6 +17,15 @@ Faults (the bug families of issue 17):
   ``salt_ignored``         requests with this fault hash their prompt blocks as if they had no
                            ``cache_salt`` (#44701, #37160: a salt lost on the way to the cache)
 
+Prefill/decode faults (vLLM's ``MooncakeConnector``, in decode's worker). The worker never sees
+a request's ``vllm_xargs``; these touch the transfers whose ``transfer_id`` (chosen by the proxy,
+here the test) contains the fault's name:
+  ``pd_short_pull``        decode pulls one block fewer than it reserved, leaving its first one
+                           unfilled (a reservation the sender does not fill: the incident's shape;
+                           vLLM PR #50558 / #57661, reservation and send disagreeing in NIXL)
+  ``pd_corrupt_recv``      one byte of the first block decode received is flipped before the
+                           request reads it (a transfer that delivered other bytes than were sent)
+
 ``KVGUARD_FAULT_DIR``: ``events.jsonl`` gets one line per thing done (request ids, block ids).
 """
 
@@ -34,6 +43,7 @@ log = logging.getLogger("kvguard.faults")
 FAULT_ENV = "KVGUARD_FAULT"
 DIR_ENV = "KVGUARD_FAULT_DIR"
 FAULTS = ("free_live_block", "double_free_preempt", "salt_ignored")
+PD_FAULTS = ("pd_short_pull", "pd_corrupt_recv")
 _lock = threading.Lock()
 _roles: dict[str, tuple[str, str]] = {}  # request id -> (fault, role), for the requests we saw arrive
 _stolen: dict[str, object] = {}  # reader request id -> the block freed under it
@@ -206,7 +216,69 @@ def _pace() -> None:
     _wrap(KVCacheManager, "allocate_slots", allocate_slots)
 
 
+def _mooncake_worker():
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import MooncakeConnectorWorker
+
+    return MooncakeConnectorWorker
+
+
+def _pd_short_pull(armed: set[str]) -> None:
+    cls = _mooncake_worker()
+
+    def start_load_kv(original):
+        def f(self, metadata, *a, **k):
+            for pulls in (getattr(metadata, "reqs_to_recv", None) or {}).values():
+                for rid, pull in pulls.items():
+                    blocks = pull.local_block_ids[0] if pull.local_block_ids else []
+                    if "pd_short_pull" in str(pull.transfer_id) and len(blocks) > 1:
+                        # the bug: decode asks for fewer blocks than it reserved; the sender fills
+                        # the last ones, the first stays as the pool left it
+                        pull.local_block_ids[0] = blocks[1:]
+                        _event(fault="pd_short_pull", request=rid, unfilled=blocks[0], asked=blocks[1:])
+            return original(self, metadata, *a, **k)
+
+        return f
+
+    _wrap(cls, "start_load_kv", start_load_kv)
+
+
+_kv_caches: dict = {}
+
+
+def _pd_corrupt_recv(armed: set[str]) -> None:
+    cls = _mooncake_worker()
+
+    def register_kv_caches(original):
+        def f(self, kv_caches, *a, **k):
+            _kv_caches.update(kv_caches)
+            return original(self, kv_caches, *a, **k)
+
+        return f
+
+    def process_pulling_result(original):
+        def f(self, response, pull_metas, *a, **k):
+            import torch
+
+            for rid in response.ok_reqs or []:
+                pull = pull_metas.get(rid)
+                if pull is None or "pd_corrupt_recv" not in str(pull.transfer_id) or not pull.local_block_ids[0]:
+                    continue
+                block = pull.local_block_ids[0][0]
+                layer = sorted(_kv_caches)[0]
+                row = _kv_caches[layer][block].view(-1).view(torch.uint8)
+                row[0] ^= 0x40  # the bug: the bytes that landed are not the bytes that were sent
+                _event(fault="pd_corrupt_recv", request=rid, block=block, layer=layer)
+            return original(self, response, pull_metas, *a, **k)
+
+        return f
+
+    _wrap(cls, "register_kv_caches", register_kv_caches)
+    _wrap(cls, "process_pulling_result", process_pulling_result)
+
+
 _INSTALL = {
+    "pd_short_pull": _pd_short_pull,
+    "pd_corrupt_recv": _pd_corrupt_recv,
     "free_live_block": _free_live_block,
     "double_free_preempt": _double_free_preempt,
     "salt_ignored": _salt_ignored,
@@ -224,12 +296,14 @@ def load() -> None:
     armed = {x.strip() for x in raw.split(",") if x.strip()}
     if "all" in armed:
         armed = set(FAULTS)
+    if "all_pd" in armed:
+        armed = set(PD_FAULTS)
     if armed & set(FAULTS):
         try:
             _pace()
         except Exception as exc:  # noqa: BLE001
             log.warning("kvguard_vllm_faults: cannot install the pace: %s: %s", type(exc).__name__, exc)
-    for name in sorted(armed & set(FAULTS)):
+    for name in sorted(armed & set(_INSTALL)):
         try:
             _INSTALL[name](armed)
         except Exception as exc:  # noqa: BLE001

