@@ -188,3 +188,25 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     ):
         for shared in _shared_pds:
             shared.stop()
+
+
+VLLM_TEST_BLOCK = 32  # block size of the vLLM adapter's stand-in tests
+
+
+@pytest.fixture
+def vllm_captured():
+    """The vLLM adapter's state reset, its probes writing records to a capture (blocks of
+    ``VLLM_TEST_BLOCK`` tokens, HELLO taken as sent): its hooks on stand-ins, no vLLM needed."""
+    from recording_probes import CaptureWriter
+
+    from kvguard.engine_hooks import probes as probes_mod
+    from kvguard.engine_hooks.probes import Probes
+    from kvguard.engine_hooks.vllm import _runtime as rt
+
+    cap = CaptureWriter()
+    probes_mod.reset_probes_for_tests(Probes(cap, page_size=VLLM_TEST_BLOCK))
+    rt.State.reset()
+    rt.State.page_size, rt.State.hello_done = VLLM_TEST_BLOCK, True
+    yield cap
+    probes_mod.reset_probes_for_tests(None)
+    rt.State.reset()

@@ -135,38 +135,31 @@ def pair(tmp_path_factory):
     ring_dir = Path(tempfile.mkdtemp(prefix="kvg-vllm-pd-rings-", dir="/dev/shm"))
     watch = Watch(ring_dir, events)
     bootstrap_port = free_port()
-    # each engine's worker on a core of its own: an idle prefill worker spins while it holds a
-    # request's blocks for decode, and on one shared core decode's transfer thread starves
-    common = {"MC_FORCE_TCP": "1"}
-    engines = []
-    try:
-        prefill = start_vllm(
-            base / "prefill",
+
+    def engine(role: str, num_blocks: int, core: int, bootstrap: int, **env):
+        # each engine's worker on a core of its own: an idle prefill worker spins while it holds
+        # a request's blocks for decode, and on one shared core decode's transfer thread starves
+        return start_vllm(
+            base / role,
             version=VERSION,
             ring_dir=ring_dir,
-            num_blocks=64,
+            num_blocks=num_blocks,
             max_num_seqs=4,
-            extra_args=["--kv-transfer-config", _config("kv_producer")],
-            extra_env={**common, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap_port), "VLLM_CPU_OMP_THREADS_BIND": "0"},
-            extra_pythonpath=[SHIMS_DIR],
-        )
-        engines.append(prefill)
-        decode = start_vllm(
-            base / "decode",
-            version=VERSION,
-            ring_dir=ring_dir,
-            num_blocks=32,
-            max_num_seqs=4,
-            extra_args=["--kv-transfer-config", _config("kv_consumer")],
+            extra_args=["--kv-transfer-config", _config(role)],
             extra_env={
-                **common,
-                "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port()),  # (it serves none, but binds it)
-                "VLLM_CPU_OMP_THREADS_BIND": "1",
-                "KVGUARD_FAULT": "all_pd",
-                "KVGUARD_FAULT_DIR": str(events),
+                "MC_FORCE_TCP": "1",
+                "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap),  # (decode serves none, but binds it)
+                "VLLM_CPU_OMP_THREADS_BIND": str(core),
+                **env,
             },
             extra_pythonpath=[SHIMS_DIR, FAULTS_DIR],
         )
+
+    engines = []
+    try:
+        prefill = engine("kv_producer", 64, 0, bootstrap_port)
+        engines.append(prefill)
+        decode = engine("kv_consumer", 32, 1, free_port(), KVGUARD_FAULT="all_pd", KVGUARD_FAULT_DIR=str(events))
         engines.append(decode)
         bootstrap = f"http://127.0.0.1:{bootstrap_port}"
         (entry,) = httpx.get(bootstrap + "/query", timeout=30).json().values()

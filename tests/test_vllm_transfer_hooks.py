@@ -10,30 +10,21 @@ import types
 
 import pytest
 import torch
-from recording_probes import CaptureWriter
+from conftest import VLLM_TEST_BLOCK as PAGE
 
-from kvguard.engine_hooks import probes as probes_mod
 from kvguard.engine_hooks import wire
-from kvguard.engine_hooks.probes import Probes
 from kvguard.engine_hooks.vllm import _runtime as rt
 from kvguard.engine_hooks.vllm import hooks_connector as hconn
 from kvguard.engine_hooks.vllm import hooks_core as hc
 from kvguard.engine_hooks.vllm import hooks_transfer as htx
 from kvguard.engine_hooks.vllm import hooks_transfer_worker as htw
 
-PAGE = 32
 TID = "xfer-3f1c"
 
 
 @pytest.fixture
-def captured():
-    cap = CaptureWriter()
-    probes_mod.reset_probes_for_tests(Probes(cap, page_size=PAGE))
-    rt.State.reset()
-    rt.State.page_size, rt.State.hello_done = PAGE, True
-    yield cap
-    probes_mod.reset_probes_for_tests(None)
-    rt.State.reset()
+def captured(vllm_captured):
+    return vllm_captured
 
 
 class MooncakeConnector:

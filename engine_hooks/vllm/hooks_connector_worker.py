@@ -55,19 +55,22 @@ def kv_digest(layers: dict, block_ids) -> int | None:
     return h.intdigest() or 1
 
 
-def attach() -> None:
-    """In the Worker, once (its first forward): wrap the reference connector's worker-side
-    calls if that is the connector configured (lazily: no connector module is imported
-    by the plugin's load)."""
+def worker_connector():
+    """This Worker's KV connector, or None (looked up lazily: no connector module is
+    imported by the plugin's load)."""
     try:
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-        if not has_kv_transfer_group():
-            return
-        connector = get_kv_transfer_group()
+        return get_kv_transfer_group() if has_kv_transfer_group() else None
     except Exception:  # noqa: BLE001 - no transfer state in this layout: nothing to watch
-        return
-    if getattr(connector, "__kvguard_wrapped__", False):
+        return None
+
+
+def attach() -> None:
+    """In the Worker, once (its first step): wrap the reference connector's worker-side
+    calls if that is the connector configured."""
+    connector = worker_connector()
+    if connector is None or getattr(connector, "__kvguard_wrapped__", False):
         return
     if not any(c.__name__ in STORE_AWARE for c in type(connector).__mro__):
         return

@@ -29,25 +29,23 @@ import logging
 
 from . import _runtime as rt
 from ._runtime import State
-from .hooks_connector_worker import kv_digest
+from .hooks_connector_worker import kv_digest, worker_connector
 from .hooks_transfer import is_pd_connector, room_of_transfer
 
 log = logging.getLogger("kvguard.vllm")
 
 
 def attach(runner) -> None:
-    """In the Worker, once (its first forward): wrap the Mooncake connector's worker if that is
+    """In the Worker, once (its first step): wrap the Mooncake connector's worker if that is
     the connector configured."""
-    try:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-        if not has_kv_transfer_group():
-            return
-        connector = get_kv_transfer_group()
-    except Exception:  # noqa: BLE001 - no transfer state in this layout: nothing to watch
-        return
+    connector = worker_connector()
     worker = getattr(connector, "connector_worker", None)
-    if not is_pd_connector(connector) or worker is None or getattr(worker, "__kvguard_wrapped__", False):
+    if (
+        connector is None
+        or not is_pd_connector(connector)
+        or worker is None
+        or getattr(worker, "__kvguard_wrapped__", False)
+    ):
         return
     State.runner = runner
     rt.wrap_instance(worker, "start_load_kv", pre=start_load_kv_pre)
