@@ -242,7 +242,10 @@ def test_soak_prefill_decode_is_quiet(pair):
             counts[outcome] = counts.get(outcome, 0) + c - before.ledger.transfers_by_engine.get(k, {}).get(outcome, 0)
     compared = stats.ledger.digests_compared - before.ledger.digests_compared
     (decode_stats,) = [e for e in stats.engines if e.role == "decode"]
-    print(f"  {len(jobs)} requests: transfers {counts}, digests compared {compared}, findings {len(found)}")
+    print(
+        f"  {len(jobs)} requests: transfers {counts}, digests compared {compared}, findings {len(found)}, "
+        f"decode pages read {decode_stats.pages_read}"
+    )
     assert found == [], watch.explain(found)
     assert counts["unpaired"] == counts["unverified"] == 0 and counts["paired"] >= 0.85 * len(jobs), counts
     assert compared >= 0.85 * len(jobs)
