@@ -243,3 +243,23 @@ def test_a_target_that_moved_is_skipped_with_its_reason():
     assert cls is None and "cannot import kvguard_no_such_module" in why
     cls, why = plugin._check(plugin.Target("kvguard.engine_hooks.vllm.plugin", "Target", "__init__", ("nope",)))
     assert cls is None and "does not start with ('nope',)" in why
+
+
+def test_requests_crossing_into_a_new_block_are_assigned_together_and_the_rest_one_by_one(captured):
+    """A decode step where two requests cross into a new block (one batch of ASSIGNs, each for
+    the token written first in it) and a chunked prefill gains two blocks (its own ASSIGN)."""
+    _pool()
+    request = types.SimpleNamespace(num_prompt_tokens=64, cache_salt=None, sampling_params=None)
+    scheduler = types.SimpleNamespace(requests={r: request for r in ("a", "b", "c")})
+    hc.schedule_post(None, _step(new=[("a", [3, 4], 0), ("b", [5, 6], 0), ("c", [7], 0)]), scheduler)
+    captured.take()
+    hc.schedule_post(None, _step(cached=[("a", [8], 64), ("c", [9, 10], 32), ("b", [11], 64)]), scheduler)
+    got = {r.body.req_key: r.body for r in captured.take()}
+    assert set(got) == {wire.request_key(r) for r in "abc"}
+    for rid, page in (("a", 8), ("b", 11)):  # positions 64: the first slot of their third block
+        a = got[wire.request_key(rid)]
+        assert (a.row_start, a.row_end, a.shared_until, a.pages.tolist()) == (64, 65, 64, [page])
+    c = got[wire.request_key("c")]
+    assert (c.row_start, c.row_end, c.shared_until, c.pages.tolist()) == (32, 96, 32, [9, 10])
+    hc.schedule_post(None, _step(cached=[("a", [12], 96), ("c", [13], 96)]), scheduler)
+    assert [r.body.row_start for r in captured.take()] == [96, 96]  # the rows went on where they were

@@ -201,6 +201,10 @@ def schedule_post(_token, out, self, *args, **kwargs) -> None:
         rows[rid] = len(ids)
     cached = out.scheduled_cached_reqs
     resumed = cached.resumed_req_ids
+    # decode steps where requests cross into a new block (at batch 256, every 32nd step the
+    # whole batch does): one ASSIGN each for the token written first in it, encoded together
+    # and written under one ring lock (one call each was most of the adapter's mean step cost)
+    crossing: list = []
     for rid, gained, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
         if not gained or not gained[0]:
             continue  # the usual decode step: no new block
@@ -212,8 +216,15 @@ def schedule_post(_token, out, self, *args, **kwargs) -> None:
         start = rows.get(rid)
         if start is None:
             continue  # a row we never saw begin (attached mid-run): nothing to place it against
-        p.row_pages_assigned(rid, start * ps, (start + len(ids)) * ps, start * ps, ids)
+        if len(ids) == 1 and computed == start * ps:
+            crossing.append((rid, ids[0]))
+        else:
+            p.row_pages_assigned(rid, start * ps, (start + len(ids)) * ps, start * ps, ids)
         rows[rid] = start + len(ids)
+    if crossing:
+        rids, blocks = zip(*crossing)
+        positions = [rows[rid] * ps - ps for rid in rids]
+        p.decode_rows_assigned(rids, positions, np.asarray(blocks, np.int64) * ps)
     hconn.loads_landed_in_schedule(out)
 
 
