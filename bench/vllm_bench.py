@@ -200,6 +200,9 @@ def bench(batch: int, steps: int, ring_dir: str) -> dict:
         "steps": steps,
         "probe_cpu_us_per_step": round(statistics.mean(body), 1),
         "probe_cpu_us_per_step_median": round(statistics.median(body), 1),
+        # each step's figure: the mean carries the step where the batch crosses into new blocks
+        # (every 32 tokens) and any garbage collection a hook happened to trigger
+        "per_step_us": [round(x, 1) for x in per_step],
         "ring_bytes_per_step": round(ring_bytes / steps, 1),
         "meter_overhead_ns_per_call": round(overhead, 1),
         "hook_calls_per_step": meter.calls,

@@ -65,6 +65,7 @@ _SMALL = 64  # below this many values, Python sets beat np.unique's fixed cost (
 # One decode ASSIGN's payload: wire.ASSIGN_FIXED with count 1, then its one int32 page
 # (exactly wire.assign_payload's bytes; tests/test_probes.py checks it)
 _ASSIGN_ONE = struct.Struct(wire.ASSIGN_FIXED.format + "i")
+_PAGES_ONE = struct.Struct(wire.PAGES_FIXED.format + "i")  # ALLOC / FREE of one page
 
 
 class Probes(TransferProbes):
@@ -284,6 +285,23 @@ class Probes(TransferProbes):
             if self.tier1 is not None:
                 self.tier1.allocated(pages)
             self._emit(wire.Kind.ALLOC, wire.pages_payload(pages))
+
+    @guarded_probe
+    def page_ids_allocated(self, page_ids: list) -> None:
+        """``pages_allocated`` for an engine that hands out whole pages (vLLM's blocks): page
+        ids, not slots. One page (a decode step's new block, the usual case) is encoded
+        without numpy: at batch 256 a whole batch crosses into new blocks in one step."""
+        if not page_ids:
+            return
+        if len(page_ids) == 1:
+            if self.tier1 is not None:
+                self.tier1.allocated(np.asarray(page_ids, np.int64))
+            self._emit(wire.Kind.ALLOC, _PAGES_ONE.pack(1, 0, int(page_ids[0])))
+            return
+        pages = np.unique(as_int64(page_ids))
+        if self.tier1 is not None:
+            self.tier1.allocated(pages)
+        self._emit(wire.Kind.ALLOC, wire.pages_payload(pages))
 
     @guarded_probe
     def pages_freed(self, slots, kind: str = "free") -> None:

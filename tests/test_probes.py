@@ -48,6 +48,18 @@ def test_decode_rows_assigned_sends_the_records_rows_assigned_would(tmp_path):
     assert one.calls == batched.calls
 
 
+def test_page_ids_allocated_sends_the_records_pages_allocated_would(tmp_path):
+    by_slot, by_id = probes(tmp_path / "slots"), probes(tmp_path / "ids")
+    for ids in ([7], [9, 3, 9], []):
+        by_slot.pages_allocated(np.asarray(ids, np.int64) * 4)
+        by_id.page_ids_allocated(ids)
+    a, b = records(by_slot)[1:], records(by_id)[1:]
+    assert [r.kind for r in b] == [wire.Kind.ALLOC] * 2
+    # one page without numpy, several through np.unique: the same bytes on the wire
+    assert [wire.pages_payload(r.body.pages) for r in a] == [wire.pages_payload(r.body.pages) for r in b]
+    assert [r.body.pages.tolist() for r in b] == [[7], [3, 9]]
+
+
 def test_decode_rows_assigned_with_mismatched_lengths_is_a_probe_error(tmp_path):
     p = probes(tmp_path)
     p.decode_rows_assigned(["a", "b"], [8], [36, 4])  # never raises into the engine

@@ -39,13 +39,9 @@ log = logging.getLogger("kvguard.vllm")
 _FINISH = {0: "stop", 1: "length", 2: "abort", 3: "abort", 4: "stop"}  # vllm.v1.engine.FinishReason
 
 
-def _ids(blocks) -> np.ndarray:
-    return np.fromiter((b.block_id for b in blocks), dtype=np.int64)
-
-
-def _emit_alloc(page_ids) -> None:
-    if len(page_ids):
-        rt.probes().pages_allocated(np.asarray(page_ids, np.int64) * State.page_size)
+def _emit_alloc(page_ids: list) -> None:
+    if page_ids:
+        rt.probes().page_ids_allocated(page_ids)
 
 
 def _emit_free(page_ids) -> None:
@@ -111,7 +107,7 @@ def get_new_blocks_pre(self, *args, **kwargs):
 def get_new_blocks_post(_token, result, self, *args, **kwargs) -> None:
     State.in_alloc -= 1
     if State.hello_done and self is State.block_pool:
-        _emit_alloc(_ids(result))
+        _emit_alloc([b.block_id for b in result])
 
 
 def _cached(pool, block) -> bool:
