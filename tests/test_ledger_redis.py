@@ -205,6 +205,47 @@ def test_a_normal_transfer_across_pods_is_paired_and_raises_nothing(pods):
     assert p.ledger("prefill").rooms == {}  # the sender's finished room is retired to the bounded closed set
 
 
+def test_pages_a_transfer_filled_stay_written_when_its_reader_ended_before_the_senders_facts(pods):
+    """Decode's request reads its pulled prompt and ends before prefill's pod published the
+    send (a short request; pairing waits on the other pod). Its pages stay in decode's prefix
+    cache (vLLM keeps a pulled prompt's blocks), and a later request sharing them reads KV the
+    transfer wrote. Found on a real vLLM pair across two pods: every later sharer was an
+    `unwritten_read` before the ended reader's filled pages were kept as written."""
+    p = pods()
+    p.begin("r-first", 12, 8, [1, 2])
+    p.receive("r-first", 12, 8, [1, 2])
+    p.decode.request_end("r-first", "length", 1000, 2000, 1, "")  # its blocks stay cached: no free
+    p.settle(lambda: False, limit_s=0.3)  # decode's sidecar holds the receiver, provisionally
+    p.send("r-first", 12, 8)
+    assert p.settle(lambda: p.ledger("decode").paired == 1)
+    p.decode.request_begin("r-later", "acme", None, 12, 8, False)
+    p.decode.pages_allocated(slots([3]))
+    p.decode.rows_assigned("r-later", 0, 12, 8, list(slots([1, 2])) + list(slots([3])))
+    p.decode.forward(["r-later"], [12], [slots([3])], [list(slots([1, 2])) + list(slots([3]))])
+    p.settle(lambda: False, limit_s=0.3)
+    assert p.kinds("decode") == [] and p.kinds("prefill") == []
+
+
+def test_a_transfer_short_at_its_front_is_judged_when_its_reader_ended_first(pods):
+    """The sender filled only the back of the reservation ([4, 8) of [0, 8): vLLM's Mooncake
+    sender after decode asked for fewer blocks) and decode's request ended before prefill's pod
+    published: the read it made of the unfilled first page is still an unwritten read."""
+    p = pods()
+    p.begin("r-gap", 13, 8, [1, 2])
+    p.receive("r-gap", 13, 8, [1, 2])
+    p.finish("r-gap", [1, 2])
+    p.settle(lambda: False, limit_s=0.3)
+    p.prefill.pages_allocated(slots([900]))
+    p.prefill.transfer_sent("r-gap", 13, 4, 8, [900], True)
+    p.prefill.transfer_done("r-gap", 13, "sender", "success")
+    assert p.settle(lambda: "unwritten_read" in p.kinds("decode"))
+    assert p.kinds("decode") == ["transfer_size_mismatch", "unwritten_read"] and p.kinds("prefill") == []
+    (read,) = [f for f in p.sinks["decode"].findings if f.kind == "unwritten_read"]
+    assert read.pages == [1] and read.reader.rid == "r-gap"
+    (size,) = [f for f in p.sinks["decode"].findings if f.kind == "transfer_size_mismatch"]
+    assert size.pages == [1]  # from the reservation: the reader's row is gone
+
+
 def test_the_incident_across_pods_is_caught_once_by_the_decode_sidecar_only(pods):
     """1 token sent into 600 reserved: decode's sidecar alone cannot know; with the shared ledger
     it pairs prefill's facts and raises the size mismatch and the unwritten read, once."""

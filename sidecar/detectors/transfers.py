@@ -52,11 +52,17 @@ class TransferSizeDetector:
         if reader.warmup:
             return []
         row = tracker.rows.get(pairing.receiver_key)
-        unfilled = []
-        if row is not None:
-            filled = set(int(i) for i in pairing.written_row_pages)
-            reserved = row.pages[base : base + pairing.reserved_pages]
-            unfilled = [int(p) for i, p in enumerate(reserved, start=base) if i not in filled and p > 0]
+        filled = set(int(i) for i in pairing.written_row_pages)
+        # the reserved pages in row order: from the row, or (the reader ended before the
+        # sender's facts came, across pods) from the reservation itself
+        reserved = row.pages[base : base + pairing.reserved_pages] if row is not None else None
+        if reserved is None and isinstance(pairing.state, RoomState) and pairing.state.reserved_pages is not None:
+            reserved = pairing.state.reserved_pages
+        unfilled = (
+            []
+            if reserved is None
+            else [int(p) for i, p in enumerate(reserved, start=base) if i not in filled and p > 0]
+        )
         summary = (
             f"decode rank {engine.rank}: transfer for request {reader.rid} (room {pairing.room}) "
             f"carried {sent} tokens into {pairing.reserved_tokens} reserved "
