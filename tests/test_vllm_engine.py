@@ -56,10 +56,10 @@ except FileNotFoundError as exc:
 
 
 class Watch:
-    def __init__(self, ring_dir: Path, events_dir: Path):
+    def __init__(self, ring_dir: Path, events_dir: Path, **sidecar_options):
         self.memory = MemorySink()
         self.events_path = events_dir / "events.jsonl"
-        self.sidecar = Sidecar(str(ring_dir), sinks=[self.memory], remove_dead_rings=False).start()
+        self.sidecar = Sidecar(str(ring_dir), sinks=[self.memory], remove_dead_rings=False, **sidecar_options).start()
 
     def mark(self) -> int:
         return len(self.memory.findings)

@@ -17,6 +17,7 @@ kind: a pull that leaves a reserved block unfilled, and bytes changed in transit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -124,16 +125,10 @@ class Pair:
         return r.json()["choices"][0]["text"]
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    missing = _mooncake_missing()
-    if missing:
-        pytest.skip(missing)
-    base = tmp_path_factory.mktemp("vllm-pd")
-    events = base / "events"
-    events.mkdir()
-    ring_dir = Path(tempfile.mkdtemp(prefix="kvg-vllm-pd-rings-", dir="/dev/shm"))
-    watch = Watch(ring_dir, events)
+@contextlib.contextmanager
+def running_pair(base: Path, ring_dirs: dict, events: Path, watch: Watch):
+    """Prefill and decode (``ring_dirs``: each engine's ring directory, keyed by role), the
+    test-only prefill/decode faults armed in decode."""
     bootstrap_port = free_port()
 
     def engine(role: str, num_blocks: int, core: int, bootstrap: int, **env):
@@ -142,7 +137,7 @@ def pair(tmp_path_factory):
         return start_vllm(
             base / role,
             version=VERSION,
-            ring_dir=ring_dir,
+            ring_dir=ring_dirs[role],
             num_blocks=num_blocks,
             max_num_seqs=4,
             extra_args=["--kv-transfer-config", _config(role)],
@@ -165,8 +160,29 @@ def pair(tmp_path_factory):
         (entry,) = httpx.get(bootstrap + "/query", timeout=30).json().values()
         yield Pair(prefill, decode, bootstrap, entry["engine_id"], watch, events)
     finally:
-        for engine in reversed(engines):
-            engine.stop()
+        for e in reversed(engines):
+            e.stop()
+
+
+def pair_dirs(tmp_path_factory, name: str) -> tuple[Path, Path]:
+    """A pair's base folder and its fault events folder; skips (with the reason) without Mooncake."""
+    missing = _mooncake_missing()
+    if missing:
+        pytest.skip(missing)
+    base = tmp_path_factory.mktemp(name)
+    (base / "events").mkdir()
+    return base, base / "events"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    base, events = pair_dirs(tmp_path_factory, "vllm-pd")
+    ring_dir = Path(tempfile.mkdtemp(prefix="kvg-vllm-pd-rings-", dir="/dev/shm"))
+    watch = Watch(ring_dir, events)  # one sidecar on both engines' rings
+    try:
+        with running_pair(base, {"kv_producer": ring_dir, "kv_consumer": ring_dir}, events, watch) as running:
+            yield running
+    finally:
         watch.sidecar.stop()
         shutil.rmtree(ring_dir, ignore_errors=True)
 
