@@ -223,6 +223,12 @@ def test_flipped_received_page_digests_differ_for_that_room_only(pd):
     # the sidecar pairs the two ends: one checksum_mismatch naming the request, its
     # reserved pages (the flipped one among them: one digest per transfer cannot say
     # which page), both digests and what the guard did; nothing else
+    # (the recorder holds what the sidecar read; applying it can trail under load: the rings are
+    # merged in time order, and a record waits for the other rings to catch up)
+    t_end = time.monotonic() + WAIT_S
+    while "checksum_mismatch" not in {f.kind for f in watch.memory.findings[mark:]} and time.monotonic() < t_end:
+        time.sleep(0.05)
+    watch.settle()
     found = watch.memory.findings[mark:]
     assert [f.kind for f in found if f.kind != "orphan_transfer"] == ["checksum_mismatch"], [f.to_dict() for f in found]
     found = [f for f in found if f.kind == "checksum_mismatch"]
