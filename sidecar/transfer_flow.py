@@ -127,7 +127,7 @@ class TransferFlow:
                 filled = unchanged & np.isin(saved.row_index, pairing.written_row_pages)
                 if filled.any():
                     t.mark_written(pairing.receiver_key, pages[filled], ts_ns)
-            if row is None and _left_unfilled(pairing, t.page_size):
+            if row is None and pairing.carried_tokens(t.page_size) < pairing.reserved_tokens:
                 # the reader ended (and freed its pages) before the sender's facts came: judge
                 # the read it made meanwhile from what its pages held then
                 verdict = saved.late_read_verdict(pairing.written_row_pages)
@@ -146,7 +146,7 @@ class TransferFlow:
             self._record(
                 ts_ns, t.engine_id, Event.TRANSFER_WRITE, pairing.receiver_key, row.pages[idx], aux=pairing.sent_tokens
             )
-            if saved is not None and _left_unfilled(pairing, t.page_size):
+            if saved is not None and pairing.carried_tokens(t.page_size) < pairing.reserved_tokens:
                 # decode already attended over these pages while we waited: judge that read now
                 verdict = t.classify_read(pairing.receiver_key, pairing.reserved_tokens, None)
                 if verdict is not None:
@@ -382,13 +382,6 @@ class TransferFlow:
                 {"via": "transfer", "bootstrap_room": x.room, "token_start": x.token_start, "token_end": x.token_end}
             )
         return self._emit(found)
-
-
-def _left_unfilled(pairing, page_size: int) -> bool:
-    """Whether the sender's chunks left part of the reservation unfilled, at its end or at its
-    front (the rule of ``transfer_size_mismatch``'s ``fewer_sent``)."""
-    base = getattr(pairing.state, "reserved_row_base", 0)
-    return pairing.sent_tokens - max(base * page_size, pairing.sent_start) < pairing.reserved_tokens
 
 
 def _row_base(t: EngineTracker, x: wire.XferReserve) -> int:

@@ -147,7 +147,7 @@ def _after_alloc_post(_token, _result, connector, request, blocks, num_external_
         )
     State.local_hit[rid] = local
     if room is not None:
-        htx.reserve(request, room, ids, local, external)
+        htx.reserve(rid, room, ids, pages, local, external)
         return
     key = _load_key(connector, request, local + external)
     p.kv_loaded(rid, key, pages, "issued", cache_salt=salt)

@@ -77,15 +77,11 @@ def wants_remote_prefill(request) -> bool:
     return bool(State.pd_connector and params and params.get("do_remote_prefill") and params.get("transfer_id"))
 
 
-def reserve(request, room: int, ids, local: int, external: int) -> None:
-    """Decode's blocks for the transfer exist (``update_state_after_alloc``)."""
+def reserve(rid: str, room: int, ids, pages: np.ndarray, local: int, external: int) -> None:
+    """Decode's blocks for the transfer exist (``update_state_after_alloc``): ``ids`` its row,
+    ``pages`` those the pull fills (tokens ``[local, local + external)``)."""
     p = rt.probes()
-    rid = request.request_id
-    ps = State.page_size
-    pages = np.asarray(ids[local // ps : -(-(local + external) // ps)], np.int64)
-    if len(pages) == 0:
-        return
-    p.row_pages_assigned(rid, 0, len(ids) * ps, local, ids)
+    p.row_pages_assigned(rid, 0, len(ids) * State.page_size, local, ids)
     p.transfer_reserved(rid, room, external, pages, unit="pages")
     State.receiving[rid] = (room, pages)
 

@@ -45,7 +45,7 @@ class TransferSizeDetector:
         # (it starts after decode's own cached prefix, if any: those tokens were never the
         # transfer's to send; a sender that starts later leaves the first reserved pages unfilled)
         base = getattr(pairing.state, "reserved_row_base", 0)
-        sent = pairing.sent_tokens - max(base * tracker.page_size, pairing.sent_start)
+        sent = pairing.carried_tokens(tracker.page_size)
         if sent >= pairing.reserved_tokens:
             return []
         reader = tracker.requests.get_or_stub(pairing.receiver_key)

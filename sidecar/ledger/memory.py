@@ -141,6 +141,13 @@ class Pairing:
     state: object = None  # the RoomState (provisional pairings keep their saved page state there)
     sent_start: int = 0  # the first token the sender's chunks covered (decode's cached prefix before it)
 
+    def carried_tokens(self, page_size: int) -> int:
+        """The tokens the sender's chunks carried into the reservation: from where it starts in
+        the receiver's row (after decode's own cached prefix), or from the chunks' first token
+        when they start later (the front of the reservation then stays unfilled)."""
+        base = getattr(self.state, "reserved_row_base", 0)
+        return self.sent_tokens - max(base * page_size, self.sent_start)
+
 
 class TransferLedger:
     def __init__(
