@@ -79,10 +79,22 @@ class Pair:
         self.watch, self.events = watch, events
         self.stalls: list[str] = []  # reports of decode requests that never answered (retried once)
 
-    def complete(self, prompt: str, max_tokens: int, tenant: str, transfer_tag: str = "", hang_up: str = "") -> str:
+    def complete(
+        self,
+        prompt: str,
+        max_tokens: int,
+        tenant: str,
+        transfer_tag: str = "",
+        hang_up: str = "",
+        send_prefill: bool = True,
+        timeout_s: float | None = None,
+    ) -> str:
         """One request as vLLM's Mooncake proxy sends it; decode's text. ``hang_up``: the client
         streams and goes away after decode's first chunk (``first_chunk``) or as soon as
-        decode answered (``at_once``: its request is still waiting for the KV, or just got it)."""
+        decode answered (``at_once``: its request is still waiting for the KV, or just got it).
+        ``send_prefill=False``: the prompt never reaches prefill (a proxy whose prefill request
+        failed), so decode waits on a transfer that will not come (``DecodeStalled`` after
+        ``timeout_s``, by default ``DECODE_TIMEOUT_S``)."""
         transfer_id = f"xfer-{transfer_tag}{uuid.uuid4()}"
         body = {
             "model": "tiny",
@@ -115,7 +127,7 @@ class Pair:
             except BaseException as exc:  # noqa: BLE001
                 errors.append(exc)
 
-        t = threading.Thread(target=prefill)
+        t = threading.Thread(target=prefill if send_prefill else lambda: None)
         t.start()
         if hang_up:
             with httpx.stream(
@@ -129,16 +141,16 @@ class Pair:
             assert not errors, errors
             return ""
         try:
-            r = httpx.post(self.decode.url + "/v1/completions", json=decode_body, timeout=DECODE_TIMEOUT_S)
+            r = httpx.post(self.decode.url + "/v1/completions", json=decode_body, timeout=timeout_s or DECODE_TIMEOUT_S)
         except httpx.TimeoutException:
             t.join(timeout=30)
-            raise DecodeStalled(self.stall_report(transfer_id, errors)) from None
+            raise DecodeStalled(self.stall_report(transfer_id, errors, timeout_s or DECODE_TIMEOUT_S)) from None
         t.join()
         r.raise_for_status()
         assert not errors, errors
         return r.json()["choices"][0]["text"]
 
-    def stall_report(self, transfer_id: str, prefill_errors: list) -> str:
+    def stall_report(self, transfer_id: str, prefill_errors: list, waited_s: float = DECODE_TIMEOUT_S) -> str:
         """What each side and kvguard knew of a transfer whose decode request never answered:
         prefill's answer, the room's state in the sidecar's ledger, both engines' warnings."""
         room = room_of_transfer(transfer_id)
@@ -156,7 +168,7 @@ class Pair:
             )
         probe_errors = self.watch.stats().records_by_kind.get("PROBE_ERROR", 0)
         lines = [
-            f"decode gave no answer in {DECODE_TIMEOUT_S} s to transfer {transfer_id} (room {room:#x})",
+            f"decode gave no answer in {waited_s} s to transfer {transfer_id} (room {room:#x})",
             f"prefill's answer: {prefill_errors or 'ok'}",
             f"kvguard's ledger: {seen}",
             f"kvguard hook failures (PROBE_ERROR records): {probe_errors}",
@@ -363,3 +375,28 @@ def test_kv_changed_in_transit_is_a_checksum_mismatch(pair):
 def _events(pair) -> list[dict]:
     path = pair.events / "events.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines() if x] if path.exists() else []
+
+
+def test_a_transfer_prefill_never_had_is_an_orphan_naming_the_held_pages(pair):
+    """The proxy's prefill request never arrived (it failed on its way): vLLM's decode holds
+    the blocks it reserved and waits 480 s for prefill to answer its pull. kvguard reports
+    ``orphan_transfer`` (sender ``never reported``) once its orphan timeout passes, naming
+    the held pages and the waiting request. Last in the module: decode keeps those blocks
+    until vLLM's own timeout, long after this test."""
+    watch = pair.watch
+    pipeline = watch.sidecar.pipeline
+    saved = pipeline.orphan_timeout_s, pipeline.ledger.orphan_timeout_ns
+    pipeline.orphan_timeout_s, pipeline.ledger.orphan_timeout_ns = 2.0, 2_000_000_000  # (attributes read per tick)
+    mark = watch.mark()
+    try:
+        with pytest.raises(DecodeStalled) as stalled:
+            pair.complete(_text(random.Random(35), 90), 4, "umbrella", send_prefill=False, timeout_s=12)
+    finally:
+        pipeline.orphan_timeout_s, pipeline.ledger.orphan_timeout_ns = saved
+    found = watch.since(mark)
+    print(stalled.value)
+    (orphan,) = found
+    assert orphan.kind == "orphan_transfer" and orphan.reader.tenant == "umbrella", watch.explain(found)
+    assert orphan.evidence["sender"] == "never reported" and orphan.evidence["timeout_s"] == 2.0
+    assert orphan.pages and len(orphan.pages) == orphan.evidence["held_pages"]
+    assert "sender began False chunks []" in str(stalled.value)  # the stall report says the same
