@@ -144,7 +144,8 @@ class Pair:
             r = httpx.post(self.decode.url + "/v1/completions", json=decode_body, timeout=timeout_s or DECODE_TIMEOUT_S)
         except httpx.TimeoutException:
             t.join(timeout=30)
-            raise DecodeStalled(self.stall_report(transfer_id, errors, timeout_s or DECODE_TIMEOUT_S)) from None
+            answer = errors if send_prefill else ["none: not sent (send_prefill=False)"]
+            raise DecodeStalled(self.stall_report(transfer_id, answer, timeout_s or DECODE_TIMEOUT_S)) from None
         t.join()
         r.raise_for_status()
         assert not errors, errors
@@ -395,8 +396,10 @@ def test_a_transfer_prefill_never_had_is_an_orphan_naming_the_held_pages(pair):
         pipeline.orphan_timeout_s, pipeline.ledger.orphan_timeout_ns = saved
     found = watch.since(mark)
     print(stalled.value)
+    assert [f.kind for f in found] == ["orphan_transfer"], watch.explain(found)
     (orphan,) = found
-    assert orphan.kind == "orphan_transfer" and orphan.reader.tenant == "umbrella", watch.explain(found)
+    assert orphan.reader.tenant == "umbrella", watch.explain(found)
     assert orphan.evidence["sender"] == "never reported" and orphan.evidence["timeout_s"] == 2.0
     assert orphan.pages and len(orphan.pages) == orphan.evidence["held_pages"]
-    assert "sender began False chunks []" in str(stalled.value)  # the stall report says the same
+    report = str(stalled.value)  # the stall report says the same
+    assert "sender began False chunks []" in report and "not sent (send_prefill=False)" in report, report
