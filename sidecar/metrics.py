@@ -292,6 +292,24 @@ def ledger_metrics(ledger: LedgerStats, shared: SharedLedgerStats | None, engine
         for outcome, n in ledger.transfers_by_engine[engine.engine_id].items():
             transfers.add_metric([*engine_labels(engine), outcome], n)
     yield transfers
+    waiting = GaugeMetricFamily(
+        "kvguard_transfers_open",
+        "Decode reservations still waiting for their KV transfer (pages held, no transfer end, the request live)",
+        labels=["role", "pid"],
+    )
+    oldest = GaugeMetricFamily(
+        "kvguard_transfer_oldest_open_seconds",
+        "Age of the oldest decode reservation still waiting for its KV transfer (0 when none)",
+        labels=["role", "pid"],
+    )
+    for engine in engines:
+        if not engine.announced:
+            continue
+        n, age_s = ledger.open_by_engine.get(engine.engine_id, (0, 0.0))
+        waiting.add_metric(engine_labels(engine), n)
+        oldest.add_metric(engine_labels(engine), age_s)
+    yield waiting
+    yield oldest
     digests = CounterMetricFamily(
         "kvguard_transfer_digests", "Transfers whose two ends' digests were both complete", labels=["outcome"]
     )

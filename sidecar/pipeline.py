@@ -101,6 +101,7 @@ class Pipeline(TransferFlow, OffloadFlow):
         self.shared_ledger = shared_ledger
         self.ledger.shared = shared_ledger is not None
         self.orphan_timeout_s = orphan_timeout_s
+        self.last_tick_ns = 0  # the last tick's time (the records' clock): open transfers' age
         self.shared_grace_ns = SHARED_GRACE_NS
         # while Redis is unreachable, a finished receiver is held up to 10 waits past its own
         # (docs/detectors.md: 100 s), not 10 of the embedded ledger's 2 s grace
@@ -461,7 +462,12 @@ class Pipeline(TransferFlow, OffloadFlow):
             self._resolved(self.incidents.on_engine_gone(tracker.hello.pid, ts_ns))
         return found
 
+    def _request_live(self, engine_id: int, req_key: int) -> bool:
+        tracker = self.engines.get(engine_id)
+        return tracker is not None and req_key in tracker.requests.live
+
     def tick(self, now_ns: int) -> list[Finding]:
+        self.last_tick_ns = now_ns  # the clock open transfers are aged on (stats)
         found = self._tick_shared(now_ns) if self.shared_ledger is not None else []
         page_size_of = lambda eid: self.engines[eid].page_size if eid in self.engines else 1
         found += self._apply_final(self.ledger.expire(now_ns, page_size_of), now_ns)
@@ -497,7 +503,7 @@ class Pipeline(TransferFlow, OffloadFlow):
             incidents=self.incidents.stats(),
             memory=self.memory_budget.stats(self.engines.values(), self.incidents, self.ledger),
             ttft=self.ttft_detector.stats(),
-            ledger=self.ledger.stats(e.engine_id for e in engines),
+            ledger=self.ledger.stats((e.engine_id for e in engines), self.last_tick_ns, self._request_live),
             # the queued alert sinks; the log and JSON-lines sinks (and the tracer) write
             # synchronously and cannot fail quietly, so they have nothing to report
             sinks=tuple(sink.delivery_stats() for sink in self.sinks if hasattr(sink, "delivery_stats")),

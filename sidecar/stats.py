@@ -61,6 +61,9 @@ class LedgerStats:
     digests_compared: int
     digests_incomparable: int  # both ends complete, but with no algorithm in common
     rooms_evicted: int
+    # receiving engine id -> (its reservations still waiting for their transfer, the oldest's
+    # age in seconds); every engine asked for, (0, 0.0) included
+    open_by_engine: Mapping[int, tuple[int, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

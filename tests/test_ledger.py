@@ -271,6 +271,64 @@ def test_decode_only_sidecar_never_expects_a_sender(tmp_path):
     sidecar.stop()
 
 
+# ---------------------------------------------------------------------------------- open transfers
+def open_transfers(sidecar):
+    (decode,) = [e for e in sidecar.pipeline.stats().engines if e.role == "decode"]
+    (prefill,) = [e for e in sidecar.pipeline.stats().engines if e.role == "prefill"]
+    opened = sidecar.pipeline.stats().ledger.open_by_engine
+    assert opened[prefill.engine_id] == (0, 0.0)  # an engine that only sends: its zero series
+    return opened[decode.engine_id]
+
+
+def test_open_transfers_are_counted_and_aged_until_they_end_and_nothing_else_is(tmp_path):
+    prefill, decode = engines(tmp_path)
+    begin(prefill, decode, "r-done", 501, 8, [1, 2])  # transferred and finished
+    send(prefill, "r-done", 501, 8)
+    receive(decode, "r-done", 501, 8)
+    finish(decode, "r-done", [1, 2], 8)
+    begin(prefill, decode, "r-abort", 502, 8, [3, 4])  # the client went away while decode waited
+    decode.request_end("r-abort", "abort", 0, 0, 0, "client")
+    decode.pages_freed(slots([3, 4]))
+    begin(prefill, decode, "r-failed", 503, 8, [5, 6])  # the pull failed: the engine ended the wait
+    decode.transfer_done("r-failed", 503, "receiver", "failed")
+    decode.request_begin("r-warm", "", 504, 8, 0, True)  # SGLang's warmup: no sender ever
+    decode.pages_allocated(slots([7, 8]))
+    decode.transfer_reserved("r-warm", 504, 8, slots([7, 8]))
+    begin(prefill, decode, "r-stuck", 505, 8, [9, 10])  # prefill began and sent; decode never heard back
+    send(prefill, "r-stuck", 505, 8)
+    begin(prefill, decode, "r-waiting", 506, 8, [11, 12])  # prefill still working on it
+    sidecar, sink = run(tmp_path)
+    now = time.monotonic_ns()
+    sidecar.pipeline.tick(now)
+    n, oldest_s = open_transfers(sidecar)
+    assert n == 2 and 0 <= oldest_s < 60, (n, oldest_s)
+    sidecar.pipeline.tick(now + 700 * 10**9)  # ages run on the records' clock, as of the last tick
+    n, oldest_s = open_transfers(sidecar)
+    assert n == 2 and 700 <= oldest_s < 760, (n, oldest_s)
+    receive(decode, "r-waiting", 506, 8, digest=None)  # ends one wait
+    decode.request_end("r-stuck", "abort", 0, 0, 0, "engine timeout")  # the engine gave up on the other
+    sidecar.run_once(flush=True)
+    assert open_transfers(sidecar) == (0, 0.0)
+    assert "orphan_transfer" not in kinds(sink)  # both senders had reported
+    sidecar.stop()
+
+
+def test_a_waiting_request_the_sidecar_retired_is_no_open_transfer(tmp_path):
+    """Records lost: the sidecar retires a request it cannot follow any more; its wait is no
+    longer a wait kvguard can age (KVGuardEventsLost says why)."""
+    prefill, decode = engines(tmp_path)
+    begin(prefill, decode, "r-1", 601, 8, [1, 2])
+    sidecar, sink = run(tmp_path)
+    sidecar.pipeline.tick(time.monotonic_ns())
+    assert open_transfers(sidecar)[0] == 1
+    (decode_stats,) = [e for e in sidecar.pipeline.stats().engines if e.role == "decode"]
+    tracker = sidecar.pipeline.engines[decode_stats.engine_id]
+    (key,) = list(tracker.requests.live)
+    tracker.requests.end(key)
+    assert open_transfers(sidecar) == (0, 0.0)
+    sidecar.stop()
+
+
 # ---------------------------------------------------------------------------------- rooms seen twice
 def test_a_room_reused_by_another_request_and_a_retried_chunk_raise_nothing(tmp_path):
     prefill, decode = engines(tmp_path)

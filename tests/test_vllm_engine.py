@@ -82,7 +82,8 @@ class Watch:
         return [e for e in map(json.loads, filter(None, lines)) if fault is None or e["fault"] == fault]
 
     def stats(self):
-        return self.sidecar.pipeline.stats()
+        with self.sidecar.lock:  # (the ingest thread changes the models between two records)
+            return self.sidecar.pipeline_stats()
 
     def explain(self, findings: list[Finding]) -> str:
         """Each finding with its pages' recent history (the assertion message on failure)."""

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -156,7 +157,8 @@ class Pair:
         prefill's answer, the room's state in the sidecar's ledger, both engines' warnings."""
         room = room_of_transfer(transfer_id)
         ledger = self.watch.sidecar.pipeline.ledger
-        state = ledger.rooms.get(room) or ledger.pending.get(room)
+        with self.watch.sidecar.lock:
+            state = ledger.rooms.get(room) or ledger.pending.get(room)
         if state is None:
             seen = "not in the ledger (decode never reserved, prefill never sent)"
         else:
@@ -382,18 +384,34 @@ def test_a_transfer_prefill_never_had_is_an_orphan_naming_the_held_pages(pair):
     """The proxy's prefill request never arrived (it failed on its way): vLLM's decode holds
     the blocks it reserved and waits 480 s for prefill to answer its pull. kvguard reports
     ``orphan_transfer`` (sender ``never reported``) once its orphan timeout passes, naming
-    the held pages and the waiting request. Last in the module: decode keeps those blocks
-    until vLLM's own timeout, long after this test."""
+    the held pages and the waiting request; meanwhile ``kvguard_transfers_open`` counts the
+    wait and ``kvguard_transfer_oldest_open_seconds`` ages it, until the client goes away.
+    Last in the module: decode keeps those blocks until vLLM's own timeout, long after
+    this test."""
     watch = pair.watch
     pipeline = watch.sidecar.pipeline
     saved = pipeline.orphan_timeout_s, pipeline.ledger.orphan_timeout_ns
     pipeline.orphan_timeout_s, pipeline.ledger.orphan_timeout_ns = 2.0, 2_000_000_000  # (attributes read per tick)
     mark = watch.mark()
+    prompt = _text(random.Random(35), 90)
+    waiting = (0, 0.0)
     try:
-        with pytest.raises(DecodeStalled) as stalled:
-            pair.complete(_text(random.Random(35), 90), 4, "umbrella", send_prefill=False, timeout_s=12)
+        with ThreadPoolExecutor(1) as client:
+            call = client.submit(pair.complete, prompt, 4, "umbrella", send_prefill=False, timeout_s=12)
+            while not call.done() and waiting[1] < 3.0:  # what /metrics shows while decode waits
+                waiting = max(_open_transfers(pair), waiting)
+                time.sleep(0.2)
+            with pytest.raises(DecodeStalled) as stalled:
+                call.result()
     finally:
         pipeline.orphan_timeout_s, pipeline.ledger.orphan_timeout_ns = saved
+    assert waiting[0] == 1 and waiting[1] >= 3.0, waiting
+    # the client went away: decode ended the request, so nothing waits any more (vLLM still
+    # holds its blocks until the pull ends, as the request's own history says)
+    deadline = time.monotonic() + 15
+    while _open_transfers(pair)[0] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _open_transfers(pair) == (0, 0.0)
     found = watch.since(mark)
     print(stalled.value)
     assert [f.kind for f in found] == ["orphan_transfer"], watch.explain(found)
@@ -403,3 +421,10 @@ def test_a_transfer_prefill_never_had_is_an_orphan_naming_the_held_pages(pair):
     assert orphan.pages and len(orphan.pages) == orphan.evidence["held_pages"]
     report = str(stalled.value)  # the stall report says the same
     assert "sender began False chunks []" in report and "not sent (send_prefill=False)" in report, report
+
+
+def _open_transfers(pair) -> tuple[int, float]:
+    """Decode's (reservations waiting for their transfer, the oldest's age in seconds)."""
+    stats = pair.watch.stats()
+    (decode,) = [e for e in stats.engines if e.role == "decode"]
+    return stats.ledger.open_by_engine[decode.engine_id]

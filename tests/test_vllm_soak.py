@@ -90,7 +90,8 @@ def test_a_long_clean_vllm_workload_raises_nothing(tmp_path):
         elapsed = time.monotonic() - t0
         time.sleep(1.0)
         wait_until_applied(sidecar, 1.0, 30.0)
-        stats = sidecar.pipeline.stats()
+        with sidecar.lock:
+            stats = sidecar.pipeline_stats()
         ingest = sidecar.rings.stats
         (engine_stats,) = [e for e in stats.engines if e.pages_read]
         print(

@@ -540,11 +540,13 @@ class TransferLedger:
         for outcome in self.OUTCOMES:
             self.outcomes.pop((engine_id, outcome), None)
 
-    def stats(self, receivers: Iterable[int]) -> LedgerStats:
+    def stats(self, receivers: Iterable[int], now_ns: int = 0, is_live=lambda engine_id, req_key: True) -> LedgerStats:
         """The ledger's figures (sidecar/stats.py), with every outcome of each engine in
         ``receivers`` at 0 until counted: an alert on ``unpaired`` sees the first one as an
-        increase, and an engine that only sends still has its (zero) series."""
+        increase, and an engine that only sends still has its (zero) series. Open transfers
+        are aged on ``now_ns``'s clock (the records' own: CLOCK_MONOTONIC of this host)."""
         outcomes = self.outcomes
+        receivers = list(receivers)
         return LedgerStats(
             transfers_by_engine={
                 engine_id: {outcome: outcomes[(engine_id, outcome)] for outcome in self.OUTCOMES}
@@ -553,7 +555,26 @@ class TransferLedger:
             digests_compared=self.digests_compared,
             digests_incomparable=self.digests_incomparable,
             rooms_evicted=self.rooms_evicted,
+            open_by_engine=self.open_receivers(receivers, now_ns, is_live),
         )
+
+    def open_receivers(self, receivers: Iterable[int], now_ns: int, is_live) -> dict[int, tuple[int, float]]:
+        """Per receiving engine: its reservations still waiting for their transfer (pages
+        reserved, no XFER_DONE, the request not ended; warmups aside) whose request
+        ``is_live(engine_id, req_key)`` still holds, and the oldest one's age in seconds.
+        A decode request stuck here holds its pages until the engine's own timeout frees
+        them (SGLang 300 s, vLLM's Mooncake 480 s), or for ever where that timeout is
+        broken. One pass over the rooms at scrape time (about 20 ms at the 100,000-room bound)."""
+        found: dict[int, tuple[int, float]] = {engine_id: (0, 0.0) for engine_id in receivers}
+        for state in self.rooms.values():
+            engine_id = state.receiver_engine
+            if engine_id not in found or state.warmup or not state.receiver_open:
+                continue
+            if not is_live(engine_id, state.receiver_key):
+                continue  # its request was retired (its engine's records were lost): not a wait
+            n, oldest = found[engine_id]
+            found[engine_id] = (n + 1, max(oldest, max(0, now_ns - state.reserve_ns) / 1e9))
+        return found
 
     def _unverified(self, state: RoomState) -> Pairing:
         n = len(state.reserved_pages)
