@@ -101,6 +101,22 @@ def transfers_row(d: Dashboard) -> Dashboard:
                 span=8,
             )
         )
+        .with_panel(
+            graph(
+                "Oldest decode wait for a transfer",
+                "Per decode engine, how long its oldest reservation has waited for its KV transfer "
+                "(kvguard_transfer_oldest_open_seconds; kvguard_transfers_open counts them). Seconds while prefill "
+                "works; the engines give up by themselves after 300 s (SGLang) or 480 s (vLLM's Mooncake). Past 10 "
+                "minutes the engine's timeout did not free the pages: KVGuardTransferStuck.",
+                q(
+                    f"max by (instance, role, pid) (kvguard_transfer_oldest_open_seconds{{{INSTANCE}}})",
+                    "{{instance}} {{role}} pid {{pid}}",
+                ),
+                unit="s",
+                span=24,
+                threshold=600,
+            )
+        )
     )
 
 
