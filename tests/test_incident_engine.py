@@ -130,3 +130,9 @@ def test_sglang_0_5_23_rejects_the_prompt_and_nothing_is_read(shared_pd):
     records = window.records_by_kind()
     assert records.get("FORWARD", 0) > 0 and records.get("XFER_SEND", 0) >= 8, records
     assert shared_pd.sidecar.rings.stats.records_lost == 0
+    # decode's waiting timeout ended that request: kvguard counts no wait left open, so no
+    # KVGuardTransferStuck can follow (the rejected request is not a ghost in the ledger)
+    with shared_pd.sidecar.lock:
+        stats = shared_pd.sidecar.pipeline_stats()
+    decode_ids = [e.engine_id for e in stats.engines if e.role == "decode"]
+    assert decode_ids and all(stats.ledger.open_by_engine[i] == (0, 0.0) for i in decode_ids), stats.ledger
