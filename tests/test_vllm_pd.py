@@ -343,15 +343,21 @@ def test_soak_prefill_decode_is_quiet(pair):
     assert decode_stats.pages_unverified == 0
 
 
+def short_pull_after_acme(pair, rng: random.Random) -> int:
+    """Decode's small pool (32 blocks) filled with acme's cached KV, then globex's request
+    whose pull leaves a reserved block unfilled (pd_short_pull); the findings mark before it."""
+    for _ in range(6):
+        pair.complete(_text(rng, 150), 2, "acme")
+    mark = pair.watch.mark()
+    pair.complete(_text(rng, 150), 4, "globex", transfer_tag="pd_short_pull-")
+    return mark
+
+
 def test_a_reserved_block_the_transfer_never_filled_is_reported_when_read(pair):
     """pd_short_pull: decode reserved five blocks and pulled four; its first one holds what the
     pool left in it (acme's KV) when globex's request reads it."""
     watch = pair.watch
-    rng = random.Random(32)
-    for _ in range(6):  # decode's small pool (32 blocks) fills with acme's cached KV
-        pair.complete(_text(rng, 150), 2, "acme")
-    mark = watch.mark()
-    pair.complete(_text(rng, 150), 4, "globex", transfer_tag="pd_short_pull-")
+    mark = short_pull_after_acme(pair, random.Random(32))
     found = watch.since(mark)
     (event,) = [e for e in _events(pair) if e["fault"] == "pd_short_pull"]
     kinds = {f.kind for f in found}

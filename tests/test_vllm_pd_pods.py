@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from test_ledger_redis import RedisServer
 from test_vllm_engine import Watch, _text
-from test_vllm_pd import _events, pair_dirs, running_pair
+from test_vllm_pd import _events, pair_dirs, running_pair, short_pull_after_acme
 
 from kvguard.sidecar.service import Sidecar
 from kvguard.sidecar.sinks.basic import MemorySink
@@ -99,11 +99,7 @@ def test_clean_transfers_pair_through_redis_and_neither_pod_reports_anything(pod
 def test_a_reserved_block_left_unfilled_is_reported_by_decodes_sidecar(pods):
     pair, prefill_sink = pods
     watch = pair.watch
-    rng = random.Random(42)
-    for _ in range(6):  # decode's pool fills with acme's cached KV
-        pair.complete(_text(rng, 150), 2, "acme")
-    mark = watch.mark()
-    pair.complete(_text(rng, 150), 4, "globex", transfer_tag="pd_short_pull-")
+    mark = short_pull_after_acme(pair, random.Random(42))
     wanted = {"transfer_size_mismatch", "unwritten_read"}
     assert _until(lambda: wanted <= {f.kind for f in watch.memory.findings[mark:]}), (
         _paired(watch),
