@@ -33,9 +33,11 @@ per slot checked or recorded. ``KVGUARD_CONTENT_CHECK``:
   slot that stays in a row is verified within a few steps (``make bench`` reports
   ``engine.content_check_us_per_step_b256`` at N = 512).
 
-Device (GPU) pools are not checked yet: reading the bytes there would need the
-device-side reduction of the transfer digests and a read at the scheduler's existing
-sync; the engine logs once that the check is off, and why.
+Device (GPU) pools: ``engine_hooks/content_device.py`` computes the same fingerprints
+with torch on the pool's device (the gather, the multiply and the sum run there; 8
+bytes per checked slot come back, through pinned memory and an event, looked at on a
+later step), so the check never waits for the device and never copies KV to the host.
+``for_pool`` picks the path from where the pool lives.
 """
 
 from __future__ import annotations
@@ -73,28 +75,97 @@ def budget_from_env(raw: str | None = None) -> int | None | bool:
     return n
 
 
+PATH_ENV = "KVGUARD_CONTENT_PATH"  # auto (default) | host | device: which implementation checks the pool
+
+
+def path_from_env(raw: str | None = None) -> str:
+    """``auto`` (host pools: numpy; device pools: the device path), ``host`` or ``device``
+    (the deferred device path even on a host pool: what tests of that path run on a CPU).
+    Anything else fails at start-up, naming the variable and the value."""
+    raw = (os.environ.get(PATH_ENV, "auto") if raw is None else raw).strip().lower() or "auto"
+    if raw not in ("auto", "host", "device"):
+        raise ValueError(f"{PATH_ENV}={raw!r}: expected auto, host or device")
+    return raw
+
+
+def check_layout(k_layer0, v_layer0) -> int:
+    """The bytes of KV head 0 of one slot (K or V); ContentUnsupported for a layout the
+    fingerprint cannot read: not [slots, heads, dim], not contiguous, not whole u64 words."""
+    for t in (k_layer0, v_layer0):
+        if t.dim() != 3 or not t.is_contiguous():
+            raise ContentUnsupported(f"KV buffer of shape {tuple(t.shape)}: expected a contiguous [slots, heads, dim]")
+    head_bytes = int(k_layer0.shape[2]) * k_layer0.element_size()
+    if head_bytes % 8 or int(v_layer0.shape[2]) * v_layer0.element_size() != head_bytes:
+        raise ContentUnsupported(
+            f"slot head of {head_bytes} bytes (K) is not a whole number of u64 words, or V differs"
+        )
+    if v_layer0.shape[0] != k_layer0.shape[0]:
+        raise ContentUnsupported(f"K has {k_layer0.shape[0]} slots, V {v_layer0.shape[0]}")
+    return head_bytes
+
+
+def multipliers(words: int, seed: int = _SEED) -> tuple[np.ndarray, np.ndarray]:
+    """The fixed odd u64 multipliers of the K and V words of a slot's head 0 (one per word)."""
+    rng = np.random.default_rng(seed)
+    mult = rng.integers(0, 1 << 63, size=2 * words, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    return mult[:words], mult[words:]
+
+
+def pick_index(seq_lens: np.ndarray, budget: int | None, rng) -> tuple[np.ndarray, np.ndarray]:
+    """(batch index, position) pairs to verify among ``seq_lens[i]`` positions of each
+    reader ``i``: all of them, or about ``budget`` drawn at random in runs of RUN."""
+    lens = np.maximum(np.asarray(seq_lens).astype(np.int64), 0)
+    total = int(lens.sum())
+    if total == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    if budget is None or total <= budget:
+        which = np.repeat(np.arange(len(lens)), lens)
+        starts = np.repeat(np.cumsum(lens) - lens, lens)
+        return which, np.arange(total) - starts
+    # runs of RUN consecutive positions (one page-aligned stretch of a row: neighbouring
+    # slots in memory, so the check reads whole cache lines and pages instead of paying a
+    # memory miss per slot; measured 3x cheaper than single random slots at batch 256)
+    runs = max(budget // RUN, 1)
+    flat = rng.integers(0, total, size=runs)
+    ends = np.cumsum(lens)
+    which = np.searchsorted(ends, flat, side="right")
+    start = flat - (ends[which] - lens[which])
+    start -= start % RUN
+    pos = (start[:, None] + np.arange(RUN)[None, :]).reshape(-1)
+    which = np.repeat(which, RUN)
+    keep = pos < lens[which]
+    return which[keep], pos[keep]
+
+
+def for_pool(k_layer0, v_layer0, budget: int | None, path: str = "auto", seed: int = _SEED):
+    """The content check for this pool: ContentCheck on a host pool, DeviceContentCheck
+    on a device pool (or anywhere with ``path="device"``)."""
+    on_host = str(getattr(k_layer0.device, "type", k_layer0.device)) == "cpu"
+    if path == "host" and not on_host:
+        raise ContentUnsupported(f"{PATH_ENV}=host but the KV pool is on {k_layer0.device}")
+    if path == "device" or not on_host:
+        from .content_device import DeviceContentCheck
+
+        return DeviceContentCheck(k_layer0, v_layer0, budget, seed=seed)
+    return ContentCheck(k_layer0, v_layer0, budget, seed=seed)
+
+
 class ContentCheck:
     """Fingerprints of one host KV pool's slots (layer-0 K and V, layout [slots, heads, dim])."""
+
+    deferred = False  # verify() reports what it found at once
 
     def __init__(self, k_layer0, v_layer0, budget: int | None, seed: int = _SEED):
         for t in (k_layer0, v_layer0):
             if str(getattr(t.device, "type", t.device)) != "cpu":
-                raise ContentUnsupported(f"KV pool on device {t.device}: content checks run on host pools only")
-            if t.dim() != 3 or not t.is_contiguous():
-                raise ContentUnsupported(
-                    f"KV buffer of shape {tuple(t.shape)}: expected a contiguous [slots, heads, dim]"
-                )
+                raise ContentUnsupported(f"KV pool on device {t.device}: this is the host pools' check")
+        head_bytes = check_layout(k_layer0, v_layer0)
         import torch
 
         # KV head 0 of each slot (a strided view, no copy): an eighth of a Llama-3-8B slot's bytes
         self._k = k_layer0.view(torch.uint8).numpy()[:, 0, :]
         self._v = v_layer0.view(torch.uint8).numpy()[:, 0, :]
-        if self._k.shape[1] % 8 or self._v.shape[1] % 8:
-            raise ContentUnsupported(f"slot of {self._k.shape[1]} bytes is not a whole number of u64 words")
-        rng = np.random.default_rng(seed)
-        words = self._k.shape[1] // 8 + self._v.shape[1] // 8
-        mult = rng.integers(0, 1 << 63, size=words, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
-        self._mk, self._mv = mult[: self._k.shape[1] // 8], mult[self._k.shape[1] // 8 :]
+        self._mk, self._mv = multipliers(head_bytes // 8, seed)
         self.num_slots = int(self._k.shape[0])
         self.fp = np.zeros(self.num_slots, np.uint64)  # 0: no fingerprint (never written by a hooked path)
         self.budget = budget
@@ -111,7 +182,7 @@ class ContentCheck:
         return fp
 
     def _valid(self, slots) -> np.ndarray:
-        slots = np.asarray(slots, np.int64).reshape(-1)
+        slots = _host_slots(slots)
         return slots[(slots > 0) & (slots < self.num_slots)]  # slot 0: SGLang's padding slot
 
     def written(self, slots) -> None:
@@ -120,44 +191,46 @@ class ContentCheck:
         if len(slots):
             self.fp[slots] = self.fingerprint(slots)
 
+    def pick_index(self, seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(batch index, position) pairs to verify (``pick_index`` of this module)."""
+        return pick_index(seq_lens, self.budget, self._rng)
+
     def pick(self, rows: np.ndarray, seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(row index, position) pairs to verify among ``seq_lens[i]`` positions of each
-        reader ``i``: all of them, or ``budget`` drawn at random."""
-        lens = np.maximum(seq_lens.astype(np.int64), 0)
-        total = int(lens.sum())
-        if total == 0:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        if self.budget is None or total <= self.budget:
-            which = np.repeat(np.arange(len(lens)), lens)
-            starts = np.repeat(np.cumsum(lens) - lens, lens)
-            return rows[which], np.arange(total) - starts
-        # runs of RUN consecutive positions (one page-aligned stretch of a row: neighbouring
-        # slots in memory, so the check reads whole cache lines and pages instead of paying a
-        # memory miss per slot; measured 3x cheaper than single random slots at batch 256)
-        runs = max(self.budget // RUN, 1)
-        flat = self._rng.integers(0, total, size=runs)
-        ends = np.cumsum(lens)
-        which = np.searchsorted(ends, flat, side="right")
-        start = flat - (ends[which] - lens[which])
-        start -= start % RUN
-        pos = (start[:, None] + np.arange(RUN)[None, :]).reshape(-1)
-        which = np.repeat(which, RUN)
-        keep = pos < lens[which]
-        return rows[which[keep]], pos[keep]
+        """(row, position) pairs to verify among ``seq_lens[i]`` positions of each reader
+        ``i`` (whose row is ``rows[i]``): all of them, or ``budget`` drawn at random."""
+        which, positions = self.pick_index(seq_lens)
+        return np.asarray(rows)[which], positions
 
     def verify(self, slots) -> np.ndarray:
         """The slots (of those given) whose bytes changed since a hooked path last wrote them;
         each change is reported once (its new bytes become the fingerprint)."""
         slots = self._valid(slots)
         slots = slots[self.fp[slots] != 0]
-        self.slots_checked += len(slots)
-        if len(slots) == 0:
-            return slots
-        now = self.fingerprint(slots)
-        changed = now != self.fp[slots]
-        if not changed.any():
-            return slots[:0]
-        bad = slots[changed]
-        self.fp[bad] = now[changed]
-        self.slots_changed += len(bad)
-        return np.unique(bad)
+        return compare(self, slots, self.fingerprint(slots))
+
+    def flush(self) -> np.ndarray:
+        """Nothing is in flight on a host pool: every verify reported at once."""
+        return np.zeros(0, np.int64)
+
+
+def compare(check, slots: np.ndarray, now: np.ndarray) -> np.ndarray:
+    """The verify rule on the host table ``check.fp``: of ``slots`` (valid, each with a
+    fingerprint), those whose bytes now hash to ``now[i]`` instead differ; each is reported
+    once (its new fingerprint is kept)."""
+    check.slots_checked += len(slots)
+    if len(slots) == 0:
+        return slots
+    changed = now != check.fp[slots]
+    if not changed.any():
+        return slots[:0]
+    bad = slots[changed]
+    check.fp[bad] = now[changed]
+    check.slots_changed += len(bad)
+    return np.unique(bad)
+
+
+def _host_slots(slots) -> np.ndarray:
+    """Slot ids as a 1-D int64 numpy array (from a list, an array or a host tensor)."""
+    if hasattr(slots, "detach"):
+        slots = slots.detach().cpu().numpy()
+    return np.asarray(slots).astype(np.int64, copy=False).reshape(-1)

@@ -1,7 +1,12 @@
 """The content check (engine_hooks/content.py) in SGLang: set up on the first forward from
 the model runner's KV pool, verified before each forward (the readers' rows), recorded
 after it (the forward's ``out_cache_loc``) and when decode's poll reports a transfer done
-(the request's row over its prompt). Off unless ``KVGUARD_CONTENT_CHECK`` asks for it."""
+(the request's row over its prompt). Off unless ``KVGUARD_CONTENT_CHECK`` asks for it.
+
+On a device pool the check is the deferred one (engine_hooks/content_device.py): the
+slots to verify are gathered from ``req_to_token`` on the device (no copy of the rows
+to the host), and what a verify finds is reported by a later hook call, once the device
+has done it."""
 
 from __future__ import annotations
 
@@ -38,15 +43,17 @@ def active(runner) -> ct.ContentCheck | None:
     pool = getattr(runner, "token_to_kv_pool", None)
     try:
         k, v = pool.k_buffer[0], pool.v_buffer[0]  # type: ignore[union-attr]
-        Content.check = ct.ContentCheck(k, v, per_forward)
+        Content.check = ct.for_pool(k, v, per_forward, ct.path_from_env())
     except Exception as exc:  # noqa: BLE001 - an unexpected pool: the check is off, the engine runs on
         log.warning("kvguard: %s is set but the KV pool cannot be checked, content check off: %s", ct.CONTENT_ENV, exc)
         return None
     Content.state = "on"
     log.warning(
-        "kvguard: content check on (%s per forward), %d slots fingerprinted",
+        "kvguard: content check on (%s per forward), %d slots fingerprinted on %s%s",
         "every read slot" if per_forward is None else f"{per_forward} read slots",
         Content.check.num_slots,
+        k.device,
+        ", results read a step later" if Content.check.deferred else "",
     )
     return Content.check
 
@@ -61,19 +68,30 @@ def guarded(fn, *args) -> None:
         rt.probes().report_probe_error("content_check", exc)
 
 
-def verify_reads(check: ct.ContentCheck, req_to_token, req_pool_indices, seq_lens: np.ndarray) -> None:
+def verify_reads(check, req_to_token, req_pool_indices, seq_lens: np.ndarray) -> None:
     """Before the forward: the readers' slots whose bytes changed since they were written."""
-    rows = rt.host_int64(req_pool_indices)[: len(seq_lens)]
-    which_rows, positions = check.pick(rows, seq_lens)
-    if len(which_rows) == 0:
+    which, positions = check.pick_index(seq_lens)
+    if len(which) == 0:
         return
-    import torch
+    if req_to_token.device.type == "cpu":
+        rows = rt.host_int64(req_pool_indices)[which]
+        slots = req_to_token.numpy()[rows, positions]
+    else:  # gathered where the rows live: only the batch indices and positions go to the device
+        from ..content_device import to_device
 
-    idx_r = torch.from_numpy(which_rows).to(req_to_token.device)
-    idx_p = torch.from_numpy(positions).to(req_to_token.device)
-    slots = rt.host_int64(req_to_token[idx_r, idx_p])
-    changed = check.verify(slots)
-    if len(changed):
+        rows = req_pool_indices[to_device(which, req_to_token.device)]
+        slots = req_to_token[rows, to_device(positions, req_to_token.device)]
+    report(check.verify(slots))
+
+
+def written(check, slots) -> None:
+    """After a hooked write: fingerprint ``slots`` (a deferred check may hand back what an
+    earlier verify found by now)."""
+    report(check.written(slots))
+
+
+def report(changed) -> None:
+    if changed is not None and len(changed):
         rt.probes().content_changed(changed)
 
 
@@ -85,4 +103,5 @@ def written_by_transfer(queue, req) -> None:
     sched = queue.scheduler
     n = len(req.origin_input_ids)
     row = int(req.kv.req_pool_idx) if getattr(req, "kv", None) is not None else int(req.req_pool_idx)
-    check.written(rt.host_int64(sched.req_to_token_pool.req_to_token[row, :n]))
+    slots = sched.req_to_token_pool.req_to_token[row, :n]
+    written(check, slots if check.deferred else rt.host_int64(slots))

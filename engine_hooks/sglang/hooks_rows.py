@@ -277,7 +277,7 @@ def _forward_pre(self, *args, **kwargs):
 def _forward_post(token, result, self, *args, **kwargs):
     if token is not None:  # the forward wrote its new tokens' KV: fingerprint it
         check, out = token
-        content_hooks.guarded(check.written, out)
+        content_hooks.guarded(content_hooks.written, check, out)
 
 
 def forward_hook(name: str):

@@ -352,9 +352,10 @@ def load() -> None:
         from ..row_sampler import from_env
 
         rt.State.row_sampler = from_env()
-        from kvguard.engine_hooks.content import budget_from_env
+        from kvguard.engine_hooks.content import budget_from_env, path_from_env
 
         budget_from_env()  # KVGUARD_CONTENT_CHECK: a bad value fails here, naming it
+        path_from_env()  # KVGUARD_CONTENT_PATH: the same
         guard.configure()  # KVGUARD_GUARD, KVGUARD_GUARD_FAIL (a bad value with fail closed raises below)
         from kvguard.engine_hooks import native
 
