@@ -176,8 +176,11 @@ def unified(tmp_path_factory, require_sglang):
                 # the engine consistent.
                 "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "0",
                 # KV at rest: every slot a forward reads is checked (engine_hooks/content.py); the
-                # other scenarios run with it on too, so it is checked quiet on each of them
+                # other scenarios run with it on too, so it is checked quiet on each of them. Through
+                # the device path (engine_hooks/content_device.py: what a GPU pool runs, here on host
+                # tensors); the soak's unified engine runs the host path.
                 "KVGUARD_CONTENT_CHECK": "all",
+                "KVGUARD_CONTENT_PATH": "device",
             },
             extra_pythonpath=[FAULTS_DIR],
         )
@@ -310,6 +313,8 @@ class TestUnifiedEngine:
         assert (f.severity, f.reader.rid, f.reader.tenant, f.pages) == ("critical", y, "globex", [victim["page"]])
         assert f.evidence["via"] == "content" and f.evidence["slots_changed"] >= 1
         assert f.exposed == []  # who wrote it is unknown: no hooked path did
+        # found by the device path (the fixture's KVGUARD_CONTENT_PATH), as a GPU pool would be
+        assert "results read a step later" in engine.log_path.read_text(errors="replace")
 
     def test_a_dropped_cache_salt_hands_another_scopes_prefix(self, unified):
         """Salts keep otherwise-identical prefixes apart in SGLang's radix cache: requests with

@@ -87,7 +87,11 @@ CHUNKED_PREFILL = 64
 GUARD_ENV = {"KVGUARD_GUARD": os.environ.get("KVGUARD_SOAK_GUARD", "full"), "KVGUARD_CONTENT_CHECK": "all"}
 GUARD_LOG_LINE = "kvguard guard: KVGUARD_GUARD=full"
 TIER1_LOG_LINE = "kvguard tier1: first check ran"  # the read check did run on the soak's forwards
-PD_ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "20", **GUARD_ENV}
+# The prefill/decode pair checks content through the device path (engine_hooks/content_device.py,
+# what a GPU pool runs: fingerprints issued in stream order, read back later), here on host
+# tensors, so a transfer's written slots reach it as the engine's own tensor slices; the unified
+# and retraction engines check through the host path.
+PD_ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "20", **GUARD_ENV, "KVGUARD_CONTENT_PATH": "device"}
 # SGLang's admission reserves new_token_ratio x max_new_tokens per request; the ratio
 # starts at 0.7 and decays to ~0.1 over 600 decode steps, then resets to 1.0 at each
 # retraction. Starting lower and decaying faster makes the pool over-commit (and
@@ -123,6 +127,7 @@ class SoakRun:
     logs: list[str] = field(default_factory=list)
     prefill_evidence: dict[str, Any] = field(default_factory=dict)  # Watch.prefill_evidence()
     rids_by_room: dict[int, dict[str, set]] = field(default_factory=dict)  # room -> role -> rids (REQ_BEGIN)
+    content_path: str = "host"  # KVGUARD_CONTENT_PATH of its engines
 
     def summary(self) -> dict[str, Any]:
         aborted = {o.req.rid for o in self.outcomes if o.req.kind in ABORT_KINDS}
@@ -256,6 +261,7 @@ def unified_soak(tmp_path_factory, require_sglang) -> SoakRun:
                 {"engine_startup": t1 - t0, "requests": t2 - t1},
                 [str(engine.log_path)],
             )
+            run.content_path = RETRACTION_ENV.get("KVGUARD_CONTENT_PATH", "host")
         finally:
             engine.stop()
     run.retractions = _retractions(engine.log_path)
@@ -298,6 +304,7 @@ def pd_soak(tmp_path_factory, require_sglang) -> SoakRun:
                 {"engine_startup": t1 - t0, "requests": t2 - t1},
                 [str(pair.prefill.log_path), str(pair.decode.log_path), str(pair.router.log_path)],
             )
+            run.content_path = PD_ENV["KVGUARD_CONTENT_PATH"]
     run.timings_s["total"] = time.monotonic() - t0
     run.timings_s["requests_per_s"] = PD_REQUESTS / run.timings_s["requests"]
     _report(run)
@@ -350,7 +357,18 @@ def check_sidecar_health(run: SoakRun) -> None:
     engine_logs = [p for p in run.logs if "router" not in os.path.basename(p)]
     assert engine_logs and all(GUARD_LOG_LINE in Path(p).read_text(errors="replace") for p in engine_logs), engine_logs
     assert all(TIER1_LOG_LINE in Path(p).read_text(errors="replace") for p in engine_logs), engine_logs
+    # the content check ran in every engine, through the path its env asked for
+    content_lines = [_content_line(Path(p).read_text(errors="replace")) for p in engine_logs]
+    assert all(content_lines), dict(zip(engine_logs, content_lines))
+    deferred = [line.endswith("results read a step later") for line in content_lines]
+    assert deferred == [run.content_path == "device"] * len(engine_logs), dict(zip(engine_logs, content_lines))
     assert s["records_by_kind"].get("GUARD", 0) == 0, s["records_by_kind"]
+
+
+def _content_line(log_text: str) -> str:
+    """The engine's content check start-up line (engine_hooks/sglang/content_hooks.py), or ''."""
+    m = re.search(r"kvguard: content check on \(.*", log_text)
+    return m.group(0).rstrip() if m else ""
 
 
 def check_probes_fired(run: SoakRun, kinds) -> None:
