@@ -21,6 +21,16 @@ rank, head_dim 128, bf16, 80 layers, page 64):
   batch's ``req_to_token`` rows, which name the same pages, with tags set through the
   calls the hooks make (bind_row, assigned). Timed as the step with the check issued
   after the attention kernels against the step without it, interleaved.
+* **guard** (``KVGUARD_GUARD=full``, docs/guard.md): the same check, its result waited
+  for by the guard's ``process_batch_result`` hook where the scheduler waits for the
+  step's sampled tokens anyway, plus the guard's two per-step hooks (the real ones, from
+  ``bench/guard_bench.py``). Both sides of this ratio end with that wait (a plain step
+  synchronizes too), timed on the host clock.
+* **content check** (``KVGUARD_CONTENT_CHECK=512`` on a device pool,
+  ``engine_hooks/content_device.py``): before the step, 512 of the batch's read slots
+  picked on the host and gathered from ``req_to_token`` on the device, fingerprinted there;
+  after it, the step's 256 written slots fingerprinted; 16 bytes per slot back through
+  pinned memory, looked at on a later step. Timed like Tier 1.
 * **device digest** (alg 2 ``device_reduced``, what device pools emit): one
   request's KV, ``context`` tokens of every layer, through the real
   ``transfer_digest`` on a pool view of the same buffer (the reduction on the device,
@@ -37,6 +47,8 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
+
+CONTENT_BUDGET = 512  # read slots verified per step (KVGUARD_CONTENT_CHECK=512)
 
 
 @dataclass(frozen=True)
@@ -155,6 +167,44 @@ def run(device: str = "cuda", shape: Shape = Shape()) -> dict:
         check_alone.append(timer.time_ms(check))
     tier1.flush()
 
+    # KVGUARD_GUARD=full: the check's result waited for at the scheduler's own wait
+    from bench import guard_bench
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+
+    def plain_synced():
+        attention()
+        sync()
+
+    with guard_bench.full_hooks(s.batch, tier1) as guard_hooks:
+
+        def step_with_guard():
+            attention()
+            check()
+            guard_hooks()  # waits for the check (Tier 1's flush)
+            sync()
+
+        for _ in range(s.warmup):
+            plain_synced()
+            step_with_guard()
+        synced, guarded = [], []
+        for _ in range(s.steps):
+            synced.append(_wall_ms(plain_synced))
+            guarded.append(_wall_ms(step_with_guard))
+
+    # the content check on the device pool: 512 read slots verified, the step's written slots recorded
+    content, content_step, content_alone = _content(torch, dev, s, k, v, req_to_token, req_pool_indices, attention)
+    for _ in range(s.warmup):
+        content_step()
+    plain_c, with_c, c_alone = [], [], []
+    for _ in range(s.steps):
+        plain_c.append(timer.time_ms(attention))
+        with_c.append(timer.time_ms(content_step))
+        c_alone.append(_wall_ms(content_alone))
+    content.flush()
+
     # the device digest of one request's KV (all layers), on the same buffers
     view = dg.pool_view(_Pool(k, v, s.layers, ps))
     first_seq = torch.arange(ps, ps + s.context, device=dev, dtype=torch.int64)
@@ -174,6 +224,7 @@ def run(device: str = "cuda", shape: Shape = Shape()) -> dict:
 
     step_ms, step_t1_ms = statistics.median(plain), statistics.median(with_t1)
     d_ms = statistics.median(digest_ms)
+    synced_ms, guard_ms = statistics.median(synced), statistics.median(guarded)
     return {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "shape": asdict(s),
@@ -185,7 +236,47 @@ def run(device: str = "cuda", shape: Shape = Shape()) -> dict:
         "tier1_checks": tier1.checks,
         "tier1_violations": tier1.violations,
         "tier1_errors": tier1.errors,
+        "step_synced_ms": synced_ms,
+        "step_guard_ms": guard_ms,
+        "guard_step_ratio": guard_ms / synced_ms,
+        "content_step_ratio": statistics.median(with_c) / statistics.median(plain_c),
+        "content_check_us": statistics.median(c_alone) * 1e3,
+        "content_slots_checked": content.slots_checked,
+        "content_slots_changed": content.slots_changed,  # nothing wrote outside the hooks: must be 0
         "digest_ms_per_transfer": d_ms,
         "digest_transfer_gb": s.context * s.layers * s.kv_heads * s.head_dim * 2 * 2 / 1e9,
         "digest_step_ratio_one_transfer_per_step": (step_ms + d_ms) / step_ms,
     }
+
+
+def _wall_ms(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _content(torch, dev, s: Shape, k, v, req_to_token, req_pool_indices, attention):
+    """The device content check on the bench's pool, every slot fingerprinted once (as the
+    forwards that wrote them would leave it); returns (check, step with it, the check alone)."""
+    import numpy as np
+
+    from kvguard.engine_hooks import content as ct
+    from kvguard.engine_hooks.sglang import content_hooks
+
+    check = ct.for_pool(k, v, CONTENT_BUDGET, "device")
+    for lo in range(1, k.shape[0], 1 << 20):
+        check.written(torch.arange(lo, min(lo + (1 << 20), k.shape[0]), device=dev))
+    check.flush()
+    written = req_to_token[:, -1].long()  # the step's new token per sequence (its last slot)
+    kept = np.full(s.batch, s.context - 1, np.int64)  # what each reader attends over, less the new token
+
+    def alone():
+        content_hooks.verify_reads(check, req_to_token, req_pool_indices, kept)
+        content_hooks.written(check, written)
+
+    def step():
+        content_hooks.verify_reads(check, req_to_token, req_pool_indices, kept)
+        attention()
+        content_hooks.written(check, written)
+
+    return check, step, alone

@@ -14,6 +14,7 @@ thread, median of repeats.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import statistics
@@ -121,16 +122,18 @@ def bench(calls: int = 20_000) -> dict:
     }
 
 
-def full_hooks_us_per_step(batch_size: int, steps: int) -> float:
-    """KVGUARD_GUARD=full's two per-step hooks on a healthy batch, as SGLang calls them
-    (``process_batch_result`` and ``stream_output``, each through the adapter's AROUND
-    wrapper around a no-op original): what ``full`` adds to each step besides the Tier 1
-    check itself, which the engine part measures (``engine.part_tier1_check_us_b256``)."""
+@contextlib.contextmanager
+def full_hooks(batch_size: int, tier1=None):
+    """KVGUARD_GUARD=full's two per-step hooks on a healthy batch of ``batch_size``, as SGLang
+    calls them (``process_batch_result`` and ``stream_output``, each through the adapter's
+    AROUND wrapper around a no-op original): yields ``step()``. With ``tier1`` (a real Tier 1)
+    the result hook looks at its checks in flight, as in the engine (on a GPU: waits for them,
+    where the scheduler waits for the step's sampled tokens anyway)."""
     State.reset()
     State.hello_done = True
     guard.Guard.reset(guard.GuardConfig("full"))
     saved = rt.probes
-    probes = types.SimpleNamespace(tier1=None)  # the check's own cost is measured elsewhere
+    probes = types.SimpleNamespace(tier1=tier1)
     rt.probes = lambda: probes
     try:
         result = guard.result_hook("Scheduler.process_batch_result")
@@ -138,15 +141,22 @@ def full_hooks_us_per_step(batch_size: int, steps: int) -> float:
         reqs = [types.SimpleNamespace(rid=f"r{i}", output_ids=[1, 2], to_finish=None) for i in range(batch_size)]
         batch, noop = types.SimpleNamespace(reqs=reqs), (lambda *a, **k: None)
 
-        def step(_i: int) -> None:
+        def step() -> None:
             result(noop, object(), batch, None)
             stream(noop, object(), reqs, False)
 
-        return _per_call_us(step, steps)
+        yield step
     finally:
         rt.probes = saved
         guard.Guard.reset()
         State.reset()
+
+
+def full_hooks_us_per_step(batch_size: int, steps: int) -> float:
+    """What ``full`` adds to each step besides the Tier 1 check itself, which the engine part
+    measures (``engine.part_tier1_check_us_b256``): its two hooks, no check in flight."""
+    with full_hooks(batch_size) as step:
+        return _per_call_us(lambda _i: step(), steps)
 
 
 if __name__ == "__main__":

@@ -238,6 +238,9 @@ GPU_KEYS = (
     "gpu.tier1_check_us",
     "gpu.digest_ms_per_transfer",
     "gpu.digest_step_ratio_one_transfer_per_step",
+    "gpu.guard_step_ratio",
+    "gpu.content_step_ratio",
+    "gpu.content_check_us",
 )
 TARGET_GPU_STEP_RATIO = 1.01
 
@@ -260,6 +263,7 @@ def gpu_part(sz: Sizes, res: dict, details: dict, log) -> None:
     for key in GPU_KEYS:
         res[key] = r[key.split(".", 1)[1]]
     res["gpu.tier1_violations"] = r["tier1_violations"]  # a clean batch: must be 0
+    res["gpu.content_slots_changed"] = r["content_slots_changed"]  # nothing wrote outside the hooks: must be 0
 
 
 def engine_part(sz: Sizes, res: dict, details: dict, log) -> None:
@@ -372,11 +376,6 @@ def guard_part(sz: Sizes, res: dict, details: dict, log) -> None:
         )
     else:
         res["engine.guard_full_us_per_step_b256"] = check + r["guard_full_hooks_us_per_step_b256"]
-    res["gpu.guard_step_ratio"] = None
-    res["notes"]["gpu.guard_step_ratio"] = (
-        "not measured as such: on a GPU, full's step cost is gpu.tier1_step_ratio's plus the two host-side "
-        "hooks (engine.guard_full_hooks_us_per_step_b256)"
-    )
 
 
 def digest_part(sz: Sizes, res: dict, details: dict, log) -> None:
@@ -570,6 +569,18 @@ def table(res: dict) -> str:
         (
             "  GPU step / Tier-1 check alone",
             f"{_fmt(g('gpu.step_ms'), ' ms')} / {_fmt(g('gpu.tier1_check_us'), ' us')}",
+            "",
+            "",
+        ),
+        (
+            "GPU: decode step with / without KVGUARD_GUARD=full (Tier 1 waited for at the step's sync + hooks)",
+            _fmt_or_why(res, "gpu.guard_step_ratio", note="gpu"),
+            "<= 1.01",
+            _status(g("gpu.guard_step_ratio"), TARGET_GPU_STEP_RATIO, False),
+        ),
+        (
+            "GPU: decode step with / without the content check (512 read + 256 written slots); alone",
+            f"{_fmt_or_why(res, 'gpu.content_step_ratio', note='gpu')}; {_fmt(g('gpu.content_check_us'), ' us')}",
             "",
             "",
         ),

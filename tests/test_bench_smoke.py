@@ -192,6 +192,11 @@ def test_gpu_section_code_runs_on_cpu_at_tiny_sizes():
     assert r["device"] == "cpu"
     assert r["tier1_checks"] >= gpu_bench.TINY.steps and r["tier1_violations"] == 0 and r["tier1_errors"] == 0
     assert r["step_ms"] > 0 and r["tier1_step_ratio"] > 0 and r["digest_ms_per_transfer"] > 0
+    # the guard's step waited for its checks and acted on nothing; the content check verified
+    # slots on every step and found nothing changed
+    assert r["guard_step_ratio"] > 0 and r["step_guard_ms"] > 0
+    assert r["content_slots_checked"] >= gpu_bench.TINY.steps * gpu_bench.CONTENT_BUDGET // 2
+    assert r["content_slots_changed"] == 0 and r["content_step_ratio"] > 0
 
 
 def test_gpu_section_without_cuda_is_null_with_the_reason(monkeypatch):
@@ -214,3 +219,4 @@ def test_gpu_section_on_cuda():
 
     r = gpu_bench.run("cuda", gpu_bench.TINY)
     assert r["tier1_violations"] == 0 and r["tier1_errors"] == 0 and r["tier1_checks"] >= gpu_bench.TINY.steps
+    assert r["content_slots_changed"] == 0 and r["content_slots_checked"] > 0 and r["guard_step_ratio"] > 0
