@@ -11,6 +11,7 @@ sidecar/request_directory.py, the read and write rules (``Judge``, a base class 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 
 import numpy as np
 
@@ -99,6 +100,7 @@ LOST_UNSEEN_NS = 60 * 10**9
 
 
 MAX_OVERWRITTEN = 4096  # pages kept in EngineTracker.overwritten (each a late write's)
+MAX_EARLY_WRITERS = 4096  # requests kept in EngineTracker.early_written (writes before their REQ_BEGIN)
 
 
 class EngineTracker(Judge):
@@ -135,6 +137,12 @@ class EngineTracker(Judge):
         # the owner's own transfer chunk did (mark_overwritten). The owner's transfer pairing
         # does not count them as written for it. Only late writes put pages here (a bug's).
         self.overwritten: dict[int, int] = {}
+        # request key -> [(pages, their gens)] written for a request before its REQ_BEGIN: an
+        # SGLang HiCache load-back is issued during admission, before the request's first row.
+        # The pages take its scope when its REQ_SCOPE follows the REQ_BEGIN (on_scope), so that
+        # handing them to the request on its rows is not a share across scopes.
+        self.early_written: OrderedDict[int, list[tuple[np.ndarray, np.ndarray]]] = OrderedDict()
+        self._begun_early: tuple[int, list] | None = None  # the last REQ_BEGIN's, until its REQ_SCOPE
 
     # ------------------------------------------------------------------ lifecycle
     def retire_idle_requests(self, now_ns: int, idle_ns: int = IDLE_REQUEST_NS) -> int:
@@ -260,6 +268,8 @@ class EngineTracker(Judge):
             RequestInfo(r.req_key, r.rid, r.tenant, room, r.warmup, r.prompt_tokens, r.cached_tokens, ts_ns)
         )
         self.prompt_written.pop(r.req_key, None)
+        early = self.early_written.pop(r.req_key, None)
+        self._begun_early = (r.req_key, early) if early else None
         if r.prompt_tokens > 0 and not r.warmup:
             self.prompt_writing[r.req_key] = [r.prompt_tokens, 0]
 
@@ -360,6 +370,12 @@ class EngineTracker(Judge):
             return
         info.scope = s.scope
         self.pool.enable_scopes()
+        if self._begun_early is not None and self._begun_early[0] == s.req_key:
+            pool = self.pool
+            assert pool.scope is not None
+            for pages, gens in self._begun_early[1]:
+                pool.scope[pages[pool.gen[pages] == gens]] = s.scope  # still the pages it wrote
+        self._begun_early = None
 
     def _scope_of(self, key: int) -> int:
         info = self.requests.get(key)
@@ -472,6 +488,11 @@ class EngineTracker(Judge):
         pool.mark_write_time(pages, ts_ns)
         if pool.scope is not None:
             pool.scope[pages] = self._scope_of(req_key)
+        if req_key and self.requests.get(req_key) is None:  # a request not begun yet (early_written)
+            self.early_written.setdefault(req_key, []).append((pages, pool.gen[pages].copy()))
+            self.early_written.move_to_end(req_key)
+            while len(self.early_written) > MAX_EARLY_WRITERS:
+                self.early_written.popitem(last=False)
 
     def mark_overwritten(self, pages: np.ndarray) -> None:
         """Pages of another live request that a late transfer chunk just landed in

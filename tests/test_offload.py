@@ -206,3 +206,53 @@ def test_a_load_into_more_pages_than_its_object_was_stored_from_is_a_size_mismat
         2,
         3,
     )
+
+
+def load_before_begin(eng, rid, salt, pages=(5, 6), obj=OBJ):
+    """SGLang HiCache's order: the load-back is issued and submitted during admission, before
+    the request's first row and so before its REQ_BEGIN (engine_hooks/sglang/hooks_hicache.py);
+    the KV_LOAD records name no scope (a radix node is found under the request's own)."""
+    eng.pages_allocated(slots(*pages))
+    eng.kv_loaded(rid, obj, list(pages), "issued")
+    eng.kv_loaded(rid, obj, list(pages), "completed")
+    eng.request_begin(rid, "initech", None, 12, 8, False, cache_salt=salt)
+    eng.pages_allocated(slots(7))
+    eng.rows_assigned(rid, 0, 12, 8, slots(*pages, 7))  # the loaded prefix: shared positions < 8
+    eng.forward([rid], [12], [slots(7)])
+
+
+def test_a_load_for_a_request_not_begun_yet_takes_its_scope_when_it_begins(tmp_path):
+    """Salts in use: pages loaded for r-ini before its REQ_BEGIN are its scope's, so handing
+    them to r-ini is no share across scopes, and a later request of r-ini's salt shares them
+    quietly too."""
+
+    def body(rec):
+        eng = engine(rec)
+        store_from_acme(eng)
+        load_before_begin(eng, "r-ini", "ini-1")
+        eng.request_begin("r-ini-2", "initech", None, 12, 8, False, cache_salt="ini-1")
+        eng.pages_allocated(slots(8))
+        eng.rows_assigned("r-ini-2", 0, 12, 8, slots(5, 6, 8))
+        eng.forward(["r-ini-2"], [12], [slots(8)])
+
+    findings, r = run(tmp_path, body)
+    assert findings == [], [f.to_dict() for f in findings]
+    assert r.pipeline.loads_unverified == 0
+
+
+def test_pages_loaded_before_begin_still_may_not_cross_to_another_salt(tmp_path):
+    """The clean twin's bug: the loaded pages (scope ini-1, taken at r-ini's REQ_BEGIN) handed
+    by the cache to a request of another salt."""
+
+    def body(rec):
+        eng = engine(rec)
+        store_from_acme(eng)
+        load_before_begin(eng, "r-ini", "ini-1")
+        eng.request_begin("r-glx", "globex", None, 12, 8, False, cache_salt="glx-1")
+        eng.pages_allocated(slots(8))
+        eng.rows_assigned("r-glx", 0, 12, 8, slots(5, 6, 8))
+        eng.forward(["r-glx"], [12], [slots(8)])
+
+    findings, _ = run(tmp_path, body)
+    (f,) = findings
+    assert (f.kind, f.reader.rid, sorted(f.pages)) == ("cross_salt_prefix_share", "r-glx", [5, 6])
