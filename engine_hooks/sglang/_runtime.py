@@ -151,6 +151,7 @@ class State:
     xfer_failed: _Bounded = _Bounded()  # prefill rids whose sender failed (inflight queue)
     tenant_fields: tuple = DEFAULT_TENANT_FIELDS
     row_sampler: RowSampler = RowSampler()  # set from the environment at load (row_sampler.from_env)
+    kv_pool = None  # the scheduler's device KV pool (Scheduler.__init__): HiCache copies of other pools are not it
 
     @classmethod
     def reset(cls) -> None:
@@ -164,9 +165,12 @@ class State:
         cls.xfer_failed = _Bounded()
         cls.tenant_fields = tenant_fields_from_env()
         cls.row_sampler = RowSampler()
+        cls.kv_pool = None
         from .content_hooks import Content  # (imports this module: not at the top)
+        from .hooks_hicache import Tier
 
         Content.reset()
+        Tier.reset()
         _disabled.clear()
         _errors.clear()
 

@@ -50,6 +50,8 @@ def _scheduler_init_post(result, sched, *args, **kwargs):
     pool_tokens = int(sched.max_total_num_tokens)
     State.page_size = page_size
     State.role = _scheduler_role(sched)
+    get_kvcache = getattr(alloc, "get_kvcache", None)
+    State.kv_pool = get_kvcache() if callable(get_kvcache) else None
     rt.probes().hello(
         role=State.role,
         tp_rank=_tp_rank(sched),

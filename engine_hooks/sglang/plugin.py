@@ -28,6 +28,7 @@ from . import guard
 from . import guard_marker as marker
 from . import hooks_allocator as ha
 from . import hooks_disagg as hd
+from . import hooks_hicache as hh
 from . import hooks_requests as hq
 from . import hooks_rows as hr
 
@@ -176,6 +177,63 @@ _OPTIONAL_FREE_PAGE_IDS = tuple(
     HookSpec(h.target, h.kind, h.factory, h.params, h.area, required=False) for h in _FREE_PAGE_IDS
 )
 
+# HiCache (--enable-hierarchical-cache): device <-> host copies of the KV pool (hooks_hicache.py).
+# 0.5.23's layout (l2_transfer, unified_radix_cache, hybrid_cache_controller), verified on a
+# real engine (tests/test_hicache_engine.py); the modules are imported by every engine, so the
+# hooks are registered whether or not HiCache is on (they run only when it copies).
+_HICACHE_0523 = (
+    HookSpec(
+        S + "mem_cache.l2_transfer.L2TransferEngine.submit_device_to_host",
+        "after",
+        hh.stored_hook,
+        ("transfers",),
+        "hicache",
+    ),
+    HookSpec(
+        S + "mem_cache.l2_transfer.L2TransferEngine.submit_host_to_device",
+        "after",
+        hh.loaded_hook,
+        ("transfers",),
+        "hicache",
+    ),
+    HookSpec(
+        S + "mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController.load",
+        "after",
+        hh.load_issued_hook,
+        ("host_indices",),
+        "hicache",
+    ),
+    HookSpec(
+        S + "managers.cache_controller.HiCacheController.load",
+        "after",
+        hh.load_issued_hook,
+        ("host_indices",),
+        "hicache",
+        required=False,
+    ),
+    HookSpec(
+        S + "mem_cache.unified_radix_cache.UnifiedRadixCache.init_load_back",
+        "around",
+        hh.for_request_hook,
+        ("params",),
+        "hicache",
+    ),
+    HookSpec(
+        S + "mem_cache.unified_radix_cache.UnifiedRadixCache.backup_kv_cache",
+        "around",
+        hh.for_request_hook,
+        ("req",),
+        "hicache",
+    ),
+    HookSpec(
+        S + "mem_cache.unified_radix_cache.UnifiedRadixCache.restore_kv_cache",
+        "around",
+        hh.for_request_hook,
+        ("req", "backup"),
+        "hicache",
+    ),
+)
+
 # KVGUARD_GUARD=full only (engine_hooks/sglang/guard.py): a refused reader is aborted where its
 # batch's sampled tokens are processed, and streamed without the refused forward's token.
 # Registered only in that mode, so that no other engine pays for two more wrappers per step.
@@ -217,7 +275,7 @@ SUPPORTED: dict[str, tuple[bool, tuple]] = {
     "0.5.20": (True, _COMMON + _FREE_PAGE_IDS),
     "0.5.21": (True, _COMMON + _FREE_PAGE_IDS),
     "0.5.22": (True, _COMMON + _FREE_PAGE_IDS),
-    "0.5.23": (True, _COMMON + _FREE_PAGE_IDS),
+    "0.5.23": (True, _COMMON + _FREE_PAGE_IDS + _HICACHE_0523),
 }
 
 

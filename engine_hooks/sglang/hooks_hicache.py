@@ -1,0 +1,236 @@
+"""HiCache (SGLang's hierarchical cache): KV copied between the device pool and the host
+pool -> KV_STORE / KV_LOAD (wire contract 1.1; judged by sidecar/offload.py).
+
+Why: a load-back writes device pages outside any forward. Unseen, the pages it fills
+look never written, and every request that reads a prefix loaded back from the host
+would be an ``unwritten_read`` (seen on a real 0.5.23 engine before these hooks); and a
+load-back that lands in pages freed or handed on meanwhile (SGLang #31427 / #30321), or
+a backup of pages that hold no KV of their current allocation, would go unjudged.
+
+Where (0.5.23; every device <-> host copy of the KV pool goes through the two
+``L2TransferEngine`` calls, whoever asked for it):
+
+* ``L2TransferEngine.submit_device_to_host(transfers)`` (AFTER): a backup, queued on the
+  device-to-host stream: one KV_STORE per transfer of the KV pool, of the device pages it
+  copies out. The object: one 64-bit key per backup, remembered per host page, so a
+  load-back names the backup its host pages came from (a load may take only part of
+  one, after a radix node was split). Whose: the radix cache's (a tree backup, write
+  through or write back), or the request's for a decode retraction backup
+  (``UnifiedRadixCache.backup_kv_cache``).
+* ``HybridCacheController.load(host_indices, ...)`` (AFTER): the controller allocated the
+  destination pages and queued the copy: KV_LOAD ``issued``, one per backup object the
+  host pages belong to, for the request whose prefix lookup asked for it
+  (``UnifiedRadixCache.init_load_back``, AROUND: the request is known while it runs, and
+  its REQ_BEGIN goes out there, before its first row: ``for_request_hook``).
+* ``L2TransferEngine.submit_host_to_device(transfers, ...)`` (AFTER): the copy of every
+  queued load was submitted: KV_LOAD ``completed`` for each. On a GPU the bytes land on
+  the host-to-device stream while the forward waits for them layer by layer
+  (``layer_transfer_counter``), so for every later reader they are there: the sidecar
+  counts the pages as written by the load from here. A copy with no issued load behind
+  it is a retraction restore (``UnifiedRadixCache.restore_kv_cache``, AROUND: its
+  request).
+
+What is not said: the object's scope (a radix node is found under the request's own
+extra key and salt, so the pages the load fills take the loading request's scope, and
+sharing them across scopes is judged where they are shared, on rows); digests of the
+copied KV (0: none). Host slot frees need no record: a later backup into the same host
+pages replaces their object. Device indices are brought to the host once per copy
+submission (a small device read on a GPU, not per step).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+
+import numpy as np
+import xxhash
+
+from . import _runtime as rt
+from ._runtime import State
+
+MAX_PENDING_LOADS = 4096  # issued loads not yet submitted (a healthy engine submits them the same step)
+
+
+class Tier:
+    """This process's view of the host pool: which backup each host page holds, the loads
+    issued and not yet submitted, and the request a tree or retraction call runs for."""
+
+    host_object: np.ndarray | None = None  # host page -> object key of the backup it holds (0: none)
+    host_page_size = 1
+    pending: OrderedDict = OrderedDict()  # first device slot -> (rid, [(object key, device slots)])
+    for_request: str | None = None  # rid of the request a tree / retraction call runs for
+    stores = 0
+    loads = 0
+    _key_base = 0
+    _seq = 0
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.host_object, cls.host_page_size = None, 1
+        cls.pending = OrderedDict()
+        cls.for_request = None
+        cls.stores = cls.loads = 0
+        cls._key_base, cls._seq = 0, 0
+
+    @classmethod
+    def new_key(cls) -> int:
+        """A key no other engine's backup shares (the sidecar keeps objects of every engine)."""
+        if not cls._key_base:
+            cls._key_base = xxhash.xxh3_64_intdigest(f"{os.getpid()}:{time.time_ns()}".encode()) & ~0xFFFFFFFF
+        cls._seq += 1
+        return (cls._key_base | (cls._seq & 0xFFFFFFFF)) or 1
+
+
+def _is_kv_transfer(transfer) -> bool:
+    """A transfer of the main KV pool (not a draft model's, not a side pool's)."""
+    if getattr(transfer, "is_draft", False):
+        return False
+    kv_pool = getattr(State, "kv_pool", None)
+    return kv_pool is None or transfer.device_pool is kv_pool
+
+
+def _host_pages(host_pool, host_slots: np.ndarray) -> np.ndarray:
+    """The host pages of ``host_slots``; the first backup sizes the map from its host pool."""
+    if Tier.host_object is None:
+        Tier.host_page_size = int(getattr(host_pool, "page_size", 1) or 1)
+        size = int(getattr(host_pool, "size", 0) or (int(host_slots.max()) + 1 if len(host_slots) else 1))
+        Tier.host_object = np.zeros(size // Tier.host_page_size + 1, np.uint64)
+    pages = host_slots // Tier.host_page_size
+    if len(pages) and int(pages.max()) >= len(Tier.host_object):  # a pool larger than it said: grow
+        grown = np.zeros(int(pages.max()) * 2 + 1, np.uint64)
+        grown[: len(Tier.host_object)] = Tier.host_object
+        Tier.host_object = grown
+    return pages
+
+
+def _object_runs(host_pool, host_slots: np.ndarray, device_slots: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(object key, device slots) per run of host slots holding one backup, in order."""
+    keys = Tier.host_object[_host_pages(host_pool, host_slots)]  # type: ignore[index]
+    if len(keys) == 0:
+        return []
+    cuts = np.flatnonzero(keys[1:] != keys[:-1]) + 1
+    starts = np.concatenate(([0], cuts))
+    ends = np.concatenate((cuts, [len(keys)]))
+    return [(int(keys[a]), device_slots[a:b]) for a, b in zip(starts.tolist(), ends.tolist())]
+
+
+# ------------------------------------------------------------------ backups (device -> host)
+def _stored_post(result, engine, *args, **kwargs) -> None:
+    if not State.hello_done:
+        return
+    transfers = args[0] if args else kwargs.get("transfers", ())
+    p = rt.probes()
+    for t in transfers:
+        if not _is_kv_transfer(t):
+            continue
+        host_slots, device_slots = rt.host_int64(t.host_indices), rt.host_int64(t.device_indices)
+        if len(device_slots) == 0:
+            continue
+        key = Tier.new_key()
+        pages = _host_pages(t.host_pool, host_slots)  # (sizes the map on the first backup)
+        Tier.host_object[pages] = np.uint64(key)  # type: ignore[index]
+        Tier.stores += 1
+        p.kv_stored(Tier.for_request, key, device_slots, unit="slots")
+
+
+def stored_hook(name: str):
+    return rt.after(name, _stored_post)
+
+
+# ------------------------------------------------------------------ load-backs (host -> device)
+def _load_issued_post(result, controller, *args, **kwargs) -> None:
+    """The controller chose the destination (``result``: device slots, None when it could not)."""
+    if result is None or not State.hello_done or Tier.host_object is None:
+        return
+    host_indices = args[0] if args else kwargs.get("host_indices")
+    if getattr(controller, "mem_pool_device", None) is not None and getattr(State, "kv_pool", None) is not None:
+        if controller.mem_pool_device is not State.kv_pool:
+            return  # a draft model's controller
+    host_slots, device_slots = rt.host_int64(host_indices), rt.host_int64(result)
+    if len(device_slots) == 0 or len(host_slots) != len(device_slots):
+        return
+    runs = _object_runs(None, host_slots, device_slots)  # (the map exists: a backup came first)
+    rid = Tier.for_request
+    p = rt.probes()
+    for key, slots in runs:
+        p.kv_loaded(rid, key, slots, "issued", unit="slots")
+    Tier.pending[int(device_slots[0])] = (rid, runs)
+    while len(Tier.pending) > MAX_PENDING_LOADS:
+        Tier.pending.popitem(last=False)
+
+
+def load_issued_hook(name: str):
+    return rt.after(name, _load_issued_post)
+
+
+def _loaded_post(result, engine, *args, **kwargs) -> None:
+    if not State.hello_done:
+        return
+    transfers = args[0] if args else kwargs.get("transfers", ())
+    p = rt.probes()
+    for t in transfers:
+        if not _is_kv_transfer(t):
+            continue
+        device_slots = rt.host_int64(t.device_indices)
+        if len(device_slots) == 0:
+            continue
+        submitted = set(device_slots.tolist()) if Tier.pending else set()
+        covered = []
+        for first, (rid, runs) in list(Tier.pending.items()):
+            if first not in submitted:
+                continue
+            del Tier.pending[first]
+            for key, slots in runs:
+                p.kv_loaded(rid, key, slots, "completed", unit="slots")
+                covered.append(slots)
+            Tier.loads += 1
+        rest = device_slots
+        if covered:
+            rest = device_slots[~np.isin(device_slots, np.concatenate(covered))]
+        if len(rest):  # a copy no load was issued for: a retraction restore, for its request
+            host_slots = rt.host_int64(t.host_indices)
+            if len(host_slots) == len(device_slots):
+                host_rest = host_slots[np.isin(device_slots, rest)] if covered else host_slots
+                for key, slots in _object_runs(t.host_pool, host_rest, rest):
+                    p.kv_loaded(Tier.for_request, key, slots, "completed", unit="slots")
+                Tier.loads += 1
+
+
+def loaded_hook(name: str):
+    return rt.after(name, _loaded_post)
+
+
+# ------------------------------------------------------------------ whose call it is
+def for_request_hook(name: str):
+    """AROUND ``init_load_back(params)`` / ``backup_kv_cache(req)`` / ``restore_kv_cache(req,
+    ...)``: the copies issued inside run for that request. Not ``rt.around``: the request
+    must be forgotten even when the original raises.
+
+    A load-back comes during admission, before the request's first row (where REQ_BEGIN is
+    otherwise sent): REQ_BEGIN goes out here, with the prefix the request is admitted with
+    (its device prefix and the host hit being loaded), so that the load names a known
+    request. (The sidecar also takes a KV_LOAD naming a request not begun yet.)"""
+
+    def hook(original, *args, **kwargs):
+        previous = Tier.for_request
+        if rt.is_enabled(name) and State.hello_done:
+            try:
+                first = args[1] if len(args) > 1 else (kwargs.get("params") or kwargs.get("req"))
+                req = getattr(first, "req", first)
+                rid = getattr(req, "rid", None)
+                if rid is not None and hasattr(first, "host_hit_length"):  # init_load_back
+                    prefix = getattr(req, "prefix_indices", None)
+                    cached = (len(prefix) if prefix is not None else 0) + int(first.host_hit_length or 0)
+                    rt.ensure_begun(req, cached_tokens=cached)
+                Tier.for_request = rid
+            except Exception as exc:  # noqa: BLE001
+                rt.hook_failed(name, exc)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            Tier.for_request = previous
+
+    hook.__name__ = hook.__qualname__ = f"kvguard_{name}"
+    return hook
