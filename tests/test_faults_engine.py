@@ -18,21 +18,17 @@ fires. Faults that kvguard cannot see yet end in ``pytest.xfail`` with the reaso
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
+from engine_watch import Watch, describe, generate, prompt
 from fault_plugin import FAULTS_DIR, make_rid
-from sidecar_settle import wait_until_applied
 
 from kvguard.demo.engines import PDPair, start_engine
 from kvguard.sidecar.findings import Finding
-from kvguard.sidecar.service import Sidecar
-from kvguard.sidecar.sinks.basic import MemorySink
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
 
@@ -42,91 +38,6 @@ CONTEXT = 256  # every pool below is >= this
 UNIFIED_POOL = 1024
 PREFILL_POOL, DECODE_POOL = 512, 256
 WAIT_S = 60.0
-
-
-# --------------------------------------------------------------------------- harness
-class Watch:
-    """A sidecar on one ring folder, plus the fault plugin's event log."""
-
-    def __init__(self, ring_dir: Path, events_dir: Path):
-        self.memory = MemorySink()
-        self.events_path = events_dir / "events.jsonl"
-        self.sidecar = Sidecar(str(ring_dir), sinks=[self.memory], remove_dead_rings=False).start()
-        self.checked = 0  # findings up to here were asserted by some test
-
-    def stop(self) -> None:
-        self.sidecar.stop()
-
-    # -- findings
-    def mark(self) -> int:
-        return len(self.memory.findings)
-
-    def since(self, mark: int) -> list[Finding]:
-        """Every finding reported since ``mark`` (after the sidecar caught up)."""
-        self.settle()
-        found = list(self.memory.findings[mark:])
-        self.checked = mark + len(found)
-        for f in found:  # shown with -s
-            reader = f.reader.rid if f.reader else "-"
-            print(
-                f"  finding {f.kind} [{f.severity}] on {f.engine.role}: reader {reader} pages {f.pages} "
-                f"exposed {[(p.rid, p.tenant, p.pages) for p in f.exposed]} evidence {f.evidence}"
-            )
-        return found
-
-    def unexplained(self) -> list[Finding]:
-        """Findings no test has looked at (reported after the last scenario's check)."""
-        self.settle()
-        return list(self.memory.findings[self.checked :])
-
-    def settle(self, quiet_s: float = 0.4, max_s: float = 10.0) -> None:
-        wait_until_applied(self.sidecar, quiet_s, max_s)
-
-    # -- plugin events
-    def events(self, fault: str | None = None, event: str | None = None) -> list[dict]:
-        try:
-            lines = self.events_path.read_text().splitlines()
-        except FileNotFoundError:
-            return []
-        out = [json.loads(x) for x in lines if x.strip()]
-        return [e for e in out if (fault is None or e["fault"] == fault) and (event is None or e["event"] == event)]
-
-    def wait_event(self, fault: str, event: str, timeout_s: float = WAIT_S) -> dict:
-        t_end = time.monotonic() + timeout_s
-        while time.monotonic() < t_end:
-            got = self.events(fault, event)
-            if got:
-                return got[0]
-            errors = self.events("plugin", "error")
-            assert not errors, f"the fault plugin failed: {errors}"
-            time.sleep(0.02)
-        raise AssertionError(f"no {fault}/{event} event within {timeout_s} s; events: {self.events()}")
-
-    def assert_plugin_ok(self) -> None:
-        assert not self.events("plugin", "error"), self.events("plugin", "error")
-
-
-def prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randint(3, 255) for _ in range(n)]
-
-
-def generate(url: str, rid: str, input_ids: list[int], max_new_tokens: int, tenant: str, **extra) -> dict:
-    body = {
-        "rid": rid,
-        "input_ids": input_ids,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
-        "routing_key": tenant,
-        **extra,
-    }
-    r = httpx.post(url + "/generate", json=body, timeout=120.0)
-    assert r.status_code == 200, (rid, r.status_code, r.text[:500])
-    out = r.json()
-    assert out["meta_info"]["completion_tokens"] == max_new_tokens, out["meta_info"]
-    return out
-
-
-def describe(findings: list[Finding]) -> list[dict]:
-    return [f.to_dict() for f in findings]
 
 
 def one(findings: list[Finding], kind: str) -> Finding:

@@ -42,6 +42,7 @@ FAULTS = (
     "sender_truncated",
     "send_foreign_page",
     "flip_received_page",
+    "hicache_load_freed",
 )
 
 

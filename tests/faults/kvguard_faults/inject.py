@@ -28,6 +28,13 @@ PD prefill engine:
     victim's page instead of its own for the duration of the send (the sender ships a
     page its request never wrote: the victim's KV, TensorRT-LLM #12542's shape), and
     the row is put back after the step's results (before any free reads the row).
+Unified engine with HiCache (tests/test_hicache_engine.py):
+  * ``mem_cache.common._req_radix_key`` (around): arms ``hicache_load_freed`` when the
+    victim's prefix is looked up;
+  * ``UnifiedRadixCache.ready_to_load_host_cache`` (around): before the controller submits
+    the queued load-backs, frees their destination pages (the victim's load-back) back to
+    the allocator: the load then lands in free pages and the victim reads them (a
+    load-back racing an eviction, SGLang #31427 / #30321).
 PD decode engine:
   * ``DecodeTransferQueue._poll_with_metadata_gate`` (before): ``flip_received_page``
     flips one byte in one page the request received, once its receiver's manager says
@@ -61,6 +68,7 @@ NUM_PAGES_TO_SEND = S + "disaggregation.prefill.PrefillBootstrapQueue._num_pages
 SEND_KV_CHUNK_INNER = S + "disaggregation.prefill.SchedulerDisaggregationPrefillMixin._send_kv_chunk"
 MOONCAKE_SEND = S + "disaggregation.mooncake.conn.MooncakeKVSender.send"
 POLL_GATE = S + "disaggregation.decode.DecodeTransferQueue._poll_with_metadata_gate"
+READY_TO_LOAD = S + "mem_cache.unified_radix_cache.UnifiedRadixCache.ready_to_load_host_cache"
 
 UNIFIED_FAULTS = ("use_after_free", "double_free", "row_corruption", "late_write_forward", "late_write_pool")
 PD_FAULTS = ("send_truncated", "sender_truncated", "send_foreign_page")
@@ -203,6 +211,8 @@ class Driver:
         # send_foreign_page: the victim's first page's slots; the row entries to put back
         self.sfp_victim_slots: list[int] | None = None
         self.sfp_restore = None  # (req_to_token, row, start, original slots tensor)
+        # hicache_load_freed: the victim whose next load-back is freed before it is submitted
+        self.hlf_victim: str | None = None
 
     # ------------------------------------------------------------------ plumbing
     def guarded(self, what: str, fn, *args):
@@ -593,6 +603,26 @@ class Driver:
                 self.ev.emit("salt_dropped", "dropped", rid=req.rid)
             key.cache_salt = None
 
+    def arm_hicache_load_freed(self, req) -> None:
+        fault, role = fault_and_role(getattr(req, "rid", None))
+        if fault == "hicache_load_freed" and role == "v" and ("hicache_load_freed", req.rid) not in self.done:
+            self.hlf_victim = req.rid
+
+    def free_queued_loads(self, cache) -> None:
+        """The armed victim's load-back is queued: give its destination pages back to the
+        allocator before the copy is submitted (the tree still names them)."""
+        controller = getattr(cache, "cache_controller", None)
+        if self.hlf_victim is None or controller is None or not controller.load_queue:
+            return
+        rid, self.hlf_victim = self.hlf_victim, None
+        self.done.add(("hicache_load_freed", rid))
+        ps = int(getattr(cache.token_to_kv_pool_allocator, "page_size", 1) or 1)
+        slots = []
+        for op in controller.load_queue:
+            cache.token_to_kv_pool_allocator.free(op.device_indices)
+            slots += op.device_indices.to("cpu").tolist()
+        self.ev.emit("hicache_load_freed", "injected", victim=rid, pages=pages_of(slots, ps))
+
     def sender_send(self, original, sender, kv_indices, state_indices=None, num_kv_tokens=None, indices_event=None):
         fault = self.pd_rooms.get(int(getattr(sender, "bootstrap_room", -1)))
         if fault == "sender_truncated" and len(kv_indices) > 1:
@@ -696,6 +726,19 @@ def register(faults: set[str], folder: str | None) -> Driver:
             return key
 
         HookRegistry.register(RADIX_KEY, radix_key_hook, HookType.AROUND)
+
+    if "hicache_load_freed" in faults:
+
+        def arm_hook(original, tree_cache, req, *args, **kwargs):
+            d.guarded("hicache_arm", d.arm_hicache_load_freed, req)
+            return original(tree_cache, req, *args, **kwargs)
+
+        def ready_hook(original, cache, *args, **kwargs):
+            d.guarded("hicache_free_loads", d.free_queued_loads, cache)
+            return original(cache, *args, **kwargs)
+
+        HookRegistry.register(RADIX_KEY, arm_hook, HookType.AROUND)
+        HookRegistry.register(READY_TO_LOAD, ready_hook, HookType.AROUND)
 
     if faults & set(PD_FAULTS):
 
