@@ -191,6 +191,8 @@ class OffloadFlow:
         problems: list[tuple[str, dict]] = []
         if obj.model and model and obj.model != model:
             problems.append(("checksum_mismatch", {"stored_model": obj.model, "loaded_model": model}))
+        if obj.digest and body.digest:
+            self.load_digests_compared += 1
         if obj.digest and body.digest and obj.digest != body.digest:
             problems.append(
                 ("checksum_mismatch", {"stored_digest": f"{obj.digest:016x}", "loaded_digest": f"{body.digest:016x}"})

@@ -12,9 +12,10 @@ registered with CUDA, a torch index copy for sgl_kernel's ``transfer_kv_direct``
 pool of 256 tokens (64 pages of 4) holds two 100-token prompts: four others evict the
 first, whose next request loads its prefix back from the host.
 
-The test-only fault plugin (tests/faults, fault ``hicache_load_freed``) is armed in the
-same engine; it acts only on a request named for it, in the last test: the victim's
-load-back is given back to the allocator before its copy is submitted.
+The test-only fault plugin (tests/faults, faults ``hicache_host_flipped`` and
+``hicache_load_freed``) is armed in the same engine; each acts only on a request named
+for it: the victim's backup is changed in host memory before its load-back, or the
+victim's load-back is given back to the allocator before its copy is submitted (last).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def hicache(tmp_path_factory, require_sglang):
             extra_args=HICACHE_ARGS,
             extra_env={
                 "KVGUARD_ROW_SAMPLE_EVERY": "1",  # the engine's own rows with every forward
-                "KVGUARD_FAULT": "hicache_load_freed",
+                "KVGUARD_FAULT": "hicache_host_flipped,hicache_load_freed",
                 "KVGUARD_FAULT_DIR": str(events_dir),
                 # the fault leaves the tree naming free pages, which SGLang's idle check raises on
                 "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "0",
@@ -89,14 +90,17 @@ def records(watch: Watch, kind: wire.Kind) -> int:
 
 
 def evict_and_reload(engine, rng, first_rid: str, again_rid: str, tenant: str) -> tuple[list[int], dict]:
-    """A prompt, four others that evict it to the host, the prompt again (its prefix loaded
-    back from the host, as the engine's answer says); returns the prompt and that answer."""
+    """A prompt, four others that evict it to the host, then the prompt continued (its
+    answer and more: the whole backup is a prefix of it, so the load-back takes all of it
+    and its digest compares with the backup's; the engine's answer says it came from the
+    host). Returns the prompt and that answer."""
     a = prompt(rng, PROMPT)
-    generate(engine.url, first_rid, a, 4, tenant, extra_key=tenant)
+    first = generate(engine.url, first_rid, a, 4, tenant, extra_key=tenant)
     for i in range(4):
         filler = ("globex", "initech")[i % 2]
         generate(engine.url, f"{first_rid}-fill-{i}", prompt(rng, PROMPT), 4, filler, extra_key=filler)
-    again = generate(engine.url, again_rid, a, 4, tenant, extra_key=tenant)
+    continued = a + first["output_ids"] + prompt(rng, 5)
+    again = generate(engine.url, again_rid, continued, 4, tenant, extra_key=tenant)
     details = again["meta_info"].get("cached_tokens_details") or {}
     assert details.get("host", 0) >= 64, again["meta_info"]  # loaded back from the host pool
     return a, again
@@ -118,6 +122,7 @@ def test_prefixes_loaded_back_from_the_host_are_written_and_quiet(hicache):
     pipeline = watch.sidecar.pipeline
     assert records(watch, wire.Kind.KV_STORE) >= 1 and records(watch, wire.Kind.KV_LOAD) >= 2
     assert pipeline.loads_unverified == 0  # every load named a backup the sidecar saw stored
+    assert pipeline.load_digests_compared >= 1  # a whole backup loaded back: the same bytes
     assert records(watch, wire.Kind.PROBE_ERROR) == 0
     assert records(watch, wire.Kind.REQ_SCOPE) >= 7
     # the request a load-back was for began before the load (with the prefix it was admitted
@@ -125,6 +130,24 @@ def test_prefixes_loaded_back_from_the_host_are_written_and_quiet(hicache):
     (tracker,) = pipeline.engines.values()
     info = tracker.requests.get(wire.request_key("hic-a-2"))
     assert info is not None and info.cached_tokens == again["meta_info"]["cached_tokens"], info
+
+
+def test_host_kv_changed_at_rest_is_caught_when_it_is_loaded_back(hicache):
+    """The victim's backup changes in host memory (one K value per layer of one slot)
+    before its load-back: the loaded bytes are not the backed-up ones."""
+    engine, watch = hicache
+    rng = random.Random(13)
+    mark = watch.mark()
+    victim = make_rid("hicache_host_flipped", "v", "1")
+    evict_and_reload(engine, rng, "hic-c-1", victim, "acme")
+    ev = watch.wait_event("hicache_host_flipped", "injected")
+    assert ev["victim"] == victim
+    found = watch.since(mark)
+    (f,) = found
+    assert (f.kind, f.severity, f.evidence["via"]) == ("checksum_mismatch", "critical", "load"), f.to_dict()
+    assert f.evidence["stored_digest"] != f.evidence["loaded_digest"]
+    assert (f.reader.rid, f.reader.tenant) == (victim, "acme")
+    assert ev["device_slot"] // 4 in f.pages  # the load's pages, the changed slot's among them
 
 
 def test_a_load_back_into_pages_given_back_meanwhile_is_caught(hicache):

@@ -30,27 +30,50 @@ Where (0.5.23; every device <-> host copy of the KV pool goes through the two
   it is a retraction restore (``UnifiedRadixCache.restore_kv_cache``, AROUND: its
   request).
 
+Digests (host pools, the transfer digests' alg 3 over every layer and head, tokens in
+host-slot order): a backup's, of the device pages it copied out (taken after the copy,
+which on a host pool is done when the call returns), and a load-back's, of the pages it
+filled, when the load takes the whole backup (a load of part of one, after a radix node
+was split or of a prompt's page-aligned prefix, says none): the sidecar compares the two
+(``checksum_mismatch``, ``evidence.via = "load"``), so host KV that changed at rest, or
+host slots another backup reused under a queued load, is caught. Device pools: none (the
+copy runs on a side stream; reading the pages at submission would race it).
+
 What is not said: the object's scope (a radix node is found under the request's own
 extra key and salt, so the pages the load fills take the loading request's scope, and
-sharing them across scopes is judged where they are shared, on rows); digests of the
-copied KV (0: none). Host slot frees need no record: a later backup into the same host
-pages replaces their object. Device indices are brought to the host once per copy
-submission (a small device read on a GPU, not per step).
+sharing them across scopes is judged where they are shared, on rows). Host slot frees
+need no record: a later backup into the same host pages replaces their object. Device
+indices are brought to the host once per copy submission (a small device read on a GPU,
+not per step).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import OrderedDict
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
 
+from .. import digest as dg
 from . import _runtime as rt
 from ._runtime import State
 
+log = logging.getLogger("kvguard.sglang")
+
 MAX_PENDING_LOADS = 4096  # issued loads not yet submitted (a healthy engine submits them the same step)
+MAX_OBJECTS = 100_000  # backups remembered for whole-object digests (as the sidecar's bound)
+
+
+class Run(NamedTuple):
+    """Part of a load that one backup's host pages feed."""
+
+    key: int  # the backup's object key (0: host pages no backup was seen into)
+    device_slots: np.ndarray
+    host_slots: np.ndarray
 
 
 class Tier:
@@ -59,7 +82,9 @@ class Tier:
 
     host_object: np.ndarray | None = None  # host page -> object key of the backup it holds (0: none)
     host_page_size = 1
-    pending: OrderedDict = OrderedDict()  # first device slot -> (rid, [(object key, device slots)])
+    pending: OrderedDict = OrderedDict()  # first device slot -> (rid, [Run])
+    objects: OrderedDict = OrderedDict()  # object key -> (first host page, host pages) of its backup
+    view = None  # the KV pool's digest view; False: not digested (device pool, unknown layout)
     for_request: str | None = None  # rid of the request a tree / retraction call runs for
     stores = 0
     loads = 0
@@ -70,6 +95,8 @@ class Tier:
     def reset(cls) -> None:
         cls.host_object, cls.host_page_size = None, 1
         cls.pending = OrderedDict()
+        cls.objects = OrderedDict()
+        cls.view = None
         cls.for_request = None
         cls.stores = cls.loads = 0
         cls._key_base, cls._seq = 0, 0
@@ -105,15 +132,52 @@ def _host_pages(host_pool, host_slots: np.ndarray) -> np.ndarray:
     return pages
 
 
-def _object_runs(host_pool, host_slots: np.ndarray, device_slots: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """(object key, device slots) per run of host slots holding one backup, in order."""
+def _object_runs(host_pool, host_slots: np.ndarray, device_slots: np.ndarray) -> list[Run]:
+    """One Run per stretch of host slots holding one backup, in order."""
     keys = Tier.host_object[_host_pages(host_pool, host_slots)]  # type: ignore[index]
     if len(keys) == 0:
         return []
     cuts = np.flatnonzero(keys[1:] != keys[:-1]) + 1
     starts = np.concatenate(([0], cuts))
     ends = np.concatenate((cuts, [len(keys)]))
-    return [(int(keys[a]), device_slots[a:b]) for a, b in zip(starts.tolist(), ends.tolist())]
+    return [Run(int(keys[a]), device_slots[a:b], host_slots[a:b]) for a, b in zip(starts.tolist(), ends.tolist())]
+
+
+def _pool_view():
+    """The KV pool as the digests read it, or None (a device pool, a layout not digested;
+    said once in the log)."""
+    if Tier.view is None:
+        try:
+            view = dg.pool_view(State.kv_pool)
+            if str(getattr(view.device, "type", view.device)) != "cpu":
+                raise dg.Unsupported(f"KV pool on {view.device}: the copy runs on a side stream")
+            Tier.view = view
+        except Exception as exc:  # noqa: BLE001 - no digest, the records still go out
+            Tier.view = False
+            log.info("kvguard: HiCache backups and load-backs are not digested: %s", exc)
+    return Tier.view or None
+
+
+def _digest(device_slots: np.ndarray, host_slots: np.ndarray) -> int:
+    """The digest of the KV in ``device_slots``, tokens in host-slot order (0: none)."""
+    view = _pool_view()
+    if view is None or len(device_slots) == 0:
+        return 0
+    try:
+        order = np.argsort(host_slots, kind="stable")
+        return dg.transfer_digest(view, device_slots[order], 0, dg.HEAD_STREAMS) or 1
+    except dg.Unsupported as exc:
+        dg.skips.skip(f"HiCache copy not digested: {exc}")
+        return 0
+
+
+def _whole_object(run: Run) -> bool:
+    """Whether ``run`` loads every host page of its backup (then its digest compares)."""
+    obj = Tier.objects.get(run.key)
+    if obj is None or len(run.host_slots) == 0:
+        return False
+    pages = np.unique(run.host_slots // Tier.host_page_size)
+    return len(pages) == obj[1] and int(pages[0]) == obj[0]
 
 
 # ------------------------------------------------------------------ backups (device -> host)
@@ -131,8 +195,12 @@ def _stored_post(result, engine, *args, **kwargs) -> None:
         key = Tier.new_key()
         pages = _host_pages(t.host_pool, host_slots)  # (sizes the map on the first backup)
         Tier.host_object[pages] = np.uint64(key)  # type: ignore[index]
+        unique = np.unique(pages)
+        Tier.objects[key] = (int(unique[0]), len(unique))
+        while len(Tier.objects) > MAX_OBJECTS:
+            Tier.objects.popitem(last=False)
         Tier.stores += 1
-        p.kv_stored(Tier.for_request, key, device_slots, unit="slots")
+        p.kv_stored(Tier.for_request, key, device_slots, digest=_digest(device_slots, host_slots), unit="slots")
 
 
 def stored_hook(name: str):
@@ -154,8 +222,8 @@ def _load_issued_post(result, controller, *args, **kwargs) -> None:
     runs = _object_runs(None, host_slots, device_slots)  # (the map exists: a backup came first)
     rid = Tier.for_request
     p = rt.probes()
-    for key, slots in runs:
-        p.kv_loaded(rid, key, slots, "issued", unit="slots")
+    for run in runs:
+        p.kv_loaded(rid, run.key, run.device_slots, "issued", unit="slots")
     Tier.pending[int(device_slots[0])] = (rid, runs)
     while len(Tier.pending) > MAX_PENDING_LOADS:
         Tier.pending.popitem(last=False)
@@ -182,9 +250,9 @@ def _loaded_post(result, engine, *args, **kwargs) -> None:
             if first not in submitted:
                 continue
             del Tier.pending[first]
-            for key, slots in runs:
-                p.kv_loaded(rid, key, slots, "completed", unit="slots")
-                covered.append(slots)
+            for run in runs:
+                _completed(p, rid, run)
+                covered.append(run.device_slots)
             Tier.loads += 1
         rest = device_slots
         if covered:
@@ -193,9 +261,14 @@ def _loaded_post(result, engine, *args, **kwargs) -> None:
             host_slots = rt.host_int64(t.host_indices)
             if len(host_slots) == len(device_slots):
                 host_rest = host_slots[np.isin(device_slots, rest)] if covered else host_slots
-                for key, slots in _object_runs(t.host_pool, host_rest, rest):
-                    p.kv_loaded(Tier.for_request, key, slots, "completed", unit="slots")
+                for run in _object_runs(t.host_pool, host_rest, rest):
+                    _completed(p, Tier.for_request, run)
                 Tier.loads += 1
+
+
+def _completed(p, rid: str | None, run: Run) -> None:
+    digest = _digest(run.device_slots, run.host_slots) if _whole_object(run) else 0
+    p.kv_loaded(rid, run.key, run.device_slots, "completed", digest=digest, unit="slots")
 
 
 def loaded_hook(name: str):

@@ -43,6 +43,7 @@ FAULTS = (
     "send_foreign_page",
     "flip_received_page",
     "hicache_load_freed",
+    "hicache_host_flipped",
 )
 
 

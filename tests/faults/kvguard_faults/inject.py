@@ -34,7 +34,9 @@ Unified engine with HiCache (tests/test_hicache_engine.py):
   * ``UnifiedRadixCache.ready_to_load_host_cache`` (around): before the controller submits
     the queued load-backs, frees their destination pages (the victim's load-back) back to
     the allocator: the load then lands in free pages and the victim reads them (a
-    load-back racing an eviction, SGLang #31427 / #30321).
+    load-back racing an eviction, SGLang #31427 / #30321); ``hicache_host_flipped`` instead
+    changes one value of the first queued host slot's K in every layer (host KV changed at
+    rest: the load-back brings back other bytes than were backed up).
 PD decode engine:
   * ``DecodeTransferQueue._poll_with_metadata_gate`` (before): ``flip_received_page``
     flips one byte in one page the request received, once its receiver's manager says
@@ -70,6 +72,7 @@ MOONCAKE_SEND = S + "disaggregation.mooncake.conn.MooncakeKVSender.send"
 POLL_GATE = S + "disaggregation.decode.DecodeTransferQueue._poll_with_metadata_gate"
 READY_TO_LOAD = S + "mem_cache.unified_radix_cache.UnifiedRadixCache.ready_to_load_host_cache"
 
+HICACHE_FAULTS = ("hicache_load_freed", "hicache_host_flipped")
 UNIFIED_FAULTS = ("use_after_free", "double_free", "row_corruption", "late_write_forward", "late_write_pool")
 PD_FAULTS = ("send_truncated", "sender_truncated", "send_foreign_page")
 SHORT_SEND_FAULTS = ("send_truncated", "sender_truncated")  # the sender is initialised for 1 page
@@ -211,8 +214,8 @@ class Driver:
         # send_foreign_page: the victim's first page's slots; the row entries to put back
         self.sfp_victim_slots: list[int] | None = None
         self.sfp_restore = None  # (req_to_token, row, start, original slots tensor)
-        # hicache_load_freed: the victim whose next load-back is freed before it is submitted
-        self.hlf_victim: str | None = None
+        # hicache_*: fault -> the victim whose next queued load-back it acts on
+        self.hicache_victims: dict[str, str] = {}
 
     # ------------------------------------------------------------------ plumbing
     def guarded(self, what: str, fn, *args):
@@ -603,25 +606,42 @@ class Driver:
                 self.ev.emit("salt_dropped", "dropped", rid=req.rid)
             key.cache_salt = None
 
-    def arm_hicache_load_freed(self, req) -> None:
+    def arm_hicache(self, req) -> None:
         fault, role = fault_and_role(getattr(req, "rid", None))
-        if fault == "hicache_load_freed" and role == "v" and ("hicache_load_freed", req.rid) not in self.done:
-            self.hlf_victim = req.rid
+        if fault in HICACHE_FAULTS and role == "v" and (fault, req.rid) not in self.done:
+            self.hicache_victims[fault] = req.rid
 
-    def free_queued_loads(self, cache) -> None:
-        """The armed victim's load-back is queued: give its destination pages back to the
-        allocator before the copy is submitted (the tree still names them)."""
+    def act_on_queued_loads(self, cache) -> None:
+        """An armed victim's load-back is queued, its copy not submitted yet."""
         controller = getattr(cache, "cache_controller", None)
-        if self.hlf_victim is None or controller is None or not controller.load_queue:
+        if not self.hicache_victims or controller is None or not controller.load_queue:
             return
-        rid, self.hlf_victim = self.hlf_victim, None
-        self.done.add(("hicache_load_freed", rid))
+        for fault, rid in list(self.hicache_victims.items()):
+            del self.hicache_victims[fault]
+            self.done.add((fault, rid))
+            if fault == "hicache_load_freed":
+                self._free_queued_loads(cache, controller, rid)
+            else:
+                self._flip_queued_host_kv(controller, rid)
+
+    def _free_queued_loads(self, cache, controller, rid: str) -> None:
+        """Give the load-back's destination pages back to the allocator (the tree still names them)."""
         ps = int(getattr(cache.token_to_kv_pool_allocator, "page_size", 1) or 1)
         slots = []
         for op in controller.load_queue:
             cache.token_to_kv_pool_allocator.free(op.device_indices)
             slots += op.device_indices.to("cpu").tolist()
         self.ev.emit("hicache_load_freed", "injected", victim=rid, pages=pages_of(slots, ps))
+
+    def _flip_queued_host_kv(self, controller, rid: str) -> None:
+        """Change the first queued host slot's K (one value per layer) in the host pool."""
+        host_pool = controller.mem_pool_host.anchor_entry.host_pool
+        if getattr(host_pool, "layout", None) != "layer_first":
+            raise RuntimeError(f"host layout {getattr(host_pool, 'layout', None)!r}: only layer_first is flipped")
+        slot = int(controller.load_queue[0].host_indices[0])
+        host_pool.k_buffer[:, slot, 0, 0] += 1.0
+        device_slot = int(controller.load_queue[0].device_indices[0])
+        self.ev.emit("hicache_host_flipped", "injected", victim=rid, host_slot=slot, device_slot=device_slot)
 
     def sender_send(self, original, sender, kv_indices, state_indices=None, num_kv_tokens=None, indices_event=None):
         fault = self.pd_rooms.get(int(getattr(sender, "bootstrap_room", -1)))
@@ -727,14 +747,14 @@ def register(faults: set[str], folder: str | None) -> Driver:
 
         HookRegistry.register(RADIX_KEY, radix_key_hook, HookType.AROUND)
 
-    if "hicache_load_freed" in faults:
+    if faults & set(HICACHE_FAULTS):
 
         def arm_hook(original, tree_cache, req, *args, **kwargs):
-            d.guarded("hicache_arm", d.arm_hicache_load_freed, req)
+            d.guarded("hicache_arm", d.arm_hicache, req)
             return original(tree_cache, req, *args, **kwargs)
 
         def ready_hook(original, cache, *args, **kwargs):
-            d.guarded("hicache_free_loads", d.free_queued_loads, cache)
+            d.guarded("hicache_queued_loads", d.act_on_queued_loads, cache)
             return original(cache, *args, **kwargs)
 
         HookRegistry.register(RADIX_KEY, arm_hook, HookType.AROUND)
