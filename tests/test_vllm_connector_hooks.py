@@ -219,6 +219,24 @@ def test_the_reference_connectors_stores_go_out_after_their_forward_and_key_as_i
     assert all(r.kind != wire.Kind.KV_STORE for r in captured.take())  # a load is no store
 
 
+def test_a_store_of_a_request_ending_in_its_first_step_keeps_its_salt(captured):
+    """One output token: the request has left the scheduler when the store is reported
+    after its step; its salt was taken when the store was planned (before: none, so the
+    object read as unsalted and every salted load of it was a false cross-salt share)."""
+    pytest.importorskip("torch")
+    acme = _request("acme-1", salt="a", prompt=130)
+    connector = ExampleConnector()
+    s = _scheduler(connector, acme)
+    step = _step([_new("acme-1", [3, 4, 5, 6, 7], 0, prompt=acme.prompt_token_ids)])
+    hc.schedule_post(None, step, s)
+    connector.build_connector_meta(step)
+    del s.requests["acme-1"]  # finished in this step (vLLM frees it before the output is processed)
+    captured.take()
+    hc.update_from_output_post(None, None, s, step)
+    (stored,) = [r for r in captured.take() if r.kind == wire.Kind.KV_STORE]
+    assert stored.body.scope == wire.request_scope(None, "a")
+
+
 class RacingConnector(ExampleConnector):
     """Its folder check answers differently from ours (a file removed in between)."""
 

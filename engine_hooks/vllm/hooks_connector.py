@@ -212,6 +212,7 @@ def _build_meta_pre(connector, scheduler_output, *args, **kwargs):
     """Which new requests the reference connector will store (its own rule, evaluated before
     it runs: a new request not loading whose prompt has no folder yet)."""
     loading = set(getattr(connector, "_requests_need_load", {}) or ())
+    requests = getattr(State.scheduler, "requests", {})
     stores = []
     for new in scheduler_output.scheduled_new_reqs:
         if new.req_id in loading:
@@ -219,7 +220,11 @@ def _build_meta_pre(connector, scheduler_output, *args, **kwargs):
         tokens = list(new.prompt_token_ids or [])
         mm = _mm_hashes(new)
         if not connector._found_match_for_prompt(tokens, mm):
-            stores.append((new.req_id, tokens, mm, list(new.block_ids[0])))
+            # the salt now: a request that ends in this step (one output token) has left the
+            # scheduler by the time the store is reported
+            request = requests.get(new.req_id)
+            salt = getattr(request, "cache_salt", None) if request is not None else None
+            stores.append((new.req_id, tokens, mm, list(new.block_ids[0]), salt))
     return stores
 
 
@@ -252,13 +257,10 @@ def stores_landed(scheduler_output) -> None:
         return
     p = rt.probes()
     ps = State.page_size
-    requests = getattr(State.scheduler, "requests", {})
-    for rid, tokens, mm, ids in stores:
+    for rid, tokens, mm, ids, salt in stores:
         n = (len(tokens) - 1) // ps * ps  # what it saved: align_to_block_size(len(prompt))
         if n <= 0:
             continue
-        request = requests.get(rid)
-        salt = getattr(request, "cache_salt", None) if request is not None else None
         p.kv_stored(
             rid, _example_key(connector_of(), tokens, mm), np.asarray(ids[: n // ps], np.int64), cache_salt=salt
         )
