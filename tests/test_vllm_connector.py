@@ -140,7 +140,18 @@ def test_concurrent_traffic_through_the_connector_is_quiet(vllm_connector):
     engine, watch, _store = vllm_connector
     rng = random.Random(25)
     tenants = ("acme", "globex", "initech")
-    prompts = {t: [_text(rng, 40 + 25 * i) for i in range(3)] for t in tenants}
+    # Base lengths with len - 1 no multiple of the block size: at such a length the
+    # reference connector stores again on every request (its existence check counts one
+    # token fewer than its save), and a store made while the prompt's prefill is split
+    # over steps holds only the first chunk's blocks; a later load of it fills more blocks
+    # than it holds and fails the engine (vLLM's own bug: the last test of this module;
+    # seen once in CI with 65-token prompts on a loaded machine).
+    prompts = {t: [_text(rng, n) for n in (40, 70, 90)] for t in tenants}
+    # each base prompt stored whole first, one at a time (prefilled in one step), so the
+    # concurrent requests load them rather than store them again, split
+    for t in tenants:
+        for p in prompts[t]:
+            complete(engine, p, 1, tenant=t, cache_salt=f"{t}-salt")
     mark = watch.mark()
     before = watch.stats()
     jobs = [(tenants[i % 3], i) for i in range(60)]
