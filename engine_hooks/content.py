@@ -185,11 +185,19 @@ class ContentCheck:
         slots = _host_slots(slots)
         return slots[(slots > 0) & (slots < self.num_slots)]  # slot 0: SGLang's padding slot
 
-    def written(self, slots) -> None:
-        """A hooked path wrote ``slots``: remember what they hold now."""
+    def written(self, slots) -> np.ndarray:
+        """A hooked path wrote ``slots``: remember what they hold now. Returns the changed
+        slots found meanwhile (none: a host pool's verify reports at once), as the device
+        check's does."""
         slots = self._valid(slots)
         if len(slots):
             self.fp[slots] = self.fingerprint(slots)
+        return slots[:0]
+
+    def forget(self, slots) -> np.ndarray:
+        """``slots`` hold no fingerprint from here on, until a hooked write."""
+        self.fp[self._valid(slots)] = 0
+        return np.zeros(0, np.int64)
 
     def pick_index(self, seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(batch index, position) pairs to verify (``pick_index`` of this module)."""

@@ -39,7 +39,7 @@ import numpy as np
 
 from . import content as ct
 
-WRITE, VERIFY = 0, 1
+WRITE, VERIFY, FORGET = 0, 1, 2
 MAX_PENDING = 64
 
 
@@ -105,6 +105,15 @@ class DeviceContentCheck:
         """Wait for every request in flight and return the changed slots they found."""
         return self._drain(block=True)
 
+    def forget(self, slots) -> np.ndarray:
+        """Something wrote ``slots`` that this stream is not ordered after (a copy on another
+        stream): they hold no fingerprint from here on (in issue order) until a hooked write."""
+        host = np.asarray(slots.detach().cpu().numpy() if hasattr(slots, "detach") else slots, np.int64).reshape(-1)
+        import torch
+
+        self._pending.append((FORGET, torch.from_numpy(host.copy()), None, None))
+        return self._drain(block=False)
+
     def _issue(self, kind: int, slots) -> None:
         import torch
 
@@ -152,6 +161,9 @@ class DeviceContentCheck:
                 event.synchronize()
             self._pending.popleft()
             slots = s.numpy()
+            if kind == FORGET:
+                self.fp[slots[(slots > 0) & (slots < self.num_slots)]] = 0
+                continue
             now = fps.numpy().view(np.uint64).copy()
             now[now == 0] = 1
             valid = slots > 0

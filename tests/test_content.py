@@ -186,6 +186,24 @@ def test_the_device_path_waits_only_past_its_bound_and_never_faults_on_a_bad_slo
     assert check.slots_checked == 3 * 32 + 1 + 2
 
 
+def test_slots_a_side_stream_copy_filled_are_forgotten_in_issue_order():
+    """A HiCache load-back on a GPU lands on another stream: its slots lose their
+    fingerprint (in order with the writes and verifies around it) and are not compared
+    until a hooked write fingerprints them again."""
+    k, v = pool()
+    slow = SlowDevice()
+    check = device_check(k, v)
+    check.event_factory = slow
+    check.written(np.arange(1, 9))
+    check.forget([3, 4])  # the copy into slots 3, 4
+    k[3] = 5.0
+    k[6] = 5.0  # a stray write into a slot still fingerprinted
+    check.verify(np.arange(1, 9))
+    slow.done = 10
+    assert check.flush().tolist() == [6]
+    assert check.fp[3] == 0 and check.fp[4] == 0 and check.fp[5] != 0
+
+
 def test_the_content_path_is_chosen_by_where_the_pool_lives_and_the_setting():
     from kvguard.engine_hooks.content_device import DeviceContentCheck
 

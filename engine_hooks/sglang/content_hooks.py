@@ -90,6 +90,17 @@ def written(check, slots) -> None:
     report(check.written(slots))
 
 
+def loaded(slots) -> None:
+    """A copy from outside any forward filled ``slots`` (a HiCache load-back, a retraction
+    restore): on a host pool it is done, and the slots are fingerprinted as written; on a
+    device pool it runs on a side stream the check is not ordered after, so the slots are
+    forgotten (not verified) until a hooked write, never compared with bytes still landing."""
+    check = Content.check if Content.state == "on" else None
+    if check is None:
+        return
+    guarded(lambda: report(check.forget(slots) if check.deferred else check.written(slots)))
+
+
 def report(changed) -> None:
     if changed is not None and len(changed):
         rt.probes().content_changed(changed)
