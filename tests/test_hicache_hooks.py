@@ -77,13 +77,13 @@ def test_a_backup_and_its_load_back_name_the_same_object_for_the_request(probes)
 
     def init_load_back(cache, params):
         issue_load([10, 11], [7, 8])  # a node split: the first two pages of the backup
-        return 2, None
+        return 8, None  # (tokens loaded, last node)
 
     hook = hh.for_request_hook("UnifiedRadixCache.init_load_back")
-    req = types.SimpleNamespace(rid="r-1", prefix_indices=torch.arange(4), origin_input_ids=[1] * 20)
-    hook(init_load_back, object(), types.SimpleNamespace(req=req, host_hit_length=8))
+    req = types.SimpleNamespace(rid="r-1", prefix_len=4, prefix_indices=torch.arange(0), origin_input_ids=[1] * 20)
+    hook(init_load_back, object(), types.SimpleNamespace(req=req, host_hit_length=8))  # (loads 8)
     (begin,) = probes.named("request_begin")
-    assert begin[1][0] == "r-1" and begin[1][4] == 4 + 8  # the device prefix and the host hit
+    assert begin[1][0] == "r-1" and begin[1][4] == 4 + 8  # the device prefix and the tokens loaded
     submit_loads(transfer([10, 11], [7, 8]))
     loads = probes.named("kv_loaded")
     assert [(c[1][0], c[1][1], pages_of(c), c[1][3]) for c in loads] == [

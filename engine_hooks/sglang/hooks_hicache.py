@@ -60,6 +60,7 @@ import xxhash
 
 from .. import digest as dg
 from . import _runtime as rt
+from . import content_hooks
 from ._runtime import State
 
 log = logging.getLogger("kvguard.sglang")
@@ -269,6 +270,7 @@ def _loaded_post(result, engine, *args, **kwargs) -> None:
 def _completed(p, rid: str | None, run: Run) -> None:
     digest = _digest(run.device_slots, run.host_slots) if _whole_object(run) else 0
     p.kv_loaded(rid, run.key, run.device_slots, "completed", digest=digest, unit="slots")
+    content_hooks.loaded(run.device_slots)  # KV at rest (KVGUARD_CONTENT_CHECK): a write it did not make
 
 
 def loaded_hook(name: str):
@@ -276,34 +278,48 @@ def loaded_hook(name: str):
 
 
 # ------------------------------------------------------------------ whose call it is
+def _device_prefix_len(req) -> int:
+    """The prefix the radix cache matched on the device for ``req`` (0.5.23: ``prefix_len``,
+    which admission adds the tokens loaded to; ``prefix_indices`` is filled later)."""
+    n = getattr(req, "prefix_len", None)
+    if isinstance(n, int):
+        return n
+    prefix = getattr(req, "prefix_indices", None)
+    return len(prefix) if prefix is not None else 0
+
+
 def for_request_hook(name: str):
     """AROUND ``init_load_back(params)`` / ``backup_kv_cache(req)`` / ``restore_kv_cache(req,
     ...)``: the copies issued inside run for that request. Not ``rt.around``: the request
     must be forgotten even when the original raises.
 
-    A load-back comes during admission, before the request's first row (where REQ_BEGIN is
-    otherwise sent): REQ_BEGIN goes out here, with the prefix the request is admitted with
-    (its device prefix and the host hit being loaded), so that the load names a known
-    request. (The sidecar also takes a KV_LOAD naming a request not begun yet.)"""
+    A load-back is issued during admission, before the request's first row (where REQ_BEGIN
+    is otherwise sent): after ``init_load_back`` returns, REQ_BEGIN goes out with the prefix
+    the request is admitted with (its device prefix and the tokens loaded), so the load's
+    completion names a known request. (Its ``issued`` record comes first; the sidecar takes
+    a KV_LOAD naming a request not begun yet.)"""
 
     def hook(original, *args, **kwargs):
         previous = Tier.for_request
+        req = None
         if rt.is_enabled(name) and State.hello_done:
             try:
                 first = args[1] if len(args) > 1 else (kwargs.get("params") or kwargs.get("req"))
                 req = getattr(first, "req", first)
-                rid = getattr(req, "rid", None)
-                if rid is not None and hasattr(first, "host_hit_length"):  # init_load_back
-                    prefix = getattr(req, "prefix_indices", None)
-                    cached = (len(prefix) if prefix is not None else 0) + int(first.host_hit_length or 0)
-                    rt.ensure_begun(req, cached_tokens=cached)
-                Tier.for_request = rid
+                Tier.for_request = getattr(req, "rid", None)
             except Exception as exc:  # noqa: BLE001
                 rt.hook_failed(name, exc)
         try:
-            return original(*args, **kwargs)
+            result = original(*args, **kwargs)
         finally:
             Tier.for_request = previous
+        if req is not None and getattr(req, "rid", None) is not None and isinstance(result, tuple):
+            try:  # init_load_back -> (tokens loaded, last node)
+                loaded = result[0] if isinstance(result[0], int) else len(result[0])
+                rt.ensure_begun(req, cached_tokens=_device_prefix_len(req) + int(loaded))
+            except Exception as exc:  # noqa: BLE001
+                rt.hook_failed(name, exc)
+        return result
 
     hook.__name__ = hook.__qualname__ = f"kvguard_{name}"
     return hook
