@@ -69,6 +69,10 @@ PD_REQUESTS = int(os.environ.get("KVGUARD_SOAK_PD_REQUESTS", "200"))
 CONCURRENCY = int(os.environ.get("KVGUARD_SOAK_CONCURRENCY", "16"))
 PD_CONCURRENCY = int(os.environ.get("KVGUARD_SOAK_PD_CONCURRENCY", "8"))
 SEED = int(os.environ.get("KVGUARD_SOAK_SEED", "1"))
+# the unified engine with SGLang's hierarchical cache on (0.5.23: prefixes the device pool
+# evicts are backed up to a host pool and loaded back on a hit; hooks_hicache.py)
+HICACHE = os.environ.get("KVGUARD_SOAK_HICACHE", "1") not in ("0", "", "no", "false")
+HICACHE_ARGS = ["--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first"]
 REPORT = os.environ.get("KVGUARD_SOAK_REPORT")  # write the run summaries (JSON) here
 
 POOL_TOKENS = 512  # = context length: no pool_smaller_than_context by design
@@ -243,7 +247,7 @@ def unified_soak(tmp_path_factory, require_sglang) -> SoakRun:
             max_total_tokens=POOL_TOKENS,
             context_length=CONTEXT_LEN,
             ring_dir=ring_dir,
-            extra_args=["--chunked-prefill-size", str(CHUNKED_PREFILL)],
+            extra_args=["--chunked-prefill-size", str(CHUNKED_PREFILL), *(HICACHE_ARGS if HICACHE else [])],
             extra_env=RETRACTION_ENV,
         )
         try:
@@ -438,7 +442,7 @@ def test_unified_soak_engine_retracted_under_pool_pressure(unified_soak):
 
 def test_unified_soak_sidecar_lost_nothing_and_probes_all_fired(unified_soak):
     check_sidecar_health(unified_soak)
-    check_probes_fired(unified_soak, EXPECTED_KINDS)
+    check_probes_fired(unified_soak, EXPECTED_KINDS + (("KV_STORE", "KV_LOAD") if HICACHE else ()))
     check_rejects(unified_soak, engines=1)
     by_kind = unified_soak.snapshot["records_by_kind"]
     assert by_kind["REQ_BEGIN"] == by_kind["REQ_END"], by_kind  # every request that held KV ended
