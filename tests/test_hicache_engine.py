@@ -132,17 +132,21 @@ def test_prefixes_loaded_back_from_the_host_are_written_and_quiet(hicache):
     assert info is not None and info.cached_tokens == again["meta_info"]["cached_tokens"], info
 
 
+def fault_on_reload(engine, watch, fault: str, seed: int) -> tuple[str, dict, list]:
+    """A victim's prompt evicted and asked for again, with ``fault`` acting on its
+    load-back: (the victim's rid, the plugin's event, the findings since)."""
+    mark = watch.mark()
+    victim = make_rid(fault, "v", "1")
+    evict_and_reload(engine, random.Random(seed), f"hic-{fault}", victim, "acme")
+    ev = watch.wait_event(fault, "injected")
+    assert ev["victim"] == victim
+    return victim, ev, watch.since(mark)
+
+
 def test_host_kv_changed_at_rest_is_caught_when_it_is_loaded_back(hicache):
     """The victim's backup changes in host memory (one K value per layer of one slot)
     before its load-back: the loaded bytes are not the backed-up ones."""
-    engine, watch = hicache
-    rng = random.Random(13)
-    mark = watch.mark()
-    victim = make_rid("hicache_host_flipped", "v", "1")
-    evict_and_reload(engine, rng, "hic-c-1", victim, "acme")
-    ev = watch.wait_event("hicache_host_flipped", "injected")
-    assert ev["victim"] == victim
-    found = watch.since(mark)
+    victim, ev, found = fault_on_reload(*hicache, "hicache_host_flipped", 13)
     (f,) = found
     assert (f.kind, f.severity, f.evidence["via"]) == ("checksum_mismatch", "critical", "load"), f.to_dict()
     assert f.evidence["stored_digest"] != f.evidence["loaded_digest"]
@@ -155,14 +159,8 @@ def test_a_load_back_into_pages_given_back_meanwhile_is_caught(hicache):
     load-back is queued, then its destination pages go back to the allocator before the
     copy is submitted. The copy lands in free pages, and the victim reads them as its
     prefix. Last in the module: the engine's tree names free pages from here on."""
-    engine, watch = hicache
-    rng = random.Random(11)
-    mark = watch.mark()
-    victim = make_rid("hicache_load_freed", "v", "1")
-    evict_and_reload(engine, rng, "hic-b-1", victim, "acme")
-    ev = watch.wait_event("hicache_load_freed", "injected")
-    assert ev["victim"] == victim and ev["pages"]
-    found = watch.since(mark)
+    victim, ev, found = fault_on_reload(*hicache, "hicache_load_freed", 11)
+    assert ev["pages"]
     load = [f for f in found if f.evidence.get("via") == "load"]
     assert len(load) == 1, describe(found)
     f = load[0]

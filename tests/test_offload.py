@@ -221,6 +221,14 @@ def load_before_begin(eng, rid, salt, pages=(5, 6), obj=OBJ):
     eng.forward([rid], [12], [slots(7)])
 
 
+def share_loaded(eng, rid, tenant, salt):
+    """A later request handed r-ini's loaded pages 5, 6 by the cache (and page 8 of its own)."""
+    eng.request_begin(rid, tenant, None, 12, 8, False, cache_salt=salt)
+    eng.pages_allocated(slots(8))
+    eng.rows_assigned(rid, 0, 12, 8, slots(5, 6, 8))
+    eng.forward([rid], [12], [slots(8)])
+
+
 def test_a_load_for_a_request_not_begun_yet_takes_its_scope_when_it_begins(tmp_path):
     """Salts in use: pages loaded for r-ini before its REQ_BEGIN are its scope's, so handing
     them to r-ini is no share across scopes, and a later request of r-ini's salt shares them
@@ -230,10 +238,7 @@ def test_a_load_for_a_request_not_begun_yet_takes_its_scope_when_it_begins(tmp_p
         eng = engine(rec)
         store_from_acme(eng)
         load_before_begin(eng, "r-ini", "ini-1")
-        eng.request_begin("r-ini-2", "initech", None, 12, 8, False, cache_salt="ini-1")
-        eng.pages_allocated(slots(8))
-        eng.rows_assigned("r-ini-2", 0, 12, 8, slots(5, 6, 8))
-        eng.forward(["r-ini-2"], [12], [slots(8)])
+        share_loaded(eng, "r-ini-2", "initech", "ini-1")
 
     findings, r = run(tmp_path, body)
     assert findings == [], [f.to_dict() for f in findings]
@@ -248,10 +253,7 @@ def test_pages_loaded_before_begin_still_may_not_cross_to_another_salt(tmp_path)
         eng = engine(rec)
         store_from_acme(eng)
         load_before_begin(eng, "r-ini", "ini-1")
-        eng.request_begin("r-glx", "globex", None, 12, 8, False, cache_salt="glx-1")
-        eng.pages_allocated(slots(8))
-        eng.rows_assigned("r-glx", 0, 12, 8, slots(5, 6, 8))
-        eng.forward(["r-glx"], [12], [slots(8)])
+        share_loaded(eng, "r-glx", "globex", "glx-1")
 
     findings, _ = run(tmp_path, body)
     (f,) = findings

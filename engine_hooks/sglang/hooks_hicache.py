@@ -119,6 +119,18 @@ def _is_kv_transfer(transfer) -> bool:
     return kv_pool is None or transfer.device_pool is kv_pool
 
 
+def _kv_transfers(args, kwargs):
+    """The submitted transfers (``submit_*(transfers, ...)``) of the main KV pool, with their
+    device slots on the host; none before HELLO."""
+    if not State.hello_done:
+        return
+    for t in args[0] if args else kwargs.get("transfers", ()):
+        if _is_kv_transfer(t):
+            device_slots = rt.host_int64(t.device_indices)
+            if len(device_slots):
+                yield t, device_slots
+
+
 def _host_pages(host_pool, host_slots: np.ndarray) -> np.ndarray:
     """The host pages of ``host_slots``; the first backup sizes the map from its host pool."""
     if Tier.host_object is None:
@@ -183,16 +195,8 @@ def _whole_object(run: Run) -> bool:
 
 # ------------------------------------------------------------------ backups (device -> host)
 def _stored_post(result, engine, *args, **kwargs) -> None:
-    if not State.hello_done:
-        return
-    transfers = args[0] if args else kwargs.get("transfers", ())
-    p = rt.probes()
-    for t in transfers:
-        if not _is_kv_transfer(t):
-            continue
-        host_slots, device_slots = rt.host_int64(t.host_indices), rt.host_int64(t.device_indices)
-        if len(device_slots) == 0:
-            continue
+    for t, device_slots in _kv_transfers(args, kwargs):
+        host_slots = rt.host_int64(t.host_indices)
         key = Tier.new_key()
         pages = _host_pages(t.host_pool, host_slots)  # (sizes the map on the first backup)
         Tier.host_object[pages] = np.uint64(key)  # type: ignore[index]
@@ -201,7 +205,8 @@ def _stored_post(result, engine, *args, **kwargs) -> None:
         while len(Tier.objects) > MAX_OBJECTS:
             Tier.objects.popitem(last=False)
         Tier.stores += 1
-        p.kv_stored(Tier.for_request, key, device_slots, digest=_digest(device_slots, host_slots), unit="slots")
+        digest = _digest(device_slots, host_slots)
+        rt.probes().kv_stored(Tier.for_request, key, device_slots, digest=digest, unit="slots")
 
 
 def stored_hook(name: str):
@@ -235,16 +240,8 @@ def load_issued_hook(name: str):
 
 
 def _loaded_post(result, engine, *args, **kwargs) -> None:
-    if not State.hello_done:
-        return
-    transfers = args[0] if args else kwargs.get("transfers", ())
     p = rt.probes()
-    for t in transfers:
-        if not _is_kv_transfer(t):
-            continue
-        device_slots = rt.host_int64(t.device_indices)
-        if len(device_slots) == 0:
-            continue
+    for t, device_slots in _kv_transfers(args, kwargs):
         submitted = set(device_slots.tolist()) if Tier.pending else set()
         covered = []
         for first, (rid, runs) in list(Tier.pending.items()):
