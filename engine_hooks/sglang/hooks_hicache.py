@@ -43,8 +43,9 @@ What is not said: the object's scope (a radix node is found under the request's 
 extra key and salt, so the pages the load fills take the loading request's scope, and
 sharing them across scopes is judged where they are shared, on rows). Host slot frees
 need no record: a later backup into the same host pages replaces their object. Device
-indices are brought to the host once per copy submission (a small device read on a GPU,
-not per step).
+indices are read on the host once per copy submission: on a GPU that read waits for the
+stream, like the adapter's per-step reads of the forward's slots (README, "Not covered"),
+but per backup or load-back submitted, not per step.
 """
 
 from __future__ import annotations
