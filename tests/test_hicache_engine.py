@@ -1,4 +1,5 @@
-"""SGLang's hierarchical cache (HiCache) on a real 0.5.23 engine on CPU, watched by kvguard.
+"""SGLang's hierarchical cache (HiCache) on a real engine on CPU (0.5.23; `make test-versions`
+runs it on 0.5.20-0.5.22 with KVGUARD_HICACHE_SGLANG), watched by kvguard.
 
 HiCache backs radix-cache prefixes up from the device KV pool to a host pool and loads
 them back when a request hits a prefix that was evicted from the device. A load-back
@@ -20,6 +21,7 @@ victim's load-back is given back to the allocator before its copy is submitted (
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -31,9 +33,12 @@ from kvguard.engine_hooks import wire
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
 
-VERSION = "0.5.23"
+VERSION = os.environ.get("KVGUARD_HICACHE_SGLANG", "0.5.23")  # make test-versions: each release
 POOL = 256
 PROMPT = 100
+# the fault plugin arms on the victim's prefix lookup (mem_cache.common._req_radix_key, from 0.5.22)
+FAULTS_RUN = VERSION in ("0.5.22", "0.5.23")
+needs_faults = pytest.mark.skipif(not FAULTS_RUN, reason=f"the fault plugin cannot arm on SGLang {VERSION}")
 HICACHE_ARGS = [
     "--enable-hierarchical-cache",
     "--hicache-io-backend",
@@ -143,6 +148,7 @@ def fault_on_reload(engine, watch, fault: str, seed: int) -> tuple[str, dict, li
     return victim, ev, watch.since(mark)
 
 
+@needs_faults
 def test_host_kv_changed_at_rest_is_caught_when_it_is_loaded_back(hicache):
     """The victim's backup changes in host memory (one K value per layer of one slot)
     before its load-back: the loaded bytes are not the backed-up ones."""
@@ -154,6 +160,7 @@ def test_host_kv_changed_at_rest_is_caught_when_it_is_loaded_back(hicache):
     assert ev["device_slot"] // 4 in f.pages  # the load's pages, the changed slot's among them
 
 
+@needs_faults
 def test_a_load_back_into_pages_given_back_meanwhile_is_caught(hicache):
     """The bug (SGLang #31427 / #30321, a load-back racing an eviction): the victim's
     load-back is queued, then its destination pages go back to the allocator before the

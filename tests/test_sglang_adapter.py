@@ -88,13 +88,15 @@ def test_version_table():
     t19 = {s.target for s in plugin.SUPPORTED["0.5.19"][1]}
     t23 = {s.target for s in plugin.SUPPORTED["0.5.23"][1]}
     hicache = {s.target for s in plugin.SUPPORTED["0.5.23"][1] if s.area == "hicache"}
+    retraction = {t for t in hicache if t.endswith(("backup_kv_cache", "restore_kv_cache"))}
     assert not any(t.endswith("free_page_ids") for t in t19)
     assert t23 - t19 == {t for t in t23 if t.endswith("free_page_ids")} | hicache
-    assert all({s.target for s in plugin.SUPPORTED[v][1]} == t23 - hicache for v in ("0.5.20", "0.5.21", "0.5.22"))
-    # every probe area is covered (HiCache's where verified on a real engine: 0.5.23), every
-    # spec has a known hook kind
+    assert all({s.target for s in plugin.SUPPORTED[v][1]} == t23 for v in ("0.5.21", "0.5.22"))
+    assert {s.target for s in plugin.SUPPORTED["0.5.20"][1]} == t23 - retraction  # (from 0.5.21)
+    # every probe area is covered (HiCache's from 0.5.20: 0.5.19 lays its cache out otherwise),
+    # every spec has a known hook kind
     for v, (_ok, specs) in plugin.SUPPORTED.items():
-        areas = {"allocator", "rows", "requests", "disagg"} | ({"hicache"} if v == "0.5.23" else set())
+        areas = {"allocator", "rows", "requests", "disagg"} | ({"hicache"} if v != "0.5.19" else set())
         assert {s.area for s in specs} == areas
         assert all(s.kind in ("after", "around") for s in specs)
         assert len({s.target for s in specs}) == len(specs)

@@ -7,7 +7,7 @@ would be an ``unwritten_read`` (seen on a real 0.5.23 engine before these hooks)
 load-back that lands in pages freed or handed on meanwhile (SGLang #31427 / #30321), or
 a backup of pages that hold no KV of their current allocation, would go unjudged.
 
-Where (0.5.23; every device <-> host copy of the KV pool goes through the two
+Where (0.5.20-0.5.23; every device <-> host copy of the KV pool goes through the two
 ``L2TransferEngine`` calls, whoever asked for it):
 
 * ``L2TransferEngine.submit_device_to_host(transfers)`` (AFTER): a backup, queued on the
@@ -277,7 +277,7 @@ def loaded_hook(name: str):
 
 # ------------------------------------------------------------------ whose call it is
 def _device_prefix_len(req) -> int:
-    """The prefix the radix cache matched on the device for ``req`` (0.5.23: ``prefix_len``,
+    """The prefix the radix cache matched on the device for ``req`` (``prefix_len``,
     which admission adds the tokens loaded to; ``prefix_indices`` is filled later)."""
     n = getattr(req, "prefix_len", None)
     if isinstance(n, int):

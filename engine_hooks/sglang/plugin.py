@@ -178,10 +178,12 @@ _OPTIONAL_FREE_PAGE_IDS = tuple(
 )
 
 # HiCache (--enable-hierarchical-cache): device <-> host copies of the KV pool (hooks_hicache.py).
-# 0.5.23's layout (l2_transfer, unified_radix_cache, hybrid_cache_controller), verified on a
-# real engine (tests/test_hicache_engine.py); the modules are imported by every engine, so the
-# hooks are registered whether or not HiCache is on (they run only when it copies).
-_HICACHE_0523 = (
+# The layout of 0.5.20..0.5.23 (l2_transfer, unified_radix_cache, hybrid_cache_controller),
+# verified on a real engine of each (tests/test_hicache_engine.py, make test-versions); the
+# modules are imported by every engine, so the hooks are registered whether or not HiCache is
+# on (they run only when it copies). 0.5.19 lays its cache out otherwise (hiradix_cache): not
+# hooked. Decode retraction to the host pool (backup_kv_cache / restore_kv_cache) from 0.5.21.
+_HICACHE = (
     HookSpec(
         S + "mem_cache.l2_transfer.L2TransferEngine.submit_device_to_host",
         "after",
@@ -218,6 +220,8 @@ _HICACHE_0523 = (
         ("params",),
         "hicache",
     ),
+)
+_HICACHE_RETRACTION = (
     HookSpec(
         S + "mem_cache.unified_radix_cache.UnifiedRadixCache.backup_kv_cache",
         "around",
@@ -272,10 +276,10 @@ _GUARD_TRANSFER = (
 # free_page_ids exists from 0.5.20 on.
 SUPPORTED: dict[str, tuple[bool, tuple]] = {
     "0.5.19": (True, _COMMON),
-    "0.5.20": (True, _COMMON + _FREE_PAGE_IDS),
-    "0.5.21": (True, _COMMON + _FREE_PAGE_IDS),
-    "0.5.22": (True, _COMMON + _FREE_PAGE_IDS),
-    "0.5.23": (True, _COMMON + _FREE_PAGE_IDS + _HICACHE_0523),
+    "0.5.20": (True, _COMMON + _FREE_PAGE_IDS + _HICACHE),
+    "0.5.21": (True, _COMMON + _FREE_PAGE_IDS + _HICACHE + _HICACHE_RETRACTION),
+    "0.5.22": (True, _COMMON + _FREE_PAGE_IDS + _HICACHE + _HICACHE_RETRACTION),
+    "0.5.23": (True, _COMMON + _FREE_PAGE_IDS + _HICACHE + _HICACHE_RETRACTION),
 }
 
 
