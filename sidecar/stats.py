@@ -138,6 +138,6 @@ class PipelineStats:
     # host / storage tiers (sidecar/offload.py): loads of objects never seen stored; objects forgotten at the bound
     loads_unverified: int = 0
     objects_forgotten: int = 0
-    load_digests_compared: int = 0  # tier loads whose digest met the stored one's (KV_DIGEST)
+    load_digests_compared: int = 0  # tier loads whose digest met the stored one's (in KV_LOAD or KV_DIGEST)
     # records of an engine part (vLLM's Worker, sidecar/engine_parts.py) whose engine had not said HELLO
     records_without_engine: int = 0
