@@ -203,12 +203,6 @@ class ContentCheck:
         """(batch index, position) pairs to verify (``pick_index`` of this module)."""
         return pick_index(seq_lens, self.budget, self._rng)
 
-    def pick(self, rows: np.ndarray, seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(row, position) pairs to verify among ``seq_lens[i]`` positions of each reader
-        ``i`` (whose row is ``rows[i]``): all of them, or ``budget`` drawn at random."""
-        which, positions = self.pick_index(seq_lens)
-        return np.asarray(rows)[which], positions
-
     def verify(self, slots) -> np.ndarray:
         """The slots (of those given) whose bytes changed since a hooked path last wrote them;
         each change is reported once (its new bytes become the fingerprint)."""

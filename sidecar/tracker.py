@@ -137,12 +137,11 @@ class EngineTracker(Judge):
         # the owner's own transfer chunk did (mark_overwritten). The owner's transfer pairing
         # does not count them as written for it. Only late writes put pages here (a bug's).
         self.overwritten: dict[int, int] = {}
-        # request key -> [(pages, their gens)] written for a request before its REQ_BEGIN: an
-        # SGLang HiCache load-back is issued during admission, before the request's first row.
-        # The pages take its scope when its REQ_SCOPE follows the REQ_BEGIN (on_scope), so that
-        # handing them to the request on its rows is not a share across scopes.
+        # request key -> [(pages, their gens)] written for a request before its REQ_BEGIN (a
+        # load an adapter reports during admission, before the request's first row). The pages
+        # take its scope when its REQ_SCOPE comes (on_scope), so that handing them to the
+        # request on its rows is not a share across scopes; dropped at its end.
         self.early_written: OrderedDict[int, list[tuple[np.ndarray, np.ndarray]]] = OrderedDict()
-        self._begun_early: tuple[int, list] | None = None  # the last REQ_BEGIN's, until its REQ_SCOPE
 
     # ------------------------------------------------------------------ lifecycle
     def retire_idle_requests(self, now_ns: int, idle_ns: int = IDLE_REQUEST_NS) -> int:
@@ -268,8 +267,6 @@ class EngineTracker(Judge):
             RequestInfo(r.req_key, r.rid, r.tenant, room, r.warmup, r.prompt_tokens, r.cached_tokens, ts_ns)
         )
         self.prompt_written.pop(r.req_key, None)
-        early = self.early_written.pop(r.req_key, None)
-        self._begun_early = (r.req_key, early) if early else None
         if r.prompt_tokens > 0 and not r.warmup:
             self.prompt_writing[r.req_key] = [r.prompt_tokens, 0]
 
@@ -308,6 +305,7 @@ class EngineTracker(Judge):
 
     def on_request_end(self, r: wire.ReqEnd, ts_ns: int) -> None:
         info = self.requests.get_or_stub(r.req_key)
+        self.early_written.pop(r.req_key, None)
         info.end_ns, info.finish, info.ttft_ns = ts_ns, r.finish.name.lower(), r.ttft_ns
         info.reprefilled = r.reprefilled
         row = self.rows.pop(r.req_key, None)
@@ -370,12 +368,10 @@ class EngineTracker(Judge):
             return
         info.scope = s.scope
         self.pool.enable_scopes()
-        if self._begun_early is not None and self._begun_early[0] == s.req_key:
-            pool = self.pool
-            assert pool.scope is not None
-            for pages, gens in self._begun_early[1]:
-                pool.scope[pages[pool.gen[pages] == gens]] = s.scope  # still the pages it wrote
-        self._begun_early = None
+        pool = self.pool
+        assert pool.scope is not None
+        for pages, gens in self.early_written.pop(s.req_key, ()):
+            pool.scope[pages[pool.gen[pages] == gens]] = s.scope  # still the pages it wrote
 
     def _scope_of(self, key: int) -> int:
         info = self.requests.get(key)

@@ -88,8 +88,6 @@ class Tier:
     objects: OrderedDict = OrderedDict()  # object key -> (first host page, host pages) of its backup
     view = None  # the KV pool's digest view; False: not digested (device pool, unknown layout)
     for_request: str | None = None  # rid of the request a tree / retraction call runs for
-    stores = 0
-    loads = 0
     _key_base = 0
     _seq = 0
 
@@ -100,7 +98,6 @@ class Tier:
         cls.objects = OrderedDict()
         cls.view = None
         cls.for_request = None
-        cls.stores = cls.loads = 0
         cls._key_base, cls._seq = 0, 0
 
     @classmethod
@@ -205,7 +202,6 @@ def _stored_post(result, engine, *args, **kwargs) -> None:
         Tier.objects[key] = (int(unique[0]), len(unique))
         while len(Tier.objects) > MAX_OBJECTS:
             Tier.objects.popitem(last=False)
-        Tier.stores += 1
         digest = _digest(device_slots, host_slots)
         rt.probes().kv_stored(Tier.for_request, key, device_slots, digest=digest, unit="slots")
 
@@ -252,7 +248,6 @@ def _loaded_post(result, engine, *args, **kwargs) -> None:
             for run in runs:
                 _completed(p, rid, run)
                 covered.append(run.device_slots)
-            Tier.loads += 1
         rest = device_slots
         if covered:
             rest = device_slots[~np.isin(device_slots, np.concatenate(covered))]
@@ -262,7 +257,6 @@ def _loaded_post(result, engine, *args, **kwargs) -> None:
                 host_rest = host_slots[np.isin(device_slots, rest)] if covered else host_slots
                 for run in _object_runs(t.host_pool, host_rest, rest):
                     _completed(p, Tier.for_request, run)
-                Tier.loads += 1
 
 
 def _completed(p, rid: str | None, run: Run) -> None:
