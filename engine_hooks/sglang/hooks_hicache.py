@@ -239,12 +239,10 @@ def load_issued_hook(name: str):
 def _loaded_post(result, engine, *args, **kwargs) -> None:
     p = rt.probes()
     for t, device_slots in _kv_transfers(args, kwargs):
-        submitted = set(device_slots.tolist()) if Tier.pending else set()
         covered = []
-        for first, (rid, runs) in list(Tier.pending.items()):
-            if first not in submitted:
-                continue
-            del Tier.pending[first]
+        firsts = np.fromiter(Tier.pending, np.int64, len(Tier.pending))
+        for first in firsts[np.isin(firsts, device_slots)].tolist():  # the issued loads in this copy
+            rid, runs = Tier.pending.pop(first)
             for run in runs:
                 _completed(p, rid, run)
                 covered.append(run.device_slots)
