@@ -81,6 +81,7 @@ class Probes(TransferProbes):
         self.dropped_no_ring = 0
         self._next_drop_note = 1000
         self.page_size = page_size
+        self.pool_page_sizes: dict[int, int] = {}  # pool index -> page size, for pools besides 0 (pool_declared)
         self.disabled_probes: set[str] = set()
         self.probe_errors = 0
         self.calls = 0
@@ -126,9 +127,9 @@ class Probes(TransferProbes):
             except Exception:  # noqa: BLE001 - the engine must never see our failures
                 pass
 
-    def _emit(self, kind: wire.Kind, payload: bytes, flags: int = 0) -> None:
+    def _emit(self, kind: wire.Kind, payload: bytes, flags: int = 0, pool: int = 0) -> None:
         self.calls += 1
-        self.writer.write(kind, payload, flags=flags)
+        self.writer.write(kind, payload, pool=pool, flags=flags)
 
     def slots_to_pages(self, slots) -> np.ndarray:
         """Unique page ids (sorted) covering these token slots."""
@@ -198,6 +199,7 @@ class Probes(TransferProbes):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = int(page_size)
+        self.pool_page_sizes = {}  # a new HELLO: the pools are declared again after it
         if self.tier1 is None and tier1_mod.enabled_from_env():
             self.start_tier1(int(pool_pages))
         h = wire.Hello(
@@ -228,6 +230,48 @@ class Probes(TransferProbes):
         p = wire.EnginePart(int(primary_pid), wire.PartRole[part.upper()], int(rank))
         self.calls += 1
         self.writer.write_sticky(wire.Kind.ENGINE_PART, wire.engine_part_payload(p))
+
+    @guarded_probe
+    def coverage(self, items) -> None:
+        """What the adapter found in the engine and what of it kvguard watches (contract 1.5),
+        after HELLO: ``items`` are ``wire.CoverageItem``. Kept with the HELLO in the ring's
+        header, so a sidecar that attaches later still learns what is not watched."""
+        c = wire.Coverage(list(items)[: wire.MAX_COVERAGE_ITEMS])
+        self.calls += 1
+        self.writer.write_sticky(wire.Kind.COVERAGE, wire.coverage_payload(c), pool=0, append=True)
+
+    @guarded_probe
+    def pool_declared(
+        self,
+        pool: int,
+        page_size: int,
+        pool_pages: int,
+        kind: str,
+        name: str,
+        window_tokens: int = 0,
+        shares_pages: bool = False,
+    ) -> None:
+        """A KV pool besides pool 0 (contract 1.5): its records (``pool=`` on the page probes
+        below) form a timeline of their own in the sidecar. After HELLO, before any of them.
+        ``shares_pages``: its page ids are pool 0's (one allocator and the same memory, as
+        vLLM's KV cache groups): its ALLOC / FREE go on pool 0, its rows and forwards on it."""
+        if not 0 < int(pool) < 1 << 16:
+            raise ValueError(f"pool index must be 1..65535, got {pool}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.pool_page_sizes[int(pool)] = int(page_size)
+        info = wire.PoolInfo(
+            int(page_size), int(pool_pages), int(window_tokens), wire.PoolKind[kind.upper()], name, bool(shares_pages)
+        )
+        self.calls += 1
+        self.writer.write_sticky(wire.Kind.POOL, wire.pool_payload(info), pool=int(pool), append=True)
+
+    def use_pool_page_size(self, pool: int, page_size: int) -> None:
+        """The page size of a pool this process writes records for but did not declare (vLLM's
+        Worker: its EngineCore declares the pools, the Worker's forwards name them)."""
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.pool_page_sizes[int(pool)] = int(page_size)
 
     @guarded_probe
     def request_begin(
@@ -287,30 +331,37 @@ class Probes(TransferProbes):
             self._emit(wire.Kind.ALLOC, wire.pages_payload(pages))
 
     @guarded_probe
-    def page_ids_allocated(self, page_ids: list) -> None:
+    def page_ids_allocated(self, page_ids: list, pool: int = 0) -> None:
         """``pages_allocated`` for an engine that hands out whole pages (vLLM's blocks): page
         ids, not slots. One page (a decode step's new block, the usual case) is encoded
-        without numpy: at batch 256 a whole batch crosses into new blocks in one step."""
+        without numpy: at batch 256 a whole batch crosses into new blocks in one step.
+        ``pool``: the pool they belong to (0, or one declared by ``pool_declared``)."""
         if not page_ids:
             return
+        tier1 = self.tier1 if pool == 0 else None
         if len(page_ids) == 1:
-            if self.tier1 is not None:
-                self.tier1.allocated(np.asarray(page_ids, np.int64))
-            self._emit(wire.Kind.ALLOC, _PAGES_ONE.pack(1, 0, int(page_ids[0])))
+            if tier1 is not None:
+                tier1.allocated(np.asarray(page_ids, np.int64))
+            self._emit(wire.Kind.ALLOC, _PAGES_ONE.pack(1, 0, int(page_ids[0])), pool=pool)
             return
         pages = np.unique(as_int64(page_ids))
-        if self.tier1 is not None:
-            self.tier1.allocated(pages)
-        self._emit(wire.Kind.ALLOC, wire.pages_payload(pages))
+        if tier1 is not None:
+            tier1.allocated(pages)
+        self._emit(wire.Kind.ALLOC, wire.pages_payload(pages), pool=pool)
 
     @guarded_probe
-    def pages_freed(self, slots, kind: str = "free") -> None:
+    def pages_freed(self, slots, kind: str = "free", pool: int = 0) -> None:
         free_kind = _FREE[kind]
-        pages = np.unique(as_int64(slots)) if free_kind == wire.FreeKind.PAGE_IDS else self.slots_to_pages(slots)
+        if free_kind == wire.FreeKind.PAGE_IDS:
+            pages = np.unique(as_int64(slots))
+        elif pool:
+            pages = np.unique(as_int64(slots) // self.pool_page_sizes.get(pool, self.page_size))
+        else:
+            pages = self.slots_to_pages(slots)
         if len(pages):
-            if self.tier1 is not None:
+            if self.tier1 is not None and pool == 0:
                 self.tier1.freed(pages)
-            self._emit(wire.Kind.FREE, wire.pages_payload(pages, free_kind))
+            self._emit(wire.Kind.FREE, wire.pages_payload(pages, free_kind), pool=pool)
 
     @guarded_probe
     def rows_assigned(self, rid: str, row_start: int, row_end: int, shared_until: int, slots) -> None:
@@ -323,21 +374,24 @@ class Probes(TransferProbes):
         self._emit(wire.Kind.ASSIGN, wire.assign_payload(a))
 
     @guarded_probe
-    def row_pages_assigned(self, rid: str, row_start: int, row_end: int, shared_until: int, pages) -> None:
+    def row_pages_assigned(
+        self, rid: str, row_start: int, row_end: int, shared_until: int, pages, pool: int = 0
+    ) -> None:
         """``rows_assigned`` for an engine that hands out whole pages (vLLM's blocks): ``pages``
         holds one page id per row page from ``row_start`` (page-aligned) on."""
         row_start, row_end = int(row_start), int(row_end)
-        if row_start % self.page_size:
-            raise ValueError(f"row_start {row_start} is not a multiple of the page size {self.page_size}")
+        page_size = self.pool_page_sizes.get(pool, self.page_size) if pool else self.page_size
+        if row_start % page_size:
+            raise ValueError(f"row_start {row_start} is not a multiple of the page size {page_size}")
         shared_until = min(max(int(shared_until), row_start), row_end)
         pages = as_int64(pages)
-        if self.tier1 is not None:
+        if self.tier1 is not None and pool == 0:
             self.tier1.assigned(rid, row_start, shared_until, pages)
         a = wire.Assign(self.request_key(rid), row_start, row_end, shared_until, pages)
-        self._emit(wire.Kind.ASSIGN, wire.assign_payload(a))
+        self._emit(wire.Kind.ASSIGN, wire.assign_payload(a), pool=pool)
 
     @guarded_probe
-    def decode_rows_assigned(self, rids, positions, slots) -> None:
+    def decode_rows_assigned(self, rids, positions, slots, pool: int = 0) -> None:
         """One token each: request ``rids[i]``'s position ``positions[i]`` went to slot
         ``slots[i]``. The same records as ``rows_assigned(rid, pos, pos + 1, pos, [slot])``
         per request, encoded together and written under one ring lock (a decode step
@@ -345,12 +399,12 @@ class Probes(TransferProbes):
         n = len(rids)
         if n == 0:
             return
-        ps = self.page_size
+        ps = self.pool_page_sizes.get(pool, self.page_size) if pool else self.page_size
         positions = as_int64(positions).tolist()
         pages = (as_int64(slots) // ps).tolist()
         if len(positions) != n or len(pages) != n:
             raise ValueError(f"{n} rids, {len(positions)} positions, {len(pages)} slots")
-        tier1 = self.tier1
+        tier1 = self.tier1 if pool == 0 else None
         pack = _ASSIGN_ONE.pack
         payloads = []
         for rid, pos, page in zip(rids, positions, pages):
@@ -358,7 +412,11 @@ class Probes(TransferProbes):
                 tier1.assigned(rid, pos, pos, np.array((page,), np.int64))
             payloads.append(pack(self.request_key(rid), pos, pos + 1, pos, 1, page))
         self.calls += n
-        self.writer.write_batch(wire.Kind.ASSIGN, payloads)
+        if pool:
+            for payload in payloads:
+                self.writer.write(wire.Kind.ASSIGN, payload, pool=pool)
+        else:
+            self.writer.write_batch(wire.Kind.ASSIGN, payloads)
 
     @guarded_probe
     def forward(
@@ -372,6 +430,7 @@ class Probes(TransferProbes):
         rows_are_page_starts: bool = False,
         read_pages=None,
         read_counts=None,
+        pool: int = 0,
     ) -> None:
         """One forward: per request the slots it writes, then the first ``seq_len`` tokens it reads.
 
@@ -385,7 +444,7 @@ class Probes(TransferProbes):
         n = len(rids)
         if n == 0:
             return
-        ps = self.page_size
+        ps = self.pool_page_sizes.get(pool, self.page_size) if pool else self.page_size
         keys = self.request_keys(rids)
         if written_counts is None:
             written_counts = [len(w) for w in written_slots]
@@ -419,7 +478,7 @@ class Probes(TransferProbes):
         f = wire.Forward(
             keys, as_int64(seq_lens).astype(np.uint32), write_counts, write_pages, read_counts, read_pages, mode
         )
-        self._emit(wire.Kind.FORWARD, wire.forward_payload(f))
+        self._emit(wire.Kind.FORWARD, wire.forward_payload(f), pool=pool)
         self._maybe_heartbeat()
 
     def start_tier1(self, pool_pages: int) -> tier1_mod.Tier1:

@@ -29,9 +29,11 @@ File layout (all integers little-endian)::
                                             restarted sidecar resumes from it without
                                             mistaking consumed records for lost ones)
     512      4  sticky_len        producer  length of the sticky record copy below (0 = none)
-    520  <3576  sticky_record     producer  a copy of the engine's latest HELLO (or a part's ENGINE_PART) record, so a
-                                            sidecar that attaches after it was consumed (a
-                                            restart) still learns the page size and roles
+    520  <3576  sticky_record     producer  a copy of the engine's latest HELLO (or a part's ENGINE_PART) record, and
+                                            of the COVERAGE and POOL records sent after it (contract
+                                            1.5), back to back, so a sidecar that attaches after they
+                                            were consumed (a restart) still learns the page size,
+                                            roles, pools and what is not watched
    4096      …  data              producer  records (wire/), never straddling the end
 
 Publishing: the producer copies a whole record into the data area with one slice
@@ -235,6 +237,7 @@ class RingWriter:
         self._write_pos = 0
         self._seq = 0
         self._lock = threading.Lock()  # engine threads (scheduler, transfer pollers) share one ring
+        self.sticky_overflow = 0  # records that did not fit the header's sticky copy (write_sticky)
 
     def write(self, kind: wire.Kind, payload: bytes, pool: int = 0, flags: int = 0) -> bool:
         """Publish one record; False if it was dropped because the ring is full."""
@@ -267,19 +270,27 @@ class RingWriter:
                 self._u64[_WRITING_SINCE] = 0
         return written
 
-    def write_sticky(self, kind: wire.Kind, payload: bytes) -> bool:
-        """Publish a record and keep a copy in the header for consumers that attach later."""
+    def write_sticky(self, kind: wire.Kind, payload: bytes, pool: int = 0, append: bool = False) -> bool:
+        """Publish a record and keep a copy in the header for consumers that attach later.
+        A HELLO (or a part's ENGINE_PART) starts the copy anew; ``append`` adds what belongs
+        with it (contract 1.5: the engine's COVERAGE and POOL records) after the copy held
+        so far, while it fits (a record that does not fit is still published, only not kept:
+        ``sticky_overflow`` counts it)."""
         with self._lock:
             ts = self._u64[_WRITING_SINCE] = time.monotonic_ns()
             try:
                 seq = self._seq
                 self._seq = seq + 1
                 self._u64[_NEXT_SEQ] = seq + 1
-                record = wire.encode(kind, seq, ts, self.engine_id, payload)
-                if len(record) <= MAX_STICKY_BYTES:
+                record = wire.encode(kind, seq, ts, self.engine_id, payload, pool)
+                (held,) = struct.unpack_from("<I", self._mm, _STICKY_LEN_OFF) if append else (0,)
+                if held + len(record) <= MAX_STICKY_BYTES:
+                    # length 0 while the bytes change: a consumer reading now sees no copy, never a torn one
                     self._mm[_STICKY_LEN_OFF : _STICKY_LEN_OFF + 4] = struct.pack("<I", 0)
-                    self._mm[_STICKY_OFF : _STICKY_OFF + len(record)] = record
-                    self._mm[_STICKY_LEN_OFF : _STICKY_LEN_OFF + 4] = struct.pack("<I", len(record))
+                    self._mm[_STICKY_OFF + held : _STICKY_OFF + held + len(record)] = record
+                    self._mm[_STICKY_LEN_OFF : _STICKY_LEN_OFF + 4] = struct.pack("<I", held + len(record))
+                else:
+                    self.sticky_overflow += 1
                 return self._publish(record)
             finally:
                 self._u64[_WRITING_SINCE] = 0
@@ -486,7 +497,7 @@ class RingReader:
         return not self.proc_start_ticks or proc_start_ticks(self.pid) == self.proc_start_ticks
 
     def sticky_records(self) -> list:
-        """The header's copy of the engine's HELLO (decoded), or [] if none."""
+        """The header's copy of the engine's HELLO and what was kept with it (decoded), or [] if none."""
         raw = self._pread(_STICKY_LEN_OFF, HEADER_BYTES - _STICKY_LEN_OFF)
         (length,) = struct.unpack_from("<I", raw, 0)
         if not 0 < length <= MAX_STICKY_BYTES:

@@ -22,7 +22,7 @@ class RecordingProbes:
 
 
 class CaptureWriter:
-    """A ring writer for the real Probes that keeps each record as (kind, payload bytes);
+    """A ring writer for the real Probes that keeps each record as (kind, payload bytes, pool);
     ``take()`` decodes and clears them (engine id 1)."""
 
     def __init__(self, engine_id: int = 1):
@@ -31,11 +31,12 @@ class CaptureWriter:
     def write(self, kind, payload, pool=0, flags=0):
         from kvguard.engine_hooks import wire
 
-        self.records.append((wire.Kind(kind), bytes(payload)))
+        self.records.append((wire.Kind(kind), bytes(payload), pool))
         self.records_written += 1
         return True
 
-    write_sticky = write
+    def write_sticky(self, kind, payload, pool=0, append=False):  # RingWriter's: a copy kept (not here)
+        return self.write(kind, payload, pool)
 
     def write_batch(self, kind, payloads):
         return sum(self.write(kind, p) for p in payloads)
@@ -44,7 +45,7 @@ class CaptureWriter:
         from kvguard.engine_hooks import wire
 
         out = []
-        for kind, payload in self.records:
-            out += wire.decode_stream(wire.encode(kind, 0, 1, self.engine_id, payload), wire.DecodeStats())
+        for kind, payload, pool in self.records:
+            out += wire.decode_stream(wire.encode(kind, 0, 1, self.engine_id, payload, pool), wire.DecodeStats())
         self.records.clear()
         return out

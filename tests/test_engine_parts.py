@@ -23,8 +23,10 @@ def _feed(pipeline: Pipeline, *writers: CaptureWriter) -> list:
     """Decode each writer's records, interleave them in the order given by ``order`` (a list of
     writer indices per record, via ``_take``) and apply them; returns the findings."""
     found = []
-    for engine_id, kind, payload in _take(writers):
-        rec = wire.decode_stream(wire.encode(kind, 0, time.monotonic_ns(), engine_id, payload), wire.DecodeStats())
+    for engine_id, kind, payload, pool in _take(writers):
+        rec = wire.decode_stream(
+            wire.encode(kind, 0, time.monotonic_ns(), engine_id, payload, pool), wire.DecodeStats()
+        )
         for r in rec:
             found += pipeline.apply(r)
     return found
@@ -32,8 +34,8 @@ def _feed(pipeline: Pipeline, *writers: CaptureWriter) -> list:
 
 def _take(writers):
     for w in writers:
-        for kind, payload in w.records:
-            yield w.engine_id, kind, payload
+        for kind, payload, pool in w.records:
+            yield w.engine_id, kind, payload, pool
         w.records.clear()
 
 

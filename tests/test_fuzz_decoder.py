@@ -62,7 +62,8 @@ class Capture:
         self.records_written += 1
         return True
 
-    write_sticky = write
+    def write_sticky(self, kind, payload, pool=0, append=False):  # RingWriter's: a copy kept (not here)
+        return self.write(kind, payload, pool)
 
 
 def _corpus():
@@ -91,6 +92,13 @@ def _corpus():
     p._tier1_violation(Violation("r-1", 13, [4, 2], [3, 1], ["warm", None], [3, 1]), 2)
     p.engine_part(4242, "worker", 0, 4)
     p.kv_digest(None, 0xABC, 0xFEED, "loaded")
+    p.coverage(
+        [
+            wire.CoverageItem("kv_pool", wire.CoverageStatus.WATCHED, 3, 0, "MHATokenToKVPool bf16"),
+            wire.CoverageItem("draft", wire.CoverageStatus.UNWATCHED, 0, 1, "EAGLE draft worker: not hooked"),
+        ]
+    )
+    p.pool_declared(1, 4, 64, "sliding_window", "swa", window_tokens=128)
     return p.writer.records
 
 

@@ -69,6 +69,9 @@ def every_kind(p: Probes, rid="r-1"):
     p.pages_freed([3], "page_ids")
     p.report_probe_error("forward", RuntimeError("x"))
     p._tier1_violation(Violation("r-1", 13, [4], [3], ["r-2"], [3]), 1)
+    p.coverage([wire.CoverageItem("kv_pool", wire.CoverageStatus.PARTIAL, 1, 2, "MLATokenToKVPool: no digests")])
+    p.pool_declared(1, 4, 64, "state", "mamba")
+    p.forward([rid], [14], [[0]], pool=1)  # a record of that pool: the header's pool survives the recording
     p.engine_part(os.getpid() + 1, "worker", 0, 4)  # (last: a part's later records go to another engine)
 
 

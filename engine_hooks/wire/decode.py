@@ -17,6 +17,8 @@ from .layout import (
     ALIGN,
     ASSIGN_FIXED,
     CONTENT_CHANGED_FIXED,
+    COVERAGE_FIXED,
+    COVERAGE_ITEM,
     ENGINE_PART_FIXED,
     FORWARD_FIXED,
     FWD_HAS_ROWS,
@@ -29,9 +31,12 @@ from .layout import (
     KV_LOAD_FIXED,
     KV_STORE_FIXED,
     MAGIC,
+    MAX_COVERAGE_ITEMS,
     MAX_RECORD_BYTES,
     MAX_STRING_BYTES,
     PAGES_FIXED,
+    POOL_FIXED,
+    POOL_SHARES_PAGES,
     PROBE_ERROR_FIXED,
     REJECT_FIXED,
     REQ_BEGIN_FIXED,
@@ -45,6 +50,7 @@ from .layout import (
     XFER_DONE_FIXED,
     XFER_RESERVE_FIXED,
     XFER_SEND_FIXED,
+    CoverageStatus,
     DigestAlg,
     Finish,
     FreeKind,
@@ -54,6 +60,7 @@ from .layout import (
     LoadPhase,
     PartRole,
     Phase,
+    PoolKind,
     Role,
     Side,
     Tier1Tag,
@@ -63,6 +70,8 @@ from .layout import (
 from .types import (
     Assign,
     ContentChanged,
+    Coverage,
+    CoverageItem,
     DecodeStats,
     EnginePart,
     Forward,
@@ -73,6 +82,7 @@ from .types import (
     KvLoad,
     KvStore,
     Pages,
+    PoolInfo,
     ProbeError,
     Record,
     Reject,
@@ -259,6 +269,32 @@ def _decode_engine_part(c: _Cursor) -> EnginePart:
     return EnginePart(primary_pid, role, rank)
 
 
+def _decode_coverage(c: _Cursor) -> Coverage:
+    (count,) = c.fixed(COVERAGE_FIXED)
+    if count > MAX_COVERAGE_ITEMS:
+        raise DecodeError(f"COVERAGE of {count} items exceeds {MAX_COVERAGE_ITEMS}")
+    items = []
+    for _ in range(count):
+        status, watched, missing = c.fixed(COVERAGE_ITEM)
+        try:
+            coverage_status = CoverageStatus(status)
+        except ValueError:
+            raise DecodeError(f"COVERAGE status {status} unknown") from None
+        items.append(CoverageItem(c.string(), coverage_status, watched, missing, c.string()))
+    return Coverage(items)
+
+
+def _decode_pool(c: _Cursor) -> PoolInfo:
+    page_size, pool_pages, window_tokens, kind, flags = c.fixed(POOL_FIXED)
+    try:
+        pool_kind = PoolKind(kind)
+    except ValueError:
+        raise DecodeError(f"POOL kind {kind} unknown") from None
+    if page_size < 1:
+        raise DecodeError(f"POOL page_size {page_size}")
+    return PoolInfo(page_size, pool_pages, window_tokens, pool_kind, c.string(), bool(flags & POOL_SHARES_PAGES))
+
+
 def _decode_heartbeat(c: _Cursor) -> Heartbeat:
     return Heartbeat(*c.fixed(HEARTBEAT_FIXED))
 
@@ -289,6 +325,8 @@ _DECODERS = {
     Kind.KV_LOAD: _decode_kv_load,
     Kind.ENGINE_PART: _decode_engine_part,
     Kind.KV_DIGEST: _decode_kv_digest,
+    Kind.COVERAGE: _decode_coverage,
+    Kind.POOL: _decode_pool,
     Kind.HEARTBEAT: _decode_heartbeat,
     Kind.PROBE_ERROR: _decode_probe_error,
 }

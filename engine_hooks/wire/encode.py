@@ -17,6 +17,8 @@ from .layout import (
     ALIGN,
     ASSIGN_FIXED,
     CONTENT_CHANGED_FIXED,
+    COVERAGE_FIXED,
+    COVERAGE_ITEM,
     ENGINE_PART_FIXED,
     FORWARD_FIXED,
     FWD_HAS_ROWS,
@@ -29,8 +31,11 @@ from .layout import (
     KV_LOAD_FIXED,
     KV_STORE_FIXED,
     MAGIC,
+    MAX_COVERAGE_ITEMS,
     MAX_STRING_BYTES,
     PAGES_FIXED,
+    POOL_FIXED,
+    POOL_SHARES_PAGES,
     PROBE_ERROR_FIXED,
     REJECT_FIXED,
     REQ_BEGIN_FIXED,
@@ -49,6 +54,7 @@ from .layout import (
 from .types import (
     Assign,
     ContentChanged,
+    Coverage,
     EnginePart,
     Forward,
     Guard,
@@ -57,6 +63,7 @@ from .types import (
     KvDigest,
     KvLoad,
     KvStore,
+    PoolInfo,
     ProbeError,
     Reject,
     ReqBegin,
@@ -219,6 +226,24 @@ def req_scope_payload(r: ReqScope) -> bytes:
 
 def engine_part_payload(p: EnginePart) -> bytes:
     return ENGINE_PART_FIXED.pack(int(p.primary_pid), int(p.rank), int(p.part))
+
+
+def coverage_payload(c: Coverage) -> bytes:
+    items = c.items
+    if len(items) > MAX_COVERAGE_ITEMS:
+        raise ValueError(f"{len(items)} coverage items, at most {MAX_COVERAGE_ITEMS}")
+    parts = [COVERAGE_FIXED.pack(len(items))]
+    for item in items:
+        parts.append(COVERAGE_ITEM.pack(int(item.status), int(item.watched) & 0xFF, int(item.missing) & 0xFF))
+        parts.append(_str_bytes(item.component))
+        parts.append(_str_bytes(item.detail))
+    return b"".join(parts)
+
+
+def pool_payload(p: PoolInfo) -> bytes:
+    flags = POOL_SHARES_PAGES if p.shares_pages else 0
+    fixed = POOL_FIXED.pack(int(p.page_size), int(p.pool_pages), int(p.window_tokens), int(p.kind), flags)
+    return fixed + _str_bytes(p.name)
 
 
 def heartbeat_payload(h: Heartbeat) -> bytes:

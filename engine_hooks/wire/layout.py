@@ -36,9 +36,10 @@ VERSION = 1
 # Kinds added since the payload layouts of version 1 were fixed, without changing any of them:
 # a 1.0 reader skips them (counted in ``unknown_kind``), a 1.1 reader replays 1.0 streams as
 # they were. 1: REQ_SCOPE, CONTENT_CHANGED, KV_STORE, KV_LOAD. 2: ENGINE_PART. 3: KV_DIGEST.
-# 4: XFER_DIGEST alg 4 (block rows; a 1.3 reader counts such a record as one it cannot decode). Carried in HELLO's kvguard_version string only for people, never
-# needed to decode.
-WIRE_MINOR = 4
+# 4: XFER_DIGEST alg 4 (block rows; a 1.3 reader counts such a record as one it cannot decode).
+# 5: COVERAGE and POOL (an engine's model shape, what is watched, its pools besides pool 0).
+# Carried in HELLO's kvguard_version string only for people, never needed to decode.
+WIRE_MINOR = 5
 HEADER = struct.Struct("<HBBIQQIHH")
 HEADER_SIZE = HEADER.size
 ALIGN = 8
@@ -84,6 +85,14 @@ class Kind(enum.IntEnum):
     # or loaded into device pages, computed where the KV is (vLLM: the Worker) and joined to
     # the object's KV_STORE / KV_LOAD by object key
     KV_DIGEST = 23
+    # contract 1.5 (WIRE_MINOR 5): what the adapter found in the engine (pools, KV cache groups,
+    # state pools, draft models, KV dtype, parallel layout) and which of it it watches, item by
+    # item; sent after HELLO (and kept sticky), so an unwatched part is said, never left silent
+    COVERAGE = 24
+    # contract 1.5: a KV pool of the engine besides pool 0 (a sliding-window pool, a second KV
+    # cache group, a recurrent-state pool), whose index is the header's ``pool``; the records
+    # of that pool (ALLOC, FREE, ASSIGN, FORWARD) carry the same index and form its own timeline
+    POOL = 25
 
 
 class Role(enum.IntEnum):
@@ -157,6 +166,35 @@ class Phase(enum.IntEnum):
     CLIENT_ABORT = 4  # the client (or an operator) aborted it: an AbortReq, not a refusal by the engine
 
 
+class CoverageStatus(enum.IntEnum):
+    """How much of one component of an engine (a pool, a KV cache group, a draft model, a
+    transfer path) kvguard watches (COVERAGE)."""
+
+    WATCHED = 1  # every capability that applies to it
+    PARTIAL = 2  # some capabilities that apply are not provided (``missing`` says which)
+    UNWATCHED = 3  # nothing: its pages or state are not followed at all
+
+
+class Capability(enum.IntFlag):
+    """What kvguard checks of a component (COVERAGE ``watched`` / ``missing`` bits)."""
+
+    OWNERSHIP = 1  # allocations, rows, writes, reads and frees of its pages or state slots
+    DIGESTS = 2  # transfer / tier digests of its KV bytes
+    GUARD = 4  # the in-engine guard's rules (KVGUARD_GUARD)
+    CONTENT = 8  # the in-engine content check (KVGUARD_CONTENT_CHECK)
+
+
+class PoolKind(enum.IntEnum):
+    """What a pool besides pool 0 holds (POOL)."""
+
+    FULL_ATTENTION = 1  # per-token KV read whole by attention (a second full-attention group)
+    SLIDING_WINDOW = (
+        2  # per-token KV of sliding-window layers: pages behind the window are freed while the request lives
+    )
+    STATE = 3  # recurrent state (Mamba, linear attention, gated delta net): slots rewritten every step
+    DRAFT = 4  # a speculative draft model's own KV
+
+
 class Tier1Tag(enum.IntEnum):
     """What the engine's page tag said about a page a row named (TIER1_VIOLATION)."""
 
@@ -223,6 +261,13 @@ ENGINE_PART_FIXED = struct.Struct("<IHBx")
 KV_DIGEST_FIXED = struct.Struct("<QQQB7x")  # req_key (0: not known where computed), object_key, digest, side
 REQ_SCOPE_FIXED = struct.Struct("<QQ")  # req_key, scope (request_scope(extra_key, cache_salt); never 0)
 PROBE_ERROR_FIXED = struct.Struct("<I4x")  # count of errors so far for this probe; then strings probe, error type
+# COVERAGE: the count of items; then per item COVERAGE_ITEM and strings component, detail
+COVERAGE_FIXED = struct.Struct("<H6x")
+COVERAGE_ITEM = struct.Struct("<BBBx")  # status (CoverageStatus), watched, missing (Capability bits)
+MAX_COVERAGE_ITEMS = 32
+# POOL: page_size, pool_pages, window_tokens (0: none), kind (PoolKind), flags; then string name
+POOL_FIXED = struct.Struct("<IIIBB2x")
+POOL_SHARES_PAGES = 1  # POOL flags: its page ids are pool 0's (one allocator, the same memory: vLLM's KV cache groups)
 
 FWD_HAS_ROWS = 1  # FORWARD flags: read_counts/read_pages carry the engine's actual rows
 REQ_WARMUP = 1  # REQ_BEGIN flags: warmup / health-check request, never alarmed

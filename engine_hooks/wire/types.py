@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .layout import (
+    CoverageStatus,
     DigestAlg,
     Finish,
     FreeKind,
@@ -23,6 +24,7 @@ from .layout import (
     LoadPhase,
     PartRole,
     Phase,
+    PoolKind,
     Role,
     Side,
     TierSide,
@@ -236,6 +238,47 @@ class EnginePart:
     primary_pid: int
     part: PartRole
     rank: int
+
+
+@dataclass(slots=True)
+class CoverageItem:
+    """One component the adapter found in the engine and how much of it kvguard watches.
+
+    ``component`` is a short stable name (``kv_pool``, ``kv_group_1``, ``draft``,
+    ``state_pool``, ``transfer``, ``parallel``, ...), ``detail`` says what it is and, when
+    not everything is watched, why (for people: the sidecar shows it as given)."""
+
+    component: str
+    status: CoverageStatus
+    watched: int  # Capability bits kvguard provides for it
+    missing: int  # Capability bits that apply to it and are not provided
+    detail: str
+
+
+@dataclass(slots=True)
+class Coverage:
+    """What an engine holds and what of it is watched (contract 1.5), item by item."""
+
+    items: list[CoverageItem]
+
+    @property
+    def gaps(self) -> list[CoverageItem]:
+        """The items not fully watched."""
+        return [item for item in self.items if item.status != CoverageStatus.WATCHED]
+
+
+@dataclass(slots=True)
+class PoolInfo:
+    """A KV pool of the engine besides pool 0 (contract 1.5); its index is the record's ``pool``."""
+
+    page_size: int
+    pool_pages: int
+    window_tokens: int  # a sliding-window pool's window (0: none)
+    kind: PoolKind
+    name: str
+    # its page ids are pool 0's: one allocator hands them out and ALLOC / FREE come on pool 0 (vLLM's
+    # KV cache groups share one block pool and alias its memory); only rows and forwards are its own
+    shares_pages: bool = False
 
 
 @dataclass(slots=True)

@@ -187,7 +187,9 @@ class Recorder(_Writer):
                 + OPEN_SUFFIX,
             )
             seg = _Segment(path, header)
-            carried = ([self._options] if self._options is not None else []) + list(self._hellos.values())
+            carried = [self._options] if self._options is not None else []
+            for engine_records in self._hellos.values():
+                carried += engine_records
             if carried:
                 seg.add_chunk(carried, CHUNK_CARRIED)
             seg.file.flush()

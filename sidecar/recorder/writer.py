@@ -32,6 +32,9 @@ from kvguard.engine_hooks.wire import (
 from .format import _Segment
 
 MAX_CARRIED_ENGINES = 256
+# records carried over with an engine's HELLO (contract 1.5), at most this many per engine
+CARRIED_WITH_HELLO = (wire.Kind.COVERAGE, wire.Kind.POOL)
+MAX_CARRIED_PER_ENGINE = 16
 
 
 @dataclass
@@ -100,10 +103,11 @@ class EngineWriter:
         self.records_written += 1
         return True
 
-    def write_sticky(self, kind: wire.Kind, payload: bytes) -> bool:
+    def write_sticky(self, kind: wire.Kind, payload: bytes, pool: int = 0, append: bool = False) -> bool:
         """``RingWriter.write_sticky``: a ring keeps a copy for late consumers; a recording
-        carries HELLOs over at every rotation instead, so this is ``write``."""
-        return self.write(kind, payload)
+        carries HELLOs (with their COVERAGE and POOL records) over at every rotation
+        instead, so this is ``write``."""
+        return self.write(kind, payload, pool)
 
     def drop(self, count: int = 1) -> None:
         self._owner.write_lost(self.engine_id, count)
@@ -123,7 +127,9 @@ class _Writer:
         self._wall = wall_clock_ns
         self._lock = threading.RLock()
         self._next_seq: dict[int, int] = {}
-        self._hellos: OrderedDict[int, bytes] = OrderedDict()  # engine_id -> last HELLO, most recent last
+        # engine_id -> its last HELLO (or ENGINE_PART) and the COVERAGE / POOL records sent after
+        # it, most recent engine last: what a new segment starts with
+        self._hellos: OrderedDict[int, list[bytes]] = OrderedDict()
         self.stats = RecorderStats()
         self.recording_id = int.from_bytes(os.urandom(8), "little")
         self._pending_tick: int | None = None
@@ -228,10 +234,14 @@ class _Writer:
         self._flush_tick()
         self._append(raw)  # first: a segment this record opens must not carry the record itself
         if kind == wire.Kind.HELLO or kind == wire.Kind.ENGINE_PART:  # a part's identity, as a HELLO
-            self._hellos[engine_id] = raw
+            self._hellos[engine_id] = [raw]
             self._hellos.move_to_end(engine_id)
             while len(self._hellos) > MAX_CARRIED_ENGINES:
                 self._hellos.popitem(last=False)
+        elif kind in CARRIED_WITH_HELLO and engine_id in self._hellos:  # what the engine said about itself
+            carried = self._hellos[engine_id]
+            if len(carried) < MAX_CARRIED_PER_ENGINE:
+                carried.append(raw)
 
     def _append(self, raw: bytes) -> None:
         raise NotImplementedError
