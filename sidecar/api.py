@@ -146,6 +146,30 @@ def create_app(sidecar: Sidecar, registry: CollectorRegistry | None = None, api_
                     "context_len": e.context_len,
                     "pages": dict(e.pages_by_state),
                     "live_requests": e.live_requests,
+                    # what the engine holds and what of it kvguard watches (contract 1.5; [] before it)
+                    "coverage_gaps": e.coverage_gaps,
+                    "coverage": [
+                        {
+                            "component": c.component,
+                            "status": c.status,
+                            "watched": list(c.watched),
+                            "missing": list(c.missing),
+                            "detail": c.detail,
+                        }
+                        for c in e.coverage
+                    ],
+                    "pools": [
+                        {
+                            "pool": p.index,
+                            "kind": p.kind,
+                            "name": p.name,
+                            "page_size": p.page_size,
+                            "pool_pages": p.pool_pages,
+                            "window_tokens": p.window_tokens,
+                            "pages": dict(p.pages_by_state),
+                        }
+                        for p in e.pools
+                    ],
                 }
                 for e in engines
             ]

@@ -170,6 +170,16 @@ CATALOGUE: tuple[KindSpec, ...] = (
         "a prefix-cache page written under one cache salt / extra key was handed to a request of another",
     ),
     KindSpec(
+        "coverage_gap",
+        (WARNING,),
+        ALWAYS,
+        BY_ENGINE,
+        WITH_ENGINE,
+        {WARNING: WARNING_GROUPED},
+        "an engine holds KV or state kvguard does not watch (a model shape or path it cannot follow): said once, "
+        "never guessed at",
+    ),
+    KindSpec(
         "cross_tenant_prefix_share",
         (WARNING,),
         ISOLATION,

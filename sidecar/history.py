@@ -26,7 +26,9 @@ EVENT_DTYPE = np.dtype(
         ("gen", "<u4"),
         ("aux", "<u4"),
         ("event", "u1"),
-        ("_pad", "V7"),
+        ("_pad", "V1"),
+        ("pool", "<u2"),  # the engine's pool (contract 1.5; 0: its token KV pool)
+        ("_pad2", "V4"),
     ]
 )
 assert EVENT_DTYPE.itemsize == 40, EVENT_DTYPE.itemsize
@@ -56,7 +58,9 @@ class History:
     def size(self) -> int:
         return min(self.total, self.capacity)
 
-    def append(self, ts_ns: int, engine: int, event: Event, req_key=0, pages=None, gens=None, aux=0) -> None:
+    def append(
+        self, ts_ns: int, engine: int, event: Event, req_key=0, pages=None, gens=None, aux=0, pool: int = 0
+    ) -> None:
         """Append one event per page (or one event when ``pages`` is None); ``req_key``,
         ``gens`` and ``aux`` are scalars or arrays of the same length."""
         n = 1 if pages is None else len(pages)
@@ -80,6 +84,7 @@ class History:
         ev["gen"][idx] = 0 if gens is None else gens
         ev["aux"][idx] = aux
         ev["event"][idx] = int(event)
+        ev["pool"][idx] = pool
         self.total += n
 
     def _ordered(self, mask: np.ndarray, limit: int) -> np.ndarray:
@@ -92,9 +97,9 @@ class History:
         order = np.argsort((hits - start) % max(self.size, 1), kind="stable")
         return live[hits[order]][-limit:]
 
-    def page_events(self, engine: int, page: int, limit: int = 200) -> np.ndarray:
+    def page_events(self, engine: int, page: int, limit: int = 200, pool: int = 0) -> np.ndarray:
         ev = self.events
-        return self._ordered((ev["engine"] == engine) & (ev["page"] == page), limit)
+        return self._ordered((ev["engine"] == engine) & (ev["page"] == page) & (ev["pool"] == pool), limit)
 
     def request_events(self, req_key: int, limit: int = 500) -> np.ndarray:
         return self._ordered(self.events["req_key"] == np.uint64(req_key), limit)

@@ -65,8 +65,14 @@ class MemoryBudget:
 
     @staticmethod
     def pages_modelled(t) -> int:
-        """Pages an engine's model tracks: its pool, or less where the budget capped it."""
-        return min(t.hello.pool_pages, t.pool.limit) if t.hello else 0
+        """Pages an engine's model tracks: its pool, or less where the budget capped it, and the
+        same for each pool it declared besides (contract 1.5: ``t.pools``)."""
+        info = getattr(t, "pool_info", None)
+        if info is not None and info.shares_pages:
+            own = 0  # pool 0's page model, counted there
+        else:
+            own = min(t.hello.pool_pages, t.pool.limit) if t.hello else 0
+        return own + sum(MemoryBudget.pages_modelled(p) for p in getattr(t, "pools", {}).values())
 
     def pools_bytes(self, engines) -> int:
         return sum(POOL_BYTES_PER_PAGE * self.pages_modelled(t) for t in engines)

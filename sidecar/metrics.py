@@ -210,7 +210,13 @@ class KVGuardCollector(Collector):
             "the sidecar had not seen: skipped, not judged",
         )
         orphaned.add_metric([], stats.records_without_engine)
+        undeclared = CounterMetricFamily(
+            "kvguard_records_undeclared_pool",
+            "Records naming a pool their engine never declared with a POOL record (skipped)",
+        )
+        undeclared.add_metric([], stats.records_undeclared_pool)
         yield orphaned
+        yield undeclared
         guard = CounterMetricFamily(
             "kvguard_guard_aborts",
             "Requests an engine's guard (KVGUARD_GUARD) failed before foreign KV reached the client, by finding kind",
@@ -274,6 +280,57 @@ def engine_metrics(engines: Sequence[EngineStats]):
         if engine.context_len is not None:
             ctx.add_metric([role, pid], engine.context_len)
     yield from (reads, unverified, out_of_range, pages, pool, ctx)
+    yield from coverage_metrics(engines)
+    yield from pool_metrics(engines)
+
+
+def coverage_metrics(engines: Sequence[EngineStats]):
+    """What each engine holds that kvguard watches or not (its COVERAGE, contract 1.5): an
+    engine with a part unwatched is never shown as a quiet, healthy one. No series for an
+    engine whose adapter sent no COVERAGE (before 1.5)."""
+    gaps = GaugeMetricFamily(
+        "kvguard_engine_coverage_gaps",
+        "Components of the engine (pools, KV cache groups, state, draft models, transfer paths) kvguard does "
+        "not fully watch (0: all of it)",
+        labels=["role", "pid"],
+    )
+    watched = GaugeMetricFamily(
+        "kvguard_engine_component_watched",
+        "1 if kvguard watches every capability that applies to this component of the engine, else 0",
+        labels=["role", "pid", "component"],
+    )
+    for engine in engines:
+        n = engine.coverage_gaps
+        if n is None:
+            continue
+        labels = engine_labels(engine)
+        gaps.add_metric(labels, n)
+        for entry in engine.coverage:
+            watched.add_metric([*labels, entry.component], 1 if entry.status == "watched" else 0)
+    yield from (gaps, watched)
+
+
+def pool_metrics(engines: Sequence[EngineStats]):
+    """The page models of engines' pools besides pool 0 (a sliding-window pool, a second KV cache
+    group, recurrent state): their own series, with the pool's index and kind."""
+    labels = ["role", "pid", "pool", "pool_kind"]
+    pages = GaugeMetricFamily(
+        "kvguard_pool_pages", "Pages of an engine's other pools by ownership state", labels=[*labels, "state"]
+    )
+    reads = CounterMetricFamily(
+        "kvguard_pool_page_reads_checked", "Page reads judged in an engine's other pools", labels=labels
+    )
+    unverified = CounterMetricFamily(
+        "kvguard_pool_page_reads_unverified", "Page reads not judged in an engine's other pools", labels=labels
+    )
+    for engine in engines:
+        for p in engine.pools:
+            base = [*engine_labels(engine), str(p.index), p.kind]
+            reads.add_metric(base, p.pages_read)
+            unverified.add_metric(base, p.pages_unverified)
+            for state, n in p.pages_by_state.items():
+                pages.add_metric([*base, state], n)
+    yield from (pages, reads, unverified)
 
 
 def ledger_metrics(ledger: LedgerStats, shared: SharedLedgerStats | None, engines: Sequence[EngineStats]):

@@ -27,6 +27,7 @@ from .detectors.base import (
 )
 from .detectors.config import PoolContextDetector
 from .detectors.content import ContentDetector
+from .detectors.coverage import CoverageDetector
 from .detectors.gaps import EventsLostDetector
 from .detectors.guard import ACTIONS, CARRIED_RULES, GUARD_ABORT_KINDS, GuardDetector
 from .detectors.isolation import TenantIsolationDetector
@@ -60,6 +61,14 @@ SHARED_GRACE_NS = 10_000_000_000
 
 
 SIDECAR_ENGINE = EngineRef("sidecar", 0, 0)  # findings about the sidecar's own links (the shared ledger)
+
+# records that belong to one pool of an engine (the header's ``pool``, contract 1.5); the rest
+# (requests, transfers, tiers) are the engine's and come with pool 0
+POOL_RECORD_KINDS = frozenset(
+    (wire.Kind.ALLOC, wire.Kind.FREE, wire.Kind.ASSIGN, wire.Kind.FORWARD, wire.Kind.CONTENT_CHANGED)
+)
+# what a pool that shares pool 0's pages (POOL ``shares_pages``) has only once, on pool 0's model
+SHARED_PAGE_KINDS = frozenset((wire.Kind.ALLOC, wire.Kind.FREE, wire.Kind.CONTENT_CHANGED))
 
 
 def dispatch_table(detectors) -> dict[type, tuple]:
@@ -118,6 +127,7 @@ class Pipeline(TransferFlow, OffloadFlow):
             Tier1Detector(),
             GuardDetector(),
             PoolContextDetector(),
+            CoverageDetector(),
             TransferSizeDetector(),
             ChecksumDetector(),
             OrphanDetector(),
@@ -141,6 +151,8 @@ class Pipeline(TransferFlow, OffloadFlow):
         self.records_lost_by_engine: dict[int, int] = {}  # engine id -> records lost since first seen
         self.apply_errors = 0
         self.parts = EngineParts()  # rings that are one part of another process's engine (vLLM's Worker)
+        # records naming a pool their engine never declared (POOL), or a kind a pool does not hold: skipped
+        self.records_undeclared_pool = 0
 
     def verdict_options(self) -> dict:
         """The settings that change what this pipeline finds, as a recording keeps them for
@@ -179,6 +191,13 @@ class Pipeline(TransferFlow, OffloadFlow):
         found: list[Finding] = []
         for detector in detectors:
             found += detector.observe(event, at)
+        if t is not None and t.pool_index and found:  # a pool besides 0: the finding says which
+            info = t.pool_info
+            for finding in found:
+                finding.evidence.setdefault("pool", t.pool_index)
+                if info is not None:
+                    finding.evidence.setdefault("pool_name", info.name)
+                    finding.evidence.setdefault("pool_kind", info.kind.name.lower())
         return found
 
     def _emit(self, findings: list[Finding]) -> list[Finding]:
@@ -252,6 +271,16 @@ class Pipeline(TransferFlow, OffloadFlow):
             if engine_id != rec.engine_id:
                 rec = replace(rec, engine_id=engine_id)
         t = self.tracker(rec.engine_id)
+        if rec.pool:  # one of the engine's other pools (contract 1.5): its own timeline
+            if rec.kind == wire.Kind.POOL:
+                return self._on_pool(t, rec)
+            pool_tracker = t.pools.get(rec.pool)
+            if pool_tracker is None or rec.kind not in POOL_RECORD_KINDS:
+                self._undeclared_pool(t, rec)
+                return []
+            shared = pool_tracker.pool_info is not None and pool_tracker.pool_info.shares_pages
+            if not (shared and rec.kind in SHARED_PAGE_KINDS):  # (a shared pool's pages are pool 0's)
+                t = pool_tracker
         if t.unseen_since_loss:  # requests live at a gap: each record naming one shows it outlived it
             t.on_named(rec.body)
         handler = self._handlers.get(rec.kind)
@@ -267,7 +296,10 @@ class Pipeline(TransferFlow, OffloadFlow):
             K.FREE: self._on_free,
             K.REQ_BEGIN: self._on_request_begin,
             K.REQ_END: self._on_request_end,
-            K.REQ_SCOPE: lambda t, rec: t.on_scope(rec.body) or [],
+            K.REQ_SCOPE: self._on_scope,
+            # what the engine holds and what of it is watched (contract 1.5)
+            K.COVERAGE: self._on_coverage,
+            K.POOL: self._on_pool,
             # host / storage tiers (sidecar/offload.py)
             K.KV_STORE: self._on_kv_store,
             K.KV_LOAD: self._on_kv_load,
@@ -288,6 +320,71 @@ class Pipeline(TransferFlow, OffloadFlow):
             K.GUARD: self._on_guard,
         }
 
+    def _on_scope(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+        t.on_scope(rec.body)
+        for pool_tracker in t.pools.values():  # their pages take the writer's scope too
+            pool_tracker.on_scope(rec.body)
+        return []
+
+    def _on_coverage(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+        """An engine's COVERAGE, or a part's (vLLM's Worker reports its own, about its
+        forwards): merged by component, so either order gives the engine's whole account."""
+        items = {item.component: item for item in (t.coverage.items if t.coverage is not None else ())}
+        items.update((item.component, item) for item in rec.body.items)
+        t.coverage = wire.Coverage(list(items.values()))
+        if t.coverage_reported or not t.coverage.gaps:
+            return []  # one coverage_gap per engine: a later gap shows in /metrics and /v1/engines
+        t.coverage_reported = True
+        return self._emit(self._observe(t.coverage, t, rec.ts_ns))
+
+    def _on_pool(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+        """A pool besides pool 0 (POOL, after the engine's HELLO): a tracker of its own, sharing
+        the engine's request directory, with the HELLO's identity and this pool's page figures."""
+        info: wire.PoolInfo = rec.body
+        if t.hello is None or rec.pool == 0 or t.pool_index:
+            self._undeclared_pool(t, rec)
+            return []
+        pool_tracker = EngineTracker(t.engine_id, t.requests, info)
+        pool_tracker.pool_index = rec.pool
+        if info.shares_pages:
+            # the same pages as pool 0 (vLLM's KV cache groups: one block pool, aliased memory): one
+            # page model, so a block one group freed and another took is judged as such; the rows
+            # are this pool's. Its judge is the full one: the page-change log is pool 0's to consume
+            pool_tracker.pool = t.pool
+            pool_tracker.incremental = False
+        hello = replace(
+            t.hello,
+            page_size=info.page_size,
+            pool_pages=info.pool_pages,
+            pool_tokens=info.pool_pages * info.page_size,
+        )
+        t.pools.pop(rec.pool, None)  # declared again (a replayed sticky copy): the new one replaces it
+        allowed = self.memory_budget.pages_allowed(list(self.engines.values()))  # (t's own pools included)
+        pool_tracker.on_hello(hello, max_pages=allowed)
+        t.pools[rec.pool] = pool_tracker
+        log.info(
+            "engine %d pool %d (%s, %s): page_size %d, %d pages%s",
+            rec.engine_id,
+            rec.pool,
+            info.name,
+            info.kind.name.lower(),
+            info.page_size,
+            info.pool_pages,
+            f", window {info.window_tokens} tokens" if info.window_tokens else "",
+        )
+        return []
+
+    def _undeclared_pool(self, t: EngineTracker, rec: wire.Record) -> None:
+        self.records_undeclared_pool += 1
+        if self.records_undeclared_pool == 1:
+            log.warning(
+                "engine %d: %s record for pool %d, which the engine did not declare (or a kind no pool "
+                "holds): skipped and counted in kvguard_records_undeclared_pool_total (logged once)",
+                rec.engine_id,
+                rec.kind.name,
+                rec.pool,
+            )
+
     def _on_guard(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
         body = rec.body
         carried_kind = CARRIED_RULES.get(body.rule)
@@ -306,18 +403,20 @@ class Pipeline(TransferFlow, OffloadFlow):
 
     def _on_alloc(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
         pages = t.on_alloc(rec.body.pages)  # the valid ids: one past the pool's limit is counted and skipped
-        self._record(rec.ts_ns, rec.engine_id, Event.ALLOC, 0, pages, t.pool.gen[pages])
+        self._record(rec.ts_ns, rec.engine_id, Event.ALLOC, 0, pages, t.pool.gen[pages], pool=t.pool_index)
         return []
 
     def _on_assign(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
         body = rec.body
         crossed = t.on_assign(body)
-        self._record(rec.ts_ns, rec.engine_id, Event.ASSIGN, body.req_key, body.pages, aux=body.row_start)
+        self._record(
+            rec.ts_ns, rec.engine_id, Event.ASSIGN, body.req_key, body.pages, aux=body.row_start, pool=t.pool_index
+        )
         return [] if crossed is None else self._emit(self._observe(crossed, t, rec.ts_ns))
 
     def _on_free(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
         body = rec.body
-        self._record(rec.ts_ns, rec.engine_id, Event.FREE, 0, body.pages, aux=int(body.free_kind))
+        self._record(rec.ts_ns, rec.engine_id, Event.FREE, 0, body.pages, aux=int(body.free_kind), pool=t.pool_index)
         already = t.on_free(body.pages)
         if len(already) == 0:
             return []
@@ -342,6 +441,8 @@ class Pipeline(TransferFlow, OffloadFlow):
         pages = 0 if row is None else int((row.pages > 0).sum())  # before on_request_end drops the row
         written = t.take_prompt_pages_written(body.req_key)
         t.on_request_end(body, ts)
+        for pool_tracker in t.pools.values():  # its rows in the engine's other pools go too
+            pool_tracker.release_row(body.req_key)
         self._record(ts, rec.engine_id, Event.REQ_END, body.req_key, aux=int(body.finish))
         found = self._transfer_end(t, info, body, ts)
         if info is not None and t.hello is not None:
@@ -420,8 +521,11 @@ class Pipeline(TransferFlow, OffloadFlow):
         # chunk is: it writes single token slots, the owner may write that slot itself before
         # it reads it, and the record names pages, not slots: docs/detectors.md, late_write)
         t.count_prompt_writes(f.req_keys, f.seq_lens, f.write_counts, f.write_pages)
-        self._record(ts_ns, t.engine_id, Event.WRITE, np.repeat(f.req_keys, f.write_counts), f.write_pages)
-        self._record(ts_ns, t.engine_id, Event.READ, f.req_keys, aux=f.seq_lens)
+        self._record(
+            ts_ns, t.engine_id, Event.WRITE, np.repeat(f.req_keys, f.write_counts), f.write_pages, pool=t.pool_index
+        )
+        if not t.pool_index:  # (a read per request per forward: pool 0's says it)
+            self._record(ts_ns, t.engine_id, Event.READ, f.req_keys, aux=f.seq_lens)
         # the whole batch is judged at once; verdicts come only for requests with something to look at
         for _i, read in t.classify_reads(
             f.req_keys, f.seq_lens, f.read_counts, f.read_pages, want_shared=self.isolation_detector.enabled
@@ -437,6 +541,8 @@ class Pipeline(TransferFlow, OffloadFlow):
         self.records_lost += rec.body
         total = self.records_lost_by_engine[t.engine_id] = self.records_lost_by_engine.get(t.engine_id, 0) + rec.body
         t.on_lost(rec.ts_ns)
+        for pool_tracker in t.pools.values():  # the gap may hide any pool's records
+            pool_tracker.on_lost(None)
         return self._emit(self._observe(RecordsLost(rec.body, rec.seq, total), t, rec.ts_ns))
 
     # ------------------------------------------------------------------ housekeeping
@@ -477,6 +583,8 @@ class Pipeline(TransferFlow, OffloadFlow):
         self._resolved(self.incidents.tick(now_ns))
         for tracker in self.engines.values():
             tracker.retire_idle_requests(now_ns)
+            for pool_tracker in tracker.pools.values():
+                pool_tracker.retire_idle_requests(now_ns)
         if now_ns - self._budget_sized_ns >= BUDGET_RESIZE_NS:  # live requests come and go
             self._budget_sized_ns = now_ns
             self.memory_budget.size_directories(list(self.engines.values()))
@@ -512,4 +620,5 @@ class Pipeline(TransferFlow, OffloadFlow):
             objects_forgotten=self.objects_forgotten,
             load_digests_compared=self.load_digests_compared,
             records_without_engine=self.parts.records_without_engine,
+            records_undeclared_pool=self.records_undeclared_pool,
         )

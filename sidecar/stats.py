@@ -26,6 +26,33 @@ KindAndSeverity = tuple[str, str]  # (finding kind, severity), the label pair of
 
 
 @dataclass(frozen=True, slots=True)
+class CoverageEntry:
+    """One component of an engine and how much of it kvguard watches (wire.CoverageItem)."""
+
+    component: str
+    status: str  # watched, partial, unwatched
+    watched: tuple[str, ...]  # capabilities provided (ownership, digests, guard, content)
+    missing: tuple[str, ...]  # capabilities that apply and are not provided
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """One of an engine's pools besides pool 0 (a POOL record) and its page model."""
+
+    index: int
+    kind: str  # full_attention, sliding_window, state, draft
+    name: str
+    page_size: int
+    pool_pages: int
+    window_tokens: int
+    pages_by_state: Mapping[str, int]
+    pages_read: int
+    pages_unverified: int
+    pages_out_of_range: int
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     """One engine's page model (sidecar/tracker.py). The HELLO's figures (``pid``, ``rank``,
     ``pool_pages``, ``pool_tokens``, ``context_len``) are None until the engine said hello,
@@ -44,6 +71,17 @@ class EngineStats:
     pages_unverified: int  # page reads not judged (state unknown: a blind window)
     pages_out_of_range: int  # page ids past the pool the engine announced (skipped)
     live_requests: int  # requests holding a row
+    # what the engine said it holds and what of it is watched (COVERAGE, contract 1.5): one entry per
+    # component, (component, status, watched capabilities, missing capabilities, detail); () before it
+    coverage: tuple[CoverageEntry, ...] = ()
+    pools: tuple[PoolStats, ...] = ()  # the engine's pools besides pool 0 (POOL records)
+
+    @property
+    def coverage_gaps(self) -> int | None:
+        """Components not fully watched; None when the engine sent no COVERAGE (an older adapter)."""
+        if not self.coverage:
+            return None
+        return sum(1 for entry in self.coverage if entry.status != "watched")
 
     @property
     def announced(self) -> bool:
@@ -141,3 +179,4 @@ class PipelineStats:
     load_digests_compared: int = 0  # tier loads whose digest met the stored one's (in KV_LOAD or KV_DIGEST)
     # records of an engine part (vLLM's Worker, sidecar/engine_parts.py) whose engine had not said HELLO
     records_without_engine: int = 0
+    records_undeclared_pool: int = 0  # records naming a pool their engine never declared (skipped)

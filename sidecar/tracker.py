@@ -38,7 +38,7 @@ from .page_pool import (
     Row,
 )
 from .request_directory import RequestDirectory, RequestInfo
-from .stats import EngineStats
+from .stats import CoverageEntry, EngineStats, PoolStats
 
 __all__ = [
     "ALLOCATED",
@@ -99,6 +99,20 @@ RETIRE_SCAN_NS = 10 * 10**9
 LOST_UNSEEN_NS = 60 * 10**9
 
 
+def coverage_entries(coverage: wire.Coverage | None) -> tuple[CoverageEntry, ...]:
+    """An engine's COVERAGE as plain values for /metrics and /v1 (sidecar/stats.py)."""
+    if coverage is None:
+        return ()
+
+    def names(bits: int) -> tuple[str, ...]:
+        return tuple(c.name.lower() for c in wire.Capability if bits & c and c.name)
+
+    return tuple(
+        CoverageEntry(item.component, item.status.name.lower(), names(item.watched), names(item.missing), item.detail)
+        for item in coverage.items
+    )
+
+
 MAX_OVERWRITTEN = 4096  # pages kept in EngineTracker.overwritten (each a late write's)
 MAX_EARLY_WRITERS = 4096  # requests kept in EngineTracker.early_written (writes before their REQ_BEGIN)
 
@@ -106,8 +120,17 @@ MAX_EARLY_WRITERS = 4096  # requests kept in EngineTracker.early_written (writes
 class EngineTracker(Judge):
     """Ownership state of one engine process, updated record by record."""
 
-    def __init__(self, engine_id: int, directory: RequestDirectory):
+    def __init__(self, engine_id: int, directory: RequestDirectory, pool_info: wire.PoolInfo | None = None):
         self.engine_id = engine_id
+        # which of the engine's pools this tracker models: 0, the token KV pool its HELLO
+        # describes, or one a POOL record declared (contract 1.5; it then shares the engine's
+        # request directory, and its HELLO is the engine's with this pool's page figures)
+        self.pool_index = 0
+        self.pool_info = pool_info
+        self.coverage: wire.Coverage | None = None  # the engine's COVERAGE (pool 0's tracker keeps it)
+        self.coverage_reported = False  # its coverage_gap was raised (once per engine)
+        # pool 0's tracker: the trackers of the engine's other pools, by index (POOL records)
+        self.pools: dict[int, EngineTracker] = {}
         self.hello: wire.Hello | None = None
         self.page_size = 1
         self.pool = PagePool(1)
@@ -149,6 +172,11 @@ class EngineTracker(Judge):
         if now_ns < self._next_retire_ns:
             return 0
         self._next_retire_ns = now_ns + RETIRE_SCAN_NS
+        if self.pool_index:  # the directory is pool 0's: drop the rows of requests it has ended
+            live = self.requests.live
+            for key in [k for k in self.rows if k not in live]:
+                self.release_row(key)
+            return 0
         moved = self._retire_unseen_since_loss(now_ns) if self.unseen_since_loss else 0
         idle = self.requests.retire_idle(now_ns, idle_ns, lambda key: key in self.rows or key in self.transfer_hold)
         self.requests_retired_idle += idle
@@ -193,6 +221,14 @@ class EngineTracker(Judge):
         """``max_pages``: the most pages the memory budget lets this engine's model track."""
         self.hello = hello
         self.page_size = hello.page_size
+        if self.pool_index == 0:  # a new HELLO: the engine declares its other pools (and coverage) again after it
+            self.pools.clear()
+            self.coverage = None
+            self.coverage_reported = False
+        if self.pool_info is not None and self.pool_info.shares_pages:
+            tokens = max(hello.context_len, hello.pool_tokens)
+            self.row_limit = min(-(-tokens // max(self.page_size, 1)) + ROW_SLACK_PAGES, MAX_PAGES)
+            return  # the page model is pool 0's, sized by its HELLO
         # page ids run 0..pool_pages (0 is padding); some slack for allocator rounding
         self.pool.limit = min(hello.pool_pages + 1 + 1024, MAX_PAGES, max(int(max_pages), 2))
         self.pool.ensure(np.array([min(hello.pool_pages, self.pool.limit - 1)], np.int64))
@@ -238,6 +274,25 @@ class EngineTracker(Judge):
             pages_unverified=self.pages_unverified,
             pages_out_of_range=self.pool.pages_out_of_range,
             live_requests=len(self.rows),
+            coverage=coverage_entries(self.coverage),
+            pools=tuple(self._pool_stats(index, t) for index, t in sorted(self.pools.items())),
+        )
+
+    @staticmethod
+    def _pool_stats(index: int, t: EngineTracker) -> PoolStats:
+        info = t.pool_info
+        assert info is not None  # a pool tracker is made from its POOL record
+        return PoolStats(
+            index=index,
+            kind=info.kind.name.lower(),
+            name=info.name,
+            page_size=info.page_size,
+            pool_pages=info.pool_pages,
+            window_tokens=info.window_tokens,
+            pages_by_state={} if info.shares_pages else t.pool.counts_by_state(),  # (shared: pool 0's)
+            pages_read=t.pages_read,
+            pages_unverified=t.pages_unverified,
+            pages_out_of_range=t.pool.pages_out_of_range,
         )
 
     def _slots(self, req_keys: np.ndarray) -> np.ndarray:
@@ -305,18 +360,23 @@ class EngineTracker(Judge):
 
     def on_request_end(self, r: wire.ReqEnd, ts_ns: int) -> None:
         info = self.requests.get_or_stub(r.req_key)
-        self.early_written.pop(r.req_key, None)
         info.end_ns, info.finish, info.ttft_ns = ts_ns, r.finish.name.lower(), r.ttft_ns
         info.reprefilled = r.reprefilled
-        row = self.rows.pop(r.req_key, None)
-        self.transfer_hold.discard(r.req_key)
+        self.release_row(r.req_key)
+        self.requests.end(r.req_key)
+
+    def release_row(self, req_key: int) -> None:
+        """The request ended: its row goes (in this pool; the engine's other pools are told by
+        the pipeline, their directory being this one)."""
+        self.early_written.pop(req_key, None)
+        row = self.rows.pop(req_key, None)
+        self.transfer_hold.discard(req_key)
         if row is not None:
             # what the request still owns was kept by the prefix cache (freed pages are FREE already)
             pages = row.pages[row.pages > 0]
-            mine = pages[(self.pool.owner_keys(pages) == np.uint64(r.req_key)) & (self.pool.state[pages] == OWNED)]
+            mine = pages[(self.pool.owner_keys(pages) == np.uint64(req_key)) & (self.pool.state[pages] == OWNED)]
             # (not logged for the incremental judge: CACHED is as good as OWNED for every other reader)
             self.pool.state[mine] = CACHED
-        self.requests.end(r.req_key)
 
     def on_reject(self, r: wire.Reject) -> None:
         self.requests.get_or_stub(r.req_key).rejected = f"{r.phase.name.lower()}: {r.reason}"

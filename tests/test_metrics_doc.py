@@ -73,6 +73,18 @@ def exposition(tmp_path_factory) -> str:
     decode.request_end("r-acme", "length", 1000, 2000, 1, "")
     decode.pages_freed(slots([1, 2]))
     pd_request(prefill, decode, "r-initech", "initech", 13, [1, 2, 3, 4], 16, 1)
+    # what decode holds (contract 1.5): a second pool, one component it does not watch
+    decode.coverage(
+        [
+            wire.CoverageItem("kv_pool", wire.CoverageStatus.WATCHED, 1, 0, "MHATokenToKVPool bf16"),
+            wire.CoverageItem("draft", wire.CoverageStatus.UNWATCHED, 0, 1, "a draft model: not hooked"),
+        ]
+    )
+    decode.pool_declared(1, 4, 8, "sliding_window", "swa", window_tokens=8)
+    decode.page_ids_allocated([2, 3], pool=1)
+    decode.row_pages_assigned("r-initech", 0, 8, 0, [2, 3], pool=1)
+    decode.forward(["r-initech"], [8], [[8]], pool=1)
+    decode.forward(["r-initech"], [8], [[8]], pool=7)  # a pool never declared: counted
     # a PagerDuty sink for the kvguard_sink_* families; nothing listens on port 9: it gives up fast
     sink = pagerduty_sink(
         "R0UT1NGKEY0123456789abcdefABCDEF",
