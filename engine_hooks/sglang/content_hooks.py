@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import content as ct
 from . import _runtime as rt
+from .coverage import content_buffers
 
 log = logging.getLogger("kvguard.sglang")
 
@@ -42,7 +43,7 @@ def active(runner) -> ct.ContentCheck | None:
     per_forward = None if budget is None else int(budget)
     pool = getattr(runner, "token_to_kv_pool", None)
     try:
-        k, v = pool.k_buffer[0], pool.v_buffer[0]  # type: ignore[union-attr]
+        k, v = content_buffers(pool)  # a latent (MLA) pool's one buffer stands for both
         Content.check = ct.for_pool(k, v, per_forward, ct.path_from_env())
     except Exception as exc:  # noqa: BLE001 - an unexpected pool: the check is off, the engine runs on
         log.warning("kvguard: %s is set but the KV pool cannot be checked, content check off: %s", ct.CONTENT_ENV, exc)

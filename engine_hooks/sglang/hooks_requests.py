@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import time
 
+from .. import coverage as cv
 from . import _runtime as rt
+from . import coverage as cv_sglang
 from ._runtime import State
 
 # --------------------------------------------------------------------------- hello
@@ -64,6 +66,22 @@ def _scheduler_init_post(result, sched, *args, **kwargs):
         engine_version=State.engine_version,
         model=str(getattr(sched.server_args, "model_path", "") or ""),
     )
+    # what the engine holds and what of it is watched (contract 1.5); a part whose pages
+    # cannot be followed leaves the whole engine unwatched rather than half seen
+    try:
+        items = cv_sglang.inspect(sched, State.engine_version, State.role)
+    except Exception as exc:  # noqa: BLE001 - an engine we cannot read: said, and nothing else sent
+        items = [cv.unwatched("engine", f"kvguard could not inspect the scheduler: {type(exc).__name__}: {exc}")]
+    rt.probes().coverage(items)
+    for line in cv.log_lines(items):
+        rt.log.info(line)
+    if not cv.ownership_followed(items):
+        rt.log.warning(
+            "kvguard: this SGLang engine holds KV kvguard cannot follow (%s): it reports no page records, "
+            "only that it is unwatched (a coverage_gap finding in the sidecar)",
+            "; ".join(i.component for i in items if not i.watched & cv.OWNERSHIP),
+        )
+        return
     State.hello_done = True
 
 

@@ -1,0 +1,187 @@
+"""What the SGLang scheduler holds and what of it kvguard watches (COVERAGE, contract 1.5).
+
+Read once, after ``Scheduler.__init__`` (hooks_requests.py), from the scheduler's own
+objects: the token KV pool and its allocator, the request-to-token pool, the speculative
+algorithm, HiCache, the parallel layout and the disaggregation role. The decisions are by
+class (the hooks are registered on named classes; a subclass or another allocator may
+bypass them), never guessed from a model name. A component whose pages kvguard cannot
+follow makes the adapter send no page records for the engine (``ownership_followed``):
+its HELLO and this COVERAGE say it is there and unwatched.
+"""
+
+from __future__ import annotations
+
+from .. import coverage as cv
+from .. import digest as dg
+from .. import wire
+
+# the allocators whose methods the adapter hooks (plugin.py): anything else hands out pages unseen
+HOOKED_ALLOCATORS = ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator")
+# token KV pools whose pages the hooks follow: per-head K/V (MHA, GQA) and latent (MLA, DSA) pools
+MHA_POOLS = ("MHATokenToKVPool", "MHATokenToKVPoolFP4", "MHATokenToKVPoolMXFP8", "PageMajorMHATokenToKVPool")
+LATENT_POOLS = ("MLATokenToKVPool", "MLATokenToKVPoolFP4", "DSATokenToKVPool")
+REQ_TO_TOKEN_POOLS = ("ReqToTokenPool", "DecodeReqToTokenPool")
+
+
+def _shape(t) -> str:
+    try:
+        return "x".join(str(int(d)) for d in t.shape)
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def describe_pool(pool) -> str:
+    """The pool's class, element type and per-layer buffer shape, for people."""
+    name = type(pool).__name__
+    dtype = getattr(pool, "store_dtype", None) or getattr(pool, "dtype", None)
+    layers = getattr(pool, "layer_num", None)
+    parts = [name]
+    if dtype is not None:
+        parts.append(str(dtype).replace("torch.", ""))
+    k = getattr(pool, "k_buffer", None)
+    kv = getattr(pool, "kv_buffer", None)
+    if k:
+        parts.append(f"{len(k) if layers is None else layers} layers of K/V [{_shape(k[0])}]")
+    elif kv:
+        parts.append(f"{len(kv) if layers is None else layers} layers of latent KV [{_shape(kv[0])}]")
+    if getattr(pool, "index_k_with_scale_buffer", None) is not None or "DSA" in name:
+        parts.append("with an indexer K cache per page (sparse attention)")
+    return ", ".join(parts)
+
+
+def _digest_support(pool) -> str:
+    """'' when the pool's transfers can be digested, else why not."""
+    try:
+        dg.pool_view(pool).alg()
+    except dg.Unsupported as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - an unexpected pool
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def _content_support(pool) -> str:
+    from .. import content as ct
+
+    try:
+        k, v = content_buffers(pool)
+        ct.check_layout(k, v)
+    except Exception as exc:  # noqa: BLE001 - ContentUnsupported, or a pool without the buffers
+        return str(exc) or type(exc).__name__
+    return ""
+
+
+def content_buffers(pool):
+    """Layer 0's K and V buffers the content check fingerprints: a latent pool's one buffer
+    stands for both (its one latent head is what a row holds)."""
+    k, v = getattr(pool, "k_buffer", None), getattr(pool, "v_buffer", None)
+    if k and v:
+        return k[0], v[0]
+    kv = getattr(pool, "kv_buffer", None)
+    if kv:
+        return kv[0], kv[0]
+    raise ValueError(f"{type(pool).__name__} has neither k_buffer/v_buffer nor kv_buffer")
+
+
+def _kv_pool_item(sched, alloc, pool, role: str, hicache: bool) -> wire.CoverageItem:
+    alloc_name, pool_name = type(alloc).__name__, type(pool).__name__
+    detail = describe_pool(pool) + f"; allocator {alloc_name}, page size {getattr(alloc, 'page_size', '?')}"
+    if alloc_name not in HOOKED_ALLOCATORS:
+        return cv.unwatched("kv_pool", f"{detail}: the allocator {alloc_name} is not hooked (pages handed out unseen)")
+    if pool_name not in MHA_POOLS + LATENT_POOLS:
+        return cv.unwatched("kv_pool", f"{detail}: {pool_name} is not a pool layout kvguard follows")
+    watched, missing, why = int(cv.OWNERSHIP), 0, []
+    wanted = cv.optional_capabilities()
+    if role in ("prefill", "decode") or hicache:
+        reason = _digest_support(pool)
+        if reason:
+            missing |= cv.DIGESTS
+            why.append(f"no digests: {reason}")
+        else:
+            watched |= cv.DIGESTS
+    if wanted & cv.GUARD:
+        # the guard's transfer rules hold on any pool; its digest marker needs the digest
+        if role in ("prefill", "decode") and missing & cv.DIGESTS:
+            missing |= cv.GUARD
+            why.append("the guard's digest rule needs the digest")
+        else:
+            watched |= cv.GUARD
+    if wanted & cv.CONTENT:
+        reason = _content_support(pool)
+        if reason:
+            missing |= cv.CONTENT
+            why.append(f"no content check: {reason}")
+        else:
+            watched |= cv.CONTENT
+    return cv.item("kv_pool", watched, missing, detail + ("; " + "; ".join(why) if why else ""))
+
+
+def inspect(sched, version: str, role: str) -> list[wire.CoverageItem]:
+    """The scheduler's components, each with what kvguard watches of it."""
+    args = sched.server_args
+    alloc = sched.token_to_kv_pool_allocator
+    get_kvcache = getattr(alloc, "get_kvcache", None)
+    pool = get_kvcache() if callable(get_kvcache) else None
+    hicache = bool(getattr(args, "enable_hierarchical_cache", False))
+    items = []
+    arch = ",".join(getattr(getattr(sched.model_config, "hf_config", None), "architectures", None) or []) or "?"
+    attention = getattr(getattr(sched.model_config, "attention_arch", None), "name", None)
+    items.append(
+        cv.item(
+            "model",
+            cv.OWNERSHIP,
+            0,
+            f"{arch}{f' ({attention} attention)' if attention else ''}, kv cache dtype "
+            f"{getattr(args, 'kv_cache_dtype', '?')}, SGLang {version}",
+        )
+    )
+    items.append(
+        _kv_pool_item(sched, alloc, pool, role, hicache)
+        if pool is not None
+        else cv.unwatched("kv_pool", f"allocator {type(alloc).__name__} has no get_kvcache(): no token KV pool found")
+    )
+    rtt = type(sched.req_to_token_pool).__name__
+    if rtt not in REQ_TO_TOKEN_POOLS:
+        items.append(
+            cv.unwatched(
+                "state_pool",
+                f"{rtt}: per-request recurrent state (Mamba / linear attention) beside the KV pages is not followed",
+            )
+        )
+    spec = getattr(args, "speculative_algorithm", None)
+    if spec:
+        items.append(
+            cv.unwatched(
+                "draft",
+                f"speculative decoding ({spec}): the draft model's KV writes and the verify step's extra slots "
+                "(alloc_for_spec_decode) are not hooked",
+            )
+        )
+    if hicache:
+        storage = getattr(args, "hicache_storage_backend", None)
+        if version == "0.5.19":
+            items.append(cv.unwatched("hicache", "HiCache on 0.5.19 (hiradix_cache): its copies are not hooked"))
+        else:
+            detail = (
+                f"host tier {getattr(args, 'hicache_mem_layout', '?')}, io {getattr(args, 'hicache_io_backend', '?')}"
+            )
+            if storage:
+                items.append(
+                    cv.item(
+                        "hicache", cv.OWNERSHIP, cv.DIGESTS, f"{detail}; storage tier {storage}: prefetches not hooked"
+                    )
+                )
+            else:
+                items.append(cv.item("hicache", cv.OWNERSHIP | cv.DIGESTS, 0, detail))
+    tp = int(getattr(args, "tp_size", 1) or 1)
+    dp = int(getattr(args, "dp_size", 1) or 1)
+    pp = int(getattr(args, "pp_size", 1) or 1)
+    layout = f"tp {tp}, dp {dp}{' (attention)' if getattr(args, 'enable_dp_attention', False) else ''}, pp {pp}"
+    if pp > 1:
+        items.append(cv.unwatched("parallel", f"{layout}: pipeline parallelism is not verified with kvguard"))
+    else:
+        items.append(cv.item("parallel", cv.OWNERSHIP, 0, f"{layout}: one ring per scheduler process (rank)"))
+    if role in ("prefill", "decode"):
+        backend = getattr(args, "disaggregation_transfer_backend", "?")
+        items.append(cv.item("transfer", cv.OWNERSHIP, 0, f"prefill/decode over {backend}: reserve, send, done"))
+    return items
