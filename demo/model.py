@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 VOCAB_SIZE = 256
@@ -88,7 +89,25 @@ def tiny_llama_config(n_positions: int = 2048) -> dict:
     }
 
 
-_CONFIGS = {"gpt2": tiny_gpt2_config, "llama": tiny_llama_config}
+_CONFIGS: dict[str, Callable[[int], dict]] = {"gpt2": tiny_gpt2_config, "llama": tiny_llama_config}
+
+
+def _versioned(config: Callable[[int], dict]) -> Callable[[int], dict]:
+    def versioned(n_positions: int) -> dict:
+        return {**config(n_positions), "kvguard_tiny_model_version": _FORMAT_VERSION}
+
+    return versioned
+
+
+def _arch_configs() -> None:
+    """The tiny configs of other real architectures (demo/arch_models.py), written the same way."""
+    from .arch_models import ARCH_CONFIGS
+
+    for name, config in ARCH_CONFIGS.items():
+        _CONFIGS.setdefault(name, _versioned(config))
+
+
+_arch_configs()
 
 
 def _vocab() -> dict[str, int]:

@@ -24,7 +24,7 @@ import httpx
 
 from kvguard.demo.engine_env import free_port, repo_root
 from kvguard.demo.engine_process import Engine
-from kvguard.demo.model import write_tiny_llama
+from kvguard.demo.model import write_tiny_llama, write_tiny_model
 
 logger = logging.getLogger("kvguard.demo.engines")
 
@@ -47,9 +47,15 @@ def vllm_python(version: str = DEFAULT_VLLM_VERSION, root: Path | None = None) -
     return python
 
 
-def default_vllm_model_dir(max_model_len: int = MAX_MODEL_LEN) -> Path:
-    return write_tiny_llama(
-        repo_root() / ".kvguard-cache" / "models" / f"tiny-llama-{max_model_len}", n_positions=max_model_len
+def default_vllm_model_dir(max_model_len: int = MAX_MODEL_LEN, arch: str = "llama") -> Path:
+    """The tiny model of ``arch`` (demo/model.py's Llama, or a real architecture's tiny config
+    from demo/arch_models.py), written under .kvguard-cache/models once."""
+    if arch == "llama":
+        return write_tiny_llama(
+            repo_root() / ".kvguard-cache" / "models" / f"tiny-llama-{max_model_len}", n_positions=max_model_len
+        )
+    return write_tiny_model(
+        repo_root() / ".kvguard-cache" / "models" / f"tiny-{arch}-{max_model_len}", max_model_len, arch
     )
 
 
@@ -96,14 +102,19 @@ def start_vllm(
     extra_pythonpath: Iterable[str | os.PathLike] = (),
     wait: bool = True,
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    arch: str = "llama",
+    kv_cache_bytes: int | None = None,
 ) -> VllmEngine:
     """Spawn one vLLM OpenAI server of ``num_blocks`` KV blocks of 32 tokens (prefix caching and
-    chunked prefill on: vLLM's defaults); with ``wait`` return once ``/health`` answers."""
+    chunked prefill on: vLLM's defaults); with ``wait`` return once ``/health`` answers.
+    ``arch``: the tiny Llama, or another architecture of demo/arch_models.py, whose cache is
+    sized by ``kv_cache_bytes`` (its block sizes and page bytes are vLLM's to choose: a
+    hybrid model's attention block grows to its state page)."""
     python = vllm_python(version)
-    if num_blocks * BLOCK_SIZE < max_model_len:
+    if kv_cache_bytes is None and num_blocks * BLOCK_SIZE < max_model_len:
         raise ValueError(f"num_blocks {num_blocks} cannot hold one request of {max_model_len} tokens")
     port = port or free_port()
-    model = default_vllm_model_dir(max_model_len)
+    model = default_vllm_model_dir(max_model_len, arch)
     args = [
         "-m",
         "vllm.entrypoints.openai.api_server",
@@ -126,7 +137,7 @@ def start_vllm(
         "dummy",
         # (+1: vLLM keeps block 0 as its null block)
         "--kv-cache-memory-bytes",
-        str((num_blocks + 1) * BYTES_PER_BLOCK),
+        str(kv_cache_bytes if kv_cache_bytes is not None else (num_blocks + 1) * BYTES_PER_BLOCK),
         "--max-num-seqs",
         str(max_num_seqs),
         *extra_args,

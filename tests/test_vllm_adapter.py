@@ -208,20 +208,24 @@ def test_a_workers_forward_names_the_pages_written_and_the_lengths_read(captured
     rt.State.row_sampler.every, rt.State.row_sampler.budget_ns = 1, 0  # rows with every forward
     runner = _runner(["a", "b"], [0, 40], [[3, 4, 0], [5, 6, 9]])
     hw.prepare_inputs_pre(runner, None, np.array([40, 1]))  # a's prefill of 40, b's decode token
-    part, fwd = captured.take()[:2]
+    part, coverage, fwd = captured.take()[:3]
     assert part.kind == wire.Kind.ENGINE_PART and (part.body.primary_pid, part.body.rank) == (777, 0)
+    assert coverage.kind == wire.Kind.COVERAGE and coverage.body.gaps == []
     assert fwd.kind == wire.Kind.FORWARD
     assert fwd.body.seq_lens.tolist() == [40, 41] and fwd.body.write_counts.tolist() == [2, 1]
     assert fwd.body.write_pages.tolist() == [3, 4, 6]
     assert fwd.body.read_counts.tolist() == [2, 2] and fwd.body.read_pages.tolist() == [3, 4, 5, 6]
 
 
-def test_a_worker_whose_layout_is_not_modelled_stays_silent(captured, caplog):
+def test_a_worker_whose_layout_is_not_modelled_says_so_and_reports_no_forwards(captured, caplog):
     runner = _runner(["a"], [0], [[3]], block_size=16)  # kernel blocks split the cache's
     with caplog.at_level(logging.INFO, logger="kvguard.vllm"):
         hw.prepare_inputs_pre(runner, None, np.array([8]))
         hw.prepare_inputs_pre(runner, None, np.array([8]))
-    assert captured.take() == [] and "kernel block size 16" in rt.State.worker_silent
+    part, coverage = captured.take()  # its engine's timeline learns the worker is there and unwatched
+    assert part.kind == wire.Kind.ENGINE_PART and "kernel block size 16" in rt.State.worker_silent
+    (gap,) = coverage.body.gaps
+    assert gap.component == "worker" and "kernel block size 16" in gap.detail
     assert sum("reports no forwards" in r.message for r in caplog.records) == 1
 
 

@@ -107,7 +107,12 @@ class State:
     hello_done = False  # EngineCore: HELLO sent
     part_done = False  # Worker: ENGINE_PART sent (or this worker stays silent: ``worker_silent``)
     worker_silent = ""  # why this Worker emits nothing (a rank > 0, a layout we do not model)
+    worker_groups: list = []  # Worker: per block table (KV cache group), (block size, kind, window)
     page_size = 1
+    groups: list = []  # EngineCore: the KV cache groups (coverage.Group), group g being pool g
+    group_rows: list = []  # EngineCore, groups > 1: per group, rid -> the block ids of its row (0: nulled)
+    skipping: list | None = None  # EngineCore: blocks freed inside remove_skipped_blocks (held for its rows)
+    missing_hooks: list = []  # targets not installed on this vLLM (plugin.install): said in COVERAGE
     block_pool: Any = None  # the BlockPool whose blocks we report (the scheduler's)
     rows: Bounded = Bounded()  # rid -> blocks of its row announced so far
     begun: Bounded = Bounded()  # rid -> True once REQ_BEGIN went out
@@ -142,7 +147,11 @@ class State:
     def reset(cls) -> None:
         cls.hello_done = cls.part_done = False
         cls.worker_silent = ""
+        cls.worker_groups = []
         cls.page_size = 1
+        cls.groups = []
+        cls.group_rows = []
+        cls.skipping = None
         cls.block_pool = None
         cls.rows = Bounded()
         cls.begun = Bounded()

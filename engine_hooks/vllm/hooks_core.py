@@ -29,8 +29,11 @@ import time
 
 import numpy as np
 
+from .. import coverage as cvc
 from . import _runtime as rt
+from . import coverage as cov
 from . import hooks_connector as hconn
+from . import hooks_groups as hg
 from . import hooks_transfer as htx
 from ._runtime import State
 
@@ -64,22 +67,17 @@ def _model_name(model_config) -> str:
 
 
 def scheduler_init_post(_token, _result, self, *args, **kwargs) -> None:
-    """HELLO once the scheduler's KV cache manager (and its block pool) exists."""
+    """HELLO once the scheduler's KV cache manager (and its block pool) exists, then what the
+    engine holds and what of it is watched (COVERAGE, contract 1.5): KV cache group 0 is pool
+    0, each further group a pool of its own sharing pool 0's block ids (one block pool, the
+    same memory). An engine with a group kvguard does not follow says so and sends nothing
+    more (HELLO and COVERAGE only: never half an engine)."""
     cfg = self.kv_cache_config
-    groups = cfg.kv_cache_groups
-    if len(groups) != 1:
-        log.warning(
-            "kvguard: %d KV cache groups (a hybrid or multi-spec model): not modelled, this engine is not watched",
-            len(groups),
-        )
-        return
+    groups = [cov.describe_group(i, g) for i, g in enumerate(cfg.kv_cache_groups)]
     manager = self.kv_cache_manager
-    page_size = int(groups[0].kv_cache_spec.block_size)
     num_blocks = int(cfg.num_blocks)
     max_len = int(self.max_model_len)
-    State.page_size = page_size
-    State.block_pool = manager.block_pool
-    State.scheduler = self
+    page_size = groups[0].block_size if groups else 1
     rt.probes().hello(
         _role(self.vllm_config),
         0,
@@ -92,6 +90,35 @@ def scheduler_init_post(_token, _result, self, *args, **kwargs) -> None:
         State.engine_version,
         _model_name(self.vllm_config.model_config),
     )
+    for g in groups[1:]:
+        if g.kind:
+            rt.probes().pool_declared(
+                g.index, g.block_size, num_blocks, g.kind, f"kv cache group {g.index}: {g.spec}", g.window, True
+            )
+    try:
+        items = cov.engine_core_items(self, State.engine_version, groups)
+    except Exception as exc:  # noqa: BLE001 - an engine we cannot read: said, and nothing else sent
+        items = [cvc.unwatched("engine", f"kvguard could not inspect the scheduler: {type(exc).__name__}: {exc}")]
+    if State.missing_hooks:
+        items.append(cvc.unwatched("hooks", "not installed on this vLLM: " + ", ".join(State.missing_hooks)))
+    rt.probes().coverage(items)
+    for line in cvc.log_lines(items):
+        log.info(line)
+    if not groups or not cvc.ownership_followed(items):
+        log.warning(
+            "kvguard: this vLLM engine holds KV kvguard cannot follow (%s): it reports no page records, only that "
+            "it is unwatched (a coverage_gap finding in the sidecar)",
+            "; ".join(i.component for i in items if not i.watched & cvc.OWNERSHIP),
+        )
+        return
+    State.page_size = page_size
+    State.groups = groups
+    # a row per group where the rows are not simply appended to (more than one group, or one
+    # that releases blocks while the request lives): hooks_groups.py
+    if len(groups) > 1 or groups[0].kind != "full_attention":
+        State.group_rows = [rt.Bounded() for _ in groups]
+    State.block_pool = manager.block_pool
+    State.scheduler = self
     State.hello_done = True
     try:  # after HELLO: its records need the page size; a failure leaves the rest running
         hconn.attach(self)
@@ -131,6 +158,9 @@ def free_blocks(original, name: str):
                 and (b.pool is None or b.pool is self)
                 and (b.ref_cnt < 0 or (b.ref_cnt == 0 and not _cached(self, b)))
             ]
+            if State.skipping is not None:  # released from a live request's row: held for it (hooks_groups)
+                State.skipping.append(([b.block_id for b in blocks if not b.is_null], freed))
+                return result
             _emit_free(freed)
         except Exception as exc:  # noqa: BLE001
             rt.hook_failed(name, exc)
@@ -168,30 +198,19 @@ def schedule_post(_token, out, self, *args, **kwargs) -> None:
     256 the per-request hooks cost ~1.7 µs each (docs/performance.md)."""
     if out is None or not State.hello_done:
         return
+    if State.group_rows:
+        _schedule_groups(self, out)
+        return
     p = rt.probes()
     ps = State.page_size
     rows = State.rows
     now = time.perf_counter_ns()
     for new in out.scheduled_new_reqs:
         rid = new.req_id
-        if rid not in State.ttft_ns:
-            State.prefilling.setdefault(rid, now)  # its first forward: TTFT counts from here
         ids = new.block_ids[0]
-        computed = int(new.num_computed_tokens)
         # the row's prefix-cache hit (shared); tokens a KV connector loads are the request's own
-        shared = hconn.shared_until(rid, computed)
-        if rid not in State.begun:
-            State.begun[rid] = True
-            request = self.requests.get(rid)
-            p.request_begin(
-                rid,
-                rt.tenant_of(request),
-                htx.request_room(request),  # a prefill/decode transfer's room, else none
-                int(getattr(request, "num_prompt_tokens", 0) or 0),
-                computed,  # prompt tokens this engine does not compute: the hit and a connector's load
-                False,
-                cache_salt=getattr(request, "cache_salt", None),
-            )
+        shared = hconn.shared_until(rid, int(new.num_computed_tokens))
+        _begin(self, p, new, now)
         if ids:
             p.row_pages_assigned(rid, 0, len(ids) * ps, shared, ids)
         rows[rid] = len(ids)
@@ -224,6 +243,45 @@ def schedule_post(_token, out, self, *args, **kwargs) -> None:
     hconn.loads_landed_in_schedule(out)
 
 
+def _begin(sched, p, new, now: int) -> None:
+    """REQ_BEGIN of a request scheduled for the first time (its prefix hit is known now)."""
+    rid = new.req_id
+    if rid not in State.ttft_ns:
+        State.prefilling.setdefault(rid, now)  # its first forward: TTFT counts from here
+    if rid in State.begun:
+        return
+    State.begun[rid] = True
+    request = sched.requests.get(rid)
+    p.request_begin(
+        rid,
+        rt.tenant_of(request),
+        htx.request_room(request),  # a prefill/decode transfer's room, else none
+        int(getattr(request, "num_prompt_tokens", 0) or 0),
+        int(new.num_computed_tokens),  # prompt tokens this engine does not compute: the hit and a connector's load
+        False,
+        cache_salt=getattr(request, "cache_salt", None),
+    )
+
+
+def _schedule_groups(sched, out) -> None:
+    """``schedule_post`` for an engine of several KV cache groups: a row per group (hooks_groups.py)."""
+    p = rt.probes()
+    now = time.perf_counter_ns()
+    for new in out.scheduled_new_reqs:
+        _begin(sched, p, new, now)
+        hg.new_rows(p, new.req_id, new.block_ids, hconn.shared_until(new.req_id, int(new.num_computed_tokens)))
+    cached = out.scheduled_cached_reqs
+    resumed = cached.resumed_req_ids
+    for rid, gained, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+        if gained is None:
+            continue
+        if rid in resumed:  # after a preemption: a new row, its own cached blocks shared
+            hg.new_rows(p, rid, gained, hconn.shared_until(rid, int(computed)))
+        else:
+            hg.appended(p, rid, gained)
+    hconn.loads_landed_in_schedule(out)
+
+
 def update_from_output_post(_token, _result, self, scheduler_output, *args, **kwargs) -> None:
     """``Scheduler.update_from_output``: the step's forward is done (its connector saves
     too), and the requests that were prefilling may have their first token now. Only those
@@ -248,6 +306,8 @@ def free_request_pre(self, request, *args, **kwargs):
     REQ_END's arguments (the post hook emits them, or holds them while a send is pending)."""
     rid = request.request_id
     State.rows.pop(rid, None)
+    if State.group_rows:
+        hg.forget(rid)
     State.prefilling.pop(rid, None)
     ttft = State.ttft_ns.pop(rid, 0)
     hconn.forget(rid)

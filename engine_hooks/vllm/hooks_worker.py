@@ -22,7 +22,9 @@ import time
 
 import numpy as np
 
+from .. import coverage as cvc
 from . import _runtime as rt
+from . import coverage as cov
 from . import hooks_connector_worker as hconn_worker
 from . import hooks_transfer_worker as htx_worker
 from ._runtime import State
@@ -39,27 +41,58 @@ def _tp_rank() -> int:
         return 0
 
 
+def _worker_groups(runner, tables) -> list[tuple[int, str, int]]:
+    """Per block table (one per KV cache group): (block size, what its blocks hold, window)."""
+    cfg = getattr(runner, "kv_cache_config", None)
+    specs = [g.kv_cache_spec for g in cfg.kv_cache_groups] if cfg is not None else []
+    out = []
+    for i, table in enumerate(tables):
+        spec = specs[i] if i < len(specs) else None
+        kind = cov.group_kind(spec) if spec is not None else ("full_attention" if len(tables) == 1 else "")
+        window = int(getattr(spec, "sliding_window", 0) or 0) if kind == "sliding_window" else 0
+        out.append((int(table.block_size), kind, window))
+    return out
+
+
 def _announce(runner) -> None:
-    """ENGINE_PART once, or the reason this worker stays silent (logged once)."""
+    """ENGINE_PART once (and what this worker reports: COVERAGE), or the reason this worker
+    stays silent (logged once)."""
     State.part_done = True
     tables = runner.input_batch.block_table.block_tables
     rank = _tp_rank()
     if rank != 0:
-        State.worker_silent = f"tensor-parallel rank {rank} (rank 0 reports the shared tables)"
-    elif len(tables) != 1:
-        State.worker_silent = f"{len(tables)} KV cache groups (a hybrid model): not modelled"
-    elif int(tables[0].block_size) != int(runner.cache_config.block_size):
-        State.worker_silent = (
-            f"kernel block size {tables[0].block_size} differs from the cache's {runner.cache_config.block_size}: "
-            "not modelled"
+        log.info(
+            "kvguard: this vLLM worker reports no forwards: tensor-parallel rank %d (rank 0 reports the shared tables)",
+            rank,
         )
-    elif getattr(runner, "speculative_config", None) is not None:
-        State.worker_silent = "speculative decoding: not modelled"
+        State.worker_silent = f"tensor-parallel rank {rank}"
+        return
+    groups = _worker_groups(runner, tables)
+    cache_bs = int(runner.cache_config.block_size)
+    specs = getattr(getattr(runner, "kv_cache_config", None), "kv_cache_groups", None) or []
+    for i, (bs, kind, _window) in enumerate(groups):
+        group_bs = int(specs[i].kv_cache_spec.block_size) if i < len(specs) else cache_bs
+        if not kind:
+            State.worker_silent = f"KV cache group {i} holds blocks kvguard does not follow"
+        elif bs != group_bs:
+            State.worker_silent = (
+                f"kernel block size {bs} of group {i} differs from the cache's {group_bs}: not modelled"
+            )
+    State.page_size = groups[0][0] if groups else 1
+    p = rt.probes()
+    p.engine_part(os.getppid(), "worker", rank, State.page_size)
     if State.worker_silent:
         log.info("kvguard: this vLLM worker reports no forwards: %s", State.worker_silent)
+        p.coverage([cvc.unwatched("worker", f"its forwards are not reported: {State.worker_silent}")])
         return
-    State.page_size = int(tables[0].block_size)
-    rt.probes().engine_part(os.getppid(), "worker", rank, State.page_size)
+    State.worker_groups = groups
+    for i, (bs, _kind, _window) in enumerate(groups[1:], start=1):
+        p.use_pool_page_size(i, bs)
+    detail = ", ".join(
+        f"group {i}: block {bs}" + (f", window {w}" if w else "") + (f" ({k})" if k != "full_attention" else "")
+        for i, (bs, k, w) in enumerate(groups)
+    )
+    p.coverage([cvc.item("worker", cvc.OWNERSHIP, 0, f"tensor-parallel rank 0 reports every forward: {detail}")])
     try:  # optional: a failure here must not take the forward hook down with it
         hconn_worker.attach()
     except Exception as exc:  # noqa: BLE001
@@ -87,11 +120,25 @@ def prepare_inputs_pre(self, scheduler_output, num_scheduled_tokens, *args, **kw
     if n == 0:
         return
     rids = batch.req_ids[:n]
-    ps = State.page_size
     computed = batch.num_computed_tokens_cpu[:n].astype(np.int64)
     scheduled = np.asarray(num_scheduled_tokens[:n], dtype=np.int64)
     seq_lens = computed + scheduled
-    table = batch.block_table.block_tables[0].block_table.np
+    sampled = State.row_sampler.due()
+    t0 = time.perf_counter_ns() if sampled else 0
+    tables = batch.block_table.block_tables
+    for g, (ps, kind, window) in enumerate(State.worker_groups):
+        _forward(g, tables[g].block_table.np, ps, kind, window, n, rids, computed, seq_lens, sampled)
+    if sampled:
+        State.row_sampler.spent(time.perf_counter_ns() - t0)
+
+
+def _forward(g: int, table, ps: int, kind: str, window: int, n: int, rids, computed, seq_lens, sampled: bool):
+    """One group's FORWARD: per request the blocks it writes (positions ``[computed, seq_len)``)
+    and, when sampled, the row entries the forward reads. A sliding-window group reads only
+    the blocks from the window's start (``computed - window + 1``), a state group only the
+    state entries from ``computed - 1`` on: the worker's tables are append-only and keep the
+    ids of blocks the EngineCore released (behind the window, older states), which nothing
+    reads any more and may belong to another request by now."""
     first = computed // ps
     last = (seq_lens - 1) // ps
     if (last == first).all():  # decode (or chunks inside one block): one written page each
@@ -101,14 +148,18 @@ def prepare_inputs_pre(self, scheduler_output, num_scheduled_tokens, *args, **kw
         counts = last - first + 1
         written = np.concatenate([table[i, first[i] : last[i] + 1] for i in range(n)]).astype(np.int64)
     read_pages = read_counts = None
-    if State.row_sampler.due():
-        t0 = time.perf_counter_ns()
+    if sampled:
         read_counts = last + 1
         width = int(read_counts.max())
-        block = table[:n, :width]
+        block = table[:n, :width].copy() if kind != "full_attention" else table[:n, :width]
+        if kind == "sliding_window":
+            below = np.maximum(computed - window + 1, 0) // ps
+            block[np.arange(width)[None, :] < below[:, None]] = 0
+        elif kind == "state":
+            below = np.maximum(computed - 1, 0) // ps
+            block[np.arange(width)[None, :] < below[:, None]] = 0
         read_pages = block[np.arange(width)[None, :] < read_counts[:, None]]
-        State.row_sampler.spent(time.perf_counter_ns() - t0)
     # one slot per written page (its first): the probe turns slots into pages
     rt.probes().forward(
-        rids, seq_lens, written * ps, written_counts=counts, read_pages=read_pages, read_counts=read_counts
+        rids, seq_lens, written * ps, written_counts=counts, read_pages=read_pages, read_counts=read_counts, pool=g
     )

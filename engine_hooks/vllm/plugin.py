@@ -25,6 +25,7 @@ from typing import Any
 from . import _runtime as rt
 from . import hooks_connector as hconn
 from . import hooks_core as hc
+from . import hooks_groups as hg
 from . import hooks_worker as hw
 
 log = logging.getLogger("kvguard.vllm")
@@ -81,6 +82,14 @@ TARGETS = (
         post=hc.reset_prefix_cache_post,
     ),
     Target(_CORE + "sched.scheduler", "Scheduler", "schedule", (), post=hc.schedule_post),
+    # engines of several KV cache groups: blocks released from a live request's row (window, state)
+    Target(
+        _CORE + "kv_cache_coordinator",
+        "KVCacheCoordinator",
+        "remove_skipped_blocks",
+        ("request_id", "processed_computed_tokens"),
+        custom=hg.remove_skipped_blocks,
+    ),
     Target(
         _CORE + "sched.scheduler",
         "Scheduler",
@@ -139,11 +148,13 @@ def _name(target: Target) -> str:
 def install(version: str) -> list[str]:
     """Patch every target that checks out; returns the names patched."""
     rt.State.engine_version = version
+    rt.State.missing_hooks = []
     patched = []
     for target in TARGETS:
         cls, why = _check(target)
         if cls is None:
             log.warning("kvguard: vLLM %s: %s; that hook is not installed", version, why)
+            rt.State.missing_hooks.append(_name(target))  # said in the engine's COVERAGE too
             continue
         name = _name(target)
         if target.custom is not None:

@@ -26,6 +26,10 @@ here the test) contains the fault's name:
   ``pd_corrupt_recv``      one byte of the first block decode received is flipped before the
                            request reads it (a transfer that delivered other bytes than were sent)
 
+``KVGUARD_FAULT_GROUP`` (default 0): the KV cache group whose blocks ``free_live_block`` and
+``double_free_preempt`` take, in an engine of several (a sliding-window group: a block still
+inside the window; a Mamba / gated-delta-net group: a state block; tests/test_arch_engines.py).
+
 ``KVGUARD_FAULT_DIR``: ``events.jsonl`` gets one line per thing done (request ids, block ids).
 """
 
@@ -41,6 +45,7 @@ import time
 log = logging.getLogger("kvguard.faults")
 
 FAULT_ENV = "KVGUARD_FAULT"
+GROUP_ENV = "KVGUARD_FAULT_GROUP"
 DIR_ENV = "KVGUARD_FAULT_DIR"
 FAULTS = ("free_live_block", "double_free_preempt", "salt_ignored")
 PD_FAULTS = ("pd_short_pull", "pd_corrupt_recv")
@@ -74,6 +79,10 @@ def _role_of(request) -> tuple[str, str] | None:
     return fault, role
 
 
+def _group() -> int:
+    return int(os.environ.get(GROUP_ENV, "0") or 0)
+
+
 def _wrap(cls, attr, make):
     original = cls.__dict__[attr]
     setattr(cls, attr, functools.wraps(original)(make(original)))
@@ -105,7 +114,7 @@ def _free_live_block(armed: set[str]) -> None:
                     time.sleep(0.005)  # a slow step, so that the intruder's request meets a live reader
 
             if _roles.get(request.request_id) == ("free_live_block", "intruder") and request.request_id not in _done:
-                table = self.coordinator.single_type_managers[0].req_to_blocks
+                table = self.coordinator.single_type_managers[_group()].req_to_blocks
                 for rid, blocks in table.items():
                     if _roles.get(rid) == ("free_live_block", "reader") and blocks and rid not in _stolen:
                         block = blocks[-1]
@@ -122,6 +131,7 @@ def _free_live_block(armed: set[str]) -> None:
                             intruder=request.request_id,
                             block=block.block_id,
                             index=len(blocks) - 1,
+                            group=_group(),
                         )
                         break
             return original(self, request, *a, **k)
@@ -134,7 +144,7 @@ def _free_live_block(armed: set[str]) -> None:
         def f(self, request, *a, **k):
             block = _stolen.pop(request.request_id, None)
             if block is not None:  # keep vLLM's counts sane afterwards: the reader no longer frees it
-                blocks = self.coordinator.single_type_managers[0].req_to_blocks.get(request.request_id, [])
+                blocks = self.coordinator.single_type_managers[_group()].req_to_blocks.get(request.request_id, [])
                 if block in blocks:
                     blocks.remove(block)
             return original(self, request, *a, **k)
@@ -155,7 +165,7 @@ def _double_free_preempt(armed: set[str]) -> None:
             if role != ("double_free_preempt", "victim") or "double_free_preempt" in _done:
                 return original(self, request, *a, **k)
             manager = self.kv_cache_manager
-            blocks = list(manager.coordinator.single_type_managers[0].req_to_blocks.get(request.request_id, []))
+            blocks = list(manager.coordinator.single_type_managers[_group()].req_to_blocks.get(request.request_id, []))
             # only blocks this request alone held: a shared one freed twice would go to 0 under its other holder
             own = [b for b in blocks if not b.is_null and b.ref_cnt == 1]
             result = original(self, request, *a, **k)
