@@ -14,6 +14,8 @@
 #   make soak        the long zero-false-alarm soak on real engines: 4,000 + 600 requests (not in CI)
 #   make soak-vllm   the same on a real vLLM engine: 600 requests (make test runs 240)
 #   make soak-vllm-pd  the same on a vLLM prefill/decode pair (MooncakeConnector): 300 requests
+#   make test-arch   every model architecture on a real vLLM engine (MLA, MTP, EAGLE, sliding window, Mamba)
+#   make soak-arch   their clean traffic 10 times over (ARCH_SOAK_ROUNDS)
 #   make spec        the executable specification at its full bound: spin, the model checker, conformance
 #   make soak-memory 30 min of 8 synthetic ranks: the sidecar's RSS stays flat (not in CI)
 #   make test-reliability  tests/reliability only
@@ -230,6 +232,16 @@ soak-memory: venv native
 # it at 240 requests; this at VLLM_SOAK_REQUESTS (600), its summary printed.
 # The same on a vLLM prefill/decode pair (MooncakeConnector over TCP, tests/test_vllm_pd.py):
 # 300 requests through the pair, every transfer paired and digested, nothing reported.
+# Every model architecture on a real vLLM engine (tests/test_arch_engines.py, docs/coverage.md):
+# make test runs Gemma 3, Nemotron-H and DeepSeek-V3 + MTP once; test-arch adds Qwen3-Next, an
+# EAGLE draft and DeepSeek-V2; soak-arch repeats every class's clean traffic ARCH_SOAK_ROUNDS times.
+.PHONY: test-arch soak-arch
+test-arch: venv native
+	$(PY) -m pytest -q -s tests/test_arch_engines.py
+
+soak-arch: venv native
+	KVGUARD_ARCH_SOAK_ROUNDS=$(or $(ARCH_SOAK_ROUNDS),10) $(PY) -m pytest -q -s tests/test_arch_engines.py -k clean
+
 .PHONY: soak-vllm-pd
 soak-vllm-pd: venv native
 	KVGUARD_VLLM_PD_SOAK_REQUESTS=$(or $(VLLM_PD_SOAK_REQUESTS),300) $(PY) -m pytest -q -s tests/test_vllm_pd.py -k "soak or paired"

@@ -28,7 +28,8 @@ here the test) contains the fault's name:
 
 ``KVGUARD_FAULT_GROUP`` (default 0): the KV cache group whose blocks ``free_live_block`` and
 ``double_free_preempt`` take, in an engine of several (a sliding-window group: a block still
-inside the window; a Mamba / gated-delta-net group: a state block; tests/test_arch_engines.py).
+inside the window; a Mamba / gated-delta-net group: a state block; tests/test_arch_engines.py);
+an intruder's ``vllm_xargs`` may name another (``{"kvgf_group": 1}``).
 
 ``KVGUARD_FAULT_DIR``: ``events.jsonl`` gets one line per thing done (request ids, block ids).
 """
@@ -79,7 +80,10 @@ def _role_of(request) -> tuple[str, str] | None:
     return fault, role
 
 
-def _group() -> int:
+def _group(request=None) -> int:
+    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
+    if "kvgf_group" in extra:
+        return int(extra["kvgf_group"])
     return int(os.environ.get(GROUP_ENV, "0") or 0)
 
 
@@ -114,13 +118,14 @@ def _free_live_block(armed: set[str]) -> None:
                     time.sleep(0.005)  # a slow step, so that the intruder's request meets a live reader
 
             if _roles.get(request.request_id) == ("free_live_block", "intruder") and request.request_id not in _done:
-                table = self.coordinator.single_type_managers[_group()].req_to_blocks
+                group = _group(request)
+                table = self.coordinator.single_type_managers[group].req_to_blocks
                 for rid, blocks in table.items():
                     if _roles.get(rid) == ("free_live_block", "reader") and blocks and rid not in _stolen:
                         block = blocks[-1]
                         if block.is_null or block.ref_cnt != 1 or block.block_hash is not None:
                             continue
-                        _stolen[rid] = block
+                        _stolen[rid] = (block, group)
                         _done.add(request.request_id)
                         # the bug: freed while still in the reader's table; the front of the
                         # free queue, so this very allocation hands it to the intruder
@@ -131,7 +136,7 @@ def _free_live_block(armed: set[str]) -> None:
                             intruder=request.request_id,
                             block=block.block_id,
                             index=len(blocks) - 1,
-                            group=_group(),
+                            group=group,
                         )
                         break
             return original(self, request, *a, **k)
@@ -142,9 +147,10 @@ def _free_live_block(armed: set[str]) -> None:
 
     def release(original):
         def f(self, request, *a, **k):
-            block = _stolen.pop(request.request_id, None)
-            if block is not None:  # keep vLLM's counts sane afterwards: the reader no longer frees it
-                blocks = self.coordinator.single_type_managers[_group()].req_to_blocks.get(request.request_id, [])
+            stolen = _stolen.pop(request.request_id, None)
+            if stolen is not None:  # keep vLLM's counts sane afterwards: the reader no longer frees it
+                block, group = stolen
+                blocks = self.coordinator.single_type_managers[group].req_to_blocks.get(request.request_id, [])
                 if block in blocks:
                     blocks.remove(block)
             return original(self, request, *a, **k)
