@@ -294,10 +294,9 @@ def pool_view(pool) -> PoolView:
     k = getattr(pool, "k_buffer", None)
     v = getattr(pool, "v_buffer", None)
     if k is None or v is None:
-        if getattr(pool, "kv_buffer", None) is not None:
-            # MLA latent pools: one latent "head" replicated on every TP rank; not verified
-            # on a real engine here, so not digested rather than guessed.
-            raise Unsupported(f"latent (MLA) KV pool {type(pool).__name__} is not digested yet")
+        kv = getattr(pool, "kv_buffer", None)
+        if kv is not None:
+            return latent_view(pool, kv)
         raise Unsupported(f"KV pool {type(pool).__name__} has no k_buffer/v_buffer")
     layout = str(getattr(pool, "kv_cache_layout", "nhd") or "nhd")
     if layout not in ("nhd", "hnd"):
@@ -320,6 +319,29 @@ def pool_view(pool) -> PoolView:
         int(getattr(pool, "start_layer", 0) or 0),
         heads,
         k[0].device,
+    )
+
+
+def latent_view(pool, kv) -> PoolView:
+    """A latent (MLA / DSA) pool: per layer ``[slots, 1, kv_lora_rank + rope]`` of one latent
+    "head" (its stored bytes: an fp8 pool's as stored). Digested as head 0 of 1 with no V
+    (docs/wire-format.md, alg 3: ``K(l, 0)`` only); every attention-TP rank holds the same
+    latent, so one rank reports it (hooks_disagg.head_layout). A DSA pool's indexer K cache
+    (``index_key_cache``) is not part of the digest (docs/coverage.md)."""
+    if not kv:
+        raise Unsupported("kv_buffer is empty")
+    t = kv[0]
+    _check_dtype(t)
+    if t.dim() != 3 or int(t.shape[1]) != 1:
+        raise Unsupported(f"latent KV buffer of shape {tuple(t.shape)}: expected [slots, 1, latent]")
+    return PoolView(
+        list(kv),
+        None,
+        "nhd",
+        int(getattr(pool, "page_size", 1) or 1),
+        int(getattr(pool, "start_layer", 0) or 0),
+        1,
+        t.device,
     )
 
 

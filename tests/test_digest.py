@@ -334,14 +334,14 @@ def test_latent_view_hashes_one_head_without_v():
 
 
 # --------------------------------------------------------------------------- what is not digested
-class _Latent:
-    kv_buffer = [torch.zeros(8, 1, 4)]
+class _LatentOfTwoHeads:
+    kv_buffer = [torch.zeros(8, 2, 4)]
 
 
 @pytest.mark.parametrize(
     "pool,why",
     [
-        (_Latent(), r"latent \(MLA\)"),
+        (_LatentOfTwoHeads(), r"expected \[slots, 1, latent\]"),
         (types.SimpleNamespace(k_buffer=None, v_buffer=None), "no k_buffer"),
         (
             types.SimpleNamespace(
@@ -584,6 +584,48 @@ def test_hooks_state_is_bounded(probes, monkeypatch):
     for i in range(5):
         send_chunk(sched, req(f"open{i}", i), 4, False)  # first chunks of transfers that never finish
     assert list(hd.Digests.senders) == ["open2", "open3", "open4"] and hd.Digests.senders.dropped == 2
+
+
+class LatentPool:
+    """An SGLang MLATokenToKVPool-like pool: per layer [slots, 1, latent] (one latent head, no V)."""
+
+    def __init__(self, latent, slots, size: int, page_size: int):
+        self.page_size, self.start_layer = page_size, 0
+        idx = torch.as_tensor(slots)
+        self.kv_buffer = []
+        for src in latent:
+            buf = torch.zeros(size, 1, src.shape[-1], dtype=src.dtype)
+            buf[idx] = src
+            self.kv_buffer.append(buf)
+
+
+def test_hooks_latent_pools_are_digested_by_one_tp_rank_and_agree_across_tp_sizes(probes):
+    """MLA / DSA: the latent is the same on every attention-TP rank, so rank 0 reports it whole
+    (head 0 of 1) and the others nothing; a TP-2 prefill's digest equals a TP-1 decode's, and
+    it is alg 3's K stream of the one head (docs/wire-format.md)."""
+    g = torch.Generator().manual_seed(23)
+    latent = [torch.randn(12, 1, 576, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
+    rng = np.random.default_rng(24)
+    p_slots, d_slots = scattered(12, 64, 4, rng), scattered(12, 64, 4, rng)
+    for rank in (0, 1):
+        sched = engine_side(LatentPool(latent, p_slots, 64, 4), {3: p_slots})
+        sched.attn_tp_rank, sched.attn_tp_size, sched.tp_size = rank, 2, 2
+        send_chunk(sched, req("mla", 3), 12, True)
+        hd.Digests.setups.clear()  # one process per rank
+    decode = engine_side(LatentPool(latent, d_slots, 64, 4), {6: d_slots})
+    dr = req("mla", 6)
+    queue = types.SimpleNamespace(
+        scheduler=decode, req_to_token_pool=decode.req_to_token_pool, queue=[types.SimpleNamespace(req=dr)]
+    )
+    hd._pre_alloc_post((dr, 0, 0, False), torch.as_tensor(d_slots), queue, dr)
+    before = hd._pop_transferred_pre(queue)
+    queue.queue = []
+    hd._pop_transferred_post(before, [dr], queue)
+    sender, receiver = (c[1] for c in probes.named("transfer_digest"))  # rank 1 reported nothing
+    assert sender[7:10] == receiver[7:10] == (0, 1, 1)
+    k_rows = [[[latent[layer][t, 0].view(torch.uint8).numpy().tobytes() for t in range(12)]] for layer in range(LAYERS)]
+    assert sender[3] == receiver[3] == dg.reference_head_streams(k_rows)
+    assert sum(dg.skips.counts.values()) == 1  # rank 1's: "reported by another TP rank"
 
 
 def test_hooks_tp2_prefill_partials_add_up_to_tp1_decode(probes):

@@ -140,6 +140,14 @@ def inspect(sched, version: str, role: str) -> list[wire.CoverageItem]:
         if pool is not None
         else cv.unwatched("kv_pool", f"allocator {type(alloc).__name__} has no get_kvcache(): no token KV pool found")
     )
+    if pool is not None and getattr(pool, "index_key_cache", None) is not None:
+        # DSA (DeepSeek-V3.2 / GLM-5 class): an indexer K cache per page beside the latent. Its
+        # pages are the latent's (followed with them); its bytes are not in the transfer digest
+        detail = "the sparse-attention indexer's K cache, on the latent pool's pages"
+        if role in ("prefill", "decode"):
+            items.append(cv.item("indexer_cache", cv.OWNERSHIP, cv.DIGESTS, detail + ": sent with it, not digested"))
+        else:
+            items.append(cv.item("indexer_cache", cv.OWNERSHIP, 0, detail))
     rtt = type(sched.req_to_token_pool).__name__
     if rtt not in REQ_TO_TOKEN_POOLS:
         items.append(

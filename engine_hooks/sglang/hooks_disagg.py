@@ -327,11 +327,15 @@ def _setup(sched) -> _Setup | None:
         try:
             view = dg.pool_view(pool)
             alg = view.alg()
-            total = int(sched.model_config.get_total_num_kv_heads())
             rank, size = _attn_tp(sched)
-            heads = head_layout(view.heads, total, rank, size)
+            if view.v is None:  # a latent pool: one head, the same on every attention-TP rank
+                total = 1
+                heads = (0, 1) if rank == 0 else None
+            else:
+                total = int(sched.model_config.get_total_num_kv_heads())
+                heads = head_layout(view.heads, total, rank, size)
             got = (
-                "kv heads reported by another TP rank (replicated)"
+                "kv heads (or the latent) reported by another TP rank (replicated)"
                 if heads is None
                 else _Setup(view, alg, heads[0], heads[1], total)
             )
