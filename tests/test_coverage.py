@@ -273,3 +273,78 @@ def test_a_gap_forgets_every_pool_and_a_new_hello_drops_the_pools():
     p.hello("unified", 0, PAGE, 32, 32 * PAGE, 128, 128, "vllm", "0.32.0", "tiny-gemma3", pid=4242)
     _apply(pipeline, cap)
     assert t.pools == {} and t.coverage is None
+
+
+# --------------------------------------------------------------------------- preflight
+def test_preflight_prints_what_a_sidecar_watches_and_can_require_it(tmp_path, monkeypatch):
+    """``kvguard preflight --sidecar URL``: each engine's coverage from the sidecar's /v1/engines;
+    ``--require-coverage`` exits 3 on a part not watched (when the pool checks passed)."""
+    import io
+    import json
+
+    import httpx
+
+    from kvguard.sidecar.preflight import cli as preflight_cli
+    from kvguard.sidecar.preflight.coverage import EXIT_COVERAGE_GAP
+
+    p = Probes(RingWriter(str(tmp_path), 1 << 16), page_size=PAGE)
+    p.hello("decode", 0, PAGE, 32, 32 * PAGE, 128, 128, "sglang", "0.5.23", "tiny-dsv2")
+    p.coverage(
+        [
+            wire.CoverageItem("kv_pool", WATCHED, OWN | DIGESTS, 0, "MLATokenToKVPool"),
+            wire.CoverageItem("draft", UNWATCHED, 0, OWN, "speculative decoding (NEXTN): not hooked"),
+        ]
+    )
+    sidecar = Sidecar(str(tmp_path), slack_ns=0)
+    try:
+        sidecar.run_once(flush=True)
+        client = TestClient(create_app(sidecar, CollectorRegistry(), api_token="tok"))
+
+        def handler(request: httpx.Request) -> httpx.Response:
+            if request.url.host == "sidecar":
+                return client.request(request.method, request.url.path, headers=dict(request.headers))
+            return httpx.Response(404)  # the engine's own endpoints: not what this test is about
+
+        transport = httpx.MockTransport(handler)
+        token = tmp_path / "token"
+        token.write_text("tok\n")
+        out = io.StringIO()
+        safe = preflight_cli.Report(
+            url="http://engine:1", verdict="safe", role="decode", pool_tokens=512, context_len=256, page_size=4
+        )
+        safe.max_req_input_len = 250
+        monkeypatch.setattr(preflight_cli, "check", lambda url, **kw: [safe])
+        code = preflight_cli.run(
+            ["http://engine:1"], out=out, transport=transport, sidecars=["http://sidecar:9464"], api_token_file=str(token)
+        )
+        assert code == 0  # informational without --require-coverage
+        text = out.getvalue()
+        assert "kvguard coverage of decode rank 0" in text and "1 part(s) NOT fully watched" in text
+        assert "NO   draft: speculative decoding (NEXTN): not hooked" in text
+        out = io.StringIO()
+        code = preflight_cli.run(
+            ["http://engine:1"],
+            out=out,
+            transport=transport,
+            sidecars=["http://sidecar:9464"],
+            api_token_file=str(token),
+            require_coverage=True,
+            as_json=True,
+        )
+        assert code == EXIT_COVERAGE_GAP
+        cov_line = json.loads(out.getvalue().splitlines()[-1])
+        assert cov_line["coverage_gaps"] == 1 and cov_line["coverage"][1]["component"] == "draft"
+        # without the token: the sidecar cannot be read, which --require-coverage does not take as complete
+        token.write_text("wrong\n")
+        out = io.StringIO()
+        code = preflight_cli.run(
+            ["http://engine:1"],
+            out=out,
+            transport=transport,
+            sidecars=["http://sidecar:9464"],
+            api_token_file=str(token),
+            require_coverage=True,
+        )
+        assert code == EXIT_COVERAGE_GAP and "UNKNOWN: HTTP 401" in out.getvalue()
+    finally:
+        sidecar.stop()

@@ -11,6 +11,7 @@ from typing import IO
 
 import httpx
 
+from . import coverage as cov
 from . import router
 from .checks import (
     _MAX_WORKERS,
@@ -39,8 +40,12 @@ def run(
     out: IO[str] | None = None,
     environ: dict[str, str] | None = None,
     transport: httpx.BaseTransport | None = None,
+    sidecars: Sequence[str] = (),
+    api_token_file: str | None = None,
+    require_coverage: bool = False,
 ) -> int:
-    """Check every URL (in parallel), print one report each (text, or one JSON object per line)."""
+    """Check every URL (in parallel), print one report each (text, or one JSON object per line);
+    then, for each ``sidecars`` URL, what kvguard watches of the engines it sees (coverage.py)."""
     out = out or sys.stdout
     try:
         token = read_token(token_file, environ)
@@ -61,8 +66,23 @@ def run(
                 f"\n{len(reports)} servers: {counts[SAFE]} safe, {counts[POOL_SMALLER]} pool smaller than "
                 f"context, {counts[UNKNOWN]} cannot tell; exit {worst_exit(reports)}\n"
             )
+    code = worst_exit(reports)
+    if sidecars:
+        try:
+            api_token = cov.read_api_token(api_token_file)
+        except OSError as exc:
+            found = [cov.EngineCoverage(s, reason=f"cannot read the API token file: {exc}") for s in sidecars]
+        else:
+            found = [c for s in sidecars for c in cov.fetch(s, api_token, timeout_s, transport)]
+        if as_json:
+            for c in found:
+                out.write(json.dumps(c.to_json()) + "\n")
+        else:
+            out.write("\n" + cov.render(found) + "\n")
+        if require_coverage and code == 0 and not all(c.complete for c in found):
+            code = cov.EXIT_COVERAGE_GAP
     out.flush()
-    return worst_exit(reports)
+    return code
 
 
 # ---------------------------------------------------------------- command line
@@ -73,7 +93,15 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
     if not getattr(args, "verbose", False):
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
-    return run(args.url, timeout_s=args.timeout, token_file=args.bearer_token_file, as_json=args.json)
+    return run(
+        args.url,
+        timeout_s=args.timeout,
+        token_file=args.bearer_token_file,
+        as_json=args.json,
+        sidecars=args.sidecar or (),
+        api_token_file=args.api_token_file,
+        require_coverage=args.require_coverage,
+    )
 
 
 def _exit_1_on_usage_errors(p: argparse.ArgumentParser) -> None:
@@ -104,7 +132,9 @@ def register(subparsers) -> argparse.ArgumentParser:
         "A --url of SGLang's router (sglang-router) checks every worker it lists (GET /workers), "
         "each directly. Exit 0: pool >= context on every server; 2: some pool is smaller than its "
         "context; 1: cannot tell (the reason is printed). With several servers the worst wins "
-        "(2 > 1 > 0).",
+        "(2 > 1 > 0). With --sidecar, also what kvguard watches of each engine (its pools, KV cache groups, "
+        "state, draft model); --require-coverage exits 3 when some part is not watched (or cannot be read) "
+        "and nothing worse was found.",
     )
     p.add_argument(
         "--url",
@@ -133,6 +163,25 @@ def register(subparsers) -> argparse.ArgumentParser:
         metavar="PATH",
         help=f"send 'Authorization: Bearer <token>' with the token in PATH (default ${TOKEN_FILE_ENV}, "
         f"else the token in ${TOKEN_ENV})",
+    )
+    p.add_argument(
+        "--sidecar",
+        action="append",
+        metavar="URL",
+        help="a kvguard sidecar's base URL (repeatable): print what kvguard watches of each engine it sees "
+        "(GET /v1/engines' coverage)",
+    )
+    p.add_argument(
+        "--api-token-file",
+        default=None,
+        metavar="PATH",
+        help=f"the sidecar's API token for --sidecar (default ${cov.API_TOKEN_ENV})",
+    )
+    p.add_argument(
+        "--require-coverage",
+        action="store_true",
+        help=f"exit {cov.EXIT_COVERAGE_GAP} when a --sidecar engine has a part kvguard does not watch, sent no "
+        "coverage, or the sidecar cannot be read (and every pool check passed)",
     )
     p.set_defaults(func=cmd_preflight)
     _exit_1_on_usage_errors(p)
