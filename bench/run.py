@@ -342,6 +342,7 @@ def vllm_part(sz: Sizes, res: dict, details: dict, log) -> None:
         out = os.path.join(tmp, "vllm.json")
         steps = "10" if sz.quick else "60"
         cmd = [python, "-m", "bench.vllm_bench", "--batches", "64,256", "--steps", steps, "--json", out]
+        cmd += ["--shapes", "mha,mla,hybrid"]  # beside the MHA figure: an MLA model's and a hybrid's (issue 32)
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"vLLM bench failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -352,6 +353,11 @@ def vllm_part(sz: Sizes, res: dict, details: dict, log) -> None:
         res[f"engine.vllm_probe_us_per_step_b{b}"] = r["probe_cpu_us_per_step"]
         res[f"engine.vllm_probe_us_per_step_b{b}_median"] = r["probe_cpu_us_per_step_median"]
         res[f"engine.vllm_ring_bytes_per_step_b{b}"] = r["ring_bytes_per_step"]
+    for shape in ("mla", "hybrid"):  # the same step on other model shapes, side by side
+        r = got.get("shapes", {}).get(shape, {}).get("256")
+        if r is not None:
+            res[f"engine.vllm_probe_us_per_step_b256_{shape}"] = r["probe_cpu_us_per_step"]
+            res[f"engine.vllm_probe_us_per_step_b256_{shape}_median"] = r["probe_cpu_us_per_step_median"]
     v = res.get("engine.vllm_probe_us_per_step_b256")
     res["ratio.vllm_probe_over_target_b256"] = v / TARGET_PROBE_US_B256 if v is not None else None
 
@@ -539,6 +545,14 @@ def table(res: dict) -> str:
                 _status(v, TARGET_PROBE_US_B256, False) if b == 256 and v is not None else "",
             )
         )
+    for shape, what in (
+        ("mla", "an MLA model (latent 576, 16-token blocks)"),
+        ("hybrid", "a sliding-window + full hybrid"),
+    ):
+        v = g(f"engine.vllm_probe_us_per_step_b256_{shape}", "absent")
+        if v != "absent":
+            med = g(f"engine.vllm_probe_us_per_step_b256_{shape}_median")
+            rows.append((f"  vLLM, batch 256, {what}", f"{_fmt(v, ' us')} (median {_fmt(med, ' us')})", "", ""))
     rows += [
         ("  median per step, batch 256", _fmt(g("engine.probe_us_per_step_b256_median"), " us"), "", ""),
         (

@@ -11,6 +11,11 @@ to a real ring; the figure is the CPU time spent in the hooks' own code per step
 Worker together: the block pool's hooks inside ``allocate_slots``, the scheduler's per-step
 hook on the step's rows (fed the real ``CachedRequestData`` a step produces) and the
 Worker's per-forward hook. Batch 256 at ~1k tokens of context per request.
+
+``--shape``: ``mha`` (one full-attention group of 32-token blocks, 8 kv heads), ``mla`` (one
+``MLAAttentionSpec`` group: a 576-wide latent, 16-token blocks, as vLLM's CPU MLA backends
+take), ``hybrid`` (a sliding-window group, window 256, and a full-attention group: a row per
+group, the window's blocks released while the requests decode; hooks_groups.py).
 """
 
 from __future__ import annotations
@@ -64,12 +69,34 @@ def meter_overhead_ns(n: int = 5000) -> float:
     return m.cpu / n
 
 
-def bench(batch: int, steps: int, ring_dir: str) -> dict:
+WINDOW = 256  # the hybrid shape's sliding window
+
+
+def _specs(shape: str):
+    """(block size, the KV cache groups' specs) of a shape."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    if shape == "mha":
+        return BLOCK, [FullAttentionSpec(block_size=BLOCK, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)]
+    if shape == "mla":
+        return 16, [MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)]
+    if shape == "hybrid":
+        return BLOCK, [
+            SlidingWindowSpec(
+                block_size=BLOCK, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, sliding_window=WINDOW
+            ),
+            FullAttentionSpec(block_size=BLOCK, num_kv_heads=8, head_size=128, dtype=torch.bfloat16),
+        ]
+    raise ValueError(f"shape must be mha, mla or hybrid, got {shape!r}")
+
+
+def bench(batch: int, steps: int, ring_dir: str, shape: str = "mha") -> dict:
     import torch
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.output import CachedRequestData
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.request import Request
     from vllm.v1.worker.block_table import MultiGroupBlockTable
 
@@ -81,15 +108,17 @@ def bench(batch: int, steps: int, ring_dir: str) -> dict:
     from kvguard.engine_hooks.vllm import hooks_worker as hw
     from kvguard.engine_hooks.vllm import plugin
 
-    max_len = CONTEXT_TOKENS + steps + BLOCK
-    per_req = -(-max_len // BLOCK)
-    num_blocks = batch * per_req + 1
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
-    cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    block, specs = _specs(shape)
+    max_len = CONTEXT_TOKENS + steps + block
+    per_req = -(-max_len // block)
+    num_blocks = batch * per_req * len(specs) + 1
+    groups = [KVCacheGroupSpec([f"l{i}"], spec) for i, spec in enumerate(specs)]
+    cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     # (no prefix caching: the requests carry no block hasher; the hooks do the same work either way)
     manager = KVCacheManager(
-        cfg, max_model_len=max_len, scheduler_block_size=BLOCK, hash_block_size=BLOCK, enable_caching=False
+        cfg, max_model_len=max_len, scheduler_block_size=block, hash_block_size=block, enable_caching=False
     )
+    n_groups = len(specs)
 
     writer = RingWriter(ring_dir, 64 << 20)
     probes_mod.reset_probes_for_tests(Probes(writer, page_size=BLOCK))
@@ -108,13 +137,23 @@ def bench(batch: int, steps: int, ring_dir: str) -> dict:
         plugin.install("0.32.0")
     finally:
         plugin.TARGETS = saved
-    rt.State.hello_done, rt.State.page_size, rt.State.block_pool = True, BLOCK, manager.block_pool
-    probes_mod.get_probes().hello(
-        "unified", 0, BLOCK, num_blocks, num_blocks * BLOCK, max_len, max_len, "vllm", "0.32.0", "bench"
-    )
+    scheduler = type("Scheduler", (), {"requests": {}})()
+    scheduler.kv_cache_config, scheduler.kv_cache_manager, scheduler.max_model_len = cfg, manager, max_len
+    scheduler.vllm_config = type(
+        "VllmConfig",
+        (),
+        {
+            "kv_transfer_config": None,
+            "speculative_config": None,
+            "model_config": type("M", (), {"served_model_name": "bench", "hf_config": None})(),
+            "cache_config": type("CC", (), {"cache_dtype": "auto", "enable_prefix_caching": False})(),
+            "parallel_config": type("P", (), {})(),
+        },
+    )()
+    hc.scheduler_init_post(None, None, scheduler)  # HELLO, its pools and COVERAGE, as the engine's hook sends them
+    assert rt.State.hello_done, "the bench's engine shape is not one kvguard watches"
 
     params = SamplingParams(max_tokens=steps + 8)
-    scheduler = type("Scheduler", (), {"requests": {}})()
     reqs = []
     for i in range(batch):
         r = Request(f"bench-{i}", list(range(1, CONTEXT_TOKENS + 1)), params, None, cache_salt=None)
@@ -126,11 +165,11 @@ def bench(batch: int, steps: int, ring_dir: str) -> dict:
         max_num_batched_tokens=max(8192, batch),
         pin_memory=False,
         device=torch.device("cpu"),
-        block_sizes=[BLOCK],
-        max_num_blocks=[per_req],
+        block_sizes=[block] * n_groups,
+        max_num_blocks=[per_req] * n_groups,
     )
     for i, r in enumerate(reqs):
-        table.add_row((manager.get_block_ids(r.request_id)[0],), i)
+        table.add_row(tuple(manager.get_block_ids(r.request_id)), i)
 
     class Batch:
         num_reqs = batch
@@ -140,8 +179,9 @@ def bench(batch: int, steps: int, ring_dir: str) -> dict:
 
     class Runner:
         input_batch = Batch
-        cache_config = type("C", (), {"block_size": BLOCK})
+        cache_config = type("C", (), {"block_size": block})
         speculative_config = None
+        kv_cache_config = cfg
 
     scheduled = np.ones(batch, np.int32)
     execute = meter.wrap(hw.execute_model_pre)
@@ -149,7 +189,10 @@ def bench(batch: int, steps: int, ring_dir: str) -> dict:
     schedule_post = meter.wrap(hc.schedule_post)
     update_from_output = meter.wrap(hc.update_from_output_post)
     for r in reqs:  # (their first step: a new request's whole row)
-        rt.State.rows[r.request_id] = len(manager.get_block_ids(r.request_id)[0])
+        ids = manager.get_block_ids(r.request_id)
+        rt.State.rows[r.request_id] = len(ids[0])
+        for g, rows in enumerate(rt.State.group_rows):
+            rows[r.request_id] = list(ids[g])
         rt.State.begun[r.request_id] = True
     overhead = meter_overhead_ns()
     per_step = []
@@ -158,12 +201,13 @@ def bench(batch: int, steps: int, ring_dir: str) -> dict:
         meter.cpu = meter.calls = 0
         gained = []
         for i, r in enumerate(reqs):  # the scheduler's decode step
-            before = len(manager.get_block_ids(r.request_id)[0])
+            before = [len(g) for g in manager.get_block_ids(r.request_id)]
             manager.allocate_slots(r, 1)
-            ids = manager.get_block_ids(r.request_id)[0]
-            if len(ids) > before:
-                table.append_row((ids[before:],), i)
-                gained.append((ids[before:],))
+            ids = manager.get_block_ids(r.request_id)
+            new = tuple(list(ids[g][before[g] :]) for g in range(n_groups))
+            if any(new):
+                table.append_row(new, i)
+                gained.append(new)
             else:
                 gained.append(None)
         out = SchedulerOutputView(
@@ -196,6 +240,8 @@ def bench(batch: int, steps: int, ring_dir: str) -> dict:
     probes_mod.reset_probes_for_tests(None)
     body = per_step[2:] or per_step
     return {
+        "shape": shape,
+        "groups": n_groups,
         "batch": batch,
         "steps": steps,
         "probe_cpu_us_per_step": round(statistics.mean(body), 1),
@@ -217,11 +263,16 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--shapes", default="mha", help="comma list of mha, mla, hybrid (the first fills 'batches')")
     args = ap.parse_args(argv)
-    out = {"batches": {}}
+    shapes = [x for x in args.shapes.split(",") if x]
+    out: dict = {"batches": {}, "shapes": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for b in [int(x) for x in args.batches.split(",") if x]:
-            out["batches"][str(b)] = bench(b, args.steps, tmp)
+        for shape in shapes:
+            got = {str(b): bench(b, args.steps, tmp, shape) for b in [int(x) for x in args.batches.split(",") if x]}
+            out["shapes"][shape] = got
+            if shape == shapes[0]:
+                out["batches"] = got
     text = json.dumps(out, indent=1)
     if args.json:
         with open(args.json, "w") as f:

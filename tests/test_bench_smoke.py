@@ -141,16 +141,21 @@ def test_vllm_bench_runs_the_adapter_hooks_on_real_vllm_objects(tmp_path):
         pytest.skip(f"vLLM 0.32.0 is not installed at {python.parent.parent}: run `make venv`")
     out = tmp_path / "vllm.json"
     proc = subprocess.run(
-        [str(python), "-m", "bench.vllm_bench", "--batches", "2,40", "--steps", "40", "--json", str(out)],
+        [str(python), "-m", "bench.vllm_bench", "--batches", "2,40", "--steps", "40", "--json", str(out)]
+        + ["--shapes", "mha,mla,hybrid"],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for b, r in json.loads(out.read_text())["batches"].items():
-        assert r["probe_errors"] == 0 and r["disabled_hooks"] == [] and r["dropped_records"] == 0, (b, r)
-        assert r["probe_cpu_us_per_step"] > 0 and r["ring_bytes_per_step"] > 0, (b, r)
+    got = json.loads(out.read_text())
+    assert set(got["shapes"]) == {"mha", "mla", "hybrid"} and got["batches"] == got["shapes"]["mha"]
+    for shape, batches in got["shapes"].items():
+        for b, r in batches.items():
+            assert r["probe_errors"] == 0 and r["disabled_hooks"] == [] and r["dropped_records"] == 0, (shape, b, r)
+            assert r["probe_cpu_us_per_step"] > 0 and r["ring_bytes_per_step"] > 0, (shape, b, r)
+        assert batches["40"]["groups"] == (2 if shape == "hybrid" else 1)
 
 
 @pytest.mark.engine
