@@ -16,7 +16,8 @@ Each class is one architecture on one engine (about 30-60 s to start):
   rejected: with dummy weights every step rejects);
 * in ``make test-arch`` only (the ``sweep`` marker): ``TestQwen3Next`` (gated delta net +
   full attention, prefix caching on: the state group's "align" mode), ``TestLlamaEagle`` (an
-  EAGLE draft), ``TestDeepseekV2`` (MLA without speculation).
+  EAGLE draft), ``TestLlamaNgram`` (n-gram speculation), ``TestDeepseekV2`` (MLA without
+  speculation).
 
 The fault is the test-only plugin's ``free_live_block`` (tests/faults_vllm) aimed at one KV
 cache group (``KVGUARD_FAULT_GROUP``): a reader's last block of that group (a sliding-window
@@ -276,6 +277,17 @@ class TestLlamaEagle(ArchEngine):
     kv_cache_bytes = 48 * 3 * 8192  # 48 blocks, 3 layers (2 + the draft's)
     expect_groups = 1
     extra_args: list[str] = []  # the draft's path is filled in at collection (below)
+
+
+@pytest.mark.sweep
+class TestLlamaNgram(ArchEngine):
+    arch = "llama"
+    kv_cache_bytes = 48 * 2 * 8192  # 48 blocks, 2 layers (n-gram drafts have no KV of their own)
+    expect_groups = 1
+    extra_args = [
+        "--speculative-config",
+        '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":4,"prompt_lookup_min":2}',
+    ]
 
 
 @pytest.mark.sweep
