@@ -184,11 +184,16 @@ def create_app(sidecar: Sidecar, registry: CollectorRegistry | None = None, api_
         engine: Annotated[int, Path(ge=0, le=2**32 - 1)],
         page: Annotated[int, Path(ge=0, le=2**31 - 1)],
         limit: Annotated[int, Query(ge=1, le=5000)] = 200,
+        pool_index: Annotated[int, Query(alias="pool", ge=0, le=65535)] = 0,
     ):
         with sidecar.lock:
             t = sidecar.pipeline.engines.get(engine)
             if t is None:
                 raise HTTPException(404, f"no engine {engine} (see /v1/engines)")
+            if pool_index:  # one of the engine's other pools (POOL, contract 1.5; /v1/engines lists them)
+                t = t.pools.get(pool_index)
+                if t is None:
+                    raise HTTPException(404, f"engine {engine} has no pool {pool_index} (see /v1/engines)")
             if page >= t.pool.num_pages:
                 raise HTTPException(404, f"engine {engine} has no page {page} (pool of {t.pool.num_pages})")
             pool = t.pool
@@ -203,9 +208,9 @@ def create_app(sidecar: Sidecar, registry: CollectorRegistry | None = None, api_
             events = (
                 []
                 if history is None
-                else [_event_dict(e, t.requests) for e in history.page_events(engine, page, limit)]
+                else [_event_dict(e, t.requests) for e in history.page_events(engine, page, limit, pool_index)]
             )
-            return {"engine": engine, "page": page, "now": now, "events": events}
+            return {"engine": engine, "pool": pool_index, "page": page, "now": now, "events": events}
 
     @app.get(
         "/v1/requests/{rid}/timeline",

@@ -315,7 +315,11 @@ def test_preflight_prints_what_a_sidecar_watches_and_can_require_it(tmp_path, mo
         safe.max_req_input_len = 250
         monkeypatch.setattr(preflight_cli, "check", lambda url, **kw: [safe])
         code = preflight_cli.run(
-            ["http://engine:1"], out=out, transport=transport, sidecars=["http://sidecar:9464"], api_token_file=str(token)
+            ["http://engine:1"],
+            out=out,
+            transport=transport,
+            sidecars=["http://sidecar:9464"],
+            api_token_file=str(token),
         )
         assert code == 0  # informational without --require-coverage
         text = out.getvalue()
@@ -346,5 +350,34 @@ def test_preflight_prints_what_a_sidecar_watches_and_can_require_it(tmp_path, mo
             require_coverage=True,
         )
         assert code == EXIT_COVERAGE_GAP and "UNKNOWN: HTTP 401" in out.getvalue()
+    finally:
+        sidecar.stop()
+
+
+def test_a_pools_page_timeline_is_its_own(tmp_path):
+    """/v1/pages/{engine}/{page}/timeline?pool=P: the events of that pool's page, not pool 0's."""
+    writer = RingWriter(str(tmp_path), 1 << 16)
+    p = Probes(writer, page_size=PAGE)
+    p.hello("unified", 0, PAGE, 32, 32 * PAGE, 128, 128, "sglang", "0.5.23", "tiny")
+    p.pool_declared(1, PAGE, 16, "state", "mamba state")
+    p.request_begin("a", "acme", None, 4, 0, False)
+    p.page_ids_allocated([3])
+    p.row_pages_assigned("a", 0, 4, 0, [3])
+    p.page_ids_allocated([3], pool=1)
+    p.row_pages_assigned("a", 0, 4, 0, [3], pool=1)
+    p.pages_freed([3], kind="page_ids", pool=1)
+    sidecar = Sidecar(str(tmp_path), slack_ns=0)
+    try:
+        sidecar.run_once(flush=True)
+        client = TestClient(create_app(sidecar, CollectorRegistry(), api_token="t"))
+        auth = {"Authorization": "Bearer t"}
+        engine = client.get("/v1/engines", headers=auth).json()["engines"][0]
+        assert [(x["pool"], x["kind"]) for x in engine["pools"]] == [(1, "state")]
+        eid = engine["engine"]
+        zero = client.get(f"/v1/pages/{eid}/3/timeline", headers=auth).json()
+        one = client.get(f"/v1/pages/{eid}/3/timeline?pool=1", headers=auth).json()
+        assert [e["event"] for e in zero["events"]] == ["alloc", "assign"] and zero["now"]["state"] == "owned"
+        assert [e["event"] for e in one["events"]] == ["alloc", "assign", "free"] and one["now"]["state"] == "free"
+        assert client.get(f"/v1/pages/{eid}/3/timeline?pool=2", headers=auth).status_code == 404
     finally:
         sidecar.stop()
