@@ -628,6 +628,18 @@ def test_hooks_latent_pools_are_digested_by_one_tp_rank_and_agree_across_tp_size
     assert sum(dg.skips.counts.values()) == 1  # rank 1's: "reported by another TP rank"
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.uint8])
+def test_an_fp8_latent_pool_is_digested_as_stored(dtype):
+    """FP8 KV (stored as float8 or as raw uint8): the stored bytes, never dequantized."""
+    g = torch.Generator().manual_seed(31)
+    raw = torch.randint(0, 256, (3, 16, 1, 64), generator=g, dtype=torch.uint8)
+    kv = [raw[layer].view(dtype) if dtype != torch.uint8 else raw[layer] for layer in range(3)]
+    view = dg.pool_view(types.SimpleNamespace(kv_buffer=kv, page_size=4))
+    slots = [4, 5, 6, 9]
+    rows = [[[raw[layer, s, 0].numpy().tobytes() for s in slots]] for layer in range(3)]
+    assert dg.transfer_digest(view, slots, 0, dg.HEAD_STREAMS) == dg.reference_head_streams(rows)
+
+
 def test_hooks_tp2_prefill_partials_add_up_to_tp1_decode(probes):
     """Prefill with attention TP 2 (each rank half the kv heads), decode with TP 1."""
     kv = make_kv(24, seed=18)
