@@ -267,3 +267,131 @@ def test_requests_crossing_into_a_new_block_are_assigned_together_and_the_rest_o
     assert (c.row_start, c.row_end, c.shared_until, c.pages.tolist()) == (32, 96, 32, [9, 10])
     hc.schedule_post(None, _step(cached=[("a", [12], 96), ("c", [13], 96)]), scheduler)
     assert [r.body.row_start for r in captured.take()] == [96, 96]  # the rows went on where they were
+
+
+# --------------------------------------------------------------------------- several KV cache groups
+def _spec(name: str, block_size: int, **kw):
+    return type(name, (), {})() if False else type(name, (), {"block_size": block_size, **kw})()
+
+
+def _hybrid_scheduler(pool):
+    """A Gemma-3-shaped scheduler: group 0 a sliding window of 64, group 1 full attention."""
+    groups = [
+        types.SimpleNamespace(kv_cache_spec=_spec("SlidingWindowSpec", PAGE, sliding_window=64), layer_names=["l0"]),
+        types.SimpleNamespace(kv_cache_spec=_spec("FullAttentionSpec", PAGE), layer_names=["l1"]),
+    ]
+    cfg = types.SimpleNamespace(kv_cache_groups=groups, num_blocks=len(pool.blocks))
+    vllm_config = types.SimpleNamespace(
+        kv_transfer_config=None,
+        speculative_config=None,
+        model_config=types.SimpleNamespace(served_model_name="tiny", hf_config=None),
+        cache_config=types.SimpleNamespace(cache_dtype="auto", enable_prefix_caching=True),
+        parallel_config=types.SimpleNamespace(),
+    )
+    return types.SimpleNamespace(
+        kv_cache_config=cfg,
+        kv_cache_manager=types.SimpleNamespace(block_pool=pool),
+        max_model_len=512,
+        vllm_config=vllm_config,
+        requests={"a": types.SimpleNamespace(num_prompt_tokens=100, cache_salt=None, sampling_params=None)},
+        connector=None,
+    )
+
+
+def test_an_engine_of_two_groups_declares_its_second_pool_and_rows_go_per_group(captured):
+    pool = _pool(16)
+    rt.State.hello_done = False
+    sched = _hybrid_scheduler(pool)
+    hc.scheduler_init_post(None, None, sched)
+    hello, pool_rec, coverage = captured.take()
+    assert (hello.kind, pool_rec.kind, coverage.kind) == (wire.Kind.HELLO, wire.Kind.POOL, wire.Kind.COVERAGE)
+    assert pool_rec.pool == 1 and pool_rec.body.shares_pages and pool_rec.body.kind == wire.PoolKind.FULL_ATTENTION
+    assert coverage.body.gaps == [] and rt.State.hello_done and len(rt.State.group_rows) == 2
+    new = types.SimpleNamespace(req_id="a", block_ids=([1, 2, 3, 4], [5, 6, 7, 8]), num_computed_tokens=0)
+    step = types.SimpleNamespace(
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=types.SimpleNamespace(
+            req_ids=["a"], new_block_ids=[([9], None)], num_computed_tokens=[100], resumed_req_ids=set()
+        ),
+    )
+    # (one new request and, for the test, the same request gaining a block in group 0 only)
+    hc.schedule_post(None, step, sched)
+    begin, a0, a1, gained = captured.take()
+    assert begin.kind == wire.Kind.REQ_BEGIN
+    assert (a0.pool, a0.body.pages.tolist()) == (0, [1, 2, 3, 4]) and (a1.pool, a1.body.pages.tolist()) == (
+        1,
+        [5, 6, 7, 8],
+    )
+    assert (gained.pool, gained.body.row_start, gained.body.pages.tolist()) == (0, 4 * PAGE, [9])
+
+
+def test_blocks_released_behind_the_window_leave_the_row_before_they_are_freed(captured):
+    """``remove_skipped_blocks``: the frees inside it are held; the row positions they leave
+    point at page 0 (the null block) first, then the frees go out."""
+    from kvguard.engine_hooks.vllm import hooks_groups as hg
+
+    pool = _pool(16)
+    rt.State.hello_done = False
+    hc.scheduler_init_post(None, None, _hybrid_scheduler(pool))
+    captured.take()
+    rt.State.group_rows[0]["a"] = [1, 2, 3, 4]
+    rt.State.group_rows[1]["a"] = [5, 6, 7, 8]
+    free = hc.free_blocks(_free, "BlockPool.free_blocks")
+    for b in pool.blocks[1:9]:
+        b.ref_cnt = 1
+    pool.blocks[2].block_hash = "cached"  # a prefix-cache block leaves the row but is not freed for good
+
+    def engine_call(self, request_id, processed):  # what the sliding-window manager does
+        free(pool, [pool.blocks[2], pool.blocks[1]])
+
+    hg.remove_skipped_blocks(engine_call, hg.HOOK_NAME)(None, "a", 100)
+    assign, freed = captured.take()
+    assert (assign.kind, assign.pool, assign.body.row_start, assign.body.row_end) == (wire.Kind.ASSIGN, 0, 0, 2 * PAGE)
+    assert assign.body.pages.tolist() == [0, 0]
+    assert (freed.kind, freed.body.pages.tolist()) == (wire.Kind.FREE, [1])  # block 2 stays cached
+    assert rt.State.group_rows[0]["a"] == [0, 0, 3, 4] and rt.State.group_rows[1]["a"] == [5, 6, 7, 8]
+    assert rt.State.skipping is None
+
+    def failing_call(self, request_id, processed):  # the engine raises after a free: still let out
+        free(pool, [pool.blocks[3]])
+        raise RuntimeError("engine error")
+
+    pool.blocks[3].ref_cnt = 1
+    with pytest.raises(RuntimeError, match="engine error"):
+        hg.remove_skipped_blocks(failing_call, hg.HOOK_NAME)(None, "a", 160)
+    assign, freed = captured.take()
+    assert assign.body.pages.tolist() == [0] and freed.body.pages.tolist() == [3] and rt.State.skipping is None
+
+
+def test_a_worker_of_two_groups_masks_what_the_window_no_longer_reads(captured, monkeypatch):
+    monkeypatch.setattr(hw.os, "getppid", lambda: 777)
+    rt.State.row_sampler.every, rt.State.row_sampler.budget_ns = 1, 0
+    swa = types.SimpleNamespace(
+        block_size=PAGE, block_table=types.SimpleNamespace(np=np.array([[1, 2, 3, 4]], np.int32))
+    )
+    full = types.SimpleNamespace(
+        block_size=PAGE, block_table=types.SimpleNamespace(np=np.array([[5, 6, 7, 8]], np.int32))
+    )
+    batch = types.SimpleNamespace(
+        num_reqs=1,
+        req_ids=["a"],
+        num_computed_tokens_cpu=np.array([100], np.int32),
+        block_table=types.SimpleNamespace(block_tables=[swa, full]),
+    )
+    groups = [
+        types.SimpleNamespace(kv_cache_spec=_spec("SlidingWindowSpec", PAGE, sliding_window=64)),
+        types.SimpleNamespace(kv_cache_spec=_spec("FullAttentionSpec", PAGE)),
+    ]
+    runner = types.SimpleNamespace(
+        input_batch=batch,
+        cache_config=types.SimpleNamespace(block_size=PAGE),
+        speculative_config=None,
+        kv_cache_config=types.SimpleNamespace(kv_cache_groups=groups),
+    )
+    hw.prepare_inputs_pre(runner, None, np.array([1]))
+    part, coverage, *rest = captured.take()
+    f0, f1 = [r for r in rest if r.kind == wire.Kind.FORWARD]
+    assert coverage.body.gaps == [] and "window 64" in coverage.body.items[0].detail
+    # token 100 reads from 37 on (window 64): blocks 0 (tokens 0-31) are behind it, pointed at page 0
+    assert (f0.pool, f0.body.read_pages.tolist(), f0.body.write_pages.tolist()) == (0, [0, 2, 3, 4], [4])
+    assert (f1.pool, f1.body.read_pages.tolist(), f1.body.write_pages.tolist()) == (1, [5, 6, 7, 8], [8])

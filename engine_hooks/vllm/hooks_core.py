@@ -99,8 +99,12 @@ def scheduler_init_post(_token, _result, self, *args, **kwargs) -> None:
         items = cov.engine_core_items(self, State.engine_version, groups)
     except Exception as exc:  # noqa: BLE001 - an engine we cannot read: said, and nothing else sent
         items = [cvc.unwatched("engine", f"kvguard could not inspect the scheduler: {type(exc).__name__}: {exc}")]
-    if State.missing_hooks:
-        items.append(cvc.unwatched("hooks", "not installed on this vLLM: " + ", ".join(State.missing_hooks)))
+    # a row per group where the rows are not simply appended to (more than one group, or one
+    # that releases blocks while the request lives): hooks_groups.py, which needs its own hook
+    group_rows = bool(groups) and (len(groups) > 1 or groups[0].kind != "full_attention")
+    missing = [n for n in State.missing_hooks if group_rows or n != hg.HOOK_NAME]
+    if missing:
+        items.append(cvc.unwatched("hooks", "not installed on this vLLM: " + ", ".join(missing)))
     rt.probes().coverage(items)
     for line in cvc.log_lines(items):
         log.info(line)
@@ -113,9 +117,7 @@ def scheduler_init_post(_token, _result, self, *args, **kwargs) -> None:
         return
     State.page_size = page_size
     State.groups = groups
-    # a row per group where the rows are not simply appended to (more than one group, or one
-    # that releases blocks while the request lives): hooks_groups.py
-    if len(groups) > 1 or groups[0].kind != "full_attention":
+    if group_rows:
         State.group_rows = [rt.Bounded() for _ in groups]
     State.block_pool = manager.block_pool
     State.scheduler = self

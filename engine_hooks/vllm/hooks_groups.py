@@ -28,6 +28,8 @@ from __future__ import annotations
 from . import _runtime as rt
 from ._runtime import State
 
+HOOK_NAME = "KVCacheCoordinator.remove_skipped_blocks"  # (plugin.py installs it under this name)
+
 
 def new_rows(p, rid: str, block_ids, shared_until: int) -> None:
     """A request scheduled for the first time, or resumed: its whole row in every group."""
