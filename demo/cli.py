@@ -11,8 +11,11 @@ from . import model_cli
 
 def cmd_demo(args) -> int:
     if args.engine == "vllm":
-        if args.guard_mode != "off" or args.sglang != "0.5.19" or args.dummy_weights:
-            print("kvguard demo --engine vllm: --guard, --sglang and --dummy-weights are SGLang's", file=sys.stderr)
+        if args.guard_mode != "off" or args.sglang != "0.5.19" or args.dummy_weights or args.model != "gpt2":
+            print(
+                "kvguard demo --engine vllm: --guard, --sglang, --model and --dummy-weights are SGLang's",
+                file=sys.stderr,
+            )
             return 1
         from .vllm_demo import run_vllm_demo
 
@@ -26,6 +29,7 @@ def cmd_demo(args) -> int:
         keep=args.keep,
         words=not args.dummy_weights,
         guard=args.guard_mode,
+        model=None if args.model == "gpt2" else args.model,
     )
 
 
@@ -45,6 +49,14 @@ def register(sub) -> None:
         default="0.5.19",
         choices=["0.5.19", "0.5.23"],
         help="0.5.19 still leaks (default); 0.5.23 has the fix",
+    )
+    p.add_argument(
+        "--model",
+        default="gpt2",
+        choices=["gpt2", "glm5", "deepseek_v2"],
+        help="gpt2: the echo GPT-2 (default; the leak in words); glm5: a tiny GLM-5, the incident's model class "
+        "(MLA latent KV + the DSA indexer cache); deepseek_v2: a tiny DeepSeek-V2 (MLA). The last two run with "
+        "dummy weights: the leak shows as pages",
     )
     p.add_argument("--json", action="store_true", help="print the findings as JSON lines instead of the story")
     p.add_argument("--workdir", default=None, help="where logs and rings go (default: a temporary directory)")

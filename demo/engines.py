@@ -27,11 +27,25 @@ arguments), :mod:`~kvguard.demo.engine_process` (:func:`start_engine`, :class:`E
 :mod:`~kvguard.demo.router` (:func:`start_router`, :class:`Router`),
 :mod:`~kvguard.demo.engine_requests` (:class:`GenerateResult`, posting helpers) and
 :mod:`~kvguard.demo.pd_pair` (:class:`PDPair`).
+
+Real architectures (:func:`sglang_arch`, :data:`SGLANG_ARCHS`): the tiny DeepSeek-V2 (MLA)
+and GLM-5 (MLA + DSA indexer, the 2026 incident's model class) of demo/arch_models.py,
+with what SGLang needs to serve them on this CPU: the kernel shims of demo/arch_shims.py
+(``KVGUARD_CPU_ARCH_SHIMS``, read by demo/shim/sitecustomize.py; set for these models
+only), DSA's 64-token pages, and pools that fit the demo's incident:
+
+    arch = sglang_arch("glm5")
+    with PDPair("0.5.19", ring_dir, log_dir, **arch.pair_kwargs()) as pair: ...
+    engine = start_engine("0.5.23", log_dir, **arch.engine_kwargs(max_total_tokens=2048))
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from kvguard.demo.engine_env import (
     DEFAULT_CONTEXT_LENGTH,
@@ -80,6 +94,113 @@ from kvguard.demo.router import (
 
 logger = logging.getLogger(__name__)  # the harness's logger; the modules above log under this name
 
+
+# ---------------------------------------------------------------- real architectures
+
+
+@dataclass(frozen=True)
+class SGLangArch:
+    """How the harness serves one tiny real-architecture model (dummy weights) on SGLang on CPU.
+
+    ``config``: its demo/arch_models.py entry; ``shims``: ``KVGUARD_CPU_ARCH_SHIMS``
+    (demo/arch_shims.py); ``page_size``: SGLang's ``--page-size`` (DSA requires 64);
+    ``prefill_pool_tokens`` / ``decode_pool_tokens``: the demo pair's pools (prefill's below
+    the 600-token prompt and the 2048-token context, as in the incident; DSA needs >= 512
+    tokens in a prefill pool, or bootstraps starve); ``kv_pool``: the KV pool class SGLang
+    builds for it (what kvguard's coverage reports).
+    """
+
+    name: str
+    config: str
+    title: str
+    shims: str
+    page_size: int
+    prefill_pool_tokens: int
+    decode_pool_tokens: int
+    kv_pool: str
+    indexer_cache: bool = False
+
+    def model_dir(self, context_length: int = DEFAULT_CONTEXT_LENGTH) -> Path:
+        """The model folder (config + the shared 256-token tokenizer), cached under
+        ``<repo>/.kvguard-cache/models``."""
+        from kvguard.demo.model import write_tiny_model
+
+        return write_tiny_model(
+            repo_root() / ".kvguard-cache" / "models" / f"tiny-{self.config}-{context_length}",
+            n_positions=context_length,
+            arch=self.config,
+        )
+
+    def extra_env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The engine environment's additions: the shims, then ``extra``."""
+        return {"KVGUARD_CPU_ARCH_SHIMS": self.shims, **(extra or {})}
+
+    def extra_args(self) -> list[str]:
+        """``sglang.launch_server`` arguments after the harness's own (the last value wins)."""
+        return ["--page-size", str(self.page_size)]
+
+    def engine_kwargs(
+        self, context_length: int = DEFAULT_CONTEXT_LENGTH, *, extra_env=None, extra_args=(), **kwargs: Any
+    ) -> dict[str, Any]:
+        """Keyword arguments of :func:`start_engine` for this model (``kwargs`` pass through)."""
+        return {
+            "model_dir": self.model_dir(context_length),
+            "context_length": context_length,
+            "extra_env": self.extra_env(extra_env),
+            "extra_args": [*self.extra_args(), *extra_args],
+            **kwargs,
+        }
+
+    def pair_kwargs(
+        self, context_length: int = DEFAULT_CONTEXT_LENGTH, *, extra_env=None, **kwargs: Any
+    ) -> dict[str, Any]:
+        """Keyword arguments of :class:`PDPair` for this model: its pools, folder, shims and
+        page size on both engines (``kwargs`` pass through and win)."""
+        return {
+            "prefill_pool_tokens": self.prefill_pool_tokens,
+            "decode_pool_tokens": self.decode_pool_tokens,
+            "model_dir": self.model_dir(context_length),
+            "context_length": context_length,
+            "extra_env": self.extra_env(extra_env),
+            "prefill_args": self.extra_args(),
+            "decode_args": self.extra_args(),
+            **kwargs,
+        }
+
+
+SGLANG_ARCHS = {
+    "deepseek_v2": SGLangArch(
+        name="deepseek_v2",
+        config="sglang_deepseek_v2",
+        title="DeepSeek-V2 (DeepseekV2ForCausalLM: MLA, one latent KV head per token)",
+        shims="rope,mla",
+        page_size=4,
+        prefill_pool_tokens=256,
+        decode_pool_tokens=1024,
+        kv_pool="MLATokenToKVPool",
+    ),
+    "glm5": SGLangArch(
+        name="glm5",
+        config="sglang_glm5",
+        title="GLM-5 (GlmMoeDsaForCausalLM: MLA latent KV + the DSA sparse-attention indexer cache)",
+        shims="rope,mla,dsa",
+        page_size=64,
+        prefill_pool_tokens=512,
+        decode_pool_tokens=1024,
+        kv_pool="DSATokenToKVPool",
+        indexer_cache=True,
+    ),
+}
+
+
+def sglang_arch(name: str) -> SGLangArch:
+    """The :class:`SGLangArch` called ``name`` (``deepseek_v2``, ``glm5``); ValueError otherwise."""
+    try:
+        return SGLANG_ARCHS[name]
+    except KeyError:
+        raise ValueError(f"model must be one of {sorted(SGLANG_ARCHS)}, got {name!r}") from None
+
+
 __all__ = [
     "DEFAULT_CONTEXT_LENGTH",
     "DEFAULT_ROUTER_STARTUP_TIMEOUT_S",
@@ -92,6 +213,7 @@ __all__ = [
     "ROLES",
     "ROUTED_TENANT_FIELDS",
     "ROUTER_SMOKE_BODY",
+    "SGLANG_ARCHS",
     "SGLANG_VERSIONS",
     "TENANT_FIELD",
     "Engine",
@@ -99,6 +221,7 @@ __all__ = [
     "GenerateResult",
     "PDPair",
     "Router",
+    "SGLangArch",
     "default_model_dir",
     "engine_args",
     "engine_env",
@@ -109,6 +232,7 @@ __all__ = [
     "router_args",
     "router_available",
     "sglang_dir",
+    "sglang_arch",
     "shim_dir",
     "start_engine",
     "start_router",

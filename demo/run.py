@@ -8,6 +8,10 @@ words: who read what, whose data it was, and what the client received.
 
 The terminal gets progress lines (stderr) and the report (stdout; JSON lines with
 ``--json``); library and engine logs go to files in the work directory's ``logs``.
+
+``--model glm5`` / ``--model deepseek_v2`` run the same incident on the incident's own model
+class (demo/engines.py ``sglang_arch``): a tiny GLM-5 (MLA latent KV + the DSA indexer cache)
+or DeepSeek-V2 (MLA) with dummy weights, so the story is told in pages, not words.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
+from kvguard.demo.engines import sglang_arch
 from kvguard.sidecar.findings import Finding
 from kvguard.sidecar.service import Sidecar
 from kvguard.sidecar.sinks.basic import MemorySink
@@ -104,6 +110,16 @@ def describe_finding(f: Finding, clients: dict[str, str] | None = None) -> list[
             )
     if f.kind == "pool_smaller_than_context":
         lines.append(f"    {f.summary}")
+    if f.kind == "coverage_gap":
+        for gap in f.evidence.get("unwatched", ()):
+            missing = f" (no {', '.join(gap['missing'])})" if gap.get("missing") else ""
+            lines.append(f"    {gap['component']}: {gap['status']}{missing}: {gap['detail']}")
+    if f.kind == "checksum_mismatch" and "sender_tokens" in f.evidence:
+        e = f.evidence
+        lines.append(
+            f"    prefill's digest covers tokens {e['sender_tokens'][0]}-{e['sender_tokens'][1]}, decode's the "
+            f"{e['receiver_tokens'][1] - e['receiver_tokens'][0]} tokens it reserved ({len(f.pages)} pages): they differ"
+        )
     if f.kind == "transfer_size_mismatch" and f.evidence.get("source") == "engine_guard":
         e = f.evidence
         lines.append(
@@ -125,12 +141,19 @@ def tell_story(run: DemoRun, out) -> None:
     say = lambda s="": print(s, file=out)
     long = scenario.long
     clients = client_requests(scenario)
+    arch = sglang_arch(run.model) if run.model else None
     say()
     say(f"== kvguard demo: SGLang {version}, prefill/decode pair on CPU (Mooncake over TCP) behind SGLang's router ==")
+    if arch is not None:
+        say(f"model: a tiny {arch.title}, dummy weights: the leak shows as pages, not words")
     say(
         f"prefill KV pool {scenario.prefill_pool_tokens} tokens, context length 2048: the pool is smaller than "
         f"the context, as in the incident; decode KV pool {scenario.decode_pool_tokens} tokens"
+        + (f"; pages of {arch.page_size} tokens" if arch is not None else "")
     )
+    for role in ("prefill", "decode"):
+        if arch is not None and run.kv_pool(role):
+            say(f"{role}'s KV pool, as kvguard's adapter found it: {run.kv_pool(role)}")
     say("clients send no request ids: the router picks a bootstrap room, prefill and decode each draw their own rid")
     tenants = sorted({r.result.tenant for r in scenario.normal})
     ok = sum(r.result.ok for r in scenario.normal)
@@ -198,8 +221,26 @@ def guard_aborts(findings: list[Finding]) -> list[Finding]:
     return [f for f in findings if f.evidence.get("source") == "engine_guard" and f.evidence.get("action") == "aborted"]
 
 
-def expected(version: str, scenario, findings: list[Finding], guard: str = "off") -> tuple[bool, str]:
+# what the leaking pair must raise on a real architecture (more than the GPT-2 demo checks)
+ARCH_LEAK_KINDS = ("unwritten_read", "transfer_size_mismatch", "checksum_mismatch", "pool_smaller_than_context")
+
+
+def expected(
+    version: str, scenario, findings: list[Finding], guard: str = "off", model: str | None = None
+) -> tuple[bool, str]:
     reads = [f for f in findings if f.kind in READ_KINDS]
+    if model is not None and version == "0.5.19":
+        long = scenario.long.result  # decode's rid; the room when decode's error named it
+
+        def about_long(f: Finding) -> bool:
+            return f.reader.rid == long.rid or (long.room is not None and f.reader.bootstrap_room == long.room)
+
+        stray = [f.kind for f in findings if f.reader is not None and not about_long(f)]
+        if stray:
+            return False, f"expected no finding about the normal requests, got {stray}"
+        missing = [k for k in ARCH_LEAK_KINDS if guard == "off" and not any(f.kind == k for f in findings)]
+        if missing:
+            return False, f"expected {', '.join(missing)} on {model}"
     if version == "0.5.19" and guard != "off":
         if reads:
             return False, f"expected the guard to prevent every read finding, got {[f.kind for f in reads]}"
@@ -232,13 +273,37 @@ class DemoRun:
     records_lost: int
     echo_lag: int | None = None  # set when the echo model served the demo (the leak in words)
     guard: str = "off"  # KVGUARD_GUARD in the engines
+    model: str | None = None  # a real architecture (demo/engines.py SGLANG_ARCHS); None: GPT-2
+    # the sidecar's figures (sidecar/stats.py PipelineStats) taken after the scenario, while the
+    # engines still lived (their rings retire once they stop): page reads judged, digests compared,
+    # each engine's COVERAGE
+    stats: Any = None
+
+    def engine(self, role: str):
+        """The sidecar's :class:`EngineStats` of the engine of ``role``, or None."""
+        return next((e for e in (self.stats.engines if self.stats else ()) if e.role == role), None)
+
+    def coverage(self, role: str) -> dict[str, str]:
+        """``{component: status}`` of what kvguard watches in the engine of ``role`` (COVERAGE)."""
+        e = self.engine(role)
+        return {c.component: c.status for c in e.coverage} if e is not None else {}
+
+    def kv_pool(self, role: str) -> str:
+        """The engine's ``kv_pool`` COVERAGE detail: the pool class, its buffers, allocator, page size."""
+        e = self.engine(role)
+        return next((c.detail for c in e.coverage if c.component == "kv_pool"), "") if e is not None else ""
 
 
 INITECH_TEXT = "initech quarterly TPS report, draft 3: all cover sheets must be attached. "
 
 
 def capture_incident(
-    sglang_version: str, work: str, progress=sys.stderr, words: bool = False, guard: str = "off"
+    sglang_version: str,
+    work: str,
+    progress=sys.stderr,
+    words: bool = False,
+    guard: str = "off",
+    model: str | None = None,
 ) -> DemoRun:
     """Sidecar + real PD pair behind SGLang's router + the incident scenario; everything
     stopped on return.
@@ -249,6 +314,8 @@ def capture_incident(
     ``progress``: where the progress lines go (a file; None: nowhere).
     ``guard``: ``KVGUARD_GUARD`` in both engines (docs/guard.md): ``transfer`` fails the
     rejected request instead of serving it over other tenants' KV.
+    ``model``: a real architecture instead of GPT-2 (``glm5``, ``deepseek_v2``; demo/engines.py
+    ``sglang_arch``): its tiny dummy-weight model, pools, page size and CPU shims (no words).
     """
     from .engines import PDPair
     from .scenario import WORDS_DEMO, run_incident_scenario, words_demo_prompts
@@ -257,7 +324,12 @@ def capture_incident(
         if progress is not None:
             print(line, file=progress, flush=True)
 
-    pair_kwargs, scenario_kwargs, lag = {}, {}, None
+    pair_kwargs: dict = {}
+    scenario_kwargs: dict = {}
+    lag = None
+    arch = sglang_arch(model) if model is not None else None
+    if arch is not None and words:
+        raise ValueError(f"the echo model is a GPT-2: model {model!r} runs with dummy weights only")
     if words:
         from .echo_model import echo_model_dir, encode_text
 
@@ -271,8 +343,13 @@ def capture_incident(
             "long_max_new_tokens": WORDS_DEMO["long_max_new_tokens"],
         }
 
-    if guard != "off":
-        pair_kwargs["extra_env"] = {"KVGUARD_GUARD": guard}
+    guard_env = {"KVGUARD_GUARD": guard} if guard != "off" else {}
+    if arch is not None:
+        say(f"model: a tiny {arch.title}, dummy weights")
+        pair_kwargs = arch.pair_kwargs(extra_env=guard_env)
+    elif guard_env:
+        pair_kwargs["extra_env"] = guard_env
+    stats = None
     ring_dir, log_dir = os.path.join(work, "rings"), os.path.join(work, "logs")
     os.makedirs(ring_dir, exist_ok=True)
     memory = MemorySink()
@@ -290,6 +367,8 @@ def capture_incident(
             say("replaying the incident through the router, as the clients sent it:")
             scenario = run_incident_scenario(pair, progress=lambda line: say("  " + line), **scenario_kwargs)
             time.sleep(0.5)  # let the sidecar drain what the last steps wrote
+            with sidecar.lock:  # while the engines live: their rings retire once they stop
+                stats = sidecar.pipeline_stats()
             say("stopping the router and the engines")
     finally:
         sidecar.stop()
@@ -302,6 +381,8 @@ def capture_incident(
         sidecar.rings.stats.records_lost,
         lag,
         guard,
+        model,
+        stats,
     )
 
 
@@ -363,15 +444,21 @@ def run_demo(
     keep: bool = False,
     words: bool = True,
     guard: str = "off",
+    model: str | None = None,
 ) -> int:
     """The demo as ``kvguard demo`` runs it. The work directory (rings, logs) is removed
-    afterwards unless it was given, ``keep`` is set, or the run failed or was unexpected."""
+    afterwards unless it was given, ``keep`` is set, or the run failed or was unexpected.
+    ``model``: ``glm5`` or ``deepseek_v2`` (dummy weights: ``words`` is ignored); None: GPT-2."""
+    what = f"SGLang {sglang_version}"
+    if model is not None:
+        what += f", a tiny {sglang_arch(model).title}"
+        words = False
 
     def capture(work: str):
-        run = capture_incident(sglang_version, work, words=words, guard=guard)
-        return run, *expected(sglang_version, run.scenario, run.findings, guard)
+        run = capture_incident(sglang_version, work, words=words, guard=guard, model=model)
+        return run, *expected(sglang_version, run.scenario, run.findings, guard, model)
 
-    return run_and_report(f"SGLang {sglang_version}", "kvguard-demo-", capture, tell_story, as_json, workdir, keep)
+    return run_and_report(what, "kvguard-demo-", capture, tell_story, as_json, workdir, keep)
 
 
 def run_and_report(what: str, prefix: str, capture, tell, as_json: bool, workdir: str | None, keep: bool) -> int:

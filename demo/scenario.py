@@ -14,6 +14,13 @@ Then tenant "initech" sends a prompt longer than the prefill pool:
 NOTE: keep the decode pool small (1024 tokens): the allocator hands out never-used
 pages before reused ones, so a large pool would give the long prompt fresh pages
 and leave nothing stale to read.
+
+The same scenario runs on the tiny GLM-5 and DeepSeek-V2 (``kvguard demo --model ...``,
+demo/engines.py ``sglang_arch``). GLM-5's DSA pool has 64-token pages (prefill pool 512
+tokens, decode 1024 = 16 pages): decode reserves 10 pages for the 600-token prompt, prefill
+sends the first, decode's own first write lands in the last (position 600), and the 8 between
+are read with what the earlier requests left there (seen on SGLang 0.5.19: acme's and globex's
+latent KV in all 8).
 """
 
 from __future__ import annotations

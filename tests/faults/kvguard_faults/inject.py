@@ -79,7 +79,9 @@ SHORT_SEND_FAULTS = ("send_truncated", "sender_truncated")  # the sender is init
 DECODE_FAULTS = ("flip_received_page",)
 FLIP_ROW_PAGE = 1  # the request's row page whose first slot gets the flipped byte (page 0 if shorter)
 
-UAF_FREE_LIST_DEPTH = 20  # freed pages are moved this deep into the free list (see _uaf_free)
+# freed pages are moved this deep into the free list (see _uaf_free); KVGUARD_FAULT_UAF_DEPTH
+# overrides it (pages): with 64-token pages (DSA) a victim that never opens a new page needs ~1
+UAF_FREE_LIST_DEPTH = int(os.environ.get("KVGUARD_FAULT_UAF_DEPTH", "20"))
 HOLD_STEP_S = 0.05  # scheduler slow-down per step while a fault waits for its next request
 HOLD_MAX_S = 30.0
 

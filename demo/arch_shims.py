@@ -1,0 +1,326 @@
+"""CPU shims that let real SGLang (0.5.19 - 0.5.23) serve MLA and DSA models on a CPU with
+no GPU, no ``sgl_kernel`` and no AMX. TEST AND DEMO ONLY.
+
+Installed by the test-only start-up shim ``demo/shim/sitecustomize.py`` in every process of
+an engine subprocess when ``KVGUARD_CPU_ARCH_SHIMS`` names them (a comma list;
+:func:`kvguard.demo.engines.sglang_arch` sets it for the tiny DeepSeek-V2 and GLM-5 models
+only, never for the GPT-2 demo). Never on an engine image: a production engine has the
+kernels these stand in for.
+
+Each shim is a post-import hook on one SGLang module (applied when the engine first imports
+it) and changes one thing, said in its docstring. What none of them touches: allocators,
+KV pools and their buffers' layout, req_to_token and index mappings, the radix cache, the
+scheduler, the transfer path. They choose or replace *kernels* (rotary embedding, which
+attention formulation, the indexer's key computation and its byte store), and one, ``dsa``'s
+argument part, gives server-argument resolution a value it would otherwise assert on.
+
+| name  | what | needed by |
+|-------|------|-----------|
+| ``rope`` | :func:`shim_rope` | every RoPE model (DeepSeek-V2, GLM-5) |
+| ``mla``  | :func:`shim_mla`  | MLA on ``--attention-backend torch_native`` |
+| ``dsa``  | :func:`shim_dsa_server_args` + :func:`shim_dsa_indexer` | DSA (DeepSeek-V3.2, GLM-5) |
+
+Found by running SGLang 0.5.19 and 0.5.23 on a 2-core CPU without AMX with the tiny configs
+of demo/arch_models.py; each docstring quotes the error the shim removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+ENV_VAR = "KVGUARD_CPU_ARCH_SHIMS"
+SHIM_NAMES = ("rope", "mla", "dsa")
+
+# module name -> hooks run right after the module's code, in the order registered
+_POST_IMPORT: dict[str, list[Callable[[Any], None]]] = {}
+_installed: set[str] = set()
+
+
+def _say(line: str) -> None:
+    """One line in the engine log (stderr), so that a log says which shims ran."""
+    sys.stderr.write(f"[kvguard arch_shims pid={os.getpid()}] {line}\n")
+
+
+def _after_import(module: str, fn: Callable[[Any], None]) -> None:
+    mod = sys.modules.get(module)
+    if mod is not None:  # already imported (not at interpreter start-up): apply now
+        _run(module, fn, mod)
+        return
+    _POST_IMPORT.setdefault(module, []).append(fn)
+
+
+def _run(module: str, fn: Callable[[Any], None], mod: Any) -> None:
+    try:
+        fn(mod)
+    except Exception as exc:  # noqa: BLE001 - a shim must never break the import it follows
+        _say(f"{fn.__name__} on {module} failed: {type(exc).__name__}: {exc}")
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for a module with hooks, it wraps the real loader's
+    ``exec_module`` so that the hooks run right after the module's own code."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in _POST_IMPORT:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_then_hooks(module, _exec=exec_module, _name=name):
+            _exec(module)
+            for fn in _POST_IMPORT.pop(_name, []):
+                _run(_name, fn, module)
+
+        loader.exec_module = exec_then_hooks
+        return spec
+
+
+_finder = _PostImportFinder()
+
+
+# ---------------------------------------------------------------------------- rope
+
+
+def shim_rope() -> None:
+    """Rotary embedding in torch (SGLang's own ``forward_native``).
+
+    ``RotaryEmbedding.__init__`` (``srt/layers/rotary_embedding/base.py``) takes
+    ``vllm._custom_ops.rotary_embedding`` when the platform is neither CUDA nor "cpu";
+    SGLang's ``is_cpu()`` is true only with ``SGLANG_USE_CPU_ENGINE=1``, which would also
+    switch many other paths to ``sgl_kernel`` CPU ops that are not installed here. Without
+    this shim every RoPE model fails with ``ModuleNotFoundError: No module named 'vllm'``.
+    Changes: that one module's global ``_is_cpu`` becomes True, so the embedding uses its
+    torch path (``forward_native``; ``forward_cpu`` without AMX falls back to it)."""
+
+    def rope(mod: Any) -> None:
+        mod._is_cpu = True
+        _say("rope: rotary_embedding.base._is_cpu = True (torch rotary embedding)")
+
+    _after_import("sglang.srt.layers.rotary_embedding.base", rope)
+
+
+# ---------------------------------------------------------------------------- mla
+
+
+def shim_mla() -> None:
+    """The absorbed-MLA attention path for ``--attention-backend torch_native``.
+
+    DeepSeek-family attention picks its forward method by backend name from
+    ``AttentionBackendRegistry`` (``srt/models/deepseek_common/attention_backend_handler.py``);
+    ``torch_native`` has no entry and falls back to the ``triton`` handler, which takes the
+    MHA path (K/V decompressed from the latent) for a prefill without prefix. torch_native's
+    ``forward_extend`` then reads K/V back from the pool, where the latent is stored, and fails
+    (``RuntimeError: Expected size for first two dimensions of batch2 tensor to be: [4, 96]
+    but got: [4, 160]``). Changes: registers a ``torch_native`` handler that returns
+    ``_dispatch_mla_subtype()`` (the absorbed MLA method: queries against the latent) for every
+    forward mode. The latent written to the pool (``set_mla_kv_buffer``) is the same on both
+    paths; only how attention is computed over it differs."""
+
+    def mla(mod: Any) -> None:
+        def torch_native_handler(attn, forward_batch):
+            return mod._dispatch_mla_subtype(attn, forward_batch)
+
+        mod.AttentionBackendRegistry.register("torch_native", torch_native_handler)
+        _say("mla: torch_native attention -> the absorbed MLA path")
+
+    _after_import("sglang.srt.models.deepseek_common.attention_backend_handler", mla)
+
+
+# ---------------------------------------------------------------------------- dsa
+
+
+@contextlib.contextmanager
+def _cuda_capability(value: tuple[int, int]):
+    import torch
+
+    original = torch.cuda.get_device_capability
+    torch.cuda.get_device_capability = lambda device=None: value
+    try:
+        yield
+    finally:
+        torch.cuda.get_device_capability = original
+
+
+def shim_dsa_server_args() -> None:
+    """Server-argument resolution of a DSA model on a machine without CUDA.
+
+    For DeepSeek-V3.2 / GLM-5 class models (``is_deepseek_dsa``) SGLang's
+    ``handle_model_specific_adjustments`` (``srt/arg_groups/model_hook.py``, and the two
+    passes it runs from ``arg_groups/overrides.py``: ``_dsa_kv_cache_dtype_default``,
+    ``_dsa_split_backend_resolution``) calls ``torch.cuda.get_device_capability()`` on every
+    platform but NPU and XPU, which asserts before anything starts (``AssertionError: Torch
+    not compiled with CUDA enabled``). Changes: only while that one function runs, and only
+    when CUDA is absent, ``torch.cuda.get_device_capability`` answers ``(9, 0)``; it is put
+    back when the function returns. What that resolves: the DSA KV cache dtype stays
+    bfloat16 (fp8 is chosen only for major >= 10) and the ``dsa_prefill_backend`` /
+    ``dsa_decode_backend`` fields get values that nothing uses, because the attention backend
+    is given explicitly (``--attention-backend torch_native``). It only resolves arguments
+    that would otherwise assert on CUDA; nothing at run time sees the value."""
+
+    def dsa_args(mod: Any) -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            return
+        original = mod.handle_model_specific_adjustments
+
+        def handle_model_specific_adjustments(server_args, *args, **kwargs):
+            with _cuda_capability((9, 0)):
+                return original(server_args, *args, **kwargs)
+
+        mod.handle_model_specific_adjustments = handle_model_specific_adjustments
+        _say("dsa: torch.cuda.get_device_capability -> (9, 0) inside handle_model_specific_adjustments only")
+
+    _after_import("sglang.srt.arg_groups.model_hook", dsa_args)
+
+
+def hadamard(x):
+    """Sylvester Hadamard transform over the last axis, scaled by ``d ** -0.5`` (what
+    SGLang's ``rotate_activation`` computes with its CUDA-JIT kernel)."""
+    import torch
+
+    d = x.shape[-1]
+    h = torch.ones(1, 1, dtype=torch.float32, device=x.device)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    if h.shape[0] != d:
+        raise ValueError(f"Hadamard transform of width {d}: not a power of two")
+    return ((x.float() @ h) * d**-0.5).to(x.dtype)
+
+
+def act_quant(x, block_size: int = 128, scale_fmt=None):
+    """Block-wise fp8 (e4m3) quantisation, the formula of SGLang's Triton ``act_quant``:
+    per block of ``block_size`` values the scale is ``amax / 448`` (rounded up to a power of
+    two when ``scale_fmt`` is set); returns ``(fp8 values, float32 scales)``."""
+    import torch
+
+    n = x.shape[-1]
+    xf = x.float().reshape(-1, n // block_size, block_size)
+    amax = xf.abs().amax(-1).clamp(min=1e-4)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0))) if scale_fmt is not None else amax / 448.0
+    y = (xf / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).reshape(x.shape)
+    return y, scale.reshape(*x.shape[:-1], n // block_size).contiguous()
+
+
+def shim_dsa_indexer() -> None:
+    """The DSA indexer's key path in torch, and its byte store into the index-K cache.
+
+    ``Indexer.forward_native`` (``srt/layers/attention/dsa/dsa_indexer.py``) raises
+    ``NotImplementedError("Indexer has no native (pure-torch) path")``; its CUDA path needs
+    a CUDA-JIT Hadamard, the Triton ``act_quant`` and the Triton ``SetKAndS`` store. Changes:
+
+    * ``Indexer.forward_native`` computes the indexer key as SGLang's ``_get_k_bf16`` does
+      (``wk`` -> ``k_norm`` -> RoPE on the rope part -> Hadamard, :func:`hadamard`),
+      quantises it like ``act_quant`` (:func:`act_quant`) and stores it through the indexer's
+      own ``_store_index_k_cache`` -> the pool's ``set_index_k_scale_buffer`` ->
+      ``IndexKeyCache.store_quantized`` at the forward's ``out_cache_loc`` (the slots SGLang
+      chose). It returns None: no top-k selection, so attention is dense, which is what DSA
+      computes while a sequence is not longer than ``index_topk`` (2048 in the tiny config,
+      GLM-5's value; the demo's longest prompt is 600 tokens).
+    * ``SetKAndS.execute`` (``kernels/ops/kvcache/dsa_index_k_cache.py`` in 0.5.23,
+      ``kernels/ops/attention/dsa/index_buf_accessor.py`` in 0.5.19) writes the same bytes
+      at the same places as the Triton kernel: per 64-token index page, 64 x 128 B of fp8 K
+      and then 64 x 4 B of float32 scales, page = slot // page size.
+    """
+
+    def store(mod: Any) -> None:
+        import torch
+
+        def execute(cls, *args, buf, **kwargs):
+            names = ("pool", "loc", "index_k", "index_k_scale")
+            given = dict(zip(names, args), **kwargs)
+            pool, loc = given["pool"], given["loc"].to(torch.int64)
+            index_k, index_k_scale = given["index_k"], given["index_k_scale"]
+            ps = int(getattr(pool, "index_page_size", None) or pool.page_size)
+            page, off = loc // ps, loc % ps
+            flat = buf.view(-1)
+            base = page * buf.shape[1]
+            k_bytes = index_k.contiguous().view(torch.uint8).reshape(-1, 128)
+            s_bytes = index_k_scale.reshape(-1).contiguous().to(torch.float32).view(torch.uint8).reshape(-1, 4)
+            flat[(base + off * 128)[:, None] + torch.arange(128, device=buf.device)] = k_bytes
+            flat[(base + ps * 128 + off * 4)[:, None] + torch.arange(4, device=buf.device)] = s_bytes
+
+        mod.SetKAndS.execute = classmethod(execute)
+        _say("dsa: SetKAndS.execute -> torch byte copy (same layout)")
+
+    def indexer(mod: Any) -> None:
+        import torch
+
+        def forward_native(self, x, q_lora, positions, forward_batch, layer_id, return_indices=True, **kwargs):
+            if forward_batch.forward_mode.is_idle():
+                return None
+            xp = x[2] if isinstance(x, tuple) else x
+            key, _ = self.wk(xp)
+            key = self.k_norm(key)
+            r = self.rope_head_dim
+            # the rotary (DeepseekScalingRotaryEmbedding.forward_native) broadcasts over a
+            # head axis: call it on [tokens, 1, rope] and take the key half back
+            k_rope = key[..., :r].unsqueeze(1)
+            _, k_rope = self.rotary_emb(positions, k_rope.clone(), k_rope.clone())
+            key = torch.cat([k_rope.reshape(key.shape[0], r).to(key.dtype), key[..., r:]], dim=-1)
+            key = hadamard(key).contiguous()
+            self._store_index_k_cache(forward_batch=forward_batch, layer_id=layer_id, key=key, act_quant=act_quant)
+            return None
+
+        mod.Indexer.forward_native = forward_native
+        _say("dsa: Indexer.forward_native -> torch key path + store (no top-k: dense attention)")
+
+    _after_import("sglang.kernels.ops.kvcache.dsa_index_k_cache", store)  # 0.5.23
+    _after_import("sglang.kernels.ops.attention.dsa.index_buf_accessor", store)  # 0.5.19
+    _after_import("sglang.srt.layers.attention.dsa.dsa_indexer", indexer)
+
+
+_SHIMS: dict[str, tuple[Callable[[], None], ...]] = {
+    "rope": (shim_rope,),
+    "mla": (shim_mla,),
+    "dsa": (shim_dsa_server_args, shim_dsa_indexer),
+}
+
+
+def parse(value: str | None) -> list[str]:
+    """``"rope,mla,dsa"`` -> the names, in :data:`SHIM_NAMES` order; ValueError on an unknown one."""
+    names = [n.strip() for n in (value or "").split(",") if n.strip()]
+    unknown = sorted(set(names) - set(SHIM_NAMES))
+    if unknown:
+        raise ValueError(f"{ENV_VAR}: unknown shim(s) {unknown}; known: {', '.join(SHIM_NAMES)}")
+    return [n for n in SHIM_NAMES if n in names]
+
+
+def install(names: Iterable[str]) -> list[str]:
+    """Register the named shims' post-import hooks (idempotent); returns the names installed now."""
+    done = []
+    for name in parse(",".join(names)):
+        if name in _installed:
+            continue
+        for shim in _SHIMS[name]:
+            shim()
+        _installed.add(name)
+        done.append(name)
+    if _POST_IMPORT and _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+    return done
+
+
+def install_from_env(environ: dict[str, str] | None = None) -> list[str]:
+    """:func:`install` what ``KVGUARD_CPU_ARCH_SHIMS`` names (nothing when unset)."""
+    env = os.environ if environ is None else environ
+    value = env.get(ENV_VAR, "")
+    if not value.strip():
+        return []
+    done = install(parse(value))
+    if done:
+        _say(f"installed: {', '.join(done)}")
+    return done
