@@ -295,6 +295,45 @@ def sglang_glm5(n_positions: int) -> dict:
     }
 
 
+def sglang_gpt_oss(n_positions: int) -> dict:
+    """GPT-OSS: a sliding-window layer (window 16) and a full layer, 4 experts. SGLang builds its
+    hybrid sliding-window pool for it (``SWAKVPool`` on ``SWATokenToKVPoolAllocator``), which
+    kvguard does not follow: the engine a test shows declared unwatched (docs/coverage.md).
+    It needs SGLang's Triton attention backend (run by the Triton interpreter on a CPU)."""
+    return {
+        **_COMMON,
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_size": 256,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "max_position_embeddings": n_positions,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "experts_per_token": 2,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_theta": 150000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 1024,
+        },
+        "swiglu_limit": 7.0,
+        "attention_bias": True,
+        "router_aux_loss_coef": 0.0,
+        "output_router_logits": False,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+    }
+
+
 ARCH_CONFIGS = {
     "gemma3": gemma3,
     "nemotron_h": nemotron_h,
@@ -304,4 +343,5 @@ ARCH_CONFIGS = {
     "llama_eagle": llama_eagle,
     "sglang_deepseek_v2": sglang_deepseek_v2,
     "sglang_glm5": sglang_glm5,
+    "sglang_gpt_oss": sglang_gpt_oss,
 }
