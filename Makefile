@@ -232,12 +232,13 @@ soak-memory: venv native
 # it at 240 requests; this at VLLM_SOAK_REQUESTS (600), its summary printed.
 # The same on a vLLM prefill/decode pair (MooncakeConnector over TCP, tests/test_vllm_pd.py):
 # 300 requests through the pair, every transfer paired and digested, nothing reported.
-# Every model architecture on a real vLLM engine (tests/test_arch_engines.py, docs/coverage.md):
-# make test runs Gemma 3, Nemotron-H and DeepSeek-V3 + MTP once; test-arch adds Qwen3-Next, an
-# EAGLE draft and DeepSeek-V2; soak-arch repeats every class's clean traffic ARCH_SOAK_ROUNDS times.
+# Every model architecture on a real engine (tests/test_arch_engines.py: vLLM; tests/test_arch_sglang_engines.py:
+# SGLang's GLM-5 / DeepSeek-V2 / GPT-OSS; docs/coverage.md): make test runs Gemma 3, Nemotron-H, DeepSeek-V3 + MTP
+# and the GLM-5 set; test-arch adds Qwen3-Next, EAGLE, n-gram, DeepSeek-V2 on both engines; soak-arch repeats
+# every vLLM class's clean traffic ARCH_SOAK_ROUNDS times.
 .PHONY: test-arch soak-arch
 test-arch: venv native
-	$(PY) -m pytest -q -s tests/test_arch_engines.py
+	$(PY) -m pytest -q -s tests/test_arch_engines.py tests/test_arch_sglang_engines.py
 
 soak-arch: venv native
 	KVGUARD_ARCH_SOAK_ROUNDS=$(or $(ARCH_SOAK_ROUNDS),10) $(PY) -m pytest -q -s tests/test_arch_engines.py -k clean

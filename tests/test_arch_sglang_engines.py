@@ -394,3 +394,18 @@ def test_an_engine_kvguard_cannot_follow_says_so_once_and_nothing_else(tmp_path,
             engine.stop()
     finally:
         watch.stop()
+
+
+@pytest.mark.sweep
+def test_deepseek_v2_mla_pd_0_5_19_leak_is_caught(tmp_path, require_sglang):
+    """Plain MLA (DeepSeek-V2, ``MLATokenToKVPool``: no indexer cache, so no coverage gap): the
+    same incident on the leaking pair, caught with the latent digests (``make test-arch``)."""
+    require_sglang(LEAKING)
+    run = capture_incident(LEAKING, str(tmp_path), model="deepseek_v2")
+    assert expected(LEAKING, run.scenario, run.findings, model="deepseek_v2") == (True, "")
+    kinds = sorted({f.kind for f in run.findings})
+    assert kinds == ["checksum_mismatch", "pool_smaller_than_context", "transfer_size_mismatch", "unwritten_read"]
+    (read,) = [f for f in run.findings if f.kind == "unwritten_read"]
+    assert read.reader.tenant == "initech" and {p.tenant for p in read.exposed} <= {"acme", "globex"} and read.exposed
+    for role in ("prefill", "decode"):
+        assert run.coverage(role)["kv_pool"] == "watched" and "MLATokenToKVPool" in run.kv_pool(role)
