@@ -41,6 +41,14 @@ def unwatched(component: str, detail: str) -> wire.CoverageItem:
     return item(component, 0, OWNERSHIP, detail)
 
 
+def parallel(layout: str, pipeline_stages: int, how: str) -> wire.CoverageItem:
+    """The parallel layout: ``how`` the ranks are watched, or pipeline parallelism (more than
+    one stage: each holds its own layers' pool) declared unwatched, not verified."""
+    if pipeline_stages > 1:
+        return unwatched("parallel", f"{layout}: pipeline parallelism is not verified with kvguard")
+    return item("parallel", OWNERSHIP, 0, f"{layout}: {how}")
+
+
 def ownership_followed(items: list[wire.CoverageItem]) -> bool:
     """Whether every component's pages or state are followed: if not, the adapter sends
     HELLO and COVERAGE only (no page records that would describe half an engine)."""

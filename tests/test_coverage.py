@@ -308,48 +308,36 @@ def test_preflight_prints_what_a_sidecar_watches_and_can_require_it(tmp_path, mo
         transport = httpx.MockTransport(handler)
         token = tmp_path / "token"
         token.write_text("tok\n")
-        out = io.StringIO()
         safe = preflight_cli.Report(
             url="http://engine:1", verdict="safe", role="decode", pool_tokens=512, context_len=256, page_size=4
         )
         safe.max_req_input_len = 250
         monkeypatch.setattr(preflight_cli, "check", lambda url, **kw: [safe])
-        code = preflight_cli.run(
-            ["http://engine:1"],
-            out=out,
-            transport=transport,
-            sidecars=["http://sidecar:9464"],
-            api_token_file=str(token),
-        )
+
+        def preflight(**options) -> tuple[int, str]:
+            out = io.StringIO()
+            code = preflight_cli.run(
+                ["http://engine:1"],
+                out=out,
+                transport=transport,
+                sidecars=["http://sidecar:9464"],
+                api_token_file=str(token),
+                **options,
+            )
+            return code, out.getvalue()
+
+        code, text = preflight()
         assert code == 0  # informational without --require-coverage
-        text = out.getvalue()
         assert "kvguard coverage of decode rank 0" in text and "1 part(s) NOT fully watched" in text
         assert "NO   draft: speculative decoding (NEXTN): not hooked" in text
-        out = io.StringIO()
-        code = preflight_cli.run(
-            ["http://engine:1"],
-            out=out,
-            transport=transport,
-            sidecars=["http://sidecar:9464"],
-            api_token_file=str(token),
-            require_coverage=True,
-            as_json=True,
-        )
+        code, text = preflight(require_coverage=True, as_json=True)
         assert code == EXIT_COVERAGE_GAP
-        cov_line = json.loads(out.getvalue().splitlines()[-1])
+        cov_line = json.loads(text.splitlines()[-1])
         assert cov_line["coverage_gaps"] == 1 and cov_line["coverage"][1]["component"] == "draft"
         # without the token: the sidecar cannot be read, which --require-coverage does not take as complete
         token.write_text("wrong\n")
-        out = io.StringIO()
-        code = preflight_cli.run(
-            ["http://engine:1"],
-            out=out,
-            transport=transport,
-            sidecars=["http://sidecar:9464"],
-            api_token_file=str(token),
-            require_coverage=True,
-        )
-        assert code == EXIT_COVERAGE_GAP and "UNKNOWN: HTTP 401" in out.getvalue()
+        code, text = preflight(require_coverage=True)
+        assert code == EXIT_COVERAGE_GAP and "UNKNOWN: HTTP 401" in text
     finally:
         sidecar.stop()
 

@@ -90,30 +90,21 @@ def _kv_pool_item(sched, alloc, pool, role: str, hicache: bool) -> wire.Coverage
         return cv.unwatched("kv_pool", f"{detail}: the allocator {alloc_name} is not hooked (pages handed out unseen)")
     if pool_name not in MHA_POOLS + LATENT_POOLS:
         return cv.unwatched("kv_pool", f"{detail}: {pool_name} is not a pool layout kvguard follows")
-    watched, missing, why = int(cv.OWNERSHIP), 0, []
+    got = {int(cv.OWNERSHIP): ""}  # capability -> why it is missing ("": provided)
     wanted = cv.optional_capabilities()
     if role in ("prefill", "decode") or hicache:
         reason = _digest_support(pool)
-        if reason:
-            missing |= cv.DIGESTS
-            why.append(f"no digests: {reason}")
-        else:
-            watched |= cv.DIGESTS
-    if wanted & cv.GUARD:
-        # the guard's transfer rules hold on any pool; its digest marker needs the digest
-        if role in ("prefill", "decode") and missing & cv.DIGESTS:
-            missing |= cv.GUARD
-            why.append("the guard's digest rule needs the digest")
-        else:
-            watched |= cv.GUARD
+        got[cv.DIGESTS] = reason and f"no digests: {reason}"
+    if wanted & cv.GUARD:  # the guard's transfer rules hold on any pool; its digest marker needs the digest
+        needs_digest = role in ("prefill", "decode") and got.get(cv.DIGESTS)
+        got[cv.GUARD] = "the guard's digest rule needs the digest" if needs_digest else ""
     if wanted & cv.CONTENT:
         reason = _content_support(pool)
-        if reason:
-            missing |= cv.CONTENT
-            why.append(f"no content check: {reason}")
-        else:
-            watched |= cv.CONTENT
-    return cv.item("kv_pool", watched, missing, detail + ("; " + "; ".join(why) if why else ""))
+        got[cv.CONTENT] = reason and f"no content check: {reason}"
+    watched = sum(cap for cap, why in got.items() if not why)
+    missing = sum(cap for cap, why in got.items() if why)
+    why = "; ".join(why for why in got.values() if why)
+    return cv.item("kv_pool", watched, missing, detail + (f"; {why}" if why else ""))
 
 
 def inspect(sched, version: str, role: str) -> list[wire.CoverageItem]:
@@ -185,10 +176,7 @@ def inspect(sched, version: str, role: str) -> list[wire.CoverageItem]:
     dp = int(getattr(args, "dp_size", 1) or 1)
     pp = int(getattr(args, "pp_size", 1) or 1)
     layout = f"tp {tp}, dp {dp}{' (attention)' if getattr(args, 'enable_dp_attention', False) else ''}, pp {pp}"
-    if pp > 1:
-        items.append(cv.unwatched("parallel", f"{layout}: pipeline parallelism is not verified with kvguard"))
-    else:
-        items.append(cv.item("parallel", cv.OWNERSHIP, 0, f"{layout}: one ring per scheduler process (rank)"))
+    items.append(cv.parallel(layout, pp, "one ring per scheduler process (rank)"))
     if role in ("prefill", "decode"):
         backend = getattr(args, "disaggregation_transfer_backend", "?")
         items.append(cv.item("transfer", cv.OWNERSHIP, 0, f"prefill/decode over {backend}: reserve, send, done"))

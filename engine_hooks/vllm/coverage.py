@@ -131,16 +131,6 @@ def engine_core_items(scheduler, version: str, groups: list[Group]) -> list[wire
     pp = int(getattr(par, "pipeline_parallel_size", 1) or 1)
     dp = int(getattr(par, "data_parallel_size", 1) or 1)
     layout = f"tp {tp}, pp {pp}, dp {dp}"
-    if pp > 1:
-        items.append(cv.unwatched("parallel", f"{layout}: pipeline parallelism is not verified with kvguard"))
-    else:
-        items.append(
-            cv.item(
-                "parallel",
-                cv.OWNERSHIP,
-                0,
-                f"{layout}: the EngineCore's block tables; tensor-parallel rank 0's worker reports the forwards "
-                "(every rank holds the same tables)",
-            )
-        )
+    how = "the EngineCore's block tables; tensor-parallel rank 0's worker reports the forwards (every rank holds the same tables)"
+    items.append(cv.parallel(layout, pp, how))
     return items
