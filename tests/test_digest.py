@@ -586,6 +586,18 @@ def test_hooks_state_is_bounded(probes, monkeypatch):
     assert list(hd.Digests.senders) == ["open2", "open3", "open4"] and hd.Digests.senders.dropped == 2
 
 
+def decode_receives(decode, dr, slots) -> None:
+    """Decode reserves ``slots`` for ``dr`` (``_pre_alloc``) and its poll returns it transferred
+    (``pop_transferred``): the receiver's digest goes out."""
+    queue = types.SimpleNamespace(
+        scheduler=decode, req_to_token_pool=decode.req_to_token_pool, queue=[types.SimpleNamespace(req=dr)]
+    )
+    hd._pre_alloc_post((dr, 0, 0, False), torch.as_tensor(slots), queue, dr)
+    before = hd._pop_transferred_pre(queue)
+    queue.queue = []
+    hd._pop_transferred_post(before, [dr], queue)
+
+
 class LatentPool:
     """An SGLang MLATokenToKVPool-like pool: per layer [slots, 1, latent] (one latent head, no V)."""
 
@@ -612,15 +624,7 @@ def test_hooks_latent_pools_are_digested_by_one_tp_rank_and_agree_across_tp_size
         sched.attn_tp_rank, sched.attn_tp_size, sched.tp_size = rank, 2, 2
         send_chunk(sched, req("mla", 3), 12, True)
         hd.Digests.setups.clear()  # one process per rank
-    decode = engine_side(LatentPool(latent, d_slots, 64, 4), {6: d_slots})
-    dr = req("mla", 6)
-    queue = types.SimpleNamespace(
-        scheduler=decode, req_to_token_pool=decode.req_to_token_pool, queue=[types.SimpleNamespace(req=dr)]
-    )
-    hd._pre_alloc_post((dr, 0, 0, False), torch.as_tensor(d_slots), queue, dr)
-    before = hd._pop_transferred_pre(queue)
-    queue.queue = []
-    hd._pop_transferred_post(before, [dr], queue)
+    decode_receives(engine_side(LatentPool(latent, d_slots, 64, 4), {6: d_slots}), req("mla", 6), d_slots)
     sender, receiver = (c[1] for c in probes.named("transfer_digest"))  # rank 1 reported nothing
     assert sender[7:10] == receiver[7:10] == (0, 1, 1)
     k_rows = [[[latent[layer][t, 0].view(torch.uint8).numpy().tobytes() for t in range(12)]] for layer in range(LAYERS)]
@@ -652,15 +656,7 @@ def test_hooks_tp2_prefill_partials_add_up_to_tp1_decode(probes):
         ranks.append(sched)
         send_chunk(sched, req("tp", 3), 24, True)
         hd.Digests.setups.clear()  # one process per rank in SGLang: each has its own pool
-    decode = engine_side(Pool(kv, d_slots, 128, 4), {6: d_slots})
-    dr = req("tp", 6)
-    queue = types.SimpleNamespace(
-        scheduler=decode, req_to_token_pool=decode.req_to_token_pool, queue=[types.SimpleNamespace(req=dr)]
-    )
-    hd._pre_alloc_post((dr, 0, 0, False), torch.as_tensor(d_slots), queue, dr)
-    before = hd._pop_transferred_pre(queue)
-    queue.queue = []
-    hd._pop_transferred_post(before, [dr], queue)
+    decode_receives(engine_side(Pool(kv, d_slots, 128, 4), {6: d_slots}), req("tp", 6), d_slots)
     r0, r1, whole = (c[1] for c in probes.named("transfer_digest"))
     assert [x[7:10] for x in (r0, r1, whole)] == [(0, 2, HEADS), (2, 2, HEADS), (0, HEADS, HEADS)]
     assert (r0[3] + r1[3]) & dg.MASK64 == whole[3] == reference_streams(kv, 0, 24)
