@@ -412,11 +412,7 @@ class Probes(TransferProbes):
                 tier1.assigned(rid, pos, pos, np.array((page,), np.int64))
             payloads.append(pack(self.request_key(rid), pos, pos + 1, pos, 1, page))
         self.calls += n
-        if pool:
-            for payload in payloads:
-                self.writer.write(wire.Kind.ASSIGN, payload, pool=pool)
-        else:
-            self.writer.write_batch(wire.Kind.ASSIGN, payloads)
+        self.writer.write_batch(wire.Kind.ASSIGN, payloads, pool=pool)
 
     @guarded_probe
     def forward(

@@ -253,7 +253,7 @@ class RingWriter:
             finally:
                 self._u64[_WRITING_SINCE] = 0
 
-    def write_batch(self, kind: wire.Kind, payloads) -> int:
+    def write_batch(self, kind: wire.Kind, payloads, pool: int = 0) -> int:
         """Publish several records of one kind under one lock hold and one timestamp
         (each its own record and seq, exactly as ``write`` would); returns how many
         were written (the others were dropped because the ring is full)."""
@@ -265,7 +265,7 @@ class RingWriter:
                     seq = self._seq
                     self._seq = seq + 1
                     self._u64[_NEXT_SEQ] = seq + 1
-                    written += self._publish(wire.encode(kind, seq, ts, self.engine_id, payload))
+                    written += self._publish(wire.encode(kind, seq, ts, self.engine_id, payload, pool))
             finally:
                 self._u64[_WRITING_SINCE] = 0
         return written

@@ -38,8 +38,8 @@ class CaptureWriter:
     def write_sticky(self, kind, payload, pool=0, append=False):  # RingWriter's: a copy kept (not here)
         return self.write(kind, payload, pool)
 
-    def write_batch(self, kind, payloads):
-        return sum(self.write(kind, p) for p in payloads)
+    def write_batch(self, kind, payloads, pool=0):
+        return sum(self.write(kind, p, pool) for p in payloads)
 
     def take(self) -> list:
         from kvguard.engine_hooks import wire

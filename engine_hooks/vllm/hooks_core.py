@@ -274,13 +274,15 @@ def _schedule_groups(sched, out) -> None:
         hg.new_rows(p, new.req_id, new.block_ids, hconn.shared_until(new.req_id, int(new.num_computed_tokens)))
     cached = out.scheduled_cached_reqs
     resumed = cached.resumed_req_ids
+    crossing: list[list] = [[] for _ in State.groups]
     for rid, gained, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
         if gained is None:
             continue
         if rid in resumed:  # after a preemption: a new row, its own cached blocks shared
             hg.new_rows(p, rid, gained, hconn.shared_until(rid, int(computed)))
         else:
-            hg.appended(p, rid, gained)
+            hg.appended(p, rid, gained, crossing)
+    hg.flush(p, crossing)
     hconn.loads_landed_in_schedule(out)
 
 

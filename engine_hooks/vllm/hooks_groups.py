@@ -41,8 +41,10 @@ def new_rows(p, rid: str, block_ids, shared_until: int) -> None:
         row[rid] = ids
 
 
-def appended(p, rid: str, gained) -> None:
-    """The blocks a running request gained this step, per group (None: no group gained any)."""
+def appended(p, rid: str, gained, crossing: list[list]) -> None:
+    """The blocks a running request gained this step, per group (None: no group gained any).
+    One block (a decode step crossing into a new block, the usual case) is left in
+    ``crossing[g]`` as (rid, position, block) for one batched write per group (``flush``)."""
     for g, ids in zip(State.groups, gained):
         if not ids:
             continue
@@ -50,8 +52,20 @@ def appended(p, rid: str, gained) -> None:
         if row is None:
             continue  # a row we never saw begin (attached mid-run): nothing to place it against
         start = len(row) * g.block_size
-        p.row_pages_assigned(rid, start, start + len(ids) * g.block_size, start, list(ids), pool=g.index)
+        if len(ids) == 1:
+            crossing[g.index].append((rid, start, ids[0]))
+        else:
+            p.row_pages_assigned(rid, start, start + len(ids) * g.block_size, start, list(ids), pool=g.index)
         row.extend(ids)
+
+
+def flush(p, crossing: list[list]) -> None:
+    """The step's one-block gains, one ASSIGN each, written group by group under one ring lock
+    (as the single-group path does: one call each was most of a crossing step's cost)."""
+    for g, gains in zip(State.groups, crossing):
+        if gains:
+            rids, positions, blocks = zip(*gains)
+            p.decode_rows_assigned(rids, positions, [b * g.block_size for b in blocks], pool=g.index)
 
 
 def forget(rid: str) -> None:

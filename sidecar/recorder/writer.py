@@ -78,7 +78,7 @@ class EngineWriter:
         self.records_written += 1
         return True
 
-    def write_batch(self, kind: wire.Kind, payloads) -> int:
+    def write_batch(self, kind: wire.Kind, payloads, pool: int = 0) -> int:
         """``RingWriter.write_batch``: several records of one kind with one timestamp (each
         its own record and seq); returns how many were recorded. Probes that write in
         batches (``decode_rows_assigned``) need it."""
@@ -87,15 +87,15 @@ class EngineWriter:
                 ts_ns = self._owner._clock()
                 written = 0
                 for payload in payloads:
-                    written += self._write_at(kind, payload, ts_ns)
+                    written += self._write_at(kind, payload, ts_ns, pool)
                 return written
         except Exception as exc:  # noqa: BLE001 - the RingWriter contract: never raise into the engine
             self._owner._note_error(f"engine {self.engine_id}: {type(exc).__name__}: {exc}")
             return 0
 
-    def _write_at(self, kind, payload: bytes, ts_ns: int) -> bool:
+    def _write_at(self, kind, payload: bytes, ts_ns: int, pool: int = 0) -> bool:
         try:
-            self._owner.write_record(kind, payload, engine_id=self.engine_id, ts_ns=ts_ns)
+            self._owner.write_record(kind, payload, engine_id=self.engine_id, ts_ns=ts_ns, pool=pool)
         except Exception as exc:  # noqa: BLE001
             self.dropped_records += 1
             self._owner._note_error(f"engine {self.engine_id}: {type(exc).__name__}: {exc}")
