@@ -94,6 +94,14 @@ def stream_seed(layer: int, head: int, which: str) -> int:
     return seed(layer, head) | (V_STREAM if which == "v" else 0)
 
 
+INDEX_STREAM = 2 << 32  # alg 3: a DSA pool's indexer K cache, one stream per layer (docs/wire-format.md)
+
+
+def index_seed(layer: int) -> int:
+    """alg 3: the seed of layer ``layer``'s indexer-cache stream (a DSA pool's index K pages)."""
+    return (INDEX_STREAM | (int(layer) << 16)) & MASK64
+
+
 # --------------------------------------------------------------------------- skips
 class SkipCounter:
     """Why digests were not computed: counted per reason, each reason logged once."""
@@ -145,6 +153,11 @@ class PoolView:
     start_layer: int
     heads: int
     device: object
+    # a DSA pool's indexer K cache on the host: per layer its [pages, page_bytes] uint8 rows (None
+    # for a layer that keeps none), hashed page by page into alg 3's indexer streams; None: no
+    # indexer, or one the digest does not cover (``index_unsupported`` says why)
+    index_rows: list | None = None
+    index_unsupported: str = ""
 
     @property
     def layers(self) -> int:
@@ -334,7 +347,7 @@ def latent_view(pool, kv) -> PoolView:
     _check_dtype(t)
     if t.dim() != 3 or int(t.shape[1]) != 1:
         raise Unsupported(f"latent KV buffer of shape {tuple(t.shape)}: expected [slots, 1, latent]")
-    return PoolView(
+    view = PoolView(
         list(kv),
         None,
         "nhd",
@@ -343,6 +356,37 @@ def latent_view(pool, kv) -> PoolView:
         1,
         t.device,
     )
+    index = getattr(pool, "index_key_cache", None)
+    if index is not None:
+        try:
+            view.index_rows = index_rows(pool, index, len(kv))
+        except Unsupported as exc:
+            view.index_unsupported = str(exc)
+    return view
+
+
+def index_rows(pool, index, layers: int) -> list:
+    """A DSA pool's indexer K cache as alg 3 reads it: per layer the ``[pages, page_bytes]``
+    rows of ``index.buffer`` (page p's index K and scales for its page_size tokens), or None
+    for a layer that keeps none (SGLang's ``skip_topk_layers``: a 0-row placeholder).
+    Unsupported for what the digest does not define: pooled index keys (``index_kpool`` > 1),
+    a device buffer (alg 2 carries no indexer stream), a layout other than one row per page."""
+    if int(getattr(pool, "index_kpool", 1) or 1) != 1:
+        raise Unsupported("pooled index keys (index_kpool > 1)")
+    buffers = getattr(index, "buffer", None)
+    if not buffers or len(buffers) != layers:
+        raise Unsupported("the indexer cache's buffers do not match the pool's layers")
+    out = []
+    torch = _torch()
+    for b in buffers:
+        if b.dim() != 2 or b.dtype != torch.uint8:
+            raise Unsupported(
+                f"indexer cache buffer of shape {tuple(b.shape)} / {b.dtype}: expected [pages, bytes] uint8"
+            )
+        if str(b.device.type) != "cpu":
+            raise Unsupported("the indexer cache is on a device: its bytes are in host digests only")
+        out.append(b.numpy() if int(b.shape[0]) else None)
+    return out
 
 
 # --------------------------------------------------------------------------- alg 2 reduction
@@ -433,10 +477,21 @@ class StreamingDigest:
                 for i in range(view.layers)
             ]
         self._step = self.block_tokens()
+        # a DSA pool's indexer pages (alg 3, host): one stream per layer, each page once, in order
+        self._index = None
+        if alg == HEAD_STREAMS and view.index_rows is not None:
+            self._index = [
+                (rows, xxhash.xxh3_64(seed=index_seed(view.start_layer + i)))
+                for i, rows in enumerate(view.index_rows)
+                if rows is not None
+            ]
+            self._last_page = -1
 
     def update(self, slots) -> None:
         slots = _as_slots(slots, self.view, self.alg)
         n = len(slots)
+        if self._index is not None and n:
+            self._update_index(np.asarray(slots, dtype=np.int64))
         step = self._step
         for a in range(0, n, step):  # token blocks bound the temporaries (the stream hash does not care)
             block = slots[a : a + step]
@@ -483,6 +538,22 @@ class StreamingDigest:
             for h in range(heads):
                 hashers[h].update(rows[h].data)
 
+    def _update_index(self, slots: np.ndarray) -> None:
+        """The indexer pages ``slots`` lie in, each once and in token order (a chunk that ends
+        inside a page and the next one that goes on in it name that page once)."""
+        pages = slots // self.view.page_size
+        first = np.empty(len(pages), dtype=bool)
+        first[0] = pages[0] != self._last_page
+        np.not_equal(pages[1:], pages[:-1], out=first[1:])
+        new = pages[first]
+        self._last_page = int(pages[-1])
+        if len(new) == 0:
+            return
+        for rows, hasher in self._index:
+            if int(new.max()) >= rows.shape[0]:
+                raise IndexError(f"indexer page {int(new.max())} outside the cache ({rows.shape[0]} pages)")
+            hasher.update(np.take(rows, new, axis=0).data)
+
     def block_tokens(self) -> int:
         """Tokens per block so that one layer's temporaries stay near BLOCK_BYTES (alg 2
         widens each u32 word to int64 and keeps a few such arrays); whole pages."""
@@ -501,6 +572,8 @@ class StreamingDigest:
             for _flat, _rb, hashers, _w, _i in self._plan:
                 if hashers is not None:
                     total += sum(h.intdigest() for h in hashers)
+            for _rows, hasher in self._index or ():
+                total += hasher.intdigest()
             return total & MASK64
         return sum(h.intdigest() for row in self.hashers for h in row) & MASK64
 
@@ -531,6 +604,15 @@ def reference_head_streams(k_rows, v_rows=None, start_layer: int = 0, head_start
             total += xxhash.xxh3_64_intdigest(b"".join(rows), seed=stream_seed(layer, head, "k"))
             if v_rows is not None:
                 total += xxhash.xxh3_64_intdigest(b"".join(v_rows[li][h]), seed=stream_seed(layer, head, "v"))
+    return total & MASK64
+
+
+def reference_index_streams(page_rows_by_layer, start_layer: int = 0) -> int:
+    """alg 3's indexer streams straight from the definition, for tests: ``page_rows_by_layer[l]``
+    = the bytes of each indexer page the transfer covers, in order (each page once)."""
+    total = 0
+    for li, rows in enumerate(page_rows_by_layer):
+        total += xxhash.xxh3_64_intdigest(b"".join(rows), seed=index_seed(start_layer + li))
     return total & MASK64
 
 

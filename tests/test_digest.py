@@ -632,6 +632,57 @@ def test_hooks_latent_pools_are_digested_by_one_tp_rank_and_agree_across_tp_size
     assert sum(dg.skips.counts.values()) == 1  # rank 1's: "reported by another TP rank"
 
 
+class DSAPool(LatentPool):
+    """An SGLang DSATokenToKVPool-like pool: the latent, and an indexer K cache of one
+    ``[pages, page_bytes]`` uint8 row per page per layer (``index_key_cache.buffer``)."""
+
+    def __init__(self, latent, slots, size: int, page_size: int, index_pages, kpool: int = 1):
+        super().__init__(latent, slots, size, page_size)
+        self.index_kpool = kpool
+        self.index_key_cache = types.SimpleNamespace(buffer=index_pages)
+
+
+def test_a_dsa_pool_digests_its_indexer_pages_once_each_in_token_order():
+    """alg 3 on a DSA pool: the latent's K stream plus, per layer, one stream over the indexer
+    pages the transfer covers (each page once, in token order): a chunked sender equals a
+    one-shot receiver with other page ids, and one changed indexer byte changes the digest."""
+    g = torch.Generator().manual_seed(37)
+    latent = [torch.randn(14, 1, 64, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
+    page_bytes = 24
+    ps = 4
+    # the sender's pages 3, 4, 5 (+ 2 tokens of 6); the receiver's 9, 2, 7, 11 hold the same index bytes
+    sender_pages, receiver_pages = [3, 4, 5, 6], [9, 2, 7, 11]
+    index_bytes = torch.randint(0, 256, (LAYERS, 4, page_bytes), generator=g, dtype=torch.uint8)
+
+    def pool(pages):
+        slots = np.concatenate([np.arange(p * ps, p * ps + ps) for p in pages])[:14]
+        buffers = [torch.zeros(16, page_bytes, dtype=torch.uint8) for _ in range(LAYERS)]
+        for layer in range(LAYERS):
+            for i, p in enumerate(pages):
+                buffers[layer][p] = index_bytes[layer, i]
+        return DSAPool(latent, slots, 64, ps, buffers), slots
+
+    sender, s_slots = pool(sender_pages)
+    receiver, r_slots = pool(receiver_pages)
+    view = dg.pool_view(sender)
+    assert view.index_rows is not None and view.index_unsupported == ""
+    streaming = dg.StreamingDigest(view, 0, dg.HEAD_STREAMS)
+    for a, b in ((0, 6), (6, 9), (9, 14)):  # chunks that end inside a page: that page is hashed once
+        streaming.update(s_slots[a:b])
+    one_shot = dg.transfer_digest(dg.pool_view(receiver), r_slots, 0, dg.HEAD_STREAMS)
+    k_rows = [[[latent[layer][t, 0].view(torch.uint8).numpy().tobytes() for t in range(14)]] for layer in range(LAYERS)]
+    pages_rows = [[index_bytes[layer, i].numpy().tobytes() for i in range(4)] for layer in range(LAYERS)]
+    want = (dg.reference_head_streams(k_rows) + dg.reference_index_streams(pages_rows)) & dg.MASK64
+    assert streaming.digest() == one_shot == want
+    receiver.index_key_cache.buffer[1][7][0] ^= 1  # one indexer byte of one page changed in transit
+    assert dg.transfer_digest(dg.pool_view(receiver), r_slots, 0, dg.HEAD_STREAMS) != want
+    pooled, _ = pool(sender_pages)
+    pooled.index_kpool = 2  # pooled index keys: the latent is still digested, the indexer said not to be
+    pooled_view = dg.pool_view(pooled)
+    assert pooled_view.index_rows is None and "index_kpool" in pooled_view.index_unsupported
+    assert dg.transfer_digest(pooled_view, s_slots, 0, dg.HEAD_STREAMS) == dg.reference_head_streams(k_rows)
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.uint8])
 def test_an_fp8_latent_pool_is_digested_as_stored(dtype):
     """FP8 KV (stored as float8 or as raw uint8): the stored bytes, never dequantized."""
