@@ -195,14 +195,17 @@ class Pair:
 
 
 @contextlib.contextmanager
-def running_pair(base: Path, ring_dirs: dict, events: Path, watch: Watch):
+def running_pair(base: Path, ring_dirs: dict, events: Path, watch: Watch, arch: str = "llama", bytes_per_block=None):
     """Prefill and decode (``ring_dirs``: each engine's ring directory, keyed by role), the
-    test-only prefill/decode faults armed in decode."""
+    test-only prefill/decode faults armed in decode. ``arch``: the tiny Llama, or another
+    architecture of demo/arch_models.py whose blocks are ``bytes_per_block`` bytes (vLLM's
+    to choose: an MLA model's 16-token latent blocks)."""
     bootstrap_port = free_port()
 
     def engine(role: str, num_blocks: int, core: int, bootstrap: int, **env):
         # each engine's worker on a core of its own: an idle prefill worker spins while it holds
         # a request's blocks for decode, and on one shared core decode's transfer thread starves
+        sized = {} if bytes_per_block is None else {"arch": arch, "kv_cache_bytes": (num_blocks + 1) * bytes_per_block}
         return start_vllm(
             base / role,
             version=VERSION,
@@ -217,13 +220,17 @@ def running_pair(base: Path, ring_dirs: dict, events: Path, watch: Watch):
                 **env,
             },
             extra_pythonpath=[SHIMS_DIR, FAULTS_DIR],
+            **sized,
         )
 
     engines = []
+    blocks = 1 if bytes_per_block is None else 2  # (an MLA model's blocks hold 16 tokens, not 32)
     try:
-        prefill = engine("kv_producer", 64, 0, bootstrap_port)
+        prefill = engine("kv_producer", 64 * blocks, 0, bootstrap_port)
         engines.append(prefill)
-        decode = engine("kv_consumer", 32, 1, free_port(), KVGUARD_FAULT="all_pd", KVGUARD_FAULT_DIR=str(events))
+        decode = engine(
+            "kv_consumer", 32 * blocks, 1, free_port(), KVGUARD_FAULT="all_pd", KVGUARD_FAULT_DIR=str(events)
+        )
         engines.append(decode)
         bootstrap = f"http://127.0.0.1:{bootstrap_port}"
         (entry,) = httpx.get(bootstrap + "/query", timeout=30).json().values()
@@ -434,3 +441,39 @@ def _open_transfers(pair) -> tuple[int, float]:
     stats = pair.watch.stats()
     (decode,) = [e for e in stats.engines if e.role == "decode"]
     return stats.ledger.open_by_engine[decode.engine_id]
+
+
+# --------------------------------------------------------------------------- an MLA model's transfers
+MLA_BLOCK_BYTES = 16 * 576 * 2 * 2  # DeepSeek-V2's tiny config: 16-token latent blocks, 576 bf16, 2 layers
+
+
+@pytest.mark.sweep  # (make test-arch: a second pair; the Llama pair's tests above run in make test)
+def test_an_mla_models_transfers_are_paired_and_digested(tmp_path_factory):
+    """DeepSeek-V2 (MLA: one latent head of 576 per token, 16-token blocks on a CPU without
+    AMX) through MooncakeConnector: every transfer paired, both ends' digests (alg 4: the
+    blocks' latent rows as the pool holds them) equal, nothing reported; and a byte changed
+    in transit is a checksum_mismatch, as on the Llama pair."""
+    base, events = pair_dirs(tmp_path_factory, "vllm-pd-mla")
+    ring_dir = Path(tempfile.mkdtemp(prefix="kvg-vllm-pd-mla-", dir="/dev/shm"))
+    watch = Watch(ring_dir, events)
+    try:
+        rings = {"kv_producer": ring_dir, "kv_consumer": ring_dir}
+        with running_pair(base, rings, events, watch, arch="deepseek_v2", bytes_per_block=MLA_BLOCK_BYTES) as mla:
+            rng = random.Random(43)
+            prompts = [(t, _text(rng, rng.randint(40, 180))) for t in ("acme", "globex", "initech") for _ in range(3)]
+            mark = watch.mark()
+            for tenant, prompt in prompts:
+                mla.complete_retrying_a_stall(prompt, 8, tenant)
+            found = watch.since(mark)
+            assert found == [], watch.explain(found)
+            stats = watch.stats()
+            (decode_counts,) = [v for v in stats.ledger.transfers_by_engine.values() if sum(v.values())]
+            assert decode_counts["paired"] >= len(prompts) and decode_counts["unverified"] == 0, decode_counts
+            assert stats.ledger.digests_compared >= len(prompts) and stats.ledger.digests_incomparable == 0
+            mark = watch.mark()
+            mla.complete(_text(rng, 120), 8, "globex", transfer_tag="pd_corrupt_recv-")
+            found = watch.since(mark)
+            assert [f.kind for f in found] == ["checksum_mismatch"], watch.explain(found)
+    finally:
+        watch.sidecar.stop()
+        shutil.rmtree(ring_dir, ignore_errors=True)
