@@ -238,7 +238,8 @@ soak-memory: venv native
 # every vLLM class's clean traffic ARCH_SOAK_ROUNDS times.
 .PHONY: test-arch soak-arch
 test-arch: venv native
-	$(PY) -m pytest -q -s tests/test_arch_engines.py tests/test_arch_sglang_engines.py tests/test_coverage_engine.py
+	$(PY) -m pytest -q -s tests/test_arch_engines.py tests/test_arch_sglang_engines.py tests/test_coverage_engine.py \
+	  tests/test_vllm_pd.py::test_an_mla_models_transfers_are_paired_and_digested
 
 soak-arch: venv native
 	KVGUARD_ARCH_SOAK_ROUNDS=$(or $(ARCH_SOAK_ROUNDS),10) $(PY) -m pytest -q -s tests/test_arch_engines.py -k clean
