@@ -234,15 +234,17 @@ soak-memory: venv native
 # 300 requests through the pair, every transfer paired and digested, nothing reported.
 # Every model architecture on a real engine (tests/test_arch_engines.py: vLLM; tests/test_arch_sglang_engines.py:
 # SGLang's GLM-5 / DeepSeek-V2 / GPT-OSS; docs/coverage.md): make test runs Gemma 3, Nemotron-H, DeepSeek-V3 + MTP
-# and the GLM-5 set; test-arch adds Qwen3-Next, EAGLE, n-gram, DeepSeek-V2 on both engines; soak-arch repeats
-# every vLLM class's clean traffic ARCH_SOAK_ROUNDS times.
+# and the GLM-5 set and SGLang n-gram speculation; test-arch adds Qwen3-Next, EAGLE, n-gram, DeepSeek-V2 on
+# both engines and GLM-5 + MTP on SGLang; soak-arch repeats every vLLM class's and both SGLang speculative
+# engines' clean traffic ARCH_SOAK_ROUNDS times.
 .PHONY: test-arch soak-arch
 test-arch: venv native
 	$(PY) -m pytest -q -s tests/test_arch_engines.py tests/test_arch_sglang_engines.py tests/test_coverage_engine.py \
-	  tests/test_vllm_pd.py::test_an_mla_models_transfers_are_paired_and_digested
+	  tests/test_spec_sglang_engines.py tests/test_vllm_pd.py::test_an_mla_models_transfers_are_paired_and_digested
 
 soak-arch: venv native
-	KVGUARD_ARCH_SOAK_ROUNDS=$(or $(ARCH_SOAK_ROUNDS),10) $(PY) -m pytest -q -s tests/test_arch_engines.py -k clean
+	KVGUARD_ARCH_SOAK_ROUNDS=$(or $(ARCH_SOAK_ROUNDS),10) $(PY) -m pytest -q -s tests/test_arch_engines.py \
+	  tests/test_spec_sglang_engines.py -k clean
 
 .PHONY: soak-vllm-pd
 soak-vllm-pd: venv native

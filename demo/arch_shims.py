@@ -1,5 +1,5 @@
-"""CPU shims that let real SGLang (0.5.19 - 0.5.23) serve MLA and DSA models on a CPU with
-no GPU, no ``sgl_kernel`` and no AMX. TEST AND DEMO ONLY.
+"""CPU shims that let real SGLang (0.5.19 - 0.5.23) serve MLA and DSA models, and speculative
+decoding, on a CPU with no GPU, no ``sgl_kernel`` and no AMX. TEST AND DEMO ONLY.
 
 Installed by the test-only start-up shim ``demo/shim/sitecustomize.py`` in every process of
 an engine subprocess when ``KVGUARD_CPU_ARCH_SHIMS`` names them (a comma list;
@@ -11,14 +11,19 @@ Each shim is a post-import hook on one SGLang module (applied when the engine fi
 it) and changes one thing, said in its docstring. What none of them touches: allocators,
 KV pools and their buffers' layout, req_to_token and index mappings, the radix cache, the
 scheduler, the transfer path. They choose or replace *kernels* (rotary embedding, which
-attention formulation, the indexer's key computation and its byte store), and one, ``dsa``'s
-argument part, gives server-argument resolution a value it would otherwise assert on.
+attention formulation, the indexer's key computation and its byte store, which speculative
+helper kernels run), and one, ``dsa``'s argument part, gives server-argument resolution a value
+it would otherwise assert on. The one stand-in that computes cache locations (``spec``'s
+``assign_extend_cache_locs_func``) computes exactly what SGLang's kernel computes: a gather of
+req_to_token entries, never a write to it.
 
 | name  | what | needed by |
 |-------|------|-----------|
 | ``rope`` | :func:`shim_rope` | every RoPE model (DeepSeek-V2, GLM-5) |
 | ``mla``  | :func:`shim_mla`  | MLA on ``--attention-backend torch_native`` |
 | ``dsa``  | :func:`shim_dsa_server_args` + :func:`shim_dsa_indexer` | DSA (DeepSeek-V3.2, GLM-5) |
+| ``spec`` | :func:`shim_spec_kernels` | speculative decoding (EAGLE, EAGLE3, MTP/NEXTN, NGRAM) on ``--attention-backend triton`` |
+| ``cuda_sync`` | :func:`shim_cuda_sync` | MTP/NEXTN drafts of DeepSeek-family models (DeepSeek-V3, GLM-5) |
 
 Found by running SGLang 0.5.19 and 0.5.23 on a 2-core CPU without AMX with the tiny configs
 of demo/arch_models.py; each docstring quotes the error the shim removes.
@@ -35,10 +40,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 ENV_VAR = "KVGUARD_CPU_ARCH_SHIMS"
-SHIM_NAMES = ("rope", "mla", "dsa")
+SHIM_NAMES = ("rope", "mla", "dsa", "spec", "cuda_sync")
 
 # module name -> hooks run right after the module's code, in the order registered
 _POST_IMPORT: dict[str, list[Callable[[Any], None]]] = {}
+# module name -> hooks run right before the module's code; each returns an undo (or None), run after it
+_PRE_IMPORT: dict[str, list[Callable[[], Callable[[], None] | None]]] = {}
 _installed: set[str] = set()
 
 
@@ -62,12 +69,26 @@ def _run(module: str, fn: Callable[[Any], None], mod: Any) -> None:
         _say(f"{fn.__name__} on {module} failed: {type(exc).__name__}: {exc}")
 
 
+def _before_import(module: str, fn: Callable[[], Callable[[], None] | None]) -> None:
+    """``fn`` runs right before ``module``'s code (once); what it returns runs right after it."""
+    if module not in sys.modules:
+        _PRE_IMPORT.setdefault(module, []).append(fn)
+
+
+def _before(module: str, fn: Callable[[], Callable[[], None] | None]) -> Callable[[], None] | None:
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - a shim must never break the import it precedes
+        _say(f"{fn.__name__} before {module} failed: {type(exc).__name__}: {exc}")
+        return None
+
+
 class _PostImportFinder(importlib.abc.MetaPathFinder):
     """Finds nothing itself: for a module with hooks, it wraps the real loader's
-    ``exec_module`` so that the hooks run right after the module's own code."""
+    ``exec_module`` so that the hooks run right before / after the module's own code."""
 
     def find_spec(self, name, path, target=None):
-        if name not in _POST_IMPORT:
+        if name not in _POST_IMPORT and name not in _PRE_IMPORT:
             return None
         sys.meta_path.remove(self)
         try:
@@ -80,7 +101,13 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
         exec_module = loader.exec_module
 
         def exec_then_hooks(module, _exec=exec_module, _name=name):
-            _exec(module)
+            undo = [_before(_name, fn) for fn in _PRE_IMPORT.pop(_name, [])]
+            try:
+                _exec(module)
+            finally:
+                for fn in undo:
+                    if fn is not None:
+                        fn()
             for fn in _POST_IMPORT.pop(_name, []):
                 _run(_name, fn, module)
 
@@ -283,10 +310,145 @@ def shim_dsa_indexer() -> None:
     _after_import("sglang.srt.layers.attention.dsa.dsa_indexer", indexer)
 
 
+# ---------------------------------------------------------------------------- spec
+
+SPEC_CACHE_LOCS = "sglang.kernels.ops.speculative.cache_locs"  # 0.5.23
+SPEC_TREE = ("sglang.kernels.ops.speculative.spec_tree", "sglang.srt.speculative.eagle_utils")  # 0.5.23, 0.5.19
+SPEC_RECONSTRUCT_TREE = "sglang.kernels.ops.speculative.reconstruct_tree"  # 0.5.23 (NGRAM)
+
+
+def gather_row_slots(req_pool_indices, req_to_token, start_offset, end_offset):
+    """What SGLang's Triton ``assign_extend_cache_locs`` computes: for each request ``i`` in
+    order, ``req_to_token[req_pool_indices[i], start_offset[i]:end_offset[i]]``, back to back,
+    as int64. A read of the rows; nothing is written to them."""
+    import torch
+
+    rows = req_pool_indices.to("cpu", torch.int64).tolist()
+    starts = start_offset.to("cpu", torch.int64).tolist()
+    ends = end_offset.to("cpu", torch.int64).tolist()
+    parts = [req_to_token[r, s:e].to(torch.int64) for r, s, e in zip(rows, starts, ends)]
+    if not parts:
+        return torch.empty(0, dtype=torch.int64, device=req_to_token.device)
+    return torch.cat(parts)
+
+
+def shim_spec_kernels() -> None:
+    """SGLang's speculative helper kernels on a CPU without ``sgl_kernel``.
+
+    The dispatchers in ``kernels/ops/speculative/{cache_locs,spec_tree,reconstruct_tree}.py``
+    (0.5.19: the tree ones in ``srt/speculative/eagle_utils.py``) choose CUDA/HIP/MUSA ops,
+    SGLang's Triton kernels on XPU, NPU ops, or ``sgl_kernel`` CPU ops (the last only with
+    ``SGLANG_USE_CPU_ENGINE=1``). Here none applies, and:
+
+    * ``build_tree_kernel_efficient_func`` fails with ``NameError: name
+      'sgl_build_tree_kernel_efficient' is not defined`` (EAGLE/NEXTN verify input);
+    * ``reconstruct_tree`` fails to import: ``ModuleNotFoundError: No module named
+      'sgl_kernel'`` (``from sgl_kernel.speculative import reconstruct_indices_from_tree_mask``,
+      NGRAM);
+    * ``assign_extend_cache_locs_func`` falls through every branch and returns None: NGRAM's
+      verify then writes its KV at ``loc=None`` (``The expanded size of the tensor (1028) must
+      match the existing size ...``).
+
+    Changes: in those three modules (post-import), the module global ``_is_xpu`` becomes True,
+    so their dispatchers take the Triton kernels SGLang ships for XPU (run by the Triton
+    interpreter, ``TRITON_INTERPRET=1``); while ``reconstruct_tree`` is imported a placeholder
+    ``sgl_kernel.speculative`` module is present (removed right after; never called). And
+    ``cache_locs.assign_extend_cache_locs_func`` (the Triton ``assign_extend_cache_locs``
+    aborts the Triton interpreter) is :func:`gather_row_slots`: exactly the kernel's result,
+    the requests' ``req_to_token`` entries over ``[start, end)`` concatenated, read only.
+    Nothing here writes req_to_token, a KV pool or an allocator."""
+
+    def xpu_path(mod: Any) -> None:
+        if hasattr(mod, "_is_xpu"):
+            mod._is_xpu = True
+            _say(f"spec: {mod.__name__}._is_xpu = True (SGLang's Triton kernels)")
+
+    def cache_locs(mod: Any) -> None:
+        xpu_path(mod)
+        if not hasattr(mod, "assign_extend_cache_locs_func"):
+            return
+
+        def assign_extend_cache_locs_func(
+            req_pool_indices, req_to_token, start_offset, end_offset, batch_size, draft_token_num, device
+        ):
+            return gather_row_slots(req_pool_indices, req_to_token, start_offset, end_offset)
+
+        mod.assign_extend_cache_locs_func = assign_extend_cache_locs_func
+        _say("spec: cache_locs.assign_extend_cache_locs_func -> a torch gather of the rows (the kernel's result)")
+
+    def placeholder_sgl_kernel():
+        import types
+
+        if "sgl_kernel" in sys.modules:
+            return None
+        pkg, sub = types.ModuleType("sgl_kernel"), types.ModuleType("sgl_kernel.speculative")
+        pkg.__path__ = []
+
+        def reconstruct_indices_from_tree_mask(*args, **kwargs):
+            raise NotImplementedError("kvguard arch_shims placeholder: the Triton kernel is used")
+
+        sub.reconstruct_indices_from_tree_mask = reconstruct_indices_from_tree_mask
+        pkg.speculative = sub
+        sys.modules["sgl_kernel"], sys.modules["sgl_kernel.speculative"] = pkg, sub
+
+        def remove() -> None:
+            sys.modules.pop("sgl_kernel.speculative", None)
+            sys.modules.pop("sgl_kernel", None)
+
+        return remove
+
+    def tree(mod: Any) -> None:
+        # only where the tree kernels' dispatch is defined (0.5.23's eagle_utils imports them, and
+        # its own _is_xpu would also change how verify samples: left alone)
+        fn = getattr(mod, "build_tree_kernel_efficient_func", None)
+        if fn is not None and getattr(fn, "__module__", None) == mod.__name__:
+            xpu_path(mod)
+
+    _after_import(SPEC_CACHE_LOCS, cache_locs)
+    for module in SPEC_TREE:
+        _after_import(module, tree)
+    _before_import(SPEC_RECONSTRUCT_TREE, placeholder_sgl_kernel)
+    _after_import(SPEC_RECONSTRUCT_TREE, xpu_path)
+
+
+def shim_cuda_sync() -> None:
+    """``torch.cuda.synchronize()`` inside ``DeepseekV2ForCausalLM.set_embed_and_head``.
+
+    An MTP/NEXTN draft of a DeepSeek-family model (DeepSeek-V3, GLM-5: their NextN classes
+    inherit it) shares the target's embedding and LM head through ``set_embed_and_head``
+    (``srt/models/deepseek_v2.py``), which ends with ``torch.cuda.synchronize()`` and fails
+    without CUDA (``AssertionError: Torch not compiled with CUDA enabled``). Changes: only while
+    that method runs, and only when CUDA is absent, ``torch.cuda.synchronize`` does nothing (CPU
+    work is synchronous: there is nothing to wait for); it is put back when the method returns."""
+
+    def sync(mod: Any) -> None:
+        import torch
+
+        cls = getattr(mod, "DeepseekV2ForCausalLM", None)
+        if torch.cuda.is_available() or cls is None or "set_embed_and_head" not in cls.__dict__:
+            return
+        original = cls.set_embed_and_head
+
+        def set_embed_and_head(self, embed, head):
+            saved = torch.cuda.synchronize
+            torch.cuda.synchronize = lambda device=None: None
+            try:
+                return original(self, embed, head)
+            finally:
+                torch.cuda.synchronize = saved
+
+        cls.set_embed_and_head = set_embed_and_head
+        _say("cuda_sync: torch.cuda.synchronize -> no-op inside DeepseekV2ForCausalLM.set_embed_and_head only")
+
+    _after_import("sglang.srt.models.deepseek_v2", sync)
+
+
 _SHIMS: dict[str, tuple[Callable[[], None], ...]] = {
     "rope": (shim_rope,),
     "mla": (shim_mla,),
     "dsa": (shim_dsa_server_args, shim_dsa_indexer),
+    "spec": (shim_spec_kernels,),
+    "cuda_sync": (shim_cuda_sync,),
 }
 
 
@@ -309,7 +471,7 @@ def install(names: Iterable[str]) -> list[str]:
             shim()
         _installed.add(name)
         done.append(name)
-    if _POST_IMPORT and _finder not in sys.meta_path:
+    if (_POST_IMPORT or _PRE_IMPORT) and _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
     return done
 

@@ -119,6 +119,12 @@ class SGLangArch:
     decode_pool_tokens: int
     kv_pool: str
     indexer_cache: bool = False
+    # speculative decoding (``--speculative-*`` arguments) and the attention backend it needs on
+    # this CPU: SGLang's Triton backend under the Triton interpreter (torch_native has no
+    # TARGET_VERIFY); ``speculative``: the algorithm as SGLang resolves it (NEXTN -> EAGLE)
+    spec_args: tuple[str, ...] = ()
+    attention_backend: str | None = None
+    speculative: str | None = None
 
     def model_dir(self, context_length: int = DEFAULT_CONTEXT_LENGTH) -> Path:
         """The model folder (config + the shared 256-token tokenizer), cached under
@@ -137,7 +143,8 @@ class SGLangArch:
 
     def extra_args(self) -> list[str]:
         """``sglang.launch_server`` arguments after the harness's own (the last value wins)."""
-        return ["--page-size", str(self.page_size)]
+        backend = ["--attention-backend", self.attention_backend] if self.attention_backend else []
+        return ["--page-size", str(self.page_size), *backend, *self.spec_args]
 
     def engine_kwargs(
         self, context_length: int = DEFAULT_CONTEXT_LENGTH, *, extra_env=None, extra_args=(), **kwargs: Any
@@ -168,6 +175,21 @@ class SGLangArch:
         }
 
 
+# speculative decoding as the tests run it (tiny, so that the Triton interpreter keeps up): MTP /
+# NEXTN with one draft step and a chain of two tokens; n-gram with breadth 1 (a chain: SGLang
+# allows a tree only on flashinfer with pages > 1) and four draft tokens
+NEXTN_ARGS = (
+    "--speculative-algorithm", "NEXTN",
+    "--speculative-num-steps", "1",
+    "--speculative-eagle-topk", "1",
+    "--speculative-num-draft-tokens", "2",
+)  # fmt: skip
+NGRAM_ARGS = (
+    "--speculative-algorithm", "NGRAM",
+    "--speculative-ngram-max-bfs-breadth", "1",
+    "--speculative-num-draft-tokens", "4",
+)  # fmt: skip
+
 SGLANG_ARCHS = {
     "deepseek_v2": SGLangArch(
         name="deepseek_v2",
@@ -190,11 +212,41 @@ SGLANG_ARCHS = {
         kv_pool="DSATokenToKVPool",
         indexer_cache=True,
     ),
+    # the incident's stack: GLM-5 serving with its MTP layer (NEXTN: one draft step, chain of 2)
+    "glm5_mtp": SGLangArch(
+        name="glm5_mtp",
+        config="sglang_glm5",
+        title="GLM-5 + MTP (NEXTN: GlmMoeDsaForCausalLMNextN drafts one token per step)",
+        shims="rope,mla,dsa,spec,cuda_sync",
+        page_size=64,
+        prefill_pool_tokens=512,
+        decode_pool_tokens=1024,
+        kv_pool="DSATokenToKVPool",
+        indexer_cache=True,
+        spec_args=NEXTN_ARGS,
+        attention_backend="triton",
+        speculative="EAGLE",
+    ),
+    # n-gram speculation on the tiny Llama (demo/model.py): no draft model, a chain of 4
+    "llama_ngram": SGLangArch(
+        name="llama_ngram",
+        config="llama",
+        title="Llama + n-gram speculation (NGRAM, breadth 1: 4 draft tokens per verify)",
+        shims="rope,spec",
+        page_size=4,
+        prefill_pool_tokens=256,
+        decode_pool_tokens=1024,
+        kv_pool="MHATokenToKVPool",
+        spec_args=NGRAM_ARGS,
+        attention_backend="triton",
+        speculative="NGRAM",
+    ),
 }
 
 
 def sglang_arch(name: str) -> SGLangArch:
-    """The :class:`SGLangArch` called ``name`` (``deepseek_v2``, ``glm5``); ValueError otherwise."""
+    """The :class:`SGLangArch` called ``name`` (``deepseek_v2``, ``glm5``, ``glm5_mtp``, ``llama_ngram``);
+    ValueError otherwise."""
     try:
         return SGLANG_ARCHS[name]
     except KeyError:
@@ -210,6 +262,8 @@ __all__ = [
     "FIXED_VERSION",
     "LEAKING_VERSION",
     "LOG_TAIL_LINES",
+    "NEXTN_ARGS",
+    "NGRAM_ARGS",
     "ROLES",
     "ROUTED_TENANT_FIELDS",
     "ROUTER_SMOKE_BODY",

@@ -591,7 +591,7 @@ def test_forward_split_and_rows(probes):
     assert arr(written) == [6, 7, 8, 14] and arr(kwargs["written_counts"]) == [3, 1]
     # the actual rows, flat (page size 1: every position is its own page), requests back to back
     assert arr(kwargs["read_pages"]) == [4, 5, 6, 7, 8, 12, 13, 14] and arr(kwargs["read_counts"]) == [5, 3]
-    # decode: one slot each; idle batches and draft workers are skipped
+    # decode: one slot each; a draft model's runner (its own pool at the target's slots) reported alike
     fb2 = types.SimpleNamespace(
         forward_mode=_Mode(False),
         rids=["a", "b"],
@@ -606,7 +606,70 @@ def test_forward_split_and_rows(probes):
     assert arr(probes.named("forward")[-1][2]["written_counts"]) == [1, 1]
     runner.is_draft_worker = True
     hook(lambda self, fb: None, runner, fb2)
-    assert len(probes.named("forward")) == 2
+    assert len(probes.named("forward")) == 3 and arr(probes.named("forward")[-1][1][2]) == [8, 14]
+
+
+class _VerifyMode(_Mode):
+    def __init__(self):
+        super().__init__(False)
+
+    def is_target_verify(self):
+        return True
+
+
+def _verify_batch(out_cache_loc, draft_token_num):
+    return types.SimpleNamespace(
+        forward_mode=_VerifyMode(),
+        rids=["a", "b"],
+        seq_lens_cpu=torch.tensor([5, 3]),
+        seq_lens=None,
+        out_cache_loc=torch.tensor(out_cache_loc),
+        extend_seq_lens_cpu=None,
+        req_pool_indices=torch.tensor([1, 2]),
+        spec_info=types.SimpleNamespace(draft_token_num=draft_token_num),
+    )
+
+
+def test_a_verify_forward_writes_its_draft_window_and_reads_prefix_and_window(probes):
+    """TARGET_VERIFY: seq_lens are the cached prefix; each request writes draft_token_num slots
+    (its row's next positions) and attends over the prefix and those tokens."""
+    pool = FakePool()
+    pool.req_to_token[1, :7] = torch.tensor([4, 5, 6, 7, 8, 9, 10])
+    pool.req_to_token[2, :5] = torch.tensor([12, 13, 14, 15, 16])
+    runner = types.SimpleNamespace(req_to_token_pool=pool, is_draft_worker=False)
+    rt.State.row_sampler = RowSampler(every=1)
+    hook = hr.forward_hook("forward")
+    hook(lambda self, fb: None, runner, _verify_batch([9, 10, 15, 16], 2))
+    ((_, (rids, seq_lens, written), kwargs),) = probes.named("forward")
+    assert arr(seq_lens) == [7, 5] and arr(written) == [9, 10, 15, 16]
+    assert arr(kwargs["written_counts"]) == [2, 2]
+    assert arr(kwargs["read_pages"]) == [4, 5, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16]
+    # a layout that does not split by the draft width: no writes, reads of the cached prefix only
+    hook(lambda self, fb: None, runner, _verify_batch([9, 10, 15], 2))
+    (_, (_, seq_lens, written), kwargs) = probes.named("forward")[-1]
+    assert arr(seq_lens) == [5, 3] and arr(written) == [] and arr(kwargs["written_counts"]) == [0, 0]
+
+
+def test_alloc_for_spec_decode_assigns_the_rows_allocated_ahead(probes):
+    """alloc_for_spec_decode writes req_to_token[row, cur:nxt] with a kernel: read back after the
+    call, per request that grew; a request that did not grow and a call that allocated nothing
+    report nothing."""
+    pool = FakePool()
+    pool.req_to_token[1, 6:12] = torch.arange(30, 36)
+    pool.req_to_token[2, 9:12] = torch.tensor([50, 51, 52])
+    reqs = [_req("a", row=1), _req("b", row=2), _req("c", row=3)]
+    hook = hr.alloc_for_spec_decode_hook("alloc_for_spec_decode")
+    kwargs = dict(
+        reqs=reqs,
+        req_pool_indices=torch.tensor([1, 2, 3]),
+        cur_kv_lens_cpu=torch.tensor([6, 9, 12]),
+        nxt_kv_lens_cpu=torch.tensor([12, 12, 12]),
+    )
+    hook(lambda tc, rtp, **kw: None, None, pool, num_needed_tokens=9, **kwargs)
+    got = [(c[1][0], c[1][1], c[1][2], c[1][3], arr(c[1][4])) for c in probes.named("rows_assigned")]
+    assert got == [("a", 6, 12, 6, [30, 31, 32, 33, 34, 35]), ("b", 9, 12, 9, [50, 51, 52])]
+    hook(lambda tc, rtp, **kw: None, None, pool, num_needed_tokens=0, **kwargs)
+    assert len(probes.named("rows_assigned")) == 2
 
 
 # --------------------------------------------------------------------------- requests

@@ -94,7 +94,7 @@ def test_an_unhooked_allocator_a_state_pool_or_speculation_leaves_ownership_unfo
             "SWATokenToKVPoolAllocator is not hooked",
         ),
         (_sched(_mha_pool(), rtt="HybridReqToTokenPool"), "state_pool", "recurrent state"),
-        (_sched(_mha_pool(), speculative_algorithm="EAGLE"), "draft", "speculative decoding (EAGLE)"),
+        (_sched(_mha_pool(), speculative_algorithm="EAGLE"), "draft", "not a speculative path kvguard follows"),
         (_sched(_named("SWAKVPool")), "kv_pool", "SWAKVPool is not a pool layout kvguard follows"),
         (_sched(_mha_pool(), pp_size=2), "parallel", "pipeline parallelism"),
     ):
@@ -153,3 +153,66 @@ def test_an_engine_it_cannot_follow_says_so_and_sends_no_page_records():
     assert [r.kind for r in records] == [wire.Kind.HELLO, wire.Kind.COVERAGE]
     assert not watching  # every page hook checks this before it emits anything
     assert [g.component for g in records[1].body.gaps] == ["draft"]
+
+
+def _spec_sched(algorithm="NEXTN", worker="EAGLEWorkerV2", draft_on_target=True, **args):
+    """A scheduler with a speculative worker; EAGLE-family workers get a draft runner whose
+    own pool sits on the target's allocator and rows (as SGLang builds it) or on others."""
+    sched = _sched(_mha_pool(), speculative_algorithm=algorithm, **args)
+    spec = _named(worker)
+    if worker != "NGRAMWorker":
+        alloc = sched.token_to_kv_pool_allocator if draft_on_target else _named("PagedTokenToKVPoolAllocator")
+        runner = types.SimpleNamespace(
+            token_to_kv_pool=_mha_pool(layers=1),
+            token_to_kv_pool_allocator=alloc,
+            req_to_token_pool=sched.req_to_token_pool,
+        )
+        spec.draft_worker = types.SimpleNamespace(draft_runner=runner)
+    sched.draft_worker = spec
+    return sched
+
+
+@pytest.fixture
+def spec_hook_registered(monkeypatch):
+    from kvguard.engine_hooks.sglang import plugin
+
+    monkeypatch.setattr(plugin, "registered", [plugin.SPEC_DECODE_TARGET])
+
+
+def test_a_chain_draft_on_the_targets_allocator_is_watched(spec_hook_registered):
+    for sched, words in (
+        (_spec_sched(speculative_eagle_topk=1, speculative_num_draft_tokens=2), "NEXTN via EAGLEWorkerV2"),
+        (
+            _spec_sched("NGRAM", "NGRAMWorker", speculative_ngram_max_bfs_breadth=1, speculative_num_draft_tokens=4),
+            "no draft model",
+        ),
+    ):
+        items = cov.inspect(sched, "0.5.23", "unified")
+        draft = _by_component(items)["draft"]
+        assert draft.status == wire.CoverageStatus.WATCHED and draft.watched == wire.Capability.OWNERSHIP, draft
+        assert words in draft.detail and "verify writes and reads followed" in draft.detail
+        assert cov.cv.ownership_followed(items)
+
+
+def test_a_draft_path_not_verified_is_declared_unwatched(spec_hook_registered, monkeypatch):
+    chain = {"speculative_eagle_topk": 1, "speculative_num_draft_tokens": 2}
+    for sched, version, role, words in (
+        (_spec_sched(speculative_eagle_topk=4), "0.5.23", "unified", "a draft tree (topk 4"),
+        (_spec_sched(**chain, enable_multi_layer_eagle=True), "0.5.23", "unified", "multi-layer EAGLE"),
+        (_spec_sched("NGRAM", "NGRAMWorker", speculative_ngram_max_bfs_breadth=3), "0.5.23", "unified", "n-gram tree"),
+        (_spec_sched("STANDALONE", "StandaloneWorkerV2", **chain), "0.5.23", "unified", "not a speculative path"),
+        (_spec_sched("EAGLE3", **chain), "0.5.23", "unified", "not a speculative path"),
+        (_spec_sched(**chain), "0.5.19", "unified", "not verified on SGLang 0.5.19"),
+        (_spec_sched(**chain), "0.5.23", "decode", "not verified on a decode engine"),
+        (_spec_sched(**chain, draft_on_target=False), "0.5.23", "unified", "not on the target's allocator"),
+    ):
+        items = cov.inspect(sched, version, role)
+        draft = _by_component(items)["draft"]
+        assert draft.status == wire.CoverageStatus.UNWATCHED and words in draft.detail, (words, draft)
+        assert not cov.cv.ownership_followed(items)
+    from kvguard.engine_hooks.sglang import plugin
+
+    monkeypatch.setattr(plugin, "registered", [])  # the row hook did not resolve on this engine
+    draft = _by_component(cov.inspect(_spec_sched(**chain), "0.5.23", "unified"))["draft"]
+    assert draft.status == wire.CoverageStatus.UNWATCHED and "alloc_for_spec_decode not hooked" in draft.detail
+

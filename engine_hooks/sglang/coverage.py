@@ -22,6 +22,19 @@ MHA_POOLS = ("MHATokenToKVPool", "MHATokenToKVPoolFP4", "MHATokenToKVPoolMXFP8",
 LATENT_POOLS = ("MLATokenToKVPool", "MLATokenToKVPoolFP4", "DSATokenToKVPool")
 REQ_TO_TOKEN_POOLS = ("ReqToTokenPool", "DecodeReqToTokenPool")
 
+# Speculative decoding the hooks follow (hooks_rows.py: alloc_for_spec_decode's rows, the target's
+# TARGET_VERIFY forwards, the draft model's forwards): the spec worker's class -> the algorithms (as SGLang resolves them:
+# NEXTN -> EAGLE) it runs, each verified on a real engine of the versions below with a chain
+# draft (EAGLE family: --speculative-eagle-topk 1; NGRAM: --speculative-ngram-max-bfs-breadth 1;
+# tests/test_spec_sglang_engines.py). A tree draft (topk > 1 moves accepted KV between the
+# request's own slots after verify), multi-layer EAGLE, STANDALONE, DFLASH, UNO, DSPARK,
+# FROZEN_KV_MTP and plugin algorithms stay unwatched: their paths were not verified.
+# (EAGLE3 runs in the same worker with the same slot paths, but its draft reads the target's
+# hidden states from several layers and was not run here: declared until a test shows it.)
+SPEC_WORKERS = {"EAGLEWorkerV2": ("EAGLE",), "NGRAMWorker": ("NGRAM",)}
+SPEC_VERIFIED_VERSIONS = ("0.5.23",)
+SPEC_ROLES = ("unified",)
+
 
 def _shape(t) -> str:
     try:
@@ -107,6 +120,89 @@ def _kv_pool_item(sched, alloc, pool, role: str, hicache: bool) -> wire.Coverage
     return cv.item("kv_pool", watched, missing, detail + (f"; {why}" if why else ""))
 
 
+def _spec_hook_registered() -> bool:
+    from . import plugin  # (plugin imports the hooks, which import this module: not at the top)
+
+    return plugin.SPEC_DECODE_TARGET in plugin.registered
+
+
+def _chain(args, algorithm: str) -> str:
+    """'' when the draft is a chain (the verified shape), else why not."""
+    if algorithm == "NGRAM":
+        breadth = getattr(args, "speculative_ngram_max_bfs_breadth", None)
+        return "" if breadth == 1 else f"an n-gram tree (max bfs breadth {breadth})"
+    topk = getattr(args, "speculative_eagle_topk", None)
+    if topk not in (None, 1):
+        return f"a draft tree (topk {topk}: accepted KV is moved between the request's slots after verify)"
+    if getattr(args, "enable_multi_layer_eagle", False):
+        return "multi-layer EAGLE (MultiLayerEagleWorkerV2)"
+    return ""
+
+
+def _draft_pool(worker):
+    """The draft model's own KV pool, its allocator and req_to_token pool (EAGLEWorkerV2's
+    draft runner); None when there is no draft model (NGRAM) or it cannot be found."""
+    runner = getattr(getattr(worker, "draft_worker", None), "draft_runner", None)
+    if runner is None:
+        return None
+    return (
+        getattr(runner, "token_to_kv_pool", None),
+        getattr(runner, "token_to_kv_pool_allocator", None),
+        getattr(runner, "req_to_token_pool", None),
+    )
+
+
+def draft_item(sched, spec: str, version: str, role: str, alloc) -> wire.CoverageItem:
+    """The ``draft`` component: watched (ownership) where the hooks follow the speculative path
+    (a verified worker class, algorithm, chain shape, version and role, the row hook registered,
+    a draft pool on the target's own allocator and rows), else unwatched with the reason."""
+    from .plugin import base_version
+
+    args = sched.server_args
+    algorithm = spec.upper()
+    algorithm = "EAGLE" if algorithm == "NEXTN" else algorithm
+    worker = getattr(sched, "draft_worker", None)
+    worker_name = type(worker).__name__ if worker is not None else "no spec worker"
+    what = f"{spec} via {worker_name}"
+
+    def gap(why: str) -> wire.CoverageItem:  # (a COVERAGE string holds 256 bytes: the reason first)
+        return cv.unwatched("draft", f"{what}: {why}; spec rows and verify forwards not followed")
+
+    if algorithm not in SPEC_WORKERS.get(worker_name, ()):
+        return gap("not a speculative path kvguard follows")
+    shape = _chain(args, algorithm)
+    if shape:
+        return gap(f"{shape}: not verified")
+    if base_version(version) not in SPEC_VERIFIED_VERSIONS:
+        return gap(f"not verified on SGLang {version} (only {', '.join(SPEC_VERIFIED_VERSIONS)})")
+    if role not in SPEC_ROLES:
+        return gap(f"not verified on a {role} engine")
+    if not _spec_hook_registered():
+        return gap("alloc_for_spec_decode not hooked")
+    draft = _draft_pool(worker)
+    if algorithm == "NGRAM":
+        not_checked = "no draft model (an n-gram trie)"
+    else:
+        if draft is None:
+            return gap("the draft model's runner was not found")
+        pool, draft_alloc, draft_rows = draft
+        if pool is None or draft_alloc is not alloc or draft_rows is not sched.req_to_token_pool:
+            return gap("the draft's KV is not on the target's allocator and rows")
+        layers = getattr(pool, "layer_num", "?")
+        not_checked = (
+            f"the draft model's forwards too (its own {type(pool).__name__}, {layers} layer(s), at the target's "
+            "slots; content check on the target's pool only)"
+        )
+    width = getattr(args, "speculative_num_draft_tokens", None)
+    return cv.item(
+        "draft",
+        cv.OWNERSHIP,
+        0,
+        f"{what}, {width} tokens per verify: rows allocated ahead and the target's verify writes and reads "
+        f"followed; {not_checked}",
+    )
+
+
 def inspect(sched, version: str, role: str) -> list[wire.CoverageItem]:
     """The scheduler's components, each with what kvguard watches of it."""
     args = sched.server_args
@@ -149,13 +245,7 @@ def inspect(sched, version: str, role: str) -> list[wire.CoverageItem]:
         )
     spec = getattr(args, "speculative_algorithm", None)
     if spec:
-        items.append(
-            cv.unwatched(
-                "draft",
-                f"speculative decoding ({spec}): the draft model's KV writes and the verify step's extra slots "
-                "(alloc_for_spec_decode) are not hooked",
-            )
-        )
+        items.append(draft_item(sched, str(spec), version, role, alloc))
     if hicache:
         storage = getattr(args, "hicache_storage_backend", None)
         if version == "0.5.19":

@@ -10,6 +10,15 @@ bound to ``row``. Rows are written by:
 * ``alloc_for_decode(batch, token_per_req)``: one (or ``token_per_req``) new slot at
   position ``seq_len`` (the old length); that slot is usually inside the request's
   existing last page.
+* ``alloc_for_spec_decode(tree_cache, req_to_token_pool, *, reqs, req_pool_indices,
+  cur_kv_lens, ..., nxt_kv_lens_cpu, num_needed_tokens, batch)`` (speculative decoding:
+  EAGLE, EAGLE3, MTP/NEXTN, NGRAM): allocates each request's row ahead, positions
+  ``[cur_kv_len, nxt_kv_len)`` (``cur`` = ``kv_allocated_len``, ``nxt`` = its committed length
+  plus twice the draft window, rounded up to a page), and writes them with
+  ``assign_req_to_token_pool_func`` (a kernel, not ``ReqToTokenPool.write``): the row is
+  read back after the call, as for ``alloc_for_extend``. The verify and draft forwards
+  write there; rejected draft tokens' slots stay the request's until its release frees
+  the row past the kept length (``_release_overallocated_kv_indices``, a hooked free).
 * ``ReqToTokenPool.write`` / ``DecodeReqToTokenPool.write`` from anywhere else
   (radix-cache checkpoints rebinding a row onto the tree's pages, decode
   pre-allocation, HiCache loads); the row's owner comes from the row -> rid map
@@ -19,7 +28,16 @@ bound to ``row``. Rows are written by:
 ``ModelRunner.forward`` gives, per batch, each request's rid, the tokens its
 attention reads (``seq_lens``), the slots it writes (``out_cache_loc`` split by
 ``extend_seq_lens`` or evenly for decode) and the actual row
-``req_to_token[row, :seq_len]`` it reads.
+``req_to_token[row, :seq_len]`` it reads. A ``TARGET_VERIFY`` forward (speculative
+decoding's verify step on the target model) has ``seq_lens`` = the tokens already in the
+cache (the prefix its attention reads from the pool) and writes ``draft_token_num`` slots
+per request, ``req_to_token[row, seq_len : seq_len + draft_token_num]``, whose tokens
+attend to the prefix and to each other (tree mask): reported as those writes and a read
+of ``seq_len + draft_token_num`` tokens. The draft model's own forwards
+(``is_draft_worker``: its prefill, ``DRAFT_EXTEND_V2`` after each verify, draft decode
+steps) are reported like the target's: its KV pool is a buffer of its own at the same slots,
+on the target's allocator and rows (coverage.py watches a draft only where that holds), so its
+writes and reads are of the same pages. The content check stays on the target's pool.
 """
 
 from __future__ import annotations
@@ -44,6 +62,14 @@ def _rows_block(req_to_token, rows: list, length: int, step: int = 1):
         return torch.zeros((len(rows), 0), dtype=torch.int64)
     idx = torch.as_tensor(rows, dtype=torch.int64, device=req_to_token.device)
     return req_to_token[idx, :length:step].to("cpu", torch.int64)
+
+
+def _rows_span(req_to_token, rows: list, lo: int, hi: int):
+    """req_to_token[rows, lo:hi] on the host, one copy."""
+    import torch
+
+    idx = torch.as_tensor(rows, dtype=torch.int64, device=req_to_token.device)
+    return req_to_token[idx, lo:hi].to("cpu", torch.int64)
 
 
 # --------------------------------------------------------------------------- row map
@@ -195,6 +221,36 @@ def alloc_for_decode_hook(name: str):
     return rt.around(name, _decode_pre, _decode_post, cats=("rows",))
 
 
+def _spec_decode_post(token, result, tree_cache, req_to_token_pool, *args, **kwargs):
+    if not State.hello_done or int(kwargs.get("num_needed_tokens") or 0) <= 0:
+        return  # nothing allocated: the kernel wrote no row entry
+    reqs = kwargs["reqs"]
+    n = len(reqs)
+    if n == 0:
+        return
+    cur = rt.host_int64(kwargs["cur_kv_lens_cpu"])[:n]
+    nxt = rt.host_int64(kwargs["nxt_kv_lens_cpu"])[:n]
+    rows = rt.host_int64(kwargs["req_pool_indices"])[:n]
+    if len(cur) != n or len(nxt) != n or len(rows) != n:
+        raise ValueError(f"alloc_for_spec_decode: {n} requests, {len(cur)} / {len(nxt)} lengths, {len(rows)} rows")
+    grow = (nxt > cur).nonzero()[0]
+    if len(grow) == 0:
+        return
+    lo, hi = int(cur[grow].min()), int(nxt[grow].max())
+    # the row entries the kernel wrote, read back: [cur, nxt) of each request that grew
+    block = _rows_span(req_to_token_pool.req_to_token, rows[grow].tolist(), lo, hi)
+    p = rt.probes()
+    for j, i in enumerate(grow.tolist()):
+        r = reqs[i]
+        start, stop = int(cur[i]), int(nxt[i])
+        rt.ensure_begun(r)
+        p.rows_assigned(r.rid, start, stop, start, block[j, start - lo : stop - lo])
+
+
+def alloc_for_spec_decode_hook(name: str):
+    return rt.around(name, None, _spec_decode_post, cats=("rows",))
+
+
 # --------------------------------------------------------------------------- forward
 _gather_buf: list = [None]
 
@@ -236,8 +292,12 @@ def _row_page_starts(req_to_token, rows, seq_lens: np.ndarray, ps: int):
 
 
 def _forward_pre(self, *args, **kwargs):
-    if not State.hello_done or getattr(self, "is_draft_worker", False):
+    if not State.hello_done:
         return
+    # a draft model's runner (EAGLE / MTP): its pool is its own buffer at the target's slots, on
+    # the target's allocator and rows (coverage.py checks that), so its writes and reads are the
+    # same pages' and judged the same way; the content check fingerprints the target's pool only
+    draft = getattr(self, "is_draft_worker", False)
     fb = args[0] if args else kwargs.get("forward_batch")
     mode = fb.forward_mode
     if mode is None or mode.is_idle():
@@ -249,14 +309,17 @@ def _forward_pre(self, *args, **kwargs):
     p = rt.probes()
     seq_lens = rt.host_int64(fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens)[:n]
     out = rt.host_int64(fb.out_cache_loc)
-    if mode.is_extend() and fb.extend_seq_lens_cpu is not None:
+    verify = getattr(mode, "is_target_verify", None)  # (0.5.19 - 0.5.23 have it; a stand-in may not)
+    if verify is not None and verify():
+        seq_lens, out, counts = _verify_layout(fb, n, seq_lens, out)
+    elif mode.is_extend() and fb.extend_seq_lens_cpu is not None:
         counts = rt.host_int64(fb.extend_seq_lens_cpu)[:n]
     else:
         counts = np.full(n, len(out) // n, np.int64)
-    if int(counts.sum()) != len(out):  # padded / speculative layouts we do not model: report no writes
+    if int(counts.sum()) != len(out):  # padded layouts we do not model: report no writes
         out, counts = out[:0], np.zeros(n, np.int64)
     req_to_token = self.req_to_token_pool.req_to_token
-    check = content_hooks.active(self)
+    check = None if draft else content_hooks.active(self)
     if check is not None and len(out):
         # KV at rest: the slots each reader attends over that this forward does not write first
         # still hold what hooked writes left there (a slot about to be written may hold anything)
@@ -272,6 +335,20 @@ def _forward_pre(self, *args, **kwargs):
         sampler.spent(time.perf_counter_ns() - t0)
     p.forward(rids, seq_lens, out, written_counts=counts, read_pages=read_pages, read_counts=read_counts)
     return (check, out) if check is not None else None
+
+
+def _verify_layout(fb, n: int, seq_lens: np.ndarray, out: np.ndarray):
+    """A TARGET_VERIFY forward as FORWARD reports it: ``(read lengths, written slots, written
+    per request)``. Each request writes ``draft_token_num`` slots, its row at ``[seq_len,
+    seq_len + draft_token_num)`` (``assign_extend_cache_locs``), and reads its cached prefix
+    ``[0, seq_len)`` plus those tokens (writes first, then reads: FORWARD's order). A layout
+    that does not split so (padding, a draft width we cannot read) reports no writes and reads
+    of the cached prefix only: fewer reads judged, never a position the rows were not told."""
+    width = getattr(getattr(fb, "spec_info", None), "draft_token_num", None)
+    width = int(width) if isinstance(width, (int, np.integer)) and int(width) > 0 else 0
+    if width and len(out) == n * width:
+        return seq_lens + width, out, np.full(n, width, np.int64)
+    return seq_lens, out[:0], np.zeros(n, np.int64)
 
 
 def _forward_post(token, result, self, *args, **kwargs):

@@ -46,6 +46,7 @@ class HookSpec:
     params: tuple  # leading parameter names the hook reads (after self for methods)
     area: str  # allocator | rows | requests | disagg
     required: bool = True  # missing on a supported version -> warning (others still hooked)
+    kwonly: tuple = ()  # keyword-only parameter names the hook reads (checked like ``params``)
 
 
 _ALLOC = S + "mem_cache.allocator."
@@ -271,15 +272,32 @@ _GUARD_TRANSFER = (
     ),
 )
 
+# Speculative decoding (EAGLE, EAGLE3, MTP/NEXTN, NGRAM): the rows alloc_for_spec_decode
+# allocates ahead and writes with a kernel (hooks_rows.py). The same function and signature in
+# 0.5.19 (allocation.py:665) and 0.5.23 (allocation.py:780); whether an engine's draft is
+# watched is coverage.py's call (SPEC_VERIFIED), the hook only reports rows once HELLO said so.
+SPEC_DECODE_TARGET = S + "mem_cache.allocation.alloc_for_spec_decode"
+_SPEC = (
+    HookSpec(
+        SPEC_DECODE_TARGET,
+        "around",
+        hr.alloc_for_spec_decode_hook,
+        ("tree_cache", "req_to_token_pool"),
+        "rows",
+        required=False,  # coverage.py watches a draft only where this hook was registered
+        kwonly=("reqs", "req_pool_indices", "cur_kv_lens_cpu", "nxt_kv_lens_cpu", "num_needed_tokens"),
+    ),
+)
+
 # version -> (verified on a real engine, hook specs). Every version here runs the real
 # engine tests (tests/test_sglang_adapter_engine.py: unified, decode, prefill roles);
 # free_page_ids exists from 0.5.20 on.
 SUPPORTED: dict[str, tuple[bool, tuple]] = {
-    "0.5.19": (True, _COMMON),
-    "0.5.20": (True, _COMMON + _FREE_PAGE_IDS + _HICACHE),
-    "0.5.21": (True, _COMMON + _FREE_PAGE_IDS + _HICACHE + _HICACHE_RETRACTION),
-    "0.5.22": (True, _COMMON + _FREE_PAGE_IDS + _HICACHE + _HICACHE_RETRACTION),
-    "0.5.23": (True, _COMMON + _FREE_PAGE_IDS + _HICACHE + _HICACHE_RETRACTION),
+    "0.5.19": (True, _COMMON + _SPEC),
+    "0.5.20": (True, _COMMON + _FREE_PAGE_IDS + _HICACHE + _SPEC),
+    "0.5.21": (True, _COMMON + _FREE_PAGE_IDS + _HICACHE + _HICACHE_RETRACTION + _SPEC),
+    "0.5.22": (True, _COMMON + _FREE_PAGE_IDS + _HICACHE + _HICACHE_RETRACTION + _SPEC),
+    "0.5.23": (True, _COMMON + _FREE_PAGE_IDS + _HICACHE + _HICACHE_RETRACTION + _SPEC),
 }
 
 
@@ -340,6 +358,11 @@ def resolve(spec: HookSpec) -> tuple[object | None, str]:
     want = list(spec.params)
     if names[: len(want)] != want:
         return None, f"parameters {names[: len(want)]} != expected {want}"
+    if spec.kwonly:
+        kw = {p.name for p in inspect.signature(fn).parameters.values() if p.kind == p.KEYWORD_ONLY}
+        missing = [k for k in spec.kwonly if k not in kw]
+        if missing:
+            return None, f"keyword-only parameters {missing} missing"
     return fn, ""
 
 

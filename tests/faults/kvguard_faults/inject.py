@@ -73,7 +73,14 @@ POLL_GATE = S + "disaggregation.decode.DecodeTransferQueue._poll_with_metadata_g
 READY_TO_LOAD = S + "mem_cache.unified_radix_cache.UnifiedRadixCache.ready_to_load_host_cache"
 
 HICACHE_FAULTS = ("hicache_load_freed", "hicache_host_flipped")
-UNIFIED_FAULTS = ("use_after_free", "double_free", "row_corruption", "late_write_forward", "late_write_pool")
+UNIFIED_FAULTS = (
+    "use_after_free",
+    "double_free",
+    "row_corruption",
+    "late_write_forward",
+    "late_write_pool",
+    "spec_draft_foreign",
+)
 PD_FAULTS = ("send_truncated", "sender_truncated", "send_foreign_page")
 SHORT_SEND_FAULTS = ("send_truncated", "sender_truncated")  # the sender is initialised for 1 page
 DECODE_FAULTS = ("flip_received_page",)
@@ -211,6 +218,8 @@ class Driver:
             f: {"stale": None, "victim": None, "page": None, "slots": None, "injected": False}
             for f in ("late_write_forward", "late_write_pool")
         }
+        # spec_draft_foreign: (writer rid, row, start, original slots) to put back after the verify
+        self.sdf_pending = None
         # PD: bootstrap_room -> fault
         self.pd_rooms: dict[int, str] = {}
         # send_foreign_page: the victim's first page's slots; the row entries to put back
@@ -315,6 +324,8 @@ class Driver:
     def before_process(self, sched, batch):
         if self.rc_pending is not None:
             self._row_restore(sched, batch)
+        if self.sdf_pending is not None:
+            self._spec_restore(sched, batch)
 
     def after_process(self, sched, batch):
         if batch is None:
@@ -330,6 +341,8 @@ class Driver:
             self.guarded("late_write_pool", self._late_write_pool, sched, batch)
         if "use_after_free" in self.faults:
             self.guarded("use_after_free", self._use_after_free, sched, batch)
+        if "spec_draft_foreign" in self.faults:
+            self.guarded("spec_draft_foreign", self._spec_draft_foreign, sched, batch)
         self._maybe_hold(batch)
 
     # fault 2 ----------------------------------------------------------------
@@ -407,6 +420,65 @@ class Driver:
         sched.req_to_token_pool.req_to_token[row, start:end] = original
         self.rc_pending = None
         self.ev.emit("row_corruption", "row_restored", reader=rid)
+
+    # speculative decoding -----------------------------------------------------
+    def _spec_draft_foreign(self, sched, batch):
+        """Speculative decoding: the slots the writer's next verify writes its draft tokens to
+        (its row's allocated-ahead entries ``[kv_committed_len, + draft tokens)``, set by
+        ``alloc_for_spec_decode``) name the owner's prompt slots instead, written straight into
+        the tensor between two steps (a verify-slot computation gone wrong: the drafted tokens'
+        KV lands in another tenant's page, and the verify attends over it). The row's last
+        allocated entry is left alone (the next allocation continues the page from it). Injected
+        when the window opens a page, so that the verify's read of the foreign page shows too."""
+        if ("spec_draft_foreign", "injected") in self.done or self.sdf_pending is not None:
+            return
+        width = int(getattr(sched.server_args, "speculative_num_draft_tokens", 0) or 0)
+        roles = self._by_role(batch, "spec_draft_foreign")
+        if "writer" not in roles or "owner" not in roles:
+            if roles and "spec_draft_foreign" not in self.hold:
+                self._arm_hold("spec_draft_foreign")  # keep the first one alive until the other decodes too
+            return
+        writer, owner = roles["writer"][1], roles["owner"][1]
+        if width <= 0 or writer.finished() or owner.finished() or writer.kv.req_pool_idx is None:
+            return
+        start = int(writer.kv.kv_committed_len)
+        if start + width >= int(writer.kv.kv_allocated_len) or len(writer.output_ids) == 0:
+            return  # not decoding yet, or the draft window is not allocated ahead: wait a step
+        ps = page_size(sched)
+        if start // ps == (start + width - 1) // ps and start % ps:
+            # the window lies inside one page and opens none: a row read reports one slot per page
+            # (the page's first), so the verify's read of the foreign slots would not show; wait
+            # for a window that opens a page (then both the write and the read are visible)
+            return
+        if len(owner.origin_input_ids) < 2 * ps + width:
+            return
+        rt = sched.req_to_token_pool.req_to_token
+        w_row, o_row = int(writer.kv.req_pool_idx), int(owner.kv.req_pool_idx)
+        original = rt[w_row, start : start + width].clone()
+        foreign = rt[o_row, ps : ps + width].clone()  # from the owner's row page 1: a full prompt page
+        rt[w_row, start : start + width] = foreign
+        self.done.add(("spec_draft_foreign", "injected"))
+        self._release_hold("spec_draft_foreign")
+        self.sdf_pending = (writer.rid, w_row, start, original)
+        self.ev.emit(
+            "spec_draft_foreign",
+            "verify_slots_redirected",
+            writer=writer.rid,
+            owner=owner.rid,
+            positions=[start, start + width],
+            owner_pages=sorted({int(x) // ps for x in foreign.tolist()}),
+            writer_pages=sorted({int(x) // ps for x in original.tolist()}),
+        )
+
+    def _spec_restore(self, sched, batch):
+        """After the verify forward wrote and read the redirected slots: the writer's own row
+        entries back, so its release frees its own slots (the owner's stay the owner's)."""
+        rid, row, start, original = self.sdf_pending
+        if not any(r.rid == rid for r in batch.reqs):
+            return
+        sched.req_to_token_pool.req_to_token[row, start : start + len(original)] = original
+        self.sdf_pending = None
+        self.ev.emit("spec_draft_foreign", "row_restored", writer=rid)
 
     # fault 4 ----------------------------------------------------------------
     def _late_write_track(self, sched, batch, fault):
