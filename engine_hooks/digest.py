@@ -340,7 +340,8 @@ def latent_view(pool, kv) -> PoolView:
     "head" (its stored bytes: an fp8 pool's as stored). Digested as head 0 of 1 with no V
     (docs/wire-format.md, alg 3: ``K(l, 0)`` only); every attention-TP rank holds the same
     latent, so one rank reports it (hooks_disagg.head_layout). A DSA pool's indexer K cache
-    (``index_key_cache``) is not part of the digest (docs/coverage.md)."""
+    (``index_key_cache``) is added as ``index_rows`` where alg 3 defines it (:func:`index_rows`),
+    else ``index_unsupported`` says why (docs/coverage.md)."""
     if not kv:
         raise Unsupported("kv_buffer is empty")
     t = kv[0]

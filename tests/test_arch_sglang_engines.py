@@ -13,7 +13,7 @@ Three engine set-ups, each started once (about 4-5 minutes in all on 2 cores):
   read (``unwritten_read``), the short transfer (``transfer_size_mismatch``), the two ends'
   digests over the latent pool (``checksum_mismatch``) and the pools smaller than the context;
   nothing about the eight normal requests, whose digests matched. The indexer cache is followed
-  with the latent's pages but not digested: each engine says so once (``coverage_gap``, partial);
+  with the latent's pages and is in both ends' digests (alg 3 on host pools): no coverage gap;
 * the same pair with the guard on (``KVGUARD_GUARD=transfer``): the request fails in the engine
   before decode reads anything, and kvguard reports what was prevented (``make test-arch``: the
   guard's path is the GPT-2 pair's, which ``make test`` runs);
@@ -41,7 +41,6 @@ from test_faults_engine import fault_env, one, parties
 
 from kvguard.demo.engines import sglang_arch, start_engine
 from kvguard.demo.run import capture_incident, expected, guard_aborts
-from kvguard.sidecar.findings import Finding
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
 
@@ -49,12 +48,6 @@ GLM5 = sglang_arch("glm5")
 LEAKING, FIXED = "0.5.19", "0.5.23"
 PAGE = GLM5.page_size  # 64: DSA's index pages
 LONG_PROMPT = 600  # the demo's over-long prompt: ceil(600 / 64) = 10 pages reserved by decode
-
-
-def _indexer_gap_only(f: Finding) -> bool:
-    """A coverage_gap that says exactly: the DSA indexer cache travels undigested."""
-    (gap,) = f.evidence["unwatched"]
-    return (gap["component"], gap["status"], gap["missing"]) == ("indexer_cache", "partial", ["digests"])
 
 
 def _watched(run_or_stats, role: str) -> None:
@@ -78,8 +71,6 @@ def test_glm5_pd_0_5_19_leak_is_caught_with_the_exposed_tenants(tmp_path, requir
 
     assert sorted(f.kind for f in run.findings) == [
         "checksum_mismatch",
-        "coverage_gap",
-        "coverage_gap",
         "pool_smaller_than_context",
         "pool_smaller_than_context",
         "transfer_size_mismatch",
@@ -88,8 +79,9 @@ def test_glm5_pd_0_5_19_leak_is_caught_with_the_exposed_tenants(tmp_path, requir
     pools = {f.engine.role: f for f in run.findings if f.kind == "pool_smaller_than_context"}
     assert pools["prefill"].severity == "critical" and pools["prefill"].evidence["pool_tokens"] == 512
     assert pools["decode"].severity == "warning" and pools["decode"].evidence["context_len"] == 2048
-    gaps = [f for f in run.findings if f.kind == "coverage_gap"]
-    assert sorted(f.engine.role for f in gaps) == ["decode", "prefill"] and all(map(_indexer_gap_only, gaps))
+    # both ends digest the indexer K cache with the latent (the pair's normal transfers matched)
+    for role in ("prefill", "decode"):
+        assert run.coverage(role)["indexer_cache"] == "watched", run.coverage(role)
 
     (read,) = [f for f in run.findings if f.kind == "unwritten_read"]
     (size,) = [f for f in run.findings if f.kind == "transfer_size_mismatch"]
@@ -126,9 +118,9 @@ def test_glm5_pd_0_5_19_leak_is_caught_with_the_exposed_tenants(tmp_path, requir
     assert run.stats.ledger.digests_compared == len(run.scenario.requests), run.stats.ledger
 
     # both engines: the DSA pool watched (ownership + latent digests), the indexer cache followed
+    # and in the digest (the 8 normal transfers' digests matched with it included)
     for role in ("prefill", "decode"):
         _watched(run, role)
-        assert run.coverage(role)["indexer_cache"] == "partial"
     assert run.records_lost == 0
 
 
@@ -155,8 +147,6 @@ def test_glm5_pd_0_5_19_guard_fails_the_request_instead(tmp_path, require_sglang
     assert prevented.evidence["reserved_pages"] == 10 and prevented.exposed == []
     kinds = sorted(f.kind for f in run.findings if f.kind != "orphan_transfer")
     assert kinds == [
-        "coverage_gap",
-        "coverage_gap",
         "pool_smaller_than_context",
         "pool_smaller_than_context",
         "transfer_size_mismatch",

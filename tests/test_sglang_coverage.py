@@ -216,3 +216,24 @@ def test_a_draft_path_not_verified_is_declared_unwatched(spec_hook_registered, m
     draft = _by_component(cov.inspect(_spec_sched(**chain), "0.5.23", "unified"))["draft"]
     assert draft.status == wire.CoverageStatus.UNWATCHED and "alloc_for_spec_decode not hooked" in draft.detail
 
+
+def _dsa_pool(index_kpool=1):
+    pool = _mla_pool("DSATokenToKVPool")
+    pool.index_key_cache = types.SimpleNamespace(
+        buffer=[torch.zeros(17, 64 * 132, dtype=torch.uint8) for _ in range(2)]
+    )
+    pool.index_kpool = index_kpool
+    return pool
+
+
+def test_a_dsa_indexer_cache_is_digested_on_a_transfer_role_where_alg_3_defines_it():
+    unified = _by_component(cov.inspect(_sched(_dsa_pool()), "0.5.23", "unified"))["indexer_cache"]
+    assert unified.status == wire.CoverageStatus.WATCHED and unified.watched == wire.Capability.OWNERSHIP
+    prefill = _by_component(cov.inspect(_sched(_dsa_pool(), role="prefill"), "0.5.23", "prefill"))["indexer_cache"]
+    assert prefill.status == wire.CoverageStatus.WATCHED
+    assert (
+        prefill.watched == wire.Capability.OWNERSHIP | wire.Capability.DIGESTS and "transfer digest" in prefill.detail
+    )
+    pooled = _by_component(cov.inspect(_sched(_dsa_pool(2), role="decode"), "0.5.23", "decode"))["indexer_cache"]
+    assert pooled.status == wire.CoverageStatus.PARTIAL and pooled.missing == wire.Capability.DIGESTS
+    assert "not digested (pooled index keys" in pooled.detail

@@ -120,6 +120,27 @@ def _kv_pool_item(sched, alloc, pool, role: str, hicache: bool) -> wire.Coverage
     return cv.item("kv_pool", watched, missing, detail + (f"; {why}" if why else ""))
 
 
+def _indexer_item(pool, role: str) -> wire.CoverageItem:
+    """The ``indexer_cache`` component of a DSA pool: ownership with the latent's pages; on a
+    prefill/decode role, digests when alg 3 covers its bytes (docs/wire-format.md), else why not."""
+    detail = "the sparse-attention indexer's K cache, on the latent pool's pages"
+    if role not in ("prefill", "decode"):
+        return cv.item("indexer_cache", cv.OWNERSHIP, 0, detail)
+    try:
+        view = dg.pool_view(pool)
+    except dg.Unsupported as exc:
+        return cv.item("indexer_cache", cv.OWNERSHIP, cv.DIGESTS, f"{detail}: sent with it, not digested ({exc})")
+    if view.index_rows is None:
+        why = view.index_unsupported or "no indexer rows"
+        return cv.item("indexer_cache", cv.OWNERSHIP, cv.DIGESTS, f"{detail}: sent with it, not digested ({why})")
+    return cv.item(
+        "indexer_cache",
+        cv.OWNERSHIP | cv.DIGESTS,
+        0,
+        f"{detail}: in the transfer digest (alg 3, one stream per layer)",
+    )
+
+
 def _spec_hook_registered() -> bool:
     from . import plugin  # (plugin imports the hooks, which import this module: not at the top)
 
@@ -229,12 +250,9 @@ def inspect(sched, version: str, role: str) -> list[wire.CoverageItem]:
     )
     if pool is not None and getattr(pool, "index_key_cache", None) is not None:
         # DSA (DeepSeek-V3.2 / GLM-5 class): an indexer K cache per page beside the latent. Its
-        # pages are the latent's (followed with them); its bytes are not in the transfer digest
-        detail = "the sparse-attention indexer's K cache, on the latent pool's pages"
-        if role in ("prefill", "decode"):
-            items.append(cv.item("indexer_cache", cv.OWNERSHIP, cv.DIGESTS, detail + ": sent with it, not digested"))
-        else:
-            items.append(cv.item("indexer_cache", cv.OWNERSHIP, 0, detail))
+        # pages are the latent's (followed with them); its bytes are in the transfer digest where
+        # alg 3 defines them (a host buffer, one row per page: digest.index_rows), else said
+        items.append(_indexer_item(pool, role))
     rtt = type(sched.req_to_token_pool).__name__
     if rtt not in REQ_TO_TOKEN_POOLS:
         items.append(
