@@ -26,11 +26,7 @@ FINDING_KINDS: dict[str, tuple[tuple[str, ...], str]] = {
 
 def switches(pipeline) -> set[str]:
     """The detector switches that are on in this pipeline (sidecar.pipeline.Pipeline)."""
-    on = {ALWAYS}
-    if pipeline.ttft_detector.enabled:
-        on.add(TTFT)
-    if pipeline.isolation_detector.enabled:
-        on.add(ISOLATION)
+    on = {ALWAYS} | pipeline.detectors.switches_on()
     if pipeline.shared_ledger is not None:
         on.add(SHARED_LEDGER)
     return on

@@ -23,12 +23,12 @@ differential test compares against).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import numpy as np
 
 from kvguard.engine_hooks import wire
 
+from .events import ReadVerdict, WriteVerdict
 from .page_pool import FREE, GEN_MASK, OWNED, PADDING_PAGE, SHARED_BIT, UNKNOWN, PagePool, Row
 from .request_directory import RequestDirectory, RequestInfo
 
@@ -45,29 +45,6 @@ def _incremental_judge_from_env() -> bool:
 
 # (EngineTracker reads it through sidecar/tracker.py, where tests patch it)
 INCREMENTAL_JUDGE = _incremental_judge_from_env()
-
-
-@dataclass(slots=True)
-class WriteVerdict:
-    """KV writes that landed where they should not have."""
-
-    writer: RequestInfo
-    freed: np.ndarray  # pages free in the allocator when written (write after free)
-    foreign: np.ndarray  # pages owned by another live request when written (late write)
-
-
-@dataclass(slots=True)
-class ReadVerdict:
-    """The classification of one request's page reads in one forward (pages outside
-    every category were fine)."""
-
-    reader: RequestInfo
-    unwritten: np.ndarray  # reserved for the reader, nothing wrote them for it
-    foreign: np.ndarray  # not (or no longer) the reader's: another request owns or wrote them
-    freed: np.ndarray  # free in the allocator while read
-    unverified: int  # pages whose state is unknown (blind window)
-    shared: np.ndarray | None = None  # legitimately shared prefix-cache pages read (for tenant isolation checks)
-    unwritten_writers: np.ndarray | None = None  # a read judged late: the unwritten pages' last writers when read
 
 
 class Judge:

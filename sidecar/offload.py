@@ -41,10 +41,9 @@ import numpy as np
 
 from kvguard.engine_hooks import wire
 
-from .detectors.base import LoadedObjectMismatch, SourcePagesSent
 from .detectors.reads import reader_party
+from .events import LoadedObjectMismatch, ReadVerdict, SourcePagesSent
 from .findings import Finding, Party
-from .judge import ReadVerdict
 from .page_pool import FREE, PADDING_PAGE, UNKNOWN
 from .request_directory import RequestInfo
 

@@ -17,29 +17,11 @@ import numpy as np
 
 from kvguard.engine_hooks import wire
 
-from .detectors.base import (
-    At,
-    ContentChangedAt,
-    Detector,
-    PagesFreedTwice,
-    RecordsLost,
-    RequestEnded,
-)
-from .detectors.config import PoolContextDetector
-from .detectors.content import ContentDetector
-from .detectors.coverage import CoverageDetector
-from .detectors.gaps import EventsLostDetector
-from .detectors.guard import ACTIONS, CARRIED_RULES, GUARD_ABORT_KINDS, GuardDetector
-from .detectors.isolation import TenantIsolationDetector
-from .detectors.lifetime import DoubleFreeDetector, WriteDetector
-from .detectors.offload import OffloadDetector
-from .detectors.reads import ReadDetector
-from .detectors.scopes import ScopeDetector
-from .detectors.sends import UnwrittenSendDetector
-from .detectors.tier1 import Tier1Detector
-from .detectors.transfers import ChecksumDetector, LedgerDegradedDetector, OrphanDetector, TransferSizeDetector
-from .detectors.ttft import TTFTDetector
+from .detectors.base import At
+from .detectors.guard import ACTIONS, CARRIED_RULES, GUARD_ABORT_KINDS
+from .detectors.registry import DetectorSet, default_detectors
 from .engine_parts import EngineParts
+from .events import ContentChangedAt, PagesFreedTwice, RecordsLost, RequestEnded
 from .finding_kinds import possible_findings
 from .findings import EngineRef, Finding
 from .history import Event, History
@@ -69,15 +51,6 @@ POOL_RECORD_KINDS = frozenset(
 )
 # what a pool that shares pool 0's pages (POOL ``shares_pages``) has only once, on pool 0's model
 SHARED_PAGE_KINDS = frozenset((wire.Kind.ALLOC, wire.Kind.FREE, wire.Kind.CONTENT_CHANGED))
-
-
-def dispatch_table(detectors) -> dict[type, tuple]:
-    """event type -> the detectors that observe it, in the order given (built once)."""
-    table: dict[type, list] = {}
-    for detector in detectors:
-        for event_type in detector.events:
-            table.setdefault(event_type, []).append(detector)
-    return {event_type: tuple(ds) for event_type, ds in table.items()}
 
 
 class Pipeline(TransferFlow, OffloadFlow):
@@ -116,30 +89,9 @@ class Pipeline(TransferFlow, OffloadFlow):
         # (docs/detectors.md: 100 s), not 10 of the embedded ledger's 2 s grace
         self.ledger.max_hold_ns = 10 * SHARED_GRACE_NS
         self._degraded_reported_ns = 0
-        # the detectors (sidecar/detectors/base.py): each declares its kinds and the events it observes
-        self.ttft_detector = TTFTDetector(enabled=ttft_anomaly)
-        self.isolation_detector = TenantIsolationDetector(isolate_tenants)
-        self.detectors: list[Detector] = [
-            ReadDetector(),
-            self.isolation_detector,
-            WriteDetector(),
-            DoubleFreeDetector(),
-            Tier1Detector(),
-            GuardDetector(),
-            PoolContextDetector(),
-            CoverageDetector(),
-            TransferSizeDetector(),
-            ChecksumDetector(),
-            OrphanDetector(),
-            UnwrittenSendDetector(),
-            ScopeDetector(),
-            ContentDetector(),
-            OffloadDetector(),
-            LedgerDegradedDetector(),
-            EventsLostDetector(),
-            self.ttft_detector,
-        ]
-        self.detectors_for = dispatch_table(self.detectors)
+        # the detectors (sidecar/detectors/): each declares its kinds, the events it observes and
+        # the optional hooks it needs; the set calls them (this class never names a detector)
+        self.detectors = DetectorSet(default_detectors(isolate_tenants=isolate_tenants, ttft_anomaly=ttft_anomaly))
         self._init_offload()
         self._handlers = self._record_handlers()
         self.records_by_kind: Counter = Counter()
@@ -159,8 +111,7 @@ class Pipeline(TransferFlow, OffloadFlow):
         ``kvguard replay`` (sidecar/replay.py ``VERDICT_OPTIONS``; ``shared_ledger`` is
         recorded only: a replay has no other pod's facts)."""
         return {
-            "isolate_tenants": bool(self.isolation_detector.enabled),
-            "ttft_anomaly": bool(self.ttft_detector.enabled),
+            **self.detectors.settings(),  # isolate_tenants, ttft_anomaly
             "orphan_timeout_s": float(self.orphan_timeout_s),
             "shared_ledger": self.shared_ledger is not None,
         }
@@ -184,13 +135,10 @@ class Pipeline(TransferFlow, OffloadFlow):
 
     def _observe(self, event, t: EngineTracker | None, ts_ns: int) -> list[Finding]:
         """The findings of every detector that observes this event's type (not filed yet)."""
-        detectors = self.detectors_for.get(type(event))
-        if not detectors:
+        if not self.detectors.observes(type(event)):
             return []
         at = At(t, self.engine_ref(t) if t is not None else SIDECAR_ENGINE, t.engine_id if t is not None else 0, ts_ns)
-        found: list[Finding] = []
-        for detector in detectors:
-            found += detector.observe(event, at)
+        found = self.detectors.observe(event, at)
         if t is not None and t.pool_index and found:  # a pool besides 0: the finding says which
             info = t.pool_info
             for finding in found:
@@ -528,7 +476,7 @@ class Pipeline(TransferFlow, OffloadFlow):
             self._record(ts_ns, t.engine_id, Event.READ, f.req_keys, aux=f.seq_lens)
         # the whole batch is judged at once; verdicts come only for requests with something to look at
         for _i, read in t.classify_reads(
-            f.req_keys, f.seq_lens, f.read_counts, f.read_pages, want_shared=self.isolation_detector.enabled
+            f.req_keys, f.seq_lens, f.read_counts, f.read_pages, want_shared=self.detectors.wants_shared_reads
         ):
             found = self._observe(read, t, ts_ns)
             if found:
@@ -557,7 +505,7 @@ class Pipeline(TransferFlow, OffloadFlow):
         if tracker is None:
             return []
         # judged while the engine is still here: the prefill-evidence gate reads its history
-        found = self._emit(self.ttft_detector.on_engine_gone(engine_id, ts_ns))
+        found = self._emit(self.detectors.on_engine_gone(engine_id, ts_ns))
         del self.engines[engine_id]
         self.memory_budget.size_directories(list(self.engines.values()))  # its share goes to the others
         self.records_lost_by_engine.pop(engine_id, None)
@@ -579,7 +527,7 @@ class Pipeline(TransferFlow, OffloadFlow):
         found += self._apply_final(self.ledger.expire(now_ns, page_size_of), now_ns)
         for state in self.ledger.orphans(now_ns):
             found += self._orphan(state, now_ns)
-        found += self._emit(self.ttft_detector.tick(now_ns))
+        found += self._emit(self.detectors.tick(now_ns))
         self._resolved(self.incidents.tick(now_ns))
         for tracker in self.engines.values():
             tracker.retire_idle_requests(now_ns)
@@ -610,7 +558,7 @@ class Pipeline(TransferFlow, OffloadFlow):
             engines=engines,
             incidents=self.incidents.stats(),
             memory=self.memory_budget.stats(self.engines.values(), self.incidents, self.ledger),
-            ttft=self.ttft_detector.stats(),
+            **self.detectors.stats(),  # ttft
             ledger=self.ledger.stats((e.engine_id for e in engines), self.last_tick_ns, self._request_live),
             # the queued alert sinks; the log and JSON-lines sinks (and the tracer) write
             # synchronously and cannot fail quietly, so they have nothing to report

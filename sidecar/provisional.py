@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .tracker import ReadVerdict, RequestInfo
+from .events import ReadVerdict
+from .request_directory import RequestInfo
 
 
 @dataclass

@@ -18,8 +18,8 @@ import numpy as np
 from kvguard.engine_hooks import wire
 
 # (EngineTracker reads INCREMENTAL_JUDGE from this module: tests patch it here)
-from .detectors.base import PrefixSharedAcrossScopes
-from .judge import INCREMENTAL_JUDGE, JUDGE_ENV, Judge, ReadVerdict, WriteVerdict
+from .events import PrefixSharedAcrossScopes, ReadVerdict, WriteVerdict
+from .judge import INCREMENTAL_JUDGE, JUDGE_ENV, Judge
 from .page_pool import (
     ALLOCATED,
     CACHED,

@@ -16,8 +16,8 @@ import numpy as np
 
 from kvguard.engine_hooks import wire
 
-from .detectors.base import DigestsCompared, LedgerUnreachable, SourcePagesSent, TransferOrphaned
 from .detectors.reads import reader_party
+from .events import DigestsCompared, LedgerUnreachable, SourcePagesSent, TransferOrphaned
 from .findings import Finding, Party
 from .history import Event
 from .ledger import REMOTE_ENGINE, RoomState, TransferLedger

@@ -392,7 +392,7 @@ def test_every_segment_carries_the_settings_so_each_replays_alone(tmp_path):
     s = run.summary()
     assert s["options"] == {"isolate_tenants": True, "ttft_anomaly": False, "orphan_timeout_s": 30.0}
     assert set(s["options_source"].values()) == {"recording"} and s["recorded_with_shared_ledger"] is True
-    assert run.pipeline.isolation_detector.enabled and not run.pipeline.ttft_detector.enabled
+    assert run.pipeline.detectors.settings() == {"isolate_tenants": True, "ttft_anomaly": False}
     assert run.pipeline.orphan_timeout_s == 30.0
 
 

@@ -2,8 +2,9 @@
 
 import random
 
-from kvguard.sidecar.detectors.base import At, RequestEnded
+from kvguard.sidecar.detectors.base import At
 from kvguard.sidecar.detectors.ttft import TTFTDetector
+from kvguard.sidecar.events import RequestEnded
 from kvguard.sidecar.findings import EngineRef
 from kvguard.sidecar.tracker import RequestInfo
 
@@ -263,4 +264,4 @@ def test_the_pipeline_reads_the_prefill_evidence_from_its_records(tmp_path):
     found = sink.findings
     assert [(f.kind, f.reader.rid) for f in found] == [("ttft_anomaly", "r-placeholder")], [f.summary for f in found]
     assert (found[0].evidence["prompt_pages_written"], found[0].evidence["uncached_prompt_pages"]) == (1, 16)
-    assert sidecar.pipeline.ttft_detector.suspects_explained == 1
+    assert sidecar.pipeline.detectors.get(TTFTDetector).suspects_explained == 1

@@ -30,6 +30,7 @@ from sidecar_settle import wait_until_applied
 
 from kvguard.demo.vllm_engine import DEFAULT_VLLM_VERSION, complete, complete_and_hang_up, start_vllm, vllm_python
 from kvguard.sidecar.cli import main
+from kvguard.sidecar.detectors.ttft import TTFTDetector
 from kvguard.sidecar.findings import Finding
 from kvguard.sidecar.service import Sidecar
 from kvguard.sidecar.sinks.basic import MemorySink
@@ -205,7 +206,7 @@ def test_clean_traffic_is_quiet(vllm):
     # from them (warmup done) without flagging anything (found == [] above)
     timed = [info for info in ended if info.finish in ("stop", "length")]
     assert timed and all(info.ttft_ns > 0 for info in timed), [(i.rid, i.ttft_ns) for i in timed if i.ttft_ns <= 0]
-    (model,) = watch.sidecar.pipeline.ttft_detector.models.values()
+    (model,) = watch.sidecar.pipeline.detectors.get(TTFTDetector).models.values()
     assert len(model.samples) >= 10, len(model.samples)
 
 

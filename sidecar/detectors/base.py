@@ -6,12 +6,9 @@ implements one method, ``observe(event, at) -> list[Finding]``. The pipeline dis
 each event to the detectors that declared its type (a table built once, no if/elif
 chain), files what they return into incidents, and delivers it.
 
-Events come from the models: the tracker's read and write verdicts
-(:class:`~kvguard.sidecar.tracker.ReadVerdict`, ``WriteVerdict``), the transfer
-ledger's pairings, digest comparisons and orphaned rooms, and the small records below
-for what the pipeline itself observes (a double free, a gap in the records, a request's
-end, an unreachable shared ledger). Detectors do no I/O and never call back into the
-pipeline: what they need to judge comes in the event or in ``at.tracker``.
+The events themselves are typed facts in sidecar/events.py, a module below both the models
+and the detectors. Detectors do no I/O and never call back into the pipeline: what they
+need to judge comes in the event or in ``at.tracker``.
 """
 
 from __future__ import annotations
@@ -20,10 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from ..findings import EngineRef, Finding
-    from ..tracker import EngineTracker, RequestInfo
+    from ..tracker import EngineTracker
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,108 +32,51 @@ class At:
 
 
 class Detector(Protocol):
+    """What every detector has. The optional hooks below are found once, when the detector set
+    is built (sidecar/detectors/registry.py), and called through it: the pipeline never names a
+    detector."""
+
     kinds: ClassVar[tuple[str, ...]]  # the catalogue kinds it may raise
     events: ClassVar[tuple[type, ...]]  # the event types it observes
 
     def observe(self, event: Any, at: At, /) -> list[Finding]: ...
 
 
-# ---------------------------------------------------------------- events the pipeline makes
+# ---------------------------------------------------------------- optional hooks
 
 
-@dataclass(frozen=True, slots=True)
-class PagesFreedTwice:
-    """A FREE record named pages the model holds free already."""
+class Ticking(Protocol):
+    """Judges on the sidecar's clock too (findings that wait for later requests)."""
 
-    pages: np.ndarray
-    free_kind: str  # the engine's free path (sidecar records' FreeKind, lower case)
+    def tick(self, now_ns: int, /) -> list[Finding]: ...
 
 
-@dataclass(frozen=True, slots=True)
-class RecordsLost:
-    """A LOST marker: a gap of ``count`` records in one engine's stream."""
+class EngineWatching(Protocol):
+    """Holds per-engine state: judged and dropped when an engine's ring is retired (called
+    while the engine's model is still there)."""
 
-    count: int
-    first_missing_seq: int
-    engine_total: int  # records lost on this engine since the sidecar first saw it
+    def on_engine_gone(self, engine_id: int, ts_ns: int, /) -> list[Finding]: ...
 
 
-@dataclass(frozen=True, slots=True)
-class RequestEnded:
-    """A request's REQ_END, with what the model knows about it.
+class Publishing(Protocol):
+    """Publishes figures of its own: ``stats()`` becomes ``PipelineStats.<stats_field>``."""
 
-    ``prompt_pages``: (pages its own forwards wrote while within its prompt, pages its
-    uncached prompt spans), kept by the tracker as the forwards came; None when the
-    records cannot tell (its REQ_BEGIN unseen, or a gap since)."""
+    stats_field: ClassVar[str]
 
-    info: RequestInfo
-    prompt_pages: tuple[int, int] | None = None
+    def stats(self) -> Any: ...
 
 
-@dataclass(frozen=True, slots=True)
-class LedgerUnreachable:
-    """The shared transfer ledger (Redis) cannot be reached."""
+class Switchable(Protocol):
+    """Runs only when its switch is on (``switch``: a catalogue switch, which is also the
+    sidecar option and the recorded verdict option of that name)."""
 
-    display_url: str
-    last_error: str
-    waiting: int  # receivers waiting for facts that only the ledger carries
-
-
-@dataclass(frozen=True, slots=True)
-class DigestsCompared:
-    """Both ends' digests of one transfer are complete (the ledger's verdict on them)."""
-
-    state: Any  # sidecar.ledger RoomState
-    verdict: Any  # sidecar.ledger DigestVerdict
+    switch: ClassVar[str]
+    enabled: bool
 
 
-@dataclass(frozen=True, slots=True)
-class TransferOrphaned:
-    """Decode reserved pages for a room whose sender will not send."""
+class WantsSharedReads(Protocol):
+    """Its read verdicts must carry the legitimately shared prefix-cache pages read
+    (``ReadVerdict.shared``), which cost the page model extra work to gather."""
 
-    state: Any  # sidecar.ledger RoomState
-    timeout_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class SourcePagesSent:
-    """A sender shipped source pages its request does not hold written: an XFER_SEND judged
-    as a read by the sending request (``EngineTracker.classify_send``)."""
-
-    verdict: Any  # sidecar.judge ReadVerdict: the sender, and its unwritten / foreign / freed pages
-    room: int
-    token_start: int
-    token_end: int
-    receiver: Any  # sidecar.findings Party: the decode request the pages went to, None when not known here
-    via: str = "transfer_source"  # or "offload": a KV_STORE to a host / storage object
-    object_key: int = 0  # (offload) the object the pages went to
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixSharedAcrossScopes:
-    """Prefix-cache pages handed to a request (an ASSIGN's shared part) whose KV was written
-    under another prefix-cache scope (REQ_SCOPE: cache salt / extra key)."""
-
-    reader: RequestInfo
-    pages: np.ndarray
-    writer_scopes: np.ndarray  # u64 per page: the scope each page was written under
-
-
-@dataclass(frozen=True, slots=True)
-class ContentChangedAt:
-    """The engine's content check found KV slots changed with no hooked write (CONTENT_CHANGED)."""
-
-    pages: np.ndarray
-    slots_changed: int
-
-
-@dataclass(frozen=True, slots=True)
-class LoadedObjectMismatch:
-    """A completed KV_LOAD of an object that is not what the request may read: stored by an
-    engine of another model, with another digest, or under another prefix-cache scope."""
-
-    reader: Any  # sidecar.request_directory RequestInfo, None for a prefetch into the cache
-    pages: np.ndarray  # the destination pages
-    object_key: int
-    stored_by: Any  # sidecar.findings Party of the request whose KV was stored, None if unknown
-    problems: tuple  # (kind, evidence) pairs
+    wants_shared_reads: ClassVar[bool]
+    enabled: bool

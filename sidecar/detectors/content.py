@@ -18,9 +18,10 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..events import ContentChangedAt
 from ..findings import CRITICAL, Finding
 from ..page_pool import OWNED
-from .base import At, ContentChangedAt
+from .base import At
 from .reads import reader_party
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from ..events import RecordsLost
 from ..findings import WARNING, Finding
-from .base import At, RecordsLost
+from .base import At
 
 
 class EventsLostDetector:

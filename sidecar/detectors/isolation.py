@@ -16,8 +16,9 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..catalogue import ISOLATION
+from ..events import ReadVerdict
 from ..findings import WARNING, Finding, Party
-from ..tracker import ReadVerdict
 from .base import At
 from .reads import reader_party
 
@@ -25,6 +26,8 @@ from .reads import reader_party
 class TenantIsolationDetector:
     kinds: ClassVar[tuple[str, ...]] = ("cross_tenant_prefix_share",)
     events: ClassVar[tuple[type, ...]] = (ReadVerdict,)
+    switch: ClassVar[str] = ISOLATION
+    wants_shared_reads: ClassVar[bool] = True
 
     def __init__(self, enabled: bool = False):
         self.enabled = enabled

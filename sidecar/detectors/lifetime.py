@@ -16,9 +16,9 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..events import PagesFreedTwice, WriteVerdict
 from ..findings import CRITICAL, Finding
-from ..tracker import WriteVerdict
-from .base import At, PagesFreedTwice
+from .base import At
 from .reads import exposed_parties, reader_party
 
 

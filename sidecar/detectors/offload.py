@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from ..events import LoadedObjectMismatch
 from ..findings import CRITICAL, Finding
-from .base import At, LoadedObjectMismatch
+from .base import At
 from .reads import reader_party
 
 WHAT = {

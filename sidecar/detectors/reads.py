@@ -18,8 +18,10 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..events import ReadVerdict
 from ..findings import CRITICAL, WARNING, EngineRef, Finding, Party
-from ..tracker import EngineTracker, ReadVerdict, RequestInfo
+from ..request_directory import RequestInfo
+from ..tracker import EngineTracker
 from .base import At
 
 

@@ -21,8 +21,9 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..events import PrefixSharedAcrossScopes
 from ..findings import CRITICAL, Finding
-from .base import At, PrefixSharedAcrossScopes
+from .base import At
 from .reads import exposed_parties, reader_party
 
 

@@ -21,8 +21,9 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..events import SourcePagesSent
 from ..findings import CRITICAL, WARNING, Finding
-from .base import At, SourcePagesSent
+from .base import At
 from .reads import exposed_parties, reader_party
 
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from ..events import DigestsCompared, LedgerUnreachable, TransferOrphaned
 from ..findings import CRITICAL, WARNING, Finding
 from ..ledger import DigestVerdict, Pairing, RoomState
-from .base import At, DigestsCompared, LedgerUnreachable, TransferOrphaned
+from .base import At
 from .reads import guard_evidence, reader_party
 
 ALG_NAMES = {1: "xxh3_unit_bytes", 2: "xxh3_device_reduced", 3: "xxh3_head_streams", 4: "xxh3_block_rows"}

@@ -65,10 +65,12 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..catalogue import TTFT
+from ..events import RequestEnded
 from ..findings import WARNING, EngineRef, Finding, Party
+from ..request_directory import RequestInfo
 from ..stats import TTFTStats
-from ..tracker import RequestInfo
-from .base import At, RequestEnded
+from .base import At
 from .reads import reader_party
 
 NORMAL_FINISH = ("stop", "length")
@@ -194,6 +196,8 @@ class TTFTDetector:
     # ------------------------------------------------------------------ input
     kinds: ClassVar[tuple[str, ...]] = ("ttft_anomaly",)
     events: ClassVar[tuple[type, ...]] = (RequestEnded,)
+    switch: ClassVar[str] = TTFT
+    stats_field: ClassVar[str] = "ttft"  # PipelineStats.ttft
 
     def observe(self, ended: RequestEnded, at: At) -> list[Finding]:
         info, engine, engine_id, ts_ns = ended.info, at.engine, at.engine_id, at.ts_ns

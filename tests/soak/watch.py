@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvguard.engine_hooks import wire
+from kvguard.sidecar.detectors.ttft import TTFTDetector
 from kvguard.sidecar.findings import Finding
 from kvguard.sidecar.history import Event
 from kvguard.sidecar.service import Sidecar
@@ -95,9 +96,9 @@ class Watch:
         (as when their engine goes), so the soak cannot end with a verdict outstanding."""
         with self.sidecar.lock:
             p = self.pipeline
-            self.ttft_waiting_at_end = sum(len(w) for w in p.ttft_detector.suspects.values())
+            self.ttft_waiting_at_end = sum(len(w) for w in p.detectors.get(TTFTDetector).suspects.values())
             for eid in list(p.engines):
-                p._emit(p.ttft_detector.judge_waiting(eid, time.monotonic_ns()))
+                p._emit(p.detectors.get(TTFTDetector).judge_waiting(eid, time.monotonic_ns()))
 
     def prefill_evidence(self) -> dict[str, Any]:
         """ttft_anomaly's gate on every request it could judge: for each normally finished,
@@ -123,7 +124,7 @@ class Watch:
                 t = p.engines.get(r.engine_id)
                 if b is None or b.warmup or t is None or t.hello is None or t.hello.role == wire.Role.DECODE:
                     continue
-                if b.prompt_tokens - b.cached_tokens < p.ttft_detector.min_tokens:
+                if b.prompt_tokens - b.cached_tokens < p.detectors.get(TTFTDetector).min_tokens:
                     continue
                 info = RequestInfo(
                     b.req_key, b.rid, b.tenant, prompt_tokens=b.prompt_tokens, cached_tokens=b.cached_tokens
@@ -202,11 +203,11 @@ class Watch:
                 "ring_decode_errors": dict(decode),
                 "apply_errors": p.apply_errors,
                 "ttft": {
-                    "enabled": p.ttft_detector.enabled,
-                    "suspects_cleared": p.ttft_detector.suspects_cleared,
-                    "suspects_explained": p.ttft_detector.suspects_explained,
+                    "enabled": p.detectors.get(TTFTDetector).enabled,
+                    "suspects_cleared": p.detectors.get(TTFTDetector).suspects_cleared,
+                    "suspects_explained": p.detectors.get(TTFTDetector).suspects_explained,
                     "suspects_waiting_at_end": getattr(self, "ttft_waiting_at_end", None),
-                    "samples": {eid: len(m.samples) for eid, m in p.ttft_detector.models.items()},
+                    "samples": {eid: len(m.samples) for eid, m in p.detectors.get(TTFTDetector).models.items()},
                 },
                 "records_read": rings.stats.records_read,
                 "transfers": {
