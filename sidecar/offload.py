@@ -1,6 +1,7 @@
 """KV copied out to a host / storage tier and loaded back (KV_STORE, KV_LOAD; SGLang's
-HiCache device <-> host <-> storage, LMCache's tiers): a mixin of
-:class:`~kvguard.sidecar.pipeline.Pipeline`, like the transfer flow.
+HiCache device <-> host <-> storage, LMCache's tiers): the stored-objects component. It owns
+the objects' model (what was stored, by whom, under which scope and digest) and reads the
+engines' page models; the pipeline routes KV_STORE, KV_LOAD and KV_DIGEST to it.
 
 What can go wrong, and what the sidecar says (docs/detectors.md):
 
@@ -33,7 +34,6 @@ unverified, never guessed.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,6 +44,7 @@ from kvguard.engine_hooks import wire
 from .detectors.reads import reader_party
 from .events import LoadedObjectMismatch, ReadVerdict, SourcePagesSent
 from .findings import Finding, Party
+from .outlet import Outlet
 from .page_pool import FREE, PADDING_PAGE, UNKNOWN
 from .request_directory import RequestInfo
 
@@ -65,12 +66,11 @@ class StoredObject:
     pages: int = 0  # how many device pages it was stored from (0: not said)
 
 
-class OffloadFlow:
-    # the pipeline's (Pipeline.__init__ sets them), declared for the type checker
-    _observe: Callable[..., list[Finding]]
-    _emit: Callable[[list[Finding]], list[Finding]]
+class StoredObjects:
+    """Objects stored to a host / storage tier, and the loads of them (bounded, oldest forgotten)."""
 
-    def _init_offload(self) -> None:
+    def __init__(self, out: Outlet) -> None:
+        self.out = out
         self.stored_objects: OrderedDict[int, StoredObject] = OrderedDict()
         self.pending_loads: OrderedDict[tuple, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self.objects_forgotten = 0
@@ -82,7 +82,7 @@ class OffloadFlow:
         self.recent_loads: OrderedDict[tuple, tuple[int, np.ndarray]] = OrderedDict()
 
     # ------------------------------------------------------------------ stores
-    def _on_kv_store(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+    def on_kv_store(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
         body: wire.KvStore = rec.body
         info = t.requests.get(body.req_key) if body.req_key else CACHE
         model = t.hello.model if t.hello is not None else ""
@@ -105,10 +105,10 @@ class OffloadFlow:
             return []
         verdict = ReadVerdict(info, unwritten, np.zeros(0, np.int64), freed, 0)
         event = SourcePagesSent(verdict, wire.NO_ROOM, 0, 0, None, via="offload", object_key=body.object_key)
-        return self._emit(self._observe(event, t, rec.ts_ns))
+        return self.out.emit(self.out.observe(event, t, rec.ts_ns))
 
     # ------------------------------------------------------------------ loads
-    def _on_kv_load(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+    def on_kv_load(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
         body: wire.KvLoad = rec.body
         key = (rec.engine_id, body.object_key, body.req_key)
         pages = t.pool.ensure(body.pages.astype(np.int64))
@@ -127,7 +127,7 @@ class OffloadFlow:
         return found
 
     # ------------------------------------------------------------------ digests from elsewhere
-    def _on_kv_digest(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+    def on_kv_digest(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
         body: wire.KvDigest = rec.body
         key = (t.engine_id, body.object_key)
         if body.side == wire.TierSide.STORED:
@@ -149,7 +149,7 @@ class OffloadFlow:
             return []
         evidence = {"stored_digest": f"{obj.digest:016x}", "loaded_digest": f"{body.digest:016x}"}
         event = LoadedObjectMismatch(reader, pages, body.object_key, obj.stored_by, (("checksum_mismatch", evidence),))
-        return self._emit(self._observe(event, t, rec.ts_ns))
+        return self.out.emit(self.out.observe(event, t, rec.ts_ns))
 
     def _load_landed(self, t: EngineTracker, body: wire.KvLoad, pages, issued, ts_ns: int) -> list[Finding]:
         """The bytes are in ``pages`` now: still where the load was meant to go?"""
@@ -168,14 +168,14 @@ class OffloadFlow:
         bad = np.zeros(0, np.int64)
         if verdict is not None:
             bad = np.concatenate((verdict.freed, verdict.foreign))
-            found = self._observe(verdict, t, ts_ns)
+            found = self.out.observe(verdict, t, ts_ns)
             t.mark_overwritten(verdict.foreign)
             for f in found:
                 f.evidence.update({"via": "load", "object_key": f"{body.object_key:016x}"})
         good = np.setdiff1d(pages, np.concatenate((bad, moved)))
         if len(good):
             t.mark_written(body.req_key, good, ts_ns)
-        return self._emit(found)
+        return self.out.emit(found)
 
     def _load_matches_object(self, t: EngineTracker, body: wire.KvLoad, pages, ts_ns: int) -> list[Finding]:
         """Is the object what was stored under this key, for this model and scope?"""
@@ -217,7 +217,7 @@ class OffloadFlow:
         if not problems:
             return []
         event = LoadedObjectMismatch(reader, pages, body.object_key, obj.stored_by, tuple(problems))
-        return self._emit(self._observe(event, t, ts_ns))
+        return self.out.emit(self.out.observe(event, t, ts_ns))
 
 
 def _remember(table: OrderedDict, key, value) -> None:

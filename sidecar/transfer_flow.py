@@ -1,15 +1,14 @@
-"""The transfer half of the pipeline: prefill/decode transfers through the transfer ledger.
+"""The transfers component: prefill/decode transfers through the transfer ledger.
 
-A mixin of :class:`~kvguard.sidecar.pipeline.Pipeline` (it uses the pipeline's engines,
-ledger, shared ledger, ``_observe`` and ``_emit``): the XFER_* records, the receiver's
-and sender's ends of a room, pairing them, late chunks, orphaned rooms, and the facts
-exchanged with the other pod through a shared ledger (docs/detectors.md, "Transfers").
-Kept apart so that pipeline.py holds the record dispatch and the page path.
+It owns the ledger's use: the XFER_* records, the receiver's and sender's ends of a room,
+pairing them, late chunks, orphaned rooms, and the facts exchanged with the other pod through
+a shared ledger (docs/detectors.md, "Transfers"). It reads the engines' page models (a
+pairing marks the receiver's pages written) and hands its events to the outlet
+(sidecar/outlet.py); the pipeline routes the records to it and calls :meth:`Transfers.tick`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,6 +20,7 @@ from .events import DigestsCompared, LedgerUnreachable, SourcePagesSent, Transfe
 from .findings import Finding, Party
 from .history import Event
 from .ledger import REMOTE_ENGINE, RoomState, TransferLedger
+from .outlet import Outlet
 from .page_pool import FREE, PADDING_PAGE
 from .provisional import ProvisionalWrite
 
@@ -30,20 +30,36 @@ if TYPE_CHECKING:
 DEGRADED_REPEAT_NS = 30_000_000_000  # a degraded ledger re-reports this often (keeps its incident firing)
 
 
-class TransferFlow:
-    # the pipeline's (Pipeline.__init__ sets them), declared for the type checker
-    engines: dict[int, EngineTracker]
-    ledger: TransferLedger
-    shared_ledger: Any  # sidecar.ledger.shared.SharedLedger or None
-    shared_grace_ns: int
-    orphan_timeout_s: float
-    _degraded_reported_ns: int
-    _observe: Callable[..., list[Finding]]
-    _emit: Callable[[list[Finding]], list[Finding]]
-    _record: Callable[..., None]
+def role_of(t: EngineTracker):
+    return None if t.hello is None else t.hello.role
+
+
+class Transfers:
+    """The transfer ledger and its pairing, for the engines this sidecar watches.
+
+    ``engines``: the pipeline's engine id -> page model (read, never changed here);
+    ``shared_ledger``: sidecar.ledger.shared.SharedLedger or None (the other pod's facts);
+    ``shared_grace_ns``: with a shared ledger, how long a finished receiver waits for them."""
+
+    def __init__(
+        self,
+        out: Outlet,
+        engines: dict[int, EngineTracker],
+        ledger: TransferLedger,
+        shared_ledger: Any,
+        orphan_timeout_s: float,
+        shared_grace_ns: int,
+    ):
+        self.out = out
+        self.engines = engines
+        self.ledger = ledger
+        self.shared_ledger = shared_ledger
+        self.orphan_timeout_s = orphan_timeout_s
+        self.shared_grace_ns = shared_grace_ns
+        self._degraded_reported_ns = 0
 
     # ------------------------------------------------------------------ transfer records
-    def _on_xfer_send(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+    def on_xfer_send(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
         body, ts = rec.body, rec.ts_ns
         found = self._check_send_target(body, ts)
         receiver = self.ledger.pending.get(body.room)
@@ -53,7 +69,7 @@ class TransferFlow:
         final = self.ledger.on_send(rec.engine_id, body, receiver_t.page_size if receiver_t else t.page_size)
         if final is not None:
             found += self._apply_final([final], ts)
-        self._publish_sender(self.ledger.find(body.room, sender_key=body.req_key))
+        self.publish_sender(self.ledger.find(body.room, sender_key=body.req_key))
         return found
 
     def _check_send_source(self, t: EngineTracker, body: wire.XferSend, ts_ns: int) -> list[Finding]:
@@ -70,9 +86,9 @@ class TransferFlow:
         if room is not None and receiver_t is not None and room.receiver_key:
             party = reader_party(receiver_t.requests.get_or_stub(room.receiver_key))
         event = SourcePagesSent(verdict, body.room, body.token_start, body.token_end, party)
-        return self._emit(self._observe(event, t, ts_ns))
+        return self.out.emit(self.out.observe(event, t, ts_ns))
 
-    def _on_xfer_done(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+    def on_xfer_done(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
         body = rec.body
         if body.side == wire.Side.RECEIVER:
             found = self._on_transfer_done(t, body, rec.ts_ns)
@@ -132,7 +148,7 @@ class TransferFlow:
                 # the read it made meanwhile from what its pages held then
                 verdict = saved.late_read_verdict(pairing.written_row_pages)
                 if verdict is not None:
-                    found += self._observe(verdict, t, ts_ns)
+                    found += self.out.observe(verdict, t, ts_ns)
         if row is not None:
             idx = pairing.written_row_pages[pairing.written_row_pages < len(row.pages)]
             # only the row's pages still at the generation they were reserved with (a buggy free
@@ -143,16 +159,16 @@ class TransferFlow:
             still = (pages >= 0) & (pages < t.pool.num_pages)
             still[still] = (t.pool.gen[pages[still]] == row.gens[idx][still]) & (t.pool.state[pages[still]] != FREE)
             t.mark_written(pairing.receiver_key, t.not_overwritten(pages[still]), ts_ns)
-            self._record(
+            self.out.record(
                 ts_ns, t.engine_id, Event.TRANSFER_WRITE, pairing.receiver_key, row.pages[idx], aux=pairing.sent_tokens
             )
             if saved is not None and pairing.carried_tokens(t.page_size) < pairing.reserved_tokens:
                 # decode already attended over these pages while we waited: judge that read now
                 verdict = t.classify_read(pairing.receiver_key, pairing.reserved_tokens, None)
                 if verdict is not None:
-                    found += self._observe(verdict, t, ts_ns)
-        found += self._observe(pairing, t, ts_ns)
-        return self._emit(found)
+                    found += self.out.observe(verdict, t, ts_ns)
+        found += self.out.observe(pairing, t, ts_ns)
+        return self.out.emit(found)
 
     def _apply_final(self, pairings, ts_ns: int) -> list[Finding]:
         found = []
@@ -163,11 +179,7 @@ class TransferFlow:
         return found
 
     # ------------------------------------------------------------------ transfers: the ledger
-    @staticmethod
-    def _role(t: EngineTracker):
-        return None if t.hello is None else t.hello.role
-
-    def _on_reserve(self, t: EngineTracker, x: wire.XferReserve, ts_ns: int) -> list[Finding]:
+    def on_reserve(self, t: EngineTracker, x: wire.XferReserve, ts_ns: int) -> list[Finding]:
         state = self.ledger.on_reserve(t.engine_id, x, ts_ns)
         state.reserved_row_base = _row_base(t, x)
         info = t.requests.get(x.req_key)
@@ -180,11 +192,11 @@ class TransferFlow:
             return self._orphan(state, ts_ns)
         return []
 
-    def _on_digest(self, engine_id: int, x: wire.XferDigest, ts_ns: int) -> list[Finding]:
+    def on_digest(self, engine_id: int, x: wire.XferDigest, ts_ns: int) -> list[Finding]:
         hit = self.ledger.on_digest(engine_id, x)
         if x.side == wire.Side.SENDER:
             state = self.ledger.find(x.room, sender_key=x.req_key)
-            self._publish_sender(state)
+            self.publish_sender(state)
         else:
             self._publish_receiver(self.ledger.find(x.room, receiver_key=x.req_key))
         return self._judge_digests(hit, ts_ns)
@@ -197,24 +209,24 @@ class TransferFlow:
         t = self.engines.get(state.receiver_engine)
         if t is None:
             return []  # the receiver is in another pod: its sidecar owns the finding
-        return self._emit(self._observe(DigestsCompared(state, verdict), t, ts_ns))
+        return self.out.emit(self.out.observe(DigestsCompared(state, verdict), t, ts_ns))
 
-    def _sender_gave_up(
+    def sender_gave_up(
         self, req_key: int, room: int, reason: str, ts_ns: int, local: bool = True, ended: bool = False
     ) -> list[Finding]:
         orphan = self.ledger.on_sender_gave_up(req_key, room, reason, ts_ns, ended=ended)
         if local:
-            self._publish_sender(self.ledger.find(room, sender_key=req_key))
+            self.publish_sender(self.ledger.find(room, sender_key=req_key))
         return [] if orphan is None else self._orphan(orphan, ts_ns)
 
-    def _transfer_end(self, t: EngineTracker, info, end: wire.ReqEnd, ts_ns: int) -> list[Finding]:
+    def on_request_end(self, t: EngineTracker, info, end: wire.ReqEnd, ts_ns: int) -> list[Finding]:
         """A request with a room ended: a prefill request that never sent its last chunk gave up;
         a decode request that ended holds no reserved pages any more."""
         if info is None or info.room is None:
             return []
-        role = self._role(t)
+        role = role_of(t)
         if role == wire.Role.PREFILL and end.finish in (wire.Finish.ABORT, wire.Finish.REJECT):
-            return self._sender_gave_up(
+            return self.sender_gave_up(
                 end.req_key, info.room, "reject" if end.finish == wire.Finish.REJECT else "abort", ts_ns, ended=True
             )
         if role == wire.Role.DECODE:
@@ -227,9 +239,9 @@ class TransferFlow:
             return []
         if self.shared_ledger is not None:
             self.shared_ledger.unwatch(state.room, "sender")
-        return self._emit(self._observe(TransferOrphaned(state, self.orphan_timeout_s), t, ts_ns))
+        return self.out.emit(self.out.observe(TransferOrphaned(state, self.orphan_timeout_s), t, ts_ns))
 
-    def _publish_sender(self, state: RoomState | None) -> None:
+    def publish_sender(self, state: RoomState | None) -> None:
         if self.shared_ledger is None or state is None or state.warmup or not state.sender_key:
             return
         chunks = [[c.token_start, c.token_end, int(c.is_last), c.num_pages] for c in state.chunks]
@@ -270,6 +282,29 @@ class TransferFlow:
             },
         )
 
+    def tick(self, now_ns: int) -> list[Finding]:
+        """On the sidecar's clock: the other pod's facts (with a shared ledger), pairings whose
+        wait for the sender's last chunk is over, and rooms orphaned by now."""
+        found = self._tick_shared(now_ns) if self.shared_ledger is not None else []
+        page_size_of = lambda eid: self.engines[eid].page_size if eid in self.engines else 1
+        found += self._apply_final(self.ledger.expire(now_ns, page_size_of), now_ns)
+        for state in self.ledger.orphans(now_ns):
+            found += self._orphan(state, now_ns)
+        return found
+
+    def on_sender_begin(self, t: EngineTracker, body: wire.ReqBegin) -> None:
+        """A prefill request with a room began: the room's sender is known (and published)."""
+        self.publish_sender(
+            self.ledger.on_sender_begin(
+                t.engine_id, body.req_key, body.room, body.warmup, rid=body.rid, tenant=body.tenant
+            )
+        )
+
+    def sender_of(self, room: int) -> tuple[str, str] | None:
+        """(rid, tenant) of the prefill request that served ``room``, when known."""
+        state = self.ledger.find(room)
+        return None if state is None else (state.sender_rid, state.sender_tenant)
+
     def _tick_shared(self, now_ns: int) -> list[Finding]:
         link = self.shared_ledger
         degraded = link.degraded  # read first: a recovery's results are queued before the flag flips back
@@ -283,8 +318,8 @@ class TransferFlow:
         elif not self._degraded_reported_ns or now_ns - self._degraded_reported_ns >= DEGRADED_REPEAT_NS:
             self._degraded_reported_ns = now_ns
             waiting = len(self.ledger.pending) + sum(s.receiver_open for s in self.ledger.rooms.values())
-            found += self._emit(
-                self._observe(LedgerUnreachable(link.display_url, link.last_error, waiting), None, now_ns)
+            found += self.out.emit(
+                self.out.observe(LedgerUnreachable(link.display_url, link.last_error, waiting), None, now_ns)
             )
         return found
 
@@ -336,7 +371,7 @@ class TransferFlow:
                 xd = wire.XferDigest(sender_key, room, wire.Side.SENDER, alg, digest, t0, t1, layers, h0, hn, total)
                 found += self._judge_digests(self.ledger.on_digest(REMOTE_ENGINE, xd), now_ns)
             if fact["gave_up"]:
-                found += self._sender_gave_up(
+                found += self.sender_gave_up(
                     sender_key, room, fact["gave_up"], now_ns, local=False, ended=fact["ended"]
                 )
         settled = state.compared or state.orphan_reported or state.sender_ended
@@ -375,13 +410,13 @@ class TransferFlow:
             return []
         mine = np.setdiff1d(pages, np.concatenate((verdict.freed, verdict.foreign)))
         t.rewritten_by_owner(mine)
-        found = self._observe(verdict, t, ts_ns)
+        found = self.out.observe(verdict, t, ts_ns)
         t.mark_overwritten(verdict.foreign)
         for f in found:
             f.evidence.update(
                 {"via": "transfer", "bootstrap_room": x.room, "token_start": x.token_start, "token_end": x.token_end}
             )
-        return self._emit(found)
+        return self.out.emit(found)
 
 
 def _row_base(t: EngineTracker, x: wire.XferReserve) -> int:

@@ -41,13 +41,19 @@ def findings_are_listed(monkeypatch):
     from kvguard.sidecar.pipeline import Pipeline
 
     unlisted = []
-    emit = Pipeline._emit
+    init = Pipeline.__init__
 
-    def checked_emit(self, findings):
-        unlisted.extend((f.kind, f.severity) for f in findings if finding_kinds.unlisted(self, f))
-        return emit(self, findings)
+    def checked_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        emit = self.out.emit  # every component files its findings through the pipeline's outlet
 
-    monkeypatch.setattr(Pipeline, "_emit", checked_emit)
+        def checked_emit(findings):
+            unlisted.extend((f.kind, f.severity) for f in findings if finding_kinds.unlisted(self, f))
+            return emit(findings)
+
+        self.out.emit = checked_emit
+
+    monkeypatch.setattr(Pipeline, "__init__", checked_init)
     yield
     assert not unlisted, f"findings missing from sidecar/finding_kinds.py (or raised while switched off): {unlisted}"
 

@@ -134,7 +134,7 @@ def test_the_extending_guide_quotes_the_code_as_it_is():
     assert len(blocks) == 3
     sources = {
         0: REPO / "sidecar" / "detectors" / "gaps.py",
-        1: REPO / "sidecar" / "pipeline.py",
+        1: REPO / "sidecar" / "page_records.py",
         2: REPO / "sidecar" / "catalogue.py",
     }
     for i, path in sources.items():

@@ -140,7 +140,7 @@ class Replay:
         assert self.tracker.incremental is incremental
         self.findings: list[dict] = []
         self.judged = 0
-        emit, judge = self.pipe._emit, self.tracker._judge_pages
+        emit, judge = self.pipe.out.emit, self.tracker._judge_pages
 
         def keep(found):
             self.findings += [f.to_dict() for f in found]
@@ -150,7 +150,7 @@ class Replay:
             self.judged += len(pages)
             return judge(pages, *args)
 
-        self.pipe._emit = keep
+        self.pipe.out.emit = keep
         self.tracker._judge_pages = count
 
     def run(self, records) -> Replay:
@@ -308,8 +308,8 @@ def test_a_provisional_transfer_undone_by_a_trailing_short_send_is_judged_again(
         monkeypatch.setattr(tracker_mod, "INCREMENTAL_JUDGE", incremental)
         pipe = Pipeline([MemorySink()])
         seen = []
-        emit = pipe._emit
-        pipe._emit = lambda found: (seen.extend(f.to_dict() for f in found), emit(found))[1]
+        emit = pipe.out.emit
+        pipe.out.emit = lambda found: (seen.extend(f.to_dict() for f in found), emit(found))[1]
         for rec in records:
             pipe.apply(rec)
         return seen, pipe.engines[2].pages_read

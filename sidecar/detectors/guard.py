@@ -56,7 +56,7 @@ class GuardDetector:
 
     def observe(self, g: wire.Guard, at: At) -> list[Finding]:
         if g.rule in CARRIED_RULES:
-            return []  # the model keeps the action; the read / checksum findings carry it (pipeline._on_guard)
+            return []  # the model keeps the action; the read / checksum findings carry it (request_records.py on_guard)
         tracker = at.tracker
         info = tracker.requests.get(g.req_key) if tracker is not None else None
         if info is not None and info.warmup:

@@ -98,7 +98,7 @@ class Watch:
             p = self.pipeline
             self.ttft_waiting_at_end = sum(len(w) for w in p.detectors.get(TTFTDetector).suspects.values())
             for eid in list(p.engines):
-                p._emit(p.detectors.get(TTFTDetector).judge_waiting(eid, time.monotonic_ns()))
+                p.out.emit(p.detectors.get(TTFTDetector).judge_waiting(eid, time.monotonic_ns()))
 
     def prefill_evidence(self) -> dict[str, Any]:
         """ttft_anomaly's gate on every request it could judge: for each normally finished,
