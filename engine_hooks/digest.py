@@ -41,6 +41,7 @@ import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import xxhash
@@ -184,7 +185,7 @@ class PoolView:
         got = cache.get((which, i))
         if got is None:
             torch = _torch()
-            buf = (self.k if which == "k" else self.v)[i]
+            buf = (self.k if which == "k" else cast(list, self.v))[i]  # "v" only where the pool has V
             got = cache[(which, i)] = buf.view(torch.uint8).numpy()
         return got
 
@@ -238,7 +239,7 @@ class PoolView:
         return (((slots // ps)[None, :] * self.heads + hs) * ps + (slots % ps)[None, :]).reshape(-1)
 
     def row_bytes(self, which: str) -> int:
-        buf = (self.k if which == "k" else self.v)[0]
+        buf = (self.k if which == "k" else cast(list, self.v))[0]  # "v" only where the pool has V
         return int(buf.shape[-1]) * buf.element_size()
 
     def flat_rows(self, which: str, i: int) -> np.ndarray | None:
@@ -278,21 +279,24 @@ class HeadStreamPlan:
 
     entries: list
     native_seeds: np.ndarray
-    buffers: object  # native.Buffers or None
+    buffers: native.Buffers | None
     min_rows: int
 
     @classmethod
     def build(cls, view: PoolView, head_start: int, use_native: bool) -> HeadStreamPlan:
-        entries, seeds, native_entries = [], [], []
+        entries: list = []
+        seeds: list[int] = []
+        native_entries: list[tuple[int, np.ndarray]] = []
         for i in range(view.layers):
             for w in ("k",) if view.v is None else ("k", "v"):
                 flat = view.flat_rows(w, i)
                 stream_seeds = [stream_seed(view.start_layer + i, head_start + h, w) for h in range(view.heads)]
+                kept: list[int] | None = stream_seeds
                 if use_native and flat is not None:
                     native_entries.append((len(seeds), flat))
                     seeds += stream_seeds
-                    stream_seeds = None
-                entries.append((flat, view.row_bytes(w), stream_seeds, w, i))
+                    kept = None
+                entries.append((flat, view.row_bytes(w), kept, w, i))
         flats = [e[0] for e in entries if e[0] is not None]
         return cls(
             entries,
@@ -459,7 +463,7 @@ class StreamingDigest:
 
     def __init__(self, view: PoolView, head_start: int, alg: str):
         self.view, self.head_start, self.alg = view, int(head_start), alg
-        self._scratch = None
+        self._scratch: np.ndarray | None = None
         if alg == HEAD_STREAMS:
             if str(getattr(view.device, "type", view.device)) != "cpu":
                 raise Unsupported("alg head_streams hashes host (CPU) pools only")
@@ -479,7 +483,7 @@ class StreamingDigest:
             ]
         self._step = self.block_tokens()
         # a DSA pool's indexer pages (alg 3, host): one stream per layer, each page once, in order
-        self._index = None
+        self._index: list[tuple[np.ndarray, xxhash.xxh3_64]] | None = None
         if alg == HEAD_STREAMS and view.index_rows is not None:
             self._index = [
                 (rows, xxhash.xxh3_64(seed=index_seed(view.start_layer + i)))
@@ -521,8 +525,9 @@ class StreamingDigest:
         if t and (int(block.min()) < 0 or int(index.max()) >= self._min_rows):
             raise IndexError(f"KV slots outside the pool ({self._min_rows} rows)")
         heads = v.heads
-        if self._native_buffers is not None:
-            self._native_buffers.update(self._native, index, t)
+        buffers, streams = self._native_buffers, self._native  # (both set, or both None)
+        if buffers is not None and streams is not None:
+            buffers.update(streams, index, t)
         for flat, rb, hashers, which, i in self._plan:
             if hashers is None:  # done above
                 continue
@@ -550,6 +555,7 @@ class StreamingDigest:
         self._last_page = int(pages[-1])
         if len(new) == 0:
             return
+        assert self._index is not None  # (update calls this only with an indexer)
         for rows, hasher in self._index:
             if int(new.max()) >= rows.shape[0]:
                 raise IndexError(f"indexer page {int(new.max())} outside the cache ({rows.shape[0]} pages)")

@@ -127,9 +127,18 @@ class Probes(TransferProbes):
             except Exception:  # noqa: BLE001 - the engine must never see our failures
                 pass
 
+    def _ring(self) -> RingWriter:
+        """The ring: a probe that writes runs only when there is one (``enabled``, see
+        ``guarded_probe``; the other writers check ``writer`` themselves)."""
+        writer = self.writer
+        assert writer is not None, "a probe wrote with no ring"
+        return writer
+
     def _emit(self, kind: wire.Kind, payload: bytes, flags: int = 0, pool: int = 0) -> None:
         self.calls += 1
-        self.writer.write(kind, payload, pool=pool, flags=flags)
+        writer = self.writer
+        assert writer is not None, "a probe wrote with no ring"  # (``_ring``, inlined: every record comes here)
+        writer.write(kind, payload, pool=pool, flags=flags)
 
     def slots_to_pages(self, slots) -> np.ndarray:
         """Unique page ids (sorted) covering these token slots."""
@@ -172,7 +181,7 @@ class Probes(TransferProbes):
         now = time.monotonic_ns()
         if now - self._last_heartbeat_ns >= HEARTBEAT_INTERVAL_NS:
             self._last_heartbeat_ns = now
-            w = self.writer
+            w = self._ring()
             self._emit(
                 wire.Kind.HEARTBEAT,
                 wire.heartbeat_payload(wire.Heartbeat(w.records_written, w.dropped_records, self.probe_errors)),
@@ -217,7 +226,7 @@ class Probes(TransferProbes):
             KVGUARD_VERSION,
         )
         self.calls += 1
-        self.writer.write_sticky(wire.Kind.HELLO, wire.hello_payload(h))
+        self._ring().write_sticky(wire.Kind.HELLO, wire.hello_payload(h))
 
     @guarded_probe
     def engine_part(self, primary_pid: int, part: str, rank: int, page_size: int) -> None:
@@ -229,7 +238,7 @@ class Probes(TransferProbes):
         self.page_size = int(page_size)
         p = wire.EnginePart(int(primary_pid), wire.PartRole[part.upper()], int(rank))
         self.calls += 1
-        self.writer.write_sticky(wire.Kind.ENGINE_PART, wire.engine_part_payload(p))
+        self._ring().write_sticky(wire.Kind.ENGINE_PART, wire.engine_part_payload(p))
 
     @guarded_probe
     def coverage(self, items) -> None:
@@ -238,7 +247,7 @@ class Probes(TransferProbes):
         header, so a sidecar that attaches later still learns what is not watched."""
         c = wire.Coverage(list(items)[: wire.MAX_COVERAGE_ITEMS])
         self.calls += 1
-        self.writer.write_sticky(wire.Kind.COVERAGE, wire.coverage_payload(c), pool=0, append=True)
+        self._ring().write_sticky(wire.Kind.COVERAGE, wire.coverage_payload(c), pool=0, append=True)
 
     @guarded_probe
     def pool_declared(
@@ -264,7 +273,7 @@ class Probes(TransferProbes):
             int(page_size), int(pool_pages), int(window_tokens), wire.PoolKind[kind.upper()], name, bool(shares_pages)
         )
         self.calls += 1
-        self.writer.write_sticky(wire.Kind.POOL, wire.pool_payload(info), pool=int(pool), append=True)
+        self._ring().write_sticky(wire.Kind.POOL, wire.pool_payload(info), pool=int(pool), append=True)
 
     def use_pool_page_size(self, pool: int, page_size: int) -> None:
         """The page size of a pool this process writes records for but did not declare (vLLM's
@@ -412,7 +421,7 @@ class Probes(TransferProbes):
                 tier1.assigned(rid, pos, pos, np.array((page,), np.int64))
             payloads.append(pack(self.request_key(rid), pos, pos + 1, pos, 1, page))
         self.calls += n
-        self.writer.write_batch(wire.Kind.ASSIGN, payloads, pool=pool)
+        self._ring().write_batch(wire.Kind.ASSIGN, payloads, pool=pool)
 
     @guarded_probe
     def forward(

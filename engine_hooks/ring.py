@@ -49,6 +49,14 @@ writer killed by SIGBUS at its first store to an unbacked page). When the space 
 be reserved no ring is made (``RingSpaceError``, the ``.init`` file removed): the probes
 run without a ring and count what they drop (``engine_hooks/probes.py``).
 
+Write path: a record is framed (``frame``: ``wire.encode``'s bytes, its ``seq`` and
+``ts_ns`` left 0) before the producer takes its lock; under the lock it only stamps
+``writing_since_ns``, the ``seq`` and ``ts_ns`` (16 bytes, into the framed record), copies
+the record into the data area and moves the counters. A batch is framed into one buffer
+and, when all of it fits (room in the ring, and before the end of the data area), copied
+with one slice assignment and published with one ``write_pos`` store; else record by
+record, exactly as ``write`` would.
+
 Full ring: the producer drops the record, bumps ``dropped_records`` and never
 waits. The dropped record still consumed a sequence number, so the consumer sees
 exactly where the gap is.
@@ -75,8 +83,10 @@ import mmap
 import os
 import stat
 import struct
+import sys
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,6 +95,7 @@ from . import wire
 from .wire import ALIGN, HEADER_SIZE, MAX_RECORD_BYTES
 from .wire import HEADER as RECORD_HEADER
 from .wire import MAGIC as RECORD_MAGIC
+from .wire import VERSION as RECORD_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +118,12 @@ _WRITE_POS, _NEXT_SEQ, _DROPPED_RECORDS, _DROPPED_BYTES, _RECORDS_WRITTEN, _WRIT
 _READ_POS, _CONSUMER_PID, _CONSUMER_NEXT_SEQ = 16, 17, 18
 _STICKY_LEN_OFF, _STICKY_OFF = 512, 520
 MAX_STICKY_BYTES = HEADER_BYTES - _STICKY_OFF
+_STICKY_LEN = struct.Struct("<I")
+# a record header's seq and ts_ns (wire.HEADER: magic, version, kind, length, seq, ts_ns, ...):
+# the only bytes of a framed record written under the ring's lock
+_SEQ_TS = struct.Struct("<QQ")
+_SEQ_TS_OFF = 8
+_SEQ_WORD = _SEQ_TS_OFF // 8  # the same, in 8-byte words from the record's start (records are 8-aligned)
 
 
 class RingError(RuntimeError):
@@ -131,7 +148,7 @@ class RingSpaceError(OSError):
         self.directory, self.size = directory, size
 
     def __str__(self) -> str:
-        return self.strerror
+        return self.strerror or ""  # always the message above (OSError(errno, strerror))
 
 
 def ring_dir() -> str:
@@ -180,6 +197,93 @@ def whole_records(buf, start: int = 0, end: int | None = None) -> int:
         if not length or pos + length > end:
             return pos - start
         pos += length
+
+
+def frame(kind: int, payload: bytes, engine_id: int, pool: int = 0, flags: int = 0) -> bytearray:
+    """``wire.encode(kind, 0, 0, engine_id, payload, pool, flags)`` as a mutable buffer (header,
+    payload, zero padding to a multiple of 8: one allocation, the payload copied once); the
+    ring writer stamps its ``seq`` and ``ts_ns`` in place under its lock."""
+    length = HEADER_SIZE + len(payload)
+    padded = (length + ALIGN - 1) & ~(ALIGN - 1)
+    record = bytearray(padded)
+    RECORD_HEADER.pack_into(record, 0, RECORD_MAGIC, RECORD_VERSION, kind, padded, 0, 0, engine_id, pool, flags)
+    record[HEADER_SIZE:length] = payload
+    return record
+
+
+# from this many records of one length on, a batch is framed and stamped with numpy (below
+# it, one struct call per record is cheaper than numpy's fixed cost)
+_BATCH_NUMPY_MIN = 16
+
+
+class _Batch:
+    """Records of one kind framed back to back in one buffer (``frame``'s bytes each), before
+    the ring's lock is taken: ``ends[i]`` is where record ``i`` ends. Many records of one
+    length (a decode step's ASSIGNs) are framed as rows of a numpy array, and ``seqs`` /
+    ``stamps`` are strided views of their ``seq`` and ``ts_ns`` words (``seqs`` holding 0, 1,
+    ...), so that stamping them under the lock is two numpy operations that allocate nothing."""
+
+    __slots__ = ("buf", "ends", "seqs", "stamps")
+
+    def __init__(self, kind: int, payloads: list[bytes] | tuple[bytes, ...], engine_id: int, pool: int):
+        n = len(payloads)
+        plen = len(payloads[0])
+        self.seqs: np.ndarray | None = None
+        self.stamps: np.ndarray | None = None
+        if n >= _BATCH_NUMPY_MIN and all(len(p) == plen for p in payloads):
+            size = (HEADER_SIZE + plen + ALIGN - 1) & ~(ALIGN - 1)
+            self.buf = bytearray(n * size)
+            self.ends = list(range(size, n * size + 1, size))
+            rows = np.frombuffer(self.buf, dtype=np.uint8).reshape(n, size)
+            head = RECORD_HEADER.pack(RECORD_MAGIC, RECORD_VERSION, kind, size, 0, 0, engine_id, pool, 0)
+            rows[:, :HEADER_SIZE] = np.frombuffer(head, dtype=np.uint8)
+            rows[:, HEADER_SIZE : HEADER_SIZE + plen] = np.frombuffer(b"".join(payloads), dtype=np.uint8).reshape(
+                n, plen
+            )
+            words = np.frombuffer(self.buf, dtype="<u8")
+            self.seqs = words[_SEQ_WORD :: size // 8]
+            self.seqs[:] = np.arange(n, dtype=np.uint64)
+            self.stamps = words[_SEQ_WORD + 1 :: size // 8]
+            return
+        ends: list[int] = []
+        total = 0
+        for p in payloads:
+            total += (HEADER_SIZE + len(p) + ALIGN - 1) & ~(ALIGN - 1)
+            ends.append(total)
+        buf = bytearray(total)
+        pack_into = RECORD_HEADER.pack_into
+        start = 0
+        for p, end in zip(payloads, ends):
+            pack_into(buf, start, RECORD_MAGIC, RECORD_VERSION, kind, end - start, 0, 0, engine_id, pool, 0)
+            buf[start + HEADER_SIZE : start + HEADER_SIZE + len(p)] = p
+            start = end
+        self.buf, self.ends = buf, ends
+
+    def stamp(self, seq: int, ts: int) -> None:
+        """Record ``i`` gets ``seq + i`` and ``ts`` (under the ring's lock)."""
+        if self.seqs is not None and self.stamps is not None:
+            self.seqs += seq
+            self.stamps.fill(ts)
+            return
+        pack_into, buf = _SEQ_TS.pack_into, self.buf
+        start = 0
+        for end in self.ends:
+            pack_into(buf, start + _SEQ_TS_OFF, seq, ts)
+            seq += 1
+            start = end
+
+    def release(self) -> None:
+        """Drop the numpy views of the buffer."""
+        self.seqs = self.stamps = None
+
+
+def _header_words(mm: mmap.mmap) -> memoryview | np.ndarray:
+    """The ring header as little-endian 8-byte words. A native ``memoryview`` on a
+    little-endian machine (a store or load costs half a numpy element's), numpy's ``<u8``
+    elsewhere; both are aligned 8-byte stores into the mapping."""
+    if sys.byteorder == "little":
+        return memoryview(mm)[:HEADER_BYTES].cast("Q")
+    return np.frombuffer(mm, dtype="<u8", count=HEADER_BYTES // 8)
 
 
 class RingWriter:
@@ -232,7 +336,7 @@ class RingWriter:
             proc_start_ticks(self.pid),
         )
         os.rename(tmp_path, self.path)
-        self._u64 = np.frombuffer(self._mm, dtype="<u8", count=HEADER_BYTES // 8)
+        self._u64 = _header_words(self._mm)
         self._mask = capacity - 1
         self._write_pos = 0
         self._seq = 0
@@ -241,34 +345,42 @@ class RingWriter:
 
     def write(self, kind: wire.Kind, payload: bytes, pool: int = 0, flags: int = 0) -> bool:
         """Publish one record; False if it was dropped because the ring is full."""
+        record = frame(kind, payload, self.engine_id, pool, flags)  # encoded before the lock
+        u64 = self._u64
         with self._lock:
-            # stamped, and the stamp shown in the header, before anything that can stall (encoding,
-            # a GC pause, a page fault): the consumer waits for it instead of passing it by
-            ts = self._u64[_WRITING_SINCE] = time.monotonic_ns()
+            # stamped, and the stamp shown in the header, before the copy (which may stall on a
+            # page fault): the consumer waits for it instead of passing it by
+            ts = u64[_WRITING_SINCE] = time.monotonic_ns()
             try:
                 seq = self._seq
-                self._seq = seq + 1
-                self._u64[_NEXT_SEQ] = seq + 1
-                return self._publish(wire.encode(kind, seq, ts, self.engine_id, payload, pool, flags))
+                self._seq = u64[_NEXT_SEQ] = seq + 1
+                _SEQ_TS.pack_into(record, _SEQ_TS_OFF, seq, ts)
+                return self._publish(record)
             finally:
-                self._u64[_WRITING_SINCE] = 0
+                u64[_WRITING_SINCE] = 0
 
-    def write_batch(self, kind: wire.Kind, payloads, pool: int = 0) -> int:
+    def write_batch(self, kind: wire.Kind, payloads: Iterable[bytes], pool: int = 0) -> int:
         """Publish several records of one kind under one lock hold and one timestamp
         (each its own record and seq, exactly as ``write`` would); returns how many
         were written (the others were dropped because the ring is full)."""
-        written = 0
-        with self._lock:
-            ts = self._u64[_WRITING_SINCE] = time.monotonic_ns()
-            try:
-                for payload in payloads:
+        payloads = payloads if isinstance(payloads, (list, tuple)) else list(payloads)
+        if len(payloads) <= 1:
+            return sum(self.write(kind, p, pool) for p in payloads)
+        batch = _Batch(kind, payloads, self.engine_id, pool)  # encoded before the lock
+        n = len(batch.ends)
+        u64 = self._u64
+        try:
+            with self._lock:
+                ts = u64[_WRITING_SINCE] = time.monotonic_ns()
+                try:
                     seq = self._seq
-                    self._seq = seq + 1
-                    self._u64[_NEXT_SEQ] = seq + 1
-                    written += self._publish(wire.encode(kind, seq, ts, self.engine_id, payload, pool))
-            finally:
-                self._u64[_WRITING_SINCE] = 0
-        return written
+                    self._seq = u64[_NEXT_SEQ] = seq + n
+                    batch.stamp(seq, ts)
+                    return self._publish_batch(batch.buf, batch.ends)
+                finally:
+                    u64[_WRITING_SINCE] = 0
+        finally:
+            batch.release()
 
     def write_sticky(self, kind: wire.Kind, payload: bytes, pool: int = 0, append: bool = False) -> bool:
         """Publish a record and keep a copy in the header for consumers that attach later.
@@ -276,47 +388,86 @@ class RingWriter:
         with it (contract 1.5: the engine's COVERAGE and POOL records) after the copy held
         so far, while it fits (a record that does not fit is still published, only not kept:
         ``sticky_overflow`` counts it)."""
+        record = frame(kind, payload, self.engine_id, pool)  # encoded before the lock
+        size = len(record)
+        mm, u64 = self._mm, self._u64
         with self._lock:
-            ts = self._u64[_WRITING_SINCE] = time.monotonic_ns()
+            ts = u64[_WRITING_SINCE] = time.monotonic_ns()
             try:
                 seq = self._seq
-                self._seq = seq + 1
-                self._u64[_NEXT_SEQ] = seq + 1
-                record = wire.encode(kind, seq, ts, self.engine_id, payload, pool)
-                (held,) = struct.unpack_from("<I", self._mm, _STICKY_LEN_OFF) if append else (0,)
-                if held + len(record) <= MAX_STICKY_BYTES:
+                self._seq = u64[_NEXT_SEQ] = seq + 1
+                _SEQ_TS.pack_into(record, _SEQ_TS_OFF, seq, ts)
+                (held,) = _STICKY_LEN.unpack_from(mm, _STICKY_LEN_OFF) if append else (0,)
+                if held + size <= MAX_STICKY_BYTES:
                     # length 0 while the bytes change: a consumer reading now sees no copy, never a torn one
-                    self._mm[_STICKY_LEN_OFF : _STICKY_LEN_OFF + 4] = struct.pack("<I", 0)
-                    self._mm[_STICKY_OFF + held : _STICKY_OFF + held + len(record)] = record
-                    self._mm[_STICKY_LEN_OFF : _STICKY_LEN_OFF + 4] = struct.pack("<I", held + len(record))
+                    _STICKY_LEN.pack_into(mm, _STICKY_LEN_OFF, 0)
+                    mm[_STICKY_OFF + held : _STICKY_OFF + held + size] = record
+                    _STICKY_LEN.pack_into(mm, _STICKY_LEN_OFF, held + size)
                 else:
                     self.sticky_overflow += 1
                 return self._publish(record)
             finally:
-                self._u64[_WRITING_SINCE] = 0
+                u64[_WRITING_SINCE] = 0
 
-    def _publish(self, record: bytes) -> bool:
+    def _publish(self, record: bytes | bytearray | memoryview) -> bool:
+        """Copy one whole record (seq and ts_ns stamped) into the data area and publish it, or
+        count it dropped when the ring is full. Under the lock; allocates nothing."""
         size = len(record)
+        u64 = self._u64
         pos = self._write_pos
         offset = pos & self._mask
         tail = self.capacity - offset
         needed = size if size <= tail else size + tail
-        if needed > self.capacity - (pos - int(self._u64[_READ_POS])):
-            self._u64[_DROPPED_RECORDS] += 1
-            self._u64[_DROPPED_BYTES] += size
+        if needed > self.capacity - (pos - int(u64[_READ_POS])):
+            u64[_DROPPED_RECORDS] += 1
+            u64[_DROPPED_BYTES] += size
             return False
         if size > tail:
-            if tail >= wire.HEADER_SIZE:
-                pad = wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.Kind.PAD, tail, 0, 0, self.engine_id, 0, 0)
-                self._mm[HEADER_BYTES + offset : HEADER_BYTES + offset + wire.HEADER_SIZE] = pad
+            if tail >= HEADER_SIZE:
+                RECORD_HEADER.pack_into(
+                    self._mm,
+                    HEADER_BYTES + offset,
+                    RECORD_MAGIC,
+                    RECORD_VERSION,
+                    wire.Kind.PAD,
+                    tail,
+                    0,
+                    0,
+                    self.engine_id,
+                    0,
+                    0,
+                )
             pos += tail
             offset = 0
         self._mm[HEADER_BYTES + offset : HEADER_BYTES + offset + size] = record
         pos += size
-        self._u64[_RECORDS_WRITTEN] += 1
-        self._u64[_WRITE_POS] = pos  # publish last
+        u64[_RECORDS_WRITTEN] += 1
+        u64[_WRITE_POS] = pos  # publish last
         self._write_pos = pos
         return True
+
+    def _publish_batch(self, buf: bytearray, ends: list[int]) -> int:
+        """``_publish`` each record of ``buf`` (ending at ``ends``); returns how many were
+        written. When all of them fit before the end of the data area: one copy, one
+        ``write_pos`` store (the same bytes and counters as one ``_publish`` each)."""
+        total = ends[-1]
+        u64 = self._u64
+        pos = self._write_pos
+        offset = pos & self._mask
+        if total <= self.capacity - offset and total <= self.capacity - (pos - int(u64[_READ_POS])):
+            self._mm[HEADER_BYTES + offset : HEADER_BYTES + offset + total] = buf
+            pos += total
+            u64[_RECORDS_WRITTEN] += len(ends)
+            u64[_WRITE_POS] = pos  # publish last
+            self._write_pos = pos
+            return len(ends)
+        written = 0
+        with memoryview(buf) as view:
+            start = 0
+            for end in ends:
+                written += self._publish(view[start:end])
+                start = end
+        return written
 
     @property
     def dropped_records(self) -> int:
@@ -327,7 +478,11 @@ class RingWriter:
         return int(self._u64[_RECORDS_WRITTEN])
 
     def close(self, unlink: bool = False) -> None:
-        self._u64 = None
+        u64 = self._u64
+        del self._u64  # the mapping cannot be closed while a view of it is alive
+        if isinstance(u64, memoryview):
+            u64.release()
+        del u64
         self._mm.close()
         os.close(self._lock_fd)
         if unlink:

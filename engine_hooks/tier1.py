@@ -46,8 +46,12 @@ from __future__ import annotations
 import collections
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # imported where a check runs (the sidecar has no torch)
+    import torch
 
 log = logging.getLogger("kvguard.tier1")
 
@@ -157,13 +161,14 @@ class Tier1:
         self._next_tag = 1
         self._seen: _Bounded = _Bounded(MAX_REPORTED)
         # device side (bound on the first check)
-        self.device = None
-        self._tags_dev = self._rows_dev = None
+        self.device: torch.device | None = None
+        self._tags_dev: torch.Tensor | None = None  # tags on the device (the host array itself on CPU)
+        self._rows_dev: torch.Tensor | None = None  # row_tags, the same
         self._dirty_pages: list = []
         self._dirty_rows: list = []
-        self._arange = None
+        self._arange: torch.Tensor | None = None
         self._pending: collections.deque = collections.deque()
-        self._pinned = None
+        self._pinned: torch.Tensor | None = None  # GPU: the violation counts read back, one per check in flight
         self._pin_next = 0
         self._bufs: dict = {}  # CPU only: reused work tensors of the check
 
@@ -209,7 +214,7 @@ class Tier1:
         return pages
 
     def _touch(self, pages: np.ndarray) -> None:
-        if self._tags_dev is not None and self.device.type != "cpu" and len(pages):
+        if self._tags_dev is not None and self.device is not None and self.device.type != "cpu" and len(pages):
             self._dirty_pages.append(pages)
 
     def allocated(self, pages) -> None:
@@ -275,7 +280,7 @@ class Tier1:
                 self.row_tags = grown
                 self._rows_dev = None
             self.row_tags[row] = self.tag_for(rid)
-            if self._rows_dev is not None and self.device.type != "cpu":
+            if self._rows_dev is not None and self.device is not None and self.device.type != "cpu":
                 self._dirty_rows.append(row)
         except Exception as exc:  # noqa: BLE001
             self._failed("bind_row", exc)
@@ -287,40 +292,42 @@ class Tier1:
             row = int(row)
             if 0 <= row < len(self.row_tags):
                 self.row_tags[row] = 0
-                if self._rows_dev is not None and self.device.type != "cpu":
+                if self._rows_dev is not None and self.device is not None and self.device.type != "cpu":
                     self._dirty_rows.append(row)
         except Exception as exc:  # noqa: BLE001
             self._failed("unbind_row", exc)
 
     # ------------------------------------------------------------------ device copies
-    def _sync_device(self, torch, device) -> None:
+    def _sync_device(self, torch, device: torch.device) -> None:
+        """Bring the device copies of ``tags`` and ``row_tags`` up to date."""
         if self.device is None:
             self.device = device
+        tags_dev, rows_dev = self._tags_dev, self._rows_dev
         if self.device.type == "cpu":
             # the device arrays are the host arrays (no copy, nothing to bring up to date)
-            if self._tags_dev is None or self._tags_dev.data_ptr() != self.tags.ctypes.data:
+            if tags_dev is None or tags_dev.data_ptr() != self.tags.ctypes.data:
                 self._tags_dev = torch.from_numpy(self.tags)
-            if self._rows_dev is None or self._rows_dev.data_ptr() != self.row_tags.ctypes.data:
+            if rows_dev is None or rows_dev.data_ptr() != self.row_tags.ctypes.data:
                 self._rows_dev = torch.from_numpy(self.row_tags)
             return
-        if self._tags_dev is None:
+        if tags_dev is None:
             self._tags_dev = torch.from_numpy(self.tags).to(device)
             self._dirty_pages.clear()
         elif self._dirty_pages:
             idx = np.unique(np.concatenate(self._dirty_pages))
             self._dirty_pages.clear()
-            self._tags_dev[torch.from_numpy(idx).to(device, non_blocking=True)] = torch.from_numpy(self.tags[idx]).to(
+            tags_dev[torch.from_numpy(idx).to(device, non_blocking=True)] = torch.from_numpy(self.tags[idx]).to(
                 device, non_blocking=True
             )
-        if self._rows_dev is None:
+        if rows_dev is None:
             self._rows_dev = torch.from_numpy(self.row_tags).to(device)
             self._dirty_rows.clear()
         elif self._dirty_rows:
             idx = np.unique(np.asarray(self._dirty_rows, np.int64))
             self._dirty_rows.clear()
-            self._rows_dev[torch.from_numpy(idx).to(device, non_blocking=True)] = torch.from_numpy(
-                self.row_tags[idx]
-            ).to(device, non_blocking=True)
+            rows_dev[torch.from_numpy(idx).to(device, non_blocking=True)] = torch.from_numpy(self.row_tags[idx]).to(
+                device, non_blocking=True
+            )
 
     # ------------------------------------------------------------------ the check
     def check(self, req_to_token, req_pool_indices, seq_lens, rids, max_seq_len: int | None = None) -> int | None:
@@ -381,10 +388,12 @@ class Tier1:
         else:
             pages = torch.div(slots, ps, rounding_mode="floor", out=slots)
         pages = pages.clamp_(0, len(self.tags) - 1)  # stale entries past seq_len may hold anything
+        tags_dev, rows_dev = self._tags_dev, self._rows_dev
+        assert tags_dev is not None and rows_dev is not None  # (made by _sync_device above)
         got = torch.index_select(
-            self._tags_dev, 0, pages.view(-1), out=self._buf("got", (n * width,), self._tags_dev.dtype, device)
+            tags_dev, 0, pages.view(-1), out=self._buf("got", (n * width,), tags_dev.dtype, device)
         ).view(n, width)
-        reader = self._rows_dev.index_select(0, idx)
+        reader = rows_dev.index_select(0, idx)
         n_pages = (seq_lens[:n] + (ps - 1)) // ps if self.shift is None else (seq_lens[:n] + (ps - 1)) >> self.shift
         n_pages = n_pages * (reader != 0)  # rows bound to no known request are not judged
         if self._arange is None or self._arange.numel() < width or self._arange.device != device:
@@ -429,6 +438,7 @@ class Tier1:
 
     def _poll(self, block: bool, keep: int = 0) -> None:
         """Look at finished GPU checks (oldest first); with ``block`` wait until at most ``keep`` remain."""
+        pinned = self._pinned
         while self._pending:
             event, slot, bad, pages, got, rids, seq = self._pending[0]
             if not event.query():
@@ -436,7 +446,8 @@ class Tier1:
                     return
                 event.synchronize()
             self._pending.popleft()
-            if int(self._pinned[slot]):
+            assert pinned is not None  # a check in flight was issued with its count slot in it
+            if int(pinned[slot]):
                 self._details(bad, pages, got, rids, seq)
 
     def flush(self) -> None:

@@ -9,7 +9,7 @@ Handlers read the pipeline under the sidecar's lock and never hold it for long.
 from __future__ import annotations
 
 import hmac
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
@@ -30,7 +30,8 @@ class ErrorBody(BaseModel):
     detail: str
 
 
-AUTH_RESPONSES = {
+# FastAPI's ``responses=``: status code -> its OpenAPI description
+AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "missing or wrong bearer token"},
     403: {"model": ErrorBody, "description": "no API token configured on this sidecar"},
 }
@@ -240,8 +241,9 @@ def _request_entries(sidecar: Sidecar, key: int, rid: str, limit: int) -> list[d
     history = sidecar.pipeline.history
     out = []
     for engine_id, t in sidecar.pipeline.engines.items():
-        events = [] if history is None else history.request_events(key, limit)
-        events = [e for e in events if int(e["engine"]) == engine_id]
+        events: list = []  # its History events on this engine
+        if history is not None:
+            events = [e for e in history.request_events(key, limit) if int(e["engine"]) == engine_id]
         info = t.requests.get(key)
         if info is None and not events:
             continue
@@ -272,7 +274,8 @@ def _transfer_peer(sidecar: Sidecar, key: int) -> tuple[int, str]:
             if side == "receiver_key" and state.sender_key and state.sender_key != key:
                 return state.sender_key, state.sender_rid or f"key:{state.sender_key:016x}"
             if side == "sender_key" and state.receiver_key and state.receiver_key != key:
-                receiver = sidecar.pipeline.engines.get(state.receiver_engine)
+                engine = state.receiver_engine
+                receiver = sidecar.pipeline.engines.get(engine) if engine is not None else None
                 peer = receiver.requests.get(state.receiver_key) if receiver is not None else None
                 return state.receiver_key, peer.rid if peer is not None else f"key:{state.receiver_key:016x}"
     return 0, ""

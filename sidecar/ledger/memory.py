@@ -256,7 +256,7 @@ class TransferLedger:
         self.nbytes -= state.nbytes
         self.rooms_evicted += 1
         if state.receiver_open:
-            self.forgotten[room] = (state.receiver_key, len(state.reserved_pages), state.receiver_engine)
+            self.forgotten[room] = (state.receiver_key, len(_reserved(state)), state.receiver_engine)
             self.forgotten.move_to_end(room)
             while len(self.forgotten) > MAX_FORGOTTEN:
                 self.forgotten.popitem(last=False)
@@ -577,7 +577,7 @@ class TransferLedger:
         return found
 
     def _unverified(self, state: RoomState) -> Pairing:
-        n = len(state.reserved_pages)
+        n = len(_reserved(state))
         return Pairing(
             state.room,
             state.receiver_key,
@@ -595,7 +595,7 @@ class TransferLedger:
         if state.overflowed:  # chunks were not kept: whatever the verdict, it would rest on a part of them
             self._count(state, "unverified")
             return self._unverified(state)
-        n_reserved = len(state.reserved_pages)
+        n_reserved = len(_reserved(state))
         top = state.reserved_row_base + n_reserved  # row pages past the reservation are not the transfer's
         written: list[np.ndarray] = []
         sent_tokens = 0
@@ -641,3 +641,12 @@ def _add_chunk(state: RoomState, chunk: SentChunk) -> bool:
         return False
     state.chunks.append(chunk)
     return True
+
+
+def _reserved(state: RoomState) -> np.ndarray:
+    """The receiver's reserved pages of a room known to hold a reservation: one it keeps open
+    (``receiver_open``) or one waiting for, or decided on, its pairing (``on_done`` reached it
+    only with its pages reserved)."""
+    pages = state.reserved_pages
+    assert pages is not None, f"room {state.room}: no reservation"
+    return pages
