@@ -101,17 +101,17 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
         exec_module = loader.exec_module
 
         def exec_then_hooks(module, _exec=exec_module, _name=name):
-            undo = [_before(_name, fn) for fn in _PRE_IMPORT.pop(_name, [])]
+            undo = [_before(_name, before) for before in _PRE_IMPORT.pop(_name, [])]
             try:
                 _exec(module)
             finally:
-                for fn in undo:
-                    if fn is not None:
-                        fn()
-            for fn in _POST_IMPORT.pop(_name, []):
-                _run(_name, fn, module)
+                for undo_fn in undo:
+                    if undo_fn is not None:
+                        undo_fn()
+            for after in _POST_IMPORT.pop(_name, []):
+                _run(_name, after, module)
 
-        loader.exec_module = exec_then_hooks
+        setattr(loader, "exec_module", exec_then_hooks)  # noqa: B010 - (a method, replaced on this loader)
         return spec
 
 
@@ -387,8 +387,8 @@ def shim_spec_kernels() -> None:
         def reconstruct_indices_from_tree_mask(*args, **kwargs):
             raise NotImplementedError("kvguard arch_shims placeholder: the Triton kernel is used")
 
-        sub.reconstruct_indices_from_tree_mask = reconstruct_indices_from_tree_mask
-        pkg.speculative = sub
+        setattr(sub, "reconstruct_indices_from_tree_mask", reconstruct_indices_from_tree_mask)  # noqa: B010
+        setattr(pkg, "speculative", sub)  # noqa: B010
         sys.modules["sgl_kernel"], sys.modules["sgl_kernel.speculative"] = pkg, sub
 
         def remove() -> None:

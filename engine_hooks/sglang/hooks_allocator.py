@@ -103,10 +103,10 @@ _GROUP_PAGE_ID_LISTS = ("free_page_ids_group",)
 def _group_end_pre(self, *args, **kwargs):
     if rt.depth("free") != 0:
         return None
-    slots = []
+    slots: list = []
     for attr in _GROUP_SLOT_LISTS:
         slots.extend(getattr(self, attr, None) or [])
-    page_ids = []
+    page_ids: list = []
     for attr in _GROUP_PAGE_ID_LISTS:
         page_ids.extend(getattr(self, attr, None) or [])
     return slots, page_ids

@@ -86,7 +86,9 @@ class Tier:
     host_page_size = 1
     pending: OrderedDict = OrderedDict()  # first device slot -> (rid, [Run])
     objects: OrderedDict = OrderedDict()  # object key -> (first host page, host pages) of its backup
-    view = None  # the KV pool's digest view; False: not digested (device pool, unknown layout)
+    view: dg.PoolView | bool | None = (
+        None  # the KV pool's digest view; False: not digested (device pool, unknown layout)
+    )
     for_request: str | None = None  # rid of the request a tree / retraction call runs for
     _key_base = 0
     _seq = 0

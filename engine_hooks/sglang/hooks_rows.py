@@ -91,7 +91,7 @@ def pool_alloc_hook(name: str):
 
 
 def _pool_free_pre(self, *args, **kwargs):
-    req = args[0] if args else kwargs.get("req")
+    req = args[0] if args else kwargs["req"]
     return (req.kv.req_pool_idx, req.rid)
 
 
@@ -298,7 +298,7 @@ def _forward_pre(self, *args, **kwargs):
     # the target's allocator and rows (coverage.py checks that), so its writes and reads are the
     # same pages' and judged the same way; the content check fingerprints the target's pool only
     draft = getattr(self, "is_draft_worker", False)
-    fb = args[0] if args else kwargs.get("forward_batch")
+    fb = args[0] if args else kwargs["forward_batch"]
     mode = fb.forward_mode
     if mode is None or mode.is_idle():
         return

@@ -83,7 +83,8 @@ def remove_skipped_blocks(original, name: str):
     def wrapper(self, request_id, *args, **kwargs):
         if not State.group_rows or name in rt._disabled or State.skipping is not None:
             return original(self, request_id, *args, **kwargs)
-        State.skipping = held = []
+        held: list = []
+        State.skipping = held
         try:
             return original(self, request_id, *args, **kwargs)
         finally:

@@ -49,7 +49,7 @@ class SegmentReader:
                 size = os.fstat(f.fileno()).st_size
                 raw = f.read(SEGMENT_HEADER_SIZE)
                 self.header = SegmentHeader.unpack(raw, self.path)
-                self._mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+                self._mm: mmap.mmap | None = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
         except FileNotFoundError as exc:
             raise RecordingError(f"{self.path}: no such file") from exc
         except IsADirectoryError as exc:
@@ -77,6 +77,7 @@ class SegmentReader:
     def _chunk_at(self, pos: int):
         """(flags, data, end) of a valid chunk at ``pos``; 'short' if it runs past the end; None if invalid."""
         mm = self._mm
+        assert mm is not None  # (chunks() reads only an open segment)
         if self.size - pos < CHUNK_HEADER_SIZE:
             n = min(len(CHUNK_MAGIC), self.size - pos)
             return "short" if mm[pos : pos + n] == CHUNK_MAGIC[:n] else None
@@ -100,7 +101,7 @@ class SegmentReader:
         base = self.header.header_size % wire.ALIGN
         pos += 1
         while True:
-            pos = self._mm.find(CHUNK_MAGIC, pos)
+            pos = self._mm.find(CHUNK_MAGIC, pos) if self._mm is not None else -1
             if pos < 0:
                 return None
             if (pos - base) % wire.ALIGN == 0 and isinstance(self._chunk_at(pos), tuple):
