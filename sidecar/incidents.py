@@ -12,7 +12,8 @@ summary says so), each finding keeps its own gap's size.
 
 Resolution: a read/write incident resolves when its reader request ends (the
 condition cannot recur for that request); a config incident when the engine says
-hello again with a safe configuration or goes away; events_lost after
+hello again with a safe configuration or goes away, a coverage_gap when it goes away
+(the catalogue's ``WITH_ENGINE``); events_lost after
 ``quiet_resolve_ns`` without new losses (also double_free and ttft_anomaly).
 Exposure incidents resolve as their reader ends because the condition has cleared,
 not because the harm is undone: the incident keeps its exposed parties, and sinks
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from .catalogue import AFTER_QUIET, BY_FIRST_PAGE, BY_READER, KINDS, kinds_with
+from .catalogue import AFTER_QUIET, BY_FIRST_PAGE, BY_READER, KINDS, WITH_ENGINE, kinds_with
 from .findings import CRITICAL, Finding
 from .stats import IncidentStats, KindAndSeverity
 
@@ -45,6 +46,9 @@ SEVERITY_RANK = {"info": 0, "warning": 1, CRITICAL: 2}
 # rather than with their reader (a ttft verdict is made as the request ends;
 # ledger_degraded repeats while it lasts)
 QUIET_KINDS = kinds_with(resolves=AFTER_QUIET)
+# ... and the kinds whose incidents last as long as their engine (pool_smaller_than_context,
+# coverage_gap): resolved when it exits
+ENGINE_KINDS = kinds_with(resolves=WITH_ENGINE)
 
 
 def incident_key(f: Finding) -> tuple:
@@ -248,7 +252,7 @@ class IncidentStore:
 
     def on_engine_gone(self, pid: int, ts_ns: int) -> list[Incident]:
         return self._resolve_where(
-            lambda i: i.kind == "pool_smaller_than_context" and i.engine["pid"] == pid, ts_ns, "the engine exited"
+            lambda i: i.kind in ENGINE_KINDS and i.engine["pid"] == pid, ts_ns, "the engine exited"
         )
 
     def tick(self, now_ns: int) -> list[Incident]:

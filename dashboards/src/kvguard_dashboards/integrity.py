@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders.dashboard import Dashboard, Row
 
+from kvguard.sidecar.catalogue import read_exposure_kinds
+
 from .common import INSTANCE, bars, base, blind_share, graph, note, q, raised, rate, single
 
 UID = "kvguard-integrity"
-EXPOSURE_KINDS = "unwritten_read|foreign_read|use_after_free"
+# the kinds where a request read KV another request wrote, from the finding catalogue
+EXPOSURE_KINDS = "|".join(read_exposure_kinds())
 FINDINGS = "kvguard_findings_total"
 INCIDENTS = "kvguard_incidents_total"
 INCIDENTS_FIRING = "kvguard_incidents_firing"
