@@ -293,6 +293,22 @@ CATALOGUE: tuple[KindSpec, ...] = (
 KINDS: dict[str, KindSpec] = {spec.kind: spec for spec in CATALOGUE}
 
 
+class _Kinds:
+    """Every catalogue kind as an attribute whose value is the kind (``KIND.late_write ==
+    "late_write"``). Detectors name their kinds through it, never by a literal: a kind the
+    catalogue lacks fails when the detector's module is imported (every test run), not when a
+    finding is first raised."""
+
+    def __init__(self, kinds) -> None:
+        self.__dict__.update({kind: kind for kind in kinds})
+
+    def __getattr__(self, name: str) -> str:
+        raise AttributeError(f"{name!r} is not a finding kind of sidecar/catalogue.py")
+
+
+KIND = _Kinds(KINDS)
+
+
 def kinds_with(**match) -> set[str]:
     """Kinds whose entry has these field values, e.g. ``kinds_with(resolves=AFTER_QUIET)``."""
     return {s.kind for s in CATALOGUE if all(getattr(s, k) == v for k, v in match.items())}

@@ -139,3 +139,21 @@ def test_the_pipeline_and_its_components_share_no_state_by_inheritance_and_the_r
                 inheriting.append(f"{name}: {cls.name}({', '.join(sorted(bases))})")
     assert inheriting == [], inheriting
     assert len((SIDECAR / "pipeline.py").read_text().splitlines()) < 300
+
+
+def test_detectors_name_their_kinds_through_the_catalogue_not_by_literal():
+    from kvguard.sidecar.catalogue import KIND, KINDS
+
+    literals = []
+    for path in sorted((SIDECAR / "detectors").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in KINDS:
+                literals.append(f"{path.name}:{node.lineno} {node.value!r}")
+    assert literals == [], literals
+    assert KIND.late_write == "late_write"
+    try:
+        KIND.late_wirte  # noqa: B018 - a typo: refused by name
+    except AttributeError as exc:
+        assert "not a finding kind" in str(exc)
+    else:
+        raise AssertionError("KIND accepted a kind the catalogue lacks")

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 from kvguard.engine_hooks import wire
 
+from ..catalogue import KIND
 from ..findings import CRITICAL, WARNING, EngineRef, Finding
 from .base import At
 
@@ -47,7 +48,7 @@ def describe(engine: EngineRef, c: PoolVsContext) -> str:
 class PoolContextDetector:
     """Called on each HELLO record (engine start-up)."""
 
-    kinds: ClassVar[tuple[str, ...]] = ("pool_smaller_than_context",)
+    kinds: ClassVar[tuple[str, ...]] = (KIND.pool_smaller_than_context,)
     events: ClassVar[tuple[type, ...]] = (wire.Hello,)
 
     def observe(self, hello: wire.Hello, at: At) -> list[Finding]:
@@ -65,7 +66,7 @@ class PoolContextDetector:
         }
         return [
             Finding(
-                "pool_smaller_than_context",
+                KIND.pool_smaller_than_context,
                 severity_for(engine.role),
                 engine,
                 None,

@@ -18,6 +18,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..catalogue import KIND
 from ..events import ContentChangedAt
 from ..findings import CRITICAL, Finding
 from ..page_pool import OWNED
@@ -26,7 +27,7 @@ from .reads import reader_party
 
 
 class ContentDetector:
-    kinds: ClassVar[tuple[str, ...]] = ("checksum_mismatch",)
+    kinds: ClassVar[tuple[str, ...]] = (KIND.checksum_mismatch,)
     events: ClassVar[tuple[type, ...]] = (ContentChangedAt,)
 
     def observe(self, changed: ContentChangedAt, at: At) -> list[Finding]:
@@ -60,7 +61,7 @@ class ContentDetector:
             }
             out.append(
                 Finding(
-                    "checksum_mismatch",
+                    KIND.checksum_mismatch,
                     CRITICAL,
                     engine,
                     reader_party(info) if info is not None else None,

@@ -16,6 +16,7 @@ from typing import ClassVar
 
 from kvguard.engine_hooks import wire
 
+from ..catalogue import KIND
 from ..findings import WARNING, Finding
 from .base import At
 
@@ -38,7 +39,7 @@ class CoverageDetector:
     incident groups by engine and lasts as long as it (a COVERAGE replayed from the ring's
     sticky copy after a sidecar restart joins it)."""
 
-    kinds: ClassVar[tuple[str, ...]] = ("coverage_gap",)
+    kinds: ClassVar[tuple[str, ...]] = (KIND.coverage_gap,)
     events: ClassVar[tuple[type, ...]] = (wire.Coverage,)
 
     def observe(self, coverage: wire.Coverage, at: At) -> list[Finding]:
@@ -67,4 +68,4 @@ class CoverageDetector:
         if hello is not None:
             evidence["engine_version"] = f"{hello.engine_name} {hello.engine_version}"
             evidence["model"] = hello.model
-        return [Finding("coverage_gap", WARNING, engine, None, [], [], at.ts_ns, summary, evidence)]
+        return [Finding(KIND.coverage_gap, WARNING, engine, None, [], [], at.ts_ns, summary, evidence)]

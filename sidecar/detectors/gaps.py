@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from ..catalogue import KIND
 from ..events import RecordsLost
 from ..findings import WARNING, Finding
 from .base import At
 
 
 class EventsLostDetector:
-    kinds: ClassVar[tuple[str, ...]] = ("events_lost",)
+    kinds: ClassVar[tuple[str, ...]] = (KIND.events_lost,)
     events: ClassVar[tuple[type, ...]] = (RecordsLost,)
 
     def observe(self, lost: RecordsLost, at: At) -> list[Finding]:
@@ -31,4 +32,4 @@ class EventsLostDetector:
             "first_missing_seq": lost.first_missing_seq,
             "engine_records_lost_total": lost.engine_total,
         }
-        return [Finding("events_lost", WARNING, engine, None, [], [], at.ts_ns, summary, evidence)]
+        return [Finding(KIND.events_lost, WARNING, engine, None, [], [], at.ts_ns, summary, evidence)]

@@ -32,6 +32,7 @@ from typing import ClassVar
 
 from kvguard.engine_hooks import wire
 
+from ..catalogue import KIND
 from ..findings import CRITICAL, Finding, Party
 from .base import At
 from .reads import reader_party
@@ -40,18 +41,18 @@ ACTIONS = {wire.GuardAction.ABORTED: "aborted", wire.GuardAction.OBSERVED: "obse
 # KVGUARD_GUARD=full: the engine's read check refused a reader. No finding of its own: the
 # reader's read findings (Tier 1's TIER1_VIOLATION, Tier 2's FORWARD judgement, both after
 # this record) carry the action; the kind an abort is counted under
-READ_RULES = {wire.GuardRule.READ_FOREIGN: "foreign_read", wire.GuardRule.READ_FREED: "use_after_free"}
+READ_RULES = {wire.GuardRule.READ_FOREIGN: KIND.foreign_read, wire.GuardRule.READ_FREED: KIND.use_after_free}
 # the same for the decode guard's digest comparison: the sidecar's own checksum_mismatch,
 # from the two XFER_DIGEST records, carries the action
-CARRIED_RULES = {**READ_RULES, wire.GuardRule.DIGEST_MISMATCH: "checksum_mismatch"}
+CARRIED_RULES = {**READ_RULES, wire.GuardRule.DIGEST_MISMATCH: KIND.checksum_mismatch}
 # every kind kvguard_guard_aborts_total{kind} counts (exported at 0 from the start)
-GUARD_ABORT_KINDS = ("transfer_size_mismatch", *CARRIED_RULES.values())
+GUARD_ABORT_KINDS = (KIND.transfer_size_mismatch, *CARRIED_RULES.values())
 
 
 class GuardDetector:
     """A GUARD record: the engine's guard caught an invariant about to be broken."""
 
-    kinds: ClassVar[tuple[str, ...]] = ("transfer_size_mismatch",)
+    kinds: ClassVar[tuple[str, ...]] = (KIND.transfer_size_mismatch,)
     events: ClassVar[tuple[type, ...]] = (wire.Guard,)
 
     def observe(self, g: wire.Guard, at: At) -> list[Finding]:
@@ -93,4 +94,4 @@ class GuardDetector:
             "reserved_pages": g.reserved_pages or None,
             "reason": g.reason,
         }
-        return [Finding("transfer_size_mismatch", CRITICAL, at.engine, reader, [], [], at.ts_ns, summary, evidence)]
+        return [Finding(KIND.transfer_size_mismatch, CRITICAL, at.engine, reader, [], [], at.ts_ns, summary, evidence)]

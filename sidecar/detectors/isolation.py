@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..catalogue import ISOLATION
+from ..catalogue import ISOLATION, KIND
 from ..events import ReadVerdict
 from ..findings import WARNING, Finding, Party
 from .base import At
@@ -24,7 +24,7 @@ from .reads import reader_party
 
 
 class TenantIsolationDetector:
-    kinds: ClassVar[tuple[str, ...]] = ("cross_tenant_prefix_share",)
+    kinds: ClassVar[tuple[str, ...]] = (KIND.cross_tenant_prefix_share,)
     events: ClassVar[tuple[type, ...]] = (ReadVerdict,)
     switch: ClassVar[str] = ISOLATION
     wants_shared_reads: ClassVar[bool] = True
@@ -56,7 +56,7 @@ class TenantIsolationDetector:
         )
         return [
             Finding(
-                "cross_tenant_prefix_share",
+                KIND.cross_tenant_prefix_share,
                 WARNING,
                 engine,
                 reader_party(reader),

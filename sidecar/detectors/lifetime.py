@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..catalogue import KIND
 from ..events import PagesFreedTwice, WriteVerdict
 from ..findings import CRITICAL, Finding
 from .base import At
@@ -23,7 +24,7 @@ from .reads import exposed_parties, reader_party
 
 
 class WriteDetector:
-    kinds: ClassVar[tuple[str, ...]] = ("use_after_free", "late_write")
+    kinds: ClassVar[tuple[str, ...]] = (KIND.use_after_free, KIND.late_write)
     events: ClassVar[tuple[type, ...]] = (WriteVerdict,)
 
     def observe(self, verdict: WriteVerdict, at: At) -> list[Finding]:
@@ -37,7 +38,7 @@ class WriteDetector:
             pages = np.unique(verdict.freed)
             out.append(
                 Finding(
-                    "use_after_free",
+                    KIND.use_after_free,
                     CRITICAL,
                     engine,
                     reader_party(writer),
@@ -56,7 +57,7 @@ class WriteDetector:
             owners = exposed_parties(tracker, pages, writer.key, by="owner")
             out.append(
                 Finding(
-                    "late_write",
+                    KIND.late_write,
                     CRITICAL,
                     engine,
                     reader_party(writer),
@@ -72,7 +73,7 @@ class WriteDetector:
 
 
 class DoubleFreeDetector:
-    kinds: ClassVar[tuple[str, ...]] = ("double_free",)
+    kinds: ClassVar[tuple[str, ...]] = (KIND.double_free,)
     events: ClassVar[tuple[type, ...]] = (PagesFreedTwice,)
 
     def observe(self, event: PagesFreedTwice, at: At) -> list[Finding]:
@@ -84,7 +85,7 @@ class DoubleFreeDetector:
         last = exposed_parties(tracker, pages, 0)
         return [
             Finding(
-                "double_free",
+                KIND.double_free,
                 CRITICAL,
                 engine,
                 None,

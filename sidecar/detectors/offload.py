@@ -7,20 +7,25 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from ..catalogue import KIND
 from ..events import LoadedObjectMismatch
 from ..findings import CRITICAL, Finding
 from .base import At
 from .reads import reader_party
 
 WHAT = {
-    "checksum_mismatch": "loaded KV from a host / storage object that is not what was stored for it",
-    "transfer_size_mismatch": "loaded more pages from a host / storage object than it was stored from",
-    "cross_salt_prefix_share": "loaded KV from a host / storage object stored under another cache scope (salt / extra key)",
+    KIND.checksum_mismatch: "loaded KV from a host / storage object that is not what was stored for it",
+    KIND.transfer_size_mismatch: "loaded more pages from a host / storage object than it was stored from",
+    KIND.cross_salt_prefix_share: "loaded KV from a host / storage object stored under another cache scope (salt / extra key)",
 }
 
 
 class OffloadDetector:
-    kinds: ClassVar[tuple[str, ...]] = ("checksum_mismatch", "cross_salt_prefix_share", "transfer_size_mismatch")
+    kinds: ClassVar[tuple[str, ...]] = (
+        KIND.checksum_mismatch,
+        KIND.cross_salt_prefix_share,
+        KIND.transfer_size_mismatch,
+    )
     events: ClassVar[tuple[type, ...]] = (LoadedObjectMismatch,)
 
     def observe(self, event: LoadedObjectMismatch, at: At) -> list[Finding]:

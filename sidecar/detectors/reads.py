@@ -18,6 +18,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..catalogue import KIND
 from ..events import ReadVerdict
 from ..findings import CRITICAL, WARNING, EngineRef, Finding, Party
 from ..request_directory import RequestInfo
@@ -68,7 +69,7 @@ def exposed_parties(
 class ReadDetector:
     """One verdict in, zero to three findings out."""
 
-    kinds: ClassVar[tuple[str, ...]] = ("unwritten_read", "foreign_read", "use_after_free")
+    kinds: ClassVar[tuple[str, ...]] = (KIND.unwritten_read, KIND.foreign_read, KIND.use_after_free)
     events: ClassVar[tuple[type, ...]] = (ReadVerdict,)
 
     def observe(self, verdict: ReadVerdict, at: At) -> list[Finding]:
@@ -78,12 +79,12 @@ class ReadDetector:
             return []
         out = []
         for kind, pages, by in (
-            ("unwritten_read", verdict.unwritten, "last_writer"),
-            ("foreign_read", verdict.foreign, "owner"),
-            ("use_after_free", verdict.freed, "last_writer"),
+            (KIND.unwritten_read, verdict.unwritten, "last_writer"),
+            (KIND.foreign_read, verdict.foreign, "owner"),
+            (KIND.use_after_free, verdict.freed, "last_writer"),
         ):
             if len(pages):
-                column = verdict.unwritten_writers if kind == "unwritten_read" else None
+                column = verdict.unwritten_writers if kind == KIND.unwritten_read else None
                 out.append(self._finding(tracker, engine, verdict.reader, kind, pages, by, ts_ns, column))
         return out
 
@@ -106,9 +107,9 @@ class ReadDetector:
             exposed += [p for p in exposed_parties(tracker, pages, reader.key) if p.rid not in named]
         tenants = sorted({p.tenant or "?" for p in exposed})
         what = {
-            "unwritten_read": "pages reserved for it that nothing wrote for it",
-            "foreign_read": "pages that belong to other requests",
-            "use_after_free": "pages that are free in the allocator",
+            KIND.unwritten_read: "pages reserved for it that nothing wrote for it",
+            KIND.foreign_read: "pages that belong to other requests",
+            KIND.use_after_free: "pages that are free in the allocator",
         }[kind]
         summary = (
             f"{engine.role} rank {engine.rank}: request {reader.rid} (tenant {reader.tenant or '?'}) read "
@@ -116,7 +117,7 @@ class ReadDetector:
         )
         if exposed:
             summary += f"; they hold data of {len(exposed)} other request(s) of tenant(s) {', '.join(tenants)}"
-        severity = CRITICAL if exposed or kind != "unwritten_read" else WARNING
+        severity = CRITICAL if exposed or kind != KIND.unwritten_read else WARNING
         summary += GUARD_OUTCOME.get(reader.guard_action, "")
         return Finding(
             kind,

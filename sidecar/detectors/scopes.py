@@ -21,6 +21,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..catalogue import KIND
 from ..events import PrefixSharedAcrossScopes
 from ..findings import CRITICAL, Finding
 from .base import At
@@ -32,7 +33,7 @@ def _hex(scope: int) -> str:
 
 
 class ScopeDetector:
-    kinds: ClassVar[tuple[str, ...]] = ("cross_salt_prefix_share",)
+    kinds: ClassVar[tuple[str, ...]] = (KIND.cross_salt_prefix_share,)
     events: ClassVar[tuple[type, ...]] = (PrefixSharedAcrossScopes,)
 
     def observe(self, shared: PrefixSharedAcrossScopes, at: At) -> list[Finding]:
@@ -54,7 +55,7 @@ class ScopeDetector:
             summary += f": KV of {len(exposed)} request(s) of tenant(s) {', '.join(tenants)}"
         return [
             Finding(
-                "cross_salt_prefix_share",
+                KIND.cross_salt_prefix_share,
                 CRITICAL,
                 engine,
                 reader_party(reader),

@@ -21,6 +21,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..catalogue import KIND
 from ..events import SourcePagesSent
 from ..findings import CRITICAL, WARNING, Finding
 from .base import At
@@ -28,7 +29,7 @@ from .reads import exposed_parties, reader_party
 
 
 class UnwrittenSendDetector:
-    kinds: ClassVar[tuple[str, ...]] = ("unwritten_send",)
+    kinds: ClassVar[tuple[str, ...]] = (KIND.unwritten_send,)
     events: ClassVar[tuple[type, ...]] = (SourcePagesSent,)
 
     def observe(self, sent: SourcePagesSent, at: At) -> list[Finding]:
@@ -91,7 +92,7 @@ class UnwrittenSendDetector:
             )
         return [
             Finding(
-                "unwritten_send",
+                KIND.unwritten_send,
                 severity,
                 engine,
                 reader_party(sender) if sender.key else None,

@@ -25,6 +25,7 @@ import numpy as np
 
 from kvguard.engine_hooks import wire
 
+from ..catalogue import KIND
 from ..findings import CRITICAL, EngineRef, Finding, Party
 from ..tracker import EngineTracker
 from .base import At
@@ -34,7 +35,7 @@ from .reads import GUARD_OUTCOME, exposed_parties, guard_evidence, reader_party
 class Tier1Detector:
     """A TIER1_VIOLATION record: the engine's own read check caught a read."""
 
-    kinds: ClassVar[tuple[str, ...]] = ("foreign_read", "use_after_free")
+    kinds: ClassVar[tuple[str, ...]] = (KIND.foreign_read, KIND.use_after_free)
     events: ClassVar[tuple[type, ...]] = (wire.Tier1Violation,)
 
     def observe(self, violation: wire.Tier1Violation, at: At) -> list[Finding]:
@@ -50,8 +51,8 @@ def tier1_findings(tracker: EngineTracker, engine: EngineRef, v: wire.Tier1Viola
     pages = v.pages.astype(np.int64)
     out = []
     for kind, mask in (
-        ("foreign_read", v.tags != wire.Tier1Tag.FREE),
-        ("use_after_free", v.tags == wire.Tier1Tag.FREE),
+        (KIND.foreign_read, v.tags != wire.Tier1Tag.FREE),
+        (KIND.use_after_free, v.tags == wire.Tier1Tag.FREE),
     ):
         if not mask.any():
             continue
@@ -71,7 +72,7 @@ def tier1_findings(tracker: EngineTracker, engine: EngineRef, v: wire.Tier1Viola
             )
         if not exposed and tracker.hello is not None:  # no live owner: whoever's data the page holds
             exposed = exposed_parties(tracker, tracker.pool.ensure(pages[mask]), v.reader_key)
-        what = "pages of other requests" if kind == "foreign_read" else "pages that are free in the allocator"
+        what = "pages of other requests" if kind == KIND.foreign_read else "pages that are free in the allocator"
         summary = (
             f"{engine.role} rank {engine.rank}: the engine's own read check (Tier 1) saw request "
             f"{reader.rid} (tenant {reader.tenant or '?'}) read {int(mask.sum())} {what}"

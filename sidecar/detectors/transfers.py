@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from ..catalogue import KIND
 from ..events import DigestsCompared, LedgerUnreachable, TransferOrphaned
 from ..findings import CRITICAL, WARNING, Finding
 from ..ledger import DigestVerdict, Pairing, RoomState
@@ -29,7 +30,7 @@ def _held_pages(state: RoomState) -> list[int]:
 
 
 class TransferSizeDetector:
-    kinds: ClassVar[tuple[str, ...]] = ("transfer_size_mismatch",)
+    kinds: ClassVar[tuple[str, ...]] = (KIND.transfer_size_mismatch,)
     events: ClassVar[tuple[type, ...]] = (Pairing,)
 
     def observe(self, pairing: Pairing, at: At) -> list[Finding]:
@@ -78,7 +79,15 @@ class TransferSizeDetector:
         }
         return [
             Finding(
-                "transfer_size_mismatch", CRITICAL, engine, reader_party(reader), unfilled, [], ts_ns, summary, evidence
+                KIND.transfer_size_mismatch,
+                CRITICAL,
+                engine,
+                reader_party(reader),
+                unfilled,
+                [],
+                ts_ns,
+                summary,
+                evidence,
             )
         ]
 
@@ -109,7 +118,15 @@ class TransferSizeDetector:
         pages = _held_pages(pairing.state) if isinstance(pairing.state, RoomState) else []
         return [
             Finding(
-                "transfer_size_mismatch", CRITICAL, engine, reader_party(reader), pages, [], at.ts_ns, summary, evidence
+                KIND.transfer_size_mismatch,
+                CRITICAL,
+                engine,
+                reader_party(reader),
+                pages,
+                [],
+                at.ts_ns,
+                summary,
+                evidence,
             )
         ]
 
@@ -122,7 +139,7 @@ DIGEST_GUARD_OUTCOME = {
 
 
 class ChecksumDetector:
-    kinds: ClassVar[tuple[str, ...]] = ("checksum_mismatch",)
+    kinds: ClassVar[tuple[str, ...]] = (KIND.checksum_mismatch,)
     events: ClassVar[tuple[type, ...]] = (DigestsCompared,)
 
     def observe(self, compared: DigestsCompared, at: At) -> list[Finding]:
@@ -154,12 +171,12 @@ class ChecksumDetector:
             **guard_evidence(reader),
         }
         return [
-            Finding("checksum_mismatch", CRITICAL, engine, reader_party(reader), pages, [], ts_ns, summary, evidence)
+            Finding(KIND.checksum_mismatch, CRITICAL, engine, reader_party(reader), pages, [], ts_ns, summary, evidence)
         ]
 
 
 class OrphanDetector:
-    kinds: ClassVar[tuple[str, ...]] = ("orphan_transfer",)
+    kinds: ClassVar[tuple[str, ...]] = (KIND.orphan_transfer,)
     events: ClassVar[tuple[type, ...]] = (TransferOrphaned,)
 
     def observe(self, orphaned: TransferOrphaned, at: At) -> list[Finding]:
@@ -189,13 +206,15 @@ class OrphanDetector:
             "sender": state.sender_gave_up or "never reported",
             "timeout_s": timeout_s,
         }
-        return [Finding("orphan_transfer", WARNING, engine, reader_party(reader), pages, [], ts_ns, summary, evidence)]
+        return [
+            Finding(KIND.orphan_transfer, WARNING, engine, reader_party(reader), pages, [], ts_ns, summary, evidence)
+        ]
 
 
 class LedgerDegradedDetector:
     """The shared ledger is unreachable (reported again every DEGRADED_REPEAT_NS while it lasts)."""
 
-    kinds: ClassVar[tuple[str, ...]] = ("ledger_degraded",)
+    kinds: ClassVar[tuple[str, ...]] = (KIND.ledger_degraded,)
     events: ClassVar[tuple[type, ...]] = (LedgerUnreachable,)
 
     def observe(self, event: LedgerUnreachable, at: At) -> list[Finding]:
@@ -205,4 +224,4 @@ class LedgerDegradedDetector:
             f"paired with the other pod; {event.waiting} wait for it (bounded), local detection continues"
         )
         evidence = {"ledger": event.display_url, "error": event.last_error, "transfers_waiting": event.waiting}
-        return [Finding("ledger_degraded", WARNING, at.engine, None, [], [], at.ts_ns, summary, evidence)]
+        return [Finding(KIND.ledger_degraded, WARNING, at.engine, None, [], [], at.ts_ns, summary, evidence)]

@@ -65,7 +65,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..catalogue import TTFT
+from ..catalogue import KIND, TTFT
 from ..events import RequestEnded
 from ..findings import WARNING, EngineRef, Finding, Party
 from ..request_directory import RequestInfo
@@ -194,7 +194,7 @@ class TTFTDetector:
         )
 
     # ------------------------------------------------------------------ input
-    kinds: ClassVar[tuple[str, ...]] = ("ttft_anomaly",)
+    kinds: ClassVar[tuple[str, ...]] = (KIND.ttft_anomaly,)
     events: ClassVar[tuple[type, ...]] = (RequestEnded,)
     switch: ClassVar[str] = TTFT
     stats_field: ClassVar[str] = "ttft"  # PipelineStats.ttft
@@ -317,4 +317,4 @@ class TTFTDetector:
             "uncached_prompt_pages": None if s.written is None else s.written[1],
             "reader_rejected": info.rejected,
         }
-        return Finding("ttft_anomaly", WARNING, engine, s.reader, [], [], ts_ns, summary, evidence)
+        return Finding(KIND.ttft_anomaly, WARNING, engine, s.reader, [], [], ts_ns, summary, evidence)
