@@ -95,7 +95,6 @@ class Pipeline:
         # while Redis is unreachable, a finished receiver is held up to 10 waits past its own
         # (docs/detectors.md: 100 s), not 10 of the embedded ledger's 2 s grace
         self.ledger.max_hold_ns = 10 * SHARED_GRACE_NS
-        self.orphan_timeout_s = orphan_timeout_s
         self.last_tick_ns = 0  # the last tick's time (the records' clock): open transfers' age
         # the detectors (sidecar/detectors/): each declares its kinds, the events it observes and
         # the optional hooks it needs; the set calls them (this class never names a detector)
@@ -112,6 +111,16 @@ class Pipeline:
         self._handlers = self._record_handlers()
         self.records_by_kind: Counter = Counter()
         self.apply_errors = 0
+
+    @property
+    def orphan_timeout_s(self) -> float:
+        """How long decode may wait for a sender before its room is an orphan (the transfers')."""
+        return self.transfers.orphan_timeout_s
+
+    @orphan_timeout_s.setter
+    def orphan_timeout_s(self, seconds: float) -> None:  # the ledger ages rooms on it too
+        self.transfers.orphan_timeout_s = seconds
+        self.ledger.orphan_timeout_ns = int(seconds * 1e9)
 
     def verdict_options(self) -> dict:
         """The settings that change what this pipeline finds, as a recording keeps them for
