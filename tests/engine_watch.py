@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 from sidecar_settle import wait_until_applied
 
+from kvguard.demo.engines import Engine, start_engine
 from kvguard.sidecar.findings import Finding
 from kvguard.sidecar.service import Sidecar
 from kvguard.sidecar.sinks.basic import MemorySink
@@ -101,3 +104,35 @@ def generate(url: str, rid: str, input_ids: list[int], max_new_tokens: int, tena
 
 def describe(findings: list[Finding]) -> list[dict]:
     return [f.to_dict() for f in findings]
+
+
+@contextmanager
+def watched_sglang(work: Path, version: str, label: str, **start_kwargs) -> Iterator[tuple[Engine, Watch]]:
+    """A real SGLang engine with kvguard's plugin writing into ``work/rings``, and a :class:`Watch`
+    on them (the fault plugin's events in ``work/events``): yields ``(engine, watch)`` once the
+    sidecar caught up with the start-up. On a clean exit, the checks every engine test ends with:
+    the engine still running, no plugin error, no finding no test looked at, no record lost, no
+    record the pipeline failed to apply. Both are stopped either way. ``start_kwargs`` go to
+    :func:`start_engine` (after ``version``, the log folder and the ring folder)."""
+    ring_dir, events_dir = work / "rings", work / "events"
+    ring_dir.mkdir(exist_ok=True)
+    events_dir.mkdir(exist_ok=True)
+    watch = Watch(ring_dir, events_dir)
+    t0 = time.monotonic()
+    try:
+        engine = start_engine(version, work / "logs", ring_dir=ring_dir, **start_kwargs)
+    except BaseException:
+        watch.stop()
+        raise
+    print(f"\n{label} (SGLang {version}) ready in {time.monotonic() - t0:.1f} s")
+    watch.settle()
+    try:
+        yield engine, watch
+        assert engine.is_running(), engine.log_tail()
+        watch.assert_plugin_ok()
+        assert watch.unexplained() == [], describe(watch.unexplained())
+        assert watch.sidecar.rings.stats.records_lost == 0
+        assert watch.sidecar.pipeline.apply_errors == 0
+    finally:
+        engine.stop()
+        watch.stop()

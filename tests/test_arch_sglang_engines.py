@@ -34,12 +34,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from engine_watch import Watch, describe, generate, prompt
+from engine_watch import Watch, describe, generate, prompt, watched_sglang
 from fault_plugin import FAULTS_DIR, make_rid
 from soak.workload import ABORT_KINDS, Limits, Planned, make_plan, outcome_summary, run_plan, send_unified
 from test_faults_engine import fault_env, one, parties
 
-from kvguard.demo.engines import sglang_arch, start_engine
+from kvguard.demo.engines import sglang_arch
 from kvguard.demo.run import capture_incident, expected, guard_aborts
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
@@ -178,48 +178,23 @@ CLIENTS = 4
 def glm5_unified(tmp_path_factory, require_sglang):
     require_sglang(FIXED)
     work = tmp_path_factory.mktemp("glm5-unified")
-    ring_dir, events_dir = work / "rings", work / "events"
-    ring_dir.mkdir()
-    events_dir.mkdir()
-    watch = Watch(ring_dir, events_dir)
-    t0 = time.monotonic()
-    try:
-        engine = start_engine(
-            FIXED,
-            work / "logs",
-            ring_dir=ring_dir,
-            extra_pythonpath=[FAULTS_DIR],
-            **GLM5.engine_kwargs(
-                CONTEXT,
-                max_total_tokens=POOL,
-                # one batch at a time (run_batch -> process_batch_result): the fault lands between known steps
-                extra_args=["--disable-overlap-schedule", "--max-running-requests", "8"],
-                extra_env={
-                    **fault_env(events_dir, "use_after_free"),
-                    # the victim decodes inside its partial last page (64 tokens): the freed pages
-                    # need only sit one page deep in the free list for the other request to get them
-                    "KVGUARD_FAULT_UAF_DEPTH": "1",
-                    # use_after_free leaves the radix tree and the free list sharing two pages
-                    # (tests/test_faults_engine.py): SGLang's strict idle check would raise on it
-                    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "0",
-                },
-            ),
-        )
-    except BaseException:
-        watch.stop()
-        raise
-    print(f"\nGLM-5 unified engine (SGLang {FIXED}) ready in {time.monotonic() - t0:.1f} s")
-    watch.settle()
-    try:
-        yield engine, watch
-        assert engine.is_running(), engine.log_tail()
-        watch.assert_plugin_ok()
-        assert watch.unexplained() == [], describe(watch.unexplained())
-        assert watch.sidecar.rings.stats.records_lost == 0
-        assert watch.sidecar.pipeline.apply_errors == 0
-    finally:
-        engine.stop()
-        watch.stop()
+    kwargs = GLM5.engine_kwargs(
+        CONTEXT,
+        max_total_tokens=POOL,
+        # one batch at a time (run_batch -> process_batch_result): the fault lands between known steps
+        extra_args=["--disable-overlap-schedule", "--max-running-requests", "8"],
+        extra_env={
+            **fault_env(work / "events", "use_after_free"),
+            # the victim decodes inside its partial last page (64 tokens): the freed pages
+            # need only sit one page deep in the free list for the other request to get them
+            "KVGUARD_FAULT_UAF_DEPTH": "1",
+            # use_after_free leaves the radix tree and the free list sharing two pages
+            # (tests/test_faults_engine.py): SGLang's strict idle check would raise on it
+            "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "0",
+        },
+    )
+    with watched_sglang(work, FIXED, "GLM-5 unified engine", extra_pythonpath=[FAULTS_DIR], **kwargs) as served:
+        yield served
 
 
 class _Stats:

@@ -24,10 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from engine_watch import Watch, describe, generate, prompt
+from engine_watch import Watch, describe, generate, prompt, watched_sglang
 from fault_plugin import FAULTS_DIR, make_rid
 
-from kvguard.demo.engines import PDPair, start_engine
+from kvguard.demo.engines import PDPair
 from kvguard.sidecar.findings import Finding
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
@@ -63,54 +63,35 @@ def fault_env(events_dir: Path, faults: str) -> dict[str, str]:
 def unified(tmp_path_factory, require_sglang):
     require_sglang(VERSION)
     work = tmp_path_factory.mktemp("faults-unified")
-    ring_dir, events_dir = work / "rings", work / "events"
-    ring_dir.mkdir()
-    events_dir.mkdir()
-    watch = Watch(ring_dir, events_dir)
-    t0 = time.monotonic()
-    try:
-        engine = start_engine(
-            VERSION,
-            work / "logs",
-            max_total_tokens=UNIFIED_POOL,
-            context_length=CONTEXT,
-            ring_dir=ring_dir,
-            # one batch at a time (run_batch -> process_batch_result), so each fault lands between two known steps
-            extra_args=["--disable-overlap-schedule", "--max-running-requests", "8"],
-            extra_env={
-                **fault_env(
-                    events_dir,
-                    "use_after_free,double_free,row_corruption,late_write_forward,late_write_pool,salt_dropped",
-                ),
-                # use_after_free leaves the radix tree and the free list sharing two pages, which SGLang's
-                # idle check (strict by default) turns into a scheduler exception; the other faults leave
-                # the engine consistent.
-                "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "0",
-                # KV at rest: every slot a forward reads is checked (engine_hooks/content.py); the
-                # other scenarios run with it on too, so it is checked quiet on each of them. Through
-                # the device path (engine_hooks/content_device.py: what a GPU pool runs, here on host
-                # tensors); the soak's unified engine runs the host path.
-                "KVGUARD_CONTENT_CHECK": "all",
-                "KVGUARD_CONTENT_PATH": "device",
-            },
-            extra_pythonpath=[FAULTS_DIR],
-        )
-    except BaseException:
-        watch.stop()
-        raise
-    print(f"\nunified engine ready in {time.monotonic() - t0:.1f} s")
-    watch.settle()
-    yield engine, watch
-    try:
-        assert engine.is_running(), engine.log_tail()
-        watch.assert_plugin_ok()
-        # nothing reported after the last scenario's check, and nothing lost
-        assert watch.unexplained() == [], describe(watch.unexplained())
-        assert watch.sidecar.rings.stats.records_lost == 0
-        assert watch.sidecar.pipeline.apply_errors == 0
-    finally:
-        engine.stop()
-        watch.stop()
+    env = {
+        **fault_env(
+            work / "events",
+            "use_after_free,double_free,row_corruption,late_write_forward,late_write_pool,salt_dropped",
+        ),
+        # use_after_free leaves the radix tree and the free list sharing two pages, which SGLang's
+        # idle check (strict by default) turns into a scheduler exception; the other faults leave
+        # the engine consistent.
+        "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "0",
+        # KV at rest: every slot a forward reads is checked (engine_hooks/content.py); the
+        # other scenarios run with it on too, so it is checked quiet on each of them. Through
+        # the device path (engine_hooks/content_device.py: what a GPU pool runs, here on host
+        # tensors); the soak's unified engine runs the host path.
+        "KVGUARD_CONTENT_CHECK": "all",
+        "KVGUARD_CONTENT_PATH": "device",
+    }
+    # (on exit: nothing reported after the last scenario's check, nothing lost: watched_sglang)
+    with watched_sglang(
+        work,
+        VERSION,
+        "unified engine",
+        max_total_tokens=UNIFIED_POOL,
+        context_length=CONTEXT,
+        # one batch at a time (run_batch -> process_batch_result), so each fault lands between two known steps
+        extra_args=["--disable-overlap-schedule", "--max-running-requests", "8"],
+        extra_env=env,
+        extra_pythonpath=[FAULTS_DIR],
+    ) as served:
+        yield served
 
 
 @pytest.mark.usefixtures("unified")

@@ -27,12 +27,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from engine_watch import Watch, describe, generate, prompt
+from engine_watch import Watch, describe, generate, prompt, watched_sglang
 from fault_plugin import FAULTS_DIR, make_rid
 from soak.workload import ABORT_KINDS, Limits, Planned, make_plan, outcome_summary, run_plan, send_unified
 from test_faults_engine import fault_env, one, parties
 
-from kvguard.demo.engines import sglang_arch, start_engine
+from kvguard.demo.engines import sglang_arch
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
 
@@ -52,62 +52,31 @@ CLIENTS = 4
 SOAK_ROUNDS = int(os.environ.get("KVGUARD_ARCH_SOAK_ROUNDS", "1"))
 
 
-def _start(arch_name: str, tmp_path_factory):
+def _served(arch_name: str, tmp_path_factory):
+    """The arch's engine (SGLang 0.5.23, one batch at a time so that the fault lands between
+    known steps, the test-only fault plugin loaded), watched; yields ``(arch, engine, watch)``."""
     arch = sglang_arch(arch_name)
     work = tmp_path_factory.mktemp(arch_name)
-    ring_dir, events_dir = work / "rings", work / "events"
-    ring_dir.mkdir()
-    events_dir.mkdir()
-    watch = Watch(ring_dir, events_dir)
-    t0 = time.monotonic()
-    try:
-        engine = start_engine(
-            VERSION,
-            work / "logs",
-            ring_dir=ring_dir,
-            extra_pythonpath=[FAULTS_DIR],
-            **arch.engine_kwargs(
-                CONTEXT,
-                max_total_tokens=POOL,
-                # one batch at a time (run_batch -> process_batch_result): the fault lands between known steps
-                extra_args=["--disable-overlap-schedule", "--max-running-requests", "8"],
-                extra_env=fault_env(events_dir, "spec_draft_foreign"),
-            ),
-        )
-    except BaseException:
-        watch.stop()
-        raise
-    print(f"\n{arch.title} (SGLang {VERSION}) ready in {time.monotonic() - t0:.1f} s")
-    watch.settle()
-    return arch, engine, watch
-
-
-def _finish(engine, watch) -> None:
-    try:
-        assert engine.is_running(), engine.log_tail()
-        watch.assert_plugin_ok()
-        assert watch.unexplained() == [], describe(watch.unexplained())
-        assert watch.sidecar.rings.stats.records_lost == 0
-        assert watch.sidecar.pipeline.apply_errors == 0
-    finally:
-        engine.stop()
-        watch.stop()
+    kwargs = arch.engine_kwargs(
+        CONTEXT,
+        max_total_tokens=POOL,
+        extra_args=["--disable-overlap-schedule", "--max-running-requests", "8"],
+        extra_env=fault_env(work / "events", "spec_draft_foreign"),
+    )
+    with watched_sglang(work, VERSION, arch.title, extra_pythonpath=[FAULTS_DIR], **kwargs) as (engine, watch):
+        yield arch, engine, watch
 
 
 @pytest.fixture(scope="module")
 def llama_ngram(tmp_path_factory, require_sglang):
     require_sglang(VERSION)
-    arch, engine, watch = _start("llama_ngram", tmp_path_factory)
-    yield arch, engine, watch
-    _finish(engine, watch)
+    yield from _served("llama_ngram", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def glm5_mtp(tmp_path_factory, require_sglang):
     require_sglang(VERSION)
-    arch, engine, watch = _start("glm5_mtp", tmp_path_factory)
-    yield arch, engine, watch
-    _finish(engine, watch)
+    yield from _served("glm5_mtp", tmp_path_factory)
 
 
 def _engine_stats(watch: Watch):
