@@ -53,6 +53,12 @@ class History:
         self.capacity = capacity
         self.events = np.zeros(capacity, EVENT_DTYPE)
         self.total = 0  # events ever appended
+        # the columns as views, made once: taking a field of a structured array costs about as
+        # much as writing a few values into it, and append runs once per record
+        ev = self.events
+        self._ts, self._key, self._engine = ev["ts_ns"], ev["req_key"], ev["engine"]
+        self._page, self._gen, self._aux = ev["page"], ev["gen"], ev["aux"]
+        self._event, self._pool = ev["event"], ev["pool"]
 
     @property
     def size(self) -> int:
@@ -75,16 +81,24 @@ class History:
             req_key = req_key[cut] if isinstance(req_key, np.ndarray) else req_key
             aux = aux[cut] if isinstance(aux, np.ndarray) else aux
             n = self.capacity
-        idx = (self.total + np.arange(n)) % self.capacity
-        ev = self.events
-        ev["ts_ns"][idx] = ts_ns
-        ev["req_key"][idx] = req_key
-        ev["engine"][idx] = engine
-        ev["page"][idx] = -1 if pages is None else pages
-        ev["gen"][idx] = 0 if gens is None else gens
-        ev["aux"][idx] = aux
-        ev["event"][idx] = int(event)
-        ev["pool"][idx] = pool
+        start = self.total % self.capacity
+        if n == 1 and not isinstance(req_key, np.ndarray) and not isinstance(aux, np.ndarray):
+            # one event (a request's begin or end, a one-page record): one element assignment
+            page = -1 if pages is None else int(pages[0])
+            gen = 0 if gens is None else int(gens if np.ndim(gens) == 0 else gens[0])
+            self.events[start] = (ts_ns, req_key, engine, page, gen, aux, int(event), b"\0", pool, b"\0" * 4)
+            self.total += 1
+            return
+        # a slice while the events fit before the end of the ring (no index array to build)
+        at = slice(start, start + n) if start + n <= self.capacity else (start + np.arange(n)) % self.capacity
+        self._ts[at] = ts_ns
+        self._key[at] = req_key
+        self._engine[at] = engine
+        self._page[at] = -1 if pages is None else pages
+        self._gen[at] = 0 if gens is None else gens
+        self._aux[at] = aux
+        self._event[at] = int(event)
+        self._pool[at] = pool
         self.total += n
 
     def _ordered(self, mask: np.ndarray, limit: int) -> np.ndarray:

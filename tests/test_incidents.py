@@ -81,6 +81,38 @@ def test_history_keeps_the_newest_events_in_time_order():
     ]
 
 
+def test_history_appends_every_shape_of_event_alike_across_the_ring_end():
+    """One event (scalar fields), several pages, per-request arrays, scalar or per-page
+    generations: each event's fields as given, wherever the write cursor is (slices before the
+    ring's end, wrapped indices across it)."""
+    rng = np.random.default_rng(7)
+    h = History(capacity=10)
+    expected = []
+    for i in range(60):
+        shape = i % 4
+        if shape == 0:  # one event, no page
+            h.append(i, 2, Event.REQ_BEGIN, 40 + i, aux=i)
+            expected.append((i, 40 + i, -1, 0, i))
+        elif shape == 1:  # one page, a scalar generation
+            h.append(i, 2, Event.ALLOC, 0, np.array([i]), 3)
+            expected.append((i, 0, i, 3, 0))
+        elif shape == 2:  # several pages, per-page generations, one request
+            pages, gens = rng.integers(0, 99, 3), rng.integers(0, 9, 3)
+            h.append(i, 2, Event.WRITE, 7, pages, gens)
+            expected += [(i, 7, int(p), int(g), 0) for p, g in zip(pages, gens)]
+        else:  # per-request reads
+            keys, lens = np.array([1, 2], np.uint64), np.array([5, 6])
+            h.append(i, 2, Event.READ, keys, aux=lens)
+            expected += [(i, 1, -1, 0, 5), (i, 2, -1, 0, 6)]
+    assert h.total == len(expected)
+    newest = expected[-h.capacity :]
+    start = h.total % h.capacity  # the oldest kept event's slot
+    order = [(start + j) % h.capacity for j in range(h.capacity)]
+    got = [tuple(int(h.events[k][f]) for f in ("ts_ns", "req_key", "page", "gen", "aux")) for k in order]
+    assert got == newest
+    assert set(h.events["engine"].tolist()) == {2} and set(h.events["pool"].tolist()) == {0}
+
+
 def storm_read(i: int, pages: int = 150, ts: int = 1) -> Finding:
     """A realistic critical read: a 32-hex rid, 150 pages read unwritten, three exposed parties
     (the incident's demo read is 149 pages), page ids past the small-int cache."""
