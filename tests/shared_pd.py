@@ -10,7 +10,7 @@ one after the other and stops the pair after the last of them.
 
 The pair is the demo's (demo/run.py capture_incident): prefill pool 256 tokens, decode
 pool 1024, context 2048, SGLang's router in front with ``--disable-retries``, served by
-the echo model (docs/echo-model.md), with a waiting timeout of 5 s (the over-length
+the echo model (docs/echo-model.md), with a waiting timeout of 10 s (the over-length
 requests of the incident and of the canary wait that long at decode).
 
 Each test judges only what it did: :meth:`SharedPD.window` marks where its part of the
@@ -43,7 +43,10 @@ from kvguard.sidecar.sinks.basic import MemorySink
 VERSION = "0.5.23"
 PREFILL_POOL_TOKENS = 256
 DECODE_POOL_TOKENS = 1024
-WAITING_TIMEOUT_S = 5
+# decode's wait for a transfer: long enough that a prefill queued behind another on a loaded
+# 2-core runner (its pool holds 256 tokens) still lands (at 5 s a routed request timed out
+# once in CI while another worker booted engines), short for the over-length requests that wait it out
+WAITING_TIMEOUT_S = 10
 
 
 @dataclass

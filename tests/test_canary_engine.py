@@ -13,8 +13,9 @@ router; there is no Python router in SGLang 0.5.x to start here).
   request reading pages that held tenant A's KV (the tenant labels agree).
 - 0.5.23 has the fix: the same plan, at the default budget, exits 0.
 
-Both pairs run with a decode waiting timeout of 5 s (the harness default is 20 s):
-on 0.5.23 each over-pool probe waits that long for KV that never comes.
+The 0.5.19 pair runs with a decode waiting timeout of 5 s, the shared 0.5.23 pair with 10 s
+(tests/shared_pd.py; the harness default is 20 s): on 0.5.23 each over-pool probe waits that
+long for KV that never comes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import time
 
 import pytest
+from shared_pd import WAITING_TIMEOUT_S as SHARED_WAITING_TIMEOUT_S
 
 from kvguard.demo.echo_model import echo_model_dir
 from kvguard.demo.engines import PDPair
@@ -97,8 +99,8 @@ def test_sglang_0_5_19_pair_leaks_the_victims_markers(tmp_path, capsys, require_
 
 
 def test_sglang_0_5_23_pair_is_clean(shared_pd, capsys):
-    """On the session's shared pair (tests/shared_pd.py: the same pools, waiting timeout and
-    echo model as above, with SGLang's router in front, which the canary's PD mode bypasses)."""
+    """On the session's shared pair (tests/shared_pd.py: the same pools and echo model as above,
+    its own waiting timeout, with SGLang's router in front, which the canary's PD mode bypasses)."""
     window = shared_pd.window()
     rc, rep = _canary(capsys, shared_pd.pair)  # the default plan and budget
     assert rc == 0 and rep["verdict"] == "clean" and rep["findings"] == [], json.dumps(rep, indent=1)[:4000]
@@ -114,7 +116,7 @@ def test_sglang_0_5_23_pair_is_clean(shared_pd, capsys):
     window.settle()
     rids = {r["rid"] for r in rep["requests"] if r.get("rid")}
     refused = {r["rid"] for r in rep["requests"] if r["phase"] in ("over_pool", "over_context")}
-    deadline = time.monotonic() + 3 * WAITING_TIMEOUT_S  # an orphan is judged at decode's waiting timeout
+    deadline = time.monotonic() + 3 * SHARED_WAITING_TIMEOUT_S  # an orphan is judged at decode's waiting timeout
     while time.monotonic() < deadline and not any(f.kind == "orphan_transfer" for f in window.findings(rids=rids)):
         time.sleep(0.5)
     window.settle()
