@@ -315,7 +315,7 @@ class Replay:
             return []
         if ev.kind == "tick":
             fn = getattr(self.pipeline, "tick", None)
-            args = (ev.ts_ns,)
+            args: tuple[int, ...] = (ev.ts_ns,)
         else:
             fn = getattr(self.pipeline, "on_engine_gone", None)
             args = (ev.engine_id, ev.ts_ns)

@@ -216,6 +216,8 @@ class TraceRecorder:
         if key is None:  # began before the sidecar attached (or its REQ_BEGIN was lost)
             self._begin(engine, info, info.begin_ns or info.end_ns, begin_seen=False)
             key = self._key_of(engine, info.rid)
+            if key is None:  # (not reached: _begin just opened it)
+                return
         span = self._open.pop(key)
         span.set_attributes(end_attributes(info, pages, output_tokens))
         span.end(end_time=self._wall(info.end_ns))
@@ -232,6 +234,7 @@ class TraceRecorder:
                 attrs.update({GEN_AI_RESPONSE_ID: f.reader.rid, TENANT: f.reader.tenant})
             source = None if f.reader is None else trace_source(f.reader.rid, f.reader.bootstrap_room)
             span = self._start(FINDING_EVENT, source, attrs, at)
+        assert span is not None  # (the reader's open span, or the one just started)
         span.add_event(FINDING_EVENT, finding_attributes(f), timestamp=at)
         if f.severity == CRITICAL:
             span.set_attribute(ERROR_TYPE, f.kind)

@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 from collections import OrderedDict
+from types import FrameType
 
 from ..hook_failures import HookFailures, current_probes
 from ..row_sampler import RowSampler
@@ -226,8 +227,8 @@ _OWN_FILES = (os.sep + "engine_hooks" + os.sep, "hook_registry.py")
 
 def caller_frames(limit: int = 12) -> list:
     """(filename, function) of the engine frames above the hook, innermost first."""
-    out = []
-    f = sys._getframe(1)
+    out: list = []
+    f: FrameType | None = sys._getframe(1)
     while f is not None and len(out) < limit:
         fn = f.f_code.co_filename
         if not any(s in fn for s in _OWN_FILES):

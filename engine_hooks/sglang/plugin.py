@@ -21,6 +21,7 @@ import os
 import pkgutil
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import _runtime as rt
@@ -42,7 +43,7 @@ S = "sglang.srt."
 class HookSpec:
     target: str  # dotted path, as HookRegistry takes it
     kind: str  # "after" | "around"
-    factory: object  # name -> hook callable
+    factory: Callable[[str], Callable]  # name -> hook callable
     params: tuple  # leading parameter names the hook reads (after self for methods)
     area: str  # allocator | rows | requests | disagg
     required: bool = True  # missing on a supported version -> warning (others still hooked)

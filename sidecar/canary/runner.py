@@ -125,7 +125,8 @@ def _run(
     client: NativeClient | PairClient | OpenAIClient
     per_request = 1
     if pre is not None and not behind_router:
-        host = urlsplit(prefill).hostname or "127.0.0.1"
+        assert prefill is not None  # (``pre`` is the prefill server's)
+        host = str(urlsplit(prefill).hostname or "127.0.0.1")
         if pre.bootstrap_port is None:
             pre.unread.append("disaggregation_bootstrap_port: not reported; using SGLang's default 8998")
         client = PairClient(http, budget, opts.timeout_s, prefill, base, host, pre.bootstrap_port or 8998)
@@ -134,7 +135,7 @@ def _run(
     elif api == "native":
         client = NativeClient(http, budget, opts.timeout_s, base)
     else:
-        client = OpenAIClient(http, budget, opts.timeout_s, base, model)
+        client = OpenAIClient(http, budget, opts.timeout_s, base, model or "")  # (api openai: model checked above)
     if behind_router:
         rep.api += " (through a prefill/decode router)"
 
@@ -258,7 +259,7 @@ def _judge(
             )
         )
     served = reply.ok and reply.finish_reason != "abort"
-    if p.expect == "error" and served:
+    if p.expect == "error" and served and sizing is not None:
         limit = sizing.context_len if p.phase == "over_context" else sizing.pool_in
         if reply.prompt_tokens is not None and limit is not None and reply.prompt_tokens <= limit:
             rec.note = (

@@ -57,7 +57,7 @@ def _trim_pages(details: dict, budget: int) -> dict:
 def trigger_event(routing_key: str, f: Finding, source: str) -> dict:
     details = f.to_dict()
     details.pop("summary", None)
-    event = {
+    event: dict = {
         "routing_key": routing_key,
         "event_action": "trigger",
         "dedup_key": incident_id(incident_key(f)),
