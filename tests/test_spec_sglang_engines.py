@@ -170,8 +170,9 @@ def test_ngram_clean_traffic_raises_nothing(llama_ngram):
     arch, engine, watch = llama_ngram
     coverage = _clean_traffic_raises_nothing(arch, engine, watch, seed=31)
     assert "NGRAM via NGRAMWorker" in coverage["draft"].detail
+    mark = watch.mark()
     assert _verify_steps(engine) > 0  # the engine really speculated
-    watch.since(watch.mark())
+    assert watch.since(mark) == [], describe(watch.since(mark))
 
 
 def test_ngram_draft_writes_into_a_foreign_page(llama_ngram):
@@ -187,7 +188,9 @@ def test_glm5_mtp_clean_traffic_raises_nothing(glm5_mtp):
     assert "NEXTN via EAGLEWorkerV2" in coverage["draft"].detail
     assert "DSATokenToKVPool" in coverage["draft"].detail  # the draft's own pool, its forwards followed too
     assert coverage["indexer_cache"].status == "watched"
+    mark = watch.mark()
     assert _verify_steps(engine) > 0
+    assert watch.since(mark) == [], describe(watch.since(mark))
 
 
 @pytest.mark.sweep
