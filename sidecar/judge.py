@@ -23,16 +23,19 @@ differential test compares against).
 from __future__ import annotations
 
 import os
+from itertools import compress, repeat
+from operator import attrgetter
 
 import numpy as np
 
 from kvguard.engine_hooks import wire
 
 from .events import ReadVerdict, WriteVerdict
-from .page_pool import FREE, GEN_MASK, OWNED, PADDING_PAGE, SHARED_BIT, UNKNOWN, PagePool, Row
+from .page_pool import FREE, GEN_MASK, OWNED, PADDING_PAGE, SHARED_BIT, UNKNOWN, PagePool, Row, RowScalars
 from .request_directory import RequestDirectory, RequestInfo
 
 JUDGE_ENV = "KVGUARD_JUDGE"
+_ROW_PAGES = attrgetter("pages")
 
 
 def _incremental_judge_from_env() -> bool:
@@ -56,6 +59,10 @@ class Judge:
     page_size: int
     pool: PagePool
     rows: dict[int, Row]
+    row_scalars: RowScalars
+    row_index: dict[int, int]
+    rows_version: int
+    row_memo: tuple[int, np.ndarray, np.ndarray] | None
     requests: RequestDirectory
     pages_read: int
     pages_unverified: int
@@ -85,7 +92,10 @@ class Judge:
         """Whether a forward's writes name a page twice: then the order of the writes matters
         (who wrote last, what a later writer's verdict sees) and they are applied one request
         at a time (``check_write`` / ``mark_written``) instead of by ``check_writes`` / ``mark_writes``."""
-        return len(write_pages) > 1 and len(np.unique(write_pages)) != len(write_pages)
+        if len(write_pages) < 2:
+            return False
+        ordered = np.sort(write_pages)
+        return bool((ordered[1:] == ordered[:-1]).any())
 
     def check_writes(
         self, req_keys: np.ndarray, write_counts: np.ndarray, write_pages: np.ndarray
@@ -96,30 +106,41 @@ class Judge:
         provided no page is written twice (``writes_overlap``)."""
         if self.hello is None or len(write_pages) == 0:
             return []
-        infos = [self.requests.get(key) for key in req_keys.tolist()]
-        judged = np.array([info is not None and info.known for info in infos], bool)
         counts = write_counts.astype(np.int64)
         pages = write_pages.astype(np.int64)
-        writer = np.repeat(np.arange(len(infos)), counts)
-        judged_page = judged[writer]
+        writer = np.repeat(np.arange(len(req_keys)), counts)
         pool = self.pool
         valid = (pages >= 0) & (pages < pool.limit)
+        infos: list[RequestInfo | None] | None = None
         if not valid.all():  # ``ensure`` counts them, for judged writers only (as check_write)
-            pool.pages_out_of_range += int(np.count_nonzero(~valid & judged_page))
-            pages, writer, judged_page = pages[valid], writer[valid], judged_page[valid]
+            infos = self._writer_infos(req_keys)
+            judged = np.array([info is not None and info.known for info in infos], bool)
+            pool.pages_out_of_range += int(np.count_nonzero(~valid & judged[writer]))
+            pages, writer = pages[valid], writer[valid]
         pool.ensure(pages)
-        look = judged_page & (pages != PADDING_PAGE)
+        # the rules first, over every writer; who is judged (a known request) is looked up only
+        # for the writers they flag (a clean forward builds nothing per request)
+        look = pages != PADDING_PAGE
         state, owner = pool.state[pages], pool.owner_keys(pages)
         freed = look & (state == FREE)
         foreign = look & (state == OWNED) & (owner != req_keys.astype(np.uint64)[writer]) & (owner != 0)
         bad = freed | foreign
         if not bad.any():
             return []
+        if infos is None:
+            infos = self._writer_infos(req_keys)
         out = []
         for i in np.unique(writer[bad]).tolist():
+            info = infos[i]
+            if info is None or not info.known:
+                continue
             mine = look & (writer == i)
-            out.append((i, WriteVerdict(infos[i], pages[mine & freed], pages[mine & foreign])))
+            out.append((i, WriteVerdict(info, pages[mine & freed], pages[mine & foreign])))
         return out
+
+    def _writer_infos(self, req_keys: np.ndarray) -> list[RequestInfo | None]:
+        get = self.requests.get
+        return [get(key) for key in req_keys.tolist()]
 
     def classify_read(self, req_key: int, seq_len: int, actual: np.ndarray | None) -> ReadVerdict | None:
         """Judge one request's read of its first ``seq_len`` tokens in one forward (None: the
@@ -323,36 +344,59 @@ class Judge:
         return known, freed, foreign, unwritten, shared
 
     # ------------------------------------------------------------------ reads: only what changed
+    def row_indexes(self, req_keys: np.ndarray) -> np.ndarray:
+        """Each key's row index in ``row_scalars`` (-1: no row), with one C-level pass over the
+        keys; kept for the next forward, whose batch is mostly this one while no row came or went."""
+        memo = self.row_memo
+        if (
+            memo is not None
+            and memo[0] == self.rows_version
+            and len(memo[1]) == len(req_keys)
+            and np.array_equal(memo[1], req_keys)
+        ):
+            return memo[2]
+        idx = np.fromiter(map(self.row_index.get, req_keys.tolist(), repeat(-1)), np.int64, len(req_keys))
+        self.row_memo = (self.rows_version, np.array(req_keys, np.uint64), idx)
+        return idx
+
+    def judged_readers(self, req_keys: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """Which readers are judged: a row, a HELLO, and the request's REQ_BEGIN seen. (A key
+        with a row is in the directory: the ASSIGN that made the row put it there, and the row
+        goes when the request ends.)"""
+        if self.hello is None:
+            return np.zeros(len(req_keys), bool)
+        judged = idx >= 0
+        stubs = self.requests.stubs
+        if stubs:
+            judged &= ~np.isin(req_keys, np.fromiter(stubs, np.uint64, len(stubs)))
+        return judged
+
     def _rows_as_modelled(
         self, req_keys: np.ndarray, seq_lens: np.ndarray, read_counts: np.ndarray, read_pages: np.ndarray
     ) -> int | None:
         """Whether the engine's rows of a FORWARD are exactly the sidecar's model of them: every
         judged reader read as many pages as the model row covers, the same ones. Then judging
         the rows is judging the model. Returns the pages read by readers that are not judged
-        (counted unverified), or None where anything differs."""
+        (counted unverified), or None where anything differs. Per batch: the row lengths are
+        compared as arrays and the model rows gathered by C-level passes."""
         rc = read_counts.astype(np.int64)
-        rcl = rc.tolist()
-        need = (-(-seq_lens.astype(np.int64) // self.page_size)).tolist()
-        rows_get = self.rows.get
-        live_get, ended_get = self.requests.live.get, self.requests._ended.get
-        hello = self.hello
-        parts, judged = [], []
-        unjudged = 0
-        for i, key in enumerate(req_keys.tolist()):
-            info = live_get(key) or ended_get(key)
-            row = rows_get(key)
-            if hello is None or info is None or row is None or not info.known:
-                unjudged += rcl[i]
-                judged.append(False)
-                continue
-            n = len(row.pages)
-            if need[i] < n:
-                n = need[i]
-            if rcl[i] != n:
-                return None
-            parts.append(row.pages if n == len(row.pages) else row.pages[:n])
-            judged.append(True)
-        actual = read_pages if not unjudged else read_pages[np.repeat(np.array(judged, bool), rc)]
+        idx = self.row_indexes(req_keys)
+        judged = self.judged_readers(req_keys, idx)
+        table = self.row_scalars
+        at = idx[judged]
+        length = table.length[at]
+        n = np.minimum(-(-seq_lens.astype(np.int64)[judged] // self.page_size), length)
+        if not np.array_equal(rc[judged], n):
+            return None
+        every = bool(judged.all())
+        unjudged = 0 if every else int(rc[~judged].sum())
+        keys = req_keys.tolist() if every else compress(req_keys.tolist(), judged.tolist())
+        rows = list(map(self.rows.__getitem__, keys))  # (judged readers have rows)
+        if np.array_equal(n, length):  # whole rows (the common case): no slicing
+            parts = list(map(_ROW_PAGES, rows))
+        else:
+            parts = [row.pages[:k] for row, k in zip(rows, n.tolist())]
+        actual = read_pages if not unjudged else read_pages[np.repeat(judged, rc)]
         model = np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else actual[:0]
         if len(actual) != len(model) or not np.array_equal(actual, model):
             return None
@@ -411,28 +455,41 @@ class Judge:
         if self.hello is None:
             return []  # nobody is judged; without rows nothing counts as unverified either
         ps = self.page_size
-        need = (-(-seq_lens.astype(np.int64) // ps)).tolist()
-        rows_get = self.rows.get
-        live_get, ended_get = self.requests.live.get, self.requests._ended.get  # RequestDirectory.get, inlined
+        keys = req_keys.tolist()
+        # the whole batch's rows by index, with one C-level pass over the keys; requests without
+        # a row are not judged (nothing was assigned to them: nothing they read is modelled)
+        idx = self.row_indexes(req_keys)
+        has = idx >= 0
+        if not has.any():
+            return []
+        table = self.row_scalars
         epoch = self.judge_epoch
-        clean_reads = 0
+        at = np.where(has, idx, 0)
+        n_all = np.minimum(-(-seq_lens.astype(np.int64) // ps), table.length[at])
+        c_all = table.clean_n[at]
+        # rows whose clean prefix covers what this step reads (the common decode step): counted,
+        # not judged. A clean prefix was judged while its reader was known, and a row goes when
+        # its request ends, so these readers are known ones.
+        clean = has & (table.clean_epoch[at] == epoch) & (c_all >= n_all)
+        exact = clean & (c_all == n_all)
+        clean_reads = int(table.clean_reads[at[exact]].sum())
+        rows_get = self.rows.get
+        for i in np.flatnonzero(clean & ~exact).tolist():  # reads a shorter prefix than judged clean
+            row = rows_get(keys[i])
+            assert row is not None  # (row_index and rows hold the same keys)
+            clean_reads += int(np.count_nonzero(row.pages[: int(n_all[i])] > 0))
+        live_get, ended_get = self.requests.live.get, self.requests._ended.get  # RequestDirectory.get, inlined
         dirty = []  # (request index, row, first entry to judge, entries read, clean reads before it)
-        for i, key in enumerate(req_keys.tolist()):
+        for i in np.flatnonzero(has & ~clean).tolist():
+            key = keys[i]
             info = live_get(key) or ended_get(key)
             if info is None or not info.known:
                 continue
             row = rows_get(key)
-            if row is None:
-                continue
-            n = len(row.pages)
-            if need[i] < n:
-                n = need[i]
+            assert row is not None
+            n = int(n_all[i])
             if row.clean_epoch == epoch:
-                c = row.clean_n
-                if c >= n:  # all clean (the common decode step)
-                    clean_reads += row.clean_reads if c == n else int(np.count_nonzero(row.pages[:n] > 0))
-                    continue
-                base = row.clean_reads
+                c, base = int(c_all[i]), row.clean_reads
                 clean_reads += base
             else:
                 c = base = 0

@@ -38,10 +38,17 @@ class RequestDirectory:
         self._ended: OrderedDict[int, RequestInfo] = OrderedDict()
         self.live: dict[int, RequestInfo] = {}
         self._stub_seen_ns: dict[int, int] = {}  # first retire_idle scan that saw a live stub
+        # live keys whose info is a stub (no REQ_BEGIN seen: not judged); the judge asks it of a
+        # whole batch at once, and it is empty while every request's begin was seen
+        self.stubs: set[int] = set()
 
     def begin(self, info: RequestInfo) -> None:
         self._ended.pop(info.key, None)
         self.live[info.key] = info
+        if info.known:
+            self.stubs.discard(info.key)
+        else:
+            self.stubs.add(info.key)
 
     def get(self, key: int) -> RequestInfo | None:
         return self.live.get(key) or self._ended.get(key)
@@ -51,6 +58,7 @@ class RequestDirectory:
         if info is None:
             info = RequestInfo(key, rid=f"key:{key:016x}", tenant="", known=False)
             self.live[key] = info
+            self.stubs.add(key)
         return info
 
     def retire_idle(self, now_ns: int, idle_ns: int, holds_kv) -> int:
@@ -81,6 +89,7 @@ class RequestDirectory:
 
     def end(self, key: int) -> RequestInfo | None:
         self._stub_seen_ns.pop(key, None)
+        self.stubs.discard(key)
         info = self.live.pop(key, None)
         if info is not None:
             self._ended[key] = info

@@ -36,6 +36,7 @@ from .page_pool import (
     KeyTable,
     PagePool,
     Row,
+    RowScalars,
 )
 from .request_directory import RequestDirectory, RequestInfo
 from .stats import CoverageEntry, EngineStats, PoolStats
@@ -134,7 +135,13 @@ class EngineTracker(Judge):
         self.hello: wire.Hello | None = None
         self.page_size = 1
         self.pool = PagePool(1)
+        # live rows by request key; their judge scalars in row_scalars, at row_index[key] (the
+        # judge maps a batch's keys to indexes with one C-level pass: ``Judge._classify_changed``)
         self.rows: dict[int, Row] = {}
+        self.row_scalars = RowScalars()
+        self.row_index: dict[int, int] = {}
+        self.rows_version = 0  # bumped when a row comes or goes (``Judge.row_indexes`` memo)
+        self.row_memo: tuple[int, np.ndarray, np.ndarray] | None = None
         self.requests = directory
         self.transfer_hold: set[int] = set()  # decode requests whose incoming KV is not yet accounted
         self.pages_read = 0
@@ -198,7 +205,7 @@ class EngineTracker(Judge):
                 del self.unseen_since_loss[key]
             elif now_ns - since > LOST_UNSEEN_NS and key not in self.transfer_hold:
                 del self.unseen_since_loss[key]
-                self.rows.pop(key, None)
+                self._drop_row(key)
                 self.requests.end(key)
                 moved += 1
         self.requests_retired_after_loss += moved
@@ -369,7 +376,7 @@ class EngineTracker(Judge):
         """The request ended: its row goes (in this pool; the engine's other pools are told by
         the pipeline, their directory being this one)."""
         self.early_written.pop(req_key, None)
-        row = self.rows.pop(req_key, None)
+        row = self._drop_row(req_key)
         self.transfer_hold.discard(req_key)
         if row is not None:
             # what the request still owns was kept by the prefix cache (freed pages are FREE already)
@@ -377,6 +384,20 @@ class EngineTracker(Judge):
             mine = pages[(self.pool.owner_keys(pages) == np.uint64(req_key)) & (self.pool.state[pages] == OWNED)]
             # (not logged for the incremental judge: CACHED is as good as OWNED for every other reader)
             self.pool.state[mine] = CACHED
+
+    def _new_row(self, req_key: int) -> Row:
+        row = self.rows[req_key] = Row(self.row_scalars)
+        self.row_index[req_key] = row.index
+        self.rows_version += 1
+        return row
+
+    def _drop_row(self, req_key: int) -> Row | None:
+        row = self.rows.pop(req_key, None)
+        if row is not None:
+            del self.row_index[req_key]
+            self.row_scalars.release(row.index)
+            self.rows_version += 1
+        return row
 
     def on_reject(self, r: wire.Reject) -> None:
         self.requests.get_or_stub(r.req_key).rejected = f"{r.phase.name.lower()}: {r.reason}"
@@ -464,7 +485,9 @@ class EngineTracker(Judge):
         if len(pages) != len(a.pages):
             return None
         self.requests.get_or_stub(a.req_key)
-        row = self.rows.setdefault(a.req_key, Row())
+        row = self.rows.get(a.req_key)
+        if row is None:
+            row = self._new_row(a.req_key)
         first = a.row_start // self.page_size
         idx = np.arange(first, first + len(pages))
         row.forget_clean(first)  # entries from ``first`` on are rewritten

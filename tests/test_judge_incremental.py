@@ -7,7 +7,8 @@ The streams are the bench's reference workload at tiny sizes (bench/workload.py:
 sharing, requests ending and arriving, sampled engine rows), corrupted at random: writes
 to random pages, engine rows naming other pages, ASSIGNs of random pages, pages freed
 under live requests (use after free), double frees, pages stolen by a stray ALLOC, a
-request twice in a batch, an unknown reader, seq_lens past the row or shorter, lost
+request twice in a batch, an unknown reader, a REQ_BEGIN that comes after the request's
+rows and forwards (a stub reader with a row), seq_lens past the row or shorter, lost
 records and a repeated HELLO; with tenant isolation off and on.
 """
 
@@ -62,7 +63,14 @@ def corrupt(records: list[wire.Record], seed: int, rate: float, lost: bool) -> l
     def extra(kind, body):
         return wire.Record(kind, 0, 0, ENGINE, 0, body)
 
+    late: list[tuple[int, wire.Record]] = []  # REQ_BEGINs held back: (records until delivered, record)
     for rec in records[1:]:
+        for held in [h for h in late if h[0] <= len(out)]:  # a begin seen after the request's rows
+            late.remove(held)
+            out.append(held[1])
+        if rec.kind == wire.Kind.REQ_BEGIN and rng.random() < 3 * rate:
+            late.append((len(out) + int(rng.integers(5, 60)), rec))  # its ASSIGNs and forwards come first
+            continue
         if rec.kind == wire.Kind.FORWARD:
             f = rec.body
             if rng.random() < rate:  # stray pages freed (and maybe stolen) right before a forward
@@ -126,6 +134,7 @@ def corrupt(records: list[wire.Record], seed: int, rate: float, lost: bool) -> l
             out.append(extra(wire.Kind.LOST, 3))
         if rng.random() < rate / 10:
             out.append(hello)
+    out.extend(h[1] for h in late)
     out.insert(0, hello)
     return [wire.Record(r.kind, seq, 1_000 + seq, r.engine_id, r.pool, r.body) for seq, r in enumerate(out)]
 
@@ -320,3 +329,62 @@ def test_a_provisional_transfer_undone_by_a_trailing_short_send_is_judged_again(
     # the trailing send's own re-judge (transfer path), then the next decode step's read finds it again
     assert kinds.count("unwritten_read") == 2 and "transfer_size_mismatch" in kinds
     assert all(f["pages"] == [2] for f in full[0] if f["kind"] == "unwritten_read")
+
+
+def _tracker_with(monkeypatch, *rids: str) -> EngineTracker:
+    monkeypatch.setattr(tracker_mod, "INCREMENTAL_JUDGE", True)
+    t = EngineTracker(1, tracker_mod.RequestDirectory())
+    t.on_hello(wire.Hello(wire.Role.DECODE, 0, 1, 4, 64, 256, 2048, 250, "sglang", "x", "m", "0"))
+    for rid in rids:
+        t.on_request_begin(wire.ReqBegin(wire.request_key(rid), wire.NO_ROOM, 8, 0, False, rid, "t"), 0)
+    return t
+
+
+def _end(t: EngineTracker, rid: str) -> None:
+    t.on_request_end(wire.ReqEnd(wire.request_key(rid), 0, 0, 0, wire.Finish.STOP, ""), 0)
+
+
+def test_a_new_row_starts_unjudged_even_where_an_ended_row_was_clean(monkeypatch):
+    # the judge's per-row scalars are reused by index: a new row must not inherit a clean prefix
+    t = _tracker_with(monkeypatch, "A")
+    a, c = wire.request_key("A"), wire.request_key("C")
+    t.on_alloc(np.arange(1, 5))
+    t.on_assign(wire.Assign(a, 0, 16, 0, np.array([1, 2, 3, 4])))
+    t.mark_writes(np.array([a], np.uint64), np.array([4], np.uint32), np.array([1, 2, 3, 4]), 1)
+    assert t.classify_reads(np.array([a], np.uint64), np.array([16], np.uint32)) == []
+    index = t.rows[a].index
+    assert t.rows[a].clean_n == 4
+    _end(t, "A")
+    t.on_request_begin(wire.ReqBegin(c, wire.NO_ROOM, 8, 0, False, "C", "t"), 0)
+    t.on_alloc(np.arange(5, 9))
+    t.on_assign(wire.Assign(c, 0, 16, 0, np.array([5, 6, 7, 8])))  # never written
+    assert t.rows[c].index == index and t.rows[c].clean_n == 0
+    ((i, v),) = t.classify_reads(np.array([c], np.uint64), np.array([16], np.uint32))
+    assert i == 0 and v.unwritten.tolist() == [5, 6, 7, 8]
+
+
+def test_a_batch_of_the_same_keys_after_its_rows_were_replaced_reads_the_new_rows(monkeypatch):
+    # the forward-to-forward memo of row indexes must not outlive the rows it names
+    t = _tracker_with(monkeypatch, "A", "B")
+    a, b = wire.request_key("A"), wire.request_key("B")
+    keys, seq = np.array([a, b], np.uint64), np.array([16, 16], np.uint32)
+    t.on_alloc(np.arange(1, 9))
+    t.on_assign(wire.Assign(a, 0, 16, 0, np.array([1, 2, 3, 4])))
+    t.on_assign(wire.Assign(b, 0, 16, 0, np.array([5, 6, 7, 8])))
+    t.mark_writes(keys, np.array([4, 4], np.uint32), np.arange(1, 9), 1)
+    assert t.classify_reads(keys, seq) == []
+    old = (t.rows[a].index, t.rows[b].index)
+    _end(t, "B")
+    _end(t, "A")
+    for rid in "AB":
+        t.on_request_begin(wire.ReqBegin(wire.request_key(rid), wire.NO_ROOM, 8, 0, False, rid, "t"), 0)
+    t.on_alloc(np.arange(9, 17))
+    t.on_assign(wire.Assign(b, 0, 16, 0, np.array([9, 10, 11, 12])))  # B now holds A's old index
+    t.on_assign(wire.Assign(a, 0, 16, 0, np.array([13, 14, 15, 16])))
+    assert (t.rows[b].index, t.rows[a].index) == old  # (so a stale memo would read the wrong rows)
+    t.mark_writes(np.array([a], np.uint64), np.array([4], np.uint32), np.arange(13, 17), 2)
+    t.on_free(np.array([10]))  # freed under B, which never wrote its pages either
+    for _ in range(2):  # the second time A's row is clean, B's is not: each read by its own index
+        found = dict(t.classify_reads(keys, seq))
+        assert list(found) == [1]
+        assert found[1].freed.tolist() == [10] and found[1].unwritten.tolist() == [9, 11, 12]
