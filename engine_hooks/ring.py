@@ -514,8 +514,11 @@ class RingReader:
     object, so ``pread`` sees each 8-byte aligned store whole.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, runs: bool = False):
         self.path = path
+        # decode back-to-back one-page ASSIGNs as one record of columns (``wire.AssignRun``): the
+        # sidecar's ingest asks for it, other readers get every record on its own
+        self.runs = runs
         self._open = False  # the header may be read and written (False once truncated or closed)
         self.truncated = ""  # why the ring must not be touched any more ("" while it may)
         try:
@@ -693,7 +696,7 @@ class RingReader:
             cap = min(READ_CHUNK_BYTES, max(limit - self.read_pos, wire.HEADER_SIZE))
             if chunk <= cap:
                 data = self._pread(HEADER_BYTES + offset, chunk)
-                records.extend(wire.decode_stream(data, self.stats, short_tail_ok=chunk == tail))
+                records.extend(wire.decode_stream(data, self.stats, short_tail_ok=chunk == tail, runs=self.runs))
                 self.read_pos += chunk
             else:  # a copy no bigger than cap (or one record), however much is published
                 self.read_pos += self._read_bounded(offset, chunk, records, cap)
@@ -714,7 +717,7 @@ class RingReader:
                 self.stats.last_error = f"no valid record header at byte {offset} of the data area"
                 return avail
             data, whole = self._pread(HEADER_BYTES + offset, length), length  # one record longer than a chunk
-        records.extend(wire.decode_stream(data, self.stats, end=whole))
+        records.extend(wire.decode_stream(data, self.stats, end=whole, runs=self.runs))
         return whole
 
     def _mark_gaps(self, records: list) -> PollResult:
@@ -730,7 +733,7 @@ class RingReader:
                 lost += gap
                 out.append(wire.Record(wire.Kind.LOST, expected, rec.ts_ns, rec.engine_id, 0, gap))
             out.append(rec)
-            expected = rec.seq + 1
+            expected = rec.seq + wire.records_in(rec)
         self.next_seq = expected
         self._set(_CONSUMER_NEXT_SEQ, expected)
         self.records_lost += lost

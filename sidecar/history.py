@@ -67,8 +67,8 @@ class History:
     def append(
         self, ts_ns: int, engine: int, event: Event, req_key=0, pages=None, gens=None, aux=0, pool: int = 0
     ) -> None:
-        """Append one event per page (or one event when ``pages`` is None); ``req_key``,
-        ``gens`` and ``aux`` are scalars or arrays of the same length."""
+        """Append one event per page (or one event when ``pages`` is None); ``ts_ns``,
+        ``req_key``, ``gens`` and ``aux`` are scalars or arrays of the same length."""
         n = 1 if pages is None else len(pages)
         if isinstance(req_key, np.ndarray) and pages is None:
             n = len(req_key)
@@ -80,9 +80,15 @@ class History:
             gens = gens[cut] if isinstance(gens, np.ndarray) else gens
             req_key = req_key[cut] if isinstance(req_key, np.ndarray) else req_key
             aux = aux[cut] if isinstance(aux, np.ndarray) else aux
+            ts_ns = ts_ns[cut] if isinstance(ts_ns, np.ndarray) else ts_ns
             n = self.capacity
         start = self.total % self.capacity
-        if n == 1 and not isinstance(req_key, np.ndarray) and not isinstance(aux, np.ndarray):
+        if (
+            n == 1
+            and not isinstance(req_key, np.ndarray)
+            and not isinstance(aux, np.ndarray)
+            and not isinstance(ts_ns, np.ndarray)
+        ):
             # one event (a request's begin or end, a one-page record): one element assignment
             page = -1 if pages is None else int(pages[0])
             gen = 0 if gens is None else int(gens if np.ndim(gens) == 0 else gens[0])

@@ -135,11 +135,15 @@ class RingSet:
         remove_dead: bool = True,
         max_rings: int = DEFAULT_MAX_RINGS,
         rescan_s: float = RESCAN_S,
+        assign_runs: bool = True,
     ):
         if max_rings < 1:
             raise ValueError(f"--max-rings must be >= 1, got {max_rings}")
         self.directory = directory
         self.slack_ns = slack_ns
+        # back-to-back one-page ASSIGNs (a decode step's, one per request) come as one record of
+        # columns (``wire.AssignRun``) that the pipeline applies as a batch
+        self.assign_runs = assign_runs
         self.polled_at_ns = 0  # when the last poll began
         self.released_until_ns = 0  # the newest record released so far
         self.hold_ns = 0  # the last poll's hold (0: none): see poll
@@ -260,7 +264,7 @@ class RingSet:
     def _attach(self, path: str, key: tuple) -> bool:
         """Attach one ring; True when the process ran out of file descriptors (attach no more now)."""
         try:
-            reader = RingReader(path)
+            reader = RingReader(path, runs=self.assign_runs)
         except RingError as exc:
             self._refuse(path, key, str(exc).removeprefix(f"{path}: "))
             return False
@@ -336,7 +340,7 @@ class RingSet:
                 alive = reader.producer_alive()
                 writing_since = reader.writing_since_ns  # before its data: a record stamped then may land after
                 result = reader.poll(max_bytes=share)
-                self.stats.records_read += len(result.records)
+                self.stats.records_read += sum(map(wire.records_in, result.records))
                 self.stats.records_lost += result.lost
                 for rec in result.records:
                     heapq.heappush(self._heap, (rec.ts_ns, next(self._tiebreak), rec))

@@ -362,9 +362,23 @@ class RowScalars:
     few numpy operations instead of ~10 attribute reads per request. Indexes of ended rows are
     reused (``release``), so the table is as large as the most rows live at once."""
 
-    __slots__ = ("length", "clean_n", "clean_reads", "clean_epoch", "_free")
+    __slots__ = ("length", "clean_n", "clean_reads", "clean_epoch", "tail_page", "tail_gen_shared", "_free")
+
+    # name -> value of a fresh row
+    FRESH = (
+        ("length", 0),
+        ("clean_n", 0),
+        ("clean_reads", 0),
+        ("clean_epoch", -1),
+        ("tail_page", -1),
+        ("tail_gen_shared", 0),
+    )
 
     def __init__(self, capacity: int = 64):
+        # (the row's last entry, page and gen_shared, so that a batch of one-page ASSIGNs is
+        # told apart from the row without touching it: ``EngineTracker.on_assign_run``)
+        self.tail_page = np.full(capacity, -1, np.int64)
+        self.tail_gen_shared = np.zeros(capacity, np.uint32)
         self.length = np.zeros(capacity, np.int64)
         self.clean_n = np.zeros(capacity, np.int64)
         self.clean_reads = np.zeros(capacity, np.int64)
@@ -373,21 +387,21 @@ class RowScalars:
 
     @property
     def nbytes(self) -> int:
-        return self.length.nbytes + self.clean_n.nbytes + self.clean_reads.nbytes + self.clean_epoch.nbytes
+        return sum(getattr(self, name).nbytes for name, _fresh in self.FRESH)
 
     def take(self) -> int:
         """A fresh row's index (nothing judged clean, no entries)."""
         if not self._free:
             old = len(self.length)
-            for name, fill in (("length", 0), ("clean_n", 0), ("clean_reads", 0), ("clean_epoch", -1)):
+            for name, fresh in self.FRESH:
                 arr = getattr(self, name)
-                grown = np.full(2 * old, fill, arr.dtype)
+                grown = np.full(2 * old, fresh, arr.dtype)
                 grown[:old] = arr
                 setattr(self, name, grown)
             self._free = list(range(2 * old - 1, old - 1, -1))
         index = self._free.pop()
-        self.length[index] = self.clean_n[index] = self.clean_reads[index] = 0
-        self.clean_epoch[index] = -1
+        for name, fresh in self.FRESH:
+            getattr(self, name)[index] = fresh
         return index
 
     def release(self, index: int) -> None:

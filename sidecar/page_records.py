@@ -69,11 +69,28 @@ class PageRecords:
 
     def on_assign(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
         body = rec.body
+        if type(body) is wire.AssignRun:
+            return self.on_assign_run(t, rec)
         crossed = t.on_assign(body)
         self.out.record(
             rec.ts_ns, rec.engine_id, Event.ASSIGN, body.req_key, body.pages, aux=body.row_start, pool=t.pool_index
         )
         return [] if crossed is None else self.out.judge(crossed, t, rec.ts_ns)
+
+    def on_assign_run(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+        """Back-to-back one-page ASSIGNs (a decode step's, one per request) as a batch: those
+        that repeat what their row already holds change nothing and are only recorded; the
+        others are applied one by one, in order, exactly as on their own (``on_assign``)."""
+        run: wire.AssignRun = rec.body
+        self.out.record(
+            run.ts_ns, rec.engine_id, Event.ASSIGN, run.req_keys, run.pages, aux=run.row_start, pool=t.pool_index
+        )
+        findings: list[Finding] = []
+        for i in t.on_assign_run(run).tolist():
+            crossed = t.on_assign(run.assign(i))
+            if crossed is not None:
+                findings += self.out.judge(crossed, t, int(run.ts_ns[i]))
+        return findings
 
     def on_free(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
         body = rec.body

@@ -148,7 +148,7 @@ class Pipeline:
 
     def apply(self, rec: wire.Record) -> list[Finding]:
         """Apply one record; never raises (a failure is logged and counted)."""
-        self.records_by_kind[rec.kind.name] += 1
+        self.records_by_kind[rec.kind.name] += wire.records_in(rec)  # (an AssignRun is several)
         try:
             return self._apply(rec)
         except Exception:

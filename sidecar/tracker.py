@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from itertools import filterfalse, repeat
 
 import numpy as np
 
@@ -496,6 +497,10 @@ class EngineTracker(Judge):
         shared = positions < a.shared_until
         row.pages[idx] = pages
         row.gen_shared[idx] = self.pool.gen[pages] | (shared.astype(np.uint32) << np.uint32(31))
+        if len(row.pages):  # (an ASSIGN of no pages leaves a row of none)
+            table = self.row_scalars
+            table.tail_page[row.index] = row.pages[-1]
+            table.tail_gen_shared[row.index] = row.gen_shared[-1]
         pool = self.pool
         fresh = pages[~shared]
         # a freshly allocated page (or one we could not see allocated) becomes the request's
@@ -510,6 +515,55 @@ class EngineTracker(Judge):
         if pool.scope is not None and shared.any():  # salts in use: the cache must keep scopes apart
             return self._shared_across_scopes(a.req_key, pages[shared])
         return None
+
+    def on_assign_run(self, run: wire.AssignRun) -> np.ndarray:
+        """A batch of one-page ASSIGNs (``wire.AssignRun``): the positions, ascending, that must
+        be applied one by one (``on_assign``); the others change nothing and are settled here.
+
+        An ASSIGN changes nothing when, as ``_assign_changes_nothing`` has it, it names the
+        page its row's entry already holds, at the page's generation, with the same
+        prefix-cache flag, and the page has nothing to claim; here only for the row's last
+        entry (a decode step's token goes there), all of them at once over ``RowScalars``.
+        Judged against the state before the batch: an ASSIGN changes only its own row and
+        claims its own pages, so only a later ASSIGN of the same request can be affected
+        by an earlier one that changes something, and those go one by one too."""
+        n = len(run)
+        ps = self.page_size
+        keys = run.req_keys
+        idx = np.fromiter(map(self.row_index.get, keys.tolist(), repeat(-1)), np.int64, n)
+        has = idx >= 0
+        at = np.where(has, idx, 0)
+        table, pool = self.row_scalars, self.pool
+        pages = run.pages.astype(np.int64)
+        entry = run.row_start.astype(np.int64) // ps
+        in_range = (entry < self.row_limit) & (run.row_end.astype(np.int64) <= self.row_limit * ps)
+        valid = (pages >= 0) & (pages < pool.num_pages)
+        page = np.where(valid, pages, 0)
+        shared = run.row_start < run.shared_until  # the entry's first position in each ASSIGN is row_start
+        gen_shared = pool.gen[page] | (shared.astype(np.uint32) << np.uint32(31))
+        nothing = (
+            has
+            & in_range
+            & valid
+            & (entry == table.length[at] - 1)
+            & (table.tail_page[at] == pages)
+            & (table.tail_gen_shared[at] == gen_shared)
+            & (shared | (pool.state[page] != ALLOCATED))
+        )
+        one_by_one = ~nothing
+        if one_by_one.any() and nothing.any():
+            first = np.flatnonzero(one_by_one)
+            if len(first) > 32:  # many: everything from the first one on, in order
+                one_by_one[first[0] :] = True
+            else:
+                later = np.arange(n)
+                for i in first.tolist():
+                    one_by_one |= (keys == keys[i]) & (later > i)
+        # on_assign's stub for a request the directory does not hold (a row of an ended request
+        # may outlive its directory entry in an engine's other pools)
+        for key in filterfalse(self.requests.live.__contains__, keys[nothing].tolist()):
+            self.requests.get_or_stub(key)
+        return np.flatnonzero(one_by_one)
 
     def _assign_out_of_range(self, a: wire.Assign) -> None:
         """Skip an ASSIGN whose positions lie past any row this engine can have (counted, its first

@@ -145,6 +145,7 @@ from .recording import (
 )
 from .types import (
     Assign,
+    AssignRun,
     ContentChanged,
     Coverage,
     CoverageItem,
@@ -171,6 +172,8 @@ from .types import (
     XferDone,
     XferReserve,
     XferSend,
+    expand_runs,
+    records_in,
 )
 
 # The contract: every public name of the submodules. A name added to one of them is
@@ -234,6 +237,9 @@ __all__ = [
     "request_scope",
     # types.py
     "Assign",
+    "AssignRun",
+    "expand_runs",
+    "records_in",
     "ContentChanged",
     "Coverage",
     "CoverageItem",

@@ -88,6 +88,35 @@ class Assign:
 
 
 @dataclass(slots=True)
+class AssignRun:
+    """Back-to-back one-page ASSIGN records of one ring, decoded as columns (``decode_stream``
+    with ``runs``): what a decode step sends when the adapter reports an ASSIGN per request.
+    Carried in one ``Record`` of kind ASSIGN whose ``seq`` is the first record's and
+    ``ts_ns`` the last one's; ``record(i)`` and ``expand_runs`` give the records back one by one
+    (the wire bytes are the same)."""
+
+    seqs: np.ndarray  # uint64[n], consecutive
+    ts_ns: np.ndarray  # uint64[n]
+    req_keys: np.ndarray  # uint64[n]
+    row_start: np.ndarray  # uint32[n]
+    row_end: np.ndarray  # uint32[n]
+    shared_until: np.ndarray  # uint32[n]
+    pages: np.ndarray  # int32[n]: each record's one page
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def assign(self, i: int) -> Assign:
+        return Assign(
+            int(self.req_keys[i]),
+            int(self.row_start[i]),
+            int(self.row_end[i]),
+            int(self.shared_until[i]),
+            self.pages[i : i + 1].copy(),
+        )
+
+
+@dataclass(slots=True)
 class Forward:
     req_keys: np.ndarray  # uint64[n]
     seq_lens: np.ndarray  # uint32[n]
@@ -305,6 +334,23 @@ class Record:
     # one of the payload classes above, chosen by ``kind`` (a tagged union the
     # type checker cannot narrow on an int; the pipeline's handlers take the concrete class)
     body: Any = field(default=None)
+
+
+def records_in(rec: Record) -> int:
+    """How many wire records ``rec`` stands for (an ``AssignRun`` is several)."""
+    body = rec.body
+    return len(body) if type(body) is AssignRun else 1
+
+
+def expand_runs(records):
+    """``records`` with every ``AssignRun`` given back as its one-page ASSIGN records."""
+    for rec in records:
+        body = getattr(rec, "body", None)  # (a recording's SidecarEvent has none)
+        if type(body) is not AssignRun:
+            yield rec
+            continue
+        for i in range(len(body)):
+            yield Record(rec.kind, int(body.seqs[i]), int(body.ts_ns[i]), rec.engine_id, rec.pool, body.assign(i))
 
 
 @dataclass(slots=True)

@@ -204,7 +204,8 @@ class _Writer:
     def record_batch(self, records) -> None:
         """Append decoded records (``wire.Record``, LOST markers included), in order, as one batch.
         ``SidecarEvent``s are accepted too, so what a ``SegmentReader`` yields can be written back."""
-        records = records if isinstance(records, list) else list(records)
+        # (the ring reader's AssignRuns are recorded as the records they stand for)
+        records = list(wire.expand_runs(records))
         with self._lock:
             for rec in records:
                 try:

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Coverage-guided fuzzing (atheris, libFuzzer) of what one engine's ring can make the
-sidecar do: a record stream, decoded by ``wire.decode_stream`` and applied to a real
-``Pipeline`` record by record, as the ingest loop does.
+sidecar do: a record stream, decoded by ``wire.decode_stream`` (back-to-back one-page
+ASSIGNs as runs, as the ring reader does) and applied to a real ``Pipeline`` record by
+record, as the ingest loop does.
 
 Each input is a sequence of records. Most are built from typed fields the fuzzer chooses
 (every kind, page ids and positions from small, interacting values to 2**31 and past,
@@ -231,7 +232,7 @@ def check(pipeline: Pipeline, peak_limit: dict) -> None:
 def TestOneInput(data: bytes) -> None:
     stream = records(data)
     stats = wire.DecodeStats()
-    decoded = wire.decode_stream(stream, stats)
+    decoded = wire.decode_stream(stream, stats, runs=True)  # as the sidecar's ring reader decodes
     pipeline = Pipeline([], history_events=1 << 10, memory_budget=MemoryBudget(160 * MIB, 1 << 10))
     peak_limit: dict = {}
     for rec in decoded:
