@@ -193,3 +193,32 @@ def test_an_assign_of_the_same_page_at_a_new_generation_changes_the_row(monkeypa
     b = Replay(True, False, monkeypatch).run(batched)
     assert a.tracker.rows[k].gens.tolist() == [int(a.tracker.pool.gen[5])]
     assert a.state() == b.state()
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_the_scalar_append_path_gives_what_the_array_path_gives(isolate, monkeypatch):
+    # EngineTracker._assign_appends_one (a decode step's new page, by scalars) against on_assign's
+    # general path for the same ASSIGNs, on the corrupted streams of both ASSIGN shapes
+    taken = 0
+    for assign_mode, (rows_every, seed, lost) in zip(("page", "token", "page", "token", "page"), CASES):
+        stream = capture(replace(TINY, batch=24, rows_every=rows_every, assign=assign_mode), steps=90)
+        records = corrupt(decode(stream.setup + [i for step in stream.steps for i in step]), seed, 0.04, lost)
+        fast = Replay(True, isolate, monkeypatch)
+        appends = fast.tracker._assign_appends_one
+
+        def counted(a, appends=appends):
+            nonlocal taken
+            done = appends(a)
+            taken += done
+            return done
+
+        fast.tracker._assign_appends_one = counted
+        fast.run(records)
+        general = Replay(True, isolate, monkeypatch)
+        general.tracker._assign_appends_one = lambda a: False
+        general.run(records)
+        a, b = fast.state(), general.state()
+        for key in a:
+            assert a[key] == b[key], (assign_mode, seed, key)
+        assert np.array_equal(fast.pipe.history.events, general.pipe.history.events)
+    assert taken > 500
