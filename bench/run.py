@@ -34,6 +34,11 @@ VLLM_VERSION = "0.32.0"
 # targets (the brief's "Performance" section)
 TARGET_PAGE_READS_PER_S = 200e6  # whole 8-rank node on one core, ring -> verdict
 TARGET_PROBE_US_B256 = 160.0  # <= 1% of a 16 ms decode step
+# issue 33: the SGLang probes' cost per step at batch 256 back to at most this commit's, and at
+# most 80 us (0.5% of a 16 ms step); measured side by side in the same run (engine_part)
+PROBE_BASELINE_COMMIT = "4dba9f1"
+TARGET_PROBE_US_B256_STRICT = 80.0
+PROBE_BASELINE_ROUNDS = 3  # alternating rounds (this tree, the baseline) at batch 256
 TARGET_GUARD_TRANSFER_US = 20.0  # issue #15: the transfer guard under 20 us per request
 TARGET_LATENCY_MS = 100.0
 TARGET_BYTES_PER_PAGE = 64.0
@@ -326,6 +331,76 @@ def engine_part(sz: Sizes, res: dict, details: dict, log) -> None:
     res["ratio.engine_probe_over_target_b256"] = (
         res[f"engine.probe_us_per_step_b{big}"] / TARGET_PROBE_US_B256 if big == "256" else None
     )
+    if big == "256":
+        probe_baseline(sz, sg, res, details, log)
+
+
+def _engine_bench(tree: str, sg: str, batches: str, steps: int, out: str) -> dict:
+    """Run ``tree``'s bench/engine_bench.py (this checkout, or an older commit's files) in a
+    subprocess on SGLang at ``sg``; its results."""
+    shim = next(
+        (
+            d
+            for d in (os.path.join(tree, "demo", "shim"), os.path.join(tree, "sidecar", "demo", "shim"))
+            if os.path.isdir(d)
+        ),
+        "",
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tree, sg, shim) if p))
+    cmd = [sys.executable, "-m", "bench.engine_bench", "--batches", batches, "--steps", str(steps), "--json", out]
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0 or not os.path.exists(out):
+        raise RuntimeError(f"engine bench in {tree} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def probe_baseline(sz: Sizes, sg: str, res: dict, details: dict, log) -> None:
+    """The probes at batch 256 against ``PROBE_BASELINE_COMMIT``'s, in alternating rounds of
+    the same run (each its own process on the same SGLang; the baseline's files from git),
+    so that the machine's drift between runs does not decide the comparison."""
+    key = "engine.probe_us_per_step_b256_baseline"
+    with tempfile.TemporaryDirectory() as tmp:
+        base = os.path.join(tmp, "baseline")
+        os.makedirs(base)
+        try:
+            archive = subprocess.run(
+                ["git", "archive", PROBE_BASELINE_COMMIT], cwd=REPO, capture_output=True, timeout=120, check=True
+            ).stdout
+            subprocess.run(["tar", "-x", "-C", base], input=archive, capture_output=True, timeout=120, check=True)
+        except (OSError, subprocess.SubprocessError) as exc:
+            reason = f"commit {PROBE_BASELINE_COMMIT} not available from git here ({type(exc).__name__}): not compared"
+            log(f"probe baseline skipped: {reason}")
+            res[key] = None
+            res["notes"][key] = reason
+            return
+        log(f"probes at batch 256 against commit {PROBE_BASELINE_COMMIT}, {PROBE_BASELINE_ROUNDS} alternating rounds")
+        rounds = []
+        for i in range(PROBE_BASELINE_ROUNDS):
+            now = _engine_bench(REPO, sg, "256", sz.engine_steps, os.path.join(tmp, f"now{i}.json"))["batches"]["256"]
+            then = _engine_bench(base, sg, "256", sz.engine_steps, os.path.join(tmp, f"base{i}.json"))["batches"]["256"]
+            rounds.append(
+                {
+                    "now_mean": now["probe_cpu_us_per_step"],
+                    "now_median": now["probe_cpu_us_per_step_median"],
+                    "now_by_hook": now["by_hook_cpu_us"],
+                    "baseline_mean": then["probe_cpu_us_per_step"],
+                    "baseline_median": then["probe_cpu_us_per_step_median"],
+                    "baseline_by_hook": then["by_hook_cpu_us"],
+                }
+            )
+    details["probe_baseline"] = {"commit": PROBE_BASELINE_COMMIT, "rounds": rounds}
+
+    def mid(name: str) -> float:
+        return float(np.median([r[name] for r in rounds]))
+
+    res["engine.probe_baseline_commit"] = PROBE_BASELINE_COMMIT
+    res["engine.probe_us_per_step_b256_same_run"] = mid("now_mean")
+    res["engine.probe_us_per_step_b256_same_run_median"] = mid("now_median")
+    res[key] = mid("baseline_mean")
+    res[f"{key}_median"] = mid("baseline_median")
+    res["ratio.engine_probe_over_baseline_b256"] = mid("now_mean") / mid("baseline_mean")
+    res["ratio.engine_probe_over_baseline_b256_median"] = mid("now_median") / mid("baseline_median")
 
 
 def vllm_part(sz: Sizes, res: dict, details: dict, log) -> None:
@@ -543,6 +618,34 @@ def table(res: dict) -> str:
                 _fmt(v, " us"),
                 "<= 160 us" if b == 256 else "",
                 _status(v, TARGET_PROBE_US_B256, False) if b == 256 else "",
+            )
+        )
+    v = g("engine.probe_us_per_step_b256_same_run", "absent")
+    if v != "absent":
+        rows.append(
+            (
+                f"  same run, alternating with commit {g('engine.probe_baseline_commit')} (mean / median)",
+                f"{_fmt(v, ' us')} / {_fmt(g('engine.probe_us_per_step_b256_same_run_median'), ' us')}",
+                "<= 80 us",
+                _status(v, TARGET_PROBE_US_B256_STRICT, False),
+            )
+        )
+        rows.append(
+            (
+                f"  commit {g('engine.probe_baseline_commit')}'s probes (mean / median)",
+                f"{_fmt(g('engine.probe_us_per_step_b256_baseline'), ' us')} / "
+                f"{_fmt(g('engine.probe_us_per_step_b256_baseline_median'), ' us')}",
+                "",
+                "",
+            )
+        )
+        rows.append(
+            (
+                "  ratio to it (mean / median)",
+                f"{_fmt(g('ratio.engine_probe_over_baseline_b256'))} / "
+                f"{_fmt(g('ratio.engine_probe_over_baseline_b256_median'))}",
+                "<= 1.0",
+                _status(g("ratio.engine_probe_over_baseline_b256"), 1.0, False),
             )
         )
     for b in (64, 256):
