@@ -342,7 +342,12 @@ class EngineTracker(Judge):
         writing = self.prompt_writing
         if not writing:
             return
-        hits = np.flatnonzero(np.isin(req_keys, np.fromiter(writing, np.uint64, len(writing))))
+        if len(writing) <= 8:  # the usual few requests still prefilling: a compare each beats a sort
+            keys_u64 = req_keys.astype(np.uint64, copy=False)
+            found = [np.flatnonzero(keys_u64 == np.uint64(key)) for key in writing]
+            hits = np.sort(np.concatenate(found)) if len(found) > 1 else found[0]
+        else:
+            hits = np.flatnonzero(np.isin(req_keys, np.fromiter(writing, np.uint64, len(writing))))
         if len(hits) == 0:
             return
         w_off = np.concatenate(([0], np.cumsum(write_counts, dtype=np.int64)))
