@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -20,11 +21,47 @@ def _positive_int(value: str) -> int:
     return int(value)
 
 
+# exit codes (every subcommand's help lists those it uses)
+EXIT_OK, EXIT_FAILED, EXIT_BAD_CONFIG, EXIT_RING_DIR_BUSY, EXIT_PORT_IN_USE, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
+
+
 def parse_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``[IPv6]:PORT`` or ``:PORT`` (127.0.0.1); refused here, with the reason,
+    whatever the server could not listen on as meant (a bare IPv6 address, port 0)."""
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"--listen must be HOST:PORT, got {value!r}")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT ([IPv6]:PORT for IPv6), got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        if not host or ":" not in host:
+            raise argparse.ArgumentTypeError(f"brackets hold an IPv6 address, got {value!r}")
+    elif ":" in host:
+        raise argparse.ArgumentTypeError(f"an IPv6 address goes in brackets: [{host}]:{port}, got {value!r}")
+    if int(port) == 0:
+        raise argparse.ArgumentTypeError(
+            f"port 0 (any free port) is refused: Prometheus and the kubelet's probes need to know it, got {value!r}"
+        )
+    if not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 1-65535, got {value!r}")
     return host or "127.0.0.1", int(port)
+
+
+def bind_listener(host: str, port: int):
+    """The HTTP listening socket, bound before anything else starts, so that a taken port is
+    said at once (exit 4) instead of after the sidecar began reading rings."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def load_api_token(path: str | None) -> str | None:
@@ -97,18 +134,31 @@ def cmd_sidecar(args) -> int:
         lock_fd = lock_ring_dir(args.ring_dir)
     except RingDirBusy as exc:
         print(f"kvguard sidecar: {exc}", file=sys.stderr)
-        return 3
+        return EXIT_RING_DIR_BUSY
     except OSError as exc:
         print(f"kvguard sidecar: --ring-dir {args.ring_dir}: cannot create its lock file: {exc}", file=sys.stderr)
         return 2
     try:
-        return _run_sidecar(args, sinks, token, tracer, ledger)
+        host, port = args.listen
+        try:
+            listener = bind_listener(host, port)
+        except OSError as exc:
+            where = f"--listen {'[' + host + ']' if ':' in host else host}:{port}"
+            if exc.errno == errno.EADDRINUSE:
+                print(f"kvguard sidecar: {where}: the port is already in use", file=sys.stderr)
+                return EXIT_PORT_IN_USE
+            print(f"kvguard sidecar: {where}: cannot listen there: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_BAD_CONFIG
+        try:
+            return _run_sidecar(args, sinks, token, tracer, ledger, listener)
+        finally:
+            listener.close()
     finally:
         if lock_fd is not None:
             os.close(lock_fd)  # the lock goes with it (the kernel would release it at exit anyway)
 
 
-def _run_sidecar(args, sinks, token, tracer, ledger: dict) -> int:
+def _run_sidecar(args, sinks, token, tracer, ledger: dict, listener) -> int:
     import uvicorn
 
     from .api import create_app
@@ -178,7 +228,7 @@ def _run_sidecar(args, sinks, token, tracer, ledger: dict) -> int:
     try:
         # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again: SIGTERM
         # reaches main()'s handler (exit 0 once this finally has run), SIGINT is a KeyboardInterrupt (130)
-        server.run()
+        server.run(sockets=[listener])
     finally:
         previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut this short
         try:
@@ -233,13 +283,19 @@ def build_parser() -> argparse.ArgumentParser:
     import importlib
 
     parser = argparse.ArgumentParser(prog="kvguard", description="KV-cache integrity sidecar for LLM serving engines")
+    parser.add_argument("--version", action="version", version=f"kvguard {package_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     for module, func in COMMAND_MODULES:
         getattr(importlib.import_module(module), func)(sub)
     _register_demo(sub)
 
-    p = sub.add_parser("sidecar", help="watch engine rings, raise findings, serve /metrics and /healthz")
+    p = sub.add_parser(
+        "sidecar",
+        help="watch engine rings, raise findings, serve /metrics and /healthz",
+        epilog=SIDECAR_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument(
         "--ring-dir",
         default=ring_dir(),
@@ -362,7 +418,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_sidecar)
 
+    # -v / --verbose after the subcommand too (`kvguard sidecar -v`), where users write it
+    for subparser in sub.choices.values():
+        if not any("--verbose" in a.option_strings for a in subparser._actions):
+            subparser.add_argument(
+                "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging"
+            )
     return parser
+
+
+def package_version() -> str:
+    """The installed distribution's version (what ``pip`` installed), else the source tree's."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("kvguard")
+    except metadata.PackageNotFoundError:
+        from kvguard import __version__
+
+        return __version__
+
+
+SIDECAR_EPILOG = """exit codes:
+  0    stopped cleanly (SIGTERM)
+  1    failed while running
+  2    bad configuration: the setting and its value are named
+  3    another sidecar holds --ring-dir (one sidecar per ring directory)
+  4    --listen: the port is already in use
+  130  interrupted (SIGINT)
+
+environment:
+  KVGUARD_RING_DIR                 --ring-dir's default (/dev/shm/kvguard)
+  KVGUARD_LEDGER, KVGUARD_CLUSTER  --ledger's and --ledger-cluster's defaults
+  KVGUARD_API_TOKEN                the /v1 bearer token when no --api-token-file
+  KVGUARD_PAGERDUTY_ROUTING_KEY    the routing key for --pagerduty
+  KVGUARD_JUDGE                    incremental (default) or full: how reads are judged
+  OTEL_*                           OpenTelemetry export (docs/operations.md, Tracing)
+"""
 
 
 class Terminated(Exception):

@@ -164,3 +164,78 @@ def test_ring_files_are_group_writable_whatever_the_umask(tmp_path):
     finally:
         os.umask(old)
     assert os.stat(w.path).st_mode & 0o777 == 0o660
+
+
+def kvguard(*args, timeout=60):
+    return subprocess.run(
+        [sys.executable, "-m", "kvguard.sidecar.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_kvguard_version_prints_the_installed_packages_version():
+    from importlib import metadata
+
+    r = kvguard("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"kvguard {metadata.version('kvguard')}"
+
+
+def test_every_listen_form_works_or_is_refused_at_parse_time_with_the_reason():
+    import argparse
+
+    import pytest
+
+    from kvguard.sidecar.cli import parse_listen
+
+    assert parse_listen("0.0.0.0:9464") == ("0.0.0.0", 9464)
+    assert parse_listen("localhost:9464") == ("localhost", 9464)
+    assert parse_listen(":9464") == ("127.0.0.1", 9464)
+    assert parse_listen("[::1]:9464") == ("::1", 9464)
+    assert parse_listen("[::]:9464") == ("::", 9464)
+    for value, why in [
+        ("::1:9464", "an IPv6 address goes in brackets: [::1]:9464"),
+        (":0", "port 0 (any free port) is refused"),
+        ("127.0.0.1:65536", "port 65536 is outside 1-65535"),
+        ("127.0.0.1", "expected HOST:PORT"),
+        ("127.0.0.1:http", "expected HOST:PORT"),
+        ("[]:9464", "brackets hold an IPv6 address"),
+        ("[10.0.0.1]:9464", "brackets hold an IPv6 address"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError) as refused:
+            parse_listen(value)
+        assert str(refused.value).startswith(why) and repr(value) in str(refused.value), (value, refused.value)
+    r = kvguard("sidecar", "--listen", "::1:9464")  # refused by the parser: a bad setting, exit 2
+    assert r.returncode == 2 and "an IPv6 address goes in brackets: [::1]:9464" in r.stderr
+
+
+def test_a_taken_port_a_busy_ring_dir_and_bad_settings_have_their_own_exit_codes(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = kvguard("sidecar", "--ring-dir", str(tmp_path / "a"), "--listen", f"127.0.0.1:{port}")
+    assert r.returncode == 4, r.stderr
+    assert f"--listen 127.0.0.1:{port}: the port is already in use" in r.stderr
+    r = kvguard("sidecar", "--ring-dir", str(tmp_path / "b"), "--listen", "192.0.2.1:9464")  # not this host's address
+    assert r.returncode == 2 and "--listen 192.0.2.1:9464: cannot listen there" in r.stderr
+    r = kvguard(
+        "sidecar", "--ring-dir", str(tmp_path / "c"), "--orphan-timeout-s", "0", "--listen", f"127.0.0.1:{port}"
+    )
+    assert r.returncode == 2 and "--orphan-timeout-s" in r.stderr
+    from kvguard.sidecar.lockfile import lock_ring_dir
+
+    held = lock_ring_dir(str(tmp_path / "d"))  # another sidecar's
+    try:
+        r = kvguard("sidecar", "--ring-dir", str(tmp_path / "d"), "--listen", f"127.0.0.1:{free_port()}")
+    finally:
+        os.close(held)
+    assert r.returncode == 3, r.stderr
+    r = kvguard("sidecar", "--help")
+    assert r.returncode == 0
+    for documented in ("exit codes:", "4    --listen: the port is already in use", "KVGUARD_RING_DIR", "OTEL_*"):
+        assert documented in r.stdout
+
+
+def test_verbose_is_accepted_after_every_subcommand():
+    for command in ("preflight", "replay", "dashboards", "canary", "sidecar"):
+        r = kvguard(command, "-v", "--help")
+        assert r.returncode == 0 and "-v, --verbose" in r.stdout, command
