@@ -285,6 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvguard", description="KV-cache integrity sidecar for LLM serving engines")
     parser.add_argument("--version", action="version", version=f"kvguard {package_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=os.environ.get("KVGUARD_LOG_FORMAT", "text"),
+        help="log lines as text or one JSON object each (default $KVGUARD_LOG_FORMAT, else text)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for module, func in COMMAND_MODULES:
         getattr(importlib.import_module(module), func)(sub)
@@ -418,13 +424,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_sidecar)
 
-    # -v / --verbose after the subcommand too (`kvguard sidecar -v`), where users write it
+    # -v / --verbose and --log-format after the subcommand too (`kvguard sidecar -v`), where
+    # users write them (SUPPRESS: given there, they override the top level's; absent, they do not)
     for subparser in sub.choices.values():
         if not any("--verbose" in a.option_strings for a in subparser._actions):
             subparser.add_argument(
                 "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging"
             )
+        if not any("--log-format" in a.option_strings for a in subparser._actions):
+            subparser.add_argument(
+                "--log-format", choices=LOG_FORMATS, default=argparse.SUPPRESS, help="log lines as text or JSON"
+            )
     return parser
+
+
+LOG_FORMATS = ("text", "json")
+
+
+def configure_logging(verbose: bool, log_format: str) -> None:
+    """Log to stderr, as text or as one JSON object per line (python-json-logger: the fields a
+    log pipeline indexes, ``time``, ``level``, ``logger``, ``message``, and ``exc_info`` with
+    the traceback)."""
+    handler = logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        from pythonjsonlogger.json import JsonFormatter
+
+        handler.setFormatter(
+            JsonFormatter(
+                "%(asctime)s %(levelname)s %(name)s %(message)s",
+                rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
+            )
+        )
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler], force=True)
 
 
 def package_version() -> str:
@@ -449,6 +482,7 @@ SIDECAR_EPILOG = """exit codes:
 
 environment:
   KVGUARD_RING_DIR                 --ring-dir's default (/dev/shm/kvguard)
+  KVGUARD_LOG_FORMAT               --log-format's default (text or json)
   KVGUARD_LEDGER, KVGUARD_CLUSTER  --ledger's and --ledger-cluster's defaults
   KVGUARD_API_TOKEN                the /v1 bearer token when no --api-token-file
   KVGUARD_PAGERDUTY_ROUTING_KEY    the routing key for --pagerduty
@@ -467,12 +501,11 @@ def _terminate(signum, frame):
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.log_format not in LOG_FORMATS:  # (from $KVGUARD_LOG_FORMAT: the parser checks only the flag)
+        parser.error(f"KVGUARD_LOG_FORMAT={args.log_format!r}: expected one of {', '.join(LOG_FORMATS)}")
+    configure_logging(args.verbose, args.log_format)
     signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.func(args)

@@ -239,3 +239,36 @@ def test_verbose_is_accepted_after_every_subcommand():
     for command in ("preflight", "replay", "dashboards", "canary", "sidecar"):
         r = kvguard(command, "-v", "--help")
         assert r.returncode == 0 and "-v, --verbose" in r.stdout, command
+
+
+def test_log_format_json_makes_every_log_line_one_json_object(tmp_path):
+    import signal
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvguard.sidecar.cli", "sidecar", "--log-format", "json"]
+        + ["--ring-dir", str(tmp_path), "--listen", f"127.0.0.1:{port}"],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, KVGUARD_API_TOKEN=""),
+    )
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    lines = [json.loads(line) for line in err.splitlines() if line.strip()]
+    assert lines and all({"time", "level", "logger", "message"} <= set(rec) for rec in lines)
+    assert any("serving http://127.0.0.1" in rec["message"] for rec in lines)
+    assert any(rec["message"] == "kvguard sidecar: stopped cleanly" for rec in lines)
+    assert any(rec["level"] == "WARNING" and "no API token" in rec["message"] for rec in lines)
