@@ -22,7 +22,8 @@ def _positive_int(value: str) -> int:
 
 
 # exit codes (every subcommand's help lists those it uses)
-EXIT_OK, EXIT_FAILED, EXIT_BAD_CONFIG, EXIT_RING_DIR_BUSY, EXIT_PORT_IN_USE, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
+EXIT_OK, EXIT_FAILED, EXIT_BAD_CONFIG, EXIT_RING_DIR_BUSY, EXIT_PORT_IN_USE = 0, 1, 2, 3, 4
+EXIT_LEDGER_UNREACHABLE, EXIT_INTERRUPTED = 5, 130
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -128,6 +129,21 @@ def cmd_sidecar(args) -> int:
     except ValueError as exc:  # a bad tracing, ledger or HTTP setting: named with its value
         print(f"kvguard sidecar: {exc}", file=sys.stderr)
         return 2
+    if args.ledger_required:  # fail fast (and be restarted) rather than pair nothing across pods
+        from .ledger.shared import parse_ledger_url, ping_ledger
+
+        url = parse_ledger_url(ledger["ledger"])
+        if url is None:
+            print(
+                f"kvguard sidecar: --ledger-required: the ledger is {ledger['ledger']!r}, not a shared one "
+                "(--ledger redis://HOST:PORT/DB or $KVGUARD_LEDGER)",
+                file=sys.stderr,
+            )
+            return EXIT_BAD_CONFIG
+        why = ping_ledger(url)
+        if why is not None:
+            print(f"kvguard sidecar: --ledger-required: the shared ledger cannot be reached: {why}", file=sys.stderr)
+            return EXIT_LEDGER_UNREACHABLE
     # one sidecar per ring directory: a second one would split every ring's records with the
     # first. Taken before anything touches shared state (the recorder closes segments left open)
     try:
@@ -370,6 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
         "never pair each other's transfers (default $KVGUARD_CLUSTER, else 'default')",
     )
     p.add_argument(
+        "--ledger-required",
+        action="store_true",
+        help="exit 5 at start-up when the shared ledger does not answer (one round trip, 5 s), instead of "
+        "starting with cross-pod pairing degraded",
+    )
+    p.add_argument(
         "--orphan-timeout-s",
         type=float,
         default=120.0,
@@ -478,12 +500,14 @@ SIDECAR_EPILOG = """exit codes:
   2    bad configuration: the setting and its value are named
   3    another sidecar holds --ring-dir (one sidecar per ring directory)
   4    --listen: the port is already in use
+  5    --ledger-required: the shared ledger does not answer
   130  interrupted (SIGINT)
 
 environment:
   KVGUARD_RING_DIR                 --ring-dir's default (/dev/shm/kvguard)
   KVGUARD_LOG_FORMAT               --log-format's default (text or json)
   KVGUARD_LEDGER, KVGUARD_CLUSTER  --ledger's and --ledger-cluster's defaults
+  KVGUARD_LEDGER_PASSWORD          the shared ledger's password (keep it out of the URL)
   KVGUARD_API_TOKEN                the /v1 bearer token when no --api-token-file
   KVGUARD_PAGERDUTY_ROUTING_KEY    the routing key for --pagerduty
   KVGUARD_JUDGE                    incremental (default) or full: how reads are judged

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import numpy as np
+from test_ledger_redis import redis_server  # noqa: F401 - the fixture
 
 from kvguard.engine_hooks.probes import Probes
 from kvguard.engine_hooks.ring import RingWriter
@@ -272,3 +273,40 @@ def test_log_format_json_makes_every_log_line_one_json_object(tmp_path):
     assert any("serving http://127.0.0.1" in rec["message"] for rec in lines)
     assert any(rec["message"] == "kvguard sidecar: stopped cleanly" for rec in lines)
     assert any(rec["level"] == "WARNING" and "no API token" in rec["message"] for rec in lines)
+
+
+def test_ledger_required_fails_fast_when_the_shared_ledger_does_not_answer(tmp_path):
+    nobody = f"redis://127.0.0.1:{free_port()}/0"
+    t0 = time.monotonic()
+    r = kvguard("sidecar", "--ring-dir", str(tmp_path / "a"), "--ledger", nobody, "--ledger-required")
+    assert r.returncode == 5, r.stderr
+    assert f"--ledger-required: the shared ledger cannot be reached: {nobody}: ConnectionError" in r.stderr
+    assert time.monotonic() - t0 < 30
+    r = kvguard("sidecar", "--ring-dir", str(tmp_path / "b"), "--ledger-required")  # the in-memory ledger
+    assert r.returncode == 2 and "--ledger-required: the ledger is 'memory', not a shared one" in r.stderr
+
+
+def test_ledger_required_starts_when_the_shared_ledger_answers(tmp_path, redis_server):  # noqa: F811
+    import signal
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvguard.sidecar.cli", "sidecar", "--ring-dir", str(tmp_path / "rings")]
+        + ["--listen", f"127.0.0.1:{port}", "--ledger", redis_server.url, "--ledger-required"],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline, healthy = time.time() + 60, False
+        while time.time() < deadline and proc.poll() is None and not healthy:
+            try:
+                healthy = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert healthy and proc.returncode == 0, err

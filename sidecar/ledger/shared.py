@@ -125,6 +125,26 @@ def valid_fact(fact, side: str, room: int) -> bool:
     return type(fact.get("reserved_tokens")) is int and type(fact.get("status")) is int
 
 
+def ping_ledger(url: str, timeout_s: float = 5.0) -> str | None:
+    """One round trip to the shared ledger at ``url`` (``--ledger-required``): None when it
+    answered, else why not (the URL shown without its password)."""
+    import redis
+
+    parsed = urlparse(url)
+    shown = f"{parsed.scheme}://{parsed.hostname}:{parsed.port or 6379}{parsed.path or '/0'}"
+    password = os.environ.get("KVGUARD_LEDGER_PASSWORD") or None
+    client = redis.Redis.from_url(
+        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **({"password": password} if password else {})
+    )
+    try:
+        client.ping()
+    except Exception as exc:  # noqa: BLE001 - refused, timed out, auth, a non-Redis server: all "not reachable"
+        return f"{shown}: {type(exc).__name__}: {exc}"
+    finally:
+        client.close()
+    return None
+
+
 class SharedLedger:
     def __init__(
         self,
