@@ -482,6 +482,13 @@ def exit_status(summary: dict) -> int:
     return 3 if summary["apply_errors"] or summary["probe_errors"] else 0
 
 
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
 def cmd_replay(args) -> int:
     problems_printed = [0]
 
@@ -514,9 +521,14 @@ def cmd_replay(args) -> int:
         sys.stderr.write(f"kvguard replay: error: {exc}\n")
         return 1
     summary = None
+    from .progress import progress_bar
+
+    sizes = [_size(path) for path, _header in plan]
     try:
-        for path, _header in plan:
-            r.replay_segment(path)
+        with progress_bar(total=sum(sizes), unit="B", desc="segments", quiet=args.json, unit_scale=True) as bar:
+            for (path, _header), size in zip(plan, sizes):
+                r.replay_segment(path)
+                bar.update(size)
         summary = r.summary()
         if args.json:
             sys.stdout.write(json.dumps({"summary": summary}) + "\n")

@@ -19,12 +19,13 @@ class BudgetExhausted(Exception):
 class Budget:
     """A thread-safe countdown of HTTP requests."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, on_take=None) -> None:
         if limit < 1:
             raise ValueError(f"--budget must be at least 1, got {limit}")
         self.limit = limit
         self.used = 0
         self._lock = threading.Lock()
+        self._on_take = on_take  # called with n after each reservation (a progress bar), outside the lock
 
     @property
     def left(self) -> int:
@@ -36,3 +37,5 @@ class Budget:
             if self.used + n > self.limit:
                 raise BudgetExhausted(f"budget of {self.limit} requests spent ({self.used} used); not sending {what}")
             self.used += n
+        if self._on_take is not None:
+            self._on_take(n)

@@ -44,7 +44,11 @@ def cmd_canary(args: argparse.Namespace) -> int:
         min_overlap=args.min_overlap,
         seed=args.seed,
     )
-    rep = run_canary(opts)
+    from ..progress import progress_bar
+
+    with progress_bar(total=args.budget, unit="req", desc="requests (of the budget)", quiet=args.json) as bar:
+        opts.on_request = bar.update
+        rep = run_canary(opts)
     if args.json:
         print(json.dumps(rep.to_json()), flush=True)
     else:

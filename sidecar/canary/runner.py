@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -47,12 +48,13 @@ class Options:
     seed: int | None = None
     tenant_a: str = "kvguard-canary-a"
     tenant_b: str = "kvguard-canary-b"
+    on_request: Callable[[int], None] | None = None  # n requests about to go out (a progress bar)
 
 
 def run_canary(opts: Options, transport: httpx.BaseTransport | None = None) -> Report:
     rep = Report(url=opts.url, budget=opts.budget)
     try:
-        budget = Budget(opts.budget)
+        budget = Budget(opts.budget, on_take=opts.on_request)
     except ValueError as exc:
         return rep.fail(str(exc))
     rep.budget_obj = budget
