@@ -402,6 +402,17 @@ def pod_problems(obj: dict) -> list[str]:
     metrics_ports = {pt.get("name"): pt["containerPort"] for pt in side.get("ports", [])}
     if metrics_ports.get("metrics") != port:
         p.append(f"{name}: sidecar port 'metrics' is {metrics_ports.get('metrics')}, --listen port is {port}")
+    if a.health_listen is not None:  # the probes' own listener: the probes must use it
+        health_host, health_port = a.health_listen
+        if health_host not in ("0.0.0.0", "::"):
+            p.append(f"{name}: sidecar --health-listen on {health_host}: the kubelet cannot reach it")
+        if metrics_ports.get("health") != health_port:
+            p.append(
+                f"{name}: sidecar port 'health' is {metrics_ports.get('health')}, --health-listen port is {health_port}"
+            )
+        for probe in ("readinessProbe", "livenessProbe"):
+            if side.get(probe, {}).get("httpGet", {}).get("port") not in ("health", health_port):
+                p.append(f"{name}: sidecar {probe} does not use the --health-listen port: a flood of 9464 fails it")
 
     # The ring directory: one in-memory volume, mounted at the same path in both.
     ring_env = _env(eng).get("KVGUARD_RING_DIR", {}).get("value")
@@ -629,6 +640,8 @@ def network_policy_problems(policies, workloads) -> list[str]:
                 anyone = any(_allows(r, port, proto) for r in open_rules)
                 if c["name"] == SIDECAR and anyone:
                     p.append(f"{kn(w)}: a NetworkPolicy opens the sidecar's port {port} to everyone")
+                elif c["name"] == SIDECAR and pt.get("name") == "health":
+                    continue  # the probes' port: the node's kubelet reaches it whatever the policy says
                 elif c["name"] == SIDECAR and not any(_allows(r, port, proto) for r in rules):
                     p.append(f"{kn(w)}: no NetworkPolicy rule lets Prometheus reach the sidecar's port {port}")
                 elif c["name"] != SIDECAR and not anyone:

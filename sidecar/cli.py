@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import errno
 import logging
 import os
@@ -154,27 +155,32 @@ def cmd_sidecar(args) -> int:
     except OSError as exc:
         print(f"kvguard sidecar: --ring-dir {args.ring_dir}: cannot create its lock file: {exc}", file=sys.stderr)
         return 2
+    listeners: list = []
     try:
-        host, port = args.listen
-        try:
-            listener = bind_listener(host, port)
-        except OSError as exc:
-            where = f"--listen {'[' + host + ']' if ':' in host else host}:{port}"
-            if exc.errno == errno.EADDRINUSE:
-                print(f"kvguard sidecar: {where}: the port is already in use", file=sys.stderr)
-                return EXIT_PORT_IN_USE
-            print(f"kvguard sidecar: {where}: cannot listen there: {exc.strerror or exc}", file=sys.stderr)
-            return EXIT_BAD_CONFIG
-        try:
-            return _run_sidecar(args, sinks, token, tracer, ledger, listener)
-        finally:
-            listener.close()
+        for flag, address in (("--listen", args.listen), ("--health-listen", args.health_listen)):
+            if address is None:
+                listeners.append(None)
+                continue
+            host, port = address
+            try:
+                listeners.append(bind_listener(host, port))
+            except OSError as exc:
+                where = f"{flag} {'[' + host + ']' if ':' in host else host}:{port}"
+                if exc.errno == errno.EADDRINUSE:
+                    print(f"kvguard sidecar: {where}: the port is already in use", file=sys.stderr)
+                    return EXIT_PORT_IN_USE
+                print(f"kvguard sidecar: {where}: cannot listen there: {exc.strerror or exc}", file=sys.stderr)
+                return EXIT_BAD_CONFIG
+        return _run_sidecar(args, sinks, token, tracer, ledger, listeners[0], listeners[1])
     finally:
+        for listener in listeners:
+            if listener is not None:
+                listener.close()
         if lock_fd is not None:
             os.close(lock_fd)  # the lock goes with it (the kernel would release it at exit anyway)
 
 
-def _run_sidecar(args, sinks, token, tracer, ledger: dict, listener) -> int:
+def _run_sidecar(args, sinks, token, tracer, ledger: dict, listener, health_listener=None) -> int:
     import uvicorn
 
     from .api import create_app
@@ -240,11 +246,20 @@ def _run_sidecar(args, sinks, token, tracer, ledger: dict, listener) -> int:
             http=guarded_protocol(args.http_max_connections, args.http_request_timeout_s),
         )
     )
-    logging.getLogger("kvguard").info("kvguard sidecar: rings in %s, serving http://%s:%d", args.ring_dir, host, port)
+    logging.getLogger("kvguard").info(
+        "kvguard sidecar: rings in %s, serving http://%s:%d%s",
+        args.ring_dir,
+        host,
+        port,
+        "" if args.health_listen is None else ", probes on http://%s:%d" % args.health_listen,
+    )
     try:
         # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again: SIGTERM
         # reaches main()'s handler (exit 0 once this finally has run), SIGINT is a KeyboardInterrupt (130)
-        server.run(sockets=[listener])
+        if health_listener is None:
+            server.run(sockets=[listener])
+        else:
+            asyncio.run(_serve_with_probes(server, listener, health_listener, sidecar.healthy))
     finally:
         previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut this short
         try:
@@ -253,6 +268,18 @@ def _run_sidecar(args, sinks, token, tracer, ledger: dict, listener) -> int:
         finally:
             signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+async def _serve_with_probes(server, listener, health_listener, healthy) -> None:
+    """The API server and the probes' own listener (sidecar/health_server.py) in one event loop."""
+    from . import health_server
+
+    probes = await health_server.start(health_listener, healthy)
+    try:
+        await server.serve(sockets=[listener])
+    finally:
+        probes.close()
+        await probes.wait_closed()
 
 
 # Commands that live in their own modules register themselves: module path -> the
@@ -325,6 +352,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--listen", type=parse_listen, default=("127.0.0.1", 9464), help="HOST:PORT (default 127.0.0.1:9464)"
+    )
+    p.add_argument(
+        "--health-listen",
+        type=parse_listen,
+        default=None,
+        help="also answer /healthz and /readyz, and only those, on this HOST:PORT: point the kubelet's "
+        "probes here so that a connection flood on --listen cannot fail them (off by default)",
     )
     p.add_argument(
         "--http-max-connections",
@@ -499,7 +533,7 @@ SIDECAR_EPILOG = """exit codes:
   1    failed while running
   2    bad configuration: the setting and its value are named
   3    another sidecar holds --ring-dir (one sidecar per ring directory)
-  4    --listen: the port is already in use
+  4    --listen or --health-listen: the port is already in use
   5    --ledger-required: the shared ledger does not answer
   130  interrupted (SIGINT)
 

@@ -25,7 +25,8 @@ DEFAULT_MAX_CONNECTIONS = 128
 DEFAULT_REQUEST_TIMEOUT_S = 10.0
 
 # closed connections by reason; read by sidecar.metrics (one process serves one sidecar)
-closed_connections = {"over_limit": 0, "request_timeout": 0}
+# (health_*: the probes' own listener, sidecar/health_server.py)
+closed_connections = {"over_limit": 0, "request_timeout": 0, "health_over_limit": 0, "health_bad_request": 0}
 
 
 class HttpConfigError(ValueError):

@@ -50,7 +50,7 @@ def test_healthz_is_503_until_ingest_runs_then_200(tmp_path):
 
 @pytest.mark.parametrize("bad", ["9464", "host:", "host:99999", "host:abc"])
 def test_listen_must_be_host_port(bad):
-    with pytest.raises(argparse.ArgumentTypeError, match="HOST:PORT"):
+    with pytest.raises(argparse.ArgumentTypeError, match="HOST:PORT|outside 1-65535"):
         parse_listen(bad)
 
 

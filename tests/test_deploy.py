@@ -242,6 +242,12 @@ POD_MUTATIONS = {
     ),
     "listens on 127.0.0.1": lambda d: _c(d, "kvguard")["args"].__setitem__(4, "127.0.0.1:9464"),
     "readinessProbe must GET /readyz": lambda d: _c(d, "kvguard")["readinessProbe"]["httpGet"].update(path="/healthz"),
+    "livenessProbe does not use the --health-listen port": lambda d: _c(d, "kvguard")["livenessProbe"][
+        "httpGet"
+    ].update(port="metrics"),
+    "port 'health' is 9466, --health-listen port is 9465": lambda d: _c(d, "kvguard")["ports"][1].update(
+        containerPort=9466
+    ),
     "--record-max-bytes": lambda d: next(v for v in _pod(d)["volumes"] if v["name"] == "recordings")["emptyDir"].update(
         sizeLimit="1Gi"
     ),
@@ -306,6 +312,8 @@ def test_the_network_policy_closes_only_the_sidecars_port(rendered):
     assert any("cuts sglang's port" in p for p in check.cross_problems(cut))
     closed = changed(lambda o: o["spec"]["ingress"].pop(0))
     assert any("lets Prometheus reach the sidecar's port" in p for p in check.cross_problems(closed))
+    probes_open = changed(lambda o: o["spec"]["ingress"][1]["ports"][1].update(port=9465))  # 9465-65535
+    assert any("opens the sidecar's port 9465 to everyone" in p for p in check.cross_problems(probes_open))
 
 
 # --------------------------------------------------------------------------- Dockerfiles

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import numpy as np
+import pytest
 from test_ledger_redis import redis_server  # noqa: F401 - the fixture
 
 from kvguard.engine_hooks.probes import Probes
@@ -232,7 +233,11 @@ def test_a_taken_port_a_busy_ring_dir_and_bad_settings_have_their_own_exit_codes
     assert r.returncode == 3, r.stderr
     r = kvguard("sidecar", "--help")
     assert r.returncode == 0
-    for documented in ("exit codes:", "4    --listen: the port is already in use", "KVGUARD_RING_DIR", "OTEL_*"):
+    for documented in (
+        "exit codes:",
+        "4    --listen or --health-listen: the port is already in use",
+        "KVGUARD_RING_DIR",
+    ):
         assert documented in r.stdout
 
 
@@ -310,3 +315,54 @@ def test_ledger_required_starts_when_the_shared_ledger_answers(tmp_path, redis_s
         if proc.poll() is None:
             proc.kill()
     assert healthy and proc.returncode == 0, err
+
+
+def test_the_probes_own_listener_answers_while_the_api_port_is_flooded(tmp_path):
+    import signal
+
+    api, health = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvguard.sidecar.cli", "sidecar", "--ring-dir", str(tmp_path)]
+        + ["--listen", f"127.0.0.1:{api}", "--health-listen", f"127.0.0.1:{health}", "--http-max-connections", "8"],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    flood: list[socket.socket] = []
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{health}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        for _ in range(40):  # connections that never send a request: the API port's cap is 8
+            s = socket.create_connection(("127.0.0.1", api), timeout=5)
+            flood.append(s)
+        time.sleep(0.5)
+        with pytest.raises(httpx.HTTPError):  # the API port closes new connections
+            httpx.get(f"http://127.0.0.1:{api}/healthz", timeout=2)
+        for _ in range(5):  # the probes' port answers, as the API would
+            t0 = time.monotonic()
+            live = httpx.get(f"http://127.0.0.1:{health}/healthz", timeout=2)
+            ready = httpx.get(f"http://127.0.0.1:{health}/readyz", timeout=2)
+            assert time.monotonic() - t0 < 2
+            assert live.status_code == 200 and live.json()["ingest_alive"] is True
+            assert ready.status_code == 200 and ready.json()["ready"] is True
+        assert httpx.get(f"http://127.0.0.1:{health}/metrics", timeout=2).status_code == 404  # probes only
+        with socket.create_connection(("127.0.0.1", health), timeout=5) as s:  # not HTTP: 400, closed
+            s.sendall(b"HELLO\r\n\r\n")
+            assert s.recv(100).startswith(b"HTTP/1.1 400")
+        for s in flood:
+            s.close()
+        flood.clear()
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        for s in flood:
+            s.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert f"probes on http://127.0.0.1:{health}" in err
