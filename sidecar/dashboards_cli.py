@@ -232,14 +232,35 @@ def push(
     return worst
 
 
+def installed_dashboards() -> Path:
+    """Where the generated dashboards are: this checkout's ``dashboards/generated`` when there is
+    one, else the copy installed with kvguard (package data of ``kvguard.dashboards``)."""
+    checkout = DASHBOARDS_DIR / "generated"
+    if checkout.is_dir() and any(checkout.glob("*.json")):
+        return checkout
+    from importlib import resources
+
+    return Path(str(resources.files("kvguard.dashboards")))
+
+
 def cmd_push(args) -> int:
     try:
-        url = grafana_url(args.url)
+        if args.url is None and not args.dry_run:
+            raise PushError(EXIT_USAGE, "--url is required (or --dry-run)")
+        url = grafana_url(args.url) if args.url is not None else None
         token = load_token(args.token_file)
-        dashboards = load_dashboards(Path(args.dir))
+        directory = Path(args.dir) if args.dir is not None else installed_dashboards()
+        dashboards = load_dashboards(directory)
     except PushError as exc:
         print(f"kvguard dashboards push: {exc.message}", file=sys.stderr)
         return exc.code
+    if args.dry_run:  # what would go where, without a request
+        where = redact(url) if url is not None else "Grafana"
+        print(f"would upload {len(dashboards)} dashboard(s) from {directory} to {where}:")
+        for name, dash in dashboards:
+            print(f"  {name}: {dash.get('title', '?')!r} (uid {dash.get('uid', '?')})")
+        return 0
+    assert url is not None
     return push(url, token, dashboards, args.folder_uid, args.overwrite, args.timeout)
 
 
@@ -282,7 +303,14 @@ def register(subparsers) -> argparse.ArgumentParser:
         "0 uploaded, 1 refused by Grafana, 2 bad arguments, 3 Grafana unreachable or "
         "failing, 4 credentials rejected.",
     )
-    u.add_argument("--url", required=True, help="Grafana's root URL, e.g. http://grafana:3000")
+    u.add_argument(
+        "--url", default=None, help="Grafana's root URL, e.g. http://grafana:3000 (required unless --dry-run)"
+    )
+    u.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="load and list the dashboards that would be uploaded, and where, without contacting Grafana",
+    )
     u.add_argument(
         "--token-file",
         default=None,
@@ -290,7 +318,10 @@ def register(subparsers) -> argparse.ArgumentParser:
         f"${TOKEN_ENV}; without either, user:password in --url or anonymous)",
     )
     u.add_argument(
-        "--dir", default=str(DASHBOARDS_DIR / "generated"), help="the dashboard JSON files (default: %(default)s)"
+        "--dir",
+        default=None,
+        help="the dashboard JSON files (default: dashboards/generated of this checkout, else the ones "
+        "installed with kvguard)",
     )
     u.add_argument("--folder-uid", default=None, help="Grafana folder to put them in (default: General)")
     u.add_argument(

@@ -18,7 +18,12 @@ from pathlib import Path
 import pytest
 from conftest import REPO_ROOT
 
-MAPPED = {"kvguard": "kvguard", "kvguard.engine_hooks": "engine_hooks", "kvguard.sidecar": "sidecar"}
+MAPPED = {
+    "kvguard": "kvguard",
+    "kvguard.engine_hooks": "engine_hooks",
+    "kvguard.sidecar": "sidecar",
+    "kvguard.dashboards": "dashboards/generated",  # the generated JSON, package data
+}
 
 
 def _packages_on_disk(prefix: str, folder: Path) -> set[str]:
@@ -49,6 +54,7 @@ def test_wheel_holds_only_the_kvguard_namespace(kvguard_wheel):
     assert tops == {"kvguard", "kvguard-0.1.0.dist-info"}, tops
     assert "kvguard/sidecar/cli.py" in names and "kvguard/engine_hooks/sglang/plugin.py" in names
     assert "kvguard/engine_hooks/native/head_streams.c" in names  # package data: the digest routine's source
+    assert "kvguard/dashboards/kvguard-integrity.json" in names  # package data: `kvguard dashboards push`
     # the demo, its models and the CPU shims are kvguard-demo's, never the engine image's
     assert not [n for n in names if n.startswith("kvguard/demo/") or "cpu_compat" in n or "sitecustomize" in n]
     assert "kvguard = kvguard.sidecar.cli:main" in entry_points
@@ -99,6 +105,11 @@ def test_installed_wheel_runs_without_the_demo(kvguard_wheel, tmp_path):
     assert helped.returncode == 0 and "sidecar" in helped.stdout, helped.stderr
     demo = wheel_python("-m", "kvguard.sidecar.cli", "demo")
     assert demo.returncode == 1 and "kvguard-demo" in demo.stderr, demo.stderr
+    # the dashboards are in the wheel: push finds them with no checkout
+    listed = wheel_python("-m", "kvguard.sidecar.cli", "dashboards", "push", "--dry-run")
+    assert listed.returncode == 0, listed.stderr
+    assert f"would upload 2 dashboard(s) from {tmp_path / 'site'}" in listed.stdout
+    assert "(uid kvguard-integrity)" in listed.stdout and "(uid kvguard-pages)" in listed.stdout
 
 
 # SGLang's own loader finding the entry point: tests/test_sglang_adapter.py test_real_targets_resolve
