@@ -70,12 +70,9 @@ def load_api_token(path: str | None) -> str | None:
     """The /v1 bearer token: from --api-token-file, else $KVGUARD_API_TOKEN, else None (/v1 disabled)."""
     from .secrets import read_secret
 
-    try:
-        token, source = read_secret(path, "--api-token-file", "KVGUARD_API_TOKEN")
-    except ValueError as exc:
-        raise SystemExit(f"kvguard: {exc}") from exc
+    token, source = read_secret(path, "--api-token-file", "KVGUARD_API_TOKEN")  # (ValueError: unreadable)
     if path and not token:
-        raise SystemExit(f"kvguard: {source} is empty")
+        raise ValueError(f"{source} is empty")
     return token or None
 
 
@@ -120,10 +117,10 @@ def cmd_sidecar(args) -> int:
     except ValueError as exc:  # bad configuration fails at start-up, naming the setting
         print(f"kvguard sidecar: {exc}", file=sys.stderr)
         return 2
-    token = load_api_token(args.api_token_file)
     from .tracing import from_env as tracing_from_env
 
     try:
+        token = load_api_token(args.api_token_file)
         tracer = tracing_from_env()  # OTEL_* variables; None (off) unless an exporter or an endpoint is set
         ledger = ledger_settings(args)
         check_limits(args.http_max_connections, args.http_request_timeout_s)

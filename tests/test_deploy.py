@@ -488,6 +488,10 @@ def test_pod_shaped_run_sidecar_ingests_the_engines_ring_with_the_manifests_uids
     port = _free_port()
     args = [local(a) for a in c["kvguard"]["args"]]
     args[args.index("--listen") + 1] = f"127.0.0.1:{port}"
+    args[args.index("--health-listen") + 1] = f"127.0.0.1:{_free_port()}"
+    # direct PagerDuty is opt-in (the manifests page through Alertmanager): added as the comment says
+    assert "--pagerduty-routing-key-file" not in args
+    args += ["--pagerduty-routing-key-file", local("/secrets/pagerduty-routing-key")]
     _PagerDuty.events = []
     pd = HTTPServer(("127.0.0.1", 0), _PagerDuty)
     threading.Thread(target=pd.serve_forever, daemon=True).start()

@@ -217,6 +217,8 @@ def test_a_taken_port_a_busy_ring_dir_and_bad_settings_have_their_own_exit_codes
         r = kvguard("sidecar", "--ring-dir", str(tmp_path / "a"), "--listen", f"127.0.0.1:{port}")
     assert r.returncode == 4, r.stderr
     assert f"--listen 127.0.0.1:{port}: the port is already in use" in r.stderr
+    r = kvguard("sidecar", "--ring-dir", str(tmp_path / "e"), "--api-token-file", str(tmp_path / "missing"))
+    assert r.returncode == 2 and "--api-token-file" in r.stderr and "No such file" in r.stderr
     r = kvguard("sidecar", "--ring-dir", str(tmp_path / "b"), "--listen", "192.0.2.1:9464")  # not this host's address
     assert r.returncode == 2 and "--listen 192.0.2.1:9464: cannot listen there" in r.stderr
     r = kvguard(

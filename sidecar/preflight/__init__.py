@@ -1,4 +1,4 @@
-"""``kvguard preflight``: a deploy gate comparing a live SGLang server's KV pool with its
+"""``kvguard preflight``: a deploy gate comparing a live SGLang or vLLM server's KV pool with its
 context length (the incident's precondition), directly or through SGLang's router.
 
 - :mod:`.checks`: reading ``/server_info`` and ``/v1/models``, the verdict per server.

@@ -126,9 +126,10 @@ def _exit_1_on_usage_errors(p: argparse.ArgumentParser) -> None:
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "preflight",
-        help="deploy gate: compare a live SGLang server's KV pool with its context length",
-        description="Read GET /server_info and GET /v1/models of each SGLang server and compare the KV pool "
-        "(max_total_num_tokens) with the context length the server enforces (max_model_len). "
+        help="deploy gate: compare a live SGLang or vLLM server's KV pool with its context length",
+        description="Read each SGLang server's GET /server_info and GET /v1/models (a vLLM server: GET /v1/models "
+        "and GET /metrics) and compare the KV pool with the context length the "
+        "server enforces. "
         "A --url of SGLang's router (sglang-router) checks every worker it lists (GET /workers), "
         "each directly. Exit 0: pool >= context on every server; 2: some pool is smaller than its "
         "context; 1: cannot tell (the reason is printed). With several servers the worst wins "
