@@ -379,11 +379,11 @@ def pod_problems(obj: dict) -> list[str]:
         return p + [f"{name}: no {ENGINE!r} container"]
     side, eng = containers[SIDECAR], containers[ENGINE]
 
-    # The pid namespace: the sidecar's liveness check of each ring's producer needs it.
-    if pod.get("shareProcessNamespace") is not True:
+    # No shared pid namespace: the sidecar tells a live engine by the lock on its ring file.
+    if pod.get("shareProcessNamespace") is True:
         p.append(
-            f"{name}: shareProcessNamespace must be true (the sidecar checks each ring's engine by pid; in "
-            f"another pid namespace it takes live engines for exited and deletes their rings)"
+            f"{name}: shareProcessNamespace is not needed (the sidecar tells a live engine by the lock on its "
+            f"ring file) and lets each container see and signal the other's processes: remove it"
         )
 
     # The sidecar's command line, as kvguard parses it.
@@ -486,12 +486,19 @@ def pod_problems(obj: dict) -> list[str]:
     side_uid = sc.get("runAsUser", psc.get("runAsUser"))
     if not side_uid:
         p.append(f"{name}: sidecar runAsUser must be a non-zero uid")
-    # Rings are created 0644 by the engine and opened read-write by the sidecar: one uid.
+    # Rings are created 0660 by the engine and opened read-write by the sidecar: a shared group
+    # (the pod's fsGroup, which owns the rings volume and every container has), or one uid.
     eng_uid = eng.get("securityContext", {}).get("runAsUser", psc.get("runAsUser"))
-    if eng_uid != side_uid:
+    if psc.get("fsGroup") is None and eng_uid != side_uid:
         p.append(
-            f"{name}: engine runs as uid {eng_uid}, sidecar as {side_uid}: the sidecar cannot open the "
-            f"engine's rings (created 0644, opened read-write) unless both run as one uid"
+            f"{name}: no pod securityContext.fsGroup and the engine's uid ({eng_uid or 'the image user'}) is not "
+            f"the sidecar's ({side_uid}): the sidecar cannot open the engine's rings (created 0660, opened "
+            f"read-write) without a shared group"
+        )
+    if eng_uid is not None and eng_uid == side_uid and psc.get("fsGroup") is not None:
+        p.append(
+            f"{name}: the engine runs as the sidecar's uid {side_uid}, which the rings no longer need (the pod's "
+            f"fsGroup shares them): let the engine run as its image's user"
         )
 
     # Probes and resources.

@@ -224,7 +224,7 @@ def _c(d, name):
 
 
 POD_MUTATIONS = {
-    "shareProcessNamespace": lambda d: _pod(d).pop("shareProcessNamespace"),
+    "shareProcessNamespace is not needed": lambda d: _pod(d).update(shareProcessNamespace=True),
     "readOnlyRootFilesystem": lambda d: _c(d, "kvguard")["securityContext"].update(readOnlyRootFilesystem=False),
     "drop ALL": lambda d: _c(d, "kvguard")["securityContext"]["capabilities"].update(drop=["NET_RAW"]),
     "RuntimeDefault": lambda d: (
@@ -233,7 +233,8 @@ POD_MUTATIONS = {
     ),
     "KVGUARD_RING_DIR": lambda d: _c(d, "sglang")["env"][0].update(value="/dev/shm/kvguard"),
     "does not parse": lambda d: _c(d, "kvguard")["args"].__setitem__(1, "--ring-dirr"),
-    "both run as one uid": lambda d: _c(d, "sglang")["securityContext"].update(runAsUser=0),
+    "without a shared group": lambda d: _pod(d)["securityContext"].pop("fsGroup"),
+    "which the rings no longer need": lambda d: _c(d, "sglang")["securityContext"].update(runAsUser=10001),
     "sizeLimit": lambda d: next(v for v in _pod(d)["volumes"] if v["name"] == "rings")["emptyDir"].update(
         sizeLimit="64Mi"
     ),
@@ -432,21 +433,24 @@ def pod_dir():
 def test_pod_shaped_run_sidecar_ingests_the_engines_ring_with_the_manifests_uids(
     rendered, pod_dir, kvguard_wheel, request
 ):
-    """The prefill pod as rendered: engine and sidecar as the manifest's uids, in one pid
-    namespace (shareProcessNamespace), the sidecar started with the manifest's own command
-    line (paths moved under pod_dir, --listen on loopback, PagerDuty pointed at a local
-    stand-in). A real probe writes a HELLO and a leak into a ring in the shared directory:
-    the sidecar attaches the ring, prints the finding, pages with the mounted routing key,
-    and answers /v1 with the mounted API token. Not emulated: the read-only root
-    filesystem, the dropped capabilities, seccomp, memory limits."""
-    if os.geteuid() != 0 or not shutil.which("setpriv"):
-        pytest.skip("needs root and setpriv (util-linux) to run the two containers' uids")
+    """The prefill pod as rendered: the sidecar as the manifest's uid, the engine as another
+    uid (its image's user: the manifest sets none) in a pid namespace of its own (the
+    manifest shares none), both with the pod's fsGroup as a supplementary group and the
+    rings volume group-owned by it (setgid), as Kubernetes sets them up; the sidecar started
+    with the manifest's own command line (paths moved under pod_dir, --listen on loopback,
+    PagerDuty pointed at a local stand-in). A real probe writes a HELLO and a leak into a
+    ring in the shared directory: the sidecar attaches the ring, prints the finding, pages
+    with the mounted routing key, and answers /v1 with the mounted API token. Not emulated:
+    the read-only root filesystem, the dropped capabilities, seccomp, memory limits."""
+    if os.geteuid() != 0 or not shutil.which("setpriv") or not shutil.which("unshare"):
+        pytest.skip("needs root, setpriv and unshare (util-linux) to run the two containers' uids and pid namespaces")
     (d,) = by_kind(rendered["prefill"], "Deployment")
     pod, c = _pod(d), containers(d)
     engine_sc, side_sc = c["sglang"]["securityContext"], c["kvguard"]["securityContext"]
-    e_uid, e_gid = engine_sc["runAsUser"], engine_sc["runAsGroup"]
+    assert "runAsUser" not in engine_sc and "shareProcessNamespace" not in pod  # what the code no longer needs
+    fs_group = pod["securityContext"]["fsGroup"]
+    e_uid, e_gid = 4242, 4242  # an image's own user: neither the sidecar's uid nor its group
     s_uid, s_gid = side_sc["runAsUser"], side_sc["runAsGroup"]
-    assert pod["shareProcessNamespace"] is True  # this test runs both in one pid namespace
 
     # kvguard as the image has it: the wheel, installed (here: unpacked where both uids read it)
     site = Path(tempfile.mkdtemp(prefix="kvg-wheel-"))
@@ -498,9 +502,14 @@ def test_pod_shaped_run_sidecar_ingests_the_engines_ring_with_the_manifests_uids
     args += ["--pagerduty-url", f"http://127.0.0.1:{pd.server_address[1]}/v2/enqueue"]
     ring_dir = Path(local(check._env(c["sglang"])["KVGUARD_RING_DIR"]["value"]))
 
-    def as_uid(uid, gid, argv, **kw):
+    # the rings volume as the kubelet sets up an fsGroup volume: group fsGroup, setgid, group-writable
+    os.chown(vols["rings"], 0, fs_group)
+    os.chmod(vols["rings"], 0o2770)
+
+    def as_uid(uid, gid, argv, own_pid_namespace=False, **kw):
+        drop = ["setpriv", f"--reuid={uid}", f"--regid={gid}", f"--groups={fs_group}", py, *argv]
         return subprocess.Popen(
-            ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", py, *argv], env=env, cwd="/", **kw
+            (["unshare", "--pid", "--fork"] if own_pid_namespace else []) + drop, env=env, cwd="/", **kw
         )
 
     sidecar = as_uid(
@@ -518,7 +527,7 @@ def test_pod_shaped_run_sidecar_ingests_the_engines_ring_with_the_manifests_uids
             assert sidecar.poll() is None, sidecar.stderr.read()
             assert time.monotonic() < deadline, "sidecar not ready"
             time.sleep(0.1)
-        engine = as_uid(e_uid, e_gid, ["-c", ENGINE_CODE, str(ring_dir)])
+        engine = as_uid(e_uid, e_gid, ["-c", ENGINE_CODE, str(ring_dir)], own_pid_namespace=True)
         finding = json.loads(sidecar.stdout.readline())
         assert finding["kind"] in ("unwritten_read", "pool_smaller_than_context"), finding
         kinds = {finding["kind"], json.loads(sidecar.stdout.readline())["kind"]}
