@@ -379,6 +379,11 @@ def pod_problems(obj: dict) -> list[str]:
         return p + [f"{name}: no {ENGINE!r} container"]
     side, eng = containers[SIDECAR], containers[ENGINE]
 
+    if pod.get("automountServiceAccountToken") is not False:
+        p.append(
+            f"{name}: automountServiceAccountToken must be false (neither container uses the Kubernetes API; a "
+            f"mounted token is a credential for whoever gets into either)"
+        )
     # No shared pid namespace: the sidecar tells a live engine by the lock on its ring file.
     if pod.get("shareProcessNamespace") is True:
         p.append(

@@ -225,6 +225,7 @@ def _c(d, name):
 
 POD_MUTATIONS = {
     "shareProcessNamespace is not needed": lambda d: _pod(d).update(shareProcessNamespace=True),
+    "automountServiceAccountToken must be false": lambda d: _pod(d).pop("automountServiceAccountToken"),
     "readOnlyRootFilesystem": lambda d: _c(d, "kvguard")["securityContext"].update(readOnlyRootFilesystem=False),
     "drop ALL": lambda d: _c(d, "kvguard")["securityContext"]["capabilities"].update(drop=["NET_RAW"]),
     "RuntimeDefault": lambda d: (
