@@ -174,6 +174,43 @@ def kvguard(*args, timeout=60):
     )
 
 
+class RunningSidecar:
+    """``kvguard sidecar ARGS`` as a process, healthy on ``health_port`` (its --health-listen, else
+    --listen) before the block runs; stopped with SIGTERM after it (``returncode``, ``stderr``)."""
+
+    def __init__(self, args: list[str], health_port: int, env: dict | None = None):
+        self.args, self.health_port, self.env = args, health_port, env
+        self.healthy, self.returncode, self.stderr = False, None, ""
+
+    def __enter__(self) -> "RunningSidecar":
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvguard.sidecar.cli", "sidecar", *self.args],
+            cwd=ROOT,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=self.env,
+        )
+        deadline = time.time() + 60
+        while time.time() < deadline and self.proc.poll() is None and not self.healthy:
+            try:
+                self.healthy = httpx.get(f"http://127.0.0.1:{self.health_port}/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+            _out, self.stderr = self.proc.communicate(timeout=60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        self.returncode = self.proc.returncode
+
+
 def test_kvguard_version_prints_the_installed_packages_version():
     from importlib import metadata
 
@@ -250,31 +287,12 @@ def test_verbose_is_accepted_after_every_subcommand():
 
 
 def test_log_format_json_makes_every_log_line_one_json_object(tmp_path):
-    import signal
-
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvguard.sidecar.cli", "sidecar", "--log-format", "json"]
-        + ["--ring-dir", str(tmp_path), "--listen", f"127.0.0.1:{port}"],
-        cwd=ROOT,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ, KVGUARD_API_TOKEN=""),
-    )
-    try:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        _out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err
+    args = ["--log-format", "json", "--ring-dir", str(tmp_path), "--listen", f"127.0.0.1:{port}"]
+    with RunningSidecar(args, port, env=dict(os.environ, KVGUARD_API_TOKEN="")) as sidecar:
+        assert sidecar.healthy
+    assert sidecar.returncode == 0, sidecar.stderr
+    err = sidecar.stderr
     lines = [json.loads(line) for line in err.splitlines() if line.strip()]
     assert lines and all({"time", "level", "logger", "message"} <= set(rec) for rec in lines)
     assert any("serving http://127.0.0.1" in rec["message"] for rec in lines)
@@ -294,77 +312,38 @@ def test_ledger_required_fails_fast_when_the_shared_ledger_does_not_answer(tmp_p
 
 
 def test_ledger_required_starts_when_the_shared_ledger_answers(tmp_path, redis_server):  # noqa: F811
-    import signal
-
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvguard.sidecar.cli", "sidecar", "--ring-dir", str(tmp_path / "rings")]
-        + ["--listen", f"127.0.0.1:{port}", "--ledger", redis_server.url, "--ledger-required"],
-        cwd=ROOT,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline, healthy = time.time() + 60, False
-        while time.time() < deadline and proc.poll() is None and not healthy:
-            try:
-                healthy = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        _out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert healthy and proc.returncode == 0, err
+    args = ["--ring-dir", str(tmp_path / "rings"), "--listen", f"127.0.0.1:{port}"]
+    with RunningSidecar(args + ["--ledger", redis_server.url, "--ledger-required"], port) as sidecar:
+        assert sidecar.healthy, sidecar.proc.poll()
+    assert sidecar.returncode == 0, sidecar.stderr
 
 
 def test_the_probes_own_listener_answers_while_the_api_port_is_flooded(tmp_path):
-    import signal
-
     api, health = free_port(), free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvguard.sidecar.cli", "sidecar", "--ring-dir", str(tmp_path)]
-        + ["--listen", f"127.0.0.1:{api}", "--health-listen", f"127.0.0.1:{health}", "--http-max-connections", "8"],
-        cwd=ROOT,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    args = ["--ring-dir", str(tmp_path), "--listen", f"127.0.0.1:{api}", "--health-listen", f"127.0.0.1:{health}"]
     flood: list[socket.socket] = []
-    try:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{health}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        for _ in range(40):  # connections that never send a request: the API port's cap is 8
-            s = socket.create_connection(("127.0.0.1", api), timeout=5)
-            flood.append(s)
-        time.sleep(0.5)
-        with pytest.raises(httpx.HTTPError):  # the API port closes new connections
-            httpx.get(f"http://127.0.0.1:{api}/healthz", timeout=2)
-        for _ in range(5):  # the probes' port answers, as the API would
-            t0 = time.monotonic()
-            live = httpx.get(f"http://127.0.0.1:{health}/healthz", timeout=2)
-            ready = httpx.get(f"http://127.0.0.1:{health}/readyz", timeout=2)
-            assert time.monotonic() - t0 < 2
-            assert live.status_code == 200 and live.json()["ingest_alive"] is True
-            assert ready.status_code == 200 and ready.json()["ready"] is True
-        assert httpx.get(f"http://127.0.0.1:{health}/metrics", timeout=2).status_code == 404  # probes only
-        with socket.create_connection(("127.0.0.1", health), timeout=5) as s:  # not HTTP: 400, closed
-            s.sendall(b"HELLO\r\n\r\n")
-            assert s.recv(100).startswith(b"HTTP/1.1 400")
-        for s in flood:
-            s.close()
-        flood.clear()
-        proc.send_signal(signal.SIGTERM)
-        _out, err = proc.communicate(timeout=60)
-    finally:
-        for s in flood:
-            s.close()
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err
-    assert f"probes on http://127.0.0.1:{health}" in err
+    with RunningSidecar(args + ["--http-max-connections", "8"], health) as sidecar:
+        assert sidecar.healthy
+        try:
+            for _ in range(40):  # connections that never send a request: the API port's cap is 8
+                flood.append(socket.create_connection(("127.0.0.1", api), timeout=5))
+            time.sleep(0.5)
+            with pytest.raises(httpx.HTTPError):  # the API port closes new connections
+                httpx.get(f"http://127.0.0.1:{api}/healthz", timeout=2)
+            for _ in range(5):  # the probes' port answers, as the API would
+                t0 = time.monotonic()
+                live = httpx.get(f"http://127.0.0.1:{health}/healthz", timeout=2)
+                ready = httpx.get(f"http://127.0.0.1:{health}/readyz", timeout=2)
+                assert time.monotonic() - t0 < 2
+                assert live.status_code == 200 and live.json()["ingest_alive"] is True
+                assert ready.status_code == 200 and ready.json()["ready"] is True
+            assert httpx.get(f"http://127.0.0.1:{health}/metrics", timeout=2).status_code == 404  # probes only
+            with socket.create_connection(("127.0.0.1", health), timeout=5) as s:  # not HTTP: 400, closed
+                s.sendall(b"HELLO\r\n\r\n")
+                assert s.recv(100).startswith(b"HTTP/1.1 400")
+        finally:
+            for s in flood:
+                s.close()
+    assert sidecar.returncode == 0, sidecar.stderr
+    assert f"probes on http://127.0.0.1:{health}" in sidecar.stderr
