@@ -510,7 +510,9 @@ def configure_logging(verbose: bool, log_format: str) -> None:
         )
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler], force=True)
+    # (not force=True: a host that configured logging already, such as a test runner calling
+    # main() in its own process, keeps its handlers; the command line owns a fresh process's)
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])
 
 
 def package_version() -> str:

@@ -347,3 +347,18 @@ def test_the_probes_own_listener_answers_while_the_api_port_is_flooded(tmp_path)
                 s.close()
     assert sidecar.returncode == 0, sidecar.stderr
     assert f"probes on http://127.0.0.1:{health}" in sidecar.stderr
+
+
+def test_main_in_another_process_keeps_that_processs_logging(monkeypatch):
+    # a test runner or a tool calling kvguard's main() in-process: its handlers stay (replacing
+    # them bound the root logger to one test's captured stderr, and later log lines failed)
+    import io
+    import logging
+
+    from kvguard.sidecar import cli
+
+    root = logging.getLogger()
+    host = logging.StreamHandler(io.StringIO())
+    monkeypatch.setattr(root, "handlers", [host])
+    cli.configure_logging(False, "json")
+    assert root.handlers == [host]
