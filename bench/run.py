@@ -283,29 +283,7 @@ def engine_part(sz: Sizes, res: dict, details: dict, log) -> None:
         return
     log(f"engine probes on real SGLang {SGLANG_VERSION} objects (subprocess; the SGLang import alone takes 10-20 s)")
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "engine.json")
-        env = dict(
-            os.environ,
-            PYTHONPATH=os.pathsep.join(
-                [REPO, sg, os.path.join(REPO, "demo", "shim")] + [os.environ.get("PYTHONPATH", "")]
-            ).rstrip(os.pathsep),
-        )
-        cmd = [
-            sys.executable,
-            "-m",
-            "bench.engine_bench",
-            "--batches",
-            sz.engine_batches,
-            "--steps",
-            str(sz.engine_steps),
-            "--json",
-            out,
-        ]
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-        if proc.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"engine bench failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-        with open(out) as f:
-            eng = json.load(f)
+        eng = _engine_bench(REPO, sg, sz.engine_batches, sz.engine_steps, os.path.join(tmp, "engine.json"))
     details["engine"] = eng
     for b, r in eng["batches"].items():
         res[f"engine.probe_us_per_step_b{b}"] = r["probe_cpu_us_per_step"]
@@ -346,7 +324,8 @@ def _engine_bench(tree: str, sg: str, batches: str, steps: int, out: str) -> dic
         ),
         "",
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tree, sg, shim) if p))
+    path = (tree, sg, shim, os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
     cmd = [sys.executable, "-m", "bench.engine_bench", "--batches", batches, "--steps", str(steps), "--json", out]
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0 or not os.path.exists(out):

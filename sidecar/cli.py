@@ -62,7 +62,6 @@ def bind_listener(host: str, port: int):
     except OSError:
         sock.close()
         raise
-    sock.set_inheritable(True)
     return sock
 
 
@@ -116,7 +115,7 @@ def cmd_sidecar(args) -> int:
         sinks += alert_sinks(args)
     except ValueError as exc:  # bad configuration fails at start-up, naming the setting
         print(f"kvguard sidecar: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_CONFIG
     from .tracing import from_env as tracing_from_env
 
     try:
@@ -126,7 +125,7 @@ def cmd_sidecar(args) -> int:
         check_limits(args.http_max_connections, args.http_request_timeout_s)
     except ValueError as exc:  # a bad tracing, ledger or HTTP setting: named with its value
         print(f"kvguard sidecar: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_CONFIG
     if args.ledger_required:  # fail fast (and be restarted) rather than pair nothing across pods
         from .ledger.shared import parse_ledger_url, ping_ledger
 
@@ -151,7 +150,7 @@ def cmd_sidecar(args) -> int:
         return EXIT_RING_DIR_BUSY
     except OSError as exc:
         print(f"kvguard sidecar: --ring-dir {args.ring_dir}: cannot create its lock file: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_CONFIG
     listeners: list = []
     try:
         for flag, address in (("--listen", args.listen), ("--health-listen", args.health_listen)):
@@ -191,7 +190,7 @@ def _run_sidecar(args, sinks, token, tracer, ledger: dict, listener, health_list
             recorder = Recorder(args.record_dir, max_bytes=args.record_max_bytes, max_age_s=args.record_max_age)
         except (RecordingError, ValueError) as exc:
             print(f"kvguard sidecar: --record-dir: {exc}", file=sys.stderr)
-            return 2
+            return EXIT_BAD_CONFIG
     raise_fd_limit(args.max_rings)  # the soft limit up to the hard one, as far as --max-rings needs
     try:
         sidecar = Sidecar(
@@ -208,7 +207,7 @@ def _run_sidecar(args, sinks, token, tracer, ledger: dict, listener, health_list
         ).start()
     except ValueError as exc:  # a bad ledger setting or a budget too small: named with its value
         print(f"kvguard sidecar: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_CONFIG
     # long-lived state out of every garbage collection (their pauses held /healthz past 100 ms)
     from .gc_policy import GcFreeze
 
@@ -264,7 +263,7 @@ def _run_sidecar(args, sinks, token, tracer, ledger: dict, listener, health_list
             logging.getLogger("kvguard").info("kvguard sidecar: stopped cleanly")
         finally:
             signal.signal(signal.SIGTERM, previous)
-    return 0
+    return EXIT_OK
 
 
 async def _serve_with_probes(server, listener, health_listener, healthy) -> None:
@@ -567,9 +566,9 @@ def main(argv=None) -> int:
     try:
         return args.func(args)
     except Terminated:  # asked to stop, and stopped cleanly: not a failure
-        return 0
+        return EXIT_OK
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -409,6 +409,19 @@ class RowScalars:
         self._free.append(index)
 
 
+class _InTable:
+    """A row's scalar, kept in the ``RowScalars`` column of the same name at the row's index."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, row: Row, owner: type | None = None) -> int:
+        return int(getattr(row.table, self.name)[row.index])
+
+    def __set__(self, row: Row, value: int) -> None:
+        getattr(row.table, self.name)[row.index] = value
+
+
 class Row:
     """A live request's row, one entry per row page: 8 bytes, an int32 page (ids are below
     ``PagePool.limit`` <= ``MAX_PAGES``; -1 = not assigned) and a u32 holding the page's gen
@@ -434,29 +447,9 @@ class Row:
 
     # entries [0, clean_n) were judged clean (nothing to report) in judge epoch clean_epoch and
     # none of their pages changed since; clean_reads of them are pages (id > 0) a read counts
-    @property
-    def clean_n(self) -> int:
-        return int(self.table.clean_n[self.index])
-
-    @clean_n.setter
-    def clean_n(self, n: int) -> None:
-        self.table.clean_n[self.index] = n
-
-    @property
-    def clean_reads(self) -> int:
-        return int(self.table.clean_reads[self.index])
-
-    @clean_reads.setter
-    def clean_reads(self, n: int) -> None:
-        self.table.clean_reads[self.index] = n
-
-    @property
-    def clean_epoch(self) -> int:
-        return int(self.table.clean_epoch[self.index])
-
-    @clean_epoch.setter
-    def clean_epoch(self, epoch: int) -> None:
-        self.table.clean_epoch[self.index] = epoch
+    clean_n = _InTable()
+    clean_reads = _InTable()
+    clean_epoch = _InTable()
 
     def forget_clean(self, n: int) -> None:
         """Entries from ``n`` on must be judged again."""
@@ -464,6 +457,13 @@ class Row:
         if t.clean_n[i] > n:
             t.clean_n[i] = n
             t.clean_reads[i] = int(np.count_nonzero(self.pages[:n] > 0))
+
+    def tail_changed(self) -> None:
+        """The row's last entry was (re)written: its copy in the table follows
+        (``EngineTracker.on_assign_run`` tells repeated ASSIGNs by it)."""
+        if len(self.pages):
+            self.table.tail_page[self.index] = self.pages[-1]
+            self.table.tail_gen_shared[self.index] = self.gen_shared[-1]
 
     def ensure(self, n: int) -> None:
         if n > len(self.pages):

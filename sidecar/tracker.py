@@ -468,9 +468,7 @@ class EngineTracker(Judge):
         gen_shared = int(pool.gen[page]) | (int(SHARED_BIT) if shared else 0)
         row.pages[entry] = page
         row.gen_shared[entry] = gen_shared
-        table = self.row_scalars
-        table.tail_page[row.index] = page
-        table.tail_gen_shared[row.index] = gen_shared
+        row.tail_changed()
         if not shared:  # a freshly allocated page (or one we could not see allocated) becomes the request's
             state = int(pool.state[page])
             if state == ALLOCATED or (state == OWNED and int(pool.keys.keys[pool.owner_slot[page]]) == a.req_key):
@@ -535,10 +533,7 @@ class EngineTracker(Judge):
         shared = positions < a.shared_until
         row.pages[idx] = pages
         row.gen_shared[idx] = self.pool.gen[pages] | (shared.astype(np.uint32) << np.uint32(31))
-        if len(row.pages):  # (an ASSIGN of no pages leaves a row of none)
-            table = self.row_scalars
-            table.tail_page[row.index] = row.pages[-1]
-            table.tail_gen_shared[row.index] = row.gen_shared[-1]
+        row.tail_changed()
         pool = self.pool
         fresh = pages[~shared]
         # a freshly allocated page (or one we could not see allocated) becomes the request's
