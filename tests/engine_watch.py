@@ -82,6 +82,14 @@ class Watch:
     def assert_plugin_ok(self) -> None:
         assert not self.events("plugin", "error"), self.events("plugin", "error")
 
+    def assert_clean_end(self) -> None:
+        """What every watched engine test ends with: the fault plugin raised nothing, every
+        finding was explained by a fault the test caused, no record lost or failed to apply."""
+        self.assert_plugin_ok()
+        assert self.unexplained() == [], describe(self.unexplained())
+        assert self.sidecar.rings.stats.records_lost == 0
+        assert self.sidecar.pipeline.apply_errors == 0
+
 
 def prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randint(3, 255) for _ in range(n)]
@@ -129,10 +137,7 @@ def watched_sglang(work: Path, version: str, label: str, **start_kwargs) -> Iter
     try:
         yield engine, watch
         assert engine.is_running(), engine.log_tail()
-        watch.assert_plugin_ok()
-        assert watch.unexplained() == [], describe(watch.unexplained())
-        assert watch.sidecar.rings.stats.records_lost == 0
-        assert watch.sidecar.pipeline.apply_errors == 0
+        watch.assert_clean_end()
     finally:
         engine.stop()
         watch.stop()

@@ -301,10 +301,7 @@ def pd(tmp_path_factory, require_sglang):
     try:
         yield pair, watch
         assert pair.prefill.is_running() and pair.decode.is_running()
-        watch.assert_plugin_ok()
-        assert watch.unexplained() == [], describe(watch.unexplained())
-        assert watch.sidecar.rings.stats.records_lost == 0
-        assert watch.sidecar.pipeline.apply_errors == 0
+        watch.assert_clean_end()
     finally:
         pair.stop()
         watch.stop()
