@@ -49,6 +49,28 @@ def vm_hwm_mb(pid: int) -> float:
     return int(m.group(1)) / 1024
 
 
+def freeze(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGSTOP ``proc`` and return once every one of its threads is stopped. The signal is
+    asynchronous: a sidecar keeps draining its rings for a few milliseconds after kill()
+    returns, and a test that fills a ring 'while the sidecar is stopped' then sees several
+    gaps where it made one."""
+    proc.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    tasks = Path(f"/proc/{proc.pid}/task")
+    while True:
+        states = []
+        for task in tasks.iterdir():
+            try:
+                stat = (task / "stat").read_text()
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+            states.append(stat[stat.rindex(")") + 2])
+        if states and all(state in "tT" for state in states):
+            return
+        assert time.monotonic() < deadline, f"pid {proc.pid} not stopped after SIGSTOP: thread states {states}"
+        time.sleep(0.002)
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a live process."""
     stat = Path(f"/proc/{pid}/stat").read_text()

@@ -21,7 +21,7 @@ import time
 
 import httpx
 import pytest
-from sidecar_under_test import KVGUARD, checked_reads, counter, free_port, start_engine, stop_all, wait_for
+from sidecar_under_test import KVGUARD, checked_reads, counter, free_port, freeze, start_engine, stop_all, wait_for
 
 
 @pytest.fixture
@@ -60,10 +60,9 @@ def test_the_sidecar_survives_a_ring_truncated_under_it(tmp_path, procs, size):
         log,
     )
 
-    sidecar.send_signal(signal.SIGSTOP)  # the victim writes a backlog the sidecar has not read
+    freeze(sidecar)  # the victim writes a backlog the sidecar has not read
     time.sleep(0.3)
-    victim.send_signal(signal.SIGSTOP)  # still holds its ring: alive to the sidecar
-    time.sleep(0.05)
+    freeze(victim)  # still holds its ring: alive to the sidecar
     os.truncate(victim_ring, size)
     sidecar.send_signal(signal.SIGCONT)
 

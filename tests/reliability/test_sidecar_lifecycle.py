@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from sidecar_under_test import freeze
 
 from kvguard.engine_hooks.probes import Probes
 from kvguard.engine_hooks.ring import HEADER_BYTES, RingWriter
@@ -158,7 +159,7 @@ def overflow_while_stopped(sc: SidecarProc, p: Probes, extra_drops: int) -> int:
     Returns the number of records dropped."""
     writer = p.writer
     before = writer.dropped_records
-    sc.proc.send_signal(signal.SIGSTOP)
+    freeze(sc.proc)  # every thread stopped: one gap, not several
     try:
         page = 1
         while writer.dropped_records - before < extra_drops:
