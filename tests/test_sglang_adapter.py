@@ -96,7 +96,7 @@ def test_version_table():
     # every probe area is covered (HiCache's from 0.5.20: 0.5.19 lays its cache out otherwise),
     # every spec has a known hook kind
     for v, (_ok, specs) in plugin.SUPPORTED.items():
-        areas = {"allocator", "rows", "requests", "disagg"} | ({"hicache"} if v != "0.5.19" else set())
+        areas = {"allocator", "rows", "requests", "disagg", "state"} | ({"hicache"} if v != "0.5.19" else set())
         assert {s.area for s in specs} == areas
         assert all(s.kind in ("after", "around") for s in specs)
         assert len({s.target for s in specs}) == len(specs)

@@ -153,6 +153,12 @@ class State:
     tenant_fields: tuple = DEFAULT_TENANT_FIELDS
     row_sampler: RowSampler = RowSampler()  # set from the environment at load (row_sampler.from_env)
     kv_pool = None  # the scheduler's device KV pool (Scheduler.__init__): HiCache copies of other pools are not it
+    # Mamba / linear-attention state (hooks_state.py): the pool index its slots are declared as
+    # (0: none watched), the one MambaSlotAllocator that reports (identity: a draft's clone or a
+    # checkpoint pool's does not), and each request's slot as last assigned
+    state_pool = 0
+    state_allocator = None
+    state_slot: _Bounded = _Bounded()
 
     @classmethod
     def reset(cls) -> None:
@@ -167,6 +173,9 @@ class State:
         cls.tenant_fields = tenant_fields_from_env()
         cls.row_sampler = RowSampler()
         cls.kv_pool = None
+        cls.state_pool = 0
+        cls.state_allocator = None
+        cls.state_slot = _Bounded()
         from .content_hooks import Content  # (imports this module: not at the top)
         from .hooks_hicache import Tier
 

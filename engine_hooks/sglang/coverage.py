@@ -21,6 +21,21 @@ HOOKED_ALLOCATORS = ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator")
 MHA_POOLS = ("MHATokenToKVPool", "MHATokenToKVPoolFP4", "MHATokenToKVPoolMXFP8", "PageMajorMHATokenToKVPool")
 LATENT_POOLS = ("MLATokenToKVPool", "MLATokenToKVPoolFP4", "DSATokenToKVPool")
 REQ_TO_TOKEN_POOLS = ("ReqToTokenPool", "DecodeReqToTokenPool")
+# token KV pools that hold a hybrid model's full-attention layers in an inner pool (``full_kv_pool``)
+# beside per-request recurrent state: the inner pool's layout is what the token pages hold
+HYBRID_LINEAR_POOLS = ("HybridLinearKVPool",)
+
+# Mamba / linear-attention state (hooks_state.py): the request-to-token pool that maps each
+# request to a state slot, and the slot allocator hooked (plugin.py _STATE), each by exact class
+# (a subclass may hand out slots another way). Verified on a real engine of the versions below
+# (tests/test_state_sglang_engines.py: Qwen3-Next, --mamba-radix-cache-strategy no_buffer);
+# extra_buffer's ping-pong slots, the int8 checkpoint pool, speculative decoding's state
+# rollback, HiCache's state copies and prefill/decode state transfer were not: declared.
+STATE_REQ_POOLS = ("HybridReqToTokenPool",)
+STATE_ALLOCATORS = ("MambaSlotAllocator",)
+STATE_VERIFIED_VERSIONS = ("0.5.23",)
+STATE_ROLES = ("unified",)
+STATE_POOL = 1  # the pool index the state slots are declared as (POOL kind=state)
 
 # Speculative decoding the hooks follow (hooks_rows.py: alloc_for_spec_decode's rows, the target's
 # TARGET_VERIFY forwards, the draft model's forwards): the spec worker's class -> the algorithms (as SGLang resolves them:
@@ -99,10 +114,15 @@ def content_buffers(pool):
 def _kv_pool_item(sched, alloc, pool, role: str, hicache: bool) -> wire.CoverageItem:
     alloc_name, pool_name = type(alloc).__name__, type(pool).__name__
     detail = describe_pool(pool) + f"; allocator {alloc_name}, page size {getattr(alloc, 'page_size', '?')}"
+    inner = getattr(pool, "full_kv_pool", None) if pool_name in HYBRID_LINEAR_POOLS else None
+    if inner is not None:  # the token pages are the full-attention layers' (the state is its own item)
+        detail = f"{pool_name}, full-attention layers in {describe_pool(inner)}; allocator {alloc_name}, page size "
+        detail += f"{getattr(alloc, 'page_size', '?')}"
     if alloc_name not in HOOKED_ALLOCATORS:
         return cv.unwatched("kv_pool", f"{detail}: the allocator {alloc_name} is not hooked (pages handed out unseen)")
-    if pool_name not in MHA_POOLS + LATENT_POOLS:
-        return cv.unwatched("kv_pool", f"{detail}: {pool_name} is not a pool layout kvguard follows")
+    layout = type(inner).__name__ if inner is not None else pool_name
+    if layout not in MHA_POOLS + LATENT_POOLS:
+        return cv.unwatched("kv_pool", f"{detail}: {layout} is not a pool layout kvguard follows")
     got = {int(cv.OWNERSHIP): ""}  # capability -> why it is missing ("": provided)
     wanted = cv.optional_capabilities()
     if role in ("prefill", "decode") or hicache:
@@ -253,15 +273,9 @@ def inspect(sched, version: str, role: str) -> list[wire.CoverageItem]:
         # pages are the latent's (followed with them); its bytes are in the transfer digest where
         # alg 3 defines them (a host buffer, one row per page: digest.index_rows), else said
         items.append(_indexer_item(pool, role))
-    rtt = type(sched.req_to_token_pool).__name__
-    if rtt not in REQ_TO_TOKEN_POOLS:
-        items.append(
-            cv.unwatched(
-                "state_pool",
-                f"{rtt}: per-request recurrent state (Mamba / linear attention) beside the KV pages is not followed",
-            )
-        )
     spec = getattr(args, "speculative_algorithm", None)
+    if type(sched.req_to_token_pool).__name__ not in REQ_TO_TOKEN_POOLS:
+        items.append(state_item(sched, version, role, bool(spec), hicache))
     if spec:
         items.append(draft_item(sched, str(spec), version, role, alloc))
     if hicache:
@@ -289,3 +303,64 @@ def inspect(sched, version: str, role: str) -> list[wire.CoverageItem]:
         backend = getattr(args, "disaggregation_transfer_backend", "?")
         items.append(cv.item("transfer", cv.OWNERSHIP, 0, f"prefill/decode over {backend}: reserve, send, done"))
     return items
+
+
+def describe_state(req_to_token_pool) -> str:
+    """The state pool's classes, slots and per-layer state shapes, for people."""
+    mamba_pool = getattr(req_to_token_pool, "mamba_pool", None)
+    alloc = getattr(req_to_token_pool, "mamba_allocator", None)
+    parts = [f"{type(mamba_pool).__name__} via {type(alloc).__name__}", f"{getattr(alloc, 'size', '?')} slots"]
+    cache = getattr(mamba_pool, "mamba_cache", None)
+    for field in ("conv", "temporal"):
+        value = getattr(cache, field, None)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if value is not None:
+            parts.append(f"{field} [{_shape(value)}]")
+    return ", ".join(parts)
+
+
+def _state_hooks_registered() -> bool:
+    from . import plugin  # (plugin imports the hooks, which import this module: not at the top)
+
+    return all(target in plugin.registered for target in plugin.STATE_TARGETS)
+
+
+def state_item(sched, version: str, role: str, spec: bool, hicache: bool) -> wire.CoverageItem:
+    """The ``state_pool`` component of a hybrid linear-attention (Mamba / gated-delta-net)
+    engine: watched (ownership, as pool ``STATE_POOL``) where hooks_state.py follows its slots,
+    else unwatched with the reason."""
+    from .plugin import base_version
+
+    rtt = sched.req_to_token_pool
+    name = type(rtt).__name__
+
+    def gap(why: str) -> wire.CoverageItem:  # (a COVERAGE string holds 256 bytes: the reason first)
+        return cv.unwatched("state_pool", f"{name}: {why}; per-request recurrent state is not followed")
+
+    if name not in STATE_REQ_POOLS:
+        return gap("not a state pool layout kvguard follows")
+    alloc_name = type(getattr(rtt, "mamba_allocator", None)).__name__
+    if alloc_name not in STATE_ALLOCATORS:
+        return gap(f"the slot allocator {alloc_name} is not hooked")
+    if getattr(rtt, "enable_mamba_extra_buffer", False):
+        return gap("extra_buffer ping-pong track slots are not modelled")
+    if getattr(rtt, "mamba_ckpt_pool", None) is not None:
+        return gap("the int8 checkpoint pool is not modelled")
+    if spec:
+        return gap("speculative decoding's state rollback is not modelled")
+    if hicache:
+        return gap("HiCache's host copies of state slots are not hooked")
+    if role not in STATE_ROLES:
+        return gap(f"not verified on a {role} engine (state transfer is not hooked)")
+    if base_version(version) not in STATE_VERIFIED_VERSIONS:
+        return gap(f"not verified on SGLang {version} (only {', '.join(STATE_VERIFIED_VERSIONS)})")
+    if not _state_hooks_registered():
+        return gap("MambaSlotAllocator not hooked")
+    return cv.item(
+        "state_pool",
+        cv.OWNERSHIP,
+        0,
+        f"{describe_state(rtt)}: slots followed as pool {STATE_POOL} (owned, written and read by each "
+        "forward); the copy of a cached state into a request's slot at a prefix hit is not",
+    )

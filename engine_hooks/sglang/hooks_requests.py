@@ -22,6 +22,7 @@ import time
 from .. import coverage as cv
 from . import _runtime as rt
 from . import coverage as cv_sglang
+from . import hooks_state as state_slots
 from ._runtime import State
 
 # --------------------------------------------------------------------------- hello
@@ -82,7 +83,21 @@ def _scheduler_init_post(result, sched, *args, **kwargs):
             "; ".join(i.component for i in items if not i.watched & cv.OWNERSHIP),
         )
         return
+    _declare_state_pool(sched, items)
     State.hello_done = True
+
+
+def _declare_state_pool(sched, items) -> None:
+    """A hybrid linear-attention engine whose state slots coverage.py found followable: declare
+    them as a pool of their own (one token per page: a page is a slot), after HELLO and
+    COVERAGE and before any record names the pool (hooks_state.py)."""
+    state = next((i for i in items if i.component == "state_pool"), None)
+    if state is None or not state.watched & cv.OWNERSHIP:
+        return
+    rtt = sched.req_to_token_pool
+    alloc = rtt.mamba_allocator
+    State.state_pool, State.state_allocator = cv_sglang.STATE_POOL, alloc
+    rt.probes().pool_declared(cv_sglang.STATE_POOL, 1, int(alloc.size), "state", cv_sglang.describe_state(rtt))
 
 
 def scheduler_init_hook(name: str):
@@ -236,6 +251,8 @@ def _release_post(result, req, *args, **kwargs):
     )
     State.begun.pop(req.rid, None)
     State.rejected.pop(req.rid, None)
+    if State.state_pool:
+        state_slots.forget(req.rid)
 
 
 def release_kv_cache_hook(name: str):

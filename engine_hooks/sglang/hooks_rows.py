@@ -48,6 +48,7 @@ import numpy as np
 
 from . import _runtime as rt
 from . import content_hooks
+from . import hooks_state as state_slots
 from ._runtime import State
 
 # Writes coming from these engine files rebind positions onto prefix-cache pages.
@@ -175,6 +176,8 @@ def _extend_post(held, result, batch, *args, **kwargs):
         rt.ensure_begun(r, cached_tokens=0 if held[i] else prefix)
         start = prefix if held[i] else 0  # a later chunk: its earlier rows are already known
         p.rows_assigned(r.rid, start, seq, prefix, block[i, start:seq])
+    if State.state_pool:  # a hybrid linear-attention model: each request's state slot (hooks_state.py)
+        state_slots.assign(reqs, held)
 
 
 def alloc_for_extend_hook(name: str):
@@ -334,6 +337,8 @@ def _forward_pre(self, *args, **kwargs):
         read_pages, read_counts = _row_page_starts(req_to_token, fb.req_pool_indices[:n], seq_lens, State.page_size)
         sampler.spent(time.perf_counter_ns() - t0)
     p.forward(rids, seq_lens, out, written_counts=counts, read_pages=read_pages, read_counts=read_counts)
+    if State.state_pool and not draft:  # the requests' recurrent state slots (hooks_state.py)
+        state_slots.forward(self, fb, rids, read_pages is not None)
     return (check, out) if check is not None else None
 
 

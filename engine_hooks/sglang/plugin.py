@@ -32,6 +32,7 @@ from . import hooks_disagg as hd
 from . import hooks_hicache as hh
 from . import hooks_requests as hq
 from . import hooks_rows as hr
+from . import hooks_state as hs
 
 log = logging.getLogger("kvguard.sglang")
 
@@ -45,7 +46,7 @@ class HookSpec:
     kind: str  # "after" | "around"
     factory: Callable[[str], Callable]  # name -> hook callable
     params: tuple  # leading parameter names the hook reads (after self for methods)
-    area: str  # allocator | rows | requests | disagg
+    area: str  # allocator | rows | requests | disagg | hicache | guard | state
     required: bool = True  # missing on a supported version -> warning (others still hooked)
     kwonly: tuple = ()  # keyword-only parameter names the hook reads (checked like ``params``)
 
@@ -290,15 +291,26 @@ _SPEC = (
     ),
 )
 
+# Mamba / linear-attention state slots (hooks_state.py): MambaSlotAllocator's _do_alloc, free and
+# clear, the same in 0.5.19 (allocator/mamba.py:81/88/93) and 0.5.23 (:72/79/84). Whether an
+# engine's state is watched is coverage.py's call (STATE_VERIFIED_VERSIONS, and these registered).
+_MAMBA = _ALLOC + "mamba.MambaSlotAllocator."
+_STATE = (
+    HookSpec(_MAMBA + "_do_alloc", "after", hs.do_alloc_hook, ("need_size",), "state", required=False),
+    HookSpec(_MAMBA + "free", "around", hs.free_hook, ("free_index",), "state", required=False),
+    HookSpec(_MAMBA + "clear", "around", hs.clear_hook, (), "state", required=False),
+)
+STATE_TARGETS = tuple(spec.target for spec in _STATE)
+
 # version -> (verified on a real engine, hook specs). Every version here runs the real
 # engine tests (tests/test_sglang_adapter_engine.py: unified, decode, prefill roles);
 # free_page_ids exists from 0.5.20 on.
 SUPPORTED: dict[str, tuple[bool, tuple]] = {
-    "0.5.19": (True, _COMMON + _SPEC),
-    "0.5.20": (True, _COMMON + _FREE_PAGE_IDS + _HICACHE + _SPEC),
-    "0.5.21": (True, _COMMON + _FREE_PAGE_IDS + _HICACHE + _HICACHE_RETRACTION + _SPEC),
-    "0.5.22": (True, _COMMON + _FREE_PAGE_IDS + _HICACHE + _HICACHE_RETRACTION + _SPEC),
-    "0.5.23": (True, _COMMON + _FREE_PAGE_IDS + _HICACHE + _HICACHE_RETRACTION + _SPEC),
+    "0.5.19": (True, _COMMON + _SPEC + _STATE),
+    "0.5.20": (True, _COMMON + _FREE_PAGE_IDS + _HICACHE + _SPEC + _STATE),
+    "0.5.21": (True, _COMMON + _FREE_PAGE_IDS + _HICACHE + _HICACHE_RETRACTION + _SPEC + _STATE),
+    "0.5.22": (True, _COMMON + _FREE_PAGE_IDS + _HICACHE + _HICACHE_RETRACTION + _SPEC + _STATE),
+    "0.5.23": (True, _COMMON + _FREE_PAGE_IDS + _HICACHE + _HICACHE_RETRACTION + _SPEC + _STATE),
 }
 
 
