@@ -25,7 +25,11 @@ shims of demo/arch_shims.py; demo/engines.py ``sglang_arch`` says how each is se
   for DeepSeek attention takes only that), 4 experts;
 * ``sglang_glm5``: GLM-5 (``GlmMoeDsaForCausalLM``, the 2026 incident's model class): the same
   MLA plus the DSA indexer (index_head_dim 128, 4 index heads, index_topk 2048):
-  ``DSATokenToKVPool``, the latent and an indexer K cache per 64-token page.
+  ``DSATokenToKVPool``, the latent and an indexer K cache per 64-token page;
+* ``sglang_qwen3_next``: Qwen3-Next as SGLang reads it (``full_attention_interval``, which
+  SGLang's own config class takes the layer pattern from): a gated-delta-net layer and a
+  full-attention layer, ``HybridLinearKVPool`` (an ``MHATokenToKVPool`` for the full layer and
+  a ``MambaPool`` of per-request conv and recurrent states).
 """
 
 from __future__ import annotations
@@ -334,6 +338,18 @@ def sglang_gpt_oss(n_positions: int) -> dict:
     }
 
 
+def sglang_qwen3_next(n_positions: int) -> dict:
+    """Qwen3-Next for SGLang: :func:`qwen3_next`'s model (1 gated-delta-net + 1 full-attention
+    layer, 2 key / 4 value heads in the linear layer, 4 experts) with the keys SGLang's
+    ``Qwen3NextConfig`` reads. It ignores ``layer_types`` and takes the layer pattern from
+    ``full_attention_interval`` (every 2nd layer full: linear, full); without it the model
+    fails to build (``AttributeError: 'Qwen3NextConfig' object has no attribute
+    'full_attention_interval'``). RoPE as top-level ``rope_theta`` / ``partial_rotary_factor``
+    (SGLang's config does not read ``rope_parameters``)."""
+    config = {key: value for key, value in qwen3_next(n_positions).items() if key != "rope_parameters"}
+    return {**config, "full_attention_interval": 2, "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+
+
 ARCH_CONFIGS = {
     "gemma3": gemma3,
     "nemotron_h": nemotron_h,
@@ -344,4 +360,5 @@ ARCH_CONFIGS = {
     "sglang_deepseek_v2": sglang_deepseek_v2,
     "sglang_glm5": sglang_glm5,
     "sglang_gpt_oss": sglang_gpt_oss,
+    "sglang_qwen3_next": sglang_qwen3_next,
 }

@@ -1,21 +1,27 @@
-"""CPU shims that let real SGLang (0.5.19 - 0.5.23) serve MLA and DSA models, and speculative
-decoding, on a CPU with no GPU, no ``sgl_kernel`` and no AMX. TEST AND DEMO ONLY.
+"""CPU shims that let real SGLang (0.5.19 - 0.5.23) serve MLA and DSA models, Qwen3-Next's
+gated-delta-net linear attention, and speculative decoding, on a CPU with no GPU, no
+``sgl_kernel`` and no AMX. TEST AND DEMO ONLY.
 
 Installed by the test-only start-up shim ``demo/shim/sitecustomize.py`` in every process of
 an engine subprocess when ``KVGUARD_CPU_ARCH_SHIMS`` names them (a comma list;
-:func:`kvguard.demo.engines.sglang_arch` sets it for the tiny DeepSeek-V2 and GLM-5 models
-only, never for the GPT-2 demo). Never on an engine image: a production engine has the
+:func:`kvguard.demo.engines.sglang_arch` sets it for its tiny real-architecture models only,
+never for the GPT-2 demo). Never on an engine image: a production engine has the
 kernels these stand in for.
 
 Each shim is a post-import hook on one SGLang module (applied when the engine first imports
 it) and changes one thing, said in its docstring. What none of them touches: allocators,
 KV pools and their buffers' layout, req_to_token and index mappings, the radix cache, the
-scheduler, the transfer path. They choose or replace *kernels* (rotary embedding, which
-attention formulation, the indexer's key computation and its byte store, which speculative
-helper kernels run), and one, ``dsa``'s argument part, gives server-argument resolution a value
-it would otherwise assert on. The one stand-in that computes cache locations (``spec``'s
-``assign_extend_cache_locs_func``) computes exactly what SGLang's kernel computes: a gather of
-req_to_token entries, never a write to it.
+scheduler, the transfer path, the Mamba state pool and its slot allocator. They choose or
+replace *kernels* (rotary embedding, which attention formulation, the indexer's key computation
+and its byte store, which speculative helper kernels run, the gated delta rule and its gated
+RMSNorm), three interpreter / device details (``triton_interp_mask``, ``triton_interp_bf16``,
+``fla_cpu``), and one, ``dsa``'s argument part, gives server-argument resolution a value it would
+otherwise assert on.
+The gated delta rule stand-in (``gdn_torch``) reads and writes the recurrent state rows the
+kernels read and write, in place, at the slots SGLang chose (``ssm_states[cache_indices]``).
+The one stand-in that computes cache locations (``spec``'s ``assign_extend_cache_locs_func``)
+computes exactly what SGLang's kernel computes: a gather of req_to_token entries, never a
+write to it.
 
 | name  | what | needed by |
 |-------|------|-----------|
@@ -24,9 +30,13 @@ req_to_token entries, never a write to it.
 | ``dsa``  | :func:`shim_dsa_server_args` + :func:`shim_dsa_indexer` | DSA (DeepSeek-V3.2, GLM-5) |
 | ``spec`` | :func:`shim_spec_kernels` | speculative decoding (EAGLE, EAGLE3, MTP/NEXTN, NGRAM) on ``--attention-backend triton`` |
 | ``cuda_sync`` | :func:`shim_cuda_sync` | MTP/NEXTN drafts of DeepSeek-family models (DeepSeek-V3, GLM-5) |
+| ``triton_interp_mask`` | :func:`shim_triton_interp_mask` | Mamba-state models (Qwen3-Next): SGLang's Triton causal conv1d, interpreted |
+| ``triton_interp_bf16`` | :func:`shim_triton_interp_bf16` | Triton kernels that compute on bfloat16 values, interpreted (Qwen3-Next's causal conv1d) |
+| ``fla_cpu`` | :func:`shim_fla_cpu` | Qwen3-Next (SGLang's fla kernels' device guard) |
+| ``gdn_torch`` | :func:`shim_gdn_torch` | Qwen3-Next (gated-delta-net linear attention) |
 
-Found by running SGLang 0.5.19 and 0.5.23 on a 2-core CPU without AMX with the tiny configs
-of demo/arch_models.py; each docstring quotes the error the shim removes.
+Found by running SGLang 0.5.19 and 0.5.23 (Triton 3.9, torch 2.13 CPU) on a 2-core CPU without
+AMX with the tiny configs of demo/arch_models.py; each docstring quotes the error the shim removes.
 """
 
 from __future__ import annotations
@@ -40,7 +50,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 ENV_VAR = "KVGUARD_CPU_ARCH_SHIMS"
-SHIM_NAMES = ("rope", "mla", "dsa", "spec", "cuda_sync")
+SHIM_NAMES = (
+    "rope", "mla", "dsa", "spec", "cuda_sync", "triton_interp_mask", "triton_interp_bf16", "fla_cpu", "gdn_torch",
+)  # fmt: skip
 
 # module name -> hooks run right after the module's code, in the order registered
 _POST_IMPORT: dict[str, list[Callable[[Any], None]]] = {}
@@ -443,12 +455,318 @@ def shim_cuda_sync() -> None:
     _after_import("sglang.srt.models.deepseek_v2", sync)
 
 
+# ---------------------------------------------------------------------------- triton_interp_mask
+
+
+def shim_triton_interp_mask() -> None:
+    """Masked loads and stores in the Triton interpreter (``TRITON_INTERPRET=1``).
+
+    Triton 3.9's interpreter hands a masked load / store to its C helpers, which accept only a
+    numpy bool mask of the pointers' shape; SGLang's Triton causal conv1d
+    (``_causal_conv1d_fwd_kernel``, ``kernels/ops/mamba/causal_conv1d_triton.py``: the conv
+    states of every Mamba-state model, Qwen3-Next's gated-delta-net layers included) builds
+    masks it rejects (``ValueError: mask has unsupported dtype``). Changes: in
+    ``InterpreterBuilder.create_masked_load`` / ``create_masked_store`` a mask that is not
+    already such an array is cast to bool and broadcast to the pointers' shape (the values a
+    compiled kernel would use); what is loaded and stored, where, is unchanged."""
+
+    def interpreter(mod: Any) -> None:
+        import numpy as np
+
+        builder = mod.InterpreterBuilder
+        load, store = builder.create_masked_load, builder.create_masked_store
+
+        def bool_mask(ptrs, mask):
+            data = mask.data
+            if isinstance(data, np.ndarray) and data.dtype == np.bool_ and data.shape == ptrs.data.shape:
+                return mask
+            return mod.TensorHandle(
+                np.broadcast_to(np.asarray(data).astype(np.bool_), ptrs.data.shape).copy(), mask.dtype
+            )
+
+        def create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+            return load(self, ptrs, bool_mask(ptrs, mask), other, cache_policy, is_volatile)
+
+        def create_masked_store(self, ptrs, value, mask, cache_policy):
+            return store(self, ptrs, value, bool_mask(ptrs, mask), cache_policy)
+
+        builder.create_masked_load, builder.create_masked_store = create_masked_load, create_masked_store
+        _say("triton_interp_mask: interpreter masked load/store masks -> bool arrays of the pointers' shape")
+
+    _after_import("triton.runtime.interpreter", interpreter)
+
+
+# ---------------------------------------------------------------------------- triton_interp_bf16
+
+
+def bf16_bits_to_float32(bits):
+    """bfloat16 bit patterns (uint16, how Triton's interpreter stores bfloat16) -> float32 values."""
+    import numpy as np
+
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
+def float32_to_bf16_bits(values):
+    """float32 values -> bfloat16 bit patterns (uint16), rounded to nearest even; NaN stays NaN."""
+    import numpy as np
+
+    f = np.asarray(values, dtype=np.float32)
+    bits = f.view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(f), np.uint16(0x7FC0), rounded)
+
+
+# InterpreterBuilder methods that compute on their TensorHandle arguments -> the argument whose
+# type the result has (binary/unary: the first; ternary: the third, ``other``; fma: the addend;
+# dot: the accumulator)
+_BF16_OPS = {
+    "binary_op": 0,
+    "unary_op": 0,
+    "ternary_op": 2,
+    "create_fma": 2,
+    "create_rsqrt": 0,
+    "create_erf": 0,
+    "create_dot": 2,
+}
+
+
+def shim_triton_interp_bf16() -> None:
+    """bfloat16 arithmetic in the Triton interpreter (``TRITON_INTERPRET=1``).
+
+    The interpreter keeps a bfloat16 value as its uint16 bit pattern (numpy has no bfloat16) and
+    runs numpy's op on that storage: ``a * b`` of two bfloat16 tensors multiplies the bit
+    patterns as integers, comparisons order them as unsigned integers (Triton's documented
+    interpreter limitation: "It does not support operations on bfloat16 numeric types"; upstream
+    triton-lang/triton#10945, #11584). SGLang's Triton causal conv1d (the conv states of every
+    Mamba-state model, Qwen3-Next's gated-delta-net layers included) multiplies bfloat16 inputs
+    by bfloat16 weights: its output had values up to 3.4e38 and NaN (no exception), every logit
+    was NaN and every sampled token 0. Changes: ``InterpreterBuilder`` ``binary_op``,
+    ``unary_op``, ``ternary_op``, ``create_fma``, ``create_rsqrt``, ``create_erf`` and
+    ``create_dot`` compute on float32 values when an operand is bfloat16 and round a bfloat16
+    result back to bfloat16 (to nearest even), as a GPU computes bfloat16 arithmetic; a
+    comparison's result stays bool. Loads, stores, casts and bit casts are unchanged. Not
+    covered: reductions and scans of bfloat16 values (``tl.sum`` / ``tl.max`` / ``tl.cumsum`` of
+    an un-cast bfloat16 tensor), which the kernels these tests run do not do."""
+
+    def interpreter(mod: Any) -> None:
+        import numpy as np
+
+        # (triton.language is still being imported when this module is: its types are looked
+        # up when a kernel runs)
+        handle = mod.TensorHandle
+
+        def is_bf16(arg) -> bool:
+            return isinstance(arg, handle) and arg.dtype.scalar == mod.tl.bfloat16
+
+        def widen(arg):
+            return handle(bf16_bits_to_float32(arg.data), mod.tl.float32) if is_bf16(arg) else arg
+
+        def in_float32(name: str, result_like: int):
+            original = getattr(mod.InterpreterBuilder, name)
+
+            def op(self, *args):
+                if not any(is_bf16(arg) for arg in args):
+                    return original(self, *args)
+                out = original(self, *(widen(arg) for arg in args))
+                if not is_bf16(args[result_like]):
+                    return out
+                if np.asarray(out.data).dtype == np.float32:
+                    return handle(float32_to_bf16_bits(out.data), mod.tl.bfloat16)
+                return handle(out.data, mod.tl.bfloat16)  # a comparison: bool values, typed as the interpreter does
+
+            op.__name__ = name
+            return op
+
+        for name, result_like in _BF16_OPS.items():
+            setattr(mod.InterpreterBuilder, name, in_float32(name, result_like))
+        _say("triton_interp_bf16: interpreter bfloat16 arithmetic on float32 values, rounded back to bfloat16")
+
+    _after_import("triton.runtime.interpreter", interpreter)
+
+
+# ---------------------------------------------------------------------------- fla_cpu
+
+
+def shim_fla_cpu() -> None:
+    """The device guard of SGLang's fla kernels (gated-delta-net: gating, conv, norms).
+
+    ``input_guard`` (``kernels/ops/attention/fla/utils.py``) enters
+    ``custom_device_ctx(tensor.device.index)``, which is ``torch.<device>.device(index)``; on a
+    CPU that is ``torch.cpu.device``, which torch does not have (``AttributeError: module
+    'torch.cpu' has no attribute 'device'``). Changes: when the device module has no ``device``
+    context, ``custom_device_ctx`` returns a null context: a CPU has no current device to
+    switch."""
+
+    def fla_utils(mod: Any) -> None:
+        if hasattr(mod.device_torch_lib, "device"):
+            return
+        mod.custom_device_ctx = lambda index: contextlib.nullcontext()
+        _say("fla_cpu: fla.utils.custom_device_ctx -> a null context (no CPU device to switch)")
+
+    _after_import("sglang.kernels.ops.attention.fla.utils", fla_utils)
+
+
+# ---------------------------------------------------------------------------- gdn_torch
+
+GDN_TRITON = "sglang.srt.layers.attention.linear.kernels.gdn_triton"
+FLA_NORM_GATE = "sglang.kernels.ops.attention.fla.fused_norm_gate"
+
+
+def _l2norm(x, eps: float = 1e-6):
+    """The kernels' in-kernel L2 norm over the last axis: ``x / sqrt(sum(x^2) + eps)``."""
+    import torch
+
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def gated_delta_rule(q, k, v, g, beta, *, ssm_states, cache_indices, cu_seqlens, scale, write_back=True):
+    """The gated delta rule (Qwen3-Next's linear attention), token by token in float32, on
+    SGLang's recurrent state rows: what ``chunk_gated_delta_rule`` (prefill) and
+    ``fused_sigmoid_gating_delta_rule_update`` (decode) compute with ``use_qk_l2norm_in_kernel``.
+
+    ``q``, ``k``: ``[1, T, H, K]``; ``v``: ``[1, T, HV, V]``; ``g`` (log decay), ``beta``:
+    ``[1, T, HV]``; ``cu_seqlens``: ``[N + 1]`` token offsets of the ``N`` sequences;
+    ``cache_indices``: ``[>= N]`` each sequence's state slot; ``ssm_states``: ``[slots, HV, V,
+    K]`` (a MambaPool layer's ``temporal``, the kernels' layout). Value head ``h`` reads query /
+    key head ``h // (HV // H)``. Per sequence: the state starts from ``ssm_states[slot]`` (zeros
+    for a negative slot, the padding sentinel), and per token ``S *= exp(g)``, ``S += beta * (v -
+    S k) k^T``, ``o = S (scale * q)`` with ``q``, ``k`` L2-normalised; with ``write_back`` the
+    final state is written to ``ssm_states[slot]`` in place (never for a negative slot; no other
+    row is touched). Returns ``o``: ``[1, T, HV, V]`` in ``q``'s dtype."""
+    import torch
+
+    heads, k_dim = q.shape[-2:]
+    v_heads, v_dim = v.shape[-2:]
+    group = v_heads // heads
+    qf = _l2norm(q.reshape(-1, heads, k_dim).float()).repeat_interleave(group, dim=1) * scale
+    kf = _l2norm(k.reshape(-1, heads, k_dim).float()).repeat_interleave(group, dim=1)
+    vf = v.reshape(-1, v_heads, v_dim).float()
+    decay = torch.exp(g.reshape(-1, v_heads).float())
+    bf = beta.reshape(-1, v_heads).float()
+    out = torch.zeros(vf.shape, dtype=torch.float32, device=v.device)
+    offsets = [int(x) for x in cu_seqlens.tolist()]
+    slots = [int(x) for x in cache_indices.tolist()]
+    for i in range(len(offsets) - 1):
+        slot = slots[i]
+        if slot >= 0:
+            state = ssm_states[slot].float().clone()  # [HV, V, K]
+        else:
+            state = torch.zeros(v_heads, v_dim, k_dim, dtype=torch.float32, device=v.device)
+        for t in range(offsets[i], offsets[i + 1]):
+            state *= decay[t][:, None, None]
+            delta = bf[t][:, None] * (vf[t] - torch.einsum("hvk,hk->hv", state, kf[t]))
+            state += delta[:, :, None] * kf[t][:, None, :]
+            out[t] = torch.einsum("hvk,hk->hv", state, qf[t])
+        if write_back and slot >= 0:
+            ssm_states[slot].copy_(state)
+    return out.reshape(1, -1, v_heads, v_dim).to(q.dtype)
+
+
+def rms_norm_gated(
+    x, g, weight, bias=None, activation="swish", residual=None, prenorm=False, residual_in_fp32=False, eps=1e-6
+):
+    """fla's ``rms_norm_gated`` (the gated-delta-net output norm) in torch: RMSNorm of ``x``
+    (times ``weight``, plus ``bias``) times ``silu(g)`` (``sigmoid(g)`` for ``activation=
+    "sigmoid"``), in float32, returned in ``x``'s dtype. Qwen3-Next passes no residual."""
+    import torch
+
+    if residual is not None or prenorm:
+        raise NotImplementedError("kvguard arch_shims rms_norm_gated: no residual / prenorm path")
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    gate = g.float()
+    y = y * (torch.sigmoid(gate) if activation == "sigmoid" else torch.nn.functional.silu(gate))
+    return y.to(x.dtype)
+
+
+def shim_gdn_torch() -> None:
+    """Qwen3-Next's gated-delta-net (GDN) kernels in torch.
+
+    SGLang's GDN backend runs ``TritonGDNKernel`` (``srt/layers/attention/linear/kernels/
+    gdn_triton.py``; its CPU alternatives are ``sgl_kernel`` ops, not installed here): prefill
+    through fla's ``chunk_gated_delta_rule`` and the output norm through fla's
+    ``rms_norm_gated``, whose Triton kernels use ``tl.make_block_ptr``, which Triton 3.9's
+    interpreter no longer has (``NotImplementedError: Block pointers have been removed in favor
+    of the tensor descriptor API``). Changes:
+
+    * ``TritonGDNKernel.extend`` / ``decode`` are :func:`gated_delta_rule`: they read and
+      write the same MambaPool rows (``ssm_states[cache_indices]``, layout ``[HV, V, K]``) as
+      the kernels, in place, and return the same output. Decode forms the gates as the fused
+      kernel does (``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``);
+      prefill gets them from SGLang (``fused_gdn_gating``, interpreted). ``extend`` returns no
+      per-chunk states (SGLang uses them only to track states for the radix cache's
+      ``extra_buffer`` strategy; run with ``--mamba-radix-cache-strategy no_buffer``).
+      ``supports_packed_decode`` becomes False, so decode takes ``decode``, not the packed
+      kernel.
+    * ``fused_norm_gate.rms_norm_gated`` (used by ``FusedRMSNormGated``) is
+      :func:`rms_norm_gated`.
+
+    The conv states are still SGLang's (its Triton causal conv1d, interpreted; needs
+    ``triton_interp_mask``); target-verify (speculative decoding) is not replaced."""
+
+    def gdn(mod: Any) -> None:
+        import torch
+
+        cls = mod.TritonGDNKernel
+
+        def extend(
+            self, q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, inplace_update=True, **kwargs
+        ):
+            out = gated_delta_rule(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                ssm_states=ssm_states,
+                cache_indices=cache_indices,
+                cu_seqlens=query_start_loc,
+                scale=k.shape[-1] ** -0.5,
+                write_back=inplace_update,
+            )
+            return out, None, None
+
+        def decode(self, q, k, v, a, b, *, A_log, dt_bias, ssm_states, cache_indices, query_start_loc, **kwargs):
+            softplus = torch.nn.functional.softplus(a.float() + dt_bias.float(), beta=1.0, threshold=20.0)
+            g = -torch.exp(A_log.float()) * softplus
+            return gated_delta_rule(
+                q,
+                k,
+                v,
+                g,
+                torch.sigmoid(b.float()),
+                ssm_states=ssm_states,
+                cache_indices=cache_indices,
+                cu_seqlens=query_start_loc,
+                scale=k.shape[-1] ** -0.5,
+            )
+
+        cls.extend, cls.decode = extend, decode
+        cls.supports_packed_decode = False
+        _say("gdn_torch: TritonGDNKernel.extend/decode -> torch gated delta rule on ssm_states[cache_indices]")
+
+    def norm_gate(mod: Any) -> None:
+        mod.rms_norm_gated = rms_norm_gated
+        _say("gdn_torch: fla fused_norm_gate.rms_norm_gated -> torch")
+
+    _after_import(GDN_TRITON, gdn)
+    _after_import(FLA_NORM_GATE, norm_gate)
+
+
 _SHIMS: dict[str, tuple[Callable[[], None], ...]] = {
     "rope": (shim_rope,),
     "mla": (shim_mla,),
     "dsa": (shim_dsa_server_args, shim_dsa_indexer),
     "spec": (shim_spec_kernels,),
     "cuda_sync": (shim_cuda_sync,),
+    "triton_interp_mask": (shim_triton_interp_mask,),
+    "triton_interp_bf16": (shim_triton_interp_bf16,),
+    "fla_cpu": (shim_fla_cpu,),
+    "gdn_torch": (shim_gdn_torch,),
 }
 
 

@@ -28,11 +28,13 @@ arguments), :mod:`~kvguard.demo.engine_process` (:func:`start_engine`, :class:`E
 :mod:`~kvguard.demo.engine_requests` (:class:`GenerateResult`, posting helpers) and
 :mod:`~kvguard.demo.pd_pair` (:class:`PDPair`).
 
-Real architectures (:func:`sglang_arch`, :data:`SGLANG_ARCHS`): the tiny DeepSeek-V2 (MLA)
-and GLM-5 (MLA + DSA indexer, the 2026 incident's model class) of demo/arch_models.py,
-with what SGLang needs to serve them on this CPU: the kernel shims of demo/arch_shims.py
+Real architectures (:func:`sglang_arch`, :data:`SGLANG_ARCHS`): the tiny DeepSeek-V2 (MLA),
+GLM-5 (MLA + DSA indexer, the 2026 incident's model class) and Qwen3-Next (gated-delta-net
+states in a Mamba state pool + one full-attention layer) of demo/arch_models.py, with what
+SGLang needs to serve them on this CPU: the kernel shims of demo/arch_shims.py
 (``KVGUARD_CPU_ARCH_SHIMS``, read by demo/shim/sitecustomize.py; set for these models
-only), DSA's 64-token pages, and pools that fit the demo's incident:
+only), DSA's 64-token pages, the Mamba state pool's flags, and pools that fit the demo's
+incident:
 
     arch = sglang_arch("glm5")
     with PDPair("0.5.19", ring_dir, log_dir, **arch.pair_kwargs()) as pair: ...
@@ -107,7 +109,8 @@ class SGLangArch:
     ``prefill_pool_tokens`` / ``decode_pool_tokens``: the demo pair's pools (prefill's below
     the 600-token prompt and the 2048-token context, as in the incident; DSA needs >= 512
     tokens in a prefill pool, or bootstraps starve); ``kv_pool``: the KV pool class SGLang
-    builds for it (what kvguard's coverage reports).
+    builds for it (what kvguard's coverage reports); ``more_args``: further ``--*`` arguments
+    it needs on every engine (e.g. the Mamba state pool's).
     """
 
     name: str
@@ -125,6 +128,7 @@ class SGLangArch:
     spec_args: tuple[str, ...] = ()
     attention_backend: str | None = None
     speculative: str | None = None
+    more_args: tuple[str, ...] = ()
 
     def model_dir(self, context_length: int = DEFAULT_CONTEXT_LENGTH) -> Path:
         """The model folder (config + the shared 256-token tokenizer), cached under
@@ -144,7 +148,7 @@ class SGLangArch:
     def extra_args(self) -> list[str]:
         """``sglang.launch_server`` arguments after the harness's own (the last value wins)."""
         backend = ["--attention-backend", self.attention_backend] if self.attention_backend else []
-        return ["--page-size", str(self.page_size), *backend, *self.spec_args]
+        return ["--page-size", str(self.page_size), *backend, *self.spec_args, *self.more_args]
 
     def engine_kwargs(
         self, context_length: int = DEFAULT_CONTEXT_LENGTH, *, extra_env=None, extra_args=(), **kwargs: Any
@@ -188,6 +192,18 @@ NGRAM_ARGS = (
     "--speculative-algorithm", "NGRAM",
     "--speculative-ngram-max-bfs-breadth", "1",
     "--speculative-num-draft-tokens", "4",
+)  # fmt: skip
+
+# SGLang's Mamba state pool (Qwen3-Next's gated-delta-net states) on this CPU: 16 state slots
+# (SGLang's default sizing took ~136k slots, 7 GB); SGLang budgets 3 per running request, so it
+# caps --max-running-requests at 5 (seen in use: 2 per running request). The radix cache keeps
+# no state snapshots (``no_buffer``: a prefix hit only where a finished request's state was
+# kept, at the end of its tokens), which SGLang allows only with one-token pages and the overlap
+# scheduler off (``validate_mamba_no_buffer``)
+MAMBA_ARGS = (
+    "--mamba-radix-cache-strategy", "no_buffer",
+    "--max-mamba-cache-size", "16",
+    "--disable-overlap-schedule",
 )  # fmt: skip
 
 SGLANG_ARCHS = {
@@ -241,12 +257,27 @@ SGLANG_ARCHS = {
         attention_backend="triton",
         speculative="NGRAM",
     ),
+    # Qwen3-Next: a gated-delta-net layer (per-request conv + recurrent state in SGLang's
+    # MambaPool, kernels in torch / the Triton interpreter) and one full-attention layer (KV in
+    # the pool's MHATokenToKVPool), one token per page; run as a unified engine (a
+    # prefill/decode pair of it is untried: its pool sizes are the DeepSeek-V2 pair's)
+    "qwen3_next": SGLangArch(
+        name="qwen3_next",
+        config="sglang_qwen3_next",
+        title="Qwen3-Next (Qwen3NextForCausalLM: gated-delta-net states in a MambaPool + one full-attention layer)",
+        shims="rope,triton_interp_mask,triton_interp_bf16,fla_cpu,gdn_torch",
+        page_size=1,
+        prefill_pool_tokens=256,
+        decode_pool_tokens=1024,
+        kv_pool="HybridLinearKVPool",
+        more_args=MAMBA_ARGS,
+    ),
 }
 
 
 def sglang_arch(name: str) -> SGLangArch:
-    """The :class:`SGLangArch` called ``name`` (``deepseek_v2``, ``glm5``, ``glm5_mtp``, ``llama_ngram``);
-    ValueError otherwise."""
+    """The :class:`SGLangArch` called ``name`` (``deepseek_v2``, ``glm5``, ``glm5_mtp``, ``llama_ngram``,
+    ``qwen3_next``); ValueError otherwise."""
     try:
         return SGLANG_ARCHS[name]
     except KeyError:
@@ -262,6 +293,7 @@ __all__ = [
     "FIXED_VERSION",
     "LEAKING_VERSION",
     "LOG_TAIL_LINES",
+    "MAMBA_ARGS",
     "NEXTN_ARGS",
     "NGRAM_ARGS",
     "ROLES",

@@ -45,6 +45,7 @@ FAULTS = (
     "flip_received_page",
     "hicache_load_freed",
     "hicache_host_flipped",
+    "state_slot_freed",
 )
 
 

@@ -15,6 +15,12 @@ Unified engine (run with ``--disable-overlap-schedule`` so steps are
   * ``mem_cache.common._req_radix_key`` (around): ``salt_dropped`` drops the cache salt
     from the radix key a faulty request's prefix is looked up with (a salt lost on the
     way to the cache, SGLang #37160): it matches, and is handed, an unsalted request's KV.
+Unified engine of a hybrid linear-attention model (tests/test_state_sglang_engines.py):
+  * ``Scheduler.process_batch_result`` (around), after: ``state_slot_freed`` returns the
+    victim's Mamba state slot to ``MambaSlotAllocator`` right after its prefill, while it
+    keeps decoding (``req.kv.mamba_pool_idx`` and the engine's row mapping still name it),
+    at the head of the free list, so that the next admission gets it and both requests'
+    forwards read and overwrite the same state in place.
 PD prefill engine:
   * ``PrefillBootstrapQueue._num_pages_to_send`` (after): the sender is initialised
     for 1 page (so that 1 page completes the transfer).
@@ -80,6 +86,7 @@ UNIFIED_FAULTS = (
     "late_write_forward",
     "late_write_pool",
     "spec_draft_foreign",
+    "state_slot_freed",
 )
 PD_FAULTS = ("send_truncated", "sender_truncated", "send_foreign_page")
 SHORT_SEND_FAULTS = ("send_truncated", "sender_truncated")  # the sender is initialised for 1 page
@@ -225,6 +232,9 @@ class Driver:
         # send_foreign_page: the victim's first page's slots; the row entries to put back
         self.sfp_victim_slots: list[int] | None = None
         self.sfp_restore = None  # (req_to_token, row, start, original slots tensor)
+        # state_slot_freed: the victim's freed state slot, once freed
+        self.ssf_slot: int | None = None
+        self.ssf_victim: str | None = None
         # hicache_*: fault -> the victim whose next queued load-back it acts on
         self.hicache_victims: dict[str, str] = {}
 
@@ -343,6 +353,8 @@ class Driver:
             self.guarded("use_after_free", self._use_after_free, sched, batch)
         if "spec_draft_foreign" in self.faults:
             self.guarded("spec_draft_foreign", self._spec_draft_foreign, sched, batch)
+        if "state_slot_freed" in self.faults:
+            self.guarded("state_slot_freed", self._state_slot_freed, sched, batch)
         self._maybe_hold(batch)
 
     # fault 2 ----------------------------------------------------------------
@@ -574,6 +586,38 @@ class Driver:
                     pages=got,
                     other_pages=pages,
                 )
+
+    def _state_slot_freed(self, sched, batch):
+        """After the victim's prefill, its state slot goes back to the allocator (at the head
+        of the free list) while the victim keeps decoding; then note which request got it."""
+        if not batch.forward_mode.is_extend():
+            return
+        roles = self._by_role(batch, "state_slot_freed")
+        if self.ssf_slot is None and "victim" in roles:
+            victim = roles["victim"][1]
+            if victim.finished():
+                return
+            torch = _torch()
+            alloc = sched.req_to_token_pool.mamba_allocator
+            slot = victim.kv.mamba_pool_idx.reshape(1)
+            alloc.free(slot)  # the victim keeps it in req.kv and in the engine's row mapping
+            rest = alloc.free_slots[:-1]  # free() appended it at the tail: the next admission takes the head
+            alloc.free_slots = torch.cat((slot.to(rest.dtype), rest))
+            self.ssf_slot, self.ssf_victim = int(slot[0]), victim.rid
+            self._arm_hold("state_slot_freed")
+            self.ev.emit("state_slot_freed", "freed", victim=victim.rid, slot=self.ssf_slot)
+        elif self.ssf_slot is not None and "other" in roles and ("state_slot_freed", "other") not in self.done:
+            other = roles["other"][1]
+            self.done.add(("state_slot_freed", "other"))
+            self._release_hold("state_slot_freed")
+            got = other.kv.mamba_pool_idx
+            self.ev.emit(
+                "state_slot_freed",
+                "other_got_slot",
+                other=other.rid,
+                victim=self.ssf_victim,
+                slot=None if got is None else int(got),
+            )
 
     def _uaf_free(self, sched, batch):
         """After the victim's prefill: free two of its full prompt pages through the

@@ -1,0 +1,146 @@
+"""Mamba / linear-attention state on a real SGLang engine (CPU): a tiny Qwen3-Next
+(``Qwen3NextForCausalLM``: a gated-delta-net layer and a full-attention layer; dummy weights)
+on SGLang 0.5.23 with ``--mamba-radix-cache-strategy no_buffer``, served with the CPU kernel
+shims of demo/arch_shims.py (demo/engines.py ``sglang_arch("qwen3_next")``). kvguard's plugin,
+loaded by SGLang itself, follows the token KV pages of the full-attention layer as pool 0 and
+the per-request recurrent state slots (``MambaSlotAllocator``) as pool 1, ``kind=state``
+(engine_hooks/sglang/hooks_state.py).
+
+One engine, started once, with the test-only fault plugin (tests/faults):
+
+* clean traffic: concurrent prompts of two tenants, a conversation's second turn (a prefix
+  hit: its slot gets a copy of the state cached at the end of the first), more requests in a row than the pool
+  has slots (the radix tree evicts cached states while others run), client aborts: nothing
+  raised, the state pool's pages read and judged, COVERAGE says both pools are watched;
+* ``state_slot_freed``: a decoding request's state slot is returned to the allocator and handed
+  to the next request, while both keep reading and overwriting it in place: reported on the
+  state pool with the reader and the other tenant named (last: it breaks the engine's
+  accounting).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from engine_watch import Watch, describe, generate, prompt, watched_sglang
+from fault_plugin import FAULTS_DIR, make_rid
+from soak.workload import ABORT_KINDS, Limits, make_plan, outcome_summary, run_plan, send_unified
+from test_faults_engine import fault_env
+
+from kvguard.demo.engines import sglang_arch
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
+
+QWEN3_NEXT = sglang_arch("qwen3_next")
+FIXED = "0.5.23"
+CONTEXT = 1024
+POOL = 1024
+STATE_SLOTS = 16  # --max-mamba-cache-size: fewer than the requests sent in a row below
+CLIENTS = 4
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory, require_sglang):
+    require_sglang(FIXED)
+    work = tmp_path_factory.mktemp("qwen3-next")
+    kwargs = QWEN3_NEXT.engine_kwargs(
+        CONTEXT,
+        max_total_tokens=POOL,
+        extra_args=["--max-running-requests", "8"],
+        extra_env={
+            **fault_env(work / "events", "state_slot_freed"),
+            "KVGUARD_ROW_SAMPLE_EVERY": "2",  # the engine's own rows on every other forward, the model's between
+            # state_slot_freed leaves two requests on one slot: SGLang's strict idle check would raise on it
+            "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "0",
+        },
+    )
+    with watched_sglang(work, FIXED, "Qwen3-Next unified engine", extra_pythonpath=[FAULTS_DIR], **kwargs) as served:
+        yield served
+
+
+def _engine_stats(watch: Watch):
+    with watch.sidecar.lock:
+        (engine,) = watch.sidecar.pipeline.engine_stats()
+    return engine
+
+
+def test_clean_traffic_on_a_hybrid_linear_attention_engine_raises_nothing(qwen3_next):
+    engine, watch = qwen3_next
+    assert watch.since(0) == [], describe(watch.memory.findings)  # start-up: no gap
+    stats = _engine_stats(watch)
+    coverage = {c.component: c for c in stats.coverage}
+    assert coverage["state_pool"].status == "watched", coverage["state_pool"]
+    assert coverage["kv_pool"].status == "watched" and QWEN3_NEXT.kv_pool in coverage["kv_pool"].detail
+    assert all(c.status == "watched" for c in coverage.values()), coverage
+    (pool,) = stats.pools
+    assert (pool.index, pool.kind, pool.page_size) == (1, "state", 1), pool
+
+    mark = watch.mark()
+    rng = random.Random(17)
+    tenants = ("acme", "globex")
+    # concurrent prompts of two tenants
+    prompts = [prompt(rng, 40 + 30 * i) for i in range(4)]
+    with ThreadPoolExecutor(CLIENTS) as pool_:
+        list(pool_.map(lambda i: generate(engine.url, f"q3n-c{i}", prompts[i], 12, tenants[i % 2]), range(4)))
+    # a conversation's next turn: it matches the first turn's cached prefix, whose state the
+    # radix tree kept at the end of the finished request (no_buffer keeps states there only)
+    first_turn = prompt(rng, 90)
+    answer = generate(engine.url, "q3n-turn-1", first_turn, 6, "acme")["output_ids"]
+    second = generate(engine.url, "q3n-turn-2", first_turn + answer + prompt(rng, 12), 6, "acme")
+    assert second["meta_info"].get("cached_tokens", 0) > 0, second["meta_info"]
+    # more requests in a row than there are state slots: the tree gives cached states back
+    for i in range(STATE_SLOTS + 4):
+        generate(engine.url, f"q3n-row-{i}", prompt(rng, 24), 3, tenants[i % 2])
+    # client aborts among short requests
+    limit = int(engine.server_info()["max_req_input_len"])
+    plan = make_plan(
+        10, Limits(CONTEXT, limit), mix={"short": 0.5, "abort_api": 0.25, "abort_close": 0.25}, seed=3, phase="q3n"
+    )
+    outcomes = run_plan(plan, send_unified(engine.url), concurrency=CLIENTS)
+    for o in outcomes:
+        if o.req.kind in ABORT_KINDS:
+            assert o.status == 200 and o.error is None, o
+        else:
+            assert o.ok, (o, outcome_summary(outcomes))
+    time.sleep(3.0)  # a closed stream is aborted by SGLang ~2 s later: let its frees reach the sidecar
+    watch.settle()
+    assert watch.since(mark) == [], describe(watch.since(mark))
+
+    after = _engine_stats(watch)
+    (state,) = after.pools
+    assert state.pages_read > 0 and after.pages_read > 0 and after.pages_unverified == 0, after
+    print(
+        f"  state pool: {state.pages_read} slot reads judged, by state {dict(state.pages_by_state)}; "
+        f"KV pool: {after.pages_read} page reads; aborts {outcome_summary(outcomes)}"
+    )
+
+
+def test_a_state_slot_handed_to_another_request_while_its_owner_decodes_is_reported(qwen3_next):
+    engine, watch = qwen3_next
+    rng = random.Random(8)
+    mark = watch.mark()
+    victim = make_rid("state_slot_freed", "victim", "q3n")
+    other = make_rid("state_slot_freed", "other", "q3n")
+    with ThreadPoolExecutor(2) as pool:
+        fv = pool.submit(generate, engine.url, victim, prompt(rng, 60), 40, "initech")
+        freed = watch.wait_event("state_slot_freed", "freed")
+        fo = pool.submit(generate, engine.url, other, prompt(rng, 50), 12, "acme")
+        fo.result()
+        fv.result()
+    got = watch.wait_event("state_slot_freed", "other_got_slot")
+    assert got["slot"] == freed["slot"], (freed, got)
+    watch.settle()
+    found = watch.since(mark)
+    assert found, "a state slot shared by two requests went unseen"
+    assert {f.kind for f in found} <= {"foreign_read", "late_write", "use_after_free"}, describe(found)
+    reads = [f for f in found if f.kind == "foreign_read" and f.reader.rid == victim]
+    assert reads, describe(found)
+    f = reads[0]
+    assert f.severity == "critical" and f.reader.tenant == "initech"
+    assert f.evidence["pool"] == 1 and f.evidence["pool_kind"] == "state", f.evidence
+    assert f.pages == [freed["slot"]] and [(p.rid, p.tenant) for p in f.exposed] == [(other, "acme")]
+    # the token KV pages of the full-attention layer were never shared: nothing on pool 0
+    assert all(x.evidence.get("pool", 0) == 1 for x in found), describe(found)
