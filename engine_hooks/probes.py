@@ -373,14 +373,19 @@ class Probes(TransferProbes):
             self._emit(wire.Kind.FREE, wire.pages_payload(pages, free_kind), pool=pool)
 
     @guarded_probe
-    def rows_assigned(self, rid: str, row_start: int, row_end: int, shared_until: int, slots) -> None:
+    def rows_assigned(self, rid: str, row_start: int, row_end: int, shared_until: int, slots, pool: int = 0) -> None:
+        """Request ``rid``'s row positions ``[row_start, row_end)`` hold ``slots`` (one per
+        position). ``pool``: a pool declared with the same page size as pool 0 (a hybrid
+        sliding-window engine's SWA pool, whose slots are its own)."""
         row_start, row_end = int(row_start), int(row_end)
         shared_until = min(max(int(shared_until), row_start), row_end)
+        if pool and self.pool_page_sizes.get(pool, self.page_size) != self.page_size:
+            raise ValueError(f"pool {pool}'s page size is not pool 0's: send its rows as pages")
         pages = self.row_pages(row_start, slots)
-        if self.tier1 is not None:
+        if self.tier1 is not None and pool == 0:
             self.tier1.assigned(rid, row_start, shared_until, pages)
         a = wire.Assign(self.request_key(rid), row_start, row_end, shared_until, pages)
-        self._emit(wire.Kind.ASSIGN, wire.assign_payload(a))
+        self._emit(wire.Kind.ASSIGN, wire.assign_payload(a), pool=pool)
 
     @guarded_probe
     def row_pages_assigned(

@@ -91,7 +91,7 @@ def test_an_unhooked_allocator_a_state_pool_or_speculation_leaves_ownership_unfo
         (
             _sched(_mha_pool(), allocator="SWATokenToKVPoolAllocator"),
             "kv_pool",
-            "SWATokenToKVPoolAllocator is not hooked",
+            "SWATokenToKVPoolAllocator not followed: MHATokenToKVPool is not a SWA pool layout",
         ),
         (_sched(_mha_pool(), rtt="HybridReqToTokenPool"), "state_pool", "recurrent state"),
         (_sched(_mha_pool(), speculative_algorithm="EAGLE"), "draft", "not a speculative path kvguard follows"),

@@ -93,7 +93,7 @@ class Engine:
         self.p.hello("unified", 0, 1, 1024, 1024, 1024, 1024, "sglang", "0.5.23", "tiny-qwen3-next")
         items = [cv.item("kv_pool", cv.OWNERSHIP, 0, "MHA"), cv.item("state_pool", cv.OWNERSHIP, 0, "mamba")]
         self.p.coverage(items)
-        hq._declare_state_pool(types.SimpleNamespace(req_to_token_pool=self.rtt), items)
+        hq._declare_pools(types.SimpleNamespace(req_to_token_pool=self.rtt), items)
         rt.State.hello_done = True
         self.runner = types.SimpleNamespace(req_to_token_pool=self.rtt)
         self.pipeline = Pipeline()

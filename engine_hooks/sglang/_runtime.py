@@ -159,6 +159,17 @@ class State:
     state_pool = 0
     state_allocator = None
     state_slot: _Bounded = _Bounded()
+    # a hybrid sliding-window engine (hooks_swa.py): allocator instance id -> the pool its pages
+    # belong to (absent: pool 0), with the instances kept alive so that their ids stay theirs;
+    # the SWA pool's index (0: none), its full-to-SWA slot mapping (the engine's own tensor,
+    # updated in place), the window the attention reads (tokens), and per request the row
+    # position below which its SWA row is nulled (page 0: out of the window, SWA may free it)
+    alloc_pool: dict = {}
+    alloc_refs: tuple = ()
+    swa_pool = 0
+    swa_mapping = None
+    swa_window = 0
+    swa_nulled: _Bounded = _Bounded()
 
     @classmethod
     def reset(cls) -> None:
@@ -176,6 +187,9 @@ class State:
         cls.state_pool = 0
         cls.state_allocator = None
         cls.state_slot = _Bounded()
+        cls.alloc_pool, cls.alloc_refs = {}, ()
+        cls.swa_pool, cls.swa_mapping, cls.swa_window = 0, None, 0
+        cls.swa_nulled = _Bounded()
         from .content_hooks import Content  # (imports this module: not at the top)
         from .hooks_hicache import Tier
 
@@ -183,6 +197,12 @@ class State:
         Tier.reset()
         _disabled.clear()
         _errors.clear()
+
+
+def pool_of(alloc) -> int:
+    """The pool an allocator instance's pages belong to: 0 unless HELLO named it (the SWA
+    sub-allocator of a hybrid sliding-window engine: the class hooks fire for both halves)."""
+    return State.alloc_pool.get(id(alloc), 0) if State.alloc_pool else 0
 
 
 def tenant_fields_from_env() -> tuple:

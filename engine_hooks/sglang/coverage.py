@@ -35,7 +35,16 @@ STATE_REQ_POOLS = ("HybridReqToTokenPool",)
 STATE_ALLOCATORS = ("MambaSlotAllocator",)
 STATE_VERIFIED_VERSIONS = ("0.5.23",)
 STATE_ROLES = ("unified",)
-STATE_POOL = 1  # the pool index the state slots are declared as (POOL kind=state)
+
+# A hybrid sliding-window engine (hooks_swa.py): the allocator pair and the pool it drives, by
+# exact class, their sub-allocators hooked classes. Verified on a real engine of the versions
+# below (tests/test_swa_sglang_engines.py: GPT-OSS, one window layer and one full layer); the
+# per-request SWA ring, SWA pools indexed by full slots, speculative decoding (a draft window),
+# HiCache and prefill/decode roles were not: declared.
+SWA_ALLOCATORS = ("SWATokenToKVPoolAllocator",)
+SWA_POOLS = ("SWAKVPool",)
+SWA_VERIFIED_VERSIONS = ("0.5.23",)
+SWA_ROLES = ("unified",)
 
 # Speculative decoding the hooks follow (hooks_rows.py: alloc_for_spec_decode's rows, the target's
 # TARGET_VERIFY forwards, the draft model's forwards): the spec worker's class -> the algorithms (as SGLang resolves them:
@@ -111,14 +120,47 @@ def content_buffers(pool):
     raise ValueError(f"{type(pool).__name__} has neither k_buffer/v_buffer nor kv_buffer")
 
 
-def _kv_pool_item(sched, alloc, pool, role: str, hicache: bool) -> wire.CoverageItem:
+def swa_gap(sched, alloc, pool, version: str, role: str, spec: bool, hicache: bool) -> str:
+    """'' when hooks_swa.py follows this hybrid sliding-window engine, else why not."""
+    from .plugin import base_version
+
+    if type(pool).__name__ not in SWA_POOLS:
+        return f"{type(pool).__name__} is not a SWA pool layout kvguard follows"
+    subs = [getattr(alloc, name, None) for name in ("full_attn_allocator", "swa_attn_allocator")]
+    odd = sorted({type(a).__name__ for a in subs if type(a).__name__ not in HOOKED_ALLOCATORS})
+    if odd:
+        return f"its sub-allocators ({', '.join(odd)}) are not hooked"
+    if getattr(alloc, "swa_req_ring", False):
+        return "the per-request SWA ring is not modelled"
+    if getattr(pool, "swa_uses_full_indices", False):
+        return "a SWA pool indexed by full slots is not modelled"
+    if spec:
+        return "speculative decoding's draft window is not modelled"
+    if hicache:
+        return "HiCache's copies of SWA pages are not hooked"
+    if role not in SWA_ROLES:
+        return f"not verified on a {role} engine (SWA transfers are not hooked)"
+    if base_version(version) not in SWA_VERIFIED_VERSIONS:
+        return f"not verified on SGLang {version} (only {', '.join(SWA_VERIFIED_VERSIONS)})"
+    if not int(getattr(sched, "sliding_window_size", 0) or 0) > 0:
+        return "the scheduler has no sliding window size"
+    return ""
+
+
+def _kv_pool_item(
+    sched, alloc, pool, role: str, hicache: bool, version: str = "", spec: bool = False
+) -> wire.CoverageItem:
     alloc_name, pool_name = type(alloc).__name__, type(pool).__name__
     detail = describe_pool(pool) + f"; allocator {alloc_name}, page size {getattr(alloc, 'page_size', '?')}"
-    inner = getattr(pool, "full_kv_pool", None) if pool_name in HYBRID_LINEAR_POOLS else None
-    if inner is not None:  # the token pages are the full-attention layers' (the state is its own item)
+    inner = getattr(pool, "full_kv_pool", None) if pool_name in HYBRID_LINEAR_POOLS + SWA_POOLS else None
+    if inner is not None:  # the token pages are the full-attention layers' (the rest is an item of its own)
         detail = f"{pool_name}, full-attention layers in {describe_pool(inner)}; allocator {alloc_name}, page size "
         detail += f"{getattr(alloc, 'page_size', '?')}"
-    if alloc_name not in HOOKED_ALLOCATORS:
+    if alloc_name in SWA_ALLOCATORS:
+        why = swa_gap(sched, alloc, pool, version, role, spec, hicache)
+        if why:
+            return cv.unwatched("kv_pool", f"{detail}: {alloc_name} not followed: {why}")
+    elif alloc_name not in HOOKED_ALLOCATORS:
         return cv.unwatched("kv_pool", f"{detail}: the allocator {alloc_name} is not hooked (pages handed out unseen)")
     layout = type(inner).__name__ if inner is not None else pool_name
     if layout not in MHA_POOLS + LATENT_POOLS:
@@ -263,17 +305,20 @@ def inspect(sched, version: str, role: str) -> list[wire.CoverageItem]:
             f"{getattr(args, 'kv_cache_dtype', '?')}, SGLang {version}",
         )
     )
-    items.append(
-        _kv_pool_item(sched, alloc, pool, role, hicache)
+    spec = getattr(args, "speculative_algorithm", None)
+    kv_item = (
+        _kv_pool_item(sched, alloc, pool, role, hicache, version, bool(spec))
         if pool is not None
         else cv.unwatched("kv_pool", f"allocator {type(alloc).__name__} has no get_kvcache(): no token KV pool found")
     )
+    items.append(kv_item)
+    if type(alloc).__name__ in SWA_ALLOCATORS and kv_item.watched & cv.OWNERSHIP:
+        items.append(swa_item(sched, pool))
     if pool is not None and getattr(pool, "index_key_cache", None) is not None:
         # DSA (DeepSeek-V3.2 / GLM-5 class): an indexer K cache per page beside the latent. Its
         # pages are the latent's (followed with them); its bytes are in the transfer digest where
         # alg 3 defines them (a host buffer, one row per page: digest.index_rows), else said
         items.append(_indexer_item(pool, role))
-    spec = getattr(args, "speculative_algorithm", None)
     if type(sched.req_to_token_pool).__name__ not in REQ_TO_TOKEN_POOLS:
         items.append(state_item(sched, version, role, bool(spec), hicache))
     if spec:
@@ -328,7 +373,7 @@ def _state_hooks_registered() -> bool:
 
 def state_item(sched, version: str, role: str, spec: bool, hicache: bool) -> wire.CoverageItem:
     """The ``state_pool`` component of a hybrid linear-attention (Mamba / gated-delta-net)
-    engine: watched (ownership, as pool ``STATE_POOL``) where hooks_state.py follows its slots,
+    engine: watched (ownership, as a pool of its own) where hooks_state.py follows its slots,
     else unwatched with the reason."""
     from .plugin import base_version
 
@@ -361,6 +406,19 @@ def state_item(sched, version: str, role: str, spec: bool, hicache: bool) -> wir
         "state_pool",
         cv.OWNERSHIP,
         0,
-        f"{describe_state(rtt)}: slots followed as pool {STATE_POOL} (owned, written and read by each "
+        f"{describe_state(rtt)}: slots followed as a pool of their own (owned, written and read by each "
         "forward); the copy of a cached state into a request's slot at a prefix hit is not",
+    )
+
+
+def swa_item(sched, pool) -> wire.CoverageItem:
+    """The ``swa_pool`` component of a hybrid sliding-window engine whose SWA pool hooks_swa.py
+    follows (swa_gap said nothing): its pages, a pool of their own."""
+    window = int(getattr(sched, "sliding_window_size", 0) or 0)
+    return cv.item(
+        "swa_pool",
+        cv.OWNERSHIP,
+        0,
+        f"the window layers' {describe_pool(pool.swa_kv_pool)}, window {window} tokens: pages followed as a pool "
+        "of their own through the full-to-SWA mapping; positions behind the window are not judged",
     )

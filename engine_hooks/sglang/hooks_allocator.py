@@ -42,7 +42,11 @@ def _alloc_post(outer, result, self, *args, **kwargs):
     slots = rt.host_int64(result)  # numpy on the host: cheaper than torch ops on a few hundred slots
     new_page_slots = slots if ps == 1 else slots[slots % ps == 0]
     if len(new_page_slots):
-        rt.probes().pages_allocated(new_page_slots)
+        pool = rt.pool_of(self)
+        if pool:
+            rt.probes().page_ids_allocated((new_page_slots // ps).tolist(), pool=pool)
+        else:
+            rt.probes().pages_allocated(new_page_slots)
 
 
 def alloc_hook(name: str):
@@ -69,7 +73,7 @@ def _free_slots_post(emit, result, self, *args, **kwargs):
     slots = _first_arg(args, kwargs, "free_index")
     if slots is None or not _is_tensor(slots) or slots.numel() == 0:
         return
-    rt.probes().pages_freed(slots, rt.free_kind_override() or "free")
+    rt.probes().pages_freed(slots, rt.free_kind_override() or "free", pool=rt.pool_of(self))
 
 
 def _free_page_ids_post(emit, result, self, *args, **kwargs):
@@ -79,10 +83,11 @@ def _free_page_ids_post(emit, result, self, *args, **kwargs):
     if page_ids is None or not _is_tensor(page_ids) or page_ids.numel() == 0:
         return
     kind = rt.free_kind_override()
+    pool = rt.pool_of(self)
     if kind is None:
-        rt.probes().pages_freed(page_ids, "page_ids")
+        rt.probes().pages_freed(page_ids, "page_ids", pool=pool)
     else:  # e.g. "deferred": that kind takes slots
-        rt.probes().pages_freed(page_ids * int(self.page_size), kind)
+        rt.probes().pages_freed(page_ids * int(self.page_size), kind, pool=pool)
 
 
 def free_hook(name: str):
@@ -122,7 +127,7 @@ def _group_end_post(pending, result, self, *args, **kwargs):
     ps = int(getattr(self, "page_size", 1) or 1)
     parts += [(p.reshape(-1) * ps) for p in page_ids if p.numel()]
     if parts:
-        rt.probes().pages_freed(torch.cat(parts), rt.free_kind_override() or "group")
+        rt.probes().pages_freed(torch.cat(parts), rt.free_kind_override() or "group", pool=rt.pool_of(self))
 
 
 def free_group_end_hook(name: str):
@@ -158,7 +163,7 @@ def _clear_pre(self, *args, **kwargs):
 
 def _clear_post(allocated, result, self, *args, **kwargs):
     if allocated is not None and len(allocated):
-        rt.probes().pages_freed(allocated, "page_ids")
+        rt.probes().pages_freed(allocated, "page_ids", pool=rt.pool_of(self))
 
 
 def clear_hook(name: str):

@@ -23,6 +23,7 @@ from .. import coverage as cv
 from . import _runtime as rt
 from . import coverage as cv_sglang
 from . import hooks_state as state_slots
+from . import hooks_swa as swa
 from ._runtime import State
 
 # --------------------------------------------------------------------------- hello
@@ -47,6 +48,14 @@ def _tp_rank(sched) -> int:
     return int(rank or 0)
 
 
+def _full_allocator(alloc):
+    """The allocator of pool 0's pages: a hybrid sliding-window allocator's full half (its own
+    ``size`` is the smaller of its two halves')."""
+    if type(alloc).__name__ in cv_sglang.SWA_ALLOCATORS:
+        return getattr(alloc, "full_attn_allocator", alloc)
+    return alloc
+
+
 def _scheduler_init_post(result, sched, *args, **kwargs):
     alloc = sched.token_to_kv_pool_allocator
     page_size = int(getattr(alloc, "page_size", None) or sched.page_size)
@@ -59,7 +68,7 @@ def _scheduler_init_post(result, sched, *args, **kwargs):
         role=State.role,
         tp_rank=_tp_rank(sched),
         page_size=page_size,
-        pool_pages=int(getattr(alloc, "size", pool_tokens)) // page_size,
+        pool_pages=int(getattr(_full_allocator(alloc), "size", pool_tokens)) // page_size,
         pool_tokens=pool_tokens,
         context_len=int(sched.model_config.context_len),
         max_req_input_len=int(getattr(sched, "max_req_input_len", 0) or 0),
@@ -83,21 +92,36 @@ def _scheduler_init_post(result, sched, *args, **kwargs):
             "; ".join(i.component for i in items if not i.watched & cv.OWNERSHIP),
         )
         return
-    _declare_state_pool(sched, items)
+    _declare_pools(sched, items)
     State.hello_done = True
 
 
-def _declare_state_pool(sched, items) -> None:
-    """A hybrid linear-attention engine whose state slots coverage.py found followable: declare
-    them as a pool of their own (one token per page: a page is a slot), after HELLO and
-    COVERAGE and before any record names the pool (hooks_state.py)."""
-    state = next((i for i in items if i.component == "state_pool"), None)
-    if state is None or not state.watched & cv.OWNERSHIP:
-        return
-    rtt = sched.req_to_token_pool
-    alloc = rtt.mamba_allocator
-    State.state_pool, State.state_allocator = cv_sglang.STATE_POOL, alloc
-    rt.probes().pool_declared(cv_sglang.STATE_POOL, 1, int(alloc.size), "state", cv_sglang.describe_state(rtt))
+def _followed(items, component: str) -> bool:
+    item = next((i for i in items if i.component == component), None)
+    return item is not None and bool(item.watched & cv.OWNERSHIP)
+
+
+def _declare_pools(sched, items) -> None:
+    """The pools besides pool 0 that coverage.py found followable, each declared as a pool of
+    its own after HELLO and COVERAGE and before any record names it: a hybrid sliding-window
+    engine's SWA pool (hooks_swa.py), a hybrid linear-attention engine's state slots (one token
+    per page: a page is a slot; hooks_state.py)."""
+    p = rt.probes()
+    index = 1
+    if _followed(items, "swa_pool"):
+        alloc = sched.token_to_kv_pool_allocator
+        swa_alloc = alloc.swa_attn_allocator
+        window = int(sched.sliding_window_size)
+        State.alloc_pool = {id(swa_alloc): index}
+        State.alloc_refs = (alloc, swa_alloc)  # (their ids stay theirs while the map holds them)
+        State.swa_pool, State.swa_mapping, State.swa_window = index, alloc.full_to_swa_index_mapping, window
+        name = f"SWA KV ({cv_sglang.describe_pool(alloc.get_kvcache().swa_kv_pool)}), window {window}"
+        p.pool_declared(index, State.page_size, int(swa_alloc.size) // State.page_size, "sliding_window", name, window)
+        index += 1
+    if _followed(items, "state_pool"):
+        rtt = sched.req_to_token_pool
+        State.state_pool, State.state_allocator = index, rtt.mamba_allocator
+        p.pool_declared(index, 1, int(rtt.mamba_allocator.size), "state", cv_sglang.describe_state(rtt))
 
 
 def scheduler_init_hook(name: str):
@@ -253,6 +277,8 @@ def _release_post(result, req, *args, **kwargs):
     State.rejected.pop(req.rid, None)
     if State.state_pool:
         state_slots.forget(req.rid)
+    if State.swa_pool:
+        swa.forget(req.rid)
 
 
 def release_kv_cache_hook(name: str):

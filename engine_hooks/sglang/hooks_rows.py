@@ -49,6 +49,7 @@ import numpy as np
 from . import _runtime as rt
 from . import content_hooks
 from . import hooks_state as state_slots
+from . import hooks_swa as swa
 from ._runtime import State
 
 # Writes coming from these engine files rebind positions onto prefix-cache pages.
@@ -140,6 +141,8 @@ def _write_post(result, self, *args, **kwargs):
             return
         shared_until = stop if _shared_caller() else start
         p.rows_assigned(rid, start, stop, shared_until, values)
+        if State.swa_pool:
+            swa.write_twin(rid, start, stop, shared_until, values)
     elif hasattr(row, "numel") and hasattr(cols, "numel"):
         # element-wise (rows[i], cols[i]) = values[i]: the decode write
         rows = rt.to_list(row.reshape(-1))
@@ -151,6 +154,8 @@ def _write_post(result, self, *args, **kwargs):
             rid = State.row_rid.get(int(r))
             if rid is not None:
                 p.rows_assigned(rid, int(pos), int(pos) + 1, int(pos), vals[i : i + 1])
+                if State.swa_pool:
+                    swa.write_twin(rid, int(pos), int(pos) + 1, int(pos), vals[i : i + 1])
 
 
 def write_hook(name: str):
@@ -159,7 +164,15 @@ def write_hook(name: str):
 
 # --------------------------------------------------------------------------- alloc_for_*
 def _extend_pre(batch, *args, **kwargs):
-    return [bool(r.kv.holds_kv) for r in batch.reqs]
+    held = [bool(r.kv.holds_kv) for r in batch.reqs]
+    if State.swa_pool and State.hello_done and any(held):
+        # a later chunk: its SWA row below this extend's window goes to page 0 before
+        # alloc_for_extend runs SGLang's own eviction (hooks_swa.py)
+        prefix_lens = batch.prefix_lens
+        swa.null_below_window(
+            [r.rid for r, h in zip(batch.reqs, held) if h], [int(x) for x, h in zip(prefix_lens, held) if h]
+        )
+    return held
 
 
 def _extend_post(held, result, batch, *args, **kwargs):
@@ -176,6 +189,8 @@ def _extend_post(held, result, batch, *args, **kwargs):
         rt.ensure_begun(r, cached_tokens=0 if held[i] else prefix)
         start = prefix if held[i] else 0  # a later chunk: its earlier rows are already known
         p.rows_assigned(r.rid, start, seq, prefix, block[i, start:seq])
+    if State.swa_pool:  # a hybrid sliding-window model: the same rows in the SWA pool (hooks_swa.py)
+        swa.extend_twins(reqs, held, prefix_lens, seq_lens, block)
     if State.state_pool:  # a hybrid linear-attention model: each request's state slot (hooks_state.py)
         state_slots.assign(reqs, held)
 
@@ -192,7 +207,12 @@ def _decode_pre(batch, *args, **kwargs):
     if getattr(getattr(batch, "model_config", None), "is_encoder_decoder", False):
         return None  # positions are offset by encoder_lens; not modelled
     # a copy: the scheduler advances seq_lens after the call
-    return rt.host_int64(batch.seq_lens_cpu, copy=True)
+    old_lens = rt.host_int64(batch.seq_lens_cpu, copy=True)
+    if State.swa_pool and State.hello_done and batch.reqs:
+        # the SWA rows below this step's window go to page 0 before alloc_for_decode runs
+        # SGLang's own eviction (maybe_evict_swa; hooks_swa.py); q0 = the position computed
+        swa.null_below_window([r.rid for r in batch.reqs], old_lens[: len(batch.reqs)])
+    return old_lens
 
 
 def _decode_post(old_lens, result, batch, *args, **kwargs):
@@ -211,13 +231,18 @@ def _decode_post(old_lens, result, batch, *args, **kwargs):
         if len(starts) == 0:
             return
         out = rt.host_int64(result)  # only on page-start steps (a device read on a GPU)
-        rt.probes().decode_rows_assigned([reqs[i].rid for i in starts.tolist()], old_lens[starts], out[starts])
+        rids = [reqs[i].rid for i in starts.tolist()]
+        rt.probes().decode_rows_assigned(rids, old_lens[starts], out[starts])
+        if State.swa_pool:
+            swa.decode_twins(rids, old_lens[starts], out[starts])
         return
     out = rt.host_int64(result)
     p = rt.probes()
     for i in range(n):
         s = int(old_lens[i])
         p.rows_assigned(reqs[i].rid, s, s + tpr, s, out[i * tpr : (i + 1) * tpr])
+        if State.swa_pool:
+            swa.write_twin(reqs[i].rid, s, s + tpr, s, out[i * tpr : (i + 1) * tpr])
 
 
 def alloc_for_decode_hook(name: str):
@@ -337,6 +362,8 @@ def _forward_pre(self, *args, **kwargs):
         read_pages, read_counts = _row_page_starts(req_to_token, fb.req_pool_indices[:n], seq_lens, State.page_size)
         sampler.spent(time.perf_counter_ns() - t0)
     p.forward(rids, seq_lens, out, written_counts=counts, read_pages=read_pages, read_counts=read_counts)
+    if State.swa_pool and not draft:  # the window layers' pool (hooks_swa.py)
+        swa.forward(rids, seq_lens, counts, out, read_pages, read_counts)
     if State.state_pool and not draft:  # the requests' recurrent state slots (hooks_state.py)
         state_slots.forward(self, fb, rids, read_pages is not None)
     return (check, out) if check is not None else None

@@ -46,6 +46,7 @@ FAULTS = (
     "hicache_load_freed",
     "hicache_host_flipped",
     "state_slot_freed",
+    "swa_freed_under_reader",
 )
 
 

@@ -21,6 +21,16 @@ Unified engine of a hybrid linear-attention model (tests/test_state_sglang_engin
     keeps decoding (``req.kv.mamba_pool_idx`` and the engine's row mapping still name it),
     at the head of the free list, so that the next admission gets it and both requests'
     forwards read and overwrite the same state in place.
+Unified engine of a hybrid sliding-window model (tests/test_swa_sglang_engines.py):
+  * ``Scheduler.process_batch_result`` (around), after: ``swa_freed_under_reader`` notes the
+    victim once it decodes past the window, and the SWA page a few positions behind the one it
+    writes (inside its window, not the page it writes);
+  * ``ScheduleBatch.prepare_for_extend`` (around), before: notes a batch that admits "other";
+  * ``SWATokenToKVPoolAllocator.alloc_extend`` (around), before, for that batch (after any
+    eviction its allocation needed): that page is freed through the SWA sub-allocator, the
+    full-to-SWA mapping left pointing at it (the victim keeps reading it), and put at the head
+    of the SWA free list: the other's prefill gets it (its prompt is shorter than the window,
+    so the page stays inside its window, its own).
 PD prefill engine:
   * ``PrefillBootstrapQueue._num_pages_to_send`` (after): the sender is initialised
     for 1 page (so that 1 page completes the transfer).
@@ -77,6 +87,8 @@ SEND_KV_CHUNK_INNER = S + "disaggregation.prefill.SchedulerDisaggregationPrefill
 MOONCAKE_SEND = S + "disaggregation.mooncake.conn.MooncakeKVSender.send"
 POLL_GATE = S + "disaggregation.decode.DecodeTransferQueue._poll_with_metadata_gate"
 READY_TO_LOAD = S + "mem_cache.unified_radix_cache.UnifiedRadixCache.ready_to_load_host_cache"
+PREPARE_FOR_EXTEND = S + "managers.schedule_batch.ScheduleBatch.prepare_for_extend"
+SWA_ALLOC_EXTEND = S + "mem_cache.allocator.swa.SWATokenToKVPoolAllocator.alloc_extend"
 
 HICACHE_FAULTS = ("hicache_load_freed", "hicache_host_flipped")
 UNIFIED_FAULTS = (
@@ -87,6 +99,7 @@ UNIFIED_FAULTS = (
     "late_write_pool",
     "spec_draft_foreign",
     "state_slot_freed",
+    "swa_freed_under_reader",
 )
 PD_FAULTS = ("send_truncated", "sender_truncated", "send_foreign_page")
 SHORT_SEND_FAULTS = ("send_truncated", "sender_truncated")  # the sender is initialised for 1 page
@@ -235,6 +248,12 @@ class Driver:
         # state_slot_freed: the victim's freed state slot, once freed
         self.ssf_slot: int | None = None
         self.ssf_victim: str | None = None
+        # swa_freed_under_reader: the victim (a Req) once past the window, its row position whose
+        # SWA page is freed when "other" is admitted, and that page (0: noted, not freed yet)
+        self.swa_page: int | None = None
+        self.swa_victim = None
+        self.swa_position = 0
+        self.swa_batch = None  # the batch admitting "other", between prepare_for_extend and its allocation
         # hicache_*: fault -> the victim whose next queued load-back it acts on
         self.hicache_victims: dict[str, str] = {}
 
@@ -355,6 +374,8 @@ class Driver:
             self.guarded("spec_draft_foreign", self._spec_draft_foreign, sched, batch)
         if "state_slot_freed" in self.faults:
             self.guarded("state_slot_freed", self._state_slot_freed, sched, batch)
+        if "swa_freed_under_reader" in self.faults:
+            self.guarded("swa_freed_under_reader", self._swa_freed_under_reader, sched, batch)
         self._maybe_hold(batch)
 
     # fault 2 ----------------------------------------------------------------
@@ -619,6 +640,62 @@ class Driver:
                 slot=None if got is None else int(got),
             )
 
+    def _swa_freed_under_reader(self, sched, batch):
+        """Once the victim decodes past the window: note the SWA page 6 positions behind its
+        last written one (in its window, not the page it writes); freed when "other" is admitted
+        (``swa_free_for_other``)."""
+        roles = self._by_role(batch, "swa_freed_under_reader")
+        if self.swa_page and "other" in roles and ("swa_freed_under_reader", "other_seen") not in self.done:
+            self.done.add(("swa_freed_under_reader", "other_seen"))
+            other = roles["other"][1]
+            slots = row_slots(sched, other, len(other.origin_input_ids))
+            mapping = sched.token_to_kv_pool_allocator.full_to_swa_index_mapping
+            twins = [int(mapping[s]) for s in slots]
+            self.ev.emit("swa_freed_under_reader", "other_admitted", other=other.rid, full=slots, swa=twins)
+        if self.swa_page is not None or not batch.forward_mode.is_decode():
+            return
+        if "victim" not in roles:
+            return
+        victim = roles["victim"][1]
+        written = len(victim.origin_input_ids) + len(victim.output_ids) - 1  # positions with KV
+        window = int(getattr(sched, "sliding_window_size", 0) or 0)
+        if victim.finished() or written < 2 * window + 8:
+            return
+        self.swa_victim, self.swa_position, self.swa_page = victim, written - 6, 0
+        self._arm_hold("swa_freed_under_reader")  # keep the victim decoding until "other" comes
+        self.ev.emit("swa_freed_under_reader", "victim_ready", victim=victim.rid, window=window)
+
+    def swa_other_admitted(self, batch):
+        """Before ``prepare_for_extend``: whether this batch admits "other" (then the victim's
+        noted SWA page is freed right before the SWA half allocates: ``swa_free_for_other``)."""
+        if self.swa_victim is None or self.swa_page or ("swa_freed_under_reader", "other") in self.done:
+            return
+        if "other" in self._by_role(batch, "swa_freed_under_reader"):
+            self.done.add(("swa_freed_under_reader", "other"))
+            self.swa_batch = batch
+
+    def swa_free_for_other(self, alloc):
+        """Before ``SWATokenToKVPoolAllocator.alloc_extend`` of the batch admitting "other" (after
+        any eviction that allocation needed, which puts the pages it frees at the head of the
+        free list): free the victim's noted SWA page under it and put it at the head of the SWA
+        free list: the other's prefill gets it as its first page."""
+        batch, self.swa_batch = self.swa_batch, None
+        if batch is None:
+            return
+        self._release_hold("swa_freed_under_reader")
+        torch = _torch()
+        victim = self.swa_victim
+        full_slot = int(batch.req_to_token_pool.req_to_token[int(victim.kv.req_pool_idx), self.swa_position])
+        page = int(alloc.full_to_swa_index_mapping[full_slot]) // int(alloc.page_size)
+        if victim.finished() or page <= 0:
+            self.ev.emit("swa_freed_under_reader", "skipped", victim=victim.rid, page=page)
+            return
+        swa = alloc.swa_attn_allocator
+        swa.free_page_ids(torch.tensor([page], dtype=torch.int64, device=swa.device))
+        move_pages_deeper(swa, [page], 0)
+        self.swa_page = page
+        self.ev.emit("swa_freed_under_reader", "freed", victim=victim.rid, page=page, position=self.swa_position)
+
     def _uaf_free(self, sched, batch):
         """After the victim's prefill: free two of its full prompt pages through the
         allocator while it keeps decoding (its row still names them)."""
@@ -855,6 +932,22 @@ def register(faults: set[str], folder: str | None) -> Driver:
 
         HookRegistry.register(RUN_BATCH, run_batch_hook, HookType.AROUND)
         HookRegistry.register(PROCESS_BATCH_RESULT, process_batch_result_hook, HookType.AROUND)
+
+    if "swa_freed_under_reader" in faults:
+
+        def prepare_for_extend_hook(original, batch, *args, **kwargs):
+            d.guarded("swa_freed_under_reader", d.swa_other_admitted, batch)
+            try:
+                return original(batch, *args, **kwargs)
+            finally:
+                d.swa_batch = None
+
+        def swa_alloc_extend_hook(original, alloc, *args, **kwargs):
+            d.guarded("swa_freed_under_reader", d.swa_free_for_other, alloc)
+            return original(alloc, *args, **kwargs)
+
+        HookRegistry.register(PREPARE_FOR_EXTEND, prepare_for_extend_hook, HookType.AROUND)
+        HookRegistry.register(SWA_ALLOC_EXTEND, swa_alloc_extend_hook, HookType.AROUND)
 
     if "salt_dropped" in faults:
 

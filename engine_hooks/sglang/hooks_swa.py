@@ -1,0 +1,146 @@
+"""A hybrid sliding-window engine (GPT-OSS, ...): the SWA pool as a pool of its own.
+
+SGLang's ``SWATokenToKVPoolAllocator`` drives two sub-allocators in step: ``full_attn_allocator``
+over the full-attention layers' pool (whose slots are what ``req_to_token`` holds) and
+``swa_attn_allocator`` over the window layers' pool (``SWAKVPool.swa_kv_pool``). Each full slot
+has a SWA twin, ``full_to_swa_index_mapping[slot]`` (0: none: never paired, or released), at the
+same offset in its page. The window layers write a forward's tokens at the twins of its
+``out_cache_loc`` and read the twins of the last ``W`` positions (``sliding_window_size``);
+SWA pages behind the window are freed while the request lives (``maybe_evict_swa`` before an
+allocation, the radix tree's tombstones), with no request named at the free.
+
+The adapter declares the SWA pool as pool ``State.swa_pool`` (``POOL kind=sliding_window``, its
+page ids are the SWA sub-allocator's) and keeps, per request, a row in it:
+
+* allocations and frees: the class hooks of hooks_allocator.py fire for both sub-allocators;
+  ``_runtime.pool_of`` tells them apart by instance;
+* rows: every time a pool-0 row goes out (hooks_rows.py: ``alloc_for_extend``,
+  ``alloc_for_decode``, ``ReqToTokenPool.write``) its twin goes out too: the same positions
+  through the mapping, at that moment;
+* the window: before each forward (and before ``alloc_for_decode`` / ``alloc_for_extend``,
+  which run SGLang's own eviction) the row's positions below the window of the coming forward
+  (``floor((q0 - W) / page) * page``, ``q0`` its first computed position) are pointed at page 0,
+  which is never judged. Every SWA page SGLang frees on purpose is below that bound
+  (its eviction threshold is ``q0 - ceil(max(W, page) / page) * page``, page-floored; the tree
+  frees only unlocked windows), so a free is never under a reader; a page freed inside the
+  window, or handed to another request while the mapping still names it, is: the reader's next
+  SWA read finds it free or another's;
+* forwards: after pool 0's, a FORWARD on the SWA pool with the same lengths, the twins of the
+  written slots, and (when the row sampler is due) the engine's rows translated, nulled below
+  the bound as the model is.
+
+Verified on 0.5.23 unified engines (coverage.py ``SWA_VERIFIED_VERSIONS``); the per-request SWA
+ring, unified memory, pure-SWA models, speculative decoding, HiCache and prefill/decode roles
+are declared unwatched there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _runtime as rt
+from ._runtime import State
+
+
+def translate(full_slots) -> np.ndarray:
+    """The SWA twins (int64 numpy) of full-pool slots, through the engine's mapping."""
+    import torch
+
+    mapping = State.swa_mapping
+    idx = full_slots if isinstance(full_slots, torch.Tensor) else torch.as_tensor(np.asarray(full_slots))
+    if idx.numel() == 0:
+        return np.zeros(0, np.int64)
+    return rt.host_int64(mapping[idx.to(mapping.device).long()], copy=True)
+
+
+def _bound(q0: int) -> int:
+    """The page-aligned position below which the forward computing from ``q0`` reads no SWA."""
+    ps = State.page_size
+    return (max(q0 - State.swa_window, 0) // ps) * ps
+
+
+def null_below_window(rids, first_positions) -> None:
+    """Point each request's SWA row at page 0 below the window of its coming forward (whose
+    first computed position is ``first_positions[i]``), where that bound moved."""
+    p = None
+    ps = State.page_size
+    nulled = State.swa_nulled
+    for rid, q0 in zip(rids, first_positions):
+        old = nulled.get(rid)
+        if old is None:
+            continue  # no SWA row sent for it (yet): its first ASSIGN sets the bound
+        new = _bound(int(q0))
+        if new <= old:
+            continue
+        p = p or rt.probes()
+        p.row_pages_assigned(rid, old, new, old, [0] * ((new - old) // ps), pool=State.swa_pool)
+        nulled[rid] = new
+
+
+def extend_twins(reqs, held, prefix_lens, seq_lens, block) -> None:
+    """After ``alloc_for_extend``: each request's SWA row twin of what hooks_rows sent for pool 0
+    (``block``: their req_to_token rows on the host). A new row starts at 0, nulled below the
+    window of this extend (``q0`` = its prefix); a later chunk continues from its prefix."""
+    p = rt.probes()
+    pool = State.swa_pool
+    for i, r in enumerate(reqs):
+        prefix, seq = prefix_lens[i], seq_lens[i]
+        if held[i]:
+            start, bound = prefix, State.swa_nulled.get(r.rid, 0)
+        else:
+            start, bound = 0, _bound(prefix)
+            State.swa_nulled[r.rid] = bound
+        if seq <= start:
+            continue
+        twins = translate(block[i, start:seq])
+        if bound > start:
+            twins[: bound - start] = 0
+        p.rows_assigned(r.rid, start, seq, prefix, twins, pool=pool)
+
+
+def decode_twins(rids, positions, full_slots) -> None:
+    """After ``alloc_for_decode``: the SWA twins of the new page-starting slots."""
+    rt.probes().decode_rows_assigned(rids, positions, translate(full_slots), pool=State.swa_pool)
+
+
+def write_twin(rid, start: int, stop: int, shared_until: int, values) -> None:
+    """A ``ReqToTokenPool.write`` of positions ``[start, stop)`` (a radix rebind onto the tree's
+    slots, ...): their twins, page 0 below the request's nulled bound (the tree may free those)."""
+    bound = State.swa_nulled.get(rid)
+    if bound is None:
+        return
+    twins = translate(values)
+    if bound > start:
+        twins[: bound - start] = 0
+    rt.probes().rows_assigned(rid, start, stop, shared_until, twins, pool=State.swa_pool)
+
+
+def forget(rid: str) -> None:
+    State.swa_nulled.pop(rid, None)
+
+
+def forward(rids, seq_lens, counts, out, read_pages, read_counts) -> None:
+    """The SWA pool's FORWARD of a batch, after pool 0's: the same lengths, the twins of the
+    written slots; when pool 0 sent the engine's rows (``read_pages``: the pages at each row's
+    page-start positions), their twins, page 0 below each request's bound."""
+    null_below_window(rids, seq_lens - counts)
+    ps = State.page_size
+    written = translate(out) if len(out) else out
+    swa_pages = None
+    if read_pages is not None:
+        swa_pages = translate(np.asarray(read_pages, np.int64) * ps) // ps
+        nulled = State.swa_nulled
+        starts = np.concatenate(([0], np.cumsum(read_counts)[:-1])).astype(np.int64)
+        for i, rid in enumerate(rids):
+            below = min(nulled.get(rid, 0) // ps, int(read_counts[i]))
+            if below:
+                swa_pages[starts[i] : starts[i] + below] = 0
+    rt.probes().forward(
+        rids,
+        seq_lens,
+        written,
+        written_counts=counts,
+        read_pages=swa_pages,
+        read_counts=read_counts if swa_pages is not None else None,
+        pool=State.swa_pool,
+    )
