@@ -9,16 +9,22 @@ or a Docker engine. tests/test_deploy.py runs the same functions under pytest.
    and alerts/kvguard.rules.yaml, the dashboard ConfigMaps and dashboards/.
 2. Every kustomization renders with a real kustomize (`kustomize build`, else
    `kubectl kustomize`; kustomize v5 needed), in a scratch copy of deploy/ with
-   placeholder secret files (the real ones are never committed).
+   placeholder secret files (the real ones are never committed): the kvguard Component
+   on stock SGLang and vLLM Deployments and a stock LeaderWorkerSet (deploy/examples),
+   the bases, the overlays, the four reference deployments and the release overlay.
 3. Every rendered object validates offline, strictly (unknown fields fail), against
    the Kubernetes schemas of kubernetes-validate for several Kubernetes versions;
-   ServiceMonitor and PrometheusRule (no core schema) against deploy/schemas/; any
-   other kind fails: nothing is skipped silently.
+   ServiceMonitor, PrometheusRule and LeaderWorkerSet (no core schema) against
+   deploy/schemas/ (a LeaderWorkerSet's pod templates against the core PodTemplate
+   schema); any other kind fails: nothing is skipped silently.
 4. What the schemas cannot see: references (volumes, ports, Secrets, ConfigMaps and
-   their keys, selectors), the sidecar's command line parsed by kvguard's own CLI
-   parser, the ring directory shared by engine and sidecar, the sidecar's security
-   context, probes and resources, the job label the alert rules expect; `promtool
-   check rules` on the PrometheusRule's groups when promtool is installed.
+   their keys, selectors, the ledger's Redis, the router's workers), the sidecar's
+   command line parsed by kvguard's own CLI parser (the router's by sglang-router's),
+   the native sidecar, every piece of the Component arriving in each watched pod, the
+   ring directory shared by engine and sidecar, the sidecar's security context, probes
+   and resources, the ledger wiring of prefill/decode pods, one paging path, the job
+   label the alert rules expect, PodDisruptionBudgets, images by digest in the release;
+   `promtool check rules` on the PrometheusRule's groups when promtool is installed.
 5. The Dockerfiles, statically: pinned base images (no `latest`), numeric non-root
    USER, exact pins (the sidecar's list equals kvguard[sidecar]'s dependency closure),
    build contexts that admit what is copied.
@@ -66,25 +72,39 @@ def _load_generate():
 generate = _load_generate()
 
 # The kustomizations, by name (paths relative to deploy/). "all" is assembled here:
-# common + every overlay in one namespace, to check names and references across them.
+# common + the release overlay (the four reference deployments and the Redis ledger) in
+# one namespace, to check names and references across them.
 TARGETS = {
+    "stock-sglang": "examples/sglang",  # the Component on a stock SGLang Deployment
+    "stock-vllm": "examples/vllm",  # ... on a stock vLLM Deployment
+    "stock-lws": "examples/lws",  # ... on a stock SGLang LeaderWorkerSet
     "base": "base",
+    "base-vllm": "base-vllm",
     "common": "common",
+    "redis": "redis",
     "unified": "overlays/unified",
     "prefill": "overlays/prefill",
     "decode": "overlays/decode",
+    "sglang-pd": "overlays/sglang-pd",
+    "vllm-unified": "overlays/vllm-unified",
+    "vllm-pd": "overlays/vllm-pd",
+    "release": "overlays/release",
 }
-OVERLAYS = ("unified", "prefill", "decode")
+# The four reference deployments (all in the release overlay).
+OVERLAYS = ("unified", "sglang-pd", "vllm-unified", "vllm-pd")
+RELEASE = "release"  # every image by digest
 # Kubernetes versions to validate against: the oldest still commonly run, a middle
 # one, and the newest kubernetes-validate knows.
 K8S_VERSIONS = ("1.29.0", "1.33.0", "1.37.0")
 CRD_SCHEMAS = DEPLOY / "schemas" / "monitoring.coreos.com_v1.json"
+LWS_SCHEMAS = DEPLOY / "schemas" / "leaderworkerset.x-k8s.io_v1.json"
+COMPONENT = DEPLOY / "components" / "kvguard"
 DEPLOY_LOCK = REPO / "requirements" / "deploy.lock"
 ENGINE_LOCK = REPO / "requirements" / "engine.lock"
 TOOLS_DIR = REPO / ".kvguard-cache" / "deploy-tools"
-SIDECAR = "kvguard"  # the sidecar's container name
-ENGINE = "sglang"  # the engine's container name
-PLACEHOLDER_SECRETS = {"api-token": "0" * 64, "pagerduty-routing-key": "0" * 32}
+SIDECAR = "kvguard"  # the sidecar's container name (a native sidecar: an init container)
+WATCHED = "kvguard.io/watched"  # the label of the pods the Component adds the sidecar to
+PLACEHOLDER_SECRETS = {"api-token": "0" * 64, "pagerduty-routing-key": "0" * 32, "ledger-password": "1" * 64}
 DOCKERFILES = {
     "sidecar": DEPLOY / "docker" / "Dockerfile.sidecar",
     "engine": DEPLOY / "docker" / "Dockerfile.engine",
@@ -228,7 +248,7 @@ def scratch_deploy():
                 {
                     "apiVersion": "kustomize.config.k8s.io/v1beta1",
                     "kind": "Kustomization",
-                    "resources": ["../common"] + [f"../{TARGETS[o]}" for o in OVERLAYS],
+                    "resources": ["../common", f"../{TARGETS[RELEASE]}"],
                 }
             )
         )
@@ -258,19 +278,32 @@ def schema_problems(objs: list[dict], versions=K8S_VERSIONS) -> list[str]:
     import jsonschema
 
     kv = kubernetes_validate()
-    crd_doc = json.loads(CRD_SCHEMAS.read_text())
+    crd_docs = {
+        "monitoring.coreos.com/v1": (CRD_SCHEMAS, json.loads(CRD_SCHEMAS.read_text())),
+        "leaderworkerset.x-k8s.io/v1": (LWS_SCHEMAS, json.loads(LWS_SCHEMAS.read_text())),
+    }
     problems = []
     for obj in objs:
         api, kind = obj.get("apiVersion", ""), obj.get("kind", "")
-        if api == "monitoring.coreos.com/v1":
+        if api in crd_docs:
+            path_, crd_doc = crd_docs[api]
             if kind not in crd_doc["kinds"]:
-                problems.append(f"{kn(obj)}: no offline schema for {api} {kind} (add one to {CRD_SCHEMAS.name})")
+                problems.append(f"{kn(obj)}: no offline schema for {api} {kind} (add one to {path_.name})")
                 continue
             schema = dict(crd_doc, **{"$ref": f"#/kinds/{kind}"})
             validator = jsonschema.Draft202012Validator(schema)
             for err in sorted(validator.iter_errors(obj), key=lambda e: list(e.absolute_path)):
                 path = "/".join(str(p) for p in err.absolute_path)
                 problems.append(f"{kn(obj)}: {path}: {err.message[:300]}")
+            # A LeaderWorkerSet's pod templates: the core PodTemplate schema of each version.
+            for where, tpl in _lws_templates(obj):
+                wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": tpl}
+                for version in versions:
+                    try:
+                        kv.validate(wrapped, version, strict=True)
+                    except kv.ValidationError as exc:
+                        path = "/".join(str(p) for p in exc.path)
+                        problems.append(f"{kn(obj)} {where} (Kubernetes {version}): {path}: {exc.message[:300]}")
             continue
         for version in versions:
             try:
@@ -285,8 +318,89 @@ def schema_problems(objs: list[dict], versions=K8S_VERSIONS) -> list[str]:
 
 
 # --------------------------------------------------------------------------- semantics
+WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "LeaderWorkerSet")
+
+
+def _lws_templates(obj: dict) -> list[tuple[str, dict]]:
+    lwt = obj.get("spec", {}).get("leaderWorkerTemplate", {})
+    return [(k, lwt[k]) for k in ("leaderTemplate", "workerTemplate") if isinstance(lwt.get(k), dict)]
+
+
+def pod_templates(obj: dict) -> list[tuple[str, dict]]:
+    """(name, pod template) of each pod shape a workload runs: a LeaderWorkerSet has two."""
+    if obj.get("kind") == "LeaderWorkerSet":
+        return [(f"{kn(obj)} {where}", tpl) for where, tpl in _lws_templates(obj)]
+    if obj.get("kind") in WORKLOAD_KINDS:
+        return [(kn(obj), obj["spec"]["template"])]
+    return []
+
+
+def _all_containers(pod: dict) -> list[dict]:
+    """The regular containers, then the init containers (a native sidecar is one)."""
+    return list(pod.get("containers", [])) + list(pod.get("initContainers", []))
+
+
 def _containers(pod: dict) -> dict[str, dict]:
-    return {c["name"]: c for c in pod.get("containers", [])}
+    return {c["name"]: c for c in _all_containers(pod)}
+
+
+def _engine(pod: dict) -> dict | None:
+    """The engine: the pod's first regular container (the Component's convention)."""
+    return next((c for c in pod.get("containers", []) if c["name"] != SIDECAR), None)
+
+
+_SHELLS = ("sh", "/bin/sh", "bash", "/bin/bash")
+
+
+def _argv(container: dict) -> list[str]:
+    """The container's command line; `sh -c "..."` (vLLM's own example) split as the shell would."""
+    argv = [str(a) for a in container.get("command", []) + container.get("args", [])]
+    if len(argv) >= 3 and argv[0] in _SHELLS and argv[1] == "-c":
+        return shlex.split(argv[2])
+    return argv
+
+
+def _engine_kind(argv: list[str]) -> str:
+    return "vllm" if any(a == "vllm" or a.startswith("vllm.") for a in argv[:3]) else "sglang"
+
+
+def _int_flag(argv: list[str], *names: str, default: int = 1, lws: dict | None = None) -> int:
+    for name in names:
+        v = _flag(argv, name)
+        if v is None:
+            continue
+        if v.isdigit():
+            return int(v)
+        if v == "$(LWS_GROUP_SIZE)" and lws is not None:  # LeaderWorkerSet's own variable
+            return int(lws["spec"]["leaderWorkerTemplate"].get("size", 1))
+    return default
+
+
+def engine_rings(engine: dict, obj: dict | None = None) -> int:
+    """Rings the engine writes in this pod: one per SGLang scheduler process (TP x DP over
+    --nnodes pods); two per vLLM engine (its EngineCore's and rank 0 Worker's) per DP rank."""
+    argv = _argv(engine)
+    lws = obj if obj is not None and obj.get("kind") == "LeaderWorkerSet" else None
+    if _engine_kind(argv) == "vllm":
+        return 2 * _int_flag(argv, "--data-parallel-size", "-dp")
+    tp = _int_flag(argv, "--tp-size", "--tp")
+    dp = _int_flag(argv, "--dp-size", "--dp")
+    nnodes = _int_flag(argv, "--nnodes", lws=lws)
+    return max(1, -(-tp * dp // nnodes))
+
+
+def engine_role(engine: dict) -> str | None:
+    """prefill / decode (or both) for a prefill/decode engine, else None."""
+    argv = _argv(engine)
+    if _engine_kind(argv) == "vllm":
+        cfg = _flag(argv, "--kv-transfer-config")
+        try:
+            role = json.loads(cfg).get("kv_role") if cfg else None
+        except ValueError:
+            return None
+        return {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}.get(role)
+    mode = _flag(argv, "--disaggregation-mode")
+    return mode if mode in ("prefill", "decode") else None
 
 
 def _env(container: dict) -> dict[str, dict]:
@@ -349,16 +463,22 @@ def _mount_for(container: dict, path: str) -> dict | None:
 
 
 def pod_problems(obj: dict) -> list[str]:
-    """One workload's pod: references inside it, and the engine + sidecar contract."""
+    """One workload's pods (a LeaderWorkerSet's leader and worker templates each): references
+    inside each, and the engine + sidecar contract."""
     p = []
-    spec = obj["spec"]
-    tpl = spec["template"]
+    if obj["kind"] != "LeaderWorkerSet":
+        labels = obj["spec"]["template"].get("metadata", {}).get("labels", {})
+        for k, v in obj["spec"].get("selector", {}).get("matchLabels", {}).items():
+            if labels.get(k) != v:
+                p.append(f"{kn(obj)}: selector {k}={v} does not match the pod template's labels")
+    for name, tpl in pod_templates(obj):
+        p += _pod_problems(name, tpl, obj)
+    return p
+
+
+def _pod_problems(name: str, tpl: dict, obj: dict) -> list[str]:
+    p = []
     pod = tpl["spec"]
-    name = kn(obj)
-    labels = tpl.get("metadata", {}).get("labels", {})
-    for k, v in spec.get("selector", {}).get("matchLabels", {}).items():
-        if labels.get(k) != v:
-            p.append(f"{name}: selector {k}={v} does not match the pod template's labels")
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
     containers = _containers(pod)
     for c in containers.values():
@@ -375,9 +495,26 @@ def pod_problems(obj: dict) -> list[str]:
                 p.append(f"{name}: container {c['name']} env {e['name']} has both value and valueFrom")
     if SIDECAR not in containers:
         return p + [f"{name}: no {SIDECAR!r} container"]
-    if ENGINE not in containers:
-        return p + [f"{name}: no {ENGINE!r} container"]
-    side, eng = containers[SIDECAR], containers[ENGINE]
+    eng = _engine(pod)
+    if eng is None:
+        return p + [f"{name}: no engine container (the pod's first container)"]
+    side = containers[SIDECAR]
+
+    # A native sidecar: started before the engine, stopped after it (so the engine's last
+    # records are drained), restarted on exit; Kubernetes >= 1.29.
+    if any(c["name"] == SIDECAR for c in pod.get("containers", [])):
+        p.append(
+            f"{name}: the {SIDECAR} sidecar is a regular container: make it a native sidecar (an "
+            f"initContainers entry with restartPolicy: Always, as deploy/components/kvguard adds it), "
+            f"so that it starts before the engine and drains its last records after it stops"
+        )
+    elif side.get("restartPolicy") != "Always":
+        p.append(
+            f"{name}: the {SIDECAR} init container has no restartPolicy: Always: a plain init container "
+            f"must exit before the engine starts (it never would), and is not restarted"
+        )
+    if tpl.get("metadata", {}).get("labels", {}).get(WATCHED) != "true":
+        p.append(f'{name}: pod label {WATCHED}: "true" missing: the NetworkPolicy and the metrics Service select it')
 
     if pod.get("automountServiceAccountToken") is not False:
         p.append(
@@ -419,6 +556,39 @@ def pod_problems(obj: dict) -> list[str]:
             if side.get(probe, {}).get("httpGet", {}).get("port") not in ("health", health_port):
                 p.append(f"{name}: sidecar {probe} does not use the --health-listen port: a flood of 9464 fails it")
 
+    # One paging path by default: the PrometheusRule's alerts through Alertmanager.
+    if getattr(a, "pagerduty_routing_key_file", None):
+        p.append(
+            f"{name}: sidecar --pagerduty-routing-key-file: it pages PagerDuty directly as well as through "
+            f"the PrometheusRule's alerts (Alertmanager): two pages per finding. Direct paging is opt-in "
+            f"(docs/operations.md), not the manifests' default"
+        )
+
+    # Prefill/decode: the shared ledger, its password from a Secret, a cluster name.
+    role = engine_role(eng)
+    if role is not None:
+        senv = _env(side)
+        ledger = _flag(side.get("args", []), "--ledger")
+        led = senv.get("KVGUARD_LEDGER", {})
+        if ledger is None and "valueFrom" not in led and led.get("value", "memory") == "memory":
+            p.append(
+                f"{name}: a {role} engine's sidecar without a shared ledger (KVGUARD_LEDGER or --ledger "
+                f"redis://...): transfers across pods are never paired, the 2026 leak goes undetected on decode"
+            )
+        elif "@" in str(led.get("value", ledger or "")):
+            p.append(f"{name}: the ledger URL carries a password: give it as KVGUARD_LEDGER_PASSWORD from a Secret")
+        pw = senv.get("KVGUARD_LEDGER_PASSWORD", {})
+        if not pw.get("valueFrom", {}).get("secretKeyRef"):
+            p.append(
+                f"{name}: a {role} engine's sidecar needs KVGUARD_LEDGER_PASSWORD from a Secret (secretKeyRef)"
+                + (": a literal value puts the password in the pod spec" if "value" in pw else "")
+            )
+        if not senv.get("KVGUARD_CLUSTER", {}).get("value") and not _flag(side.get("args", []), "--ledger-cluster"):
+            p.append(
+                f"{name}: a {role} engine's sidecar without KVGUARD_CLUSTER: every deployment sharing the "
+                f"Redis would be 'default' and pair each other's transfers"
+            )
+
     # The ring directory: one in-memory volume, mounted at the same path in both.
     ring_env = _env(eng).get("KVGUARD_RING_DIR", {}).get("value")
     if ring_env != a.ring_dir:
@@ -433,15 +603,10 @@ def pod_problems(obj: dict) -> list[str]:
             p.append(f"{name}: ring volume {m_side['name']!r} must be emptyDir medium Memory with a sizeLimit")
         else:
             ring_bytes = int(_env(eng).get("KVGUARD_RING_BYTES", {}).get("value", 16 << 20))
-            eng_args = eng.get("args", [])
-            procs = int(_flag(eng_args, "--tp-size") or _flag(eng_args, "--tp") or 1) * int(
-                _flag(eng_args, "--dp-size") or _flag(eng_args, "--dp") or 1
-            )
-            need = procs * (ring_bytes + 4096)
+            rings = engine_rings(eng, obj)
+            need = rings * (ring_bytes + 4096)
             if _quantity(ed["sizeLimit"]) < need:
-                p.append(
-                    f"{name}: ring volume sizeLimit {ed['sizeLimit']} < {procs} engine processes x {ring_bytes} B rings"
-                )
+                p.append(f"{name}: ring volume sizeLimit {ed['sizeLimit']} < {rings} engine rings x {ring_bytes} B")
         if m_side.get("readOnly") or m_eng.get("readOnly"):
             p.append(
                 f"{name}: the ring volume must be writable in both containers (the sidecar writes its "
@@ -526,6 +691,14 @@ def pod_problems(obj: dict) -> list[str]:
     return p
 
 
+def _is_watched(w: dict) -> bool:
+    """A workload whose pods carry the kvguard sidecar (every pod template the Component touched)."""
+    return any(
+        t.get("metadata", {}).get("labels", {}).get(WATCHED) == "true" or SIDECAR in _containers(t["spec"])
+        for _, t in pod_templates(w)
+    )
+
+
 def _selects(selector: dict, labels: dict) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
@@ -554,9 +727,9 @@ def cross_problems(objs: list[dict]) -> list[str]:
     def keys(o):
         return set(o.get("data", {})) | set(o.get("stringData", {}))
 
-    workloads = [o for o in objs if o["kind"] in ("Deployment", "StatefulSet", "DaemonSet")]
-    for w in workloads:
-        pod = w["spec"]["template"]["spec"]
+    workloads = [o for o in objs if o["kind"] in WORKLOAD_KINDS]
+    for w, tpl in [(o, t) for o in workloads for _, t in pod_templates(o)]:
+        pod = tpl["spec"]
         for v in pod.get("volumes", []):
             if "secret" in v:
                 s = secrets.get(v["secret"]["secretName"])
@@ -568,7 +741,7 @@ def cross_problems(objs: list[dict]) -> list[str]:
                             p.append(f"{kn(w)}: Secret {kn(s)} has no key {item['key']!r}")
             if "configMap" in v and v["configMap"]["name"] not in configmaps:
                 p.append(f"{kn(w)}: volume {v['name']} needs ConfigMap {v['configMap']['name']}, not deployed")
-        for c in pod.get("containers", []):
+        for c in _all_containers(pod):
             for e in c.get("env", []):
                 for ref_kind, pool in (("configMapKeyRef", configmaps), ("secretKeyRef", secrets)):
                     ref = e.get("valueFrom", {}).get(ref_kind)
@@ -578,18 +751,29 @@ def cross_problems(objs: list[dict]) -> list[str]:
                             p.append(f"{kn(w)}: {c['name']} env {e['name']} needs {ref_kind[:-6]} {ref['name']}")
                         elif ref["key"] not in keys(o):
                             p.append(f"{kn(w)}: {c['name']} env {e['name']}: {kn(o)} has no key {ref['key']!r}")
+    templates = [(name, tpl) for w in workloads for name, tpl in pod_templates(w)]
     for s in by_kind.get("Service", {}).values():
         sel = s["spec"].get("selector", {})
-        pods = [w for w in workloads if _selects(sel, w["spec"]["template"]["metadata"].get("labels", {}))]
+        pods = [(n, t) for n, t in templates if _selects(sel, t.get("metadata", {}).get("labels", {}))]
         if not pods:
             p.append(f"{kn(s)}: selector {sel} matches no pod template")
-        for w in pods:
-            names = {pt.get("name") for c in w["spec"]["template"]["spec"]["containers"] for pt in c.get("ports", [])}
+        for n, t in pods:
+            names = {pt.get("name") for c in t["spec"]["containers"] for pt in c.get("ports", [])}
+            init_names = {pt.get("name") for c in t["spec"].get("initContainers", []) for pt in c.get("ports", [])}
             for port in s["spec"].get("ports", []):
                 tp = port.get("targetPort")
-                if isinstance(tp, str) and tp not in names:
-                    p.append(f"{kn(s)}: targetPort {tp!r} is not a port of {kn(w)}")
+                if isinstance(tp, str) and tp in init_names - names:
+                    p.append(
+                        f"{kn(s)}: targetPort {tp!r} names a port of an init container (the native sidecar) in {n}: "
+                        f"Kubernetes before 1.32 leaves it out of the endpoints (kubernetes/kubernetes#127958); "
+                        f"use the port number"
+                    )
+                elif isinstance(tp, str) and tp not in names:
+                    p.append(f"{kn(s)}: targetPort {tp!r} is not a port of {n}")
     p += network_policy_problems(by_kind.get("NetworkPolicy", {}).values(), workloads)
+    p += disruption_budget_problems(by_kind.get("PodDisruptionBudget", {}).values(), workloads)
+    p += ledger_problems(configmaps.get("kvguard-config"), by_kind, workloads)
+    p += router_problems(workloads, by_kind.get("Service", {}))
     jobs = alert_job_names()
     for sm in by_kind.get("ServiceMonitor", {}).values():
         sel = sm["spec"]["selector"].get("matchLabels", {})
@@ -633,9 +817,10 @@ def network_policy_problems(policies, workloads) -> list[str]:
     everyone, and every port the engine container declares still is (a policy that selects
     a pod is an allow-list for all its ports: forgetting one cuts the engine off)."""
     p = []
-    for w in workloads:
-        tmpl = w["spec"]["template"]
+    for name, tmpl in ((name, t) for w in workloads for name, t in pod_templates(w)):
         labels = tmpl["metadata"].get("labels", {})
+        if labels.get(WATCHED) != "true":
+            continue  # other pods' policies (the ledger's Redis): ledger_problems
         selecting = [
             np_
             for np_ in policies
@@ -646,18 +831,181 @@ def network_policy_problems(policies, workloads) -> list[str]:
             continue
         rules = [r for np_ in selecting for r in np_["spec"].get("ingress", [])]
         open_rules = [r for r in rules if not r.get("from")]
-        for c in tmpl["spec"]["containers"]:
+        for c in _all_containers(tmpl["spec"]):
             for pt in c.get("ports", []):
                 port, proto = pt["containerPort"], pt.get("protocol", "TCP")
                 anyone = any(_allows(r, port, proto) for r in open_rules)
                 if c["name"] == SIDECAR and anyone:
-                    p.append(f"{kn(w)}: a NetworkPolicy opens the sidecar's port {port} to everyone")
+                    p.append(f"{name}: a NetworkPolicy opens the sidecar's port {port} to everyone")
                 elif c["name"] == SIDECAR and pt.get("name") == "health":
                     continue  # the probes' port: the node's kubelet reaches it whatever the policy says
                 elif c["name"] == SIDECAR and not any(_allows(r, port, proto) for r in rules):
-                    p.append(f"{kn(w)}: no NetworkPolicy rule lets Prometheus reach the sidecar's port {port}")
+                    p.append(f"{name}: no NetworkPolicy rule lets Prometheus reach the sidecar's port {port}")
                 elif c["name"] != SIDECAR and not anyone:
-                    p.append(f"{kn(w)}: the NetworkPolicy cuts {c['name']}'s port {port} off")
+                    p.append(f"{name}: the NetworkPolicy cuts {c['name']}'s port {port} off")
+    return p
+
+
+def _replicas(w: dict) -> int:
+    return int(w["spec"].get("replicas", 1))
+
+
+def disruption_budget_problems(pdbs, workloads) -> list[str]:
+    """Each PodDisruptionBudget selects pods, and lets a node drain evict at least one of them."""
+    p = []
+    for pdb in pdbs:
+        sel = pdb["spec"].get("selector", {}).get("matchLabels", {})
+        chosen = [
+            w for w in workloads for _, t in pod_templates(w) if _selects(sel, t.get("metadata", {}).get("labels", {}))
+        ]
+        if not sel or not chosen:
+            p.append(f"{kn(pdb)}: selector {sel} matches no pod template")
+            continue
+        replicas = sum(_replicas(w) for w in chosen)
+        min_avail, max_unavail = pdb["spec"].get("minAvailable"), pdb["spec"].get("maxUnavailable")
+        if (isinstance(min_avail, int) and min_avail >= replicas) or max_unavail in (0, "0%"):
+            p.append(
+                f"{kn(pdb)}: allows no eviction of its {replicas} pod(s) ({', '.join(kn(w) for w in chosen)}): "
+                f"every node drain stops there until someone deletes a pod by hand"
+            )
+    return p
+
+
+def _redis_host(url: str) -> tuple[str, int] | None:
+    m = re.fullmatch(r"rediss?://(?:[^@/]*@)?([^:/]+)(?::(\d+))?(?:/.*)?", url or "")
+    return (m.group(1), int(m.group(2) or 6379)) if m else None
+
+
+def ledger_problems(config: dict | None, by_kind: dict, workloads: list[dict]) -> list[str]:
+    """The Redis ledger KVGUARD_LEDGER names, when it is in this namespace (a bare Service name):
+    the Service exists with that port, selects a pod, and the sidecars may reach it."""
+    url = (config or {}).get("data", {}).get("KVGUARD_LEDGER", "memory")
+    hp = _redis_host(url)
+    if hp is None or "." in hp[0]:
+        return []  # the in-memory ledger, or a Redis outside this namespace: the operator's
+    host, port = hp
+    svc = by_kind.get("Service", {}).get(host)
+    if svc is None:
+        return [f"kvguard-config KVGUARD_LEDGER={url}: no Service {host!r} here (deploy/redis, or an external URL)"]
+    sp = next((pt for pt in svc["spec"].get("ports", []) if pt["port"] == port), None)
+    if sp is None:
+        return [f"kvguard-config KVGUARD_LEDGER={url}: Service {host} has no port {port}"]
+    p = []
+    targets = [
+        t
+        for w in workloads
+        for _, t in pod_templates(w)
+        if _selects(svc["spec"].get("selector", {}), t.get("metadata", {}).get("labels", {}))
+    ]
+    for t in targets:
+        labels = t["metadata"].get("labels", {})
+        tp = sp.get("targetPort", port)
+        cport = next(
+            (
+                pt["containerPort"]
+                for c in t["spec"]["containers"]
+                for pt in c.get("ports", [])
+                if tp in (pt.get("name"), pt["containerPort"])
+            ),
+            None,
+        )
+        policies = [
+            np_
+            for np_ in by_kind.get("NetworkPolicy", {}).values()
+            if _selects(np_["spec"]["podSelector"].get("matchLabels", {}), labels)
+            and "Ingress" in np_["spec"].get("policyTypes", ["Ingress"])
+        ]
+        if cport is None or not policies:
+            continue
+        rules = [r for np_ in policies for r in np_["spec"].get("ingress", [])]
+
+        def from_sidecars(rule):
+            return not rule.get("from") or any(
+                "namespaceSelector" not in f
+                and _selects(f.get("podSelector", {}).get("matchLabels", {}), {WATCHED: "true"})
+                for f in rule["from"]
+            )
+
+        if not any(from_sidecars(r) and _allows(r, cport) for r in rules):
+            p.append(f"NetworkPolicy: no rule lets the sidecars ({WATCHED}) reach the ledger's Redis port {cport}")
+        if any(not r.get("from") and _allows(r, cport) for r in rules):
+            p.append(f"NetworkPolicy: the ledger's Redis port {cport} is open to everyone (the sidecars alone need it)")
+    return p
+
+
+def _router_args(argv: list[str]):
+    """sglang-router's own parser when installed; else --prefill URL [PORT] / --decode URL by hand."""
+    try:
+        from sglang_router.launch_router import parse_router_args
+    except ImportError:
+        prefill, decode = [], []
+        for i, a in enumerate(argv):
+            if a == "--prefill":
+                port = argv[i + 2] if i + 2 < len(argv) and argv[i + 2].isdigit() else None
+                prefill.append((argv[i + 1], int(port) if port else None))
+            elif a == "--decode":
+                decode.append(argv[i + 1])
+        return prefill, decode
+    import contextlib
+    import io
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            a = parse_router_args(argv)
+    except SystemExit as exc:
+        raise ValueError(f"`{' '.join(argv)}` does not parse (exit {exc.code})") from None
+    return list(a.prefill_urls), list(a.decode_urls)
+
+
+def router_problems(workloads: list[dict], services: dict[str, dict]) -> list[str]:
+    """SGLang's router: its command line parses (sglang-router's parser), and each worker URL is a
+    Service here with that port, in front of an engine of that role; the prefill's bootstrap port
+    too. Its `kvguard preflight` init container (kvguard's parser): each --url a Service here."""
+    p = []
+    for w in workloads:
+        for name, tpl in pod_templates(w):
+            for c in tpl["spec"].get("initContainers", []):  # the deploy gate: `kvguard preflight`
+                if c.get("args", [None])[0] != "preflight":
+                    continue
+                try:
+                    urls = sidecar_args(c).url or []
+                except ValueError as exc:
+                    p.append(f"{name}: {c['name']}: {exc}")
+                    continue
+                for url in urls:
+                    m = re.fullmatch(r"https?://([^:/]+)(?::(\d+))?/?", url)
+                    svc = services.get(m.group(1)) if m else None
+                    if svc is None or int(m.group(2) or 80) not in {pt["port"] for pt in svc["spec"].get("ports", [])}:
+                        p.append(f"{name}: {c['name']} checks {url}: no Service here with that name and port")
+            for c in tpl["spec"]["containers"]:
+                argv = _argv(c)
+                if "sglang_router.launch_router" not in argv:
+                    continue
+                try:
+                    prefill, decode = _router_args(argv[argv.index("sglang_router.launch_router") + 1 :])
+                except ValueError as exc:
+                    p.append(f"{name}: router command: {exc}")
+                    continue
+                for role, url, bootstrap in [("prefill", u, b) for u, b in prefill] + [
+                    ("decode", u, None) for u in decode
+                ]:
+                    m = re.fullmatch(r"https?://([^:/]+)(?::(\d+))?/?", url)
+                    svc = services.get(m.group(1)) if m else None
+                    if svc is None:
+                        p.append(f"{name}: router {role} worker {url}: no Service of that name here")
+                        continue
+                    ports = {pt["port"] for pt in svc["spec"].get("ports", [])}
+                    for want in (int(m.group(2) or 80), bootstrap):
+                        if want is not None and want not in ports:
+                            p.append(f"{name}: router {role} worker {url}: Service {kn(svc)} has no port {want}")
+                    engines = [
+                        _engine(t["spec"])
+                        for o in workloads
+                        for _, t in pod_templates(o)
+                        if _selects(svc["spec"].get("selector", {}), t.get("metadata", {}).get("labels", {}))
+                    ]
+                    if not any(e is not None and engine_role(e) == role for e in engines):
+                        p.append(f"{name}: router {role} worker {url}: {kn(svc)} selects no {role} engine")
     return p
 
 
@@ -712,17 +1060,87 @@ def promtool_problems(objs: list[dict]) -> list[str] | None:
     return p
 
 
-def image_problems(objs: list[dict]) -> list[str]:
+def image_problems(objs: list[dict], by_digest: bool = False) -> list[str]:
+    """Every container's image pinned: a tag other than latest, or a digest; by_digest (the
+    release overlay): a digest, which no push can move."""
     p = []
     for o in objs:
-        if o["kind"] not in ("Deployment", "StatefulSet", "DaemonSet"):
+        for name, tpl in pod_templates(o):
+            for c in _all_containers(tpl["spec"]):
+                ref = c.get("image", "")
+                if by_digest and not re.search(r"@sha256:[0-9a-f]{64}$", ref):
+                    p.append(f"{name}: container {c['name']} image {ref!r} is not pinned by digest (@sha256:...)")
+                elif not _image_pinned(ref):
+                    p.append(
+                        f"{name}: container {c['name']} image {ref!r} is not pinned (a tag other than latest, or a digest)"
+                    )
+    return p
+
+
+def component_pieces() -> dict:
+    """What the kvguard Component adds: its sidecar.yaml (the local-config pod template) and the
+    pod-level settings of its Deployment patch."""
+    doc = yaml.safe_load((COMPONENT / "sidecar.yaml").read_text())
+    spec = doc["template"]["spec"]
+    (engine,) = spec["containers"]
+    kust = yaml.safe_load((COMPONENT / "kustomization.yaml").read_text())
+    (deployment_patch,) = [p for p in kust["patches"] if p["target"]["kind"] == "Deployment"]
+    pod = yaml.safe_load(deployment_patch["patch"])["spec"]["template"]
+    return {
+        "labels": pod["metadata"]["labels"],
+        "pod": {k: v for k, v in pod["spec"].items() if k != "securityContext"},
+        "securityContext": pod["spec"]["securityContext"],
+        "initContainers": {c["name"]: c for c in spec["initContainers"]},
+        "volumes": {v["name"]: v for v in spec["volumes"]},
+        "env": {e["name"]: e for e in engine["env"]},
+        "volumeMounts": {m["name"]: m for m in engine["volumeMounts"]},
+    }
+
+
+def component_problems(objs: list[dict]) -> list[str]:
+    """In every pod the Component selects (a workload labelled kvguard.io/watched, a
+    LeaderWorkerSet's leader when also kvguard.io/watched-leader), every piece of its
+    sidecar.yaml and of its pod-level patch arrived as written (the sidecar's image and env
+    may be set on top)."""
+    want = component_pieces()
+    p = []
+    for o in objs:
+        labels = o["metadata"].get("labels", {})
+        if o["kind"] not in ("Deployment", "LeaderWorkerSet") or labels.get(WATCHED) != "true":
             continue
-        for c in o["spec"]["template"]["spec"].get("containers", []):
-            ref = c.get("image", "")
-            if not _image_pinned(ref):
-                p.append(
-                    f"{kn(o)}: container {c['name']} image {ref!r} is not pinned (a tag other than latest, or a digest)"
-                )
+        for name, tpl in pod_templates(o):
+            if name.endswith("leaderTemplate") and labels.get("kvguard.io/watched-leader") != "true":
+                p.append(f'{name}: not watched: label the LeaderWorkerSet kvguard.io/watched-leader: "true" too')
+                continue
+            pod, missing = tpl["spec"], []
+            for k, v in want["labels"].items():
+                if tpl.get("metadata", {}).get("labels", {}).get(k) != v:
+                    missing.append(f"label {k}")
+            for k, v in want["pod"].items():
+                if pod.get(k) != v:
+                    missing.append(k)
+            for k, v in want["securityContext"].items():
+                if pod.get("securityContext", {}).get(k) != v:
+                    missing.append(f"securityContext.{k}")
+            inits = {c["name"]: c for c in pod.get("initContainers", [])}
+            for n, c in want["initContainers"].items():
+                got = inits.get(n, {})
+                same = {k: v for k, v in got.items() if k not in ("image", "env")} == {
+                    k: v for k, v in c.items() if k not in ("image", "env")
+                }
+                if not same or not all(e in got.get("env", []) for e in c.get("env", [])):
+                    missing.append(f"initContainers[{n}]")
+            vols = {v["name"]: v for v in pod.get("volumes", [])}
+            missing += [f"volumes[{n}]" for n, v in want["volumes"].items() if vols.get(n) != v]
+            eng = (pod.get("containers") or [{}])[0]
+            env = {e["name"]: e for e in eng.get("env", [])}
+            missing += [f"containers[0].env[{n}]" for n, e in want["env"].items() if env.get(n) != e]
+            mounts = {m["name"]: m for m in eng.get("volumeMounts", [])}
+            missing += [
+                f"containers[0].volumeMounts[{n}]" for n, m in want["volumeMounts"].items() if mounts.get(n) != m
+            ]
+            if missing:
+                p.append(f"{name}: the kvguard Component's {', '.join(missing)} did not arrive as written")
     return p
 
 
@@ -958,10 +1376,17 @@ def run_all(verbose: bool = True) -> int:
         section(f"kustomize build {name}: {len(objs)} objects: {kinds}", [])
         if name != "all":
             section(f"schemas {name} (Kubernetes {', '.join(K8S_VERSIONS)}, strict)", schema_problems(objs))
-        for w in (o for o in objs if o["kind"] == "Deployment"):
+        for w in (o for o in objs if o["kind"] in WORKLOAD_KINDS and _is_watched(o)):
             section(f"pod contract {name} {kn(w)}", pod_problems(w))
-        section(f"images pinned {name}", image_problems(objs))
-    section("references across common + overlays (all)", cross_problems(rendered["all"]))
+        if any(o["metadata"].get("labels", {}).get(WATCHED) == "true" for o in objs if o["kind"] in WORKLOAD_KINDS):
+            section(f"the kvguard Component arrived whole {name}", component_problems(objs))
+        by_digest = name in (RELEASE, "all")
+        section(f"images pinned{' by digest' if by_digest else ''} {name}", image_problems(objs, by_digest))
+    section(
+        "references across common + the release (all): Secrets, ConfigMaps, Services, NetworkPolicies, "
+        "PodDisruptionBudgets, the Redis ledger, the router's workers",
+        cross_problems(rendered["all"]),
+    )
     section("PrometheusRule and dashboards match their sources (rendered)", generated_problems(rendered["common"]))
     promtool = promtool_problems(rendered["common"])
     section("promtool check rules (PrometheusRule groups)", promtool, "promtool not installed (make apt)")

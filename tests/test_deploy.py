@@ -1,9 +1,10 @@
 """deploy/: Kubernetes manifests, generated monitoring objects and Dockerfiles.
 
 The checks are deploy/check.py's (also `make deploy-check`); here each runs as its own
-test, each check is shown to catch the mistake it exists for, and a pod-shaped run
-starts the real sidecar with the rendered manifest's command line, uids and shared
-pid namespace against a ring written by a real engine-side probe.
+test, each check is shown to catch the mistake it exists for, a pod-shaped run starts
+the real sidecar with the rendered manifest's command line and uids against a ring
+written by a real engine-side probe, and the rendered Redis ledger's own command line
+runs a real redis-server that the sidecars' rendered password settings log in to.
 
 Tools: a real kustomize (`kubectl kustomize`, kustomize v5; on this project's machines
 kubectl comes with the image) and kubernetes-validate (requirements/deploy.lock; installed
@@ -14,6 +15,7 @@ an image or talks to a cluster: there is neither a Docker engine nor a cluster h
 
 from __future__ import annotations
 
+import base64
 import copy
 import importlib.util
 import json
@@ -78,7 +80,12 @@ def by_kind(objs: list[dict], kind: str) -> list[dict]:
 
 
 def containers(deployment: dict) -> dict[str, dict]:
-    return {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
+    """Regular and init containers (the sidecar is a native sidecar: an init container) by name."""
+    return check._containers(deployment["spec"]["template"]["spec"])
+
+
+def watched(objs: list[dict]) -> list[dict]:
+    return [o for o in objs if o["kind"] in check.WORKLOAD_KINDS and check._is_watched(o)]
 
 
 # --------------------------------------------------------------------------- generated files
@@ -154,18 +161,32 @@ def test_prometheusrule_holds_the_rule_files_groups_unchanged():
 
 
 # --------------------------------------------------------------------------- rendering + schemas
+ENGINE_KINDS = {"Deployment", "Service"}
+
+
 @pytest.mark.parametrize(
     "target,kinds",
     [
-        ("base", {"Deployment", "Service"}),
+        ("stock-sglang", ENGINE_KINDS),
+        ("stock-vllm", ENGINE_KINDS),
+        ("stock-lws", {"LeaderWorkerSet", "Service"}),
+        ("base", ENGINE_KINDS),
+        ("base-vllm", ENGINE_KINDS),
         ("common", {"Secret", "ConfigMap", "ServiceMonitor", "PrometheusRule", "NetworkPolicy"}),
-        ("unified", {"Deployment", "Service"}),
-        ("prefill", {"Deployment", "Service"}),
-        ("decode", {"Deployment", "Service"}),
+        ("redis", {"Deployment", "Service", "NetworkPolicy"}),
+        ("unified", ENGINE_KINDS),
+        ("prefill", ENGINE_KINDS),
+        ("decode", ENGINE_KINDS),
+        ("sglang-pd", ENGINE_KINDS | {"PodDisruptionBudget"}),
+        ("vllm-unified", ENGINE_KINDS),
+        ("vllm-pd", ENGINE_KINDS),
+        ("release", {"Deployment", "Service", "NetworkPolicy", "PodDisruptionBudget"}),
     ],
 )
 def test_every_kustomization_builds(rendered, target, kinds):
     assert {o["kind"] for o in rendered[target]} == kinds
+    # the Component's pod template is local configuration: never deployed
+    assert not by_kind(rendered[target], "PodTemplate")
 
 
 @pytest.mark.parametrize("target", list(check.TARGETS))
@@ -173,23 +194,89 @@ def test_rendered_objects_validate_strictly_against_the_kubernetes_schemas(rende
     assert check.schema_problems(rendered[target]) == []
 
 
-@pytest.mark.parametrize("overlay", check.OVERLAYS)
-def test_engine_pod_and_sidecar_fit_together(rendered, overlay):
-    (deployment,) = by_kind(rendered[overlay], "Deployment")
-    assert check.pod_problems(deployment) == []
-    assert check.image_problems(rendered[overlay]) == []
+@pytest.mark.parametrize("target", [t for t in check.TARGETS if t not in ("common", "redis")])
+def test_engine_pods_and_sidecar_fit_together(rendered, target):
+    workloads = watched(rendered[target])
+    assert workloads, target
+    for w in workloads:
+        assert check.pod_problems(w) == []
+    assert check.component_problems(rendered[target]) == []
+    assert check.image_problems(rendered[target], by_digest=target == check.RELEASE) == []
 
 
-def test_overlays_set_the_engine_role_and_the_pd_ledger(rendered):
-    for overlay, mode in (("unified", None), ("prefill", "prefill"), ("decode", "decode")):
-        (d,) = by_kind(rendered[overlay], "Deployment")
-        c = containers(d)
-        assert check._flag(c["sglang"]["args"], "--disaggregation-mode") == mode
-        ledger = {e["name"]: e for e in c["kvguard"].get("env", [])}.get("KVGUARD_LEDGER")
-        assert (ledger is not None) == (mode is not None), overlay
-        (svc,) = by_kind(rendered[overlay], "Service")
-        assert svc["metadata"]["name"] == f"kvguard-metrics-{overlay}"
-        assert svc["spec"]["selector"]["app.kubernetes.io/instance"] == f"sglang-{overlay}"
+STOCK = {
+    "stock-sglang": "sglang/deployment.yaml",
+    "stock-vllm": "vllm/deployment.yaml",
+    "stock-lws": "lws/leaderworkerset.yaml",
+}
+
+
+@pytest.mark.parametrize("target", list(STOCK))
+def test_the_component_adds_a_native_sidecar_to_a_stock_engine(rendered, target):
+    """deploy/examples: an upstream manifest plus one label; the Component adds the rest and
+    keeps every container, volume and variable the manifest had."""
+    stock = yaml.safe_load((check.DEPLOY / "examples" / STOCK[target]).read_text())
+    (w,) = watched(rendered[target])
+    templates = dict(check.pod_templates(w))
+    assert len(templates) == len(check.pod_templates(stock))  # a LeaderWorkerSet's leader too
+    for (name, before), tpl in zip(check.pod_templates(stock), templates.values()):
+        pod, was = tpl["spec"], before["spec"]
+        (side,) = pod["initContainers"]
+        assert side["name"] == "kvguard" and side["restartPolicy"] == "Always", name
+        assert [c["name"] for c in pod["containers"]] == [c["name"] for c in was["containers"]]
+        engine, stock_engine = pod["containers"][0], was["containers"][0]
+        assert engine["image"].startswith("registry.example.com/")  # the kvguard-enabled image
+        assert engine["env"][: len(stock_engine.get("env", []))] == stock_engine.get("env", [])
+        assert engine["env"][len(stock_engine.get("env", [])) :][0] == {"name": "KVGUARD_RING_DIR", "value": "/rings"}
+        assert pod["volumes"][: len(was["volumes"])] == was["volumes"]
+        assert [v["name"] for v in pod["volumes"][len(was["volumes"]) :]] == [
+            "kvguard-rings",
+            "kvguard-secrets",
+            "kvguard-recordings",
+            "kvguard-tmp",
+        ]
+        assert pod["automountServiceAccountToken"] is False and pod["securityContext"]["fsGroup"] == 10001
+        assert tpl["metadata"]["labels"]["kvguard.io/watched"] == "true"
+    (svc,) = by_kind(rendered[target], "Service")
+    assert svc["spec"]["ports"][0]["targetPort"] == 9464  # by number (kubernetes/kubernetes#127958)
+
+
+def _ledger_env(side: dict) -> dict:
+    return {e["name"]: e for e in side.get("env", []) if e["name"].startswith("KVGUARD_")}
+
+
+def test_the_four_deployments_set_the_engine_role_and_wire_the_pd_ledger(rendered):
+    roles = {}
+    for overlay in check.OVERLAYS:
+        for d in watched(rendered[overlay]):
+            pod = d["spec"]["template"]["spec"]
+            role = check.engine_role(check._engine(pod))
+            roles[d["metadata"]["name"]] = role
+            env = _ledger_env(containers(d)["kvguard"])
+            if role is None:
+                assert "KVGUARD_LEDGER" not in env, d["metadata"]["name"]  # in-pod: the in-memory ledger
+                continue
+            assert env["KVGUARD_LEDGER"]["valueFrom"]["configMapKeyRef"]["key"] == "KVGUARD_LEDGER"
+            assert env["KVGUARD_LEDGER_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+                "name": "kvguard",
+                "key": "ledger-password",
+            }
+            assert env["KVGUARD_CLUSTER"]["value"] == overlay  # one name per deployment sharing the Redis
+    assert roles == {
+        "sglang-unified": None,
+        "sglang-prefill": "prefill",
+        "sglang-decode": "decode",
+        "vllm-unified": None,
+        "vllm-prefill": "prefill",
+        "vllm-decode": "decode",
+    }
+    (router,) = [d for d in by_kind(rendered["sglang-pd"], "Deployment") if d["metadata"]["name"] == "sglang-router"]
+    assert "kvguard" not in containers(router)  # holds no KV cache: not watched
+    (pdb,) = by_kind(rendered["sglang-pd"], "PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == 1 and router["spec"]["replicas"] == 2
+    config = {o["metadata"]["name"]: o for o in by_kind(rendered["common"], "ConfigMap")}["kvguard-config"]
+    assert config["data"]["KVGUARD_LEDGER"] == "redis://kvguard-redis:6379/0"
+    assert {s["metadata"]["name"] for s in by_kind(rendered["redis"], "Service")} == {"kvguard-redis"}
 
 
 def test_common_and_all_overlays_deploy_together(rendered):
@@ -220,7 +307,32 @@ def _pod(d):
 
 
 def _c(d, name):
-    return next(c for c in _pod(d)["containers"] if c["name"] == name)
+    return check._containers(_pod(d))[name]
+
+
+def _vol(d, name):
+    return next(v for v in _pod(d)["volumes"] if v["name"] == name)
+
+
+def _env_of(d, container, name):
+    return next(e for e in _c(d, container)["env"] if e["name"] == name)
+
+
+def _as_regular_container(d):
+    side = _c(d, "kvguard")
+    _pod(d)["initContainers"].remove(side)
+    side.pop("restartPolicy")
+    _pod(d)["containers"].append(side)
+
+
+def _drop_env(d, container, name):
+    _c(d, container)["env"] = [e for e in _c(d, container)["env"] if e["name"] != name]
+
+
+def _literal_password(d):
+    env = _env_of(d, "kvguard", "KVGUARD_LEDGER_PASSWORD")
+    env.pop("valueFrom")
+    env["value"] = "hunter2"
 
 
 POD_MUTATIONS = {
@@ -232,15 +344,13 @@ POD_MUTATIONS = {
         _c(d, "kvguard")["securityContext"].pop("seccompProfile"),
         _pod(d).pop("securityContext"),
     ),
-    "KVGUARD_RING_DIR": lambda d: _c(d, "sglang")["env"][0].update(value="/dev/shm/kvguard"),
+    "KVGUARD_RING_DIR": lambda d: _env_of(d, "sglang", "KVGUARD_RING_DIR").update(value="/dev/shm/kvguard"),
     "does not parse": lambda d: _c(d, "kvguard")["args"].__setitem__(1, "--ring-dirr"),
     "without a shared group": lambda d: _pod(d)["securityContext"].pop("fsGroup"),
     "which the rings no longer need": lambda d: _c(d, "sglang")["securityContext"].update(runAsUser=10001),
-    "sizeLimit": lambda d: next(v for v in _pod(d)["volumes"] if v["name"] == "rings")["emptyDir"].update(
-        sizeLimit="64Mi"
-    ),
+    "sizeLimit": lambda d: _vol(d, "kvguard-rings")["emptyDir"].update(sizeLimit="64Mi"),
     "not on a Secret volume": lambda d: _c(d, "kvguard")["volumeMounts"].__setitem__(
-        1, {"name": "tmp", "mountPath": "/secrets"}
+        1, {"name": "kvguard-tmp", "mountPath": "/secrets"}
     ),
     "listens on 127.0.0.1": lambda d: _c(d, "kvguard")["args"].__setitem__(4, "127.0.0.1:9464"),
     "readinessProbe must GET /readyz": lambda d: _c(d, "kvguard")["readinessProbe"]["httpGet"].update(path="/healthz"),
@@ -250,9 +360,19 @@ POD_MUTATIONS = {
     "port 'health' is 9466, --health-listen port is 9465": lambda d: _c(d, "kvguard")["ports"][1].update(
         containerPort=9466
     ),
-    "--record-max-bytes": lambda d: next(v for v in _pod(d)["volumes"] if v["name"] == "recordings")["emptyDir"].update(
-        sizeLimit="1Gi"
+    "--record-max-bytes": lambda d: _vol(d, "kvguard-recordings")["emptyDir"].update(sizeLimit="1Gi"),
+    # the native sidecar
+    "is a regular container: make it a native sidecar": _as_regular_container,
+    "has no restartPolicy: Always": lambda d: _c(d, "kvguard").pop("restartPolicy"),
+    "pod label kvguard.io/watched": lambda d: d["spec"]["template"]["metadata"]["labels"].pop("kvguard.io/watched"),
+    # one paging path by default
+    "pages PagerDuty directly as well": lambda d: _c(d, "kvguard")["args"].extend(
+        ["--pagerduty-routing-key-file", "/secrets/pagerduty-routing-key"]
     ),
+    # the prefill/decode ledger
+    "a prefill engine's sidecar without a shared ledger": lambda d: _drop_env(d, "kvguard", "KVGUARD_LEDGER"),
+    "a literal value puts the password in the pod spec": lambda d: _literal_password(d),
+    "without KVGUARD_CLUSTER": lambda d: _drop_env(d, "kvguard", "KVGUARD_CLUSTER"),
 }
 
 
@@ -261,6 +381,55 @@ def test_pod_contract_check_catches(rendered, expect):
     (d,) = by_kind(rendered["prefill"], "Deployment")
     problems = check.pod_problems(_mutate(d, POD_MUTATIONS[expect]))
     assert any(expect in p for p in problems), problems
+
+
+def test_pod_contract_reads_vllm_and_leaderworkerset_engines(rendered):
+    """A vLLM engine's role from --kv-transfer-config; an SGLang LeaderWorkerSet's rings per pod
+    from --tp over --nnodes $(LWS_GROUP_SIZE): 8 of TP 16 on each of 2 pods."""
+    decode = next(d for d in by_kind(rendered["vllm-pd"], "Deployment") if d["metadata"]["name"] == "vllm-decode")
+    problems = check.pod_problems(_mutate(decode, lambda d: _drop_env(d, "kvguard", "KVGUARD_LEDGER")))
+    assert any("a decode engine's sidecar without a shared ledger" in p for p in problems), problems
+    (lws,) = by_kind(rendered["stock-lws"], "LeaderWorkerSet")
+    assert [check.engine_rings(check._engine(t["spec"]), lws) for _, t in check.pod_templates(lws)] == [8, 8]
+    one_node = _mutate(lws, lambda o: o["spec"]["leaderWorkerTemplate"].update(size=1))  # 16 rings > 256Mi
+    problems = check.pod_problems(one_node)
+    assert sum("sizeLimit 256Mi < 16 engine rings" in p for p in problems) == 2, problems
+    (vllm,) = by_kind(rendered["stock-vllm"], "Deployment")  # `sh -c "vllm serve ..."`
+    assert check._engine_kind(check._argv(check._engine(_pod(vllm)))) == "vllm"
+
+
+def test_component_check_catches_a_piece_that_did_not_arrive(rendered):
+    (lws,) = by_kind(rendered["stock-lws"], "LeaderWorkerSet")
+
+    def leader(o):
+        return o["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]
+
+    no_rings = _mutate(lws, lambda o: leader(o).update(volumes=leader(o)["volumes"][:1]))
+    problems = check.component_problems([no_rings])
+    assert any("leaderTemplate: the kvguard Component's volumes[kvguard-rings]" in p for p in problems), problems
+    unlabelled = _mutate(lws, lambda o: o["metadata"]["labels"].pop("kvguard.io/watched-leader"))
+    assert any("kvguard.io/watched-leader" in p for p in check.component_problems([unlabelled]))
+    (d,) = by_kind(rendered["stock-sglang"], "Deployment")
+    no_env = _mutate(d, lambda o: _drop_env(o, "llama-31-8b-instruct-sglang", "KVGUARD_RING_BYTES"))
+    assert any("containers[0].env[KVGUARD_RING_BYTES]" in p for p in check.component_problems([no_env]))
+    changed = _mutate(d, lambda o: _c(o, "kvguard")["args"].pop())
+    assert any("initContainers[kvguard]" in p for p in check.component_problems([changed]))
+    fsgroup = _mutate(d, lambda o: _pod(o)["securityContext"].pop("fsGroup"))
+    assert any("securityContext.fsGroup" in p for p in check.component_problems([fsgroup]))
+
+
+def test_release_images_are_pinned_by_digest(rendered):
+    objs = rendered[check.RELEASE]
+    assert check.image_problems(objs, by_digest=True) == []
+    assert check.image_problems(rendered["unified"], by_digest=True)  # tags: fine elsewhere, not in a release
+    tagged = [
+        _mutate(o, lambda d: _c(d, "kvguard").update(image="registry.example.com/kvguard-sidecar:0.1.0"))
+        if o["metadata"]["name"] == "vllm-decode" and o["kind"] == "Deployment"
+        else o
+        for o in objs
+    ]
+    (problem,) = check.image_problems(tagged, by_digest=True)
+    assert "vllm-decode: container kvguard image" in problem and "not pinned by digest" in problem
 
 
 def test_schema_check_catches_unknown_fields_and_bad_values(rendered, validator):
@@ -276,6 +445,18 @@ def test_schema_check_catches_unknown_fields_and_bad_values(rendered, validator)
     assert check.schema_problems([bad])
     unknown = {"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}}
     assert any("no Kubernetes" in p for p in check.schema_problems([unknown], versions=("1.33.0",)))
+    (lws,) = by_kind(rendered["stock-lws"], "LeaderWorkerSet")
+    bad = _mutate(lws, lambda o: o["spec"]["leaderWorkerTemplate"].update(sise=2))  # the LWS schema
+    assert any("sise" in p for p in check.schema_problems([bad], versions=("1.33.0",)))
+    bad = _mutate(  # its pod templates: the core PodTemplate schema
+        lws,
+        lambda o: o["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["initContainers"][0].update(
+            restartPolicyy="Always"
+        ),
+    )
+    assert any(
+        "workerTemplate" in p and "restartPolicyy" in p for p in check.schema_problems([bad], versions=("1.33.0",))
+    )
 
 
 def test_cross_check_catches_wrong_job_missing_keys_and_dangling_selectors(rendered):
@@ -294,6 +475,83 @@ def test_cross_check_catches_wrong_job_missing_keys_and_dangling_selectors(rende
     assert any("needs configMap kvguard-config" in p for p in check.cross_problems(no_cm))
     stale = changed("PrometheusRule", lambda o: o["spec"]["groups"][0]["rules"].pop())
     assert any("differ from alerts/kvguard.rules.yaml" in p for p in check.generated_problems(stale))
+    named = changed("Service", lambda o: [pt.update(targetPort="metrics") for pt in o["spec"]["ports"]])
+    assert any("kubernetes/kubernetes#127958" in p for p in check.cross_problems(named))
+    no_ledger_key = changed("Secret", lambda o: o["data"].pop("ledger-password"))
+    assert any(
+        "env KVGUARD_LEDGER_PASSWORD" in p and "no key 'ledger-password'" in p
+        for p in check.cross_problems(no_ledger_key)
+    )
+
+
+def _changed(objs, kind, name, fn):
+    return [_mutate(o, fn) if (o["kind"], o["metadata"]["name"]) == (kind, name) else o for o in objs]
+
+
+def test_cross_check_catches_a_budget_that_blocks_drains_or_selects_nothing(rendered):
+    objs = rendered["all"]
+    blocking = _changed(objs, "PodDisruptionBudget", "sglang-router", lambda o: o["spec"].update(minAvailable=2))
+    assert any("allows no eviction of its 2 pod(s)" in p for p in check.cross_problems(blocking))
+
+    def max_unavailable_0(o):
+        o["spec"].pop("minAvailable")
+        o["spec"]["maxUnavailable"] = 0
+
+    zero = _changed(objs, "PodDisruptionBudget", "sglang-router", max_unavailable_0)
+    assert any("allows no eviction" in p for p in check.cross_problems(zero))
+    stray = _changed(
+        objs, "PodDisruptionBudget", "sglang-router", lambda o: o["spec"]["selector"]["matchLabels"].update(x="y")
+    )
+    assert any("PodDisruptionBudget/sglang-router: selector" in p for p in check.cross_problems(stray))
+
+
+def test_cross_check_catches_a_ledger_the_sidecars_cannot_reach(rendered):
+    objs = rendered["all"]
+    moved = _changed(objs, "Service", "kvguard-redis", lambda o: o["metadata"].update(name="redis"))
+    assert any("no Service 'kvguard-redis' here" in p for p in check.cross_problems(moved))
+    port = _changed(objs, "Service", "kvguard-redis", lambda o: o["spec"]["ports"][0].update(port=6380))
+    assert any("Service kvguard-redis has no port 6379" in p for p in check.cross_problems(port))
+    shut = _changed(
+        objs,
+        "NetworkPolicy",
+        "kvguard-redis",
+        lambda o: o["spec"]["ingress"][0]["from"][0]["podSelector"].update(matchLabels={"app": "other"}),
+    )
+    assert any("no rule lets the sidecars" in p for p in check.cross_problems(shut))
+    wide = _changed(objs, "NetworkPolicy", "kvguard-redis", lambda o: o["spec"]["ingress"][0].pop("from"))
+    assert any("Redis port 6379 is open to everyone" in p for p in check.cross_problems(wide))
+
+
+def test_cross_check_reads_the_routers_command_line_and_finds_its_workers(rendered):
+    objs = rendered["all"]
+
+    def router(fn):
+        return _changed(objs, "Deployment", "sglang-router", lambda o: fn(_c(o, "router")["args"]))
+
+    assert (
+        check.router_problems(
+            [o for o in objs if o["kind"] in check.WORKLOAD_KINDS],
+            {o["metadata"]["name"]: o for o in objs if o["kind"] == "Service"},
+        )
+        == []
+    )
+    host = router(lambda a: a.__setitem__(a.index("http://sglang-prefill:30000"), "http://prefill:30000"))
+    assert any("router prefill worker http://prefill:30000: no Service" in p for p in check.cross_problems(host))
+    bootstrap = router(lambda a: a.__setitem__(a.index("8998"), "8999"))
+    assert any("Service/sglang-prefill has no port 8999" in p for p in check.cross_problems(bootstrap))
+    swapped = router(lambda a: a.__setitem__(a.index("http://sglang-decode:30000"), "http://sglang-unified:30000"))
+    assert any("Service/sglang-unified selects no decode engine" in p for p in check.cross_problems(swapped))
+
+    def gate(fn):
+        return _changed(objs, "Deployment", "sglang-router", lambda o: fn(_c(o, "kv-preflight")["args"]))
+
+    stray = gate(lambda a: a.__setitem__(a.index("http://sglang-decode:30000"), "http://decode:30000"))
+    assert any("kv-preflight checks http://decode:30000: no Service" in p for p in check.cross_problems(stray))
+    typo = gate(lambda a: a.__setitem__(a.index("--timeout"), "--timeoutt"))
+    assert any("kv-preflight: `kvguard preflight --timeoutt" in p for p in check.cross_problems(typo))
+    if importlib.util.find_spec("sglang_router") is not None:  # sglang-router's own parser
+        typo = router(lambda a: a.__setitem__(0, "--pd-disagregation"))
+        assert any("router command" in p and "does not parse" in p for p in check.cross_problems(typo))
 
 
 def test_the_network_policy_closes_only_the_sidecars_port(rendered):
@@ -306,7 +564,7 @@ def test_the_network_policy_closes_only_the_sidecars_port(rendered):
     )
 
     def changed(fn):
-        return [_mutate(o, fn) if o["kind"] == "NetworkPolicy" else o for o in objs]
+        return _changed(objs, "NetworkPolicy", "kvguard-sidecar", fn)
 
     wide = changed(lambda o: o["spec"]["ingress"][0].pop("from"))  # 9464 from anywhere
     assert any("opens the sidecar's port 9464 to everyone" in p for p in check.cross_problems(wide))
@@ -434,7 +692,7 @@ def pod_dir():
 def test_pod_shaped_run_sidecar_ingests_the_engines_ring_with_the_manifests_uids(
     rendered, pod_dir, kvguard_wheel, request
 ):
-    """The prefill pod as rendered: the sidecar as the manifest's uid, the engine as another
+    """The prefill pod as rendered: the (native) sidecar as the manifest's uid, the engine as another
     uid (its image's user: the manifest sets none) in a pid namespace of its own (the
     manifest shares none), both with the pod's fsGroup as a supplementary group and the
     rings volume group-owned by it (setgid), as Kubernetes sets them up; the sidecar started
@@ -504,8 +762,8 @@ def test_pod_shaped_run_sidecar_ingests_the_engines_ring_with_the_manifests_uids
     ring_dir = Path(local(check._env(c["sglang"])["KVGUARD_RING_DIR"]["value"]))
 
     # the rings volume as the kubelet sets up an fsGroup volume: group fsGroup, setgid, group-writable
-    os.chown(vols["rings"], 0, fs_group)
-    os.chmod(vols["rings"], 0o2770)
+    os.chown(vols["kvguard-rings"], 0, fs_group)
+    os.chmod(vols["kvguard-rings"], 0o2770)
 
     def as_uid(uid, gid, argv, own_pid_namespace=False, **kw):
         drop = ["setpriv", f"--reuid={uid}", f"--regid={gid}", f"--groups={fs_group}", py, *argv]
@@ -551,13 +809,13 @@ def test_pod_shaped_run_sidecar_ingests_the_engines_ring_with_the_manifests_uids
             assert time.monotonic() < deadline, "no PagerDuty event with the mounted routing key"
             time.sleep(0.1)
         assert {e["routing_key"] for e in _PagerDuty.events} == {check.PLACEHOLDER_SECRETS["pagerduty-routing-key"]}
-        assert list(vols["recordings"].glob("kvguard-*.kvgrec*")), "nothing recorded under --record-dir"
+        assert list(vols["kvguard-recordings"].glob("kvguard-*.kvgrec*")), "nothing recorded under --record-dir"
         sidecar.terminate()  # closes the open segment
         sidecar.wait(timeout=15)
 
         # docs/operations.md: the notification list from a replay of the recordings
         replay = subprocess.run(
-            [sys.executable, "-m", "kvguard.sidecar.cli", "replay", "--json", str(vols["recordings"])],
+            [sys.executable, "-m", "kvguard.sidecar.cli", "replay", "--json", str(vols["kvguard-recordings"])],
             cwd=REPO,
             capture_output=True,
             text=True,
@@ -581,6 +839,62 @@ def test_pod_shaped_run_sidecar_ingests_the_engines_ring_with_the_manifests_uids
                 except subprocess.TimeoutExpired:
                     proc.kill()
         pd.shutdown()
+
+
+def _resolve(env: dict, objs: dict) -> str:
+    """An env entry's value as the kubelet gives it: a literal, or a key of a rendered ConfigMap/Secret."""
+    if "value" in env:
+        return env["value"]
+    ref = env["valueFrom"].get("configMapKeyRef") or env["valueFrom"]["secretKeyRef"]
+    if "configMapKeyRef" in env["valueFrom"]:
+        return objs[("ConfigMap", ref["name"])]["data"][ref["key"]]
+    return base64.b64decode(objs[("Secret", ref["name"])]["data"][ref["key"]]).decode()
+
+
+def test_the_rendered_redis_ledger_admits_the_sidecars_with_the_secrets_password(rendered, tmp_path, monkeypatch):
+    """deploy/redis's own command line (`sh -c`, the password on redis-server's stdin) starts a
+    real redis-server with the Secret's ledger-password in its environment (port and data
+    directory moved); a decode sidecar's ledger settings, resolved from the rendered ConfigMap
+    and Secret as the kubelet resolves them, log in through kvguard's own ping_ledger; a wrong
+    or missing password does not; the password is on no command line."""
+    if not shutil.which("redis-server"):
+        _missing(RuntimeError("redis-server is not installed (make apt)"))
+    from kvguard.sidecar.ledger.shared import ping_ledger
+
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in rendered["all"]}
+    redis = objs[("Deployment", "kvguard-redis")]
+    (c,) = redis["spec"]["template"]["spec"]["containers"]
+    argv = c["command"] + c["args"]
+    assert argv[:2] == ["sh", "-c"] and len(argv) == 3
+    port = _free_port()
+    script = argv[2].replace("--port 6379", f"--port {port}").replace("--dir /data", f"--dir {tmp_path}")
+    assert f"--port {port}" in script and str(tmp_path) in script
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **{e["name"]: _resolve(e, objs) for e in c["env"]}}
+    password = env["REDIS_PASSWORD"]
+    assert password == check.PLACEHOLDER_SECRETS["ledger-password"]
+    server = subprocess.Popen(["/bin/sh", "-c", script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        side = containers(objs[("Deployment", "sglang-decode")])["kvguard"]
+        side_env = {e["name"]: _resolve(e, objs) for e in side["env"] if e["name"].startswith("KVGUARD_")}
+        url = side_env["KVGUARD_LEDGER"].replace("kvguard-redis:6379", f"127.0.0.1:{port}")
+        assert url == f"redis://127.0.0.1:{port}/0"
+        monkeypatch.setenv("KVGUARD_LEDGER_PASSWORD", side_env["KVGUARD_LEDGER_PASSWORD"])
+        deadline = time.monotonic() + 10
+        while (why := ping_ledger(url, timeout_s=1)) is not None:
+            assert server.poll() is None, server.stderr.read().decode()
+            assert time.monotonic() < deadline, why
+            time.sleep(0.05)
+        with open(f"/proc/{server.pid}/cmdline", "rb") as f:  # exec'd: redis-server itself, no password
+            cmdline = f.read().decode()
+        assert cmdline.startswith("redis-server") and password not in cmdline
+        monkeypatch.setenv("KVGUARD_LEDGER_PASSWORD", "0" * 64)
+        assert ping_ledger(url, timeout_s=2) is not None
+        monkeypatch.delenv("KVGUARD_LEDGER_PASSWORD")
+        assert ping_ledger(url, timeout_s=2) is not None
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert server.returncode == 0  # SIGTERM reached redis-server (exec'd), a clean stop
 
 
 # --------------------------------------------------------------------------- docs

@@ -79,36 +79,71 @@ def test_top_level_names_do_not_import(cwd):
     assert ok.returncode == 0 and ok.stdout.strip() == "ok", ok.stderr
 
 
-def test_installed_wheel_runs_without_the_demo(kvguard_wheel, tmp_path):
-    """The wheel alone (no editable finders: ``python -S``): the sidecar's CLI works and
-    ``kvguard demo`` says which package it needs."""
-    with zipfile.ZipFile(kvguard_wheel) as z:
-        z.extractall(tmp_path / "site")
+def _linked_dependencies(tmp_path: Path) -> Path:
+    """A directory of links to this venv's installed distributions, kvguard's own left out
+    (and the editable finders): the packages kvguard[sidecar] depends on, as pip will see them."""
     import sysconfig
 
-    path = os.pathsep.join([str(tmp_path / "site"), sysconfig.get_paths()["purelib"]])
+    site = Path(sysconfig.get_paths()["purelib"])
+    deps = tmp_path / "deps"
+    deps.mkdir()
+    for entry in site.iterdir():
+        if entry.name.startswith(("kvguard", "__editable__")) or entry.suffix == ".pth":
+            continue
+        (deps / entry.name).symlink_to(entry)
+    return deps
 
-    def wheel_python(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-S", *args],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            env={**os.environ, "PYTHONPATH": path},
-            timeout=120,
-        )
 
-    where = wheel_python("-c", "import kvguard.sidecar.cli as c; print(c.__file__)")
-    assert where.returncode == 0, where.stderr
-    assert where.stdout.strip().startswith(str(tmp_path / "site"))
-    helped = wheel_python("-m", "kvguard.sidecar.cli", "--help")
+def test_pip_installs_the_wheel_into_an_empty_venv_and_it_runs_without_a_checkout(kvguard_wheel, tmp_path):
+    """`pip install kvguard-*.whl[sidecar]` into a new, empty venv, offline: pip resolves the
+    [sidecar] extra and writes the `kvguard` console script; run from elsewhere, it finds its
+    dashboards (package data) with no checkout, and `kvguard demo` names the package it needs.
+
+    Offline means pip must find every dependency without an index: the venv gets one .pth
+    line to a directory of links to this venv's installed distributions (kvguard's own left
+    out), which pip counts as installed; with --no-index it installs the wheel alone from
+    --find-links and fails if the extra names anything missing or at a conflicting version.
+    The machine's local mirror holds older releases than requirements-sidecar.txt pins, so
+    it cannot stand in for PyPI here."""
+    venv = tmp_path / "venv"
+    made = subprocess.run(
+        [sys._base_executable, "-m", "venv", "--without-pip", str(venv)], capture_output=True, text=True, timeout=60
+    )
+    assert made.returncode == 0, made.stderr
+    py = venv / "bin" / "python"
+    purelib = subprocess.run(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True
+    ).stdout.strip()
+    (Path(purelib) / "kvguard-test-deps.pth").write_text(f"{_linked_dependencies(tmp_path)}\n")
+    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    env.pop("PYTHONPATH", None)
+    spec = f"kvguard[sidecar] @ {kvguard_wheel.as_uri()}"
+    installed = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-index", spec],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    assert "Successfully installed kvguard-0.1.0" in installed.stdout, installed.stdout
+    kvguard = venv / "bin" / "kvguard"  # the console script pip wrote from the entry point
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([kvguard, *args], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+
+    where = subprocess.run(
+        [py, "-c", "import kvguard.sidecar.cli as c; print(c.__file__)"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert where.stdout.strip().startswith(purelib), where.stdout + where.stderr
+    helped = run("--help")
     assert helped.returncode == 0 and "sidecar" in helped.stdout, helped.stderr
-    demo = wheel_python("-m", "kvguard.sidecar.cli", "demo")
+    demo = run("demo")
     assert demo.returncode == 1 and "kvguard-demo" in demo.stderr, demo.stderr
     # the dashboards are in the wheel: push finds them with no checkout
-    listed = wheel_python("-m", "kvguard.sidecar.cli", "dashboards", "push", "--dry-run")
+    listed = run("dashboards", "push", "--dry-run")
     assert listed.returncode == 0, listed.stderr
-    assert f"would upload 2 dashboard(s) from {tmp_path / 'site'}" in listed.stdout
+    assert f"would upload 2 dashboard(s) from {purelib}/kvguard/dashboards" in listed.stdout, listed.stdout
     assert "(uid kvguard-integrity)" in listed.stdout and "(uid kvguard-pages)" in listed.stdout
 
 
