@@ -439,6 +439,20 @@ def guard_part(sz: Sizes, res: dict, details: dict, log) -> None:
         res["engine.guard_full_us_per_step_b256"] = check + r["guard_full_hooks_us_per_step_b256"]
 
 
+def hybrid_part(sz: Sizes, res: dict, details: dict, log) -> None:
+    """What a hybrid model's second pool adds per decode step on SGLang (bench/hybrid_bench.py):
+    a sliding-window model's SWA pool, a linear-attention model's state slots."""
+    from bench import hybrid_bench
+
+    log("hybrid: the SGLang adapter's SWA-pool and state-slot hooks per decode step")
+    for batch in (64, 256):
+        r = hybrid_bench.bench(batch, 60 if sz.quick else 400)
+        details.setdefault("hybrid", {})[str(batch)] = r
+        for key in ("swa_extra_us_per_step", "state_extra_us_per_step", "state_extra_sampled_us_per_step"):
+            res[f"engine.sglang_{key}_b{batch}"] = r[f"{key}_b{batch}"]
+            res[f"engine.sglang_{key}_b{batch}_median"] = r[f"{key}_b{batch}_median"]
+
+
 def digest_part(sz: Sizes, res: dict, details: dict, log) -> None:
     log("raw xxh3 over page-sized buffers")
     raw = digest_bench.raw_xxh3(rounds=2 if sz.quick else 8)
@@ -647,6 +661,17 @@ def table(res: dict) -> str:
         if v != "absent":
             med = g(f"engine.vllm_probe_us_per_step_b256_{shape}_median")
             rows.append((f"  vLLM, batch 256, {what}", f"{_fmt(v, ' us')} (median {_fmt(med, ' us')})", "", ""))
+    for key, what in (
+        ("swa_extra_us_per_step", "a sliding-window hybrid's SWA pool (GPT-OSS-style, window 128)"),
+        ("state_extra_us_per_step", "a linear-attention hybrid's state slots (Qwen3-Next-style)"),
+        ("state_extra_sampled_us_per_step", "  the same on a step that reads the engine's mapping"),
+    ):
+        v = g(f"engine.sglang_{key}_b256", "absent")
+        if v != "absent":
+            med = g(f"engine.sglang_{key}_b256_median")
+            rows.append(
+                (f"  SGLang, batch 256, added by {what}", f"{_fmt(v, ' us')} (median {_fmt(med, ' us')})", "", "")
+            )
     rows += [
         ("  median per step, batch 256", _fmt(g("engine.probe_us_per_step_b256_median"), " us"), "", ""),
         (
@@ -801,7 +826,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="decode steps per throughput measurement")
     ap.add_argument("--out", default=os.path.join(REPO, "bench-results.json"))
     ap.add_argument(
-        "--skip", default="", help="comma list of parts to skip: digest,sidecar,latency,engine,vllm,scaling,gpu"
+        "--skip",
+        default="",
+        help="comma list of parts to skip: digest,sidecar,latency,engine,vllm,guard,hybrid,scaling,gpu",
     )
     args = ap.parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}
@@ -837,6 +864,7 @@ def main(argv=None) -> int:
         ("engine", engine_part),
         ("vllm", vllm_part),
         ("guard", guard_part),
+        ("hybrid", hybrid_part),
         ("scaling", scaling_part),
         ("gpu", gpu_part),
     )

@@ -111,6 +111,9 @@ def test_quick_run_writes_results_and_nulls_what_is_not_implemented(tmp_path, ca
         "engine.guard_transfer_us_rejected",
         "engine.guard_full_hooks_us_per_step_b256",
         "engine.guard_marker_us_per_request",
+        "engine.sglang_swa_extra_us_per_step_b256",
+        "engine.sglang_state_extra_us_per_step_b256",
+        "engine.sglang_state_extra_sampled_us_per_step_b256",
     ):
         assert isinstance(res[key], (int, float)) and res[key] > 0, key
     assert (
@@ -131,6 +134,8 @@ def test_quick_run_writes_results_and_nulls_what_is_not_implemented(tmp_path, ca
     table = capsys.readouterr().out
     assert "sidecar page reads/s" in table and "null (not measured: the engine part was skipped)" in table
     assert "guard (transfer) on prefill's send path, per request" in table
+    assert "SGLang, batch 256, added by a sliding-window hybrid's SWA pool" in table
+    assert all(r["dropped_records"] == 0 for r in res["details"]["hybrid"].values())  # nothing went unmeasured
 
 
 @pytest.mark.engine

@@ -21,6 +21,7 @@ import sys
 import threading
 from collections import OrderedDict
 from types import FrameType
+from typing import Any
 
 from ..hook_failures import HookFailures, current_probes
 from ..row_sampler import RowSampler
@@ -157,7 +158,7 @@ class State:
     # (0: none watched), the one MambaSlotAllocator that reports (identity: a draft's clone or a
     # checkpoint pool's does not), and each request's slot as last assigned
     state_pool = 0
-    state_allocator = None
+    state_allocator: Any = None
     state_slot: _Bounded = _Bounded()
     # a hybrid sliding-window engine (hooks_swa.py): allocator instance id -> the pool its pages
     # belong to (absent: pool 0), with the instances kept alive so that their ids stay theirs;
@@ -167,7 +168,7 @@ class State:
     alloc_pool: dict = {}
     alloc_refs: tuple = ()
     swa_pool = 0
-    swa_mapping = None
+    swa_mapping: Any = None  # a torch tensor once declared
     swa_window = 0
     swa_nulled: _Bounded = _Bounded()
 

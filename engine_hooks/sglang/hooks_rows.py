@@ -211,7 +211,7 @@ def _decode_pre(batch, *args, **kwargs):
     if State.swa_pool and State.hello_done and batch.reqs:
         # the SWA rows below this step's window go to page 0 before alloc_for_decode runs
         # SGLang's own eviction (maybe_evict_swa; hooks_swa.py); q0 = the position computed
-        swa.null_below_window([r.rid for r in batch.reqs], old_lens[: len(batch.reqs)])
+        swa.null_below_window([r.rid for r in batch.reqs], old_lens[: len(batch.reqs)], one_step=True)
     return old_lens
 
 

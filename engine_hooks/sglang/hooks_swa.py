@@ -17,10 +17,10 @@ page ids are the SWA sub-allocator's) and keeps, per request, a row in it:
 * rows: every time a pool-0 row goes out (hooks_rows.py: ``alloc_for_extend``,
   ``alloc_for_decode``, ``ReqToTokenPool.write``) its twin goes out too: the same positions
   through the mapping, at that moment;
-* the window: before each forward (and before ``alloc_for_decode`` / ``alloc_for_extend``,
-  which run SGLang's own eviction) the row's positions below the window of the coming forward
-  (``floor((q0 - W) / page) * page``, ``q0`` its first computed position) are pointed at page 0,
-  which is never judged. Every SWA page SGLang frees on purpose is below that bound
+* the window: after each forward (and at a new row, and before ``alloc_for_decode`` /
+  ``alloc_for_extend``, which run SGLang's own eviction) the row's positions below the window
+  of the request's next forward (``floor((q0 - W) / page) * page``, ``q0`` its first computed
+  position) are pointed at page 0, which is never judged. Every SWA page SGLang frees on purpose is below that bound
   (its eviction threshold is ``q0 - ceil(max(W, page) / page) * page``, page-floored; the tree
   frees only unlocked windows), so a free is never under a reader; a page freed inside the
   window, or handed to another request while the mapping still names it, is: the reader's next
@@ -59,22 +59,44 @@ def _bound(q0: int) -> int:
     return (max(q0 - State.swa_window, 0) // ps) * ps
 
 
-def null_below_window(rids, first_positions) -> None:
+def null_below_window(rids, first_positions, one_step: bool = False) -> None:
     """Point each request's SWA row at page 0 below the window of its coming forward (whose
-    first computed position is ``first_positions[i]``), where that bound moved."""
-    p = None
-    ps = State.page_size
+    first computed position is ``first_positions[i]``), where that bound moved.
+
+    ``one_step``: every request's bound is already the one of ``first_positions[i] - 1`` (a
+    decode step after a forward), so it moves only where ``q0 - W`` reaches a page start: a
+    vector test, then the dictionary for those few (one request in ``page_size`` per step)."""
+    n = len(rids)
+    if n == 0:
+        return
+    ps, window = State.page_size, State.swa_window
+    q0 = np.asarray(first_positions, np.int64)[:n]
+    if one_step:
+        candidates = np.flatnonzero(((q0 - window) % ps == 0) & (q0 > window))
+        if len(candidates) == 0:
+            return
+    else:
+        candidates = np.arange(n)
     nulled = State.swa_nulled
-    for rid, q0 in zip(rids, first_positions):
+    p = rt.probes()
+    pool = State.swa_pool
+    one_page: list = []  # (rid, position): a bound that moved by one page, the usual decode case
+    for i in candidates.tolist():
+        rid = rids[i]
         old = nulled.get(rid)
         if old is None:
             continue  # no SWA row sent for it (yet): its first ASSIGN sets the bound
-        new = _bound(int(q0))
+        new = _bound(int(q0[i]))
         if new <= old:
             continue
-        p = p or rt.probes()
-        p.row_pages_assigned(rid, old, new, old, [0] * ((new - old) // ps), pool=State.swa_pool)
+        if new - old == ps:
+            one_page.append((rid, old))
+        else:
+            p.row_pages_assigned(rid, old, new, old, [0] * ((new - old) // ps), pool=pool)
         nulled[rid] = new
+    if one_page:  # one ASSIGN each (page index old // ps -> page 0), written under one ring lock
+        moved_rids, positions = zip(*one_page)
+        p.decode_rows_assigned(moved_rids, positions, [0] * len(positions), pool=pool)
 
 
 def extend_twins(reqs, held, prefix_lens, seq_lens, block) -> None:
@@ -122,19 +144,20 @@ def forget(rid: str) -> None:
 def forward(rids, seq_lens, counts, out, read_pages, read_counts) -> None:
     """The SWA pool's FORWARD of a batch, after pool 0's: the same lengths, the twins of the
     written slots; when pool 0 sent the engine's rows (``read_pages``: the pages at each row's
-    page-start positions), their twins, page 0 below each request's bound."""
-    null_below_window(rids, seq_lens - counts)
+    page-start positions), their twins, page 0 below each request's bound. Then each row's
+    bound moves to the window of the request's next forward (its first position: this one's
+    ``seq_len``): whatever SGLang frees before that forward is below it."""
     ps = State.page_size
     written = translate(out) if len(out) else out
     swa_pages = None
     if read_pages is not None:
         swa_pages = translate(np.asarray(read_pages, np.int64) * ps) // ps
-        nulled = State.swa_nulled
-        starts = np.concatenate(([0], np.cumsum(read_counts)[:-1])).astype(np.int64)
-        for i, rid in enumerate(rids):
-            below = min(nulled.get(rid, 0) // ps, int(read_counts[i]))
-            if below:
-                swa_pages[starts[i] : starts[i] + below] = 0
+        get = State.swa_nulled.get
+        counts_read = np.asarray(read_counts, np.int64)
+        below = np.fromiter((get(rid, 0) for rid in rids), np.int64, count=len(rids)) // ps
+        # each row page's index within its request's row; page 0 where it is below the bound
+        index_in_row = np.arange(len(swa_pages)) - np.repeat(np.cumsum(counts_read) - counts_read, counts_read)
+        swa_pages[index_in_row < np.repeat(below, counts_read)] = 0
     rt.probes().forward(
         rids,
         seq_lens,
@@ -144,3 +167,5 @@ def forward(rids, seq_lens, counts, out, read_pages, read_counts) -> None:
         read_counts=read_counts if swa_pages is not None else None,
         pool=State.swa_pool,
     )
+    decode = len(counts) > 0 and bool((counts == 1).all())
+    null_below_window(rids, seq_lens, one_step=decode)
