@@ -58,11 +58,11 @@ def test_an_engine_kvguard_cannot_follow_says_so_once_and_nothing_else(tmp_path,
         )
         try:
             rng = random.Random(41)
-            prompts = [prompt(rng, 60 + 40 * i) for i in range(4)]
+            prompts = [prompt(rng, 60 + 40 * i) for i in range(3)]
             with ThreadPoolExecutor(3) as pool:  # (generate asserts each was served in full)
                 list(
                     pool.map(
-                        lambda i: generate(engine.url, f"oss-{i}", prompts[i], 24, ("acme", "globex")[i % 2]), range(4)
+                        lambda i: generate(engine.url, f"oss-{i}", prompts[i], 20, ("acme", "globex")[i % 2]), range(3)
                     )
                 )
             watch.settle()

@@ -212,7 +212,7 @@ def test_a_swa_page_freed_inside_the_window_and_handed_over_is_reported(engine, 
 def test_a_free_below_the_window_before_the_bound_moved_would_be_a_false_alarm_without_the_nulling(engine, monkeypatch):
     """The nulling is what keeps SGLang's own evictions quiet: without it, the same run reads
     freed pages (the test above would then fail with use_after_free)."""
-    monkeypatch.setattr(swa, "null_below_window", lambda rids, q0s: None)
+    monkeypatch.setattr(swa, "null_below_window", lambda rids, q0s, **kw: None)
     e = engine
     e.admit("a", "acme", 14)
     for _ in range(12):
@@ -232,7 +232,7 @@ def test_a_rebind_below_the_window_is_sent_as_page_0(engine):
         e.decode("a")
     e.cap.take()
     bound = rt.State.swa_nulled["a"]
-    assert bound == (len(e.rows["a"]) - 1 - WINDOW) // PS * PS
+    assert bound == (len(e.rows["a"]) - WINDOW) // PS * PS  # the next forward's window
     swa.write_twin("a", 0, len(e.rows["a"]), len(e.rows["a"]), torch.tensor(e.rows["a"]))  # a radix rebind
     (rec,) = e.cap.take()
     assert rec.pool == 1 and rec.body.pages.tolist()[: bound // PS] == [0] * (bound // PS)

@@ -92,8 +92,13 @@ def test_clean_traffic_on_a_hybrid_linear_attention_engine_raises_nothing(qwen3_
     second = generate(engine.url, "q3n-turn-2", first_turn + answer + prompt(rng, 12), 6, "acme")
     assert second["meta_info"].get("cached_tokens", 0) > 0, second["meta_info"]
     # more requests in a row than there are state slots: the tree gives cached states back
-    for i in range(STATE_SLOTS + 4):
-        generate(engine.url, f"q3n-row-{i}", prompt(rng, 24), 3, tenants[i % 2])
+    with ThreadPoolExecutor(CLIENTS) as pool_:
+        list(
+            pool_.map(
+                lambda i: generate(engine.url, f"q3n-row-{i}", prompt(rng, 24), 3, tenants[i % 2]),
+                range(STATE_SLOTS + 4),
+            )
+        )
     # client aborts among short requests
     limit = int(engine.server_info()["max_req_input_len"])
     plan = make_plan(
