@@ -169,6 +169,7 @@ class State:
     alloc_refs: tuple = ()
     swa_pool = 0
     swa_mapping: Any = None  # a torch tensor once declared
+    swa_mapping_host: Any = None  # its numpy view when it lives in host memory
     swa_window = 0
     swa_nulled: _Bounded = _Bounded()
 
@@ -189,7 +190,7 @@ class State:
         cls.state_allocator = None
         cls.state_slot = _Bounded()
         cls.alloc_pool, cls.alloc_refs = {}, ()
-        cls.swa_pool, cls.swa_mapping, cls.swa_window = 0, None, 0
+        cls.swa_pool, cls.swa_mapping, cls.swa_mapping_host, cls.swa_window = 0, None, None, 0
         cls.swa_nulled = _Bounded()
         from .content_hooks import Content  # (imports this module: not at the top)
         from .hooks_hicache import Tier

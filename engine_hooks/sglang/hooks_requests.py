@@ -114,7 +114,10 @@ def _declare_pools(sched, items) -> None:
         window = int(sched.sliding_window_size)
         State.alloc_pool = {id(swa_alloc): index}
         State.alloc_refs = (alloc, swa_alloc)  # (their ids stay theirs while the map holds them)
-        State.swa_pool, State.swa_mapping, State.swa_window = index, alloc.full_to_swa_index_mapping, window
+        mapping = alloc.full_to_swa_index_mapping
+        State.swa_pool, State.swa_mapping, State.swa_window = index, mapping, window
+        on_host = getattr(getattr(mapping, "device", None), "type", None) == "cpu"
+        State.swa_mapping_host = mapping.numpy() if on_host else None  # a view: the engine's updates show
         name = f"SWA KV ({cv_sglang.describe_pool(alloc.get_kvcache().swa_kv_pool)}), window {window}"
         p.pool_declared(index, State.page_size, int(swa_alloc.size) // State.page_size, "sliding_window", name, window)
         index += 1
