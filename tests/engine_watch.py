@@ -79,6 +79,12 @@ class Watch:
             time.sleep(0.02)
         raise AssertionError(f"no {fault}/{event} event within {timeout_s} s; events: {self.events()}")
 
+    def engine_stats(self):
+        """The sidecar's stats of the one engine it watches (``EngineStats``)."""
+        with self.sidecar.lock:
+            (engine,) = self.sidecar.pipeline.engine_stats()
+        return engine
+
     def assert_plugin_ok(self) -> None:
         assert not self.events("plugin", "error"), self.events("plugin", "error")
 
@@ -108,6 +114,26 @@ def generate(url: str, rid: str, input_ids: list[int], max_new_tokens: int, tena
     out = r.json()
     assert out["meta_info"]["completion_tokens"] == max_new_tokens, out["meta_info"]
     return out
+
+
+def short_requests_and_aborts(engine: Engine, n: int, seed: int, phase: str, context_len: int, clients: int) -> dict:
+    """``n`` short requests of tests/soak/workload.py, half of them aborted by the client (through
+    the API or by closing the stream), on ``clients`` connections; each served or aborted as
+    asked. Waits out SGLang's ~2 s delay before it aborts a closed stream, so that the frees
+    reach the sidecar. Returns the outcomes' summary."""
+    from soak.workload import ABORT_KINDS, Limits, make_plan, outcome_summary, run_plan, send_unified
+
+    limit = int(engine.server_info()["max_req_input_len"])
+    mix = {"short": 0.5, "abort_api": 0.25, "abort_close": 0.25}
+    plan = make_plan(n, Limits(context_len, limit), mix=mix, seed=seed, phase=phase)
+    outcomes = run_plan(plan, send_unified(engine.url), concurrency=clients)
+    for o in outcomes:
+        if o.req.kind in ABORT_KINDS:
+            assert o.status == 200 and o.error is None, o
+        else:
+            assert o.ok, (o, outcome_summary(outcomes))
+    time.sleep(3.0)
+    return outcome_summary(outcomes)
 
 
 def describe(findings: list[Finding]) -> list[dict]:

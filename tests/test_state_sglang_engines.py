@@ -21,13 +21,11 @@ One engine, started once, with the test-only fault plugin (tests/faults):
 from __future__ import annotations
 
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from engine_watch import Watch, describe, generate, prompt, watched_sglang
+from engine_watch import describe, generate, prompt, short_requests_and_aborts, watched_sglang
 from fault_plugin import FAULTS_DIR, make_rid
-from soak.workload import ABORT_KINDS, Limits, make_plan, outcome_summary, run_plan, send_unified
 from test_faults_engine import fault_env
 
 from kvguard.demo.engines import sglang_arch
@@ -61,16 +59,10 @@ def qwen3_next(tmp_path_factory, require_sglang):
         yield served
 
 
-def _engine_stats(watch: Watch):
-    with watch.sidecar.lock:
-        (engine,) = watch.sidecar.pipeline.engine_stats()
-    return engine
-
-
 def test_clean_traffic_on_a_hybrid_linear_attention_engine_raises_nothing(qwen3_next):
     engine, watch = qwen3_next
     assert watch.since(0) == [], describe(watch.memory.findings)  # start-up: no gap
-    stats = _engine_stats(watch)
+    stats = watch.engine_stats()
     coverage = {c.component: c for c in stats.coverage}
     assert coverage["state_pool"].status == "watched", coverage["state_pool"]
     assert coverage["kv_pool"].status == "watched" and QWEN3_NEXT.kv_pool in coverage["kv_pool"].detail
@@ -100,26 +92,16 @@ def test_clean_traffic_on_a_hybrid_linear_attention_engine_raises_nothing(qwen3_
             )
         )
     # client aborts among short requests
-    limit = int(engine.server_info()["max_req_input_len"])
-    plan = make_plan(
-        10, Limits(CONTEXT, limit), mix={"short": 0.5, "abort_api": 0.25, "abort_close": 0.25}, seed=3, phase="q3n"
-    )
-    outcomes = run_plan(plan, send_unified(engine.url), concurrency=CLIENTS)
-    for o in outcomes:
-        if o.req.kind in ABORT_KINDS:
-            assert o.status == 200 and o.error is None, o
-        else:
-            assert o.ok, (o, outcome_summary(outcomes))
-    time.sleep(3.0)  # a closed stream is aborted by SGLang ~2 s later: let its frees reach the sidecar
+    aborts = short_requests_and_aborts(engine, 10, 3, "q3n", CONTEXT, CLIENTS)
     watch.settle()
     assert watch.since(mark) == [], describe(watch.since(mark))
 
-    after = _engine_stats(watch)
+    after = watch.engine_stats()
     (state,) = after.pools
     assert state.pages_read > 0 and after.pages_read > 0 and after.pages_unverified == 0, after
     print(
         f"  state pool: {state.pages_read} slot reads judged, by state {dict(state.pages_by_state)}; "
-        f"KV pool: {after.pages_read} page reads; aborts {outcome_summary(outcomes)}"
+        f"KV pool: {after.pages_read} page reads; aborts {aborts}"
     )
 
 

@@ -27,13 +27,11 @@ verified: declared unwatched, one ``coverage_gap`` and nothing else.
 from __future__ import annotations
 
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from engine_watch import Watch, describe, generate, prompt, watched_sglang
+from engine_watch import describe, generate, prompt, short_requests_and_aborts, watched_sglang
 from fault_plugin import FAULTS_DIR, make_rid
-from soak.workload import ABORT_KINDS, Limits, make_plan, outcome_summary, run_plan, send_unified
 from test_faults_engine import fault_env
 
 from kvguard.demo.engines import repo_root
@@ -83,16 +81,10 @@ def gpt_oss(tmp_path_factory, require_sglang):
         yield served
 
 
-def _engine_stats(watch: Watch):
-    with watch.sidecar.lock:
-        (engine,) = watch.sidecar.pipeline.engine_stats()
-    return engine
-
-
 def test_clean_traffic_on_a_hybrid_sliding_window_engine_raises_nothing(gpt_oss):
     engine, watch = gpt_oss
     assert watch.since(0) == [], describe(watch.memory.findings)  # start-up: no gap
-    stats = _engine_stats(watch)
+    stats = watch.engine_stats()
     coverage = {c.component: c for c in stats.coverage}
     assert coverage["swa_pool"].status == "watched" and "window" in coverage["swa_pool"].detail, coverage
     assert coverage["kv_pool"].status == "watched" and "SWAKVPool" in coverage["kv_pool"].detail, coverage
@@ -120,26 +112,16 @@ def test_clean_traffic_on_a_hybrid_sliding_window_engine_raises_nothing(gpt_oss)
     with ThreadPoolExecutor(CLIENTS) as pool_:
         list(pool_.map(lambda i: generate(engine.url, f"oss-r{i}", prompt(rng, 140), 6, tenants[i % 2]), range(8)))
     # client aborts among short requests
-    limit = int(engine.server_info()["max_req_input_len"])
-    plan = make_plan(
-        8, Limits(CONTEXT, limit), mix={"short": 0.5, "abort_api": 0.25, "abort_close": 0.25}, seed=4, phase="oss"
-    )
-    outcomes = run_plan(plan, send_unified(engine.url), concurrency=CLIENTS)
-    for o in outcomes:
-        if o.req.kind in ABORT_KINDS:
-            assert o.status == 200 and o.error is None, o
-        else:
-            assert o.ok, (o, outcome_summary(outcomes))
-    time.sleep(3.0)  # a closed stream is aborted by SGLang ~2 s later: let its frees reach the sidecar
+    aborts = short_requests_and_aborts(engine, 8, 4, "oss", CONTEXT, CLIENTS)
     watch.settle()
     assert watch.since(mark) == [], describe(watch.since(mark))
 
-    after = _engine_stats(watch)
+    after = watch.engine_stats()
     (swa,) = after.pools
     assert swa.pages_read > 0 and after.pages_read > 0 and after.pages_unverified == 0, after
     print(
         f"  SWA pool: {swa.pages_read} page reads judged, by state {dict(swa.pages_by_state)}; "
-        f"full pool: {after.pages_read} page reads; aborts {outcome_summary(outcomes)}"
+        f"full pool: {after.pages_read} page reads; aborts {aborts}"
     )
 
 
