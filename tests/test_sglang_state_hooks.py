@@ -22,6 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from recording_probes import CaptureWriter  # noqa: E402
+from test_sglang_adapter import wrap  # noqa: E402  (HookRegistry's wrapping, as the adapter tests apply it)
 
 from kvguard.engine_hooks import coverage as cv  # noqa: E402
 from kvguard.engine_hooks import probes as probes_mod  # noqa: E402
@@ -49,23 +50,6 @@ def real_allocator_class(version: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.MambaSlotAllocator
-
-
-def wrap(cls, attr, hook, kind):
-    """Apply a hook the way sglang.srt.plugins.hook_registry._wrap_fn does."""
-    original = cls.__dict__[attr]
-    if kind == "after":
-
-        def wrapper(*args, **kwargs):
-            result = original(*args, **kwargs)
-            modified = hook(result, *args, **kwargs)
-            return modified if modified is not None else result
-    else:
-
-        def wrapper(*args, **kwargs):
-            return hook(original, *args, **kwargs)
-
-    setattr(cls, attr, wrapper)
 
 
 def hooked(cls):
