@@ -49,3 +49,11 @@ class CaptureWriter:
             out += wire.decode_stream(wire.encode(kind, 0, 1, self.engine_id, payload, pool), wire.DecodeStats())
         self.records.clear()
         return out
+
+
+def judged(pipeline, cap: CaptureWriter) -> list:
+    """What the sidecar's ``pipeline`` finds in every record ``cap`` captured since the last call."""
+    found: list = []
+    for rec in cap.take():
+        found += pipeline.apply(rec)
+    return found

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
-from recording_probes import CaptureWriter
+from recording_probes import CaptureWriter, judged
 
 from kvguard.engine_hooks import wire
 from kvguard.engine_hooks.probes import Probes
@@ -33,13 +33,6 @@ def _engine(writer=None) -> tuple[CaptureWriter, Probes]:
     return cap, p
 
 
-def _apply(pipeline: Pipeline, cap: CaptureWriter) -> list:
-    found = []
-    for rec in cap.take():
-        found += pipeline.apply(rec)
-    return found
-
-
 def _kinds(found) -> list[str]:
     return [f.kind for f in found]
 
@@ -49,7 +42,7 @@ def test_an_engine_watched_whole_raises_nothing_and_shows_no_gap():
     cap, p = _engine()
     p.coverage([wire.CoverageItem("kv_pool", WATCHED, OWN | DIGESTS, 0, "MHA pool, bf16")])
     pipeline = Pipeline()
-    assert _apply(pipeline, cap) == []
+    assert judged(pipeline, cap) == []
     (engine,) = pipeline.engine_stats()
     assert engine.coverage_gaps == 0
     assert [(c.component, c.status, c.watched) for c in engine.coverage] == [
@@ -66,7 +59,7 @@ def test_an_unwatched_component_is_one_warning_naming_it_and_why_and_stays_visib
     ]
     p.coverage(items)
     pipeline = Pipeline()
-    (finding,) = _apply(pipeline, cap)
+    (finding,) = judged(pipeline, cap)
     assert (finding.kind, finding.severity) == ("coverage_gap", "warning")
     assert "draft: not watched: EAGLE draft worker" in finding.summary
     assert "kv_pool: partly watched (no digests)" in finding.summary
@@ -77,7 +70,7 @@ def test_an_unwatched_component_is_one_warning_naming_it_and_why_and_stays_visib
     # (vLLM's Worker) with a gap of its own: merged into the engine's account, no second finding
     p.coverage(items)
     p.coverage([wire.CoverageItem("worker", UNWATCHED, 0, OWN, "its forwards are not reported: x")])
-    assert _apply(pipeline, cap) == []
+    assert judged(pipeline, cap) == []
     assert pipeline.findings_by_kind[("coverage_gap", "warning")] == 1
     (engine,) = pipeline.engine_stats()
     assert engine.coverage_gaps == 3
@@ -159,7 +152,7 @@ def _two_pools(window: int = 8) -> tuple[CaptureWriter, Probes, Pipeline]:
     )
     p.pool_declared(1, PAGE, 32, "sliding_window", "kv cache group 1 (sliding window)", window_tokens=window)
     pipeline = Pipeline()
-    assert _apply(pipeline, cap) == []
+    assert judged(pipeline, cap) == []
     return cap, p, pipeline
 
 
@@ -194,7 +187,7 @@ def test_each_pool_is_its_own_timeline_and_a_clean_run_is_quiet():
     p.forward(["a", "b"], [8, 8], np.array([3, 4, 1, 2]) * PAGE, written_counts=[2, 2], pool=1)
     _forward(p, "a", 8, (2, 4), ([1, 2], [3, 4]))
     _forward(p, "b", 8, (4, 2), ([3, 4], [1, 2]))
-    assert _apply(pipeline, cap) == []
+    assert judged(pipeline, cap) == []
     (engine,) = pipeline.engine_stats()
     (pool,) = engine.pools
     assert (pool.index, pool.kind, pool.window_tokens) == (1, "sliding_window", 8)
@@ -202,7 +195,7 @@ def test_each_pool_is_its_own_timeline_and_a_clean_run_is_quiet():
     # the request ends: its rows go in both pools
     p.request_end("a", "stop", 1, 2, 1, "")
     p.request_end("b", "stop", 1, 2, 1, "")
-    assert _apply(pipeline, cap) == []
+    assert judged(pipeline, cap) == []
     t = pipeline.engines[1]
     assert t.rows == {} and t.pools[1].rows == {}
 
@@ -212,16 +205,16 @@ def test_a_page_freed_under_its_reader_in_the_second_pool_is_caught_there_with_t
     _request(p, "a", "acme", [1, 2], [3, 4], 8)
     p.forward(["a"], [8], np.array([1, 2]) * PAGE, written_counts=[2])
     p.forward(["a"], [8], np.array([3, 4]) * PAGE, written_counts=[2], pool=1)
-    assert _apply(pipeline, cap) == []
+    assert judged(pipeline, cap) == []
     # pool 1 frees page 4 while "a" still reads it; page 4 of pool 0 is untouched
     p.pages_freed([4], kind="page_ids", pool=1)
     p.page_ids_allocated([4], pool=1)
     _request(p, "b", "globex", [5], [4], 4)
     p.forward(["b"], [4], np.array([4]) * PAGE, written_counts=[1], pool=1)
-    found = _apply(pipeline, cap)
+    found = judged(pipeline, cap)
     assert found == [] or _kinds(found) == ["late_write"]  # (b writes a page "a" still names: its own now)
     _forward(p, "a", 9, (3, 4), ([1, 2, 3], [3, 4, 4]))
-    found = [f for f in _apply(pipeline, cap) if f.kind != "late_write"]
+    found = [f for f in judged(pipeline, cap) if f.kind != "late_write"]
     assert found, "a read of a page reallocated to another request in pool 1 went unseen"
     f = found[0]
     assert f.kind in ("foreign_read", "use_after_free", "unwritten_read")
@@ -248,7 +241,7 @@ def test_window_evictions_inside_a_live_request_are_not_frees_under_a_reader():
     p.page_ids_allocated([6], pool=1)
     p.row_pages_assigned("a", 12, 16, 12, [6], pool=1)
     _forward(p, "a", 13, (5, 6), ([1, 2, 3, 5], [0, 2, 3, 6]))
-    assert _apply(pipeline, cap) == []
+    assert judged(pipeline, cap) == []
     assert pipeline.engines[1].pools[1].pages_unverified == 0
 
 
@@ -257,7 +250,7 @@ def test_records_of_an_undeclared_pool_are_counted_and_skipped():
     p.forward(["a"], [4], [[4]], pool=3)
     p.page_ids_allocated([2], pool=3)
     pipeline = Pipeline()
-    assert _apply(pipeline, cap) == []
+    assert judged(pipeline, cap) == []
     assert pipeline.records_undeclared_pool == 2
     assert pipeline.stats().records_undeclared_pool == 2
 
@@ -266,12 +259,12 @@ def test_a_gap_forgets_every_pool_and_a_new_hello_drops_the_pools():
     cap, p, pipeline = _two_pools()
     _request(p, "a", "acme", [1], [1], 4)
     p.forward(["a"], [4], [[4]], pool=1)
-    assert _apply(pipeline, cap) == []
+    assert judged(pipeline, cap) == []
     t = pipeline.engines[1]
     pipeline.apply(wire.Record(wire.Kind.LOST, 0, 1, 1, 0, 5))
     assert t.pools[1].pool.counts_by_state()["unknown"] == t.pools[1].pool.num_pages
     p.hello("unified", 0, PAGE, 32, 32 * PAGE, 128, 128, "vllm", "0.32.0", "tiny-gemma3", pid=4242)
-    _apply(pipeline, cap)
+    judged(pipeline, cap)
     assert t.pools == {} and t.coverage is None
 
 

@@ -21,7 +21,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from recording_probes import CaptureWriter  # noqa: E402
+from recording_probes import CaptureWriter, judged  # noqa: E402
 from test_sglang_adapter import wrap  # noqa: E402  (HookRegistry's wrapping, as the adapter tests apply it)
 
 from kvguard.engine_hooks import coverage as cv  # noqa: E402
@@ -89,10 +89,7 @@ class Engine:
         rt.State.reset()
 
     def judge(self) -> list:
-        found = []
-        for rec in self.cap.take():
-            found += self.pipeline.apply(rec)
-        return found
+        return judged(self.pipeline, self.cap)
 
     def admit(self, rid: str, tenant: str, row: int, held: bool = False):
         """alloc_for_extend for one request: HybridReqToTokenPool.alloc takes a slot unless the

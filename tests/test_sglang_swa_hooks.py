@@ -19,7 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from recording_probes import CaptureWriter  # noqa: E402
+from recording_probes import CaptureWriter, judged  # noqa: E402
 
 from kvguard.engine_hooks import coverage as cv  # noqa: E402
 from kvguard.engine_hooks import probes as probes_mod  # noqa: E402
@@ -85,10 +85,7 @@ class Engine:
         rt.State.reset()
 
     def judge(self) -> list:
-        found = []
-        for rec in self.cap.take():
-            found += self.pipeline.apply(rec)
-        return found
+        return judged(self.pipeline, self.cap)
 
     # -- the allocator halves (hooks_allocator's post hooks, as the class hooks call them)
     def _alloc_pages(self, n: int, swa_page: int | None = None):
