@@ -12,7 +12,7 @@ Raw baseline (``raw_gather``): a numpy gather + compare over the same page ids (
 FORWARD read pages of the same stream): ``tags[pages] != expected``.
 
 Prototype (``judge_prototype``): read judging one request at a time (``classify_read``,
-the pipeline's path before ``EngineTracker.classify_reads``) against a whole-batch version
+the pipeline's path before ``Judge.classify_reads``) against a whole-batch version
 over a prebuilt 2-D row table (``judge_forward``: the next proposal, docs/performance.md)
 on the same FORWARDs and tracker state, with the counts of both compared.
 
@@ -87,7 +87,7 @@ def throughput(stream: Stream, ranks: int = 1, profile: bool = False, ring_bytes
             for w in writers:
                 dropped += publish(w, stream.setup[i : i + SETUP_CHUNK])
             consume()
-        setup_read = sum(t.pages_read for t in pipe.engines.values())
+        setup_read = sum(t.judge.pages_read for t in pipe.engines.values())
         cpu_ns = wall_ns = records = 0
         for step in stream.steps:
             for w in writers:
@@ -101,7 +101,7 @@ def throughput(stream: Stream, ranks: int = 1, profile: bool = False, ring_bytes
             if prof:
                 prof.disable()
         trackers = list(pipe.engines.values())
-        judged = sum(t.pages_read + t.pages_unverified for t in trackers) - setup_read
+        judged = sum(t.judge.pages_read + t.judge.pages_unverified for t in trackers) - setup_read
         page_reads = sum(stream.step_page_reads) * ranks  # what the FORWARDs of the timed steps read
         out = {
             "ranks": ranks,
@@ -110,7 +110,7 @@ def throughput(stream: Stream, ranks: int = 1, profile: bool = False, ring_bytes
             "records": records,
             "page_reads": page_reads,
             "pages_judged": judged,
-            "pages_unverified": sum(t.pages_unverified for t in trackers),
+            "pages_unverified": sum(t.judge.pages_unverified for t in trackers),
             "findings": sum(pipe.findings_by_kind.values()),
             "dropped_records": dropped,
             "apply_errors": pipe.apply_errors,
@@ -256,7 +256,7 @@ class RowTable:
 
 
 def judge_forward(t, table: RowTable, f) -> dict:
-    """Whole-batch version of ``EngineTracker.classify_read`` for one FORWARD: the same rules,
+    """Whole-batch version of ``Judge.classify_read`` for one FORWARD: the same rules,
     one set of numpy operations over every page the batch reads (no per-request Python)."""
     ps, pool = t.page_size, t.pool
     keys = f.req_keys.astype(np.uint64)
@@ -307,15 +307,15 @@ def judge_forward(t, table: RowTable, f) -> dict:
 def _python_judge(t, f) -> dict:
     out = {"judged": 0, "unverified": 0, "freed": 0, "foreign": 0, "unwritten": 0}
     r_off = None if f.read_counts is None else np.concatenate(([0], np.cumsum(f.read_counts, dtype=np.int64)))
-    before_read, before_unv = t.pages_read, t.pages_unverified
+    before_read, before_unv = t.judge.pages_read, t.judge.pages_unverified
     for i, key in enumerate(f.req_keys.tolist()):
         actual = None if r_off is None else f.read_pages[r_off[i] : r_off[i + 1]]
-        v = t.classify_read(key, int(f.seq_lens[i]), actual)
+        v = t.judge.classify_read(key, int(f.seq_lens[i]), actual)
         if v is not None:
             out["freed"] += len(v.freed)
             out["foreign"] += len(v.foreign)
             out["unwritten"] += len(v.unwritten)
-    out["judged"], out["unverified"] = t.pages_read - before_read, t.pages_unverified - before_unv
+    out["judged"], out["unverified"] = t.judge.pages_read - before_read, t.judge.pages_unverified - before_unv
     return out
 
 

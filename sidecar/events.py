@@ -112,7 +112,7 @@ class TransferOrphaned:
 @dataclass(frozen=True, slots=True)
 class SourcePagesSent:
     """A sender shipped source pages its request does not hold written: an XFER_SEND judged
-    as a read by the sending request (``EngineTracker.classify_send``)."""
+    as a read by the sending request (``Judge.classify_send``)."""
 
     verdict: ReadVerdict  # the sender, and its unwritten / foreign / freed pages
     room: int

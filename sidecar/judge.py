@@ -1,12 +1,13 @@
 """The judge: the read and write rules (``ReadVerdict``, ``WriteVerdict``) over the page model,
-and judging only what changed since a request's row was last judged clean. A base class of
-``EngineTracker`` (sidecar/tracker.py) rather than an object of its own: the rules run on every
-FORWARD and read the tracker's pool, rows and directory directly, with no extra lookup.
+and judging only what changed since a request's row was last judged clean. One per
+``EngineTracker`` (sidecar/tracker.py), which holds it as ``tracker.judge``: the tracker
+applies records to the page pool and the rows, the judge reads the same objects (it is
+handed them, never the tracker) and keeps its own counts and clean-prefix epoch.
 
 Pages we know nothing about (``UNKNOWN``) are never judged: a sidecar that attached
 late, or lost records, reports a blind window instead of guessing.
 
-Judging only what changed (``EngineTracker.classify_reads``): a read verdict is a pure
+Judging only what changed (``Judge.classify_reads``): a read verdict is a pure
 function of the reader's row entries and the state (state, gen, owner, written_gen) of
 those pages. Each row remembers up to which entry it was last judged clean
 (``Row.clean_n``); every change of a page's state is logged (``PagePool.changed``) with the
@@ -23,16 +24,18 @@ differential test compares against).
 from __future__ import annotations
 
 import os
-from itertools import compress, repeat
+from itertools import compress
 from operator import attrgetter
+from typing import NamedTuple
 
 import numpy as np
 
 from kvguard.engine_hooks import wire
 
 from .events import ReadVerdict, WriteVerdict
-from .page_pool import FREE, GEN_MASK, OWNED, PADDING_PAGE, SHARED_BIT, UNKNOWN, PagePool, Row, RowScalars
+from .page_pool import FREE, GEN_MASK, OWNED, PADDING_PAGE, SHARED_BIT, UNKNOWN, PagePool, Row
 from .request_directory import RequestDirectory, RequestInfo
+from .rows import RowTable
 
 JUDGE_ENV = "KVGUARD_JUDGE"
 _ROW_PAGES = attrgetter("pages")
@@ -50,24 +53,44 @@ def _incremental_judge_from_env() -> bool:
 INCREMENTAL_JUDGE = _incremental_judge_from_env()
 
 
-class Judge:
-    """The verdicts of ``EngineTracker``: KV writes (``check_write``, ``check_writes``) and reads
-    (``classify_read``, ``classify_reads``), judged fully or only where something changed."""
+class _Batch(NamedTuple):
+    """A forward's readers against the rows: each key's row index (-1: none), whether it has
+    one, whether all do, the index to read the row scalars at (0 for those without), and
+    the row entries each read (its ``seq_len`` in pages, at most its row's length)."""
 
-    # the tracker's state the rules read and count in (set by EngineTracker.__init__)
-    hello: wire.Hello | None
-    page_size: int
-    pool: PagePool
-    rows: dict[int, Row]
-    row_scalars: RowScalars
-    row_index: dict[int, int]
-    rows_version: int
-    row_memo: tuple[int, np.ndarray, np.ndarray] | None
-    requests: RequestDirectory
-    pages_read: int
-    pages_unverified: int
-    incremental: bool
-    judge_epoch: int
+    idx: np.ndarray
+    has: np.ndarray
+    every: bool
+    at: np.ndarray
+    n: np.ndarray
+
+
+class Judge:
+    """The verdicts over one pool's page model: KV writes (``check_write``, ``check_writes``) and
+    reads (``classify_read``, ``classify_reads``, ``classify_send``), judged fully or only where
+    something changed. Counts the pages it judged (``pages_read``) and could not
+    (``pages_unverified``)."""
+
+    def __init__(self, pool: PagePool, rows: RowTable, requests: RequestDirectory, incremental: bool = True):
+        self.pool = pool
+        self.rows = rows
+        self.requests = requests
+        self.hello: wire.Hello | None = None  # the engine's (no HELLO: nobody is judged)
+        self.page_size = 1
+        self.incremental = incremental  # judge only what changed (False: every page every time)
+        self.judge_epoch = 0  # bumped to drop every row's clean prefix at once
+        self.pages_read = 0
+        self.pages_unverified = 0
+
+    def on_hello(self, hello: wire.Hello) -> None:
+        self.hello = hello
+        self.page_size = hello.page_size
+
+    def share_pool(self, pool: PagePool) -> None:
+        """Judge over another tracker's page model (pages aliased by several pools): the full
+        judge, since that pool's change log is its own tracker's judge's to consume."""
+        self.pool = pool
+        self.incremental = False
 
     def check_write(self, req_key: int, pages: np.ndarray, require_known_writer: bool = True) -> WriteVerdict | None:
         """Judge KV writes before they are applied (None: nothing to judge). A late transfer
@@ -178,13 +201,14 @@ class Judge:
         counts are the same. Rows that differ from the model anywhere take the full judge.
         """
         if self.incremental and not want_shared and not every:
+            batch = self._batch(req_keys, seq_lens)
             if read_counts is None:
-                return self._classify_changed(req_keys, seq_lens)
+                return self._classify_changed(batch, req_keys)
             assert read_pages is not None  # the record carried rows: read_counts and read_pages come together
-            unjudged = self._rows_as_modelled(req_keys, seq_lens, read_counts, read_pages)
+            unjudged = self._rows_as_modelled(batch, req_keys, read_counts, read_pages)
             if unjudged is not None:
                 self.pages_unverified += unjudged  # what readers we cannot judge read (as below)
-                return self._classify_changed(req_keys, seq_lens)
+                return self._classify_changed(batch, req_keys)
         have_rows = read_counts is not None
         rc = read_counts.tolist() if read_counts is not None else []  # (read only with rows)
         # row pages each request's seq_len covers (ceil)
@@ -344,59 +368,61 @@ class Judge:
         return known, freed, foreign, unwritten, shared
 
     # ------------------------------------------------------------------ reads: only what changed
-    def row_indexes(self, req_keys: np.ndarray) -> np.ndarray:
-        """Each key's row index in ``row_scalars`` (-1: no row), with one C-level pass over the
-        keys; kept for the next forward, whose batch is mostly this one while no row came or went."""
-        memo = self.row_memo
-        if (
-            memo is not None
-            and memo[0] == self.rows_version
-            and len(memo[1]) == len(req_keys)
-            and np.array_equal(memo[1], req_keys)
-        ):
-            return memo[2]
-        idx = np.fromiter(map(self.row_index.get, req_keys.tolist(), repeat(-1)), np.int64, len(req_keys))
-        self.row_memo = (self.rows_version, np.array(req_keys, np.uint64), idx)
-        return idx
+    def _batch(self, req_keys: np.ndarray, seq_lens: np.ndarray) -> _Batch:
+        """A forward's readers against the rows, for the whole batch at once (see ``_Batch``)."""
+        idx = self.rows.indexes(req_keys)
+        has = idx >= 0
+        every = bool(has.all())
+        at = idx if every else np.where(has, idx, 0)
+        need = -(-seq_lens.astype(np.int64) // self.page_size)
+        n = np.minimum(need, self.rows.scalars.length[at])
+        return _Batch(idx, has, every, at, n)
 
-    def judged_readers(self, req_keys: np.ndarray, idx: np.ndarray) -> np.ndarray:
-        """Which readers are judged: a row, a HELLO, and the request's REQ_BEGIN seen. (A key
-        with a row is in the directory: the ASSIGN that made the row put it there, and the row
-        goes when the request ends.)"""
+    def _judged(self, req_keys: np.ndarray, batch: _Batch) -> np.ndarray | None:
+        """Which readers are judged: a row, a HELLO, and the request's REQ_BEGIN seen (a key with
+        a row is in the directory: the ASSIGN that made the row put it there, and the row goes
+        when the request ends). None: every one of them."""
         if self.hello is None:
             return np.zeros(len(req_keys), bool)
-        judged = idx >= 0
         stubs = self.requests.stubs
+        if batch.every and not stubs:
+            return None
+        judged = batch.has
         if stubs:
-            judged &= ~np.isin(req_keys, np.fromiter(stubs, np.uint64, len(stubs)))
+            judged = judged & ~np.isin(req_keys, np.fromiter(stubs, np.uint64, len(stubs)))
         return judged
 
     def _rows_as_modelled(
-        self, req_keys: np.ndarray, seq_lens: np.ndarray, read_counts: np.ndarray, read_pages: np.ndarray
+        self, batch: _Batch, req_keys: np.ndarray, read_counts: np.ndarray, read_pages: np.ndarray
     ) -> int | None:
         """Whether the engine's rows of a FORWARD are exactly the sidecar's model of them: every
         judged reader read as many pages as the model row covers, the same ones. Then judging
         the rows is judging the model. Returns the pages read by readers that are not judged
         (counted unverified), or None where anything differs. Per batch: the row lengths are
         compared as arrays and the model rows gathered by C-level passes."""
-        rc = read_counts.astype(np.int64)
-        idx = self.row_indexes(req_keys)
-        judged = self.judged_readers(req_keys, idx)
-        table = self.row_scalars
-        at = idx[judged]
-        length = table.length[at]
-        n = np.minimum(-(-seq_lens.astype(np.int64)[judged] // self.page_size), length)
-        if not np.array_equal(rc[judged], n):
-            return None
-        every = bool(judged.all())
-        unjudged = 0 if every else int(rc[~judged].sum())
-        keys = req_keys.tolist() if every else compress(req_keys.tolist(), judged.tolist())
-        rows = list(map(self.rows.__getitem__, keys))  # (judged readers have rows)
-        if np.array_equal(n, length):  # whole rows (the common case): no slicing
-            parts = list(map(_ROW_PAGES, rows))
+        judged = self._judged(req_keys, batch)
+        rows = self.rows
+        if judged is None:  # (the common case: every reader judged, nothing to select)
+            if not np.array_equal(read_counts, batch.n):
+                return None
+            unjudged = 0
+            keys = req_keys.tolist()
+            n, at = batch.n, batch.at
         else:
-            parts = [row.pages[:k] for row, k in zip(rows, n.tolist())]
-        actual = read_pages if not unjudged else read_pages[np.repeat(judged, rc)]
+            rc = read_counts.astype(np.int64)
+            n, at = batch.n[judged], batch.at[judged]
+            if not np.array_equal(rc[judged], n):
+                return None
+            unjudged = int(rc[~judged].sum())
+            keys = list(compress(req_keys.tolist(), judged.tolist()))
+        parts = list(map(_ROW_PAGES, map(rows.__getitem__, keys)))  # (judged readers have rows)
+        if not np.array_equal(n, rows.scalars.length[at]):  # rows read in part: only what they read
+            parts = [pages[:k] for pages, k in zip(parts, n.tolist())]
+        if unjudged:
+            assert judged is not None  # (readers not judged: a selection)
+            actual = read_pages[np.repeat(judged, read_counts.astype(np.int64))]
+        else:
+            actual = read_pages
         model = np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else actual[:0]
         if len(actual) != len(model) or not np.array_equal(actual, model):
             return None
@@ -445,7 +471,7 @@ class Judge:
         pool.changes_len = 0
         pool.changes_overflow = False
 
-    def _classify_changed(self, req_keys: np.ndarray, seq_lens: np.ndarray) -> list[tuple[int, ReadVerdict]]:
+    def _classify_changed(self, batch: _Batch, req_keys: np.ndarray) -> list[tuple[int, ReadVerdict]]:
         """``classify_reads`` for a FORWARD without rows, judging per request only the row
         entries past its clean prefix (``Row.clean_n``). The clean prefix holds nothing to report
         and its pages count as read (judged known, unchanged since); the rest goes through the
@@ -454,59 +480,82 @@ class Judge:
         self._absorb_changes()
         if self.hello is None:
             return []  # nobody is judged; without rows nothing counts as unverified either
-        ps = self.page_size
-        keys = req_keys.tolist()
-        # the whole batch's rows by index, with one C-level pass over the keys; requests without
-        # a row are not judged (nothing was assigned to them: nothing they read is modelled)
-        idx = self.row_indexes(req_keys)
-        has = idx >= 0
-        if not has.any():
+        # requests without a row are not judged (nothing was assigned to them: nothing they
+        # read is modelled)
+        has, at, n_all = batch.has, batch.at, batch.n
+        if not batch.every and not has.any():
             return []
-        table = self.row_scalars
+        table = self.rows.scalars
         epoch = self.judge_epoch
-        at = np.where(has, idx, 0)
-        n_all = np.minimum(-(-seq_lens.astype(np.int64) // ps), table.length[at])
         c_all = table.clean_n[at]
         # rows whose clean prefix covers what this step reads (the common decode step): counted,
         # not judged. A clean prefix was judged while its reader was known, and a row goes when
         # its request ends, so these readers are known ones.
-        clean = has & (table.clean_epoch[at] == epoch) & (c_all >= n_all)
+        clean = (table.clean_epoch[at] == epoch) & (c_all >= n_all)
+        if not batch.every:
+            clean &= has
         exact = clean & (c_all == n_all)
         clean_reads = int(table.clean_reads[at[exact]].sum())
+        dirty_at = np.flatnonzero(~clean if batch.every else has & ~clean)
+        shorter: list[int] = []
+        if len(dirty_at) + int(np.count_nonzero(exact)) != len(at):  # (a shorter prefix: rare)
+            shorter = np.flatnonzero(clean & ~exact).tolist()
+        if not shorter and not len(dirty_at):
+            self.pages_read += clean_reads
+            return []
+        keys = req_keys.tolist()
         rows_get = self.rows.get
-        for i in np.flatnonzero(clean & ~exact).tolist():  # reads a shorter prefix than judged clean
+        for i in shorter:  # reads a shorter prefix than judged clean
             row = rows_get(keys[i])
-            assert row is not None  # (row_index and rows hold the same keys)
+            assert row is not None  # (the row table's index and rows hold the same keys)
             clean_reads += int(np.count_nonzero(row.pages[: int(n_all[i])] > 0))
+        if not len(dirty_at):
+            self.pages_read += clean_reads
+            return []
         live_get, ended_get = self.requests.live.get, self.requests._ended.get  # RequestDirectory.get, inlined
-        dirty = []  # (request index, row, first entry to judge, entries read, clean reads before it)
-        for i in np.flatnonzero(has & ~clean).tolist():
+        # per dirty request: its index in the batch, its row, the first entry to judge, the
+        # entries read, the clean reads before it
+        d_i: list[int] = []
+        d_rows: list[Row] = []
+        d_c: list[int] = []
+        d_n: list[int] = []
+        d_base: list[int] = []
+        for i, c, n, e in zip(
+            dirty_at.tolist(),
+            c_all[dirty_at].tolist(),
+            n_all[dirty_at].tolist(),
+            table.clean_epoch[at[dirty_at]].tolist(),
+        ):
             key = keys[i]
             info = live_get(key) or ended_get(key)
             if info is None or not info.known:
                 continue
             row = rows_get(key)
             assert row is not None
-            n = int(n_all[i])
-            if row.clean_epoch == epoch:
-                c, base = int(c_all[i]), row.clean_reads
+            if e == epoch:
+                base = row.clean_reads
                 clean_reads += base
             else:
                 c = base = 0
-            dirty.append((i, row, c, n, base))
+            d_i.append(i)
+            d_rows.append(row)
+            d_c.append(c)
+            d_n.append(n)
+            d_base.append(base)
         self.pages_read += clean_reads
-        if not dirty:
+        if not d_i:
             return []
-        if len(dirty) == 1:
-            _i, row, c, n, _base = dirty[0]
+        if len(d_i) == 1:
+            row, c, n = d_rows[0], d_c[0], d_n[0]
             # (int32 row pages widened once here, not by every gather that indexes with them)
             pages_all, gens_all = row.pages[c:n].astype(np.int64), row.gen_shared[c:n]
         else:
-            pages_all = np.concatenate([d[1].pages[d[2] : d[3]] for d in dirty], dtype=np.int64)
-            gens_all = np.concatenate([d[1].gen_shared[d[2] : d[3]] for d in dirty])
-        idx = np.array([d[0] for d in dirty], np.int64)
-        seg_len = np.array([d[3] - d[2] for d in dirty], np.int64)
-        seg = np.repeat(np.arange(len(dirty)), seg_len)  # dirty request of each entry
+            pages_all = np.concatenate([r.pages[c:n] for r, c, n in zip(d_rows, d_c, d_n)], dtype=np.int64)
+            gens_all = np.concatenate([r.gen_shared[c:n] for r, c, n in zip(d_rows, d_c, d_n)])
+        idx = np.array(d_i, np.int64)
+        c_arr = np.array(d_c, np.int64)
+        seg_len = np.array(d_n, np.int64) - c_arr
+        seg = np.repeat(np.arange(len(d_i)), seg_len)  # dirty request of each entry
         pool = self.pool
         keep = (pages_all > PADDING_PAGE) & (pages_all < pool.limit)
         all_kept = bool(keep.all())
@@ -525,28 +574,33 @@ class Judge:
         else:
             bad = pages_all >= pool.limit
             bad[keep] = look
-        starts = np.concatenate(([0], np.cumsum(seg_len)))
-        good_len = seg_len.copy()  # per dirty request: entries clean from its first one on
         bad_at = np.flatnonzero(bad)
-        if len(bad_at):
+        counted_pages = pages_all > 0
+        marks = counted_pages & (gens_all >= SHARED_BIT)
+        if len(bad_at) == 0 and seg_len.all():  # every dirty entry clean (the usual): whole segments
+            good_len = seg_len
+            newly_counted = np.add.reduceat(counted_pages, np.cumsum(seg_len) - seg_len, dtype=np.int64)
+        else:
+            starts = np.concatenate(([0], np.cumsum(seg_len)))
+            good_len = seg_len.copy()  # per dirty request: entries clean from its first one on
             who, first = np.unique(seg[bad_at], return_index=True)
             good_len[who] = bad_at[first] - starts[who]
-        counted = np.concatenate(([0], np.cumsum(pages_all > 0)))
-        newly_counted = counted[starts[:-1] + good_len] - counted[starts[:-1]]
-        newly_clean = np.arange(len(pages_all)) < (starts[:-1] + good_len)[seg]
-        marks = newly_clean & (gens_all >= SHARED_BIT) & (pages_all > 0)
+            counted = np.concatenate(([0], np.cumsum(counted_pages)))
+            newly_counted = counted[starts[:-1] + good_len] - counted[starts[:-1]]
+            marks &= np.arange(len(pages_all)) < (starts[:-1] + good_len)[seg]
         if marks.any():
             pool.clean_shared[pages_all[marks]] = True
-        for j, (_i, row, c, _n, base) in enumerate(dirty):  # (a request twice in a batch: the same values)
-            row.clean_epoch = epoch
-            row.clean_n = c + int(good_len[j])
-            row.clean_reads = base + int(newly_counted[j])
+        # (a request twice in a batch: the same values, either write wins)
+        rows_at = at[idx]
+        table.clean_epoch[rows_at] = epoch
+        table.clean_n[rows_at] = c_arr + good_len
+        table.clean_reads[rows_at] = np.array(d_base, np.int64) + newly_counted
         if not look.any():
             return []
         out = []
-        off = np.searchsorted(seg_k, np.arange(len(dirty) + 1)).tolist()
+        off = np.searchsorted(seg_k, np.arange(len(d_i) + 1)).tolist()
         for j in np.unique(seg_k[look]).tolist():
-            i, row, c, _n, _base = dirty[j]
+            i, row, c = d_i[j], d_rows[j], d_c[j]
             s, e = off[j], off[j + 1]
             p = pages[s:e]
             head = row.pages[:c]

@@ -159,7 +159,7 @@ class StoredObjects:
             was, gens = issued
             same = was[: len(pages)] == pages[: len(was)]
             moved = pages[: len(same)][same & (pool.gen[pages[: len(same)]] != gens[: len(same)])]
-        verdict = t.check_write(body.req_key, pages, require_known_writer=False)
+        verdict = t.judge.check_write(body.req_key, pages, require_known_writer=False)
         # the object's KV is in those pages now, whoever holds them: it is what a stray read of
         # them exposes (as a transfer chunk's); whether they count as written is decided below
         t.pool.writer_slot[pages] = t.pool.slot(body.req_key)

@@ -310,7 +310,7 @@ class PagePool:
 
     def changed(self, pages: np.ndarray) -> None:
         """Log that state / gen / owner / written_gen of ``pages`` (valid ids) is about to
-        change in a way that can spoil a clean read (``EngineTracker._classify_changed``).
+        change in a way that can spoil a clean read (``Judge._classify_changed``).
         Call it BEFORE the change: the owner logged is the one a clean row judged.
 
         A clean entry is known, not free, the reader's (same gen; shared, or owned by the

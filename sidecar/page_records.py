@@ -111,17 +111,17 @@ class PageRecords:
         ts_ns = rec.ts_ns
         # a forward writes its new tokens' KV before attention reads the rows
         findings = []
-        if t.writes_overlap(f.write_pages):  # a page written twice: the order matters, one request at a time
+        if t.judge.writes_overlap(f.write_pages):  # a page written twice: the order matters, one request at a time
             w_off = np.concatenate(([0], np.cumsum(f.write_counts, dtype=np.int64)))
             for i, key in enumerate(f.req_keys.tolist()):
                 if w_off[i + 1] > w_off[i]:
                     written = f.write_pages[w_off[i] : w_off[i + 1]].astype(np.int64)
-                    verdict = t.check_write(key, written)
+                    verdict = t.judge.check_write(key, written)
                     if verdict is not None:
                         findings += self.out.judge(verdict, t, ts_ns)
                     t.mark_written(key, written, ts_ns)
         else:  # the whole batch at once: verdicts only for the requests that wrote where they should not
-            for _i, verdict in t.check_writes(f.req_keys, f.write_counts, f.write_pages):
+            for _i, verdict in t.judge.check_writes(f.req_keys, f.write_counts, f.write_pages):
                 findings += self.out.judge(verdict, t, ts_ns)
             t.mark_writes(f.req_keys, f.write_counts, f.write_pages, ts_ns)
         # (a forward's late write is not marked as replacing its owner's KV, as a late transfer
@@ -134,7 +134,7 @@ class PageRecords:
         if not t.pool_index:  # (a read per request per forward: pool 0's says it)
             self.out.record(ts_ns, t.engine_id, Event.READ, f.req_keys, aux=f.seq_lens)
         # the whole batch is judged at once; verdicts come only for requests with something to look at
-        for _i, read in t.classify_reads(
+        for _i, read in t.judge.classify_reads(
             f.req_keys, f.seq_lens, f.read_counts, f.read_pages, want_shared=self.out.detectors.wants_shared_reads
         ):
             findings += self.out.judge(read, t, ts_ns)
@@ -165,8 +165,7 @@ class PageRecords:
             # the same pages as pool 0 (vLLM's KV cache groups: one block pool, aliased memory): one
             # page model, so a block one group freed and another took is judged as such; the rows
             # are this pool's. Its judge is the full one: the page-change log is pool 0's to consume
-            pool_tracker.pool = t.pool
-            pool_tracker.incremental = False
+            pool_tracker.share_pool(t)
         hello = replace(
             t.hello,
             page_size=info.page_size,

@@ -4,8 +4,9 @@ One ``PagePool`` per engine KV pool owns the per-page numpy arrays; one ``Engine
 per engine process applies records to it and keeps the live requests' rows.
 
 The page model is in sidecar/page_pool.py, the request directory in
-sidecar/request_directory.py, the read and write rules (``Judge``, a base class of
-``EngineTracker``) in sidecar/judge.py; their names are importable from here too.
+sidecar/request_directory.py, the rows in sidecar/rows.py, the read and write rules
+(``Judge``, held by each ``EngineTracker`` as ``judge``) in sidecar/judge.py; their names are
+importable from here too.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ from .page_pool import (
     KeyTable,
     PagePool,
     Row,
-    RowScalars,
 )
 from .request_directory import RequestDirectory, RequestInfo
+from .rows import RowTable
 from .stats import CoverageEntry, EngineStats, PoolStats
 
 __all__ = [
@@ -119,7 +120,7 @@ MAX_OVERWRITTEN = 4096  # pages kept in EngineTracker.overwritten (each a late w
 MAX_EARLY_WRITERS = 4096  # requests kept in EngineTracker.early_written (writes before their REQ_BEGIN)
 
 
-class EngineTracker(Judge):
+class EngineTracker:
     """Ownership state of one engine process, updated record by record."""
 
     def __init__(self, engine_id: int, directory: RequestDirectory, pool_info: wire.PoolInfo | None = None):
@@ -136,24 +137,16 @@ class EngineTracker(Judge):
         self.hello: wire.Hello | None = None
         self.page_size = 1
         self.pool = PagePool(1)
-        # live rows by request key; their judge scalars in row_scalars, at row_index[key] (the
-        # judge maps a batch's keys to indexes with one C-level pass: ``Judge._classify_changed``)
-        self.rows: dict[int, Row] = {}
-        self.row_scalars = RowScalars()
-        self.row_index: dict[int, int] = {}
-        self.rows_version = 0  # bumped when a row comes or goes (``Judge.row_indexes`` memo)
-        self.row_memo: tuple[int, np.ndarray, np.ndarray] | None = None
+        self.rows = RowTable()  # live rows by request key
         self.requests = directory
+        # the read and write rules over this pool's pages and rows (and their counts)
+        self.judge = Judge(self.pool, self.rows, directory, INCREMENTAL_JUDGE)
         self.transfer_hold: set[int] = set()  # decode requests whose incoming KV is not yet accounted
-        self.pages_read = 0
-        self.pages_unverified = 0
         self.requests_retired_idle = 0  # live requests that never ended and held nothing (RequestDirectory.retire_idle)
         # live request key -> time of the first gap (LOST) since a record last named it (LOST_UNSEEN_NS)
         self.unseen_since_loss: dict[int, int] = {}
         self.requests_retired_after_loss = 0  # of those, retired with their rows: their end fell in a gap
         self._next_retire_ns = 0
-        self.incremental = INCREMENTAL_JUDGE  # judge only what changed (False: every page every time)
-        self.judge_epoch = 0  # bumped to drop every row's clean prefix at once
         self.row_limit = ROW_ENTRIES_BEFORE_HELLO  # row entries (pages) a request may have (on_hello)
         self.assigns_out_of_range = 0  # ASSIGNs skipped for it (their pages are in pages_out_of_range)
         # The ttft detector's evidence that a prompt was prefilled, kept as the forwards come:
@@ -229,6 +222,7 @@ class EngineTracker(Judge):
         """``max_pages``: the most pages the memory budget lets this engine's model track."""
         self.hello = hello
         self.page_size = hello.page_size
+        self.judge.on_hello(hello)
         if self.pool_index == 0:  # a new HELLO: the engine declares its other pools (and coverage) again after it
             self.pools.clear()
             self.coverage = None
@@ -278,8 +272,8 @@ class EngineTracker(Judge):
             pool_tokens=h.pool_tokens if h is not None else None,
             context_len=h.context_len if h is not None else None,
             pages_by_state=self.pool.counts_by_state(),
-            pages_read=self.pages_read,
-            pages_unverified=self.pages_unverified,
+            pages_read=self.judge.pages_read,
+            pages_unverified=self.judge.pages_unverified,
             pages_out_of_range=self.pool.pages_out_of_range,
             live_requests=len(self.rows),
             coverage=coverage_entries(self.coverage),
@@ -298,8 +292,8 @@ class EngineTracker(Judge):
             pool_pages=info.pool_pages,
             window_tokens=info.window_tokens,
             pages_by_state={} if info.shares_pages else t.pool.counts_by_state(),  # (shared: pool 0's)
-            pages_read=t.pages_read,
-            pages_unverified=t.pages_unverified,
+            pages_read=t.judge.pages_read,
+            pages_unverified=t.judge.pages_unverified,
             pages_out_of_range=t.pool.pages_out_of_range,
         )
 
@@ -391,19 +385,15 @@ class EngineTracker(Judge):
             # (not logged for the incremental judge: CACHED is as good as OWNED for every other reader)
             self.pool.state[mine] = CACHED
 
-    def _new_row(self, req_key: int) -> Row:
-        row = self.rows[req_key] = Row(self.row_scalars)
-        self.row_index[req_key] = row.index
-        self.rows_version += 1
-        return row
-
     def _drop_row(self, req_key: int) -> Row | None:
-        row = self.rows.pop(req_key, None)
-        if row is not None:
-            del self.row_index[req_key]
-            self.row_scalars.release(row.index)
-            self.rows_version += 1
-        return row
+        return self.rows.drop(req_key)
+
+    def share_pool(self, other: EngineTracker) -> None:
+        """Model the same pages as ``other`` (pools aliasing one block pool: vLLM's KV cache
+        groups): one page model, so a block one group freed and another took is judged as such;
+        the rows stay this pool's."""
+        self.pool = other.pool
+        self.judge.share_pool(other.pool)
 
     def on_reject(self, r: wire.Reject) -> None:
         self.requests.get_or_stub(r.req_key).rejected = f"{r.phase.name.lower()}: {r.reason}"
@@ -524,7 +514,7 @@ class EngineTracker(Judge):
         self.requests.get_or_stub(a.req_key)
         row = self.rows.get(a.req_key)
         if row is None:
-            row = self._new_row(a.req_key)
+            row = self.rows.new(a.req_key)
         first = a.row_start // self.page_size
         idx = np.arange(first, first + len(pages))
         row.forget_clean(first)  # entries from ``first`` on are rewritten
@@ -563,10 +553,10 @@ class EngineTracker(Judge):
         n = len(run)
         ps = self.page_size
         keys = run.req_keys
-        idx = np.fromiter(map(self.row_index.get, keys.tolist(), repeat(-1)), np.int64, n)
+        idx = np.fromiter(map(self.rows.index.get, keys.tolist(), repeat(-1)), np.int64, n)
         has = idx >= 0
         at = np.where(has, idx, 0)
-        table, pool = self.row_scalars, self.pool
+        table, pool = self.rows.scalars, self.pool
         pages = run.pages.astype(np.int64)
         entry = run.row_start.astype(np.int64) // ps
         in_range = (entry < self.row_limit) & (run.row_end.astype(np.int64) <= self.row_limit * ps)

@@ -75,7 +75,7 @@ class Transfers:
     def _check_send_source(self, t: EngineTracker, body: wire.XferSend, ts_ns: int) -> list[Finding]:
         """The pages a sender ships are read from its own row: each must be written for it
         (``unwritten_send``, sidecar/detectors/sends.py)."""
-        verdict = t.classify_send(body.req_key, body.token_start, body.pages)
+        verdict = t.judge.classify_send(body.req_key, body.token_start, body.pages)
         if verdict is None:
             return []
         party: Party | None = None  # the decode request it went to, when this sidecar sees it
@@ -164,7 +164,7 @@ class Transfers:
             )
             if saved is not None and pairing.carried_tokens(t.page_size) < pairing.reserved_tokens:
                 # decode already attended over these pages while we waited: judge that read now
-                verdict = t.classify_read(pairing.receiver_key, pairing.reserved_tokens, None)
+                verdict = t.judge.classify_read(pairing.receiver_key, pairing.reserved_tokens, None)
                 if verdict is not None:
                     found += self.out.observe(verdict, t, ts_ns)
         found += self.out.observe(pairing, t, ts_ns)
@@ -397,7 +397,7 @@ class Transfers:
         if hit is None:
             return []
         state, pages = hit
-        verdict = t.check_write(state.receiver_key, pages, require_known_writer=False)
+        verdict = t.judge.check_write(state.receiver_key, pages, require_known_writer=False)
         # the chunk's KV is in those pages now, whoever holds them: it is what a stray read of
         # them exposes. (Whether they count as written for the receiver is the pairing's call,
         # made when both ends are known: sidecar/ledger.)

@@ -1,4 +1,4 @@
-"""Judging only what changed (``EngineTracker._classify_changed``) gives exactly what the full
+"""Judging only what changed (``Judge._classify_changed``) gives exactly what the full
 judge gives: corrupted record streams replayed through a pipeline with each judge must
 produce identical findings (every one, suppressed repeats included), counters, incidents,
 page state and rows.
@@ -146,10 +146,10 @@ class Replay:
         monkeypatch.setattr(tracker_mod, "INCREMENTAL_JUDGE", incremental)
         self.pipe = Pipeline([MemorySink()], isolate_tenants=isolate)
         self.tracker = self.pipe.tracker(ENGINE)
-        assert self.tracker.incremental is incremental
+        assert self.tracker.judge.incremental is incremental
         self.findings: list[dict] = []
         self.judged = 0
-        emit, judge = self.pipe.out.emit, self.tracker._judge_pages
+        emit, judge = self.pipe.out.emit, self.tracker.judge._judge_pages
 
         def keep(found):
             self.findings += [f.to_dict() for f in found]
@@ -160,7 +160,7 @@ class Replay:
             return judge(pages, *args)
 
         self.pipe.out.emit = keep
-        self.tracker._judge_pages = count
+        self.tracker.judge._judge_pages = count
 
     def run(self, records) -> Replay:
         for rec in records:
@@ -178,8 +178,8 @@ class Replay:
             "suppressed": p.findings_suppressed,
             "apply_errors": p.apply_errors,
             "lost": p.records_lost,
-            "pages_read": t.pages_read,
-            "pages_unverified": t.pages_unverified,
+            "pages_read": t.judge.pages_read,
+            "pages_unverified": t.judge.pages_unverified,
             "out_of_range": pool.pages_out_of_range,
             "pool": {
                 name: getattr(pool, name).tolist()
@@ -237,7 +237,7 @@ def test_clean_stream_judges_each_page_once_and_counts_every_read(monkeypatch):
     full = Replay(False, False, monkeypatch).run(records)
     incr = Replay(True, False, monkeypatch).run(records)
     assert full.state() == incr.state()
-    assert incr.findings == [] and incr.tracker.pages_read == stream.page_reads
+    assert incr.findings == [] and incr.tracker.judge.pages_read == stream.page_reads
     # steady state: a decode step judges only the pages its requests started (plus prefills)
     assert incr.judged < stream.page_reads / 10 < full.judged
 
@@ -254,18 +254,18 @@ def test_a_page_freed_under_a_clean_row_is_judged_again(monkeypatch):
     t.on_assign(wire.Assign(b, 0, 16, 8, np.array([1, 2, 5, 6])))  # B shares A's first two pages
     t.mark_writes(np.array([a, b], np.uint64), np.array([4, 2], np.uint32), np.array([1, 2, 3, 4, 5, 6]), 1)
     keys, seq = np.array([a, b], np.uint64), np.array([16, 16], np.uint32)
-    assert t.classify_reads(keys, seq) == [] and (t.rows[a].clean_n, t.rows[b].clean_n) == (4, 4)
-    assert t.classify_reads(keys, seq) == [] and t.pages_read == 16
+    assert t.judge.classify_reads(keys, seq) == [] and (t.rows[a].clean_n, t.rows[b].clean_n) == (4, 4)
+    assert t.judge.classify_reads(keys, seq) == [] and t.judge.pages_read == 16
     t.on_free(np.array([3]))  # A's private page: only A's row is judged again, from that entry
     assert t.rows[a].clean_n == 4
-    ((i, v),) = t.classify_reads(keys, seq)
+    ((i, v),) = t.judge.classify_reads(keys, seq)
     assert i == 0 and v.freed.tolist() == [3] and t.rows[a].clean_n == 2 and t.rows[b].clean_n == 4
-    epoch = t.judge_epoch
+    epoch = t.judge.judge_epoch
     t.on_free(np.array([1]))  # a page B judged clean as shared: every row is judged again
-    found = dict(t.classify_reads(keys, seq))
-    assert t.judge_epoch == epoch + 1
+    found = dict(t.judge.classify_reads(keys, seq))
+    assert t.judge.judge_epoch == epoch + 1
     assert found[0].freed.tolist() == [1, 3] and found[1].freed.tolist() == [1]
-    assert t.pages_read == 4 * 8  # four forwards of two 4-page reads, every page counted each time
+    assert t.judge.pages_read == 4 * 8  # four forwards of two 4-page reads, every page counted each time
 
 
 class _Tap:
@@ -321,7 +321,7 @@ def test_a_provisional_transfer_undone_by_a_trailing_short_send_is_judged_again(
         pipe.out.emit = lambda found: (seen.extend(f.to_dict() for f in found), emit(found))[1]
         for rec in records:
             pipe.apply(rec)
-        return seen, pipe.engines[2].pages_read
+        return seen, pipe.engines[2].judge.pages_read
 
     full, incr = replay(False), replay(True)
     assert full == incr
@@ -351,7 +351,7 @@ def test_a_new_row_starts_unjudged_even_where_an_ended_row_was_clean(monkeypatch
     t.on_alloc(np.arange(1, 5))
     t.on_assign(wire.Assign(a, 0, 16, 0, np.array([1, 2, 3, 4])))
     t.mark_writes(np.array([a], np.uint64), np.array([4], np.uint32), np.array([1, 2, 3, 4]), 1)
-    assert t.classify_reads(np.array([a], np.uint64), np.array([16], np.uint32)) == []
+    assert t.judge.classify_reads(np.array([a], np.uint64), np.array([16], np.uint32)) == []
     index = t.rows[a].index
     assert t.rows[a].clean_n == 4
     _end(t, "A")
@@ -359,7 +359,7 @@ def test_a_new_row_starts_unjudged_even_where_an_ended_row_was_clean(monkeypatch
     t.on_alloc(np.arange(5, 9))
     t.on_assign(wire.Assign(c, 0, 16, 0, np.array([5, 6, 7, 8])))  # never written
     assert t.rows[c].index == index and t.rows[c].clean_n == 0
-    ((i, v),) = t.classify_reads(np.array([c], np.uint64), np.array([16], np.uint32))
+    ((i, v),) = t.judge.classify_reads(np.array([c], np.uint64), np.array([16], np.uint32))
     assert i == 0 and v.unwritten.tolist() == [5, 6, 7, 8]
 
 
@@ -372,7 +372,7 @@ def test_a_batch_of_the_same_keys_after_its_rows_were_replaced_reads_the_new_row
     t.on_assign(wire.Assign(a, 0, 16, 0, np.array([1, 2, 3, 4])))
     t.on_assign(wire.Assign(b, 0, 16, 0, np.array([5, 6, 7, 8])))
     t.mark_writes(keys, np.array([4, 4], np.uint32), np.arange(1, 9), 1)
-    assert t.classify_reads(keys, seq) == []
+    assert t.judge.classify_reads(keys, seq) == []
     old = (t.rows[a].index, t.rows[b].index)
     _end(t, "B")
     _end(t, "A")
@@ -385,6 +385,6 @@ def test_a_batch_of_the_same_keys_after_its_rows_were_replaced_reads_the_new_row
     t.mark_writes(np.array([a], np.uint64), np.array([4], np.uint32), np.arange(13, 17), 2)
     t.on_free(np.array([10]))  # freed under B, which never wrote its pages either
     for _ in range(2):  # the second time A's row is clean, B's is not: each read by its own index
-        found = dict(t.classify_reads(keys, seq))
+        found = dict(t.judge.classify_reads(keys, seq))
         assert list(found) == [1]
         assert found[1].freed.tolist() == [10] and found[1].unwritten.tolist() == [9, 11, 12]

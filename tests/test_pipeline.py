@@ -105,7 +105,7 @@ def test_full_transfers_raise_nothing(tmp_path):
     sidecar, findings = run(tmp_path)
     assert findings == []
     assert sidecar.pipeline.engines and all(
-        t.pages_read for t in sidecar.pipeline.engines.values() if t.hello.role == 2
+        t.judge.pages_read for t in sidecar.pipeline.engines.values() if t.hello.role == 2
     )
     sidecar.stop()
 

@@ -27,7 +27,7 @@ def test_alloc_assign_write_read_free_cycle():
     t.on_assign(wire.Assign(A, 0, 8, 0, np.array([1, 2])))
     assert t.pool.state[1] == OWNED and t.pool.owner[1] == A
     t.mark_written(A, np.array([1, 2]), 5)
-    v = t.classify_read(A, 8, None)
+    v = t.judge.classify_read(A, 8, None)
     assert (len(v.unwritten), len(v.foreign), len(v.freed)) == (0, 0, 0)
     t.on_free(np.array([1, 2]))
     assert t.pool.state[1] == FREE and t.pool.last_writer[1] == A  # the data stays: pages are not zeroed
@@ -48,7 +48,7 @@ def test_reserved_but_unwritten_page_is_an_unwritten_read_exposing_the_last_writ
     t.on_alloc(np.array([1, 2]))
     t.on_assign(wire.Assign(B, 0, 8, 0, np.array([1, 2])))
     t.mark_written(B, np.array([1]), 3)
-    v = t.classify_read(B, 8, None)
+    v = t.judge.classify_read(B, 8, None)
     assert v.unwritten.tolist() == [2] and v.foreign.tolist() == []
     assert t.pool.last_writer[2] == A and t.requests.get(A).tenant == "acme"
 
@@ -62,7 +62,7 @@ def test_a_row_entry_naming_another_requests_page_is_foreign():
     t.on_assign(wire.Assign(B, 0, 4, 0, np.array([2])))
     t.mark_written(A, np.array([1]), 1)
     t.mark_written(B, np.array([2]), 1)
-    v = t.classify_read(B, 4, np.array([1]))  # the engine's actual row says page 1
+    v = t.judge.classify_read(B, 4, np.array([1]))  # the engine's actual row says page 1
     assert v.foreign.tolist() == [1] and v.unwritten.tolist() == []
 
 
@@ -74,11 +74,11 @@ def test_freed_and_reallocated_page_is_foreign_for_the_old_holder():
     t.on_assign(wire.Assign(A, 0, 4, 0, np.array([1])))
     t.mark_written(A, np.array([1]), 1)
     t.on_free(np.array([1]))
-    v = t.classify_read(A, 4, None)
+    v = t.judge.classify_read(A, 4, None)
     assert v.freed.tolist() == [1]
     t.on_alloc(np.array([1]))
     t.on_assign(wire.Assign(B, 0, 4, 0, np.array([1])))
-    v = t.classify_read(A, 4, None)
+    v = t.judge.classify_read(A, 4, None)
     assert v.foreign.tolist() == [1]
 
 
@@ -94,7 +94,7 @@ def test_prefix_cache_pages_are_shared_reads_not_foreign():
     t.on_alloc(np.array([3]))
     t.on_assign(wire.Assign(B, 0, 12, 8, np.array([1, 2, 3])))  # 8 tokens from the cache, 4 new
     t.mark_written(B, np.array([3]), 3)
-    v = t.classify_read(B, 12, np.array([1, 2, 3]))
+    v = t.judge.classify_read(B, 12, np.array([1, 2, 3]))
     assert (len(v.unwritten), len(v.foreign), len(v.freed)) == (0, 0, 0)
 
 
@@ -105,7 +105,7 @@ def test_decode_appends_into_the_last_page_without_a_new_page():
     t.on_assign(wire.Assign(A, 0, 3, 0, np.array([5])))
     t.mark_written(A, np.array([5]), 1)
     t.on_assign(wire.Assign(A, 3, 4, 0, np.array([5])))  # position 3 still lives in page 5
-    v = t.classify_read(A, 4, np.array([5]))
+    v = t.judge.classify_read(A, 4, np.array([5]))
     assert (len(v.unwritten), len(v.foreign)) == (0, 0)
 
 
@@ -113,7 +113,7 @@ def test_padding_page_and_unknown_pages_are_never_judged():
     t = tracker()
     begin(t, "A")
     t.on_assign(wire.Assign(A, 0, 8, 0, np.array([0, 7])))  # page 7 never seen allocated
-    v = t.classify_read(A, 8, np.array([0, 7]))
+    v = t.judge.classify_read(A, 8, np.array([0, 7]))
     assert (len(v.unwritten), len(v.foreign), len(v.freed), v.unverified) == (0, 0, 0, 1)
 
 
@@ -121,7 +121,7 @@ def test_requests_seen_only_mid_flight_are_not_judged():
     t = tracker()
     t.on_alloc(np.array([1]))
     t.on_assign(wire.Assign(A, 4, 8, 4, np.array([1])))  # no REQ_BEGIN: attached after it started
-    assert t.classify_read(A, 8, np.array([9, 1])) is None
+    assert t.judge.classify_read(A, 8, np.array([9, 1])) is None
 
 
 def test_double_free_is_reported_by_on_free():
@@ -137,7 +137,7 @@ def test_lost_events_forget_everything_until_reallocated():
     t.on_alloc(np.array([1]))
     t.on_assign(wire.Assign(A, 0, 4, 0, np.array([1])))
     t.on_lost()
-    v = t.classify_read(A, 4, None)
+    v = t.judge.classify_read(A, 4, None)
     assert v.unverified == 1 and len(v.unwritten) == 0
 
 
@@ -154,7 +154,7 @@ def test_a_read_row_naming_an_impossible_page_is_counted_not_misaligned():
     t.on_alloc(np.array([1, 2]))
     t.on_assign(wire.Assign(A, 0, 12, 0, np.array([1, 2])))
     t.mark_written(A, np.array([1, 2]), 1)
-    v = t.classify_read(A, 12, np.array([1, 2**30, 2]))
+    v = t.judge.classify_read(A, 12, np.array([1, 2**30, 2]))
     assert t.pool.pages_out_of_range == 1
     # the row is corrupt: row page 2 names page 2, which the model has at row page 1
     assert (v.unwritten.tolist(), v.foreign.tolist(), v.freed.tolist()) == ([], [2], [])
@@ -210,14 +210,14 @@ def test_whole_batch_judge_matches_one_request_at_a_time():
     counts = np.array([len(r) for r in rows], np.uint32)
     for actual in (True, False):
         one, batch = build(), build()
-        singles = [one.classify_read(int(k), int(s), r if actual else None) for k, s, r in zip(keys, seq, rows)]
+        singles = [one.judge.classify_read(int(k), int(s), r if actual else None) for k, s, r in zip(keys, seq, rows)]
         got = dict(
-            batch.classify_reads(
+            batch.judge.classify_reads(
                 keys, seq, counts if actual else None, np.concatenate(rows) if actual else None, want_shared=True
             )
         )
         every = dict(
-            build().classify_reads(
+            build().judge.classify_reads(
                 keys, seq, counts if actual else None, np.concatenate(rows) if actual else None, every=True
             )
         )
@@ -231,9 +231,9 @@ def test_whole_batch_judge_matches_one_request_at_a_time():
             ] and v.unverified == b.unverified
             clean = not (len(v.unwritten) or len(v.foreign) or len(v.freed) or v.unverified or len(v.shared))
             assert (i in got) == (not clean)  # clean readers get no verdict object
-        assert (one.pages_read, one.pages_unverified, one.pool.pages_out_of_range) == (
-            batch.pages_read,
-            batch.pages_unverified,
+        assert (one.judge.pages_read, one.judge.pages_unverified, one.pool.pages_out_of_range) == (
+            batch.judge.pages_read,
+            batch.judge.pages_unverified,
             batch.pool.pages_out_of_range,
         )
         # B read an unwritten page, C a freed one (with the engine's rows also a foreign and an unknown
@@ -260,10 +260,10 @@ def test_whole_batch_writes_match_one_request_at_a_time():
     one, batch = build(), build()
     singles = []
     for k, w in zip(keys.tolist(), writes):
-        singles.append(one.check_write(k, w.astype(np.int64)))
+        singles.append(one.judge.check_write(k, w.astype(np.int64)))
         one.mark_written(k, w.astype(np.int64), 7)
-    assert not batch.writes_overlap(np.concatenate(writes))
-    got = dict(batch.check_writes(keys, counts, np.concatenate(writes)))
+    assert not batch.judge.writes_overlap(np.concatenate(writes))
+    got = dict(batch.judge.check_writes(keys, counts, np.concatenate(writes)))
     batch.mark_writes(keys, counts, np.concatenate(writes), 7)
     assert sorted(got) == [1] and singles[1] is not None and all(v is None for i, v in enumerate(singles) if i != 1)
     assert (
@@ -276,7 +276,7 @@ def test_whole_batch_writes_match_one_request_at_a_time():
     assert (
         one.pool.pages_out_of_range == batch.pool.pages_out_of_range == 2
     )  # judged writer D: counted twice, as before
-    assert batch.writes_overlap(np.array([3, 5, 3]))
+    assert batch.judge.writes_overlap(np.array([3, 5, 3]))
 
 
 def test_per_token_assign_repeating_the_row_changes_nothing_and_a_new_one_still_applies():
@@ -334,5 +334,5 @@ def test_requests_whose_end_fell_in_a_gap_are_retired_with_their_rows():
     assert {B, C, D} <= set(t.requests.live) and {B, C, D} <= set(t.rows)
     assert t.requests_retired_after_loss == 1 and set(t.unseen_since_loss) == {D}  # held: asked again later
     # a request retired wrongly that reads again is not judged against a model it no longer has
-    v = t.classify_read(A, 4, np.array([1]))
+    v = t.judge.classify_read(A, 4, np.array([1]))
     assert v is None

@@ -126,8 +126,8 @@ def test_a_row_entry_packs_gen_and_prefix_flag_and_gens_wrap_at_2_31():
     assert row.gens.tolist() == [1, 0] and row.shared.tolist() == [True, False]
     assert row.gen_shared.tolist() == [int(SHARED_BIT) | 1, 0]
     t.mark_written(a, np.array([3]), 7)
-    v = t.classify_read(a, 32, None)
+    v = t.judge.classify_read(a, 32, None)
     assert (v.unwritten.tolist(), v.foreign.tolist(), v.freed.tolist(), v.shared.tolist()) == ([], [], [], [2])
     t.on_alloc(np.array([3]))  # reallocated under the reader: its entry's gen no longer matches
-    v = t.classify_read(a, 32, None)
+    v = t.judge.classify_read(a, 32, None)
     assert v.foreign.tolist() == [3] and v.shared.tolist() == [2]

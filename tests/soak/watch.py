@@ -177,8 +177,8 @@ class Watch:
                 name = f"{wire.Role(h.role).name.lower()}:{h.pid}" if h is not None else f"engine:{eid}"
                 engines[name] = {
                     "engine_id": eid,
-                    "pages_read": t.pages_read,
-                    "pages_unverified": t.pages_unverified,
+                    "pages_read": t.judge.pages_read,
+                    "pages_unverified": t.judge.pages_unverified,
                     "live_requests": len(t.requests.live),
                     "rows": len(t.rows),
                     "page_states": t.pool.counts_by_state(),
