@@ -109,8 +109,10 @@ def sidecar_part(sz: Sizes, res: dict, details: dict, log) -> None:
         streams[name] = capture(params, sz.steps)
     tp = {}
     for name, stream in streams.items():
-        log(f"sidecar throughput, {name} stream, 1 rank")
-        tp[name] = sidecar_bench.throughput(stream)
+        # the two streams a ratio to the raw baseline is taken of: best of as many runs as it
+        repeat = sz.raw_repeat if name in ("adapter", "every_step") else 1
+        log(f"sidecar throughput, {name} stream, 1 rank" + (f" (best of {repeat})" if repeat > 1 else ""))
+        tp[name] = sidecar_bench.best_throughput(stream, repeat)
     log(f"sidecar throughput, adapter stream, {sz.node_ranks} ranks")
     node_stream = capture(variants["adapter"], sz.node_steps)
     tp["node"] = sidecar_bench.throughput(node_stream, ranks=sz.node_ranks)
@@ -149,6 +151,9 @@ def sidecar_part(sz: Sizes, res: dict, details: dict, log) -> None:
     res["raw.gather_page_reads_per_s"] = raw["page_reads_per_s"]
     res["ratio.sidecar_over_raw"] = a["page_reads_per_s"] / raw["page_reads_per_s"]
     res["ratio.sidecar_over_raw_every_step"] = tp["every_step"]["page_reads_per_s"] / raw["page_reads_per_s"]
+    # (issue 33's names for the same two ratios)
+    res["sidecar.ratio_vs_raw"] = res["ratio.sidecar_over_raw"]
+    res["sidecar.ratio_vs_raw_every_step"] = res["ratio.sidecar_over_raw_every_step"]
     res["ratio.sidecar_over_target"] = a["page_reads_per_s"] / TARGET_PAGE_READS_PER_S
     node_demand = base.page_reads_per_s * 8
     res["workload.page_reads_per_s_per_rank"] = base.page_reads_per_s
@@ -527,16 +532,16 @@ def table(res: dict) -> str:
         (f"  {node} rings (RingSet merge), adapter stream", _fmt(g("sidecar.page_reads_per_s_node")), "", ""),
         ("raw numpy gather+compare, same page ids", _fmt(g("raw.gather_page_reads_per_s")), "", ""),
         (
-            "ratio sidecar / raw (adapter stream)",
-            _fmt(g("ratio.sidecar_over_raw")),
+            "ratio sidecar / raw (adapter stream; sidecar.ratio_vs_raw)",
+            _fmt(g("sidecar.ratio_vs_raw")),
             ">= 0.8",
-            _status(g("ratio.sidecar_over_raw"), 0.8, True),
+            _status(g("sidecar.ratio_vs_raw"), 0.8, True),
         ),
         (
-            "ratio sidecar / raw (worst case)",
-            _fmt(g("ratio.sidecar_over_raw_every_step")),
+            "ratio sidecar / raw (worst case; sidecar.ratio_vs_raw_every_step)",
+            _fmt(g("sidecar.ratio_vs_raw_every_step")),
             ">= 0.5",
-            _status(g("ratio.sidecar_over_raw_every_step"), 0.5, True),
+            _status(g("sidecar.ratio_vs_raw_every_step"), 0.5, True),
         ),
         (
             "ratio sidecar / 8-rank node demand (63 M/s)",

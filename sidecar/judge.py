@@ -53,6 +53,12 @@ def _incremental_judge_from_env() -> bool:
 INCREMENTAL_JUDGE = _incremental_judge_from_env()
 
 
+# row entries a forward adds up to which ``Judge._all_clean`` judges them one by one (a decode
+# step adds one per request whose token starts a page; numpy's per-call cost beats scalars above)
+_SCALAR_ENTRIES = 32
+_GEN_MASK, _SHARED_BIT = int(GEN_MASK), int(SHARED_BIT)
+
+
 class _Batch(NamedTuple):
     """A forward's readers against the rows: each key's row index (-1: none), whether it has
     one, whether all do, the index to read the row scalars at (0 for those without), and
@@ -415,7 +421,7 @@ class Judge:
                 return None
             unjudged = int(rc[~judged].sum())
             keys = list(compress(req_keys.tolist(), judged.tolist()))
-        parts = list(map(_ROW_PAGES, map(rows.__getitem__, keys)))  # (judged readers have rows)
+        parts = list(map(_ROW_PAGES, map(rows.row_of, keys)))  # (judged readers have rows)
         if not np.array_equal(n, rows.scalars.length[at]):  # rows read in part: only what they read
             parts = [pages[:k] for pages, k in zip(parts, n.tolist())]
         if unjudged:
@@ -470,6 +476,57 @@ class Judge:
         pool.changes.clear()
         pool.changes_len = 0
         pool.changes_overflow = False
+
+    def _all_clean(
+        self, keys: list[int], rows: list[Row], firsts: list[int], ends: list[int], bases: list[int], epoch: int
+    ) -> bool:
+        """The few row entries a decode step adds (a page that a request's token just started),
+        judged by scalars: True when every one has nothing to report, and then they are
+        counted and the rows' clean prefixes grown exactly as ``_classify_changed`` would.
+        False (nothing done) at the first entry the rules could object to, or one the pool
+        must grow for: the vectorized path judges the lot and writes the verdicts. The same
+        rules as ``_judge_pages`` on a row's own entries (``m_pages`` are the pages)."""
+        pool = self.pool
+        state, gen, written_gen, owner_slot, owner_key = (
+            pool.state,
+            pool.gen,
+            pool.written_gen,
+            pool.owner_slot,
+            pool.keys.keys,
+        )
+        num_pages = pool.num_pages
+        counted: list[int] = []
+        marks: list[int] = []
+        for key, row, c, n in zip(keys, rows, firsts, ends):
+            k = 0
+            for p, g in zip(row.pages[c:n].tolist(), row.gen_shared[c:n].tolist()):
+                if p <= PADDING_PAGE:  # padding or an entry never assigned: not read, nothing to report
+                    continue
+                if p >= num_pages:  # out of range, or the pool grows for it: the vectorized path
+                    return False
+                st = state[p]
+                if st == UNKNOWN or st == FREE:  # not judged, or read after its free
+                    return False
+                page_gen = gen[p]
+                if g & _GEN_MASK != page_gen or written_gen[p] != page_gen:  # another gen's, or unwritten
+                    return False
+                if g < _SHARED_BIT:
+                    if st != OWNED or owner_key[owner_slot[p]] != key:  # not the reader's own
+                        return False
+                else:  # a prefix-cache entry judged clean (``PagePool.clean_shared``)
+                    marks.append(p)
+                k += 1
+            counted.append(k)
+        self.pages_read += sum(counted)
+        if marks:
+            pool.clean_shared[marks] = True
+        table = self.rows.scalars
+        for row, n, base, k in zip(rows, ends, bases, counted):
+            i = row.index
+            table.clean_epoch[i] = epoch
+            table.clean_n[i] = n
+            table.clean_reads[i] = base + k
+        return True
 
     def _classify_changed(self, batch: _Batch, req_keys: np.ndarray) -> list[tuple[int, ReadVerdict]]:
         """``classify_reads`` for a FORWARD without rows, judging per request only the row
@@ -544,6 +601,10 @@ class Judge:
             d_base.append(base)
         self.pages_read += clean_reads
         if not d_i:
+            return []
+        if sum(d_n) - sum(d_c) <= _SCALAR_ENTRIES and self._all_clean(
+            [keys[i] for i in d_i], d_rows, d_c, d_n, d_base, epoch
+        ):
             return []
         if len(d_i) == 1:
             row, c, n = d_rows[0], d_c[0], d_n[0]

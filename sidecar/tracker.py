@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from itertools import filterfalse, repeat
+from itertools import filterfalse
 
 import numpy as np
 
@@ -553,7 +553,7 @@ class EngineTracker:
         n = len(run)
         ps = self.page_size
         keys = run.req_keys
-        idx = np.fromiter(map(self.rows.index.get, keys.tolist(), repeat(-1)), np.int64, n)
+        idx = self.rows.indexes(keys)  # (a decode step's run names the batch of its FORWARD: kept)
         has = idx >= 0
         at = np.where(has, idx, 0)
         table, pool = self.rows.scalars, self.pool

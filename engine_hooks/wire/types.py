@@ -123,7 +123,7 @@ class Forward:
     write_counts: np.ndarray  # uint32[n]
     write_pages: np.ndarray  # int32[sum(write_counts)]
     read_counts: np.ndarray | None  # uint32[n] when the engine sent its actual rows
-    read_pages: np.ndarray | None
+    read_pages: np.ndarray | None  # int32[sum(read_counts)]; decoded, a read-only view of the record
     mode: int = 0
 
 
