@@ -442,11 +442,12 @@ class Judge:
             return
         if not pool.changes:
             return
+        # (typed here: ``changed_one`` logs lists, and int64 with uint64 would make floats)
         if len(pool.changes) == 1:
-            pages, owners = pool.changes[0]
+            pages, owners = np.asarray(pool.changes[0][0], np.int64), np.asarray(pool.changes[0][1], np.uint64)
         else:
-            pages = np.concatenate([c[0] for c in pool.changes])
-            owners = np.concatenate([c[1] for c in pool.changes])
+            pages = np.concatenate([c[0] for c in pool.changes], dtype=np.int64)
+            owners = np.concatenate([c[1] for c in pool.changes], dtype=np.uint64, casting="unsafe")  # (keys: >= 0)
         pool.changes.clear()
         pool.changes_len = 0
         if pool.clean_shared[pages].any():  # a page some row judged clean as a shared entry

@@ -202,7 +202,8 @@ class PagePool:
         # re-judges every row (who shares a page is not tracked; such changes are rare)
         self.clean_shared = np.zeros(n, bool)
         # pages whose state changed since the last incremental judge, with their owner's key then
-        self.changes: list[tuple[np.ndarray, np.ndarray]] = []
+        # (pages, their owners' keys): arrays, or lists of one (``changed_one``)
+        self.changes: list[tuple[np.ndarray | list[int], np.ndarray | list[int]]] = []
         self.changes_len = 0
         self.changes_overflow = False  # too many to replay, or all forgotten: re-judge everything
         # the prefix-cache scope of each page's last writer (REQ_SCOPE), kept only once an
@@ -323,6 +324,16 @@ class PagePool:
         self.changes.append((pages, self.owner_keys(pages)))
         self.changes_len += len(pages)
         if self.changes_len > len(self.state):  # cheaper to re-judge everything than to replay
+            self.changes_overflow = True
+            self.changes.clear()
+
+    def changed_one(self, page: int) -> None:
+        """``changed`` for one page, by scalars (a decode step's new page claimed by its request)."""
+        if self.changes_overflow:
+            return
+        self.changes.append(([page], [int(self.keys.keys[self.owner_slot[page]])]))
+        self.changes_len += 1
+        if self.changes_len > len(self.state):
             self.changes_overflow = True
             self.changes.clear()
 

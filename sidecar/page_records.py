@@ -86,9 +86,9 @@ class PageRecords:
             run.ts_ns, rec.engine_id, Event.ASSIGN, run.req_keys, run.pages, aux=run.row_start, pool=t.pool_index
         )
         findings: list[Finding] = []
-        for i in t.on_assign_run(run).tolist():
-            crossed = t.on_assign(run.assign(i))
-            if crossed is not None:
+        rest = t.on_assign_run(run)
+        if len(rest):
+            for i, crossed in t.on_assign_run_rest(run, rest):
                 findings += self.out.judge(crossed, t, int(run.ts_ns[i]))
         return findings
 

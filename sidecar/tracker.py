@@ -438,22 +438,21 @@ class EngineTracker:
             return False
         return shared or int(pool.state[page]) != ALLOCATED  # an ALLOCATED page would be claimed now
 
-    def _assign_appends_one(self, a: wire.Assign) -> bool:
-        """A one-page ASSIGN that appends a page to its request's row (a decode step's token
-        starting a page: most of the ASSIGNs the SGLang adapter sends), applied by scalars with
-        ``on_assign``'s rules instead of ~20 numpy calls. False (nothing done) for anything else:
-        no row yet, another entry, a page the pool does not hold yet, a prefix-cache page while
-        scopes are in use."""
-        row = self.rows.get(a.req_key)
+    def _assign_appends_one(self, key: int, page: int, row_start: int, shared_until: int) -> bool:
+        """A one-page ASSIGN (``key``, ``page`` at ``row_start``) that appends a page to its
+        request's row (a decode step's token starting a page: most of the ASSIGNs the SGLang
+        adapter sends), applied by scalars with ``on_assign``'s rules instead of ~20 numpy
+        calls. False (nothing done) for anything else: no row yet, another entry, a page the
+        pool does not hold yet, a prefix-cache page while scopes are in use."""
+        row = self.rows.get(key)
         pool = self.pool
         if row is None:
             return False
-        page = int(a.pages[0])
-        entry = a.row_start // self.page_size
-        shared = a.row_start < a.shared_until  # (the entry's first position here is row_start)
+        entry = row_start // self.page_size
+        shared = row_start < shared_until  # (the entry's first position here is row_start)
         if entry != len(row.pages) or not 0 <= page < pool.num_pages or (shared and pool.scope is not None):
             return False
-        self.requests.get_or_stub(a.req_key)
+        self.requests.get_or_stub(key)
         row.ensure(entry + 1)  # (its clean prefix ends before the new entry already)
         gen_shared = int(pool.gen[page]) | (int(SHARED_BIT) if shared else 0)
         row.pages[entry] = page
@@ -461,10 +460,10 @@ class EngineTracker:
         row.tail_changed()
         if not shared:  # a freshly allocated page (or one we could not see allocated) becomes the request's
             state = int(pool.state[page])
-            if state == ALLOCATED or (state == OWNED and int(pool.keys.keys[pool.owner_slot[page]]) == a.req_key):
-                pool.changed(np.array([page], np.int64))
+            if state == ALLOCATED or (state == OWNED and int(pool.keys.keys[pool.owner_slot[page]]) == key):
+                pool.changed_one(page)
                 pool.state[page] = OWNED
-                pool.owner_slot[page] = self._slot(a.req_key, row)
+                pool.owner_slot[page] = self._slot(key, row)
         return True
 
     def on_scope(self, s: wire.ReqScope) -> None:
@@ -506,7 +505,7 @@ class EngineTracker:
         if self._assign_changes_nothing(a):
             self.requests.get_or_stub(a.req_key)
             return None
-        if len(a.pages) == 1 and self._assign_appends_one(a):
+        if len(a.pages) == 1 and self._assign_appends_one(a.req_key, int(a.pages[0]), a.row_start, a.shared_until):
             return None
         pages = self.pool.ensure(a.pages.astype(np.int64))
         if len(pages) != len(a.pages):
@@ -554,25 +553,35 @@ class EngineTracker:
         ps = self.page_size
         keys = run.req_keys
         idx = self.rows.indexes(keys)  # (a decode step's run names the batch of its FORWARD: kept)
-        has = idx >= 0
-        at = np.where(has, idx, 0)
+        every = int(idx.min()) >= 0
+        at = idx if every else np.where(idx >= 0, idx, 0)
         table, pool = self.rows.scalars, self.pool
-        pages = run.pages.astype(np.int64)
-        entry = run.row_start.astype(np.int64) // ps
-        in_range = (entry < self.row_limit) & (run.row_end.astype(np.int64) <= self.row_limit * ps)
-        valid = (pages >= 0) & (pages < pool.num_pages)
-        page = np.where(valid, pages, 0)
+        pages = run.pages
+        entry = run.row_start // ps
         shared = run.row_start < run.shared_until  # the entry's first position in each ASSIGN is row_start
-        gen_shared = pool.gen[page] | (shared.astype(np.uint32) << np.uint32(31))
-        nothing = (
-            has
-            & in_range
-            & valid
-            & (entry == table.length[at] - 1)
-            & (table.tail_page[at] == pages)
-            & (table.tail_gen_shared[at] == gen_shared)
-            & (shared | (pool.state[page] != ALLOCATED))
+        any_shared = bool(shared.any())
+        # the bounds by a few reductions (in a decode step's run every ASSIGN is in bounds)
+        in_bounds = (
+            int(pages.min()) >= 0
+            and int(pages.max()) < pool.num_pages
+            and int(entry.max()) < self.row_limit
+            and int(run.row_end.max()) <= self.row_limit * ps
         )
+        if in_bounds:
+            page = pages
+            nothing = (entry == table.length[at] - 1) & (table.tail_page[at] == pages)
+        else:
+            in_range = (entry < self.row_limit) & (run.row_end.astype(np.int64) <= self.row_limit * ps)
+            valid = (pages >= 0) & (pages < pool.num_pages)
+            page = np.where(valid, pages, 0)
+            nothing = in_range & valid & (entry == table.length[at] - 1) & (table.tail_page[at] == pages)
+        if not every:
+            nothing &= idx >= 0
+        if any_shared:
+            gen_shared = pool.gen[page] | (shared.astype(np.uint32) << np.uint32(31))
+            nothing &= (table.tail_gen_shared[at] == gen_shared) & (shared | (pool.state[page] != ALLOCATED))
+        else:  # (decode tokens are past the prefix: no SHARED_BIT anywhere)
+            nothing &= (table.tail_gen_shared[at] == pool.gen[page]) & (pool.state[page] != ALLOCATED)
         one_by_one = ~nothing
         if one_by_one.any() and nothing.any():
             first = np.flatnonzero(one_by_one)
@@ -581,12 +590,38 @@ class EngineTracker:
             else:
                 later = np.arange(n)
                 for i in first.tolist():
-                    one_by_one |= (keys == keys[i]) & (later > i)
+                    if i + 1 < n and (keys[i + 1 :] == keys[i]).any():  # (its request again later: rare)
+                        one_by_one |= (keys == keys[i]) & (later > i)
         # on_assign's stub for a request the directory does not hold (a row of an ended request
         # may outlive its directory entry in an engine's other pools)
         for key in filterfalse(self.requests.live.__contains__, keys[nothing].tolist()):
             self.requests.get_or_stub(key)
         return np.flatnonzero(one_by_one)
+
+    def on_assign_run_rest(
+        self, run: wire.AssignRun, positions: np.ndarray
+    ) -> list[tuple[int, PrefixSharedAcrossScopes]]:
+        """Apply, in order, the ASSIGNs of a run that ``on_assign_run`` left to be applied one
+        by one, as ``on_assign`` would: those that append a page to their row (a decode step's
+        token starting a page) by scalars, the rest as ASSIGNs of their own. Returns the
+        shares across scopes they crossed, with their positions."""
+        out = []
+        row_limit = self.row_limit * self.page_size
+        sel = positions
+        for i, key, start, end, shared_until, page in zip(
+            sel.tolist(),
+            run.req_keys[sel].tolist(),
+            run.row_start[sel].tolist(),
+            run.row_end[sel].tolist(),
+            run.shared_until[sel].tolist(),
+            run.pages[sel].tolist(),
+        ):
+            if end <= row_limit and self._assign_appends_one(key, page, start, shared_until):
+                continue
+            crossed = self.on_assign(run.assign(i))  # (changes nothing, out of range, a new row, ...)
+            if crossed is not None:
+                out.append((i, crossed))
+        return out
 
     def _assign_out_of_range(self, a: wire.Assign) -> None:
         """Skip an ASSIGN whose positions lie past any row this engine can have (counted, its first

@@ -206,19 +206,47 @@ def test_the_scalar_append_path_gives_what_the_array_path_gives(isolate, monkeyp
         fast = Replay(True, isolate, monkeypatch)
         appends = fast.tracker._assign_appends_one
 
-        def counted(a, appends=appends):
+        def counted(*args, appends=appends):
             nonlocal taken
-            done = appends(a)
+            done = appends(*args)
             taken += done
             return done
 
         fast.tracker._assign_appends_one = counted
         fast.run(records)
         general = Replay(True, isolate, monkeypatch)
-        general.tracker._assign_appends_one = lambda a: False
+        general.tracker._assign_appends_one = lambda *args: False
         general.run(records)
         a, b = fast.state(), general.state()
         for key in a:
             assert a[key] == b[key], (assign_mode, seed, key)
         assert np.array_equal(fast.pipe.history.events, general.pipe.history.events)
     assert taken > 500
+
+
+@pytest.mark.parametrize(
+    "field, offset, value",
+    [
+        ("version", 2, (2).to_bytes(1, "little")),
+        ("kind", 3, bytes([int(wire.Kind.XFER_DONE)])),
+        ("pool", 28, (1).to_bytes(2, "little")),
+    ],
+)
+def test_a_record_of_another_version_kind_or_pool_in_the_middle_ends_a_run(field, offset, value):
+    """The run's header check is made of whole words (decode.py): each field in them still ends
+    a run where it differs, and the odd record decodes (or is skipped) as on its own."""
+    k = wire.request_key("A")
+    parts = [bytearray(assign(k, 64 * i, 3, seq=i)) for i in range(40)]
+    parts[20][offset : offset + len(value)] = value
+    raw = b"".join(map(bytes, parts))
+    plain, batched = wire.DecodeStats(), wire.DecodeStats()
+    one = wire.decode_stream(raw, plain)
+    got = wire.decode_stream(raw, batched, runs=True)
+    assert wire.records_in(got[0]) == 20, field  # the run stops before the odd record
+    assert [fields(r) for r in wire.expand_runs(got)] == [fields(r) for r in one]
+    assert (batched.records, batched.bad_payload, batched.bad_version, batched.unknown_kind) == (
+        plain.records,
+        plain.bad_payload,
+        plain.bad_version,
+        plain.unknown_kind,
+    )

@@ -384,6 +384,11 @@ _ONE_PAGE_ASSIGN = np.dtype(
 )
 _ONE_PAGE_ASSIGN_BYTES = _ONE_PAGE_ASSIGN.itemsize
 assert _ONE_PAGE_ASSIGN_BYTES == (HEADER_SIZE + ASSIGN_FIXED.size + 4 + ALIGN - 1) & ~(ALIGN - 1) == 64
+# word 0 of such a record (magic, version, kind, length), and the bits of word 3 that hold
+# the engine id and pool (not the flags)
+_ASSIGN_WORD0 = np.uint64(MAGIC | VERSION << 16 | int(Kind.ASSIGN) << 24 | _ONE_PAGE_ASSIGN_BYTES << 32)
+_ENGINE_POOL_MASK = np.uint64((1 << 48) - 1)
+assert _ONE_PAGE_ASSIGN.fields is not None and _ONE_PAGE_ASSIGN.fields["count"][1] == 52  # word 6's high half
 # A run is worth its fixed cost (~20 numpy calls to decode, ~15 to apply) from about this many
 # records on: a decode step's ASSIGN per request of a batch; the few ASSIGNs of requests that
 # start a page come one by one
@@ -406,19 +411,17 @@ def _assign_run(view: memoryview, pos: int, end: int) -> tuple[int, AssignRun] |
     if probe[2] != Kind.ASSIGN or probe[3] != _ONE_PAGE_ASSIGN_BYTES or probe[4] != head[4] + _RUN_MIN - 1:
         return None
     n = 0
+    first = np.frombuffer(view, "<u8", count=_ONE_PAGE_ASSIGN_BYTES // 8, offset=pos)
     for look in (_RUN_MIN, min(avail, _RUN_MAX)):
         a = np.frombuffer(view, _ONE_PAGE_ASSIGN, count=look, offset=pos)
-        seq = a["seq"]
+        # the records as 8 words each: a few whole-word compares instead of one per field
+        w = np.frombuffer(view, "<u8", count=look * (_ONE_PAGE_ASSIGN_BYTES // 8), offset=pos).reshape(look, -1)
         start, shared = a["row_start"], a["shared_until"]
         ok = (
-            (a["magic"] == MAGIC)
-            & (a["version"] == VERSION)
-            & (a["kind"] == Kind.ASSIGN)
-            & (a["length"] == _ONE_PAGE_ASSIGN_BYTES)
-            & (a["count"] == 1)
-            & (a["engine_id"] == a["engine_id"][0])
-            & (a["pool"] == a["pool"][0])
-            & (seq - seq[0] == np.arange(look, dtype=np.uint64))
+            (w[:, 0] == _ASSIGN_WORD0)  # magic, version, kind, length
+            & (w[:, 1] - first[1] == np.arange(look, dtype=np.uint64))  # the next sequence numbers
+            & ((w[:, 3] ^ first[3]) & _ENGINE_POOL_MASK == 0)  # the same engine id and pool
+            & (w[:, 6] >> np.uint64(32) == 1)  # one page
             & (start <= shared)
             & (shared <= a["row_end"])
         )
