@@ -250,3 +250,23 @@ def test_a_record_of_another_version_kind_or_pool_in_the_middle_ends_a_run(field
         plain.bad_version,
         plain.unknown_kind,
     )
+
+
+@pytest.mark.parametrize("length", [16, 17, 31, 32, 33, 255, 256, 257, 300, 4096, 5000])
+def test_a_run_of_any_length_before_a_forward_decodes_to_its_records(length):
+    """A run's end is found by header probes at doubling distances, then checked as arrays: at
+    every length (around the probes, and past the most records one run takes) the run stands
+    for exactly the records it covers, and the FORWARD after it decodes whole."""
+    k = wire.request_key("A")
+    parts = [assign(k, 64 * i, 3, seq=i) for i in range(length)]
+    keys = np.array([k], np.uint64)
+    big = wire.Forward(keys, np.array([64], np.uint32), np.array([0], np.uint32), np.zeros(0, np.int32), None, None)
+    parts.append(wire.encode(wire.Kind.FORWARD, length, 9_000, ENGINE, wire.forward_payload(big)))
+    raw = b"".join(parts)
+    plain, batched = wire.DecodeStats(), wire.DecodeStats()
+    one = wire.decode_stream(raw, plain)
+    got = wire.decode_stream(raw, batched, runs=True)
+    assert sum(map(wire.records_in, got)) == length + 1 and got[-1].kind == wire.Kind.FORWARD
+    assert [wire.records_in(r) for r in got[:-1]] == [min(4096, length - i) for i in range(0, length, 4096)]
+    assert [fields(r) for r in wire.expand_runs(got)] == [fields(r) for r in one]
+    assert batched.records == plain.records == length + 1

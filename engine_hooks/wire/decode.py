@@ -410,24 +410,32 @@ def _assign_run(view: memoryview, pos: int, end: int) -> tuple[int, AssignRun] |
     head, probe = HEADER.unpack_from(view, pos), HEADER.unpack_from(view, last)
     if probe[2] != Kind.ASSIGN or probe[3] != _ONE_PAGE_ASSIGN_BYTES or probe[4] != head[4] + _RUN_MIN - 1:
         return None
-    n = 0
+    # then how far it may go: a header probe at 32, 64, 128, ... records on (one unpack each),
+    # up to the first probe that is not the next record of the run; the records up to there are
+    # checked as arrays (a decode step's run is followed by its FORWARD: checking 4096 records'
+    # worth of the FORWARD's bytes cost more than the run)
+    look = _RUN_MIN
+    limit = min(avail, _RUN_MAX)
+    while look < limit:
+        nxt = min(2 * look, limit)
+        probe = HEADER.unpack_from(view, pos + (nxt - 1) * _ONE_PAGE_ASSIGN_BYTES)
+        look = nxt
+        if probe[2] != Kind.ASSIGN or probe[3] != _ONE_PAGE_ASSIGN_BYTES or probe[4] != head[4] + nxt - 1:
+            break  # the run ends before it
     first = np.frombuffer(view, "<u8", count=_ONE_PAGE_ASSIGN_BYTES // 8, offset=pos)
-    for look in (_RUN_MIN, min(avail, _RUN_MAX)):
-        a = np.frombuffer(view, _ONE_PAGE_ASSIGN, count=look, offset=pos)
-        # the records as 8 words each: a few whole-word compares instead of one per field
-        w = np.frombuffer(view, "<u8", count=look * (_ONE_PAGE_ASSIGN_BYTES // 8), offset=pos).reshape(look, -1)
-        start, shared = a["row_start"], a["shared_until"]
-        ok = (
-            (w[:, 0] == _ASSIGN_WORD0)  # magic, version, kind, length
-            & (w[:, 1] - first[1] == np.arange(look, dtype=np.uint64))  # the next sequence numbers
-            & ((w[:, 3] ^ first[3]) & _ENGINE_POOL_MASK == 0)  # the same engine id and pool
-            & (w[:, 6] >> np.uint64(32) == 1)  # one page
-            & (start <= shared)
-            & (shared <= a["row_end"])
-        )
-        n = look if ok.all() else int(np.argmin(ok))
-        if n < look or look == avail or look == _RUN_MAX:
-            break
+    a = np.frombuffer(view, _ONE_PAGE_ASSIGN, count=look, offset=pos)
+    # the records as 8 words each: a few whole-word compares instead of one per field
+    w = np.frombuffer(view, "<u8", count=look * (_ONE_PAGE_ASSIGN_BYTES // 8), offset=pos).reshape(look, -1)
+    start, shared = a["row_start"], a["shared_until"]
+    ok = (
+        (w[:, 0] == _ASSIGN_WORD0)  # magic, version, kind, length
+        & (w[:, 1] - first[1] == np.arange(look, dtype=np.uint64))  # the next sequence numbers
+        & ((w[:, 3] ^ first[3]) & _ENGINE_POOL_MASK == 0)  # the same engine id and pool
+        & (w[:, 6] >> np.uint64(32) == 1)  # one page
+        & (start <= shared)
+        & (shared <= a["row_end"])
+    )
+    n = look if ok.all() else int(np.argmin(ok))
     if n < _RUN_MIN:
         return None
     a = a[:n]
