@@ -135,10 +135,22 @@ class Judge:
         provided no page is written twice (``writes_overlap``)."""
         if self.hello is None or len(write_pages) == 0:
             return []
+        pool = self.pool
+        if (
+            len(write_pages) == len(req_keys)
+            and int(write_counts.max()) == 1  # a decode step: one page each, in request order
+            and int(write_pages.min()) > PADDING_PAGE
+            and int(write_pages.max()) < pool.num_pages
+        ):
+            # the same rules with nothing to select or widen first, and none of the writers looked up
+            state = pool.state[write_pages]
+            owner = pool.owner_keys(write_pages)
+            bad = (state == FREE) | ((state == OWNED) & (owner != req_keys) & (owner != 0))
+            if not bad.any():
+                return []
         counts = write_counts.astype(np.int64)
         pages = write_pages.astype(np.int64)
         writer = np.repeat(np.arange(len(req_keys)), counts)
-        pool = self.pool
         valid = (pages >= 0) & (pages < pool.limit)
         infos: list[RequestInfo | None] | None = None
         if not valid.all():  # ``ensure`` counts them, for judged writers only (as check_write)

@@ -647,8 +647,22 @@ class EngineTracker:
         ``writes_overlap``)."""
         if len(write_pages) == 0:
             return
-        pages = write_pages.astype(np.int64)
         pool = self.pool
+        if (
+            pool.scope is None
+            and len(write_pages) == len(req_keys)
+            and int(write_counts.max()) == 1  # a decode step: one page each, in request order
+            and int(write_pages.min()) > PADDING_PAGE
+            and int(write_pages.max()) < pool.num_pages
+        ):
+            # the same marks with nothing to select or widen first
+            state = pool.state[write_pages]
+            known = write_pages if int(state.min()) != UNKNOWN else write_pages[state != UNKNOWN]
+            pool.written_gen[known] = pool.gen[known]  # (not logged: see PagePool.changed)
+            pool.writer_slot[write_pages] = self._slots(req_keys)
+            pool.mark_write_time(write_pages, ts_ns)
+            return
+        pages = write_pages.astype(np.int64)
         writer = np.repeat(self._slots(req_keys), write_counts.astype(np.int64))
         valid = (pages >= 0) & (pages < pool.limit)
         if not valid.all():

@@ -1,6 +1,7 @@
 """The ownership model, step by step (page_size 4; page ids shown, slots = page*4 + offset)."""
 
 import numpy as np
+import pytest
 
 from kvguard.engine_hooks import wire
 from kvguard.sidecar.tracker import ALLOCATED, CACHED, FREE, OWNED, UNKNOWN, EngineTracker, RequestDirectory
@@ -336,3 +337,57 @@ def test_requests_whose_end_fell_in_a_gap_are_retired_with_their_rows():
     # a request retired wrongly that reads again is not judged against a model it no longer has
     v = t.judge.classify_read(A, 4, np.array([1]))
     assert v is None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_decode_steps_writes_one_page_each_match_one_request_at_a_time(seed):
+    """``check_writes`` / ``mark_writes`` take a shortcut for a decode step (one page per request,
+    every id in the pool): the same verdicts, marks and counts as one request at a time, with
+    writes into freed pages, into other requests' pages, into pages nobody holds or never seen,
+    and (in some batches) padding or an id past the pool, which take the general path."""
+    rng = np.random.default_rng(seed)
+    rids = [f"r{i}" for i in range(12)]
+    keys = np.array([wire.request_key(r) for r in rids], np.uint64)
+
+    def build():
+        t = tracker()
+        for rid in rids[:10]:  # the last two never began: not judged
+            begin(t, rid)
+        t.on_alloc(np.arange(1, 36))
+        t.pool.ensure(np.array([39]))  # pages 36-39 in the pool but never seen: UNKNOWN
+        for i, k in enumerate(keys.tolist()):
+            t.on_assign(wire.Assign(k, 0, 8, 0, np.array([1 + 2 * i, 2 + 2 * i])))
+        t.on_free(np.array([3, 4, 30, 31, 32]))  # r1's pages and free ones nobody holds
+        return t
+
+    for trial in range(4):
+        # each request its own first page, or (distinct ones) its second, a freed page (r1's, or
+        # one nobody held), another request's page, allocated pages nobody holds, or unseen ones
+        odd = list(rng.permutation([30, 31, 32, 33, 34, 36, 37, 38]))
+        writes = np.array([2 + 2 * i if rng.random() < 0.5 else 1 + 2 * i for i in range(12)], np.int64)
+        for i in rng.choice(12, 5, replace=False).tolist():
+            writes[i] = odd.pop()
+        if trial == 1:  # two requests' first pages swapped (each writes the other's), nothing freed
+            writes = np.array([1 + 2 * i for i in range(12)], np.int64)
+            writes[1] = 35  # (r1's own pages were freed)
+            writes[5], writes[6] = 1 + 2 * 6, 1 + 2 * 5
+        if trial == 3:
+            writes[rng.integers(12)] = rng.choice([0, 2**30])
+        assert len(np.unique(writes)) == len(writes)  # (a page written twice takes the one-by-one path)
+        counts = np.ones(12, np.uint32)
+        one, batch = build(), build()
+        singles = {}
+        for i, (k, w) in enumerate(zip(keys.tolist(), writes.tolist())):
+            v = one.judge.check_write(k, np.array([w], np.int64))
+            if v is not None:
+                singles[i] = (v.freed.tolist(), v.foreign.tolist())
+            one.mark_written(k, np.array([w], np.int64), 7)
+        got = {
+            i: (v.freed.tolist(), v.foreign.tolist())
+            for i, v in batch.judge.check_writes(keys, counts, writes.astype(np.int32))
+        }
+        batch.mark_writes(keys, counts, writes.astype(np.int32), 7)
+        assert got == singles, (seed, trial, writes.tolist())
+        for name in ("state", "gen", "written_gen", "owner", "last_writer", "last_write_ns"):
+            assert np.array_equal(getattr(one.pool, name), getattr(batch.pool, name)), (name, seed, trial)
+        assert one.pool.pages_out_of_range == batch.pool.pages_out_of_range
