@@ -23,7 +23,7 @@ import numpy as np
 
 from . import tier1 as tier1_mod
 from . import wire
-from .probe_support import as_int64, guarded_probe
+from .probe_support import as_int64, guarded_probe, is_ones
 from .probes_transfer import TransferProbes
 from .ring import DEFAULT_CAPACITY, RingSpaceError, RingWriter, ring_dir
 
@@ -66,6 +66,20 @@ _SMALL = 64  # below this many values, Python sets beat np.unique's fixed cost (
 # (exactly wire.assign_payload's bytes; tests/test_probes.py checks it)
 _ASSIGN_ONE = struct.Struct(wire.ASSIGN_FIXED.format + "i")
 _PAGES_ONE = struct.Struct(wire.PAGES_FIXED.format + "i")  # ALLOC / FREE of one page
+
+
+_ONES_U32: dict[int, np.ndarray] = {}
+
+
+def _ones_u32(n: int) -> np.ndarray:
+    """``n`` ones (uint32, read-only), kept per length: a decode step's write counts."""
+    ones = _ONES_U32.get(n)
+    if ones is None:
+        if len(_ONES_U32) >= 64:
+            _ONES_U32.clear()
+        ones = _ONES_U32[n] = np.ones(n, np.uint32)
+        ones.flags.writeable = False
+    return ones
 
 
 class Probes(TransferProbes):
@@ -461,8 +475,8 @@ class Probes(TransferProbes):
             written_slots = np.concatenate([as_int64(w) for w in written_slots]) if n else np.zeros(0, np.int64)
         flat = as_int64(written_slots) // ps
         counts = np.asarray(written_counts, dtype=np.int64)
-        if len(flat) == n and (counts == 1).all():  # decode: one token each, nothing to de-duplicate
-            write_pages, write_counts = flat, counts.astype(np.uint32)
+        if len(flat) == n and is_ones(counts, n):  # decode: one token each, nothing to de-duplicate
+            write_pages, write_counts = flat, _ones_u32(n)
         else:
             # one entry per page per request: drop consecutive repeats inside each request's run
             keep = np.ones(len(flat), bool)

@@ -42,7 +42,9 @@ def test_workload_stream_is_clean_and_fully_judged(rows_every, assign):
     assert r["memory"]["pool_array_bytes_per_page"] == 22.0
     # + the request-key table; + the live rows (8 bytes per entry) and their Python objects
     assert r["memory"]["bytes_per_page_with_rows"] > r["memory"]["bytes_per_page"] > 22.0
-    assert r["memory"]["row_bytes"] == 8 * r["memory"]["row_entries"]
+    # 8 bytes per entry, and the room a row keeps to grow in place (a sixteenth of it, at least 8 entries)
+    mem = r["memory"]
+    assert 8 * mem["row_entries"] <= mem["row_bytes"] <= 8 * (mem["row_entries"] * 17 // 16 + 8 * mem["rows"])
 
 
 def test_adapter_stream_is_what_the_adapter_sends():

@@ -197,7 +197,7 @@ def test_each_pool_is_its_own_timeline_and_a_clean_run_is_quiet():
     p.request_end("b", "stop", 1, 2, 1, "")
     assert judged(pipeline, cap) == []
     t = pipeline.engines[1]
-    assert t.rows == {} and t.pools[1].rows == {}
+    assert len(t.rows) == 0 and len(t.pools[1].rows) == 0
 
 
 def test_a_page_freed_under_its_reader_in_the_second_pool_is_caught_there_with_the_victim_named():
@@ -242,7 +242,7 @@ def test_window_evictions_inside_a_live_request_are_not_frees_under_a_reader():
     p.row_pages_assigned("a", 12, 16, 12, [6], pool=1)
     _forward(p, "a", 13, (5, 6), ([1, 2, 3, 5], [0, 2, 3, 6]))
     assert judged(pipeline, cap) == []
-    assert pipeline.engines[1].pools[1].pages_unverified == 0
+    assert pipeline.engines[1].pools[1].judge.pages_unverified == 0
 
 
 def test_records_of_an_undeclared_pool_are_counted_and_skipped():

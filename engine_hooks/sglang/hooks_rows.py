@@ -46,6 +46,7 @@ import time
 
 import numpy as np
 
+from ..probe_support import same_counts
 from . import _runtime as rt
 from . import content_hooks
 from . import hooks_state as state_slots
@@ -342,9 +343,11 @@ def _forward_pre(self, *args, **kwargs):
         seq_lens, out, counts = _verify_layout(fb, n, seq_lens, out)
     elif mode.is_extend() and fb.extend_seq_lens_cpu is not None:
         counts = rt.host_int64(fb.extend_seq_lens_cpu)[:n]
-    else:
-        counts = np.full(n, len(out) // n, np.int64)
-    if int(counts.sum()) != len(out):  # padded layouts we do not model: report no writes
+    elif len(out) % n == 0:  # each request the same number of slots (a decode step: one each)
+        counts = same_counts(n, len(out) // n)
+    else:  # padded layouts we do not model: report no writes
+        out, counts = out[:0], np.zeros(n, np.int64)
+    if int(counts.sum()) != len(out):  # (the same, for the layouts above that carry their counts)
         out, counts = out[:0], np.zeros(n, np.int64)
     req_to_token = self.req_to_token_pool.req_to_token
     check = None if draft else content_hooks.active(self)
