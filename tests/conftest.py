@@ -114,9 +114,9 @@ _shared_pds: list = []  # the session's SharedPD, once started (stopped by the t
 @pytest.fixture(scope="session")
 def shared_pd(tmp_path_factory: pytest.TempPathFactory):
     """One SGLang 0.5.23 prefill/decode pair behind SGLang's router, watched by one sidecar,
-    for the tests that need a healthy fixed pair (tests/shared_pd.py)."""
+    for the tests that need a healthy fixed pair (tests/support/shared_pd.py)."""
     skip_unless_sglang("0.5.23")
-    from shared_pd import SharedPD
+    from tests.support.shared_pd import SharedPD
 
     shared = SharedPD(tmp_path_factory.mktemp("shared-pd"))
     _shared_pds.append(shared)
@@ -131,16 +131,16 @@ def shared_pd(tmp_path_factory: pytest.TempPathFactory):
 # marks, but it renames items (`item._nodeid`), which pytest 9.2 no longer honours; so the
 # scheduler below groups by node id alone (the controller sees nothing else).
 SHARED_PD_MODULES = (  # every module with a test that takes the `shared_pd` fixture (checked below)
-    "tests/test_canary_engine.py",
-    "tests/test_incident_engine.py",
-    "tests/test_preflight_router.py",
-    "tests/test_router_engine.py",
+    "tests/integration/test_canary_engine.py",
+    "tests/integration/test_incident_engine.py",
+    "tests/integration/test_router_engine.py",
+    "tests/tools/test_preflight_router.py",
 )
 # modules whose module-scoped engines are independent of each other: one group per test-name prefix
-SPLIT_BY_PREFIX = {"tests/test_soak_engine.py": ("test_unified_soak", "test_pd_soak")}
+SPLIT_BY_PREFIX = {"tests/integration/test_soak_engine.py": ("test_unified_soak", "test_pd_soak")}
 # modules with one engine process per SGLang version: one group per version in the test id
 # (the value: the version of the tests that take none)
-SPLIT_BY_VERSION = {"tests/test_sglang_adapter_engine.py": "0.5.23"}
+SPLIT_BY_VERSION = {"tests/integration/test_sglang_adapter_engine.py": "0.5.23"}
 
 
 def engine_scope(nodeid: str) -> str:
@@ -174,7 +174,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The tests that use the shared pair run one after the other, where the first of them
-    was collected, so that it is stopped after the last instead of idling to the session's end."""
+    was collected, so that it is stopped after the last instead of idling to the session's end.
+    The modules engine_scope names by path must exist: a moved module would fall back to a
+    work unit of its own without a word."""
+    moved = [m for m in (*SHARED_PD_MODULES, *SPLIT_BY_PREFIX, *SPLIT_BY_VERSION) if not (REPO_ROOT / m).is_file()]
+    if moved:
+        raise pytest.UsageError(f"tests/conftest.py names modules that are not there: {moved}")
     users = [item for item in items if SHARED_PD in getattr(item, "fixturenames", ())]
     strays = sorted({item.nodeid.partition("::")[0] for item in users} - set(SHARED_PD_MODULES))
     if strays:
@@ -203,11 +208,10 @@ VLLM_TEST_BLOCK = 32  # block size of the vLLM adapter's stand-in tests
 def vllm_captured():
     """The vLLM adapter's state reset, its probes writing records to a capture (blocks of
     ``VLLM_TEST_BLOCK`` tokens, HELLO taken as sent): its hooks on stand-ins, no vLLM needed."""
-    from recording_probes import CaptureWriter
-
     from kvguard.engine_hooks import probes as probes_mod
     from kvguard.engine_hooks.probes import Probes
     from kvguard.engine_hooks.vllm import _runtime as rt
+    from tests.support.recording_probes import CaptureWriter
 
     cap = CaptureWriter()
     probes_mod.reset_probes_for_tests(Probes(cap, page_size=VLLM_TEST_BLOCK))

@@ -1,0 +1,2 @@
+"""The real sidecar process under bad rings, full volumes, forged records, saturation and
+hostile connections (``make test-reliability``)."""

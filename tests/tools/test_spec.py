@@ -1,0 +1,197 @@
+"""The executable specification (spec/): the model checker finds each bug of the family on
+the protocol without its fix and nothing on the fixed one, and kvguard's replay of every
+trace of the model at the small bound agrees with the model's verdicts (docs/spec.md).
+The full bound (111,906 traces) is `make spec`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from multiprocessing import get_context
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from spec.check import CHECK_CONFIGS, check, count_traces, traces
+from spec.conformance import BOUNDS, SAMPLED, run_trace, sweep
+from spec.model import BUGGY, FIXED, Config, initial, successors
+
+SAFETY = {"unwritten_read", "foreign_read", "use_after_free", "late_write", "double_free", "transfer_size_mismatch"}
+AC2 = BOUNDS["small"]["ac2"]
+AC3 = Config(3, AC2.reqs)
+
+
+def by_actions(cfg: Config, proto, actions: str):
+    """The model's trace for these actions, in this order (each must be enabled)."""
+    state, out = initial(cfg), []
+    for name in actions.split():
+        step = next((s for s in successors(cfg, proto, state) if s.action == name), None)
+        assert step is not None, f"{name} is not enabled after {[s.action for s in out]}"
+        out.append(step)
+        state = step.state
+    return out
+
+
+# ------------------------------------------------------------------------------- the model
+def test_the_checker_finds_the_incident_the_late_write_race_and_the_double_free_on_the_buggy_protocol():
+    res = check(CHECK_CONFIGS["three"], BUGGY, "three")
+    assert res.kinds() >= {"transfer_size_mismatch", "unwritten_read", "late_write", "double_free"}
+    # the 0.5.19 admission path: the over-long request is bootstrapped, sent a placeholder as
+    # done, and reads the pages nothing sent
+    assert res.counterexamples["unwritten_read"] == ["d_admit(c)", "p_begin(c)", "p_send(c)", "d_done(c)", "d_read(c)"]
+    # the race: decode's waiting timeout releases the pages at once, another request gets them,
+    # the sender's chunk lands
+    late = res.counterexamples["late_write"]
+    assert late.index("d_timeout(a)") < late.index("p_send(a)") and late[-1] == "p_send(a)"
+    assert "d_free_again(a)" == res.counterexamples["double_free"][-1]
+
+
+def test_the_fixed_protocol_breaks_no_safety_invariant_at_three_requests():
+    res = check(CHECK_CONFIGS["three"], FIXED, "three")
+    assert res.states > 10_000 and res.terminal > 0
+    # decode holding pages for a sender that rejected the prompt is still reachable (SGLang
+    # 0.5.23 holds them until its waiting timeout): a warning, not a leak
+    assert res.kinds() & SAFETY == set() and res.kinds() == {"orphan_transfer"}
+
+
+@pytest.mark.parametrize(
+    "fix, bugs",
+    [
+        ({"reject_fails": False, "check_size": False}, {"transfer_size_mismatch", "unwritten_read"}),
+        ({"deferred_release": False}, {"late_write", "use_after_free"}),
+        ({"release_once": False, "deferred_release": False}, {"double_free"}),
+    ],
+)
+def test_each_fix_taken_away_brings_its_bug_back(fix, bugs):
+    """The model can fail: each invariant is reachable as soon as the fix for it is gone."""
+    proto = replace(FIXED, name="fixed-but", **fix)
+    assert check(CHECK_CONFIGS["two"], proto).kinds() & SAFETY >= bugs
+
+
+def test_the_trace_count_agrees_with_the_traces_enumerated():
+    for proto in (BUGGY, FIXED):
+        listed = list(traces(AC2, proto))
+        total, buggy = count_traces(AC2, proto)
+        assert len(listed) == total and sum(any(s.verdicts for s in t) for t in listed) == buggy
+        assert len({tuple(s.action for s in t) for t in listed}) == total  # distinct action sequences
+
+
+def test_spin_on_the_promela_model_agrees_with_the_python_checker():
+    """spec/transfer.pml, written apart from spec/model.py: on the two-request config, spin
+    finds a counterexample exactly for the kinds check.py reaches, the same shortest ones, and
+    verifies the others over the same number of states (make spec runs both configs)."""
+    script = Path(__file__).resolve().parents[2] / "spec" / "spin_check.sh"
+    if shutil.which("spin") is None:
+        pytest.fail("spin is not installed: `make apt` installs it (Debian package spin)")
+    out = subprocess.run(
+        ["bash", str(script), "--json"],
+        env={**os.environ, "SPIN_CONFIGS": "two", "SPIN_CC_OPT": "-O0"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    runs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(runs) == 14  # 2 protocols x 7 properties
+    for proto in (BUGGY, FIXED):
+        res = check(CHECK_CONFIGS["two"], proto)
+        mine = {r["property"]: r for r in runs if r["variant"] == proto.name}
+        assert {p for p, r in mine.items() if r["result"] == "violated"} == res.kinds()
+        for kind, path in res.counterexamples.items():
+            assert mine[kind]["trail"] == path, kind
+        assert {r["states"] for r in mine.values() if r["result"] == "verified"} == {res.states}
+
+
+# ------------------------------------------------------------------------ conformance
+def _shard(k):
+    return sweep("small", shard=(k, 2), samples=150)
+
+
+def test_kvguard_agrees_with_the_model_on_every_trace_at_the_small_bound_and_on_sampled_ones():
+    with get_context("fork").Pool(2) as pool:
+        parts = pool.map(_shard, [0, 1])
+    traces_checked = sum(p.traces for p in parts)
+    disagreements = [d for p in parts for d in p.disagreements]
+    # every trace at the small bound, and 150 sampled three-request traces per protocol and config
+    assert traces_checked == 5424 + 600 and sum(p.sampled for p in parts) == 600
+    assert sum(p.buggy for p in parts) > 4894 and sum(p.clean for p in parts) > 530
+    assert disagreements == [], disagreements[:3]
+    assert sum(p.replay_problems for p in parts) == 0
+
+
+def test_the_comparison_fails_when_kvguard_misses_a_finding(tmp_path):
+    """A recording of the incident with decode's read left out: the model says unwritten_read,
+    kvguard (rightly, having seen no read) says nothing of it: a disagreement."""
+    trace = by_actions(AC2, BUGGY, "d_admit(c) p_begin(c) p_send(c) d_done(c) d_read(c) d_end(c)")
+    exp, obs, _ = run_trace(str(tmp_path / "t.kvgrec"), AC2, trace)
+    assert exp == obs and ("unwritten_read", "c") in obs
+    assert obs[("unwritten_read", "c")] == {"z"}  # the prior tenant's KV, still in the pages
+    without_read = [s._replace(events=()) if s.action == "d_read(c)" else s for s in trace]
+    exp, obs, _ = run_trace(str(tmp_path / "u.kvgrec"), AC2, without_read)
+    assert ("unwritten_read", "c") in exp and ("unwritten_read", "c") not in obs
+
+
+# Disagreements the sweep found, kept as regression cases (config, protocol, actions, verdicts)
+REGRESSIONS = [
+    # a chunk landing in a free page exposes nobody else's KV: the writer's own now sits there
+    (AC3, BUGGY, "d_admit(a) d_timeout(a) p_begin(a) p_send(a)", {("use_after_free", "a"): set()}),
+    # the late chunk's KV is what a double free later hands out: its writer is named
+    (
+        AC3,
+        BUGGY,
+        "d_admit(a) d_timeout(a) p_begin(a) p_send(a) d_admit(c) d_timeout(c) p_begin(c) p_abort(c) d_free_again(c)",
+        {("use_after_free", "a"): set(), ("double_free", None): {"a", "z"}},
+    ),
+    # a buggy second release frees pages a receiver still waits on; its sender's chunk lands in them
+    (
+        AC3,
+        BUGGY,
+        "d_admit(a) d_timeout(a) p_begin(a) p_abort(a) d_admit(c) d_free_again(a) p_begin(c) p_send(c) d_timeout(c)",
+        {("use_after_free", "c"): set(), ("double_free", None): {"c"}},
+    ),
+    # a late chunk after the receiver's own: the receiver reads the late writer's KV
+    (
+        AC3,
+        BUGGY,
+        "d_admit(a) d_timeout(a) p_begin(a) d_admit(c) p_begin(c) p_send(c) p_send(a) d_done(c) d_read(c) d_end(c)",
+        {("late_write", "a"): {"c"}, ("transfer_size_mismatch", "c"): set(), ("unwritten_read", "c"): {"a", "z"}},
+    ),
+    # a late chunk before the receiver's own: the receiver's chunk replaced it in that page
+    (
+        AC3,
+        BUGGY,
+        "d_admit(a) d_timeout(a) p_begin(a) d_admit(c) p_send(a) p_begin(c) p_send(c) d_done(c) d_read(c) d_end(c)",
+        {("late_write", "a"): {"c"}, ("transfer_size_mismatch", "c"): set(), ("unwritten_read", "c"): {"z"}},
+    ),
+    # three requests (the sampled sweep): a second release frees d's page under it, d's chunk
+    # lands in the free page, b is given the page and ends, d reads it. The read exposes b
+    # (delivered, though d's incident was open from its write) and the pairing of d's transfer
+    # does not credit d with a page that was b's meanwhile: the double free names b
+    (
+        SAMPLED["abd2"],
+        BUGGY,
+        "p_begin(d) p_begin(a) d_admit(a) d_timeout(a) p_abort(a) d_admit(d) d_free_again(a) p_send(d) "
+        "p_begin(b) d_admit(b) p_send(b) d_done(b) d_read(b) d_end(b) d_done(d) d_read(d) d_end(d)",
+        {("use_after_free", "d"): {"b"}, ("double_free", None): {"b"}},
+    ),
+    # the fixed protocol's timeout: decode keeps the pages until the sender is done with them
+    (
+        AC3,
+        FIXED,
+        "d_admit(a) d_timeout(a) p_begin(a) p_send(a) d_release(a) d_admit(c) p_begin(c) p_fail(c) d_fail(c)",
+        {("orphan_transfer", "c"): set()},
+    ),
+]
+
+
+@pytest.mark.parametrize("cfg, proto, actions, verdicts", REGRESSIONS, ids=range(len(REGRESSIONS)))
+def test_regression_traces(tmp_path, cfg, proto, actions, verdicts):
+    exp, obs, summary = run_trace(str(tmp_path / "t.kvgrec"), cfg, by_actions(cfg, proto, actions))
+    assert exp == {k: frozenset(v) for k, v in verdicts.items()}
+    assert obs == exp and summary["problems"] == 0
