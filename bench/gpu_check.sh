@@ -25,7 +25,7 @@ assert torch.cuda.is_available(), "no CUDA device"
 print("torch", torch.__version__, "device", torch.cuda.get_device_name(0))
 PY
 python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts= \
-  tests/test_tier1.py tests/test_digest.py tests/test_content.py tests/test_bench_smoke.py 2>&1 | tee "$out/gpu-tests.log"
+  tests/engine_side/test_tier1.py tests/engine_side/test_digest.py tests/engine_side/test_content.py tests/tools/test_bench_smoke.py 2>&1 | tee "$out/gpu-tests.log"
 tests_rc=${PIPESTATUS[0]}
 python3 - "$out/gpu-bench.json" <<'PY' 2>&1 | tee "$out/gpu-bench.log"
 import json, sys

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """`make deploy-check`: everything about deploy/ that can be checked without a cluster
-or a Docker engine. tests/test_deploy.py runs the same functions under pytest.
+or a Docker engine. tests/tools/test_deploy.py runs the same functions under pytest.
 
     python3 deploy/check.py            all checks; exit 1 on any problem
     python3 deploy/check.py --render unified   print one rendered target

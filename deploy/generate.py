@@ -4,7 +4,7 @@
     python3 deploy/generate.py           write them
     python3 deploy/generate.py --check   exit 1 and say what differs; write nothing
 
-Sources and outputs (both committed; `make deploy-check` and tests/test_deploy.py fail
+Sources and outputs (both committed; `make deploy-check` and tests/tools/test_deploy.py fail
 when they drift apart):
 
 - ``alerts/kvguard.rules.yaml`` (a Prometheus rule file) ->

@@ -8,7 +8,7 @@ to be kept equal to this one by hand. The search is the textbook one (a visited 
 hashable states, a FIFO frontier, parents kept for the shortest counterexample), the
 state is plain tuples, and the invariants are checked on every enabled transition of
 every reachable state. spec/transfer.pml states the same protocol for spin as an
-independent check; tests/test_spec.py asks both for the same answers.
+independent check; tests/tools/test_spec.py asks both for the same answers.
 
 ``python spec/check.py`` prints, for BUGGY and FIXED at the configurations below, the
 states explored and, per finding kind, the shortest counterexample or "none".

@@ -38,7 +38,7 @@ done
 work=$(mktemp -d "${TMPDIR:-/tmp}/spin_check.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 
-# SPIN_CONFIGS narrows the configurations (tests/test_spec.py runs "two"); SPIN_CC_OPT is
+# SPIN_CONFIGS narrows the configurations (tests/tools/test_spec.py runs "two"); SPIN_CC_OPT is
 # pan's optimisation level (-O0 compiles in a third of the time, for the small configs)
 read -r -a CONFIGS <<<"${SPIN_CONFIGS:-two three}"
 CC_OPT=${SPIN_CC_OPT:--O2}

@@ -727,7 +727,7 @@ def test_token_blocks_bound_temporaries_and_change_nothing(alg, monkeypatch):
 
 
 # --------------------------------------------------------------------------- the ledger, with real digests
-# Real probes -> ring -> Sidecar (tests/test_ledger.py's harness: prefill reports 2 ranks'
+# Real probes -> ring -> Sidecar (tests/sidecar/test_ledger.py's harness: prefill reports 2 ranks'
 # partials over heads 0-1 and 2-3, decode one rank with all heads), the digests computed
 # here from real pools; the ledger compares only ends complete under a common alg.
 def _ledger_transfer(tmp_path, lt, rid, room, receiver_alg, flip=False):

@@ -12,7 +12,7 @@ edge values, and bit flips, byte runs and copied spans in the data area. Bounded
 (``max_examples``, no deadline, no example database, derandomized).
 
 File truncation under the reader is not fuzzed here: a SIGBUS would kill the test process
-itself; tests/reliability/test_ring_truncated.py runs it against a sidecar process.
+itself; tests/sidecar/reliability/test_ring_truncated.py runs it against a sidecar process.
 """
 
 from __future__ import annotations

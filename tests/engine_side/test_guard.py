@@ -1,7 +1,7 @@
 """The guard (KVGUARD_GUARD, engine_hooks/sglang/guard.py) without an engine: its
 configuration, its decision in prefill's send_kv_chunk on SGLang-shaped objects, its
 failure policy, and the sidecar's finding and metric from its GUARD record. The real
-0.5.19 pair is tests/test_guard_engine.py's."""
+0.5.19 pair is tests/integration/test_guard_engine.py's."""
 
 from __future__ import annotations
 

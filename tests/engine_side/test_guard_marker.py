@@ -2,7 +2,7 @@
 marker's format, prefill writing it into the metadata row before its last chunk goes
 out, decode comparing it in ``_apply_metadata_gate`` (a mismatch becomes a Failed poll
 before the ranks agree), what is never compared, the failure policy, and the sidecar's
-finding. The real pair is tests/test_digest_engine.py's."""
+finding. The real pair is tests/integration/test_digest_engine.py's."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The SGLang adapter's HiCache hooks (engine_hooks/sglang/hooks_hicache.py) with stand-ins
 for SGLang's L2 transfers, controller and radix cache: which KV_STORE / KV_LOAD records
-each copy gives. The real engine: tests/test_hicache_engine.py."""
+each copy gives. The real engine: tests/integration/test_hicache_engine.py."""
 
 from __future__ import annotations
 

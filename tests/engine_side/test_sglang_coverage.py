@@ -2,7 +2,7 @@
 decisions by class, and what the scheduler hook sends for an engine it can and cannot follow.
 
 Stand-ins carry the real classes' names (the adapter decides by the class it hooks, never by
-a model name); the real pools are exercised by the engine tests (tests/test_arch_engines.py).
+a model name); the real pools are exercised by the engine tests (tests/integration/test_arch_engines.py).
 """
 
 from __future__ import annotations

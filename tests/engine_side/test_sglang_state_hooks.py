@@ -7,7 +7,7 @@ Both ways: a clean life of several requests (group pre-allocation and its return
 hand-over at finish, the tree's later eviction, a retraction that gets the same slot number
 back, a flush) raises nothing; a slot freed under its request and handed to another is reported
 with the reader and the exposed tenant named, on the state pool. The engine-level proof is
-tests/test_state_sglang_engines.py (Qwen3-Next on a real engine).
+tests/integration/test_state_sglang_engines.py (Qwen3-Next on a real engine).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The hybrid sliding-window adapter (engine_hooks/sglang/hooks_swa.py) without an engine: the
 hooks' own functions driven the way the SGLang hooks call them, the real Probes, and the
 sidecar's real pipeline judging what they wrote. The engine-level proof is
-tests/test_swa_sglang_engines.py (GPT-OSS on a real SGLang 0.5.23).
+tests/integration/test_swa_sglang_engines.py (GPT-OSS on a real SGLang 0.5.23).
 
 Both ways: a request decoding past its window while SGLang frees the SWA pages behind it, and
 another request getting those pages, raises nothing (the row is nulled below the window before

@@ -366,7 +366,7 @@ def test_the_same_check_on_a_cuda_device_reads_the_count_back_asynchronously():
 @pytest.mark.timeout(300)
 def test_real_sglang_objects_clean_steps_a_corrupt_row_and_bad_input(require_sglang):
     """The adapter's hooks on a real PagedTokenToKVPoolAllocator, ReqToTokenPool,
-    alloc_for_decode and ForwardBatch (tests/tier1_real_objects.py, in a subprocess)."""
+    alloc_for_decode and ForwardBatch (tests/engine_side/tier1_real_objects.py, in a subprocess)."""
     require_sglang("0.5.23")
     sg = REPO / ".venv" / "sglang" / "0.5.23"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(sg), str(REPO / "demo" / "shim")]))

@@ -1,6 +1,6 @@
 """The vLLM adapter's hooks on stand-ins for vLLM's objects (no vLLM needed): what each hook
 emits, and that the version gate installs nothing for an unsupported release. The same hooks
-on the real engine: tests/test_vllm_engine.py."""
+on the real engine: tests/integration/test_vllm_engine.py."""
 
 from __future__ import annotations
 

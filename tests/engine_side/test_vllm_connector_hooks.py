@@ -2,7 +2,7 @@
 for vLLM's scheduler and connector (no vLLM needed): a load becomes KV_LOAD issued then
 completed (or failed) over the blocks the connector fills, the loaded tokens are not the
 row's shared prefix, and the reference connector's stores become KV_STORE once the forward
-that saves them ran. The same hooks on the real engine: tests/test_vllm_connector.py."""
+that saves them ran. The same hooks on the real engine: tests/integration/test_vllm_connector.py."""
 
 from __future__ import annotations
 

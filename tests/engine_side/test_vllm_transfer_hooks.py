@@ -2,7 +2,7 @@
 hooks_transfer_worker.py) on stand-ins for vLLM's scheduler and ``MooncakeConnector`` (no vLLM
 needed): decode's pull is XFER_RESERVE then XFER_DONE (not a tier load), both ends carry the
 room of the shared transfer id, prefill's REQ_END waits for its send, and the workers report
-what is sent and both ends' digests. The real pair: tests/test_vllm_pd.py."""
+what is sent and both ends' digests. The real pair: tests/integration/test_vllm_pd.py."""
 
 from __future__ import annotations
 

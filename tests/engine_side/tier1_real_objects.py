@@ -1,4 +1,4 @@
-"""Tier 1 on real SGLang 0.5.23 objects (run by tests/test_tier1.py in a subprocess).
+"""Tier 1 on real SGLang 0.5.23 objects (run by tests/engine_side/test_tier1.py in a subprocess).
 
 Uses the engine bench's set-up (bench/engine_bench.py: a real PagedTokenToKVPoolAllocator,
 a real ReqToTokenPool whose rows share radix-style prefixes, the real alloc_for_decode

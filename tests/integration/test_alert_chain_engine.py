@@ -33,7 +33,7 @@ engine never does (KV transfers exist only between prefill and decode) show the
 sidecar's zero series: /metrics exports every record kind, and every finding its
 configuration can raise, at 0 from the start (sidecar/finding_kinds.py). The TTFT
 detector is opt-in, so the chain's sidecar turns it on to give its panel a series;
-tests/test_dashboards.py feeds those panels nonzero values from synthetic rings.
+tests/tools/test_dashboards.py feeds those panels nonzero values from synthetic rings.
 """
 
 from __future__ import annotations

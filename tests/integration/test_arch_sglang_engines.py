@@ -124,7 +124,7 @@ def test_glm5_pd_0_5_19_leak_is_caught_with_the_exposed_tenants(tmp_path, requir
     assert run.records_lost == 0
 
 
-@pytest.mark.sweep  # (make test-arch: the guard's path is the GPT-2 pair's, tests/test_guard_engine.py, in make test)
+@pytest.mark.sweep  # (make test-arch: the guard's path is the GPT-2 pair's, tests/integration/test_guard_engine.py, in make test)
 def test_glm5_pd_0_5_19_guard_fails_the_request_instead(tmp_path, require_sglang):
     require_sglang(LEAKING)
     run = capture_incident(LEAKING, str(tmp_path), model="glm5", guard="transfer")
@@ -161,7 +161,7 @@ def test_glm5_pd_0_5_19_guard_fails_the_request_instead(tmp_path, require_sglang
 CONTEXT = 1024
 POOL = 2048  # 32 pages of 64, at least the context: pool_smaller_than_context never fires
 SYSTEM_PREFIX = 160  # shared by every tenant: 2 whole pages the radix cache can hand out
-# the clean mix (tests/soak/workload.py kinds); short and medium prompts, per-tenant prefixes, aborts
+# the clean mix (tests/support/soak/workload.py kinds); short and medium prompts, per-tenant prefixes, aborts
 CLEAN_MIX = {
     "short": 0.3,
     "prefix": 0.2,
@@ -189,7 +189,7 @@ def glm5_unified(tmp_path_factory, require_sglang):
             # need only sit one page deep in the free list for the other request to get them
             "KVGUARD_FAULT_UAF_DEPTH": "1",
             # use_after_free leaves the radix tree and the free list sharing two pages
-            # (tests/test_faults_engine.py): SGLang's strict idle check would raise on it
+            # (tests/integration/test_faults_engine.py): SGLang's strict idle check would raise on it
             "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "0",
         },
     )
@@ -266,7 +266,7 @@ def test_glm5_0_5_23_clean_traffic_raises_nothing(glm5_unified):
 
 
 def test_glm5_0_5_23_pages_freed_under_their_reader(glm5_unified):
-    """tests/test_faults_engine.py's use_after_free on the DSA pool: two whole prompt pages of a
+    """tests/integration/test_faults_engine.py's use_after_free on the DSA pool: two whole prompt pages of a
     decoding request are freed (its row still names them), read while free, then handed to
     another tenant's request and read again. Runs last: it breaks the engine's accounting."""
     engine, watch = glm5_unified

@@ -14,7 +14,7 @@ router; there is no Python router in SGLang 0.5.x to start here).
 - 0.5.23 has the fix: the same plan, at the default budget, exits 0.
 
 The 0.5.19 pair runs with a decode waiting timeout of 5 s, the shared 0.5.23 pair with 10 s
-(tests/shared_pd.py; the harness default is 20 s): on 0.5.23 each over-pool probe waits that
+(tests/support/shared_pd.py; the harness default is 20 s): on 0.5.23 each over-pool probe waits that
 long for KV that never comes.
 """
 
@@ -99,7 +99,7 @@ def test_sglang_0_5_19_pair_leaks_the_victims_markers(tmp_path, capsys, require_
 
 
 def test_sglang_0_5_23_pair_is_clean(shared_pd, capsys):
-    """On the session's shared pair (tests/shared_pd.py: the same pools and echo model as above,
+    """On the session's shared pair (tests/support/shared_pd.py: the same pools and echo model as above,
     its own waiting timeout, with SGLang's router in front, which the canary's PD mode bypasses)."""
     window = shared_pd.window()
     rc, rep = _canary(capsys, shared_pd.pair)  # the default plan and budget

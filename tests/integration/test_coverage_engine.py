@@ -2,7 +2,7 @@
 0.5.19 (``GptOssForCausalLM``, demo/arch_models.py ``sglang_gpt_oss``: one sliding-window layer,
 one full layer). SGLang builds its hybrid sliding-window pool for it (``SWAKVPool`` on
 ``SWATokenToKVPoolAllocator``: a full and a SWA sub-allocator, two index spaces), which the
-adapter follows on 0.5.23 only (tests/test_swa_sglang_engines.py; 0.5.19 frees SWA pages by
+adapter follows on 0.5.23 only (tests/integration/test_swa_sglang_engines.py; 0.5.19 frees SWA pages by
 other paths, not verified): it must say so once (``coverage_gap``, the gauges in /metrics) and
 send nothing about pages, so that nothing false, or true, can come of it (docs/coverage.md). It
 needs SGLang's Triton attention backend, run by the Triton interpreter here (~1-2 minutes).

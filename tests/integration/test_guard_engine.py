@@ -3,7 +3,7 @@ the demo's incident (demo/run.py capture_incident, the echo model, SGLang's rout
 front, clients that send no rid) with the guard on in both engines. ~2 minutes.
 
 Without the guard the over-long prompt of tenant initech is answered from 149 pages of
-acme's and globex's KV (tests/test_incident_engine.py). With it, prefill fails that
+acme's and globex's KV (tests/integration/test_incident_engine.py). With it, prefill fails that
 transfer through Mooncake's own failure channel before sending, decode finishes the
 request with an error before any decode step, the eight normal requests are served
 unchanged, and the sidecar reports what was prevented.

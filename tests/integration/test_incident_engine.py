@@ -5,7 +5,7 @@ The 0.5.19 test runs the demo's setup (demo/run.py capture_incident): a real pre
 decode pair on CPU (Mooncake over TCP) with the kvguard plugin loaded by SGLang itself,
 SGLang's router (sglang-router) in front of it, and a real sidecar draining the rings
 (~2 minutes). The 0.5.23 test runs the demo's scenario on the session's shared pair
-(tests/shared_pd.py), configured as the demo's. Clients send no rid: each engine draws its
+(tests/support/shared_pd.py), configured as the demo's. Clients send no rid: each engine draws its
 own, so prefill and decode rids differ for every request, and the findings name both.
 """
 
@@ -98,7 +98,7 @@ def test_sglang_0_5_19_leak_is_caught_with_the_exposed_tenants(tmp_path, require
 
 
 def test_sglang_0_5_23_rejects_the_prompt_and_nothing_is_read(shared_pd):
-    """The demo's scenario (demo/scenario.py) on the session's shared pair (tests/shared_pd.py:
+    """The demo's scenario (demo/scenario.py) on the session's shared pair (tests/support/shared_pd.py:
     the demo's pools and router, the echo model, a 5 s waiting timeout), judged by its own requests."""
     window = shared_pd.window()
     scenario = run_incident_scenario(shared_pd.pair)

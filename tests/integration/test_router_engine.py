@@ -8,7 +8,7 @@ room), so the test sees what the client cannot: that prefill and decode used dif
 rids for the same room, that the tenant label reached both, and that kvguard paired them
 all by room (no read or transfer finding on clean traffic). A streamed request that the
 client cuts mid-way ends on decode as an abort. It runs on the session's shared pair
-(tests/shared_pd.py) and judges only its own requests.
+(tests/support/shared_pd.py) and judges only its own requests.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ draining the engines' rings:
 What is asserted, per run: the clients saw what the engine should do; no record lost,
 no ring or decode error, no probe error; every probe fired; the tracker judged page
 reads with none unverified; and no finding at all. Findings that the records prove to
-be known kvguard false alarms (tests/soak/known.py) raise ``KnownFalseAlarm`` with the
+be known kvguard false alarms (tests/support/soak/known.py) raise ``KnownFalseAlarm`` with the
 proof from the records; both known ones are fixed in the sidecar, so every finding fails.
 docs/soak.md tells what it exercises, how long it takes and how to run it longer.
 """
@@ -104,7 +104,7 @@ RETRACTION_ENV = {"SGLANG_INIT_NEW_TOKEN_RATIO": "0.3", "SGLANG_NEW_TOKEN_RATIO_
 RETRACT_LINE = re.compile(r"KV cache pool is full\. Retract requests\. #retracted_reqs: (\d+)")
 
 KNOWN_FALSE_ALARMS = (
-    "known kvguard false alarms only (tests/soak/known.py, reported to the lead): ttft_anomaly's "
+    "known kvguard false alarms only (tests/support/soak/known.py, reported to the lead): ttft_anomaly's "
     "per-token floor is inflated by per-request constant time (queueing, one step per 64-token chunk), so a "
     "normally prefilled longer prompt looks 4x too fast; on PD, XFER_SEND is stamped after send_kv_chunk "
     "returns, after Mooncake completed and decode's XFER_DONE paired 0 sent tokens (transfer_size_mismatch, "
@@ -121,7 +121,7 @@ class SoakRun:
     outcomes: list[Outcome]
     snapshot: dict[str, Any]
     findings: list  # sidecar.findings.Finding, delivered (first of each incident)
-    explained: list[str]  # the records behind each finding (tests/soak/watch.py); "" past a budget
+    explained: list[str]  # the records behind each finding (tests/support/soak/watch.py); "" past a budget
     known: list[str | None]  # known_false_alarm() per finding
     probe_errors: list[dict[str, Any]]
     req_end_finish: Counter

@@ -20,7 +20,7 @@ freed inside every request here:
   naming the other tenant (``use_after_free`` before it when the victim read it while it was
   free); nothing on the full pool (last: it breaks the engine's accounting).
 
-tests/test_coverage_engine.py keeps the same model on SGLang 0.5.19, where the SWA path is not
+tests/integration/test_coverage_engine.py keeps the same model on SGLang 0.5.19, where the SWA path is not
 verified: declared unwatched, one ``coverage_gap`` and nothing else.
 """
 

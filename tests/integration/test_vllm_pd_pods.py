@@ -1,7 +1,7 @@
 """The vLLM prefill/decode pair as it is deployed: prefill and decode in two pods, each
 engine's rings in its own directory, one sidecar per pod, the two sidecars sharing only a
 real redis-server (the transfer ledger's shared mode: docs/detectors.md). Requests go as
-vLLM's Mooncake proxy sends them (tests/test_vllm_pd.py), so the two pods' facts meet in
+vLLM's Mooncake proxy sends them (tests/integration/test_vllm_pd.py), so the two pods' facts meet in
 Redis by the room of the transfer id alone.
 
 Decode's sidecar judges every transfer (the pages are decode's); prefill's only publishes.

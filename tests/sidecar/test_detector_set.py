@@ -161,6 +161,6 @@ def test_detectors_name_their_kinds_through_the_catalogue_not_by_literal():
 
 def test_the_orphan_timeout_set_on_a_built_pipeline_reaches_the_transfers_and_the_ledger():
     p = Pipeline()
-    p.orphan_timeout_s = 2.0  # (tests/test_vllm_pd.py shortens it on a running sidecar)
+    p.orphan_timeout_s = 2.0  # (tests/integration/test_vllm_pd.py shortens it on a running sidecar)
     assert p.transfers.orphan_timeout_s == 2.0 and p.ledger.orphan_timeout_ns == 2_000_000_000
     assert p.verdict_options()["orphan_timeout_s"] == 2.0

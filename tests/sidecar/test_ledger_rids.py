@@ -2,7 +2,7 @@
 
 Behind SGLang's router a client that sends no rid gets one rid from the prefill worker
 and another from the decode worker; the room is the one thing both ends share. Real
-probes, rings and Sidecar (tests/test_ledger.py's layout: one sidecar sees both ends).
+probes, rings and Sidecar (tests/sidecar/test_ledger.py's layout: one sidecar sees both ends).
 """
 
 import time

@@ -98,7 +98,7 @@ def test_the_owner_of_a_page_a_forward_wrote_late_into_is_not_judged_on_its_next
     """A forward writes token slots: the owner may write that slot itself before it reads it,
     and the record names pages, not slots. So the late write is reported (late_write, naming
     the owner) and the owner's read of the page is not judged unwritten (a late transfer chunk,
-    which fills whole pages, is: tests/test_spec.py)."""
+    which fills whole pages, is: tests/tools/test_spec.py)."""
     p = late_write_into_b(tmp_path)
     p.forward(["b"], [4], [[]], [slots(2)])
     found = findings(tmp_path)

@@ -1,6 +1,6 @@
 """``kvguard replay``: offline detection over recordings gives what the live sidecar gave.
 
-The live run is the incident of tests/test_pipeline.py through real Probes, rings and a
+The live run is the incident of tests/sidecar/test_pipeline.py through real Probes, rings and a
 Sidecar with a Recorder, plus a third engine whose ring overflows (LOST markers), an
 engine process that exits (its ring is retired: ``engine_gone``), repeated bad reads
 (suppressed repeats) and small segments (several rotations). Replaying the segments

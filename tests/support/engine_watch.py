@@ -1,6 +1,6 @@
 """A sidecar watching real engines from inside a test, and the requests the engine tests
-send: shared by the fault tests (tests/test_faults_engine.py) and the HiCache tests
-(tests/test_hicache_engine.py)."""
+send: shared by the fault tests (tests/integration/test_faults_engine.py) and the HiCache tests
+(tests/integration/test_hicache_engine.py)."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def generate(url: str, rid: str, input_ids: list[int], max_new_tokens: int, tena
 
 
 def short_requests_and_aborts(engine: Engine, n: int, seed: int, phase: str, context_len: int, clients: int) -> dict:
-    """``n`` short requests of tests/soak/workload.py, half of them aborted by the client (through
+    """``n`` short requests of tests/support/soak/workload.py, half of them aborted by the client (through
     the API or by closing the stream), on ``clients`` connections; each served or aborted as
     asked. Waits out SGLang's ~2 s delay before it aborts a closed stream, so that the frees
     reach the sidecar. Returns the outcomes' summary."""

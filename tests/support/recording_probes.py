@@ -6,7 +6,7 @@ from __future__ import annotations
 class RecordingProbes:
     """Records (method, args, kwargs) of each probe call instead of writing records."""
 
-    tier1 = None  # Tier 1 off (tests/test_tier1.py covers it with the real Probes)
+    tier1 = None  # Tier 1 off (tests/engine_side/test_tier1.py covers it with the real Probes)
 
     def __init__(self):
         self.calls = []

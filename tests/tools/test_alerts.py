@@ -14,7 +14,7 @@ Conventions checked here (see the header of the rule file):
   where it stays quiet; every recording rule has an expression test;
 - each finding (kind, severity) is routed to exactly one alert;
 - every kvguard metric a rule reads is documented in docs/metrics.md (which
-  tests/test_metrics_doc.py ties to what the sidecar exports).
+  tests/sidecar/test_metrics_doc.py ties to what the sidecar exports).
 """
 
 from __future__ import annotations

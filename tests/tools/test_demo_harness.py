@@ -74,7 +74,7 @@ def test_engine_env(tmp_path, require_sglang):
         engines.sglang_dir("0.4.0")
 
 
-# A plain engine started, asked and stopped by the harness: tests/test_echo_model.py's engine
+# A plain engine started, asked and stopped by the harness: tests/tools/test_echo_model.py's engine
 # test checks that contract on the engine it starts anyway (one start fewer).
 
 

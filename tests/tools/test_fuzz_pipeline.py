@@ -1,4 +1,4 @@
-"""Coverage-guided fuzzing of the record path (issue 14): ``tests/fuzz/pipeline_target.py``
+"""Coverage-guided fuzzing of the record path (issue 14): ``tests/tools/fuzz/pipeline_target.py``
 under libFuzzer (atheris), from the committed seeds, for a bounded, repeatable number of
 inputs. Whatever the records, nothing raises in the decoder or inside ``Pipeline.apply``,
 page models stay within their limits, rows within the row limit, rooms within their caps.

@@ -148,4 +148,4 @@ def test_pip_installs_the_wheel_into_an_empty_venv_and_it_runs_without_a_checkou
     assert "(uid kvguard-integrity)" in listed.stdout and "(uid kvguard-pages)" in listed.stdout
 
 
-# SGLang's own loader finding the entry point: tests/test_sglang_adapter.py test_real_targets_resolve
+# SGLang's own loader finding the entry point: tests/engine_side/test_sglang_adapter.py test_real_targets_resolve

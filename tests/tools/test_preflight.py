@@ -464,5 +464,5 @@ def test_malformed_url_from_the_shell_has_no_traceback(repo_root):
     assert "'localhost:30000' has no scheme" in p.stdout and "http://localhost:30000" in p.stdout
 
 
-# A real SGLang server: tests/test_preflight_router.py, on the session's shared pair
+# A real SGLang server: tests/tools/test_preflight_router.py, on the session's shared pair
 # (its prefill alone, then through the router).

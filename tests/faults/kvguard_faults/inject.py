@@ -15,13 +15,13 @@ Unified engine (run with ``--disable-overlap-schedule`` so steps are
   * ``mem_cache.common._req_radix_key`` (around): ``salt_dropped`` drops the cache salt
     from the radix key a faulty request's prefix is looked up with (a salt lost on the
     way to the cache, SGLang #37160): it matches, and is handed, an unsalted request's KV.
-Unified engine of a hybrid linear-attention model (tests/test_state_sglang_engines.py):
+Unified engine of a hybrid linear-attention model (tests/integration/test_state_sglang_engines.py):
   * ``Scheduler.process_batch_result`` (around), after: ``state_slot_freed`` returns the
     victim's Mamba state slot to ``MambaSlotAllocator`` right after its prefill, while it
     keeps decoding (``req.kv.mamba_pool_idx`` and the engine's row mapping still name it),
     at the head of the free list, so that the next admission gets it and both requests'
     forwards read and overwrite the same state in place.
-Unified engine of a hybrid sliding-window model (tests/test_swa_sglang_engines.py):
+Unified engine of a hybrid sliding-window model (tests/integration/test_swa_sglang_engines.py):
   * ``Scheduler.process_batch_result`` (around), after: ``swa_freed_under_reader`` notes the
     victim once it decodes past the window, and the SWA page a few positions behind the one it
     writes (inside its window, not the page it writes);
@@ -44,7 +44,7 @@ PD prefill engine:
     victim's page instead of its own for the duration of the send (the sender ships a
     page its request never wrote: the victim's KV, TensorRT-LLM #12542's shape), and
     the row is put back after the step's results (before any free reads the row).
-Unified engine with HiCache (tests/test_hicache_engine.py):
+Unified engine with HiCache (tests/integration/test_hicache_engine.py):
   * ``mem_cache.common._req_radix_key`` (around): arms ``hicache_load_freed`` when the
     victim's prefix is looked up;
   * ``UnifiedRadixCache.ready_to_load_host_cache`` (around): before the controller submits

@@ -1,5 +1,5 @@
 """kvguard_vllm_faults: a TEST-ONLY vLLM general plugin that breaks vLLM's KV block
-bookkeeping in a running engine, for kvguard's engine tests (tests/test_vllm_engine.py,
+bookkeeping in a running engine, for kvguard's engine tests (tests/integration/test_vllm_engine.py,
 docs/fault-injection.md). Never install it anywhere.
 
 vLLM finds it through ``kvguard_vllm_faults-0.1.0.dist-info/entry_points.txt`` (group
@@ -28,7 +28,7 @@ here the test) contains the fault's name:
 
 ``KVGUARD_FAULT_GROUP`` (default 0): the KV cache group whose blocks ``free_live_block`` and
 ``double_free_preempt`` take, in an engine of several (a sliding-window group: a block still
-inside the window; a Mamba / gated-delta-net group: a state block; tests/test_arch_engines.py);
+inside the window; a Mamba / gated-delta-net group: a state block; tests/integration/test_arch_engines.py);
 an intruder's ``vllm_xargs`` may name another (``{"kvgf_group": 1}``).
 
 ``KVGUARD_FAULT_DIR``: ``events.jsonl`` gets one line per thing done (request ids, block ids).

@@ -1,4 +1,4 @@
-"""Helpers of the engine soak test (tests/test_soak_engine.py, docs/soak.md).
+"""Helpers of the engine soak test (tests/integration/test_soak_engine.py, docs/soak.md).
 
 * :mod:`soak.workload` - the request mix (a seeded plan) and the HTTP clients that
   send it to a real SGLang server or prefill/decode pair, concurrently.

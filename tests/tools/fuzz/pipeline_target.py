@@ -19,10 +19,10 @@ What must hold, whatever the input (a failure is a crash libFuzzer saves and rep
   within its limit, every row within the engine's row limit, the transfer ledger's rooms
   within their caps.
 
-Run by ``tests/test_fuzz_pipeline.py`` (bounded, in CI) and ``make fuzz`` (longer, with a
+Run by ``tests/tools/test_fuzz_pipeline.py`` (bounded, in CI) and ``make fuzz`` (longer, with a
 corpus kept in ``.kvguard-cache/fuzz-corpus``):
 
-    python tests/fuzz/pipeline_target.py [libFuzzer flags] [corpus dir]
+    python tests/tools/fuzz/pipeline_target.py [libFuzzer flags] [corpus dir]
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Runs ``pipeline_target.py`` under libFuzzer from the committed seeds (``seeds.b64``).
 
-    python tests/fuzz/run.py [--seconds S | --runs N] [--corpus DIR] [--update-seeds]
+    python tests/tools/fuzz/run.py [--seconds S | --runs N] [--corpus DIR] [--update-seeds]
 
 ``--corpus DIR`` keeps what the run finds (``make fuzz``: ``.kvguard-cache/fuzz-corpus``);
 ``--update-seeds`` merges that corpus down to the inputs that add coverage and rewrites
 ``seeds.b64`` (``make fuzz-seeds``). A crash leaves ``crash-*`` in the work directory and
-exits non-zero: reproduce it with ``python tests/fuzz/pipeline_target.py crash-...``.
+exits non-zero: reproduce it with ``python tests/tools/fuzz/pipeline_target.py crash-...``.
 """
 
 from __future__ import annotations
