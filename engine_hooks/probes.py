@@ -63,7 +63,7 @@ _PHASE = {
 
 _SMALL = 64  # below this many values, Python sets beat np.unique's fixed cost (~3 µs)
 # One decode ASSIGN's payload: wire.ASSIGN_FIXED with count 1, then its one int32 page
-# (exactly wire.assign_payload's bytes; tests/test_probes.py checks it)
+# (exactly wire.assign_payload's bytes; tests/engine_side/test_probes.py checks it)
 _ASSIGN_ONE = struct.Struct(wire.ASSIGN_FIXED.format + "i")
 _PAGES_ONE = struct.Struct(wire.PAGES_FIXED.format + "i")  # ALLOC / FREE of one page
 

@@ -16,13 +16,13 @@ spirit of Falco's rules file:
   exposure panel, the demo's read findings).
 
 Generated from it by ``make generate`` (:mod:`.generate`; the outputs are committed and
-tests/test_generated.py fails when they drift): the ``kvguard-findings`` rule group of
+tests/sidecar/test_generated.py fails when they drift): the ``kvguard-findings`` rule group of
 alerts/kvguard.rules.yaml (the paging kinds' rules, the grouped rules' ``kind!~`` lists,
 the routing table), the finding tables of docs/runbooks/README.md, and the dashboards'
 JSON (dashboards/src reads its kind lists from here). Read from it at run time:
 :mod:`.finding_kinds` (the zero series in /metrics and the check every test makes on
 emitted findings), :mod:`.incidents` (grouping and resolution), the detectors' ``kinds``
-declarations and the demo's checks. tests/test_catalogue.py checks the rule file, the
+declarations and the demo's checks. tests/sidecar/test_catalogue.py checks the rule file, the
 runbooks and the detectors against it. docs/extending.md walks through adding a kind.
 """
 
@@ -163,7 +163,7 @@ CATALOGUE: tuple[KindSpec, ...] = (
             "On the open-incident gauge, not the findings window: a double free has no reader whose end "
             "clears it, so the sidecar resolves its incident after a quiet period (5 minutes without a "
             "repeat, the same span as the window above) and this alert resolves with it, as the sidecar's "
-            "own PagerDuty sink does. A gauge has no first-sample problem. tests/test_alert_chain_engine.py "
+            "own PagerDuty sink does. A gauge has no first-sample problem. tests/integration/test_alert_chain_engine.py "
             "drives this one through Alertmanager to a PagerDuty receiver and back (trigger, then resolve).",
         ),
         incident_by=BY_FIRST_PAGE,

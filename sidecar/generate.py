@@ -3,7 +3,7 @@
     python -m kvguard.sidecar.generate           write the files that differ
     python -m kvguard.sidecar.generate --check   exit 1 and name the files that differ; write nothing
 
-Outputs (committed; tests/test_generated.py fails when they drift from the catalogue):
+Outputs (committed; tests/sidecar/test_generated.py fails when they drift from the catalogue):
 
 - ``alerts/kvguard.rules.yaml``: the ``kvguard-findings`` group, between its marker
   comments: the routing table (each (kind, severity) and the alert it goes to), the
@@ -164,7 +164,7 @@ def findings_rules() -> list[tuple[str, dict]]:
 
 
 ROUTING = (
-    "Routing of findings: each (kind, severity) pair is alerted on exactly once (tests/test_alerts.py checks "
+    "Routing of findings: each (kind, severity) pair is alerted on exactly once (tests/tools/test_alerts.py checks "
     "it); info findings are not alerted. A kind with its own rule pages through it; one alerted on a metric of "
     "its own has its rule in another group below."
 )

@@ -34,7 +34,7 @@ from .stats import IncidentStats, KindAndSeverity
 
 FIRING, RESOLVED = "firing", "resolved"
 # What the store's memory estimate charges (tracemalloc-measured and rounded up:
-# tests/test_incidents.py keeps them honest). A bug that fires for every request of a busy
+# tests/sidecar/test_incidents.py keeps them honest). A bug that fires for every request of a busy
 # engine makes thousands of incidents, each keeping its first findings with their page
 # lists: 10,000 x 20 findings of a 150-page read were ~1.5 GB before the store had a byte bound.
 INCIDENT_BYTES = 4_000  # an Incident with its dicts and summary, no page ids

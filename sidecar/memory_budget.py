@@ -9,7 +9,7 @@ entries per engine whatever the node: about 50 MB per engine, 400 MB on an 8-ran
 over the manifests' 512Mi limit. Now its capacity is what the budget leaves after the fixed
 parts, shared between the engines attached, recomputed on every HELLO and engine exit.
 
-The per-entry sizes are measured (tracemalloc; ``tests/test_memory_budget.py`` keeps them
+The per-entry sizes are measured (tracemalloc; ``tests/sidecar/test_memory_budget.py`` keeps them
 honest) and rounded up; ``kvguard_memory_bytes{part}`` exports the estimate per part beside
 the process's real RSS (``process_resident_memory_bytes``).
 """

@@ -67,7 +67,7 @@ DEFAULT_SERVICE_NAME = "kvguard-sidecar"
 MAX_EXPOSED_RIDS = 32
 
 # GenAI semantic conventions (now in open-telemetry/semantic-conventions-genai; the
-# names are checked against opentelemetry-semantic-conventions in tests/test_tracing.py)
+# names are checked against opentelemetry-semantic-conventions in tests/sidecar/test_tracing.py)
 GEN_AI_RESPONSE_ID = "gen_ai.response.id"  # the engine's rid (SGLang answers with it as the response id)
 GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"

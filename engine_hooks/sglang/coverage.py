@@ -28,7 +28,7 @@ HYBRID_LINEAR_POOLS = ("HybridLinearKVPool",)
 # Mamba / linear-attention state (hooks_state.py): the request-to-token pool that maps each
 # request to a state slot, and the slot allocator hooked (plugin.py _STATE), each by exact class
 # (a subclass may hand out slots another way). Verified on a real engine of the versions below
-# (tests/test_state_sglang_engines.py: Qwen3-Next, --mamba-radix-cache-strategy no_buffer);
+# (tests/integration/test_state_sglang_engines.py: Qwen3-Next, --mamba-radix-cache-strategy no_buffer);
 # extra_buffer's ping-pong slots, the int8 checkpoint pool, speculative decoding's state
 # rollback, HiCache's state copies and prefill/decode state transfer were not: declared.
 STATE_REQ_POOLS = ("HybridReqToTokenPool",)
@@ -38,7 +38,7 @@ STATE_ROLES = ("unified",)
 
 # A hybrid sliding-window engine (hooks_swa.py): the allocator pair and the pool it drives, by
 # exact class, their sub-allocators hooked classes. Verified on a real engine of the versions
-# below (tests/test_swa_sglang_engines.py: GPT-OSS, one window layer and one full layer); the
+# below (tests/integration/test_swa_sglang_engines.py: GPT-OSS, one window layer and one full layer); the
 # per-request SWA ring, SWA pools indexed by full slots, speculative decoding (a draft window),
 # HiCache and prefill/decode roles were not: declared.
 SWA_ALLOCATORS = ("SWATokenToKVPoolAllocator",)
@@ -50,7 +50,7 @@ SWA_ROLES = ("unified",)
 # TARGET_VERIFY forwards, the draft model's forwards): the spec worker's class -> the algorithms (as SGLang resolves them:
 # NEXTN -> EAGLE) it runs, each verified on a real engine of the versions below with a chain
 # draft (EAGLE family: --speculative-eagle-topk 1; NGRAM: --speculative-ngram-max-bfs-breadth 1;
-# tests/test_spec_sglang_engines.py). A tree draft (topk > 1 moves accepted KV between the
+# tests/integration/test_spec_sglang_engines.py). A tree draft (topk > 1 moves accepted KV between the
 # request's own slots after verify), multi-layer EAGLE, STANDALONE, DFLASH, UNO, DSPARK,
 # FROZEN_KV_MTP and plugin algorithms stay unwatched: their paths were not verified.
 # (EAGLE3 runs in the same worker with the same slot paths, but its draft reads the target's

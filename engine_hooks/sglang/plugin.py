@@ -182,7 +182,7 @@ _OPTIONAL_FREE_PAGE_IDS = tuple(
 
 # HiCache (--enable-hierarchical-cache): device <-> host copies of the KV pool (hooks_hicache.py).
 # The layout of 0.5.20..0.5.23 (l2_transfer, unified_radix_cache, hybrid_cache_controller),
-# verified on a real engine of each (tests/test_hicache_engine.py, make test-versions); the
+# verified on a real engine of each (tests/integration/test_hicache_engine.py, make test-versions); the
 # modules are imported by every engine, so the hooks are registered whether or not HiCache is
 # on (they run only when it copies). 0.5.19 lays its cache out otherwise (hiradix_cache): not
 # hooked. Decode retraction to the host pool (backup_kv_cache / restore_kv_cache) from 0.5.21.
@@ -303,7 +303,7 @@ _STATE = (
 STATE_TARGETS = tuple(spec.target for spec in _STATE)
 
 # version -> (verified on a real engine, hook specs). Every version here runs the real
-# engine tests (tests/test_sglang_adapter_engine.py: unified, decode, prefill roles);
+# engine tests (tests/integration/test_sglang_adapter_engine.py: unified, decode, prefill roles);
 # free_page_ids exists from 0.5.20 on.
 SUPPORTED: dict[str, tuple[bool, tuple]] = {
     "0.5.19": (True, _COMMON + _SPEC + _STATE),

@@ -63,7 +63,7 @@ REJECT_GRACE_NS = 5_000_000_000
 # chunk costs, grow without bound; past this the room is taken as written and not judged.
 MAX_CHUNKS_PER_ROOM = 4096
 # What the ledger's byte bound charges (``TransferLedger.max_bytes``, the memory budget's share),
-# rounded up from tracemalloc (tests/test_ledger.py): a room, a chunk, a partial digest, and the
+# rounded up from tracemalloc (tests/sidecar/test_ledger.py): a room, a chunk, a partial digest, and the
 # reserved page ids as their array holds them.
 ROOM_BYTES = 1_200
 CHUNK_BYTES = 150

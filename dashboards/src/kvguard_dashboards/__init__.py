@@ -3,7 +3,7 @@
 ``DASHBOARDS`` maps each file of ``dashboards/generated/`` to the function that builds
 it. ``render_all()`` is the whole generator: the JSON is deterministic (sorted keys,
 panel ids in layout order), so the committed files can be compared byte for byte
-(``kvguard dashboards generate --check``, tests/test_dashboards.py).
+(``kvguard dashboards generate --check``, tests/tools/test_dashboards.py).
 """
 
 from __future__ import annotations
