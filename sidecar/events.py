@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .findings import Party
-from .request_directory import RequestInfo
+from .request_info import RequestInfo
 
 if TYPE_CHECKING:
     from .ledger import DigestVerdict, RoomState

@@ -7,27 +7,10 @@ are gone, and the directory's size is the memory budget's to set (sidecar/memory
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
+from .request_info import RequestInfo
 
-@dataclass(slots=True)
-class RequestInfo:
-    key: int
-    rid: str = ""
-    tenant: str = ""
-    room: int | None = None
-    warmup: bool = False
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    begin_ns: int = 0
-    end_ns: int = 0
-    finish: str = ""
-    ttft_ns: int = 0
-    rejected: str = ""
-    reprefilled: bool = False  # KV released and prefilled again (REQ_END flag): TTFT not comparable
-    known: bool = True  # False: a stub for a request whose REQ_BEGIN we never saw (not judged)
-    guard_action: str = ""  # what the engine's guard did about its reads (GUARD read rules): aborted / observed
-    scope: int = 0  # its prefix-cache scope (REQ_SCOPE: cache salt / extra key, hashed); 0 = the default
+__all__ = ["RequestDirectory", "RequestInfo"]
 
 
 class RequestDirectory:
