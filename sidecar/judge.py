@@ -59,6 +59,22 @@ _SCALAR_ENTRIES = 32
 _GEN_MASK, _SHARED_BIT = int(GEN_MASK), int(SHARED_BIT)
 
 
+# rows changed since the last forward's rows up to which ``Judge._rows_as_seen`` compares them one
+# by one (each a couple of numpy calls) rather than gathering every model row
+_SEEN_CHANGED_MAX = 48
+
+
+class _RowsSeen(NamedTuple):
+    """The last forward whose engine rows were found to be the model, every reader judged: its
+    keys, the row entries each read, the rows' stamps then, and the rows as the engine sent
+    them (a read-only view of that record)."""
+
+    keys: np.ndarray
+    n: np.ndarray
+    stamps: np.ndarray
+    actual: np.ndarray
+
+
 class _Batch(NamedTuple):
     """A forward's readers against the rows: each key's row index (-1: none), whether it has
     one, whether all do, the index to read the row scalars at (0 for those without), and
@@ -87,6 +103,7 @@ class Judge:
         self.judge_epoch = 0  # bumped to drop every row's clean prefix at once
         self.pages_read = 0
         self.pages_unverified = 0
+        self._rows_seen: list[_RowsSeen] = []  # (``_rows_as_seen``: at most two, the newest first)
 
     def on_hello(self, hello: wire.Hello) -> None:
         self.hello = hello
@@ -422,7 +439,13 @@ class Judge:
         rows = self.rows
         if judged is None:  # (the common case: every reader judged, nothing to select)
             if not np.array_equal(read_counts, batch.n):
+                self._forget_seen(req_keys)
                 return None
+            for seen in self._rows_seen:
+                if len(seen.keys) == len(req_keys) and np.array_equal(seen.keys, req_keys):
+                    if self._rows_as_seen(seen, req_keys, batch, read_pages):
+                        return 0
+                    break
             unjudged = 0
             keys = req_keys.tolist()
             n, at = batch.n, batch.at
@@ -444,7 +467,58 @@ class Judge:
         model = np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else actual[:0]
         if len(actual) != len(model) or not np.array_equal(actual, model):
             return None
+        if judged is None:
+            self._remember_seen(_RowsSeen(req_keys, batch.n, rows.scalars.stamp[batch.at], read_pages))
         return unjudged
+
+    def _remember_seen(self, seen: _RowsSeen) -> None:
+        """Keep the rows of the last two batches that were the model (a decode step's batch and
+        a prefill's between two of its steps), the newest first; the same batch's replaced."""
+        self._forget_seen(seen.keys)
+        self._rows_seen = [seen, *self._rows_seen[:1]]
+
+    def _forget_seen(self, req_keys: np.ndarray) -> None:
+        self._rows_seen = [
+            s for s in self._rows_seen if len(s.keys) != len(req_keys) or not np.array_equal(s.keys, req_keys)
+        ]
+
+    def _rows_as_seen(self, seen: _RowsSeen, req_keys: np.ndarray, batch: _Batch, read_pages: np.ndarray) -> bool:
+        """``_rows_as_modelled`` against the last forward whose rows were found to be the model,
+        for the same batch (every reader judged): a row whose stamp (``RowScalars.touch``) and
+        length read are unchanged since holds what it held, so the engine's row must be what it
+        sent then; only the rows that changed are compared with the model. The same answer
+        without gathering the whole batch's model rows (a decode step's batch changes a few
+        rows between forwards). True: the rows are the model (remembered for the next forward)."""
+        n = batch.n
+        stamps = self.rows.scalars.stamp[batch.at]
+        changed = np.flatnonzero((stamps != seen.stamps) | (n != seen.n))
+        if len(changed) > _SEEN_CHANGED_MAX:  # comparing with the model at once is cheaper
+            self._forget_seen(req_keys)
+            return False
+        actual, before = read_pages, seen.actual
+        if not len(changed):
+            if not np.array_equal(actual, before):
+                return False
+        else:
+            now_at = [0, *n.cumsum().tolist()]
+            then_at = [0, *seen.n.cumsum().tolist()]
+            row_of = self.rows.row_of
+            start = 0  # the first row of the stretch of unchanged rows before the next changed one
+            for i in changed.tolist():
+                if i > start and not np.array_equal(
+                    actual[now_at[start] : now_at[i]], before[then_at[start] : then_at[i]]
+                ):
+                    return False
+                if not np.array_equal(
+                    actual[now_at[i] : now_at[i + 1]], row_of(req_keys[i].item()).pages[: now_at[i + 1] - now_at[i]]
+                ):
+                    return False
+                start = i + 1
+            if start < len(n) and not np.array_equal(actual[now_at[start] :], before[then_at[start] :]):
+                return False
+        rest = [s for s in self._rows_seen if s is not seen]  # (this batch's entry is replaced)
+        self._rows_seen = [_RowsSeen(req_keys, n, stamps, read_pages), *rest[:1]]
+        return True
 
     def _absorb_changes(self) -> None:
         """Replay the page-change log into the rows' clean prefixes (before judging a FORWARD)."""

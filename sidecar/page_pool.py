@@ -373,7 +373,17 @@ class RowScalars:
     few numpy operations instead of ~10 attribute reads per request. Indexes of ended rows are
     reused (``release``), so the table is as large as the most rows live at once."""
 
-    __slots__ = ("length", "clean_n", "clean_reads", "clean_epoch", "tail_page", "tail_gen_shared", "_free")
+    __slots__ = (
+        "length",
+        "clean_n",
+        "clean_reads",
+        "clean_epoch",
+        "tail_page",
+        "tail_gen_shared",
+        "stamp",
+        "_free",
+        "next_stamp",
+    )
 
     # name -> value of a fresh row
     FRESH = (
@@ -383,6 +393,7 @@ class RowScalars:
         ("clean_epoch", -1),
         ("tail_page", -1),
         ("tail_gen_shared", 0),
+        ("stamp", -1),
     )
 
     def __init__(self, capacity: int = 64):
@@ -394,6 +405,11 @@ class RowScalars:
         self.clean_n = np.zeros(capacity, np.int64)
         self.clean_reads = np.zeros(capacity, np.int64)
         self.clean_epoch = np.full(capacity, -1, np.int64)
+        # a stamp no other state of any row had (``touch``): a row whose stamp is unchanged
+        # since a forward holds the entries it held then (the judge compares the engine's rows
+        # of the next forward with the last ones there, ``Judge._rows_as_modelled``)
+        self.stamp = np.full(capacity, -1, np.int64)
+        self.next_stamp = 0
         self._free = list(range(capacity - 1, -1, -1))
 
     @property
@@ -413,7 +429,13 @@ class RowScalars:
         index = self._free.pop()
         for name, fresh in self.FRESH:
             getattr(self, name)[index] = fresh
+        self.touch(index)
         return index
+
+    def touch(self, index: int) -> None:
+        """Row ``index``'s entries changed: a new stamp."""
+        self.stamp[index] = self.next_stamp
+        self.next_stamp += 1
 
     def release(self, index: int) -> None:
         self.clean_epoch[index] = -1
@@ -475,8 +497,10 @@ class Row:
             t.clean_reads[i] = int(np.count_nonzero(self.pages[:n] > 0))
 
     def tail_changed(self) -> None:
-        """The row's last entry was (re)written: its copy in the table follows
+        """Entries were (re)written (every write to ``pages`` / ``gen_shared`` ends with this
+        call): a new stamp, and the copy of the last entry in the table follows
         (``EngineTracker.on_assign_run`` tells repeated ASSIGNs by it)."""
+        self.table.touch(self.index)
         if len(self.pages):
             self.table.tail_page[self.index] = self.pages[-1]
             self.table.tail_gen_shared[self.index] = self.gen_shared[-1]
@@ -496,6 +520,7 @@ class Row:
         self.pages = self._pages_buf[:n]
         self.gen_shared = self._gens_buf[:n]
         self.table.length[self.index] = n
+        self.table.touch(self.index)
 
     @property
     def nbytes(self) -> int:

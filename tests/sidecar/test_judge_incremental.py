@@ -388,3 +388,69 @@ def test_a_batch_of_the_same_keys_after_its_rows_were_replaced_reads_the_new_row
         found = dict(t.judge.classify_reads(keys, seq))
         assert list(found) == [1]
         assert found[1].freed.tolist() == [10] and found[1].unwritten.tolist() == [9, 11, 12]
+
+
+def _row_reads(t: EngineTracker, keys: np.ndarray, rows: list[list[int]], seq: np.ndarray) -> dict:
+    """One forward whose record carried the engine's rows: {request index: (foreign, unwritten, freed)}."""
+    counts = np.array([len(r) for r in rows], np.uint32)
+    pages = np.array([p for r in rows for p in r], np.int32)
+    pages.flags.writeable = False  # (as decoded: a view of the record)
+    return {
+        i: (v.foreign.tolist(), v.unwritten.tolist(), v.freed.tolist())
+        for i, v in t.judge.classify_reads(keys, seq, counts, pages)
+    }
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+def test_rows_compared_with_the_last_forwards_still_catch_a_row_that_differs(monkeypatch, incremental):
+    """Consecutive forwards with rows (``Judge._rows_as_seen``): an engine row that no longer
+    matches while its model row did not change, and a model row that changed (a page appended)
+    while the engine's did not follow, are both judged as read; each case gives the full judge's verdicts."""
+    monkeypatch.setattr(tracker_mod, "INCREMENTAL_JUDGE", incremental)
+    t = EngineTracker(2, tracker_mod.RequestDirectory())
+    t.on_hello(wire.Hello(wire.Role.DECODE, 0, 1, 4, 64, 256, 2048, 250, "sglang", "x", "m", "0"))
+    rids = "ABCD"
+    keys = np.array([wire.request_key(r) for r in rids], np.uint64)
+    for rid in rids:
+        t.on_request_begin(wire.ReqBegin(wire.request_key(rid), wire.NO_ROOM, 8, 0, False, rid, "t"), 0)
+    t.on_alloc(np.arange(1, 21))
+    rows = [[1 + 4 * i, 2 + 4 * i, 3 + 4 * i] for i in range(4)]
+    for k, r in zip(keys.tolist(), rows):
+        t.on_assign(wire.Assign(k, 0, 12, 0, np.array(r)))
+    t.mark_writes(keys, np.full(4, 3, np.uint32), np.array([p for r in rows for p in r]), 1)
+    seq = np.full(4, 12, np.uint32)
+    for _ in range(2):  # the second forward compares with the first
+        assert _row_reads(t, keys, rows, seq) == {}
+    # 1. B's engine row names C's page while B's model row is unchanged
+    bad = [r[:] for r in rows]
+    bad[1][2] = 9
+    assert _row_reads(t, keys, bad, seq) == {1: ([9], [], [])}
+    assert _row_reads(t, keys, rows, seq) == {}
+    assert _row_reads(t, keys, rows, seq) == {}
+    # 2. D's model row gains a page (its token 12 starts one); the engine's row does not follow: D
+    # reads 4 pages of a row that has 4, the 4th named page is A's
+    t.on_assign(wire.Assign(keys[3].item(), 12, 13, 12, np.array([17])))
+    t.mark_writes(keys[3:], np.ones(1, np.uint32), np.array([17]), 2)
+    seq = np.array([12, 12, 12, 13], np.uint32)
+    grown = [r[:] for r in rows]
+    grown[3] = rows[3] + [1]
+    assert _row_reads(t, keys, grown, seq) == {3: ([1], [], [])}
+    grown[3] = rows[3] + [17]
+    assert _row_reads(t, keys, grown, seq) == {}
+    assert _row_reads(t, keys, grown, seq) == {}
+    # 3. A's and C's engine rows swap their last pages while D's row grows again: three rows differ
+    t.on_assign(wire.Assign(keys[3].item(), 16, 17, 16, np.array([18])))
+    t.mark_writes(keys[3:], np.ones(1, np.uint32), np.array([18]), 3)
+    seq = np.array([12, 12, 12, 17], np.uint32)
+    swapped = [r[:] for r in grown]
+    swapped[0][2], swapped[2][2] = swapped[2][2], swapped[0][2]
+    swapped[3] = grown[3] + [18]
+    assert _row_reads(t, keys, swapped, seq) == {0: ([11], [], []), 2: ([3], [], [])}
+    # 4. B's model row has its middle page replaced (the same length); the engine's row still
+    # names the old one: read where the model no longer has it
+    assert _row_reads(t, keys, swapped[:2] + [rows[2]] + swapped[3:], seq) == {0: ([11], [], [])}
+    rows_now = [rows[0], rows[1], rows[2], swapped[3]]
+    assert _row_reads(t, keys, rows_now, seq) == {}
+    t.on_assign(wire.Assign(keys[1].item(), 4, 8, 4, np.array([19])))
+    t.mark_writes(keys[1:2], np.ones(1, np.uint32), np.array([19]), 4)
+    assert _row_reads(t, keys, rows_now, seq) == {1: ([6], [], [])}
