@@ -346,8 +346,10 @@ class Probes(TransferProbes):
         self._emit(wire.Kind.REQ_END, wire.req_end_payload(r))
 
     @guarded_probe
-    def pages_allocated(self, slots) -> None:
-        pages = self.slots_to_pages(slots)
+    def pages_allocated(self, slots, page_starts: bool = False) -> None:
+        """The pages holding ``slots`` were allocated. ``page_starts``: each slot is the first of
+        its page (an allocator's new pages), so the pages are distinct: no de-duplication."""
+        pages = as_int64(slots) // self.page_size if page_starts else self.slots_to_pages(slots)
         if len(pages):
             if self.tier1 is not None:
                 self.tier1.allocated(pages)

@@ -46,7 +46,7 @@ def _alloc_post(outer, result, self, *args, **kwargs):
         if pool:
             rt.probes().page_ids_allocated((new_page_slots // ps).tolist(), pool=pool)
         else:
-            rt.probes().pages_allocated(new_page_slots)
+            rt.probes().pages_allocated(new_page_slots, page_starts=ps > 1)
 
 
 def alloc_hook(name: str):
