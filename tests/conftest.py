@@ -220,3 +220,14 @@ def vllm_captured():
     yield cap
     probes_mod.reset_probes_for_tests(None)
     rt.State.reset()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server of its own (tests/support/redis_server.py), killed after the test."""
+    from tests.support.redis_server import RedisServer
+
+    server = RedisServer(tmp_path).start()
+    yield server
+    if server.proc.poll() is None:
+        server.kill()

@@ -18,7 +18,6 @@ from kvguard.demo.engines import PDPair
 from kvguard.demo.scenario import run_incident_scenario
 from kvguard.sidecar.service import Sidecar
 from kvguard.sidecar.sinks.basic import MemorySink
-from tests.integration.test_ledger_redis import redis_server  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
 
@@ -37,7 +36,7 @@ class TwoPodPair(PDPair):
 
 def test_the_0_5_19_leak_across_two_pods_is_caught_by_the_decode_sidecar(
     tmp_path,
-    redis_server,  # noqa: F811
+    redis_server,
     require_sglang,
 ):
     require_sglang("0.5.19")

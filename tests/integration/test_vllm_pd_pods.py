@@ -22,9 +22,9 @@ import pytest
 
 from kvguard.sidecar.service import Sidecar
 from kvguard.sidecar.sinks.basic import MemorySink
-from tests.integration.test_ledger_redis import RedisServer
 from tests.integration.test_vllm_engine import Watch, _text
 from tests.integration.test_vllm_pd import _events, pair_dirs, running_pair, short_pull_after_acme
+from tests.support.redis_server import RedisServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 

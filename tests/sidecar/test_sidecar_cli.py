@@ -16,7 +16,6 @@ from kvguard.engine_hooks.probes import Probes
 from kvguard.engine_hooks.ring import RingWriter
 from kvguard.sidecar.service import Sidecar
 from kvguard.sidecar.sinks.basic import MemorySink
-from tests.integration.test_ledger_redis import redis_server  # noqa: F401 - the fixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -311,7 +310,7 @@ def test_ledger_required_fails_fast_when_the_shared_ledger_does_not_answer(tmp_p
     assert r.returncode == 2 and "--ledger-required: the ledger is 'memory', not a shared one" in r.stderr
 
 
-def test_ledger_required_starts_when_the_shared_ledger_answers(tmp_path, redis_server):  # noqa: F811
+def test_ledger_required_starts_when_the_shared_ledger_answers(tmp_path, redis_server):
     port = free_port()
     args = ["--ring-dir", str(tmp_path / "rings"), "--listen", f"127.0.0.1:{port}"]
     with RunningSidecar(args + ["--ledger", redis_server.url, "--ledger-required"], port) as sidecar:
