@@ -12,12 +12,13 @@ import hmac
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from pydantic import BaseModel
 
 from kvguard.engine_hooks import wire
 
+from . import incident_view
 from .history import Event
 from .metrics import KVGuardCollector
 from .service import Sidecar
@@ -114,6 +115,50 @@ def create_app(sidecar: Sidecar, registry: CollectorRegistry | None = None, api_
         with sidecar.lock:
             found = sidecar.pipeline.incidents.list(state, kind, tenant, limit)
             return {"incidents": [i.to_dict() for i in found]}
+
+    # the incident view (sidecar/incident_view.py): HTML with inline SVG, no script, nothing
+    # loaded from elsewhere (CSP); registered before /v1/incidents/{incident_id}, which "view" is not.
+    # No response_class=HTMLResponse: that would document the JSON errors as text/html too
+    html_responses: dict[int | str, dict[str, Any]] = {
+        200: {"content": {"text/html": {}}, "description": "the incident view (HTML)"}
+    }
+
+    def _html(body: str) -> HTMLResponse:
+        return HTMLResponse(
+            body,
+            headers={
+                "Content-Security-Policy": incident_view.CSP,
+                "X-Content-Type-Options": "nosniff",
+                "Referrer-Policy": "no-referrer",
+                "Cache-Control": "no-store",  # it names requests and tenants
+            },
+        )
+
+    @app.get(
+        "/v1/incidents/view",
+        dependencies=auth,
+        responses={**AUTH_RESPONSES, **html_responses},
+    )
+    def incidents_view(
+        state: Annotated[str | None, Query(pattern="^(firing|resolved)$")] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ):
+        with sidecar.lock:
+            found = [i.to_dict() for i in sidecar.pipeline.incidents.list(state, None, None, limit)]
+        return _html(incident_view.render_list(found))
+
+    @app.get(
+        "/v1/incidents/{incident_id}/view",
+        dependencies=auth,
+        responses={**AUTH_RESPONSES, **html_responses, 404: {"model": ErrorBody, "description": "no such incident"}},
+    )
+    def incident_view_page(incident_id: Annotated[str, Path(pattern=INCIDENT_ID)]):
+        with sidecar.lock:
+            inc = sidecar.pipeline.incidents.incidents.get(incident_id)
+            if inc is None:
+                raise HTTPException(404, f"no incident {incident_id}")
+            picture = incident_view.gather(sidecar.pipeline, inc)
+        return _html(incident_view.render_incident(picture))
 
     @app.get(
         "/v1/incidents/{incident_id}",

@@ -530,6 +530,8 @@ def cmd_replay(args) -> int:
                 r.replay_segment(path)
                 bar.update(size)
         summary = r.summary()
+        if args.html:
+            write_html(r, args.html)
         if args.json:
             sys.stdout.write(json.dumps({"summary": summary}) + "\n")
         else:
@@ -539,6 +541,34 @@ def cmd_replay(args) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
     return exit_status(summary or r.summary())
+
+
+def write_html(r: Replay, out_dir: str) -> list[str]:
+    """``--html DIR``: the incident view (sidecar/incident_view.py) of every incident the replay
+    holds at its end, one standalone file each, and an index.html linking them; the paths go to
+    stderr (stdout may be --json's). An incident id met again in a later recording run (the
+    sidecar restarted) gets the run's number in its file name."""
+    from . import incident_view
+
+    os.makedirs(out_dir, exist_ok=True)
+    written: list[str] = []
+    listed: list[dict] = []
+    names: dict[str, str] = {}
+    for run, pipeline in enumerate(r.pipelines):
+        for inc in pipeline.incidents.incidents.values():
+            name = f"{inc.id}.html" if inc.id not in names else f"{inc.id}-run{run}.html"
+            picture = incident_view.gather(pipeline, inc)
+            path = os.path.join(out_dir, name)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(incident_view.render_incident(picture, api_base=None))
+            names.setdefault(inc.id, name)
+            listed.append({**inc.to_dict(), "_file": name})
+            written.append(path)
+    index = os.path.join(out_dir, "index.html")
+    with open(index, "w", encoding="utf-8") as f:
+        f.write(incident_view.render_list(listed, href=lambda d: d["_file"]))
+    sys.stderr.write(f"kvguard replay: incident views: {len(written)} file(s), index {index}\n")
+    return written
 
 
 def register(subparsers) -> None:
@@ -579,5 +609,12 @@ def register(subparsers) -> None:
         "--json",
         action="store_true",
         help='one JSON object per finding (as `kvguard sidecar --json`), then one {"summary": ...} line',
+    )
+    p.add_argument(
+        "--html",
+        metavar="DIR",
+        default=None,
+        help="write the incident view (a page-ownership timeline, standalone HTML) of each incident "
+        "the replay ends with into DIR, one file per incident, and DIR/index.html linking them",
     )
     p.set_defaults(func=cmd_replay)
