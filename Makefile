@@ -65,7 +65,9 @@ VLLM_TEST_DIRS := $(foreach v,$(VLLM_TEST_VERSIONS),$(VENV)/vllm/$(v)/.installed
 # delivery and the Redis ledger (~35 MB in all, a few seconds).
 # libxxhash-dev: xxhash.h for the compiled digest routine (`make native`).
 # spin: the Promela model of the transfer protocol (spec/transfer.pml, docs/spec.md).
-APT_PACKAGES ?= libibverbs1 prometheus prometheus-alertmanager redis-server libxxhash-dev spin
+# chromium, chromium-driver: the incident view's browser test (Selenium drives Debian's
+# chromium; Playwright's own browser download is not reachable; ~100 MB with its libraries).
+APT_PACKAGES ?= libibverbs1 prometheus prometheus-alertmanager redis-server libxxhash-dev spin chromium chromium-driver
 
 VENV_STAMP := $(VENV)/.kvguard-venv
 

@@ -300,7 +300,7 @@ def _svg(pic: IncidentPicture, colours: dict[int, str]) -> str:
         return pages_top + index[page] * row
 
     out = [
-        f"<svg xmlns='http://www.w3.org/2000/svg' width='{left + width + 20}' height='{height}' "
+        f"<svg xmlns='http://www.w3.org/2000/svg' width='{left + width + 50}' height='{height}' "
         f"role='img' aria-label='page ownership timeline' font-size='11' font-family='sans-serif'>"
     ]
     # axes: time ticks (ms after the first event drawn) and page labels
