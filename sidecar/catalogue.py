@@ -288,6 +288,16 @@ CATALOGUE: tuple[KindSpec, ...] = (
         {WARNING: WARNING_GROUPED},
         "a prefix-cache page written by one tenant was read by another, and tenants are declared isolated",
     ),
+    KindSpec(
+        "prefix_probing",
+        (WARNING,),
+        ISOLATION,
+        BY_ENGINE,
+        AFTER_QUIET,
+        {WARNING: WARNING_GROUPED},
+        "one tenant's requests kept hitting prefixes another tenant's requests wrote, each prompt only a few "
+        "tokens past the hit, at growing lengths: the pattern of recovering a prompt through the prefix cache",
+    ),
 )
 
 KINDS: dict[str, KindSpec] = {spec.kind: spec for spec in CATALOGUE}

@@ -394,8 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--isolate-tenants",
         action="store_true",
-        help="report prefix-cache pages written by one "
-        "tenant and read by another (cross_tenant_prefix_share); off by default",
+        help="report prefix-cache pages written by one tenant and read by another "
+        "(cross_tenant_prefix_share), and one tenant walking another's cached prompt a few "
+        "tokens at a time (prefix_probing); off by default",
     )
     p.add_argument(
         "--api-token-file",

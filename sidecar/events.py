@@ -134,6 +134,19 @@ class PrefixSharedAcrossScopes:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """A request was handed prefix-cache pages as its row's first entries (an ASSIGN from
+    position 0 whose first ``hit_tokens`` positions came from the cache): the pages that held
+    KV then, and each one's last writer (request key; 0 unknown). The probing detector and
+    the isolation report read who wrote what another request got."""
+
+    reader: RequestInfo
+    hit_tokens: int
+    pages: np.ndarray
+    writers: np.ndarray  # u64 per page
+
+
+@dataclass(frozen=True, slots=True)
 class ContentChangedAt:
     """The engine's content check found KV slots changed with no hooked write (CONTENT_CHANGED)."""
 

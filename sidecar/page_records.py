@@ -71,11 +71,14 @@ class PageRecords:
         body = rec.body
         if type(body) is wire.AssignRun:
             return self.on_assign_run(t, rec)
-        crossed = t.on_assign(body)
+        events = t.on_assign(body)
         self.out.record(
             rec.ts_ns, rec.engine_id, Event.ASSIGN, body.req_key, body.pages, aux=body.row_start, pool=t.pool_index
         )
-        return [] if crossed is None else self.out.judge(crossed, t, rec.ts_ns)
+        findings: list[Finding] = []
+        for event in events:
+            findings += self.out.judge(event, t, rec.ts_ns)
+        return findings
 
     def on_assign_run(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
         """Back-to-back one-page ASSIGNs (a decode step's, one per request) as a batch: those
@@ -88,8 +91,8 @@ class PageRecords:
         findings: list[Finding] = []
         rest = t.on_assign_run(run)
         if len(rest):
-            for i, crossed in t.on_assign_run_rest(run, rest):
-                findings += self.out.judge(crossed, t, int(run.ts_ns[i]))
+            for i, event in t.on_assign_run_rest(run, rest):
+                findings += self.out.judge(event, t, int(run.ts_ns[i]))
         return findings
 
     def on_free(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:

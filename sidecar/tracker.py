@@ -20,7 +20,7 @@ import numpy as np
 from kvguard.engine_hooks import wire
 
 # (EngineTracker reads INCREMENTAL_JUDGE from this module: tests patch it here)
-from .events import PrefixSharedAcrossScopes, ReadVerdict, WriteVerdict
+from .events import PrefixHit, PrefixSharedAcrossScopes, ReadVerdict, WriteVerdict
 from .judge import INCREMENTAL_JUDGE, JUDGE_ENV, Judge
 from .page_pool import (
     ALLOCATED,
@@ -498,18 +498,20 @@ class EngineTracker:
             return None
         return PrefixSharedAcrossScopes(reader, crossed, pool.scope[crossed].copy())
 
-    def on_assign(self, a: wire.Assign) -> PrefixSharedAcrossScopes | None:
+    def on_assign(self, a: wire.Assign) -> tuple[PrefixSharedAcrossScopes | PrefixHit, ...]:
+        """Apply an ASSIGN; the events it gives: a prefix-cache hit at the row's start
+        (``PrefixHit``), and pages shared across prefix-cache scopes."""
         if a.row_start // self.page_size + len(a.pages) > self.row_limit or a.row_end > self.row_limit * self.page_size:
             self._assign_out_of_range(a)
-            return None
+            return ()
         if self._assign_changes_nothing(a):
             self.requests.get_or_stub(a.req_key)
-            return None
+            return ()
         if len(a.pages) == 1 and self._assign_appends_one(a.req_key, int(a.pages[0]), a.row_start, a.shared_until):
-            return None
+            return ()
         pages = self.pool.ensure(a.pages.astype(np.int64))
         if len(pages) != len(a.pages):
-            return None
+            return ()
         self.requests.get_or_stub(a.req_key)
         row = self.rows.get(a.req_key)
         if row is None:
@@ -534,9 +536,31 @@ class EngineTracker:
             pool.changed(claim)
             pool.state[claim] = OWNED
             pool.owner_slot[claim] = self._slot(a.req_key, row)
-        if pool.scope is not None and shared.any():  # salts in use: the cache must keep scopes apart
-            return self._shared_across_scopes(a.req_key, pages[shared])
-        return None
+        if not a.shared_until or not shared.any():
+            return ()
+        events: list[PrefixSharedAcrossScopes | PrefixHit] = []
+        if first == 0:  # the row's prefix came from the cache: who wrote it (a few ASSIGNs per request)
+            hit = self._prefix_hit(a.req_key, a.shared_until, pages[shared])
+            if hit is not None:
+                events.append(hit)
+        if pool.scope is not None:  # salts in use: the cache must keep scopes apart
+            crossed = self._shared_across_scopes(a.req_key, pages[shared])
+            if crossed is not None:
+                events.append(crossed)
+        return tuple(events)
+
+    def _prefix_hit(self, req_key: int, hit_tokens: int, shared_pages: np.ndarray) -> PrefixHit | None:
+        """The prefix-cache pages a request's row starts with that hold KV at their generation,
+        and who wrote them; None for a reader not judged or nothing written."""
+        reader = self.requests.get(req_key)
+        if reader is None or not reader.known:
+            return None
+        pool = self.pool
+        held = shared_pages[(shared_pages > PADDING_PAGE) & (pool.state[shared_pages] != UNKNOWN)]
+        held = held[pool.written_gen[held] == pool.gen[held]]
+        if len(held) == 0:
+            return None
+        return PrefixHit(reader, int(hit_tokens), held, pool.last_writer[held])
 
     def on_assign_run(self, run: wire.AssignRun) -> np.ndarray:
         """A batch of one-page ASSIGNs (``wire.AssignRun``): the positions, ascending, that must
@@ -604,7 +628,7 @@ class EngineTracker:
         """Apply, in order, the ASSIGNs of a run that ``on_assign_run`` left to be applied one
         by one, as ``on_assign`` would: those that append a page to their row (a decode step's
         token starting a page) by scalars, the rest as ASSIGNs of their own. Returns the
-        shares across scopes they crossed, with their positions."""
+        events they gave (``on_assign``), with their positions."""
         out = []
         row_limit = self.row_limit * self.page_size
         sel = positions
@@ -618,9 +642,8 @@ class EngineTracker:
         ):
             if end <= row_limit and self._assign_appends_one(key, page, start, shared_until):
                 continue
-            crossed = self.on_assign(run.assign(i))  # (changes nothing, out of range, a new row, ...)
-            if crossed is not None:
-                out.append((i, crossed))
+            for event in self.on_assign(run.assign(i)):  # (changes nothing, out of range, a new row, ...)
+                out.append((i, event))
         return out
 
     def _assign_out_of_range(self, a: wire.Assign) -> None:

@@ -20,6 +20,7 @@ from .guard import GuardDetector
 from .isolation import TenantIsolationDetector
 from .lifetime import DoubleFreeDetector, WriteDetector
 from .offload import OffloadDetector
+from .probing import PrefixProbingDetector
 from .reads import ReadDetector
 from .scopes import ScopeDetector
 from .sends import UnwrittenSendDetector
@@ -36,6 +37,7 @@ def default_detectors(*, isolate_tenants: bool = False, ttft_anomaly: bool = Tru
     return [
         ReadDetector(),
         TenantIsolationDetector(isolate_tenants),
+        PrefixProbingDetector(isolate_tenants),
         WriteDetector(),
         DoubleFreeDetector(),
         Tier1Detector(),

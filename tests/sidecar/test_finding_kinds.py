@@ -17,7 +17,7 @@ from kvguard.sidecar.metrics import KVGuardCollector
 from kvguard.sidecar.pipeline import Pipeline
 from kvguard.sidecar.service import Sidecar
 
-SWITCHED = {"cross_tenant_prefix_share", "ledger_degraded"}  # off by default (ttft_anomaly is on)
+SWITCHED = {"cross_tenant_prefix_share", "prefix_probing", "ledger_degraded"}  # off by default (ttft_anomaly is on)
 
 
 def scrape(sidecar: Sidecar) -> CollectorRegistry:
