@@ -624,12 +624,12 @@ class EngineTracker:
 
     def on_assign_run_rest(
         self, run: wire.AssignRun, positions: np.ndarray
-    ) -> list[tuple[int, PrefixSharedAcrossScopes]]:
+    ) -> list[tuple[int, PrefixSharedAcrossScopes | PrefixHit]]:
         """Apply, in order, the ASSIGNs of a run that ``on_assign_run`` left to be applied one
         by one, as ``on_assign`` would: those that append a page to their row (a decode step's
         token starting a page) by scalars, the rest as ASSIGNs of their own. Returns the
         events they gave (``on_assign``), with their positions."""
-        out = []
+        out: list[tuple[int, PrefixSharedAcrossScopes | PrefixHit]] = []
         row_limit = self.row_limit * self.page_size
         sel = positions
         for i, key, start, end, shared_until, page in zip(

@@ -170,7 +170,7 @@ class PrefixProbingDetector:
         """Per tenant pair, the prefix hits that crossed from the writer tenant to the reader
         tenant in the last ``window_ns`` (whole minutes, at most an hour), most hits first."""
         since = (now_ns - min(window_ns, REPORT_BUCKETS * BUCKET_NS)) // BUCKET_NS
-        out = []
+        out: list[dict] = []
         for (reader_tenant, writer_tenant), pair in self.pairs.items():
             hits = sum(c[0] for m, c in pair.buckets.items() if m > since)
             if not hits:
@@ -187,5 +187,5 @@ class PrefixProbingDetector:
                     "last_ns": pair.last_ns,
                 }
             )
-        out.sort(key=lambda r: (-r["prefix_hits"], r["reader_tenant"], r["writer_tenant"]))
+        out.sort(key=lambda r: (-int(r["prefix_hits"]), str(r["reader_tenant"]), str(r["writer_tenant"])))
         return out
