@@ -9,6 +9,7 @@ Handlers read the pipeline under the sidecar's lock and never hold it for long.
 from __future__ import annotations
 
 import hmac
+import time
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request, Response
@@ -19,6 +20,7 @@ from pydantic import BaseModel
 from kvguard.engine_hooks import wire
 
 from . import incident_view
+from .detectors.probing import PrefixProbingDetector
 from .history import Event
 from .metrics import KVGuardCollector
 from .service import Sidecar
@@ -173,6 +175,22 @@ def create_app(sidecar: Sidecar, registry: CollectorRegistry | None = None, api_
             body = inc.to_dict(with_findings=True)
             body["timeline"] = _incident_timeline(sidecar, inc)
             return body
+
+    @app.get("/v1/isolation", dependencies=auth, responses=AUTH_RESPONSES)
+    def isolation(window_s: Annotated[int, Query(ge=60, le=3600)] = 3600):
+        """Per (reader tenant, writer tenant): the prefix-cache hits that crossed tenants in the
+        last ``window_s`` (whole minutes; sidecar/detectors/probing.py), and whether the probing
+        detector is on. The evidence behind `kvguard isolation-report`."""
+        with sidecar.lock:
+            detector = sidecar.pipeline.detectors.get(PrefixProbingDetector)
+            pairs = detector.report(time.monotonic_ns(), window_s * 10**9)
+            return {
+                "window_s": window_s,
+                "probing_detector": bool(detector.enabled),
+                "cross_tenant_hits_total": detector.cross_tenant_hits,
+                "pairs_dropped": detector.pairs_dropped,
+                "pairs": pairs,
+            }
 
     @app.get("/v1/engines", dependencies=auth, responses=AUTH_RESPONSES)
     def engines():

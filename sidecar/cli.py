@@ -284,6 +284,7 @@ COMMAND_MODULES: list[tuple[str, str]] = [
     ("kvguard.sidecar.preflight", "register"),
     ("kvguard.sidecar.replay", "register"),
     ("kvguard.sidecar.dashboards_cli", "register"),
+    ("kvguard.sidecar.isolation_cli", "register"),
     ("kvguard.sidecar.canary.cli", "register"),
 ]
 

@@ -149,3 +149,47 @@ def test_probes_spread_over_more_than_the_window_are_not_one_walk():
 
     assert len(probes(10 * 10**9)) == 1
     assert probes(10**9) == []
+
+
+def test_the_isolation_report_is_served_behind_the_token_and_printed_by_the_cli(tmp_path):
+    """A real `kvguard sidecar` process watching the walk: /v1/isolation needs the token, and
+    `kvguard isolation-report` prints the crossing pair (exit 1: some hit crossed tenants)."""
+    import os
+
+    import httpx
+
+    from tests.sidecar.test_sidecar_cli import RunningSidecar, free_port, kvguard
+
+    rings = tmp_path / "rings"
+    rings.mkdir()
+    e = Engine(rings)
+    victim = e.request("acme", VICTIM_TOKENS)
+    walk(e, victim, "eve", [2, 2, 3, 3, 4, 4, 5, 5, 6, 6])
+    port = free_port()
+    token = "isolation-test-token"
+    env = dict(os.environ, KVGUARD_API_TOKEN=token)
+    args = ["--ring-dir", str(rings), "--listen", f"127.0.0.1:{port}", "--isolate-tenants"]
+    url = f"http://127.0.0.1:{port}"
+    with RunningSidecar(args, port, env=env) as sidecar:
+        assert sidecar.healthy
+        assert httpx.get(f"{url}/v1/isolation", timeout=5).status_code == 401
+        deadline = time.time() + 30
+        body: dict = {}
+        while time.time() < deadline and not body.get("pairs"):
+            body = httpx.get(f"{url}/v1/isolation", headers={"Authorization": f"Bearer {token}"}, timeout=5).json()
+            time.sleep(0.2)
+        assert body["probing_detector"] is True and body["cross_tenant_hits_total"] == 10
+        assert [(p["reader_tenant"], p["writer_tenant"], p["prefix_hits"]) for p in body["pairs"]] == [
+            ("eve", "acme", 10)
+        ]
+        r = kvguard("isolation-report", "--url", url)  # no token: said so, exit 2
+        assert r.returncode == 2 and "HTTP 401" in r.stderr and "KVGUARD_API_TOKEN" in r.stderr
+        token_file = tmp_path / "token"
+        token_file.write_text(token + "\n")
+        r = kvguard("isolation-report", "--url", url, "--api-token-file", str(token_file))
+        assert r.returncode == 1, r.stderr
+        assert "probing detector on" in r.stdout
+        (row,) = [line.split() for line in r.stdout.splitlines() if line.startswith("eve")]
+        assert row[:3] == ["eve", "acme", "10"]
+        r = kvguard("isolation-report", "--url", url, "--api-token-file", str(token_file), "--window-s", "30")
+        assert r.returncode == 2 and "60 .. 3600" in r.stderr
