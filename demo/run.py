@@ -280,6 +280,8 @@ class DemoRun:
     # engines still lived (their rings retire once they stop): page reads judged, digests compared,
     # each engine's COVERAGE
     stats: Any = None
+    # the incident view of the incident the demo shows (sidecar/incident_view.py), standalone HTML
+    view_path: str | None = None
 
     def engine(self, role: str):
         """The sidecar's :class:`EngineStats` of the engine of ``role``, or None."""
@@ -375,6 +377,7 @@ def capture_incident(
     finally:
         sidecar.stop()
     pipeline = sidecar.pipeline
+    view_path = write_view(pipeline, work)
     return DemoRun(
         sglang_version,
         scenario,
@@ -385,7 +388,24 @@ def capture_incident(
         guard,
         model,
         stats,
+        view_path,
     )
+
+
+def write_view(pipeline, work: str) -> str | None:
+    """The headline incident's view as a standalone HTML file beside the work directory (which
+    is removed after a run that went as expected), named by the incident; None: no incident."""
+    from kvguard.sidecar import incident_view
+
+    inc = incident_view.headline_incident(pipeline)
+    if inc is None:
+        return None
+    path = os.path.join(os.path.dirname(os.path.abspath(work)), f"kvguard-demo-{inc.id}.html")
+    try:
+        return incident_view.write_standalone(pipeline, inc, path)
+    except Exception:  # the picture is an extra: the demo's verdict stands without it (logged)
+        logging.getLogger(__name__).exception("could not write the incident view to %s", path)
+        return None
 
 
 def tell_words(run: DemoRun, say) -> None:
@@ -487,5 +507,8 @@ def run_and_report(what: str, prefix: str, capture, tell, as_json: bool, workdir
             print(json.dumps(f.to_dict()), flush=True)
     else:
         tell(run, sys.stdout)
+    view = getattr(run, "view_path", None)
+    if view:  # stderr: stdout holds only the findings with --json
+        print(f"the incident's page-ownership timeline (open in a browser): {view}", file=sys.stderr)
     print(f"demo finished in {time.monotonic() - t0:.0f} s" + ("" if ok else f"; UNEXPECTED: {why}"), file=sys.stderr)
     return 0 if ok else 1

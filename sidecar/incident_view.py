@@ -141,7 +141,7 @@ def gather(pipeline, incident, now_ns: int | None = None) -> IncidentPicture:
     # the parties the finding names, by the key the records carry
     reader_key = wire.request_key(reader_rid) if reader_rid else 0
     if reader_key:
-        pic.parties[reader_key] = {"rid": reader_rid, "tenant": reader.get("tenant") or "", "role": "reader"}
+        pic.parties[reader_key] = {"rid": reader_rid, "tenant": (reader or {}).get("tenant") or "", "role": "reader"}
     for inc_dict in [inc, *pic.related]:
         for party in inc_dict["exposed"]:
             key = wire.request_key(party["rid"])
@@ -220,17 +220,14 @@ def _e(value: Any) -> str:
 def _pages_text(pages: list[int], limit: int = 12) -> str:
     """Runs of consecutive pages: 2-64, 70, 80-90."""
     runs: list[str] = []
-    start = prev = None
-    for p in sorted(pages):
-        if start is None:
-            start = prev = p
-        elif p == prev + 1:
-            prev = p
-        else:
-            runs.append(f"{start}-{prev}" if prev != start else f"{start}")
-            start = prev = p
-    if start is not None:
-        runs.append(f"{start}-{prev}" if prev != start else f"{start}")
+    ordered = sorted(pages)
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        runs.append(f"{ordered[i]}-{ordered[j]}" if j > i else f"{ordered[i]}")
+        i = j + 1
     more = f", … ({len(runs) - limit} more runs)" if len(runs) > limit else ""
     return ", ".join(runs[:limit]) + more
 
@@ -530,3 +527,28 @@ def render_list(incidents: list[dict], api_base: str | None = "/v1", href=None) 
         else "<p>No incidents.</p>"
     )
     return _document("kvguard incidents", f"<h1>kvguard incidents</h1>{table}")
+
+
+# ---------------------------------------------------------------------------------- standalone files
+EXPOSURE_FIRST = ("unwritten_read", "foreign_read", "use_after_free")
+
+
+def headline_incident(pipeline):
+    """The incident a person should look at first: the one that exposed the most parties (a
+    read over other requests' KV), else the first critical one, else the first one; None: none."""
+    incidents = list(pipeline.incidents.incidents.values())
+    if not incidents:
+        return None
+    exposing = [i for i in incidents if i.kind in EXPOSURE_FIRST and i.exposed]
+    if exposing:
+        return max(exposing, key=lambda i: (len(i.exposed), len(i.pages)))
+    critical = [i for i in incidents if i.severity == "critical"]
+    return (critical or incidents)[0]
+
+
+def write_standalone(pipeline, incident, path: str) -> str:
+    """The incident view as a standalone HTML file at ``path`` (no API links); returns the path.
+    Call it where nothing else changes the pipeline (under the sidecar's lock, or after it stopped)."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(render_incident(gather(pipeline, incident), api_base=None))
+    return path

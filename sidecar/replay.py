@@ -557,10 +557,7 @@ def write_html(r: Replay, out_dir: str) -> list[str]:
     for run, pipeline in enumerate(r.pipelines):
         for inc in pipeline.incidents.incidents.values():
             name = f"{inc.id}.html" if inc.id not in names else f"{inc.id}-run{run}.html"
-            picture = incident_view.gather(pipeline, inc)
-            path = os.path.join(out_dir, name)
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(incident_view.render_incident(picture, api_base=None))
+            path = incident_view.write_standalone(pipeline, inc, os.path.join(out_dir, name))
             names.setdefault(inc.id, name)
             listed.append({**inc.to_dict(), "_file": name})
             written.append(path)

@@ -200,3 +200,16 @@ def test_replay_html_writes_one_file_per_incident(tmp_path, capsys):
     assert "/v1/" not in page  # standalone: no links into an API it is not served by
     assert "meta http-equiv='Content-Security-Policy'" in page
     assert str(out / "index.html") in captured.err
+
+
+def test_the_demo_writes_the_view_of_the_incident_it_shows(tmp_path):
+    from kvguard.demo.run import write_view
+
+    sidecar, _ = watched(tmp_path)
+    sidecar.stop()
+    path = write_view(sidecar.pipeline, str(tmp_path / "work"))
+    assert path == str(tmp_path / f"kvguard-demo-{unwritten(sidecar).id}.html")  # the exposing one
+    seen = text_of(open(path, encoding="utf-8").read())
+    assert "r-initech" in seen and "acme, globex" in seen and "prefill sent 1 of 16 reserved tokens" in seen
+    empty = Sidecar(str(tmp_path / "none"))
+    assert write_view(empty.pipeline, str(tmp_path / "work2")) is None
