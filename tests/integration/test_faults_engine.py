@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from kvguard.demo.engines import PDPair
+from kvguard.sidecar.detectors.probing import PrefixProbingDetector
 from kvguard.sidecar.findings import Finding
 from tests.support.engine_watch import Watch, describe, generate, prompt, watched_sglang
 from tests.support.fault_plugin import FAULTS_DIR, make_rid
@@ -236,6 +237,36 @@ class TestUnifiedEngine:
         assert [(p.rid, p.tenant) for p in f.exposed] == [(victim, "acme")]
         assert len(f.pages) == hit["meta_info"]["cached_tokens"] // PAGE
         assert f.evidence["writer_scopes"] == ["0000000000000000"]
+
+    def test_a_tenant_walking_anothers_cached_prompt_is_prefix_probing(self, unified):
+        """prefix_probing on the real engine's radix cache: acme's prompt is cached; eve sends
+        acme's first L tokens plus a wrong guess, L growing (the PromptPeek walk). With the
+        detector on, one finding names eve's probes and acme's request as the victim."""
+        engine, watch = unified
+        detector = watch.sidecar.pipeline.detectors.get(PrefixProbingDetector)
+        rng = random.Random(11)
+        mark = watch.mark()
+        victim = prompt(rng, 64)
+        generate(engine.url, "probe-victim-acme", victim, 1, "acme")
+        with watch.sidecar.lock:
+            detector.enabled = True  # (as --isolate-tenants; the fixture's other scenarios run without it)
+        try:
+            for i, length in enumerate([16, 16, 20, 20, 24, 24, 28, 28, 32, 32]):
+                guess = 3 + (victim[length] - 3 + 1 + i % 5) % 253  # never acme's next token
+                generate(engine.url, f"probe-eve-{i}", victim[:length] + [guess], 1, "eve")
+            found = watch.since(mark)
+        finally:
+            with watch.sidecar.lock:
+                detector.enabled = False
+        assert [f.kind for f in found] == ["prefix_probing"], describe(found)
+        f = found[0]
+        assert (f.severity, f.reader.tenant) == ("warning", "eve") and f.reader.rid.startswith("probe-eve-")
+        assert [(p.rid, p.tenant) for p in f.exposed] == [("probe-victim-acme", "acme")]
+        assert f.evidence["probes"] >= 8 and len(f.evidence["hit_lengths_tokens"]) >= 3, f.evidence
+        report = {
+            (r["reader_tenant"], r["writer_tenant"]): r["prefix_hits"] for r in detector.report(time.monotonic_ns())
+        }
+        assert report.get(("eve", "acme"), 0) >= 10, report
 
     def test_use_after_free(self, unified):
         """Two pages of a decoding request are freed early, read while free, then handed
