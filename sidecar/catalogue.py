@@ -36,6 +36,7 @@ from .findings import CRITICAL, WARNING
 ALWAYS = "always"
 TTFT = "ttft_anomaly"  # on by default; kvguard sidecar --no-ttft-anomaly (Pipeline(ttft_anomaly=False))
 ISOLATION = "isolate_tenants"  # kvguard sidecar --isolate-tenants
+PROBING = "detect_prefix_probing"  # kvguard sidecar --detect-prefix-probing (and --isolate-tenants)
 SHARED_LEDGER = "shared_ledger"  # a shared transfer ledger (Redis) is configured
 
 # how incidents group findings (sidecar/incidents.py incident_key)
@@ -291,7 +292,7 @@ CATALOGUE: tuple[KindSpec, ...] = (
     KindSpec(
         "prefix_probing",
         (WARNING,),
-        ISOLATION,
+        PROBING,
         BY_ENGINE,
         AFTER_QUIET,
         {WARNING: WARNING_GROUPED},

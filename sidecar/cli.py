@@ -199,6 +199,7 @@ def _run_sidecar(args, sinks, token, tracer, ledger: dict, listener, health_list
             recorder=recorder,
             history_events=args.history_events,
             isolate_tenants=args.isolate_tenants,
+            detect_prefix_probing=args.detect_prefix_probing,
             tracer=tracer,
             ttft_anomaly=args.ttft_anomaly,
             max_rings=args.max_rings,
@@ -398,6 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="report prefix-cache pages written by one tenant and read by another "
         "(cross_tenant_prefix_share), and one tenant walking another's cached prompt a few "
         "tokens at a time (prefix_probing); off by default",
+    )
+    p.add_argument(
+        "--detect-prefix-probing",
+        action="store_true",
+        help="report one tenant walking another tenant's cached prompt a few tokens at a time "
+        "(prefix_probing) where tenants share the prefix cache on purpose; implied by --isolate-tenants",
     )
     p.add_argument(
         "--api-token-file",

@@ -74,6 +74,7 @@ class Pipeline:
         shared_ledger=None,
         orphan_timeout_s: float = 120.0,
         memory_budget: MemoryBudget | None = None,
+        detect_prefix_probing: bool = False,
     ):
         # sidecar.tracing.TraceRecorder or None: request spans; it is also a sink (findings become span events)
         self.tracer = tracer
@@ -98,7 +99,11 @@ class Pipeline:
         self.last_tick_ns = 0  # the last tick's time (the records' clock): open transfers' age
         # the detectors (sidecar/detectors/): each declares its kinds, the events it observes and
         # the optional hooks it needs; the set calls them (this class never names a detector)
-        self.detectors = DetectorSet(default_detectors(isolate_tenants=isolate_tenants, ttft_anomaly=ttft_anomaly))
+        self.detectors = DetectorSet(
+            default_detectors(
+                isolate_tenants=isolate_tenants, ttft_anomaly=ttft_anomaly, detect_prefix_probing=detect_prefix_probing
+            )
+        )
         # the components, each owning its part of the model; the outlet is all they share
         self.out = Outlet(self.detectors, self.incidents, self.sinks, self.history)
         self.transfers = Transfers(

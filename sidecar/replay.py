@@ -51,7 +51,12 @@ from .recorder import RecordingError, SegmentHeader, SegmentReader, SidecarEvent
 
 MAX_PROBLEMS_KEPT = 100
 # Pipeline keyword -> the sidecar's default: the settings a recording carries and replay applies
-VERDICT_OPTIONS = {"isolate_tenants": False, "ttft_anomaly": True, "orphan_timeout_s": 120.0}
+VERDICT_OPTIONS = {
+    "isolate_tenants": False,
+    "ttft_anomaly": True,
+    "orphan_timeout_s": 120.0,
+    "detect_prefix_probing": False,
+}
 
 
 @dataclass
@@ -505,6 +510,7 @@ def cmd_replay(args) -> int:
     sink = JsonLinesSink(sys.stdout) if args.json else _PrintSink(ref)  # --json: the live sidecar's own sink
     overrides = {
         "isolate_tenants": args.isolate_tenants,
+        "detect_prefix_probing": args.detect_prefix_probing,
         "ttft_anomaly": args.ttft_anomaly,
         "orphan_timeout_s": args.orphan_timeout_s,
     }
@@ -574,7 +580,7 @@ def register(subparsers) -> None:
         help="re-run detection offline over recorded segment files",
         description="Replay recorded segments (files, or directories of kvguard-*.kvgrec) through the same "
         "detection pipeline as the live sidecar, in recording order. The settings that change verdicts "
-        "(--isolate-tenants, --ttft-anomaly, --orphan-timeout-s) are taken from the recording, where the "
+        "(--isolate-tenants, --detect-prefix-probing, --ttft-anomaly, --orphan-timeout-s) are taken from the recording, where the "
         "live sidecar wrote its own; a flag given here overrides the recording's value, and a recording "
         "without them (format 1) uses the flags, else the sidecar's defaults. The summary names each "
         "value's source. Exit 0 when it ran (with or without findings), 3 when it ran but a pipeline "
@@ -586,6 +592,13 @@ def register(subparsers) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="report prefix-cache pages written by one tenant and read by another (cross_tenant_prefix_share); "
+        "default: as recorded, else off",
+    )
+    p.add_argument(
+        "--detect-prefix-probing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="report one tenant walking another's cached prompt (prefix_probing; implied by --isolate-tenants); "
         "default: as recorded, else off",
     )
     p.add_argument(

@@ -40,6 +40,7 @@ class Sidecar:
         orphan_timeout_s: float = 120.0,
         max_rings: int = DEFAULT_MAX_RINGS,
         memory_budget: int = DEFAULT_BUDGET_BYTES,
+        detect_prefix_probing: bool = False,
     ):
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
@@ -55,6 +56,7 @@ class Sidecar:
             sinks,
             history_events=history_events,
             isolate_tenants=isolate_tenants,
+            detect_prefix_probing=detect_prefix_probing,
             tracer=tracer,
             ttft_anomaly=ttft_anomaly,
             shared_ledger=self.shared_ledger,

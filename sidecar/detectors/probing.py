@@ -7,7 +7,8 @@ What kvguard sees of each probe is a prefix-cache hit (``PrefixHit``: the pages 
 row starts with, and who wrote them) whose reader's prompt ends just past the hit, on pages
 another tenant wrote; and, as the guesses succeed, hits of growing length.
 
-The finding (a warning, with ``--isolate-tenants``): within ``window_ns``, at least
+The finding (a warning, with ``--detect-prefix-probing``, which ``--isolate-tenants``
+implies): within ``window_ns``, at least
 ``min_probes`` such hits by one tenant on another tenant's pages, each prompt at most a
 page plus ``slack_tokens`` past its hit, at ``min_lengths`` or more distinct hit lengths.
 An ordinary shared system prompt gives hits of one length, with the user's message after
@@ -28,7 +29,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..catalogue import ISOLATION, KIND
+from ..catalogue import KIND, PROBING
 from ..events import PrefixHit
 from ..findings import WARNING, Finding, Party
 from .base import At
@@ -60,7 +61,7 @@ class _Pair:
 class PrefixProbingDetector:
     kinds: ClassVar[tuple[str, ...]] = (KIND.prefix_probing,)
     events: ClassVar[tuple[type, ...]] = (PrefixHit,)
-    switch: ClassVar[str] = ISOLATION
+    switch: ClassVar[str] = PROBING  # (on with --detect-prefix-probing or --isolate-tenants)
 
     def __init__(
         self,

@@ -31,13 +31,16 @@ from .ttft import TTFTDetector
 D = TypeVar("D")
 
 
-def default_detectors(*, isolate_tenants: bool = False, ttft_anomaly: bool = True) -> list[Detector]:
+def default_detectors(
+    *, isolate_tenants: bool = False, ttft_anomaly: bool = True, detect_prefix_probing: bool = False
+) -> list[Detector]:
     """Every detector the sidecar runs, in dispatch order (an event's detectors see it in
-    this order), with the two switches the sidecar's options set."""
+    this order), with the switches the sidecar's options set (tenants declared isolated
+    are watched for probing too)."""
     return [
         ReadDetector(),
         TenantIsolationDetector(isolate_tenants),
-        PrefixProbingDetector(isolate_tenants),
+        PrefixProbingDetector(isolate_tenants or detect_prefix_probing),
         WriteDetector(),
         DoubleFreeDetector(),
         Tier1Detector(),

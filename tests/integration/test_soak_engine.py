@@ -455,6 +455,9 @@ def test_unified_soak_reads_were_judged(unified_soak):
 
 def test_unified_soak_no_findings(unified_soak):
     check_no_findings(unified_soak)
+    # (prefix_probing was on and saw the tenants' hits on the shared system prompt: not a vacuous pass)
+    probing = unified_soak.snapshot["prefix_probing"]
+    assert probing["enabled"] and probing["cross_tenant_hits"] > 0, probing
 
 
 def check_prefill_evidence(run: SoakRun) -> None:
@@ -508,6 +511,10 @@ def test_pd_soak_reads_were_judged(pd_soak):
 
 def test_pd_soak_no_findings(pd_soak):
     check_no_findings(pd_soak)
+    # (on, and nothing crossed: through the router the tenant rides in extra_key, which SGLang's
+    # radix cache keys its entries by, so no tenant hits another's pages)
+    probing = pd_soak.snapshot["prefix_probing"]
+    assert probing["enabled"] and probing["cross_tenant_hits"] == 0, probing
 
 
 def test_pd_soak_prefill_evidence_covers_every_prompt(pd_soak):

@@ -52,7 +52,13 @@ def test_every_entry_is_well_formed():
         assert re.fullmatch(r"[a-z]+(_[a-z]+)*", spec.kind), spec.kind
         assert spec.severities and set(spec.severities) <= {CRITICAL, WARNING}, spec.kind
         assert set(spec.alerts) == set(spec.severities), f"{spec.kind}: one alert per severity"
-        assert spec.switch in {catalogue.ALWAYS, catalogue.TTFT, catalogue.ISOLATION, catalogue.SHARED_LEDGER}
+        assert spec.switch in {
+            catalogue.ALWAYS,
+            catalogue.TTFT,
+            catalogue.ISOLATION,
+            catalogue.PROBING,
+            catalogue.SHARED_LEDGER,
+        }
         assert spec.incident_by in {catalogue.BY_READER, catalogue.BY_FIRST_PAGE, catalogue.BY_ENGINE}
         assert spec.resolves in {catalogue.WITH_READER, catalogue.AFTER_QUIET, catalogue.WITH_ENGINE}
         assert set(spec.own_metric) <= set(spec.severities)

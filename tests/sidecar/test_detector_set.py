@@ -79,10 +79,12 @@ def test_the_pipelines_switches_and_stats_come_from_its_detectors():
     p = Pipeline(isolate_tenants=True, ttft_anomaly=False)
     assert p.verdict_options() == {
         "isolate_tenants": True,
+        "detect_prefix_probing": True,  # (implied by isolate_tenants)
         "ttft_anomaly": False,
         "orphan_timeout_s": 120.0,
         "shared_ledger": False,
     }
+    assert Pipeline(detect_prefix_probing=True).detectors.switches_on() == {"detect_prefix_probing", "ttft_anomaly"}
     assert p.detectors.wants_shared_reads
     assert not p.detectors.get(TTFTDetector).enabled
     assert p.stats().ttft == p.detectors.get(TTFTDetector).stats()

@@ -281,7 +281,8 @@ def test_the_command_prints_findings_and_a_summary(live, capsys):
     assert any(line.startswith("lost records: ") and "0 missing from the recording" in line for line in out)
     assert "recording problems: none" in out
     assert out[-1] == (
-        "options: isolate_tenants=off (recording), ttft_anomaly=on (recording), orphan_timeout_s=120 (recording)"
+        "options: isolate_tenants=off (recording), ttft_anomaly=on (recording), orphan_timeout_s=120 (recording), "
+        "detect_prefix_probing=off (recording)"
     )
 
 
@@ -365,7 +366,13 @@ def test_replay_judges_with_the_recorded_settings_and_a_flag_overrides_them(tmp_
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert lines[:-1] == [json.loads(f.to_json()) for f in live_findings]
     summary = lines[-1]["summary"]
-    assert summary["options"] == {"isolate_tenants": True, "ttft_anomaly": True, "orphan_timeout_s": 120.0}
+    # (the live sidecar's probing detector was on: --isolate-tenants implies it)
+    assert summary["options"] == {
+        "isolate_tenants": True,
+        "ttft_anomaly": True,
+        "orphan_timeout_s": 120.0,
+        "detect_prefix_probing": True,
+    }
     assert set(summary["options_source"].values()) == {"recording"}
     assert summary["recorded_with_shared_ledger"] is False
     # a flag wins over the recording
@@ -390,9 +397,21 @@ def test_every_segment_carries_the_settings_so_each_replays_alone(tmp_path):
     assert len(segs) >= 3
     _, run = replay([segs[-1]])  # the last segment alone
     s = run.summary()
-    assert s["options"] == {"isolate_tenants": True, "ttft_anomaly": False, "orphan_timeout_s": 30.0}
-    assert set(s["options_source"].values()) == {"recording"} and s["recorded_with_shared_ledger"] is True
-    assert run.pipeline.detectors.settings() == {"isolate_tenants": True, "ttft_anomaly": False}
+    # (a recording from before the probing switch: its default, which --isolate-tenants still implies)
+    assert s["options"] == {
+        "isolate_tenants": True,
+        "ttft_anomaly": False,
+        "orphan_timeout_s": 30.0,
+        "detect_prefix_probing": False,
+    }
+    assert s["options_source"]["detect_prefix_probing"] == "default"
+    assert {v for k, v in s["options_source"].items() if k != "detect_prefix_probing"} == {"recording"}
+    assert s["recorded_with_shared_ledger"] is True
+    assert run.pipeline.detectors.settings() == {
+        "isolate_tenants": True,
+        "ttft_anomaly": False,
+        "detect_prefix_probing": True,
+    }
     assert run.pipeline.orphan_timeout_s == 30.0
 
 
@@ -403,8 +422,18 @@ def test_a_recording_without_settings_uses_the_flags_then_the_defaults(tmp_path)
     r = Replay(overrides={"orphan_timeout_s": 5.0, "isolate_tenants": None})
     r.run([path])
     s = r.summary()
-    assert s["options"] == {"isolate_tenants": False, "ttft_anomaly": True, "orphan_timeout_s": 5.0}
-    assert s["options_source"] == {"isolate_tenants": "default", "ttft_anomaly": "default", "orphan_timeout_s": "flag"}
+    assert s["options"] == {
+        "isolate_tenants": False,
+        "ttft_anomaly": True,
+        "orphan_timeout_s": 5.0,
+        "detect_prefix_probing": False,
+    }
+    assert s["options_source"] == {
+        "isolate_tenants": "default",
+        "ttft_anomaly": "default",
+        "orphan_timeout_s": "flag",
+        "detect_prefix_probing": "default",
+    }
     with pytest.raises(ValueError, match="not a replay option: shared_ledger"):
         Replay(overrides={"shared_ledger": True})
 

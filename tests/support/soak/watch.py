@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvguard.engine_hooks import wire
+from kvguard.sidecar.detectors.probing import PrefixProbingDetector
 from kvguard.sidecar.detectors.ttft import TTFTDetector
 from kvguard.sidecar.findings import Finding
 from kvguard.sidecar.history import Event
@@ -57,13 +58,16 @@ class Watch:
     def __init__(self, ring_dir: str | Path, max_records: int = 1_000_000):
         self.memory = MemorySink()
         self.keeper = RecordKeeper(max_records)
-        # the sidecar's defaults, ttft_anomaly included; KVGUARD_SOAK_TTFT=0 turns it off
+        # the sidecar's defaults, ttft_anomaly included (KVGUARD_SOAK_TTFT=0 turns it off), and
+        # the prefix-probing detector on: every tenant shares the soak's 48-token system prompt,
+        # which it must not take for one tenant walking another's prompt
         self.sidecar = Sidecar(
             str(ring_dir),
             sinks=[self.memory],
             remove_dead_rings=False,
             recorder=self.keeper,
             ttft_anomaly=os.environ.get("KVGUARD_SOAK_TTFT", "1") == "1",
+            detect_prefix_probing=True,
         )
         self.pipeline = self.sidecar.pipeline
 
@@ -208,6 +212,13 @@ class Watch:
                     "suspects_explained": p.detectors.get(TTFTDetector).suspects_explained,
                     "suspects_waiting_at_end": getattr(self, "ttft_waiting_at_end", None),
                     "samples": {eid: len(m.samples) for eid, m in p.detectors.get(TTFTDetector).models.items()},
+                },
+                # the probing detector's view of the shared system prompt: hits crossed tenants,
+                # some with prompts just past the hit, and none of it was a walk
+                "prefix_probing": {
+                    "enabled": p.detectors.get(PrefixProbingDetector).enabled,
+                    "cross_tenant_hits": p.detectors.get(PrefixProbingDetector).cross_tenant_hits,
+                    "tenant_pairs": len(p.detectors.get(PrefixProbingDetector).pairs),
                 },
                 "records_read": rings.stats.records_read,
                 "transfers": {
