@@ -555,3 +555,26 @@ def test_push_refuses_an_empty_token_file(tmp_path, capsys):
     empty.write_text("\n")
     assert push("http://g", "--token-file", str(empty)) == 2
     assert capsys.readouterr().err == f"kvguard dashboards push: --token-file {str(empty)!r} is empty\n"
+
+
+def test_an_incident_kvguard_opens_is_an_annotation_with_a_link_to_the_views(stack):
+    """Every dashboard marks the incidents the sidecars open (a Prometheus annotation over
+    kvguard_incidents_total) and links to the incident views at the ``kvguard_api`` URL the
+    operator sets. A double free on the unified engine, after Prometheus started scraping,
+    shows up in the annotation's query."""
+    for d in dashboards().values():
+        (ann,) = [a for a in d["annotations"]["list"] if a["name"] == "kvguard incidents"]
+        assert ann["enable"] and ann["datasource"]["uid"] == "${datasource}"
+        assert [link["url"] for link in d["links"]] == ["${kvguard_api}/v1/incidents/view"]
+        assert "kvguard_api" in [v["name"] for v in d["templating"]["list"]]
+    pages = np.arange(200, 202)
+    stack.unified.pages_allocated(pages * 4)
+    stack.unified.pages_freed(pages * 4)
+    stack.unified.pages_freed(pages * 4)  # the second free: double_free, a new incident
+    expr = expand(ann["expr"], dashboards()["kvguard-integrity.json"])
+    deadline = time.monotonic() + 60
+    kinds: set = set()
+    while time.monotonic() < deadline and "double_free" not in kinds:
+        time.sleep(SCRAPE_S)
+        kinds = {s["metric"]["kind"] for s in stack.query_range(expr, seconds=120) if s["values"]}
+    assert "double_free" in kinds, (expr, kinds)

@@ -15,9 +15,12 @@ from __future__ import annotations
 from grafana_foundation_sdk.builders import bargauge, prometheus, stat, text, timeseries
 from grafana_foundation_sdk.builders import common as common_builders
 from grafana_foundation_sdk.builders.dashboard import (
+    AnnotationQuery,
     Dashboard,
+    DashboardLink,
     DatasourceVariable,
     QueryVariable,
+    TextBoxVariable,
     ThresholdsConfig,
 )
 from grafana_foundation_sdk.models import common
@@ -40,8 +43,18 @@ TAGS = ["kvguard"]
 ALL = VariableOption(selected=True, text=["All"], value=["$__all"])
 
 
+# an incident opened in the interval, per kind and severity: the dashboards' annotation
+INCIDENTS_OPENED = (
+    f"sum by (instance, kind, severity) (increase(kvguard_incidents_total{{{INSTANCE}}}[$__interval])) > 0"
+)
+# the sidecars' incident views (sidecar/incident_view.py), where the operator set where /v1 is
+# reachable for Grafana users (behind its token: docs/operations.md, "The incident view")
+INCIDENT_VIEWS_URL = "${kvguard_api}/v1/incidents/view"
+
+
 def base(title: str, uid: str, description: str) -> Dashboard:
-    """A dashboard with the Prometheus datasource and sidecar variables, last hour, 30 s refresh."""
+    """A dashboard with the Prometheus datasource and sidecar variables, last hour, 30 s refresh;
+    every incident kvguard opens as an annotation, and a link to the sidecars' incident views."""
     return (
         Dashboard(title)
         .uid(uid)
@@ -53,6 +66,30 @@ def base(title: str, uid: str, description: str) -> Dashboard:
         .tooltip(DashboardCursorSync.CROSSHAIR)
         .with_variable(DatasourceVariable("datasource").label("Prometheus").type("prometheus"))
         .with_variable(label_variable("instance", "Sidecar", "kvguard_rings_attached"))
+        .with_variable(
+            TextBoxVariable("kvguard_api")
+            .label("kvguard /v1 URL")
+            .description(
+                "where Grafana users reach a sidecar's /v1 (its token added by a proxy, or through "
+                "kubectl port-forward): the incident-views link opens ${kvguard_api}/v1/incidents/view"
+            )
+        )
+        .annotation(
+            AnnotationQuery()
+            .name("kvguard incidents")
+            .datasource(DATASOURCE)
+            .expr(INCIDENTS_OPENED)
+            .enable(True)
+            .icon_color("red")
+        )
+        .link(
+            DashboardLink("kvguard incident views")
+            .type("link")
+            .url(INCIDENT_VIEWS_URL)
+            .tooltip("the incident list of the sidecar at $kvguard_api (sidecar/incident_view.py)")
+            .target_blank(True)
+            .icon("external link")
+        )
     )
 
 
