@@ -303,9 +303,10 @@ def _svg(pic: IncidentPicture, colours: dict[int, str]) -> str:
     # axes: time ticks (ms after the first event drawn) and page labels
     for i in range(6):
         ts = t0 + span * i // 5
+        anchor = "end" if i == 5 else "middle"  # (the last label would run past the picture's edge)
         out.append(
             f"<line x1='{x(ts):.1f}' y1='{top - 6}' x2='{x(ts):.1f}' y2='{height - 30}' stroke='#eee'/>"
-            f"<text x='{x(ts):.1f}' y='{height - 14}' text-anchor='middle'>{(ts - t0) / 1e6:.3g} ms</text>"
+            f"<text x='{x(ts):.1f}' y='{height - 14}' text-anchor='{anchor}'>{(ts - t0) / 1e6:.3g} ms</text>"
         )
     label_every = 1 if row >= 14 else max(1, 12 // row)
     for i, page in enumerate(pic.pages):
