@@ -10,8 +10,6 @@ Skipped only when chromium or chromedriver is not installed (`make apt` installs
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,38 +19,12 @@ import pytest
 
 from tests.sidecar.reliability.sidecar_under_test import stop_all, wait_for
 from tests.sidecar.test_incident_view import the_incident
+from tests.support.browser import MISSING, available, browser, keep_screenshot
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 KVGUARD = Path(sys.executable).parent / "kvguard"
 TOKEN = "browser-test-token"
 
-pytestmark = pytest.mark.skipif(
-    not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)),
-    reason="Debian's chromium and chromium-driver are not installed (make apt installs them)",
-)
-
-
-def browser(headers: dict | None = None):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--window-size=1300,1000",
-    ):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
-    driver.set_page_load_timeout(20)
-    if headers:  # a browser cannot put a bearer token on a plain navigation: the DevTools protocol can
-        driver.execute_cdp_cmd("Network.enable", {})
-        driver.execute_cdp_cmd("Network.setExtraHTTPHeaders", {"headers": headers})
-    return driver
+pytestmark = pytest.mark.skipif(not available(), reason=MISSING)
 
 
 def test_the_incident_view_in_chromium_from_a_live_sidecar(tmp_path):
@@ -120,12 +92,7 @@ def test_the_incident_view_in_chromium_from_a_live_sidecar(tmp_path):
         # the browser ran nothing and fetched nothing but the page (CSP: default-src 'none')
         fetched = driver.execute_script("return performance.getEntriesByType('resource').length")
         assert fetched == 0
-        shot = tmp_path / "incident-view.png"
-        assert driver.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
-        artifacts = os.environ.get("KVGUARD_TEST_ARTIFACTS")
-        if artifacts:
-            os.makedirs(artifacts, exist_ok=True)
-            shutil.copy(shot, artifacts)
+        keep_screenshot(driver, tmp_path / "incident-view.png")
         # the list links to it
         driver.get(f"{base}/v1/incidents/view")
         driver.find_element(By.LINK_TEXT, inc["id"]).click()
