@@ -244,7 +244,7 @@ class TestUnifiedEngine:
         detector on, one finding names eve's probes and acme's request as the victim."""
         engine, watch = unified
         detector = watch.sidecar.pipeline.detectors.get(PrefixProbingDetector)
-        rng = random.Random(11)
+        rng = random.Random(37)  # (a seed no other scenario of this engine uses: its prompt must be new to the cache)
         mark = watch.mark()
         victim = prompt(rng, 64)
         generate(engine.url, "probe-victim-acme", victim, 1, "acme")
