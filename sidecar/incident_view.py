@@ -106,8 +106,15 @@ def _engine_from_history(history: History, reader_key: int, pages: list[int]) ->
     if pages:
         assigned = mine[(mine["event"] == int(Event.ASSIGN)) & np.isin(mine["page"], pages)]
         if len(assigned):
-            return int(np.bincount(assigned["engine"]).argmax())
-    return int(np.bincount(mine["engine"]).argmax())
+            return _most_common(assigned["engine"])
+    return _most_common(mine["engine"])
+
+
+def _most_common(engine_ids: np.ndarray) -> int:
+    """The engine id named most often. (Not ``np.bincount``: engine ids are 32-bit values, and
+    a count per possible id allocated gigabytes.)"""
+    ids, counts = np.unique(engine_ids, return_counts=True)
+    return int(ids[counts.argmax()])
 
 
 def _ordered(history: History, mask: np.ndarray) -> np.ndarray:

@@ -95,6 +95,40 @@ def test_sglang_0_5_19_leak_is_caught_with_the_exposed_tenants(tmp_path, require
     assert digest.evidence["sender_digest"] != digest.evidence["receiver_digest"]
     assert len(digest.pages) == 150 and set(read.pages) < set(digest.pages)
     assert run.records_lost == 0
+    check_the_demos_incident_view(run, read, tmp_path)
+
+
+def check_the_demos_incident_view(run, read, tmp_path) -> None:
+    """What `make demo` prints the path of (demo/run.py write_view, sidecar/incident_view.py): the
+    read's incident as standalone HTML, opened in Debian's chromium as a person would: the
+    reader's row (initech), the exposed tenants (acme, globex), the 1-of-600-token transfer and
+    the 150 pages it reserved, drawn."""
+    from tests.support.browser import MISSING, available, browser, keep_screenshot
+
+    assert run.view_path and run.view_path.endswith(".html"), run.view_path
+    html = open(run.view_path, encoding="utf-8").read()
+    assert read.reader.rid in html and "prefill sent 1 of 600 reserved tokens (1 of 150 pages)" in html
+    if not available():
+        pytest.skip(f"the view's file is right; {MISSING}, so it was not opened in a browser")
+    from selenium.webdriver.common.by import By
+
+    driver = browser()
+    try:
+        driver.get(f"file://{run.view_path}")
+        assert driver.title.startswith("kvguard unwritten_read ")
+        reader_row = driver.find_element(By.ID, "reader-row").text
+        assert read.reader.rid in reader_row and "initech" in reader_row
+        exposed = driver.find_element(By.ID, "tenants-exposed").text
+        assert exposed.startswith("Tenants whose KV was exposed:") and {"acme", "globex"} >= {
+            t.strip() for t in exposed.split(":", 1)[1].split(",")
+        }
+        assert "prefill sent 1 of 600 reserved tokens" in driver.find_element(By.ID, "transfer").text
+        svg = driver.find_element(By.CSS_SELECTOR, "svg[aria-label='page ownership timeline']")
+        assert svg.is_displayed() and len(svg.find_elements(By.TAG_NAME, "rect")) > 100
+        assert driver.execute_script("return performance.getEntriesByType('resource').length") == 0
+        keep_screenshot(driver, tmp_path / "demo-incident-view.png")
+    finally:
+        driver.quit()
 
 
 def test_sglang_0_5_23_rejects_the_prompt_and_nothing_is_read(shared_pd):

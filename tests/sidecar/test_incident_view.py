@@ -213,3 +213,19 @@ def test_the_demo_writes_the_view_of_the_incident_it_shows(tmp_path):
     assert "r-initech" in seen and "acme, globex" in seen and "prefill sent 1 of 16 reserved tokens" in seen
     empty = Sidecar(str(tmp_path / "none"))
     assert write_view(empty.pipeline, str(tmp_path / "work2")) is None
+
+
+def test_the_engine_of_a_gone_incident_is_found_from_history_whatever_its_id():
+    # engine ids are 32-bit values (the demo's were ~3.5e9): found by counting the ids named, not
+    # by a count per possible id (np.bincount allocated 26 GiB here in the real demo)
+    from kvguard.sidecar.history import Event, History
+    from kvguard.sidecar.incident_view import _engine_from_history
+
+    h = History(64)
+    big, other = 3_505_424_510, 7
+    for engine in (big, big, other):
+        h.append(1, engine, Event.ASSIGN, req_key=42, pages=np.array([5, 6]))
+    h.append(2, other, Event.READ, req_key=42, aux=8)
+    assert _engine_from_history(h, 42, [5, 6]) == big
+    assert _engine_from_history(h, 42, [99]) == big  # no ASSIGN of those pages: where it has events at all
+    assert _engine_from_history(h, 43, [5]) is None
