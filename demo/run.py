@@ -282,6 +282,9 @@ class DemoRun:
     stats: Any = None
     # the incident view of the incident the demo shows (sidecar/incident_view.py), standalone HTML
     view_path: str | None = None
+    # the sidecar that watched it, stopped (its models and incidents as they ended): a test serves
+    # its API to look at the incident view as a person would
+    sidecar: Any = None
 
     def engine(self, role: str):
         """The sidecar's :class:`EngineStats` of the engine of ``role``, or None."""
@@ -389,6 +392,7 @@ def capture_incident(
         model,
         stats,
         view_path,
+        sidecar,
     )
 
 

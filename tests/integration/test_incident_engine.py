@@ -99,10 +99,11 @@ def test_sglang_0_5_19_leak_is_caught_with_the_exposed_tenants(tmp_path, require
 
 
 def check_the_demos_incident_view(run, read, tmp_path) -> None:
-    """What `make demo` prints the path of (demo/run.py write_view, sidecar/incident_view.py): the
-    read's incident as standalone HTML, opened in Debian's chromium as a person would: the
-    reader's row (initech), the exposed tenants (acme, globex), the 1-of-600-token transfer and
-    the 150 pages it reserved, drawn."""
+    """The incident view of the real engines' incident, in Debian's chromium as a person would
+    see it: served by the sidecar that watched them (its API, behind the token; 401 without
+    it), and as the standalone file `make demo` prints the path of (demo/run.py write_view):
+    the reader's row (initech), the exposed tenants (acme, globex), the 1-of-600-token transfer
+    and the 150 pages it reserved, drawn. Screenshots kept (KVGUARD_TEST_ARTIFACTS)."""
     from tests.support.browser import MISSING, available, browser, keep_screenshot
 
     assert run.view_path and run.view_path.endswith(".html"), run.view_path
@@ -110,7 +111,44 @@ def check_the_demos_incident_view(run, read, tmp_path) -> None:
     assert read.reader.rid in html and "prefill sent 1 of 600 reserved tokens (1 of 150 pages)" in html
     if not available():
         pytest.skip(f"the view's file is right; {MISSING}, so it was not opened in a browser")
+    # the sidecar that watched the engines, its API served as `kvguard sidecar` serves it: the
+    # browser loads the view with the token, and gets the 401 without it
+    import threading
+
+    import httpx
+    import uvicorn
+    from prometheus_client import CollectorRegistry
     from selenium.webdriver.common.by import By
+
+    from kvguard.sidecar.api import create_app
+    from tests.sidecar.reliability.sidecar_under_test import free_port
+
+    token = "demo-view-token"
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(run.sidecar, CollectorRegistry(), api_token=token),
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+        )
+    )
+    threading.Thread(target=server.run, daemon=True).start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    incident_id = run.view_path.rsplit("kvguard-demo-", 1)[1].removesuffix(".html")
+    live = browser({"Authorization": f"Bearer {token}"})
+    try:
+        live.get(f"{base}/v1/incidents/{incident_id}/view")
+        assert read.reader.rid in live.find_element(By.ID, "reader-row").text
+        assert "prefill sent 1 of 600 reserved tokens" in live.find_element(By.ID, "transfer").text
+        keep_screenshot(live, tmp_path / "demo-incident-view-live.png")
+        assert httpx.get(f"{base}/v1/incidents/{incident_id}/view", timeout=5).status_code == 401
+    finally:
+        live.quit()
+        server.should_exit = True
 
     driver = browser()
     try:
