@@ -23,30 +23,10 @@ from kvguard.sidecar.api import create_app
 from kvguard.sidecar.cli import main
 from kvguard.sidecar.recorder import Recorder
 from kvguard.sidecar.service import Sidecar
+from tests.support.pd_records import pd_request, slots
 
 TOKEN = "view-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def slots(pages):
-    return np.concatenate([np.arange(p * 4, p * 4 + 4) for p in pages])
-
-
-def pd_request(prefill, decode, rid, tenant, room, dst_pages, tokens, sent_tokens, src_page=50):
-    for p in (prefill, decode):
-        p.request_begin(rid, tenant, room, tokens, 0, False)
-    decode.pages_allocated(slots(dst_pages))
-    decode.rows_assigned(rid, 0, tokens, 0, slots(dst_pages)[:tokens])
-    decode.transfer_reserved(rid, room, tokens, slots(dst_pages)[:tokens])
-    prefill.pages_allocated(slots([src_page]))
-    prefill.transfer_sent(rid, room, 0, sent_tokens, [src_page], True)
-    prefill.transfer_done(rid, room, "sender", "success")
-    decode.transfer_done(rid, room, "receiver", "success")
-    last = dst_pages[-1] + 1
-    decode.pages_allocated(slots([last]))
-    decode.rows_assigned(rid, tokens, tokens + 1, tokens, [last * 4])
-    decode.forward([rid], [tokens + 1], [[last * 4]], [slots(dst_pages + [last])[: tokens + 1]])
-    return last
 
 
 def the_incident(ring_dir, probes_ring_bytes: int = 1 << 16):
