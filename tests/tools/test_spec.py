@@ -114,7 +114,10 @@ def _shard(k):
 
 
 def test_kvguard_agrees_with_the_model_on_every_trace_at_the_small_bound_and_on_sampled_ones():
-    with get_context("fork").Pool(2) as pool:
+    # spawned workers, not forked: a pytest-xdist worker may hold other tests' threads (a uvicorn
+    # server, a sidecar's ingest loop), and a child forked while one of them held a lock waited on
+    # it for ever (CI hung here once, the pool's worker on a futex)
+    with get_context("spawn").Pool(2) as pool:
         parts = pool.map(_shard, [0, 1])
     traces_checked = sum(p.traces for p in parts)
     disagreements = [d for p in parts for d in p.disagreements]
