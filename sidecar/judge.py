@@ -153,12 +153,7 @@ class Judge:
         if self.hello is None or len(write_pages) == 0:
             return []
         pool = self.pool
-        if (
-            len(write_pages) == len(req_keys)
-            and int(write_counts.max()) == 1  # a decode step: one page each, in request order
-            and int(write_pages.min()) > PADDING_PAGE
-            and int(write_pages.max()) < pool.num_pages
-        ):
+        if pool.one_page_each(req_keys, write_counts, write_pages):
             # the same rules with nothing to select or widen first, and none of the writers looked up
             state = pool.state[write_pages]
             owner = pool.owner_keys(write_pages)

@@ -337,6 +337,16 @@ class PagePool:
             self.changes_overflow = True
             self.changes.clear()
 
+    def one_page_each(self, req_keys: np.ndarray, write_counts: np.ndarray, write_pages: np.ndarray) -> bool:
+        """Whether a forward's writes are a decode step's: one page per request, in request
+        order, every id a real page this pool holds (nothing to select, widen or grow for)."""
+        return (
+            len(write_pages) == len(req_keys)
+            and int(write_counts.max()) == 1
+            and int(write_pages.min()) > PADDING_PAGE
+            and int(write_pages.max()) < self.num_pages
+        )
+
     @property
     def num_pages(self) -> int:
         return len(self.state)

@@ -671,13 +671,7 @@ class EngineTracker:
         if len(write_pages) == 0:
             return
         pool = self.pool
-        if (
-            pool.scope is None
-            and len(write_pages) == len(req_keys)
-            and int(write_counts.max()) == 1  # a decode step: one page each, in request order
-            and int(write_pages.min()) > PADDING_PAGE
-            and int(write_pages.max()) < pool.num_pages
-        ):
+        if pool.scope is None and pool.one_page_each(req_keys, write_counts, write_pages):
             # the same marks with nothing to select or widen first
             state = pool.state[write_pages]
             known = write_pages if int(state.min()) != UNKNOWN else write_pages[state != UNKNOWN]
