@@ -80,10 +80,72 @@ def default_model_dir(context_length: int = DEFAULT_CONTEXT_LENGTH) -> Path:
     )
 
 
-def free_port() -> int:
+# Ports for engines, routers and the services the harness starts. Why not bind to port 0:
+# the kernel hands out port-0 binds (and outgoing connections) from one ephemeral range,
+# so a port the harness binds, reads and releases can go to anyone before the engine
+# binds it again seconds later. SGLang itself picks its torch.distributed rendezvous port
+# that way, and with two pytest-xdist workers starting engines at once, a decode engine
+# once died at start-up on EADDRINUSE. Below the ephemeral range the kernel never hands a
+# port out on its own; each xdist worker takes its own slice of it, each process starts
+# at its own offset in the slice, never returns the same port twice, and checks by bind.
+_PORTS_FLOOR = 20000
+_PORT_SLICES = 8
+_ports_handed_out: set[int] = set()
+_port_cursor: list[int] = []
+
+
+def _ephemeral_floor() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _kernel_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _worker_slice(low: int, high: int) -> tuple[int, int]:
+    """This pytest-xdist worker's share of [low, high); the whole range outside xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or not worker[2:].isdigit():
+        return low, high
+    size = (high - low) // _PORT_SLICES
+    index = int(worker[2:]) % _PORT_SLICES
+    return low + index * size, low + (index + 1) * size
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on, for an engine or service to bind.
+
+    Taken below the kernel's ephemeral range where there is room (see above); where the
+    machine's ephemeral range starts too low to leave any, the kernel's own choice.
+    """
+    floor = _ephemeral_floor()
+    if floor - _PORTS_FLOOR < 2 * _PORT_SLICES * 64:
+        return _kernel_port()
+    low, high = _worker_slice(_PORTS_FLOOR, floor)
+    if not _port_cursor:
+        _port_cursor.append(low + (os.getpid() * 7919) % (high - low))
+    for _ in range(high - low):
+        port = _port_cursor[0]
+        _port_cursor[0] = low + (port + 1 - low) % (high - low)
+        if port not in _ports_handed_out and _bindable(port):
+            _ports_handed_out.add(port)
+            return port
+    return _kernel_port()
 
 
 def engine_env(
@@ -156,6 +218,9 @@ def engine_args(
         "--context-length", str(context_length),
         "--host", "127.0.0.1",
         "--port", str(port),
+        # Without it SGLang binds port 0 for torch.distributed's rendezvous, releases it
+        # and binds it again: another process can take it in between (see free_port).
+        "--nccl-port", str(free_port()),
         # SGLang's scheduler spins a whole core while it has nothing to do unless told to
         # sleep on idle (it then polls its request sockets, up to 1 s; any queued or
         # in-flight request, prefill/decode queues included, keeps it awake). Measured

@@ -19,7 +19,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections import defaultdict
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from kvguard.demo.engine_env import free_port as _free_port
 from kvguard.engine_hooks import wire
 from kvguard.engine_hooks.ring import RingReader
 from kvguard.engine_hooks.sglang import plugin
@@ -76,13 +76,15 @@ def plan_check():
     print("KVG_PLAN " + json.dumps({"version": v, "ok": len(ok), "skipped": [[s.target, why] for s, why in skipped],
                                    "plugin": [func.__module__, func.__name__, str(dist)]}), flush=True)
 
+NCCL_PORTS = [int(p) for p in os.environ["KVG_NCCL_PORTS"].split(",")]
+
 def run_mode(label, model_dir):
     mode = label.split("-")[0]  # decode-off: the decode engine, with the plugin switched off
     import sglang
     from sglang.srt.managers.io_struct import GenerateReqInput
     kw = dict(model_path=model_dir, load_format="dummy", device="cpu", attention_backend="torch_native",
               disable_cuda_graph=True, dtype="bfloat16", page_size=4, max_running_requests=4, random_seed=0,
-              log_level="error")
+              log_level="error", nccl_port=NCCL_PORTS.pop(0))  # see kvguard.demo.engine_env.free_port
     if mode == "unified":
         kw.update(max_total_tokens=256, chunked_prefill_size=16)
     elif mode == "prefill":
@@ -151,12 +153,6 @@ def _sglang_dir(version: str) -> Path:
     return d
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class DriverRun:
     """One driver process for one SGLang version: the plan check, then each mode's engine in
     turn (the driver's ``main``), each engine's ring in its own folder."""
@@ -187,6 +183,7 @@ class DriverRun:
             MC_FORCE_TCP="1",
             KVGUARD_SGLANG_CPU_COMPAT="1",
             KVG_BOOTSTRAP_PORT=str(_free_port()),
+            KVG_NCCL_PORTS=",".join(str(_free_port()) for _ in self.modes),
             SGLANG_DISAGGREGATION_WAITING_TIMEOUT="20",
             KVGUARD_ROW_SAMPLE_EVERY="1",  # every forward carries its rows: the replay below checks them all
             # every engine watched runs the guard's strictest mode: each version's exact results

@@ -12,18 +12,13 @@ import httpx
 import numpy as np
 import pytest
 
+from kvguard.demo.engine_env import free_port
 from kvguard.engine_hooks.probes import Probes
 from kvguard.engine_hooks.ring import RingWriter
 from kvguard.sidecar.service import Sidecar
 from kvguard.sidecar.sinks.basic import MemorySink
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def leak(p: Probes, reader="r-initech"):

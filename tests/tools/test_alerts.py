@@ -23,7 +23,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ import numpy as np
 import pytest
 import yaml
 
+from kvguard.demo.engine_env import free_port
 from kvguard.engine_hooks.probes import Probes
 from kvguard.engine_hooks.ring import RingWriter
 from kvguard.sidecar import catalogue
@@ -189,10 +189,6 @@ def test_rules_read_only_documented_metrics():
 
 
 # ---------------------------------------------------------------------------- end to end
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(url: str, timeout_s: float = 30) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import threading
 import time
@@ -38,6 +37,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from kvguard.demo.engine_env import free_port
 from kvguard.engine_hooks.probes import Probes
 from kvguard.engine_hooks.ring import RingWriter
 from kvguard.sidecar.cli import build_parser
@@ -53,12 +53,6 @@ SCRAPE_S = 1
 # of 10 samples; `offset` and `increase` need durations)
 MACROS = {"__rate_interval": "10s", "__interval": "2s", "__range": "1m", "__range_s": "60", "__interval_ms": "2000"}
 VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)\]\]")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dashboards() -> dict[str, dict]:

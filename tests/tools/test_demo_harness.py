@@ -61,6 +61,43 @@ def test_engine_args_pd_roles(tmp_path):
         engines.engine_args(tmp_path, 1, role="router")
 
 
+def test_engine_args_pin_the_rendezvous_port(tmp_path):
+    # SGLang picks torch.distributed's port by bind-0-and-release unless told one
+    args = engines.engine_args(tmp_path, 1236)
+    assert int(args[args.index("--nccl-port") + 1]) != 1236
+
+
+def test_free_port_stays_out_of_the_kernels_range_and_this_workers_neighbours(monkeypatch):
+    from kvguard.demo import engine_env
+
+    floor = engine_env._ephemeral_floor()
+    monkeypatch.setattr(engine_env, "_port_cursor", [])
+    monkeypatch.setattr(engine_env, "_ports_handed_out", set())
+    slices = {}
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        engine_env._port_cursor.clear()
+        ports = [engines.free_port() for _ in range(50)]
+        assert len(set(ports)) == 50  # never the same port twice in one process
+        if floor - engine_env._PORTS_FLOOR >= 2 * engine_env._PORT_SLICES * 64:
+            assert all(engine_env._PORTS_FLOOR <= p < floor for p in ports), ports
+        slices[worker] = set(ports)
+    assert not slices["gw0"] & slices["gw1"]
+    # a port something listens on is not handed out
+    import socket
+
+    if floor - engine_env._PORTS_FLOOR < 2 * engine_env._PORT_SLICES * 64:
+        return  # this machine's ephemeral range leaves no room: the kernel's choice is used
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw2")
+    low, _high = engine_env._worker_slice(engine_env._PORTS_FLOOR, floor)
+    engine_env._port_cursor[:] = [low + 10]
+    first = engines.free_port()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", first + 1))
+        held.listen()
+        assert engines.free_port() == first + 2
+
+
 def test_engine_env(tmp_path, require_sglang):
     require_sglang("0.5.23")
     env = engines.engine_env("0.5.23", tmp_path / "ring", waiting_timeout_s=7)

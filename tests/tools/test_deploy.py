@@ -21,7 +21,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -35,6 +34,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+
+from kvguard.demo.engine_env import free_port as _free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -611,10 +612,6 @@ def test_dockerfile_check_catches_latest_root_and_unpinned(tmp_path, monkeypatch
 
 
 # --------------------------------------------------------------------------- a pod-shaped run
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _python_for(uid: int, gid: int, env: dict) -> str | None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,15 +16,11 @@ from pathlib import Path
 
 import httpx
 
+from kvguard.demo.engine_env import free_port
+
 HERE = Path(__file__).resolve().parent
 ENGINE = HERE / "synthetic_engine.py"
 KVGUARD = Path(sys.executable).parent / "kvguard"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def checked_reads(metrics: str, pid: int) -> float:

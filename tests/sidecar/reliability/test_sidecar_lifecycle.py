@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import resource
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvguard.demo.engine_env import free_port
 from kvguard.engine_hooks.probes import Probes
 from kvguard.engine_hooks.ring import HEADER_BYTES, RingWriter
 from tests.sidecar.reliability.sidecar_under_test import freeze
@@ -28,12 +28,6 @@ from tests.sidecar.reliability.sidecar_under_test import freeze
 ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "reliability-test-token"
 WRITE_POS_OFFSET, READ_POS_OFFSET = 64, 128  # ring header fields (engine_hooks/ring.py)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SidecarProc:
