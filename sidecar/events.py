@@ -124,6 +124,27 @@ class SourcePagesSent:
 
 
 @dataclass(frozen=True, slots=True)
+class PagesChangedInFlight:
+    """A transfer's pages were handed to another request while it was in flight: between the
+    sender's ``XFER_SEND`` and its completion (sidecar/inflight.py).
+
+    ``side`` "source": the sender's pages were allocated again before its transfer completed,
+    so the transfer may have read another request's KV (``request`` is the sender,
+    ``counterpart`` the receiver). "destination": the receiver's reserved pages went to
+    another request before the completion landed in them (``request`` is the receiver,
+    ``counterpart`` the sender)."""
+
+    side: str
+    request: RequestInfo
+    pages: np.ndarray
+    room: int
+    token_start: int
+    token_end: int
+    sent_ns: int
+    counterpart: Party | None
+
+
+@dataclass(frozen=True, slots=True)
 class PrefixSharedAcrossScopes:
     """Prefix-cache pages handed to a request (an ASSIGN's shared part) whose KV was written
     under another prefix-cache scope (REQ_SCOPE: cache salt / extra key)."""

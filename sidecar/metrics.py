@@ -380,6 +380,23 @@ def ledger_metrics(ledger: LedgerStats, shared: SharedLedgerStats | None, engine
     )
     evicted.add_metric([], ledger.rooms_evicted)
     yield evicted
+    in_flight = ledger.in_flight
+    held = GaugeMetricFamily(
+        "kvguard_transfers_in_flight",
+        "Transfer rooms with chunks sent whose sender has not completed (their pages are checked at the completion)",
+    )
+    held.add_metric([], in_flight.rooms)
+    yield held
+    ended = CounterMetricFamily(
+        "kvguard_transfers_in_flight_ended",
+        "Rooms in flight that ended: checked (the sender completed), unchecked (it failed, or never "
+        "reported a completion), or dropped unchecked to stay within the bound",
+        labels=["outcome"],
+    )
+    ended.add_metric(["checked"], in_flight.completed)
+    ended.add_metric(["unchecked"], in_flight.unjudged)
+    ended.add_metric(["dropped"], in_flight.dropped)
+    yield ended
     degraded = GaugeMetricFamily("kvguard_ledger_degraded", "1 while the shared transfer ledger is unreachable")
     degraded.add_metric([], 1 if shared is not None and shared.degraded else 0)
     yield degraded

@@ -223,6 +223,7 @@ class Pipeline:
         self.memory_budget.size_directories(list(self.engines.values()))  # its share goes to the others
         self.pages.forget_engine(engine_id)
         self.ledger.forget_engine(engine_id)
+        self.transfers.inflight.forget_engine(engine_id)
         if self.tracer is not None:
             self.tracer.on_engine_gone(engine_ref(tracker), ts_ns)
         if tracker.hello is not None:
@@ -280,7 +281,10 @@ class Pipeline:
             incidents=self.incidents.stats(),
             memory=self.memory_budget.stats(self.engines.values(), self.incidents, self.ledger),
             **self.detectors.stats(),  # ttft
-            ledger=self.ledger.stats((e.engine_id for e in engines), self.last_tick_ns, self._request_live),
+            ledger=replace(
+                self.ledger.stats((e.engine_id for e in engines), self.last_tick_ns, self._request_live),
+                in_flight=self.transfers.inflight.stats(),
+            ),
             # the queued alert sinks; the log and JSON-lines sinks (and the tracer) write
             # synchronously and cannot fail quietly, so they have nothing to report
             sinks=tuple(sink.delivery_stats() for sink in self.sinks if hasattr(sink, "delivery_stats")),

@@ -90,6 +90,17 @@ class EngineStats:
 
 
 @dataclass(frozen=True, slots=True)
+class InFlightStats:
+    """Transfers in flight (sidecar/inflight.py): chunks sent whose sender has not completed."""
+
+    rooms: int = 0  # rooms with chunks in flight now
+    pages: int = 0  # page ids held for them (both ends)
+    completed: int = 0  # rooms whose sender completed and whose pages were checked
+    unjudged: int = 0  # the sender failed or ended without completing: nothing known to have landed
+    dropped: int = 0  # dropped to stay within the bound, unchecked
+
+
+@dataclass(frozen=True, slots=True)
 class LedgerStats:
     """The transfer ledger (sidecar/ledger/memory.py)."""
 
@@ -102,6 +113,7 @@ class LedgerStats:
     # receiving engine id -> (its reservations still waiting for their transfer, the oldest's
     # age in seconds); every engine asked for, (0, 0.0) included
     open_by_engine: Mapping[int, tuple[int, float]] = field(default_factory=dict)
+    in_flight: InFlightStats = field(default_factory=InFlightStats)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,17 +16,19 @@ import numpy as np
 from kvguard.engine_hooks import wire
 
 from .detectors.reads import reader_party
-from .events import DigestsCompared, LedgerUnreachable, SourcePagesSent, TransferOrphaned
+from .events import DigestsCompared, LedgerUnreachable, PagesChangedInFlight, SourcePagesSent, TransferOrphaned
 from .findings import Finding, Party
 from .history import Event
+from .inflight import BYTES_PER_PAGE, InFlightChunk, InFlightSends
 from .ledger import REMOTE_ENGINE, RoomState, TransferLedger
 from .outlet import Outlet
-from .page_pool import FREE, PADDING_PAGE
+from .page_pool import FREE, OWNED, PADDING_PAGE
 from .provisional import ProvisionalWrite
 
 if TYPE_CHECKING:
     from .tracker import EngineTracker
 
+IN_FLIGHT_MAX_AGE_NS = 60_000_000_000  # (at least) how long a sent chunk waits for its sender's completion
 DEGRADED_REPEAT_NS = 30_000_000_000  # a degraded ledger re-reports this often (keeps its incident firing)
 
 
@@ -57,6 +59,9 @@ class Transfers:
         self.orphan_timeout_s = orphan_timeout_s
         self.shared_grace_ns = shared_grace_ns
         self._degraded_reported_ns = 0
+        # chunks sent and not yet completed: their pages must not change hands meanwhile
+        # (sidecar/inflight.py); an eighth of the ledger's byte share, at least 4,096 pages
+        self.inflight = InFlightSends(max(4096, ledger.max_bytes // 8 // BYTES_PER_PAGE))
 
     # ------------------------------------------------------------------ transfer records
     def on_xfer_send(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
@@ -66,6 +71,7 @@ class Transfers:
         receiver_engine = receiver.receiver_engine if receiver is not None else None
         receiver_t = self.engines.get(receiver_engine) if receiver_engine is not None else None
         found += self._check_send_source(t, body, ts)
+        self._hold_in_flight(t, body, ts)
         final = self.ledger.on_send(rec.engine_id, body, receiver_t.page_size if receiver_t else t.page_size)
         if final is not None:
             found += self._apply_final([final], ts)
@@ -94,9 +100,82 @@ class Transfers:
             found = self._on_transfer_done(t, body, rec.ts_ns)
             self._publish_receiver(self.ledger.find(body.room, receiver_key=body.req_key))
             return found
+        found = self._sender_completed(t, body, rec.ts_ns)
         if self.shared_ledger is not None:  # a prefill pod: its rooms have no receiver here, retire them
             self.ledger.on_sender_done(body.req_key, body.room)
-        return []
+        return found
+
+    # ------------------------------------------------------------------ transfers in flight
+    def _hold_in_flight(self, t: EngineTracker, x: wire.XferSend, ts_ns: int) -> None:
+        """Keep what a chunk reads and where it lands, with their generations, until the
+        sender completes (sidecar/inflight.py)."""
+        info = t.requests.get(x.req_key)
+        if t.hello is None or info is None or info.warmup or len(x.pages) == 0:
+            return
+        room = self.ledger.find(x.room, sender_key=x.req_key)
+        receiver_t = None
+        if room is not None and room.receiver_engine is not None:
+            receiver_t = self.engines.get(room.receiver_engine)
+        src = t.pool.ensure(x.pages.astype(np.int64))
+        src = src[src != PADDING_PAGE]
+        dst = np.zeros(0, np.int64)
+        receiver_engine, receiver_key = None, 0
+        if receiver_t is not None and receiver_t.hello is not None:
+            hit = self.ledger.send_target(x, receiver_t.page_size)
+            if hit is not None and hit[0].receiver_open:
+                state, dst = hit
+                dst = receiver_t.pool.ensure(dst)
+                dst = dst[dst != PADDING_PAGE]
+                receiver_engine, receiver_key = receiver_t.engine_id, state.receiver_key
+        if len(src) == 0 and len(dst) == 0:
+            return
+        dst_gens = receiver_t.pool.gen[dst] if receiver_t is not None and len(dst) else np.zeros(0, np.uint32)
+        chunk = InFlightChunk(
+            x.token_start, x.token_end, ts_ns, src.astype(np.int32), t.pool.gen[src], dst.astype(np.int32), dst_gens
+        )
+        self.inflight.on_send(t.engine_id, x.req_key, x.room, receiver_engine, receiver_key, chunk)
+
+    def _sender_completed(self, t: EngineTracker, x: wire.XferDone, ts_ns: int) -> list[Finding]:
+        """The sender's transfer ended. On success its bytes have moved: any of its chunks' pages
+        handed to another request since the chunk was sent is a finding (sidecar/inflight.py);
+        on failure nothing is known to have landed, and nothing is judged."""
+        if x.status != wire.XferStatus.SUCCESS:
+            self.inflight.abandon(t.engine_id, x.req_key, x.room)
+            return []
+        held = self.inflight.complete(t.engine_id, x.req_key, x.room)
+        if held is None:
+            return []
+        state = self.ledger.find(x.room, sender_key=x.req_key)
+        receiver_t = self.engines.get(held.receiver_engine) if held.receiver_engine is not None else None
+        receiver_done = state is not None and state.done_status == wire.XferStatus.SUCCESS
+        found: list[Finding] = []
+        for chunk in held.chunks:
+            moved = chunk.src_pages[t.pool.gen[chunk.src_pages] != chunk.src_gens].astype(np.int64)
+            if len(moved):
+                receiver = None
+                if receiver_t is not None and held.receiver_key:
+                    receiver = reader_party(receiver_t.requests.get_or_stub(held.receiver_key))
+                event = PagesChangedInFlight(
+                    "source", t.requests.get_or_stub(x.req_key), moved, x.room, chunk.token_start,
+                    chunk.token_end, chunk.sent_ns, receiver,
+                )  # fmt: skip
+                found += self.out.observe(event, t, ts_ns)
+            if receiver_t is None or receiver_done or not len(chunk.dst_pages):
+                continue  # a receiver that reported success had every byte before this
+            dst = chunk.dst_pages.astype(np.int64)
+            pool = receiver_t.pool
+            moved = (pool.gen[dst] != chunk.dst_gens) & (pool.state[dst] == OWNED)
+            moved[moved] = pool.owner_keys(dst[moved]) != np.uint64(held.receiver_key)
+            if moved.any():
+                sender = Party(state.sender_rid, state.sender_tenant, x.room) if state is not None else None
+                event = PagesChangedInFlight(
+                    "destination", receiver_t.requests.get_or_stub(held.receiver_key), dst[moved], x.room,
+                    chunk.token_start, chunk.token_end, chunk.sent_ns, sender,
+                )  # fmt: skip
+                # (not marked overwritten for the owner's next read: the owner may have written
+                # them after the completion landed, and which came last is not known)
+                found += self.out.observe(event, receiver_t, ts_ns)
+        return self.out.emit(found)
 
     def _on_transfer_done(self, t: EngineTracker, x: wire.XferDone, ts_ns: int) -> list[Finding]:
         grace = self.shared_grace_ns if self.shared_ledger is not None else None
@@ -286,6 +365,9 @@ class Transfers:
         """On the sidecar's clock: the other pod's facts (with a shared ledger), pairings whose
         wait for the sender's last chunk is over, and rooms orphaned by now."""
         found = self._tick_shared(now_ns) if self.shared_ledger is not None else []
+        # a sender that never reports a completion (its request ended on a path without one; SGLang
+        # ends a prefill request just before its XFER_DONE, so its end cannot close the room)
+        self.inflight.expire(now_ns - max(4 * self.ledger.orphan_timeout_ns, IN_FLIGHT_MAX_AGE_NS))
         page_size_of = lambda eid: self.engines[eid].page_size if eid in self.engines else 1
         found += self._apply_final(self.ledger.expire(now_ns, page_size_of), now_ns)
         for state in self.ledger.orphans(now_ns):

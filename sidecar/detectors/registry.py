@@ -17,6 +17,7 @@ from .content import ContentDetector
 from .coverage import CoverageDetector
 from .gaps import EventsLostDetector
 from .guard import GuardDetector
+from .inflight import InFlightTransferDetector
 from .isolation import TenantIsolationDetector
 from .lifetime import DoubleFreeDetector, WriteDetector
 from .offload import OffloadDetector
@@ -51,6 +52,7 @@ def default_detectors(
         ChecksumDetector(),
         OrphanDetector(),
         UnwrittenSendDetector(),
+        InFlightTransferDetector(),
         ScopeDetector(),
         ContentDetector(),
         OffloadDetector(),
