@@ -317,7 +317,7 @@ def pd(tmp_path_factory, require_sglang):
         prefill_pool_tokens=PREFILL_POOL,
         decode_pool_tokens=DECODE_POOL,
         context_length=CONTEXT,
-        extra_env=fault_env(events_dir, "send_truncated,sender_truncated,send_foreign_page"),
+        extra_env=fault_env(events_dir, "send_truncated,sender_truncated,send_foreign_page,send_source_released"),
         extra_pythonpath=[FAULTS_DIR],
         # direct: the faults fire by rid and the checks name the room the client chose
         router=False,
@@ -451,3 +451,52 @@ class TestPrefillDecodePair:
         assert (f.evidence["token_start"], f.evidence["token_end"]) == (0, 40)
         if victim_page != ev["own_page"]:  # the victim's page was not handed to the sender itself meanwhile
             assert victim.rid in [p.rid for p in f.exposed], describe(found)
+
+    def _sent_while_another_prefills(self, pair, rng, f_rid: str, v_rid: str, watch, fault: bool):
+        """f (initech) goes to the pair; while its transfer is in flight v (acme) is prefilled.
+        With the fault, prefill released f's pages right after handing its last chunk to
+        Mooncake, v got them, and Mooncake read them only after v computed its prompt there."""
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(pair.generate, prompt(rng, 40), tenant="initech", max_new_tokens=4, rid=f_rid)
+            if fault:
+                watch.wait_event("send_source_released", "released_early")
+            victim = pair.generate(prompt(rng, 40), tenant="acme", max_new_tokens=4, rid=v_rid)
+            r = pending.result(timeout=120)
+        assert victim.ok and r.ok and r.prompt_tokens == 40, (victim.summary(), r.summary())
+        return r, victim
+
+    def test_prefill_reads_source_pages_after_they_changed_hands(self, pd):
+        """The sender's side of a transfer in flight (TensorRT-LLM #12540 / #12542, SGLang
+        #24527's family): the source pages are handed to another request before the transfer
+        read them. At the send everything is the sender's own and written; only the pages'
+        generations at the sender's completion show it. The clean twin (the same two requests,
+        no fault: prefill keeps f's pages until its transfer completes) raises nothing."""
+        pair, watch = pd
+        rng = random.Random(10)
+        mark = watch.mark()
+        self._sent_while_another_prefills(pair, rng, "kvg-ssr-clean-f", "kvg-ssr-clean-v", watch, fault=False)
+        watch.settle()
+        assert watch.since(mark) == [], describe(watch.since(mark))
+
+        mark = watch.mark()
+        rid = make_rid("send_source_released", "f", "1")
+        v_rid = make_rid("send_source_released", "v", "1")
+        r, victim = self._sent_while_another_prefills(pair, rng, rid, v_rid, watch, fault=True)
+        released = watch.wait_event("send_source_released", "released_early")
+        got = watch.wait_event("send_source_released", "victim_written")["got"]
+        assert got, "the victim was not handed the released pages"
+        assert watch.wait_event("send_source_released", "transfer_released")["victim_written"]
+        watch.settle()
+        found = watch.since(mark)
+        # decode also sees it as the transfer's digests disagreeing: prefill hashed f's own KV
+        # when it sent the chunk, decode hashed what landed (v's)
+        assert sorted(f.kind for f in found) == ["checksum_mismatch", "use_after_free"], describe(found)
+        uaf = one(found, "use_after_free")
+        assert (uaf.severity, uaf.engine.role) == ("critical", "prefill")
+        assert (uaf.reader.rid, uaf.reader.tenant, uaf.reader.bootstrap_room) == (rid, "initech", r.room)
+        assert uaf.evidence["access"] == "send" and uaf.evidence["via"] == "transfer"
+        assert uaf.evidence["receiver"] == {"rid": rid, "tenant": "initech"}  # decode's request (same rid, direct)
+        assert set(got) <= set(uaf.pages) <= set(released["pages"])
+        assert (victim.rid, "acme") in [(p.rid, p.tenant) for p in uaf.exposed], describe(found)
+        digest = one(found, "checksum_mismatch")
+        assert digest.engine.role == "decode" and digest.reader.rid == rid

@@ -42,6 +42,7 @@ FAULTS = (
     "send_truncated",
     "sender_truncated",
     "send_foreign_page",
+    "send_source_released",
     "flip_received_page",
     "hicache_load_freed",
     "hicache_host_flipped",

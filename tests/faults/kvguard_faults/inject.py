@@ -85,6 +85,9 @@ PROCESS_BATCH_RESULT = S + "managers.scheduler.Scheduler.process_batch_result"
 NUM_PAGES_TO_SEND = S + "disaggregation.prefill.PrefillBootstrapQueue._num_pages_to_send"
 SEND_KV_CHUNK_INNER = S + "disaggregation.prefill.SchedulerDisaggregationPrefillMixin._send_kv_chunk"
 MOONCAKE_SEND = S + "disaggregation.mooncake.conn.MooncakeKVSender.send"
+MOONCAKE_ADD_TRANSFER = S + "disaggregation.mooncake.conn.MooncakeKVManager.add_transfer_request"
+INFLIGHT_QUEUE = S + "disaggregation.prefill.SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue"
+RELEASE_KV_CACHE = S + "mem_cache.common.release_kv_cache"
 POLL_GATE = S + "disaggregation.decode.DecodeTransferQueue._poll_with_metadata_gate"
 READY_TO_LOAD = S + "mem_cache.unified_radix_cache.UnifiedRadixCache.ready_to_load_host_cache"
 PREPARE_FOR_EXTEND = S + "managers.schedule_batch.ScheduleBatch.prepare_for_extend"
@@ -101,7 +104,8 @@ UNIFIED_FAULTS = (
     "state_slot_freed",
     "swa_freed_under_reader",
 )
-PD_FAULTS = ("send_truncated", "sender_truncated", "send_foreign_page")
+PD_FAULTS = ("send_truncated", "sender_truncated", "send_foreign_page", "send_source_released")
+SSR_HOLD_S = 30.0  # send_source_released: the longest the faulty transfer waits for the victim
 SHORT_SEND_FAULTS = ("send_truncated", "sender_truncated")  # the sender is initialised for 1 page
 DECODE_FAULTS = ("flip_received_page",)
 FLIP_ROW_PAGE = 1  # the request's row page whose first slot gets the flipped byte (page 0 if shorter)
@@ -219,6 +223,27 @@ def move_pages_deeper(alloc, pages: list[int], depth: int) -> None:
     alloc.free_pages = torch.tensor(rest[:at] + list(pages) + rest[at:], dtype=fp.dtype, device=fp.device)
 
 
+def pages_to_front(alloc, pages: list[int]) -> None:
+    """Put just-freed ``pages`` first in the allocator's free list, taking them out of where a
+    prefill/decode engine parks its frees until the next merge (0.5.19 ``release_pages``, 0.5.23
+    ``staged_pages``): the next request allocated gets them. The same pages stay free."""
+    torch = _torch()
+    drop = set(pages)
+
+    def without(t):
+        return t[torch.tensor([int(x) not in drop for x in t.reshape(-1).tolist()], dtype=torch.bool)]
+
+    if isinstance(getattr(alloc, "release_pages", None), torch.Tensor):
+        alloc.release_pages = without(alloc.release_pages)
+    staged = getattr(alloc, "staged_pages", None)
+    if staged:
+        alloc.staged_pages = [u for u in (without(t) for t in staged) if u.numel()]
+        alloc.num_staged_pages = sum(int(t.numel()) for t in alloc.staged_pages)
+    fp = alloc.free_pages
+    head = torch.tensor(list(pages), dtype=fp.dtype, device=fp.device)
+    alloc.free_pages = torch.cat((head, without(fp)))
+
+
 # --------------------------------------------------------------------------- the driver
 class Driver:
     def __init__(self, faults: set[str], events: Events):
@@ -254,6 +279,11 @@ class Driver:
         self.swa_victim = None
         self.swa_position = 0
         self.swa_batch = None  # the batch admitting "other", between prepare_for_extend and its allocation
+        # send_source_released: the faulty request's rid once its pages were released early, the
+        # pages, and the victim's prefill having written them (which lets the held transfer go)
+        self.ssr_released: set[str] = set()
+        self.ssr_pages: list[int] = []
+        self.ssr_victim_written = threading.Event()
         # hicache_*: fault -> the victim whose next queued load-back it acts on
         self.hicache_victims: dict[str, str] = {}
 
@@ -741,6 +771,18 @@ class Driver:
 
     def send_kv_chunk_inner(self, original, sched, req, last_chunk=False, end_idx=None):
         fault, _role = fault_and_role(getattr(req, "rid", None))
+        if fault == "send_source_released" and fault in self.faults and last_chunk:
+            if _role == "f":
+                self.pd_rooms[int(req.bootstrap_room)] = fault
+            result = original(sched, req, last_chunk=last_chunk, end_idx=end_idx)
+            if _role == "v":
+                ps = page_size(sched)
+                pages = pages_of(row_slots(sched, req, len(req.origin_input_ids)), ps)
+                self.ev.emit(
+                    fault, "victim_written", rid=req.rid, pages=pages, got=sorted(set(pages) & set(self.ssr_pages))
+                )
+                self.ssr_victim_written.set()
+            return result
         if fault == "send_foreign_page" and fault in self.faults and last_chunk:
             self.guarded("send_foreign_page", self.swap_in_victim_page, sched, req, _role)
         if fault == "send_truncated" and fault in self.faults and last_chunk:
@@ -854,6 +896,63 @@ class Driver:
             if num_kv_tokens is not None and ps:
                 num_kv_tokens = min(int(num_kv_tokens), int(ps))
         return original(sender, kv_indices, state_indices, num_kv_tokens=num_kv_tokens, indices_event=indices_event)
+
+    # ------------------------------------------------------------------ send_source_released
+    # The sender's source pages change hands while its transfer is in flight: prefill gives the
+    # faulty request's KV back right after its last chunk was handed to Mooncake (an early
+    # release), the next request (the victim) is allocated those pages and computes its prompt
+    # in them, and only then does Mooncake read them: decode receives the victim's KV.
+    def add_transfer_request(self, original, mgr, room, *args, **kwargs):
+        is_last = args[2] if len(args) > 2 else kwargs.get("is_last_chunk", False)
+        if self.pd_rooms.get(int(room)) != "send_source_released" or not is_last:
+            return original(mgr, room, *args, **kwargs)
+        self.ev.emit("send_source_released", "transfer_held", room=int(room))
+
+        def later():
+            got = self.ssr_victim_written.wait(SSR_HOLD_S)
+            status = getattr(mgr, "request_status", {}).get(room)
+            self.ev.emit(
+                "send_source_released",
+                "transfer_released",
+                room=int(room),
+                victim_written=got,
+                status=None if status is None else int(status),
+                has_transfer_info=room in getattr(mgr, "transfer_infos", {}),
+            )
+            self.guarded("send_source_released transfer", lambda: original(mgr, room, *args, **kwargs))
+
+        threading.Thread(target=later, name="kvgf-held-transfer", daemon=True).start()
+        return None
+
+    def release_early(self, sched) -> None:
+        for req in list(getattr(sched, "disagg_prefill_inflight_queue", ())):
+            fault, role = fault_and_role(getattr(req, "rid", None))
+            if fault != "send_source_released" or role != "f" or req.rid in self.ssr_released:
+                continue
+            import inspect
+
+            from sglang.srt.disaggregation import prefill as prefill_module
+
+            ps = page_size(sched)
+            pages = pages_of(row_slots(sched, req, len(req.origin_input_ids)), ps)
+            release = prefill_module.release_kv_cache
+            params = inspect.signature(inspect.unwrap(release)).parameters
+            if "checkpoint" in params:  # 0.5.23
+                release(req, sched.tree_cache, checkpoint=False)
+            else:  # 0.5.19-0.5.22
+                release(req, sched.tree_cache, is_insert=False)
+            self.ssr_released.add(req.rid)
+            pages_to_front(sched.token_to_kv_pool_allocator, pages)
+            self.ssr_pages = pages
+            self.ev.emit(
+                "send_source_released", "released_early", rid=req.rid, room=int(req.bootstrap_room), pages=pages
+            )
+
+    def skip_second_release(self, original, req, *args, **kwargs):
+        if getattr(req, "rid", None) in self.ssr_released and not req.kv.holds_kv:
+            self.ev.emit("send_source_released", "second_release_skipped", rid=req.rid)
+            return None
+        return original(req, *args, **kwargs)
 
     # ------------------------------------------------------------------ PD decode
     def flip_received_page(self, queue, decode_req) -> None:
@@ -990,6 +1089,21 @@ def register(faults: set[str], folder: str | None) -> Driver:
                     d.guarded("restore_swapped_row", d.restore_swapped_row)
 
             HookRegistry.register(PROCESS_BATCH_RESULT, restore_hook, HookType.AROUND)
+        if "send_source_released" in faults:
+
+            def add_transfer_hook(original, mgr, room, *args, **kwargs):
+                return d.add_transfer_request(original, mgr, room, *args, **kwargs)
+
+            def inflight_hook(original, sched, *args, **kwargs):
+                d.guarded("send_source_released release", d.release_early, sched)
+                return original(sched, *args, **kwargs)
+
+            def release_hook(original, req, *args, **kwargs):
+                return d.skip_second_release(original, req, *args, **kwargs)
+
+            HookRegistry.register(MOONCAKE_ADD_TRANSFER, add_transfer_hook, HookType.AROUND)
+            HookRegistry.register(INFLIGHT_QUEUE, inflight_hook, HookType.AROUND)
+            HookRegistry.register(RELEASE_KV_CACHE, release_hook, HookType.AROUND)
         if "sender_truncated" in faults:
 
             def sender_hook(original, sender, kv_indices, state_indices=None, num_kv_tokens=None, indices_event=None):
