@@ -9,17 +9,20 @@ Handlers read the pipeline under the sidecar's lock and never hold it for long.
 from __future__ import annotations
 
 import hmac
+import os
+import tempfile
 import time
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request, Response
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from pydantic import BaseModel
+from starlette.background import BackgroundTask
 
 from kvguard.engine_hooks import wire
 
-from . import incident_view
+from . import bundle, incident_view
 from .detectors.probing import PrefixProbingDetector
 from .history import Event
 from .metrics import KVGuardCollector
@@ -161,6 +164,46 @@ def create_app(sidecar: Sidecar, registry: CollectorRegistry | None = None, api_
                 raise HTTPException(404, f"no incident {incident_id}")
             picture = incident_view.gather(sidecar.pipeline, inc)
         return _html(incident_view.render_incident(picture))
+
+    @app.get(
+        "/v1/incidents/{incident_id}/bundle",
+        dependencies=auth,
+        response_class=Response,
+        responses={
+            **AUTH_RESPONSES,
+            200: {
+                "content": {"application/gzip": {}},
+                "description": "the incident's bundle: a .tar.gz, MANIFEST.json first (docs/api.md, Incident bundles)",
+            },
+            404: {"model": ErrorBody, "description": "no such incident"},
+        },
+    )
+    def incident_bundle(
+        incident_id: Annotated[str, Path(pattern=INCIDENT_ID)],
+        before_s: Annotated[float, Query(gt=0, le=86400)] = bundle.DEFAULT_BEFORE_S,
+        max_recording_mb: Annotated[int, Query(ge=1, le=4096)] = bundle.DEFAULT_MAX_RECORDING_BYTES >> 20,
+    ):
+        """Built in a temporary file (the lock held only while the pipeline is copied), sent, then
+        deleted. No replay here: it would take CPU from ingestion; `kvguard bundle` checks the file."""
+        fd, path = tempfile.mkstemp(prefix=f"kvguard-bundle-{incident_id}-", suffix=".tar.gz")
+        os.close(fd)
+        try:
+            bundle.from_sidecar(
+                sidecar, incident_id, path, before_s=before_s, max_recording_bytes=max_recording_mb << 20
+            )
+        except bundle.NoSuchIncident:
+            os.unlink(path)
+            raise HTTPException(404, f"no incident {incident_id}") from None
+        except BaseException:
+            os.unlink(path)
+            raise
+        return FileResponse(
+            path,
+            media_type="application/gzip",
+            filename=bundle.default_out(incident_id),
+            headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"},
+            background=BackgroundTask(os.unlink, path),
+        )
 
     @app.get(
         "/v1/incidents/{incident_id}",

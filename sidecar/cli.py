@@ -209,6 +209,11 @@ def _run_sidecar(args, sinks, token, tracer, ledger: dict, listener, health_list
     except ValueError as exc:  # a bad ledger setting or a budget too small: named with its value
         print(f"kvguard sidecar: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    # what a bundle of an incident shows of this sidecar's settings (sidecar/bundle.py): the
+    # command line as parsed, secrets' values never (sidecar/secrets.py redact_settings)
+    from .secrets import redact_settings
+
+    sidecar.settings = redact_settings({k: v for k, v in vars(args).items() if k != "func"})
     # long-lived state out of every garbage collection (their pauses held /healthz past 100 ms)
     from .gc_policy import GcFreeze
 
@@ -286,6 +291,7 @@ COMMAND_MODULES: list[tuple[str, str]] = [
     ("kvguard.sidecar.replay", "register"),
     ("kvguard.sidecar.dashboards_cli", "register"),
     ("kvguard.sidecar.isolation_cli", "register"),
+    ("kvguard.sidecar.bundle_cli", "register"),
     ("kvguard.sidecar.canary.cli", "register"),
 ]
 

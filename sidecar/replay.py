@@ -88,11 +88,15 @@ def _hello_key(rec: wire.Record):
 
 
 def find_segments(paths) -> list[str]:
-    """Files as given; directories expand to the segment files in them. RecordingError if none."""
+    """Files as given; directories expand to the segment files in them; an incident bundle
+    (``kvguard bundle``, sidecar/bundle.py) to its recording, extracted into a temporary
+    directory removed at exit. RecordingError if none."""
     out = []
     for path in paths:
         path = os.fspath(path)
-        if os.path.isdir(path):
+        if os.path.isfile(path) and _is_bundle(path):
+            out += _bundle_segments(path)
+        elif os.path.isdir(path):
             names = sorted(n for n in os.listdir(path) if is_segment_name(n))
             if not names:
                 raise RecordingError(f"{path}: directory holds no kvguard recording segments (kvguard-*.kvgrec)")
@@ -102,6 +106,30 @@ def find_segments(paths) -> list[str]:
         else:
             out.append(path)
     return out
+
+
+def _is_bundle(path: str) -> bool:
+    with open(path, "rb") as f:
+        if f.read(2) != b"\x1f\x8b":  # gzip: a segment file starts with its own magic
+            return False
+    from .bundle import read_manifest
+
+    return read_manifest(path) is not None
+
+
+def _bundle_segments(path: str) -> list[str]:
+    import atexit
+    import shutil
+    import tempfile
+
+    from .bundle import extract
+
+    dest = tempfile.mkdtemp(prefix="kvguard-replay-bundle-")
+    atexit.register(shutil.rmtree, dest, True)
+    found = extract(path, dest, only_recording=True)
+    if not found:
+        raise RecordingError(f"{path}: the bundle holds no recording (its MANIFEST.json's gaps say why)")
+    return sorted(found)
 
 
 class Replay:
@@ -614,7 +642,12 @@ def register(subparsers) -> None:
         help="seconds before a reserved transfer whose prefill never reported is an orphan_transfer; "
         "default: as recorded, else 120",
     )
-    p.add_argument("paths", nargs="+", metavar="FILE", help="segment files or recording directories")
+    p.add_argument(
+        "paths",
+        nargs="+",
+        metavar="FILE",
+        help="segment files, recording directories or incident bundles (kvguard bundle)",
+    )
     p.add_argument(
         "--json",
         action="store_true",

@@ -83,6 +83,9 @@ class Sidecar:
         # snapshot a scrape asked for while the lock was busy)
         self.between_cycles: list = []
         self.gc_freeze: GcFreeze | None = None  # where the process runs one (`kvguard sidecar`)
+        # the command line's settings, redacted, as `kvguard sidecar` sets them (None elsewhere):
+        # what an incident's bundle shows (sidecar/bundle.py)
+        self.settings: dict | None = None
 
     def run_once(self, flush: bool = False) -> list:
         with self.lock:
