@@ -311,6 +311,7 @@ def capture_incident(
     words: bool = False,
     guard: str = "off",
     model: str | None = None,
+    record_dir: str | None = None,
 ) -> DemoRun:
     """Sidecar + real PD pair behind SGLang's router + the incident scenario; everything
     stopped on return.
@@ -323,6 +324,8 @@ def capture_incident(
     rejected request instead of serving it over other tenants' KV.
     ``model``: a real architecture instead of GPT-2 (``glm5``, ``deepseek_v2``; demo/engines.py
     ``sglang_arch``): its tiny dummy-weight model, pools, page size and CPU shims (no words).
+    ``record_dir``: the sidecar records the record stream there too (``kvguard replay``,
+    ``kvguard bundle --from-recording``; the engine test bundles the incident from it).
     """
     from .engines import PDPair
     from .scenario import WORDS_DEMO, run_incident_scenario, words_demo_prompts
@@ -360,7 +363,12 @@ def capture_incident(
     ring_dir, log_dir = os.path.join(work, "rings"), os.path.join(work, "logs")
     os.makedirs(ring_dir, exist_ok=True)
     memory = MemorySink()
-    sidecar = Sidecar(ring_dir, sinks=[memory], remove_dead_rings=False).start()
+    recorder = None
+    if record_dir is not None:
+        from kvguard.sidecar.recorder import Recorder
+
+        recorder = Recorder(record_dir, max_bytes=256 << 20)
+    sidecar = Sidecar(ring_dir, sinks=[memory], remove_dead_rings=False, recorder=recorder).start()
     try:
         say(
             f"starting SGLang {sglang_version} prefill + decode on CPU with the kvguard plugin"

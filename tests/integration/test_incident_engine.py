@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
 def test_sglang_0_5_19_leak_is_caught_with_the_exposed_tenants(tmp_path, require_sglang):
     """Served by the echo model, so the leak is also visible in the words that came back."""
     require_sglang("0.5.19")
-    run = capture_incident("0.5.19", str(tmp_path), words=True)
+    run = capture_incident("0.5.19", str(tmp_path), words=True, record_dir=str(tmp_path / "rec"))
     long = run.scenario.long.result
     # through the router: decode's rids, drawn by the engine (32 hex digits), not chosen by the client
     normal_rids = {r.result.rid: r.result.tenant for r in run.scenario.normal}
@@ -95,7 +95,62 @@ def test_sglang_0_5_19_leak_is_caught_with_the_exposed_tenants(tmp_path, require
     assert digest.evidence["sender_digest"] != digest.evidence["receiver_digest"]
     assert len(digest.pages) == 150 and set(read.pages) < set(digest.pages)
     assert run.records_lost == 0
+    check_the_demos_bundle(run, read, tmp_path)
     check_the_demos_incident_view(run, read, tmp_path)
+
+
+def check_the_demos_bundle(run, read, tmp_path) -> None:
+    """`kvguard bundle` of the real engines' incident: its recording replays to the same findings,
+    and nothing in it is private. The prompts were real text (acme's CFO approval code) sent as
+    real token ids: neither the text nor any run of those ids is in any member, as JSON numbers
+    or as the packed integers a recording holds."""
+    import json
+    import struct
+    import tarfile
+
+    from kvguard.sidecar import bundle
+
+    (inc,) = [i for i in run.sidecar.pipeline.incidents.incidents.values() if i.kind == "unwritten_read"]
+    assert inc.reader["rid"] == read.reader.rid
+    out = tmp_path / "bundle.tar.gz"
+    manifest = bundle.from_sidecar(run.sidecar, inc.id, str(out), check=True)
+    assert manifest["replay_check"]["reproduces"] is True, manifest["replay_check"]
+    assert manifest["recording"]["segments"] >= 1 and manifest["gaps"] == [], manifest["gaps"]
+    with tarfile.open(out, "r:gz") as tar:
+        files = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}
+    blob = b"\n".join(files.values())
+    prompts = [r.prompt for r in run.scenario.requests]
+    assert all(len(p) >= 64 for p in prompts)
+    # the text: every 16 characters of every prompt, nowhere
+    for ids in prompts:
+        text = decode_text(ids)
+        for at in range(0, len(text) - 16, 16):
+            assert text[at : at + 16].encode() not in blob, text[at : at + 16]
+    assert b"CFO approval" not in blob and b"7731-ALPHA" not in blob
+    # the token ids: no window of 6 consecutive ids, packed (a recording) or as a JSON list
+    json_lists: list[list[int]] = []
+
+    def walk(value) -> None:
+        if isinstance(value, list):
+            if value and all(isinstance(v, int) for v in value):
+                json_lists.append(value)
+            for v in value:
+                walk(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+
+    for name, data in files.items():
+        if name.endswith(".json"):
+            walk(json.loads(data))
+    for ids in prompts:
+        for at in range(0, len(ids) - 6, 6):
+            window = ids[at : at + 6]
+            if window == list(range(window[0], window[0] + 6)):
+                continue  # a run of consecutive numbers is a page range too, not evidence of a prompt
+            for fmt in ("<6i", "<6q", "<6H"):
+                assert struct.pack(fmt, *window) not in blob, (fmt, window)
+            assert not any(lst[i : i + 6] == window for lst in json_lists for i in range(len(lst) - 5)), window
 
 
 def check_the_demos_incident_view(run, read, tmp_path) -> None:
