@@ -116,11 +116,14 @@ def cmd_sidecar(args) -> int:
     except ValueError as exc:  # bad configuration fails at start-up, naming the setting
         print(f"kvguard sidecar: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    from .finding_logs import from_env as finding_logs_from_env
     from .tracing import from_env as tracing_from_env
 
     try:
         token = load_api_token(args.api_token_file)
         tracer = tracing_from_env()  # OTEL_* variables; None (off) unless an exporter or an endpoint is set
+        # findings as OTLP log records, configured by the same variables (OTEL_LOGS_EXPORTER, ...)
+        finding_logs = finding_logs_from_env(tracer=tracer)
         ledger = ledger_settings(args)
         check_limits(args.http_max_connections, args.http_request_timeout_s)
     except ValueError as exc:  # a bad tracing, ledger or HTTP setting: named with its value
@@ -167,7 +170,7 @@ def cmd_sidecar(args) -> int:
                     return EXIT_PORT_IN_USE
                 print(f"kvguard sidecar: {where}: cannot listen there: {exc.strerror or exc}", file=sys.stderr)
                 return EXIT_BAD_CONFIG
-        return _run_sidecar(args, sinks, token, tracer, ledger, listeners[0], listeners[1])
+        return _run_sidecar(args, sinks, token, tracer, ledger, listeners[0], listeners[1], finding_logs)
     finally:
         for listener in listeners:
             if listener is not None:
@@ -176,7 +179,7 @@ def cmd_sidecar(args) -> int:
             os.close(lock_fd)  # the lock goes with it (the kernel would release it at exit anyway)
 
 
-def _run_sidecar(args, sinks, token, tracer, ledger: dict, listener, health_listener=None) -> int:
+def _run_sidecar(args, sinks, token, tracer, ledger: dict, listener, health_listener=None, finding_logs=None) -> int:
     import uvicorn
 
     from .api import create_app
@@ -201,6 +204,7 @@ def _run_sidecar(args, sinks, token, tracer, ledger: dict, listener, health_list
             isolate_tenants=args.isolate_tenants,
             detect_prefix_probing=args.detect_prefix_probing,
             tracer=tracer,
+            finding_logs=finding_logs,
             ttft_anomaly=args.ttft_anomaly,
             max_rings=args.max_rings,
             memory_budget=args.memory_budget,
@@ -558,7 +562,8 @@ environment:
   KVGUARD_API_TOKEN                the /v1 bearer token when no --api-token-file
   KVGUARD_PAGERDUTY_ROUTING_KEY    the routing key for --pagerduty
   KVGUARD_JUDGE                    incremental (default) or full: how reads are judged
-  OTEL_*                           OpenTelemetry export (docs/operations.md, Tracing)
+  OTEL_*                           OpenTelemetry export: traces, and findings as log records
+                                   (docs/tracing.md)
 """
 
 

@@ -75,10 +75,19 @@ class Pipeline:
         orphan_timeout_s: float = 120.0,
         memory_budget: MemoryBudget | None = None,
         detect_prefix_probing: bool = False,
+        finding_logs=None,
     ):
         # sidecar.tracing.TraceRecorder or None: request spans; it is also a sink (findings become span events)
         self.tracer = tracer
-        self.sinks = list(sinks) + ([tracer] if tracer is not None else [])
+        # sidecar.finding_logs.FindingLogSink or None: each finding as an OpenTelemetry log record. After
+        # the tracer, so that the span the finding went on is known when its record is made
+        if finding_logs is not None and finding_logs.tracer is None:
+            finding_logs.tracer = tracer
+        self.sinks = (
+            list(sinks)
+            + ([tracer] if tracer is not None else [])
+            + ([finding_logs] if finding_logs is not None else [])
+        )
         self.history = History(history_events) if history_events else None
         # sizes the engines' ended-request directories (sidecar/memory_budget.py)
         self.memory_budget = memory_budget or MemoryBudget(DEFAULT_BUDGET_BYTES, history_events)

@@ -41,6 +41,7 @@ class Sidecar:
         max_rings: int = DEFAULT_MAX_RINGS,
         memory_budget: int = DEFAULT_BUDGET_BYTES,
         detect_prefix_probing: bool = False,
+        finding_logs=None,
     ):
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
@@ -58,6 +59,7 @@ class Sidecar:
             isolate_tenants=isolate_tenants,
             detect_prefix_probing=detect_prefix_probing,
             tracer=tracer,
+            finding_logs=finding_logs,
             ttft_anomaly=ttft_anomaly,
             shared_ledger=self.shared_ledger,
             orphan_timeout_s=orphan_timeout_s,

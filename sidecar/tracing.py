@@ -145,6 +145,9 @@ class TraceRecorder:
         self._clock_offset_ns = time.time_ns() - time.monotonic_ns()
         self.counts: Counter = Counter()  # spans_started, spans_ended, evicted, finding_events, finding_spans, errors
         self._logged: set[str] = set()
+        # the span the last finding went on: the finding's log record (sidecar/finding_logs.py),
+        # delivered right after this sink on the same thread, carries its trace and span ids
+        self._last_finding: tuple[Finding, trace.SpanContext] | None = None
 
     # ------------------------------------------------------------------ pipeline hooks
     def on_request_begin(self, engine: EngineRef, info: RequestInfo) -> None:
@@ -166,6 +169,12 @@ class TraceRecorder:
             self._finding(finding)
         except Exception as exc:  # noqa: BLE001
             self._failed("on_finding", exc)
+
+    def span_context_of(self, finding: Finding) -> trace.SpanContext | None:
+        """The context of the span ``finding`` was put on (an event on its reader's span, or a
+        span of its own), when it was the last finding this recorder got; else None."""
+        last = self._last_finding
+        return last[1] if last is not None and last[0] is finding else None
 
     def on_engine_gone(self, engine: EngineRef, ts_ns: int) -> None:
         """The engine exited: its requests will never end; end their spans, marked incomplete."""
@@ -235,6 +244,7 @@ class TraceRecorder:
             source = None if f.reader is None else trace_source(f.reader.rid, f.reader.bootstrap_room)
             span = self._start(FINDING_EVENT, source, attrs, at)
         assert span is not None  # (the reader's open span, or the one just started)
+        self._last_finding = (f, span.get_span_context())
         span.add_event(FINDING_EVENT, finding_attributes(f), timestamp=at)
         if f.severity == CRITICAL:
             span.set_attribute(ERROR_TYPE, f.kind)
@@ -364,7 +374,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> TraceRecorder | None:
     env = os.environ if environ is None else environ
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return None
-    endpoint_keys = [k for k in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT") if env.get(k)]
+    endpoint_keys = otlp_endpoint_keys(env, "TRACES")
     names = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
     if not names:
         names = ["otlp"] if endpoint_keys else ["none"]
@@ -383,7 +393,21 @@ def _exporter(name: str, env: Mapping[str, str], endpoint_keys: list[str]) -> Sp
         raise ValueError(
             f"OTEL_TRACES_EXPORTER={env.get('OTEL_TRACES_EXPORTER')!r}: kvguard supports otlp, console and none"
         )
-    for key in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+    check_otlp(env, "TRACES", endpoint_keys)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter()  # endpoint, headers, timeout, compression, TLS: from the same OTEL_* variables
+
+
+def otlp_endpoint_keys(env: Mapping[str, str], signal: str) -> list[str]:
+    """The OTLP endpoint variables set for ``signal`` (TRACES, LOGS): its own, then the shared one."""
+    return [k for k in (f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT") if env.get(k)]
+
+
+def check_otlp(env: Mapping[str, str], signal: str, endpoint_keys: list[str]) -> None:
+    """The OTLP settings kvguard can honour for ``signal``, or ValueError naming the variable:
+    the protocol (OTLP/HTTP protobuf only: the gRPC exporter is not installed) and the endpoints."""
+    for key in (f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
         protocol = env.get(key, "").strip()
         if protocol:
             if protocol != "http/protobuf":
@@ -396,9 +420,6 @@ def _exporter(name: str, env: Mapping[str, str], endpoint_keys: list[str]) -> Sp
         parts = urlsplit(env[key])
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"{key}={env[key]!r}: expected http(s)://HOST:PORT")
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    return OTLPSpanExporter()  # endpoint, headers, timeout, compression, TLS: from the same OTEL_* variables
 
 
 def _version() -> str:
