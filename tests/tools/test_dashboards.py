@@ -52,6 +52,7 @@ SCRAPE_S = 1
 # Grafana's macros, as Grafana would expand them for a 1 s scrape interval (rate windows
 # of 10 samples; `offset` and `increase` need durations)
 MACROS = {"__rate_interval": "10s", "__interval": "2s", "__range": "1m", "__range_s": "60", "__interval_ms": "2000"}
+CLUSTER = "gpu-west"
 VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)\]\]")
 
 
@@ -97,14 +98,19 @@ def test_generate_check_names_stale_missing_and_extra_files(tmp_path, capsys):
     assert run_cli("dashboards", "generate", "--check", "--out", str(tmp_path)) == 0
     (tmp_path / "kvguard-pages.json").write_text("{}\n")
     (tmp_path / "kvguard-integrity.json").unlink()
+    (tmp_path / "kvguard-fleet.json").write_text("{}\n")
     (tmp_path / "old.json").write_text("{}\n")
     capsys.readouterr()
     assert run_cli("dashboards", "generate", "--check", "--out", str(tmp_path)) == 1
     err = capsys.readouterr().err
-    for name in ("kvguard-integrity.json", "kvguard-pages.json", "old.json"):
+    for name in ("kvguard-fleet.json", "kvguard-integrity.json", "kvguard-pages.json", "old.json"):
         assert f"{tmp_path / name}: not what dashboards/src generates" in err
     assert run_cli("dashboards", "generate", "--out", str(tmp_path)) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["kvguard-integrity.json", "kvguard-pages.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "kvguard-fleet.json",
+        "kvguard-integrity.json",
+        "kvguard-pages.json",
+    ]
 
 
 def test_every_panel_is_described_and_reads_the_chosen_prometheus():
@@ -221,7 +227,14 @@ class Stack(PrometheusQueries):
             yaml.safe_dump(
                 {
                     "global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"},
-                    "scrape_configs": [{"job_name": "kvguard", "static_configs": [{"targets": [self.target]}]}],
+                    # the cluster label a multi-cluster Prometheus (Thanos, Mimir, a relabeling) adds:
+                    # the fleet dashboard groups by it
+                    "scrape_configs": [
+                        {
+                            "job_name": "kvguard",
+                            "static_configs": [{"targets": [self.target], "labels": {"cluster": CLUSTER}}],
+                        }
+                    ],
                 }
             )
         )
@@ -304,7 +317,7 @@ def test_every_variable_query_lists_the_sidecar_and_its_engines(stack):
             m = re.fullmatch(r"label_values\((.+), (\w+)\)", v["query"])
             assert m, v["query"]
             values[v["name"]] = stack.api(f"label/{m[2]}/values", **{"match[]": expand(m[1], d)})
-    assert values == {"instance": [stack.target], "role": ["decode", "prefill", "unified"]}
+    assert values == {"instance": [stack.target], "role": ["decode", "prefill", "unified"], "cluster": [CLUSTER]}
 
 
 def panel_values(stack, dashboard: str, title: str, ref: str = "A") -> dict[tuple, float]:
@@ -340,6 +353,33 @@ def test_the_integrity_dashboard_shows_the_incident(stack):
     assert ratio == {"prefill": 256 / 2048, "decode": 1.0, "unified": 1.0}
     blind = {dict(k)["role"]: v for k, v in panel_values(stack, d, "Blind reads, by engine role").items()}
     assert blind["decode"] == 0.0  # the sidecar saw every page from its allocation
+
+
+def test_the_fleet_dashboard_shows_the_incidents_by_cluster_sidecar_and_engine(stack):
+    """What the sidecar's own store holds, as the fleet dashboard shows it from Prometheus."""
+    d = "kvguard-fleet.json"
+    with stack.sidecar.lock:
+        firing = stack.sidecar.pipeline.incidents.firing_by_kind()
+    assert sum(firing.values()) == 4  # the story's: pool, short transfer, unwritten read, fast TTFT
+    assert panel_values(stack, d, "Incidents firing") == {(): 4.0}
+    assert panel_values(stack, d, "Clusters with an incident firing") == {(): 1.0}
+    assert panel_values(stack, d, "Sidecars with an incident firing") == {(): 1.0}
+    assert panel_values(stack, d, "Incidents firing, by cluster") == {(("cluster", CLUSTER),): 4.0}
+    by_sidecar = panel_values(stack, d, "Incidents firing, by sidecar and kind")
+    assert by_sidecar == {
+        (("cluster", CLUSTER), ("instance", stack.target), ("kind", kind)): float(n) for kind, n in firing.items()
+    }
+    engines = panel_values(stack, d, "Engines behind the sidecars with incidents firing")
+    assert engines == {
+        (("cluster", CLUSTER), ("instance", stack.target), ("role", role)): 1.0
+        for role in ("decode", "prefill", "unified")
+    }
+    # unwritten_read: one exposure incident, opened since the stack started (a time range of an hour: the
+    # incident's series did not exist an hour ago, so its whole count is new in the range)
+    dash = dashboards()[d]
+    ((_, target),) = [t for t in targets(dash) if t[0] == "Exposure incidents opened in the time range"]
+    (result,) = stack.query(expand(target["expr"].replace("$__range", "1h"), dash))
+    assert float(result["value"][1]) == 1.0
 
 
 def test_the_pages_dashboard_shows_traffic_and_transfers(stack):
@@ -446,6 +486,8 @@ def test_push_uploads_every_dashboard_with_the_token(grafana, token_file, capsys
     assert push(grafana.url, "--token-file", token_file, "--folder-uid", "kvguard") == 0
     out = capsys.readouterr().out.splitlines()
     assert out == [
+        f"kvguard-fleet.json: {grafana.url}/d/kvguard-fleet/kvguard-incidents-across-the-fleet "
+        f"(uid kvguard-fleet, version 1)",
         f"kvguard-integrity.json: {grafana.url}/d/kvguard-integrity/kvguard-kv-integrity "
         f"(uid kvguard-integrity, version 1)",
         f"kvguard-pages.json: {grafana.url}/d/kvguard-pages/kvguard-pages-transfers-ttft "
@@ -468,10 +510,10 @@ def test_push_again_is_refused_as_a_version_mismatch_until_overwrite(grafana, to
         f"kvguard dashboards push: {name}: Grafana refused it (HTTP 412 version-mismatch: The dashboard "
         f"has been changed by someone else): the dashboard was changed in Grafana since (or pushed "
         f"before); the repository is the source of truth: re-run with --overwrite to replace it"
-        for name in ("kvguard-integrity.json", "kvguard-pages.json")
+        for name in ("kvguard-fleet.json", "kvguard-integrity.json", "kvguard-pages.json")
     ]
     assert push(grafana.url, "--token-file", token_file, "--overwrite") == 0
-    assert grafana.versions == {"kvguard-integrity": 2, "kvguard-pages": 2}
+    assert grafana.versions == {"kvguard-fleet": 2, "kvguard-integrity": 2, "kvguard-pages": 2}
 
 
 def test_push_with_a_wrong_token_exits_4_after_one_request_and_never_prints_it(grafana, tmp_path, capsys):
@@ -480,7 +522,7 @@ def test_push_with_a_wrong_token_exits_4_after_one_request_and_never_prints_it(g
     assert push(grafana.url, "--token-file", str(wrong)) == 4
     captured = capsys.readouterr()
     assert captured.err == (
-        f"kvguard dashboards push: kvguard-integrity.json: Grafana at {grafana.url} rejected "
+        f"kvguard dashboards push: kvguard-fleet.json: Grafana at {grafana.url} rejected "
         f"the credentials (HTTP 401: invalid API key): check --token-file or "
         f"$KVGUARD_GRAFANA_TOKEN\n"
     )
@@ -500,7 +542,7 @@ def test_push_to_a_failing_grafana_exits_3(grafana, token_file, capsys):
     grafana.failing = True
     assert push(grafana.url, "--token-file", token_file) == 3
     assert capsys.readouterr().err == (
-        f"kvguard dashboards push: kvguard-integrity.json: Grafana at {grafana.url} "
+        f"kvguard dashboards push: kvguard-fleet.json: Grafana at {grafana.url} "
         f"failed (HTTP 500: Internal Server Error); try again later\n"
     )
     assert len(grafana.seen) == 1
@@ -510,7 +552,7 @@ def test_push_where_nothing_listens_exits_3(token_file, capsys):
     url = f"http://127.0.0.1:{free_port()}"
     assert push(url, "--token-file", token_file, "--timeout", "2") == 3
     assert capsys.readouterr().err == (
-        f"kvguard dashboards push: kvguard-integrity.json: cannot connect to Grafana "
+        f"kvguard dashboards push: kvguard-fleet.json: cannot connect to Grafana "
         f"at {url}: [Errno 111] Connection refused\n"
     )
 

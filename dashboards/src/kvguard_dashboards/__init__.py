@@ -15,11 +15,12 @@ from pathlib import Path
 from grafana_foundation_sdk.builders.dashboard import Dashboard
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 
-from . import integrity, pages
+from . import fleet, integrity, pages
 from .common import number_panels
 
 DASHBOARDS: dict[str, Callable[[], Dashboard]] = {
     "kvguard-integrity.json": integrity.dashboard,
+    "kvguard-fleet.json": fleet.dashboard,
     "kvguard-pages.json": pages.dashboard,
 }
 
