@@ -25,6 +25,15 @@ log = logging.getLogger("kvguard.pipeline")
 SIDECAR_ENGINE = EngineRef("sidecar", 0, 0)  # findings about the sidecar's own links (the shared ledger)
 
 
+def with_telemetry(sinks, tracer=None, finding_logs=None) -> list:
+    """The sinks a finding goes to: the given ones, then the tracer (findings become span
+    events; sidecar/tracing.py), then the log-record sink (sidecar/finding_logs.py), after the
+    tracer so that the span the finding went on is known when its record is made."""
+    if finding_logs is not None and finding_logs.tracer is None:
+        finding_logs.tracer = tracer
+    return [*sinks, *(s for s in (tracer, finding_logs) if s is not None)]
+
+
 def engine_ref(tracker: EngineTracker) -> EngineRef:
     h = tracker.hello
     if h is None:

@@ -36,7 +36,7 @@ from .incidents import IncidentStore
 from .ledger import TransferLedger
 from .memory_budget import DEFAULT_BUDGET_BYTES, MemoryBudget
 from .offload import StoredObjects
-from .outlet import SIDECAR_ENGINE, Outlet, engine_ref
+from .outlet import SIDECAR_ENGINE, Outlet, engine_ref, with_telemetry
 from .page_records import PageRecords
 from .request_records import RequestRecords
 from .stats import EngineStats, PipelineStats
@@ -79,15 +79,7 @@ class Pipeline:
     ):
         # sidecar.tracing.TraceRecorder or None: request spans; it is also a sink (findings become span events)
         self.tracer = tracer
-        # sidecar.finding_logs.FindingLogSink or None: each finding as an OpenTelemetry log record. After
-        # the tracer, so that the span the finding went on is known when its record is made
-        if finding_logs is not None and finding_logs.tracer is None:
-            finding_logs.tracer = tracer
-        self.sinks = (
-            list(sinks)
-            + ([tracer] if tracer is not None else [])
-            + ([finding_logs] if finding_logs is not None else [])
-        )
+        self.sinks = with_telemetry(sinks, tracer, finding_logs)
         self.history = History(history_events) if history_events else None
         # sizes the engines' ended-request directories (sidecar/memory_budget.py)
         self.memory_budget = memory_budget or MemoryBudget(DEFAULT_BUDGET_BYTES, history_events)
