@@ -317,7 +317,10 @@ def pd(tmp_path_factory, require_sglang):
         prefill_pool_tokens=PREFILL_POOL,
         decode_pool_tokens=DECODE_POOL,
         context_length=CONTEXT,
-        extra_env=fault_env(events_dir, "send_truncated,sender_truncated,send_foreign_page,send_source_released"),
+        extra_env=fault_env(
+            events_dir,
+            "send_truncated,sender_truncated,send_foreign_page,send_source_released,completion_after_release",
+        ),
         extra_pythonpath=[FAULTS_DIR],
         # direct: the faults fire by rid and the checks name the room the client chose
         router=False,
@@ -351,6 +354,23 @@ def _earlier_requests(pair: PDPair, rng: random.Random, tag: str, n: int = 2) ->
         assert r.ok, r.summary()
         out[r.rid] = tenant
     return out
+
+
+def _in_flight_ended(watch: Watch) -> int:
+    with watch.sidecar.lock:
+        stats = watch.sidecar.pipeline.stats().ledger.in_flight
+    return stats.completed + stats.unjudged
+
+
+def _wait_sender_completions(watch: Watch, before: int, n: int = 1, timeout_s: float = 60.0) -> None:
+    """Until the sidecar has applied ``n`` more senders' completions (XFER_DONE sender) than
+    ``before``: prefill reports a completion at its next poll of the transfers in flight, which
+    an idle scheduler (--sleep-on-idle) may take up to a second to reach, longer than the
+    watch's quiet period."""
+    deadline = time.monotonic() + timeout_s
+    while _in_flight_ended(watch) < before + n:
+        assert time.monotonic() < deadline, f"fewer than {n} sender completions within {timeout_s} s"
+        time.sleep(0.05)
 
 
 @pytest.mark.usefixtures("pd")
@@ -478,7 +498,7 @@ class TestPrefillDecodePair:
         watch.settle()
         assert watch.since(mark) == [], describe(watch.since(mark))
 
-        mark = watch.mark()
+        mark, ended_before = watch.mark(), _in_flight_ended(watch)
         rid = make_rid("send_source_released", "f", "1")
         v_rid = make_rid("send_source_released", "v", "1")
         r, victim = self._sent_while_another_prefills(pair, rng, rid, v_rid, watch, fault=True)
@@ -486,7 +506,7 @@ class TestPrefillDecodePair:
         got = watch.wait_event("send_source_released", "victim_written")["got"]
         assert got, "the victim was not handed the released pages"
         assert watch.wait_event("send_source_released", "transfer_released")["victim_written"]
-        watch.settle()
+        _wait_sender_completions(watch, ended_before, n=2)  # f's and v's
         found = watch.since(mark)
         # decode also sees it as the transfer's digests disagreeing: prefill hashed f's own KV
         # when it sent the chunk, decode hashed what landed (v's)
@@ -500,3 +520,35 @@ class TestPrefillDecodePair:
         assert (victim.rid, "acme") in [(p.rid, p.tenant) for p in uaf.exposed], describe(found)
         digest = one(found, "checksum_mismatch")
         assert digest.engine.role == "decode" and digest.reader.rid == rid
+
+    def test_a_completion_after_decode_gave_its_pages_away_is_a_late_write(self, pd):
+        """The receiver's side of a transfer in flight (SGLang #24527's family: decode reusing
+        pages before the prefill writer finished): decode gives f's reservation up while
+        prefill's transfer into it is in flight and releases the pages at once (the deferred
+        release of a failed transfer, SGLang's fix, reverted for that request), v is reserved
+        the same pages, and then f's transfer completes into them."""
+        pair, watch = pd
+        rng = random.Random(11)
+        fault = "completion_after_release"
+        mark, ended_before = watch.mark(), _in_flight_ended(watch)
+        rid, v_rid = make_rid(fault, "f", "1"), make_rid(fault, "v", "1")
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(pair.generate, prompt(rng, 40), tenant="initech", max_new_tokens=4, rid=rid)
+            released = watch.wait_event(fault, "released_early")
+            victim = pair.generate(prompt(rng, 40), tenant="acme", max_new_tokens=4, rid=v_rid)
+            r = pending.result(timeout=120)
+        assert victim.ok and not r.ok, (victim.summary(), r.summary())  # decode failed f: the client saw an error
+        got = watch.wait_event(fault, "victim_reserved")["got"]
+        assert got, "the victim was not reserved the released pages"
+        assert watch.wait_event(fault, "transfer_released")["victim_written"]
+        watch.settle()
+        _wait_sender_completions(watch, ended_before)
+        found = watch.since(mark)
+        late = one(found, "late_write")
+        # v's own transfer may land before or after f's: its digest sees f's KV only if f's came last
+        assert {f.kind for f in found} <= {"late_write", "checksum_mismatch"}, describe(found)
+        assert (late.severity, late.engine.role) == ("critical", "decode")
+        assert (late.reader.rid, late.reader.tenant, late.reader.bootstrap_room) == (rid, "initech", r.room)
+        assert late.evidence["access"] == "completion" and late.evidence["via"] == "transfer"
+        assert set(got) <= set(late.pages) <= set(released["pages"])
+        assert [(p.rid, p.tenant) for p in late.exposed] == [(v_rid, "acme")], describe(found)

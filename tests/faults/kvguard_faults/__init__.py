@@ -43,6 +43,7 @@ FAULTS = (
     "sender_truncated",
     "send_foreign_page",
     "send_source_released",
+    "completion_after_release",
     "flip_received_page",
     "hicache_load_freed",
     "hicache_host_flipped",

@@ -88,6 +88,7 @@ MOONCAKE_SEND = S + "disaggregation.mooncake.conn.MooncakeKVSender.send"
 MOONCAKE_ADD_TRANSFER = S + "disaggregation.mooncake.conn.MooncakeKVManager.add_transfer_request"
 INFLIGHT_QUEUE = S + "disaggregation.prefill.SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue"
 RELEASE_KV_CACHE = S + "mem_cache.common.release_kv_cache"
+POP_TRANSFERRED = S + "disaggregation.decode.DecodeTransferQueue.pop_transferred"
 POLL_GATE = S + "disaggregation.decode.DecodeTransferQueue._poll_with_metadata_gate"
 READY_TO_LOAD = S + "mem_cache.unified_radix_cache.UnifiedRadixCache.ready_to_load_host_cache"
 PREPARE_FOR_EXTEND = S + "managers.schedule_batch.ScheduleBatch.prepare_for_extend"
@@ -104,10 +105,18 @@ UNIFIED_FAULTS = (
     "state_slot_freed",
     "swa_freed_under_reader",
 )
-PD_FAULTS = ("send_truncated", "sender_truncated", "send_foreign_page", "send_source_released")
+PD_FAULTS = (
+    "send_truncated",
+    "sender_truncated",
+    "send_foreign_page",
+    "send_source_released",
+    "completion_after_release",
+)
+HELD_TRANSFER_FAULTS = ("send_source_released", "completion_after_release")  # prefill holds f's last chunk
 SSR_HOLD_S = 30.0  # send_source_released: the longest the faulty transfer waits for the victim
 SHORT_SEND_FAULTS = ("send_truncated", "sender_truncated")  # the sender is initialised for 1 page
 DECODE_FAULTS = ("flip_received_page",)
+KV_POLL_FAILED = 0  # KVPoll.Failed in every version (plain ints)
 FLIP_ROW_PAGE = 1  # the request's row page whose first slot gets the flipped byte (page 0 if shorter)
 
 # freed pages are moved this deep into the free list (see _uaf_free); KVGUARD_FAULT_UAF_DEPTH
@@ -133,6 +142,22 @@ class Events:
         line = json.dumps(record) + "\n"
         with self.lock, open(self.path, "a") as f:
             f.write(line)
+
+
+def logged(events: Events, fault: str, event: str, **match) -> dict | None:
+    """The first ``event`` of ``fault`` in the events file matching ``match`` (any process's)."""
+    if events.path is None or not events.path.exists():
+        return None
+    with events.lock, open(events.path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("fault") == fault and record.get("event") == event:
+                if all(record.get(k) == v for k, v in match.items()):
+                    return record
+    return None
 
 
 def fault_and_role(rid) -> tuple[str | None, str | None]:
@@ -284,6 +309,13 @@ class Driver:
         self.ssr_released: set[str] = set()
         self.ssr_pages: list[int] = []
         self.ssr_victim_written = threading.Event()
+        self.held_rooms: dict[int, str] = {}  # room -> fault: last chunks held, not yet announced
+        # completion_after_release (decode): f's rid once its reservation was released, its pages,
+        # the room whose poll is turned into a failure during one pop_transferred, the victim logged
+        self.car_released: set[str] = set()
+        self.car_pages: list[int] = []
+        self.car_fail_room: int | None = None
+        self.car_victim_logged = False
         # hicache_*: fault -> the victim whose next queued load-back it acts on
         self.hicache_victims: dict[str, str] = {}
 
@@ -771,6 +803,8 @@ class Driver:
 
     def send_kv_chunk_inner(self, original, sched, req, last_chunk=False, end_idx=None):
         fault, _role = fault_and_role(getattr(req, "rid", None))
+        if fault == "completion_after_release" and fault in self.faults and last_chunk and _role == "f":
+            self.pd_rooms[int(req.bootstrap_room)] = fault
         if fault == "send_source_released" and fault in self.faults and last_chunk:
             if _role == "f":
                 self.pd_rooms[int(req.bootstrap_room)] = fault
@@ -779,7 +813,12 @@ class Driver:
                 ps = page_size(sched)
                 pages = pages_of(row_slots(sched, req, len(req.origin_input_ids)), ps)
                 self.ev.emit(
-                    fault, "victim_written", rid=req.rid, pages=pages, got=sorted(set(pages) & set(self.ssr_pages))
+                    fault,
+                    "victim_written",
+                    rid=req.rid,
+                    pages=pages,
+                    got=sorted(set(pages) & set(self.ssr_pages)),
+                    still_free=sorted(set(pages) & free_page_set(sched.token_to_kv_pool_allocator)),
                 )
                 self.ssr_victim_written.set()
             return result
@@ -904,25 +943,45 @@ class Driver:
     # in them, and only then does Mooncake read them: decode receives the victim's KV.
     def add_transfer_request(self, original, mgr, room, *args, **kwargs):
         is_last = args[2] if len(args) > 2 else kwargs.get("is_last_chunk", False)
-        if self.pd_rooms.get(int(room)) != "send_source_released" or not is_last:
+        fault = self.pd_rooms.get(int(room))
+        if fault not in HELD_TRANSFER_FAULTS or not is_last:
             return original(mgr, room, *args, **kwargs)
-        self.ev.emit("send_source_released", "transfer_held", room=int(room))
+        # announced at the next poll of the transfers in flight (announce_held), not here: this
+        # runs inside send_kv_chunk, before kvguard's hook writes the chunk's XFER_SEND, and decode
+        # acts on the announcement
+        self.held_rooms[int(room)] = fault
+
+        def victim_ready() -> bool:
+            if fault == "send_source_released":
+                return self.ssr_victim_written.wait(SSR_HOLD_S)
+            # completion_after_release: decode (another process) logs when the victim holds f's pages
+            deadline = time.monotonic() + SSR_HOLD_S
+            while time.monotonic() < deadline:
+                if logged(self.ev, fault, "victim_reserved") is not None:
+                    return True
+                time.sleep(0.05)
+            return False
 
         def later():
-            got = self.ssr_victim_written.wait(SSR_HOLD_S)
+            got = victim_ready()
             status = getattr(mgr, "request_status", {}).get(room)
             self.ev.emit(
-                "send_source_released",
+                fault,
                 "transfer_released",
                 room=int(room),
                 victim_written=got,
                 status=None if status is None else int(status),
                 has_transfer_info=room in getattr(mgr, "transfer_infos", {}),
             )
-            self.guarded("send_source_released transfer", lambda: original(mgr, room, *args, **kwargs))
+            self.guarded(f"{fault} transfer", lambda: original(mgr, room, *args, **kwargs))
 
         threading.Thread(target=later, name="kvgf-held-transfer", daemon=True).start()
         return None
+
+    def announce_held(self) -> None:
+        for room, fault in list(self.held_rooms.items()):
+            del self.held_rooms[room]
+            self.ev.emit(fault, "transfer_held", room=room)
 
     def release_early(self, sched) -> None:
         for req in list(getattr(sched, "disagg_prefill_inflight_queue", ())):
@@ -942,10 +1001,18 @@ class Driver:
             else:  # 0.5.19-0.5.22
                 release(req, sched.tree_cache, is_insert=False)
             self.ssr_released.add(req.rid)
-            pages_to_front(sched.token_to_kv_pool_allocator, pages)
-            self.ssr_pages = pages
+            # the prompt's pages went into the radix cache at prefill: unlocked now, the cache's own
+            # eviction gives them back to the allocator (everything evictable goes, f's included)
+            from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+            tree = sched.tree_cache
+            tree.evict(EvictParams(num_tokens=int(tree.evictable_size())))
+            alloc = sched.token_to_kv_pool_allocator
+            freed = sorted(set(pages) & free_page_set(alloc))
+            pages_to_front(alloc, freed)
+            self.ssr_pages = freed
             self.ev.emit(
-                "send_source_released", "released_early", rid=req.rid, room=int(req.bootstrap_room), pages=pages
+                "send_source_released", "released_early", rid=req.rid, room=int(req.bootstrap_room), pages=freed
             )
 
     def skip_second_release(self, original, req, *args, **kwargs):
@@ -953,6 +1020,56 @@ class Driver:
             self.ev.emit("send_source_released", "second_release_skipped", rid=req.rid)
             return None
         return original(req, *args, **kwargs)
+
+    # ------------------------------------------------------------------ completion_after_release
+    # Decode gives a reservation up while prefill's transfer into it is still in flight and
+    # releases its pages at once (the deferred release of a failed transfer reverted for that
+    # request), the next request is reserved the same pages, and then the transfer completes.
+    def pop_transferred(self, original, queue, *args, **kwargs):
+        fault = "completion_after_release"
+        target = None
+        sched = queue.scheduler
+        for decode_req in list(queue.queue):
+            req = decode_req.req
+            f, role = fault_and_role(getattr(req, "rid", None))
+            if f != fault:
+                continue
+            room = int(req.bootstrap_room)
+            if role == "f" and req.rid not in self.car_released:
+                if logged(self.ev, fault, "transfer_held", room=room) is not None:
+                    target = decode_req
+            elif role == "v" and self.car_pages and not self.car_victim_logged:
+                pages = pages_of(row_slots(sched, req, len(req.origin_input_ids)), page_size(sched))
+                self.car_victim_logged = True
+                self.ev.emit(
+                    fault, "victim_reserved", rid=req.rid, pages=pages, got=sorted(set(pages) & set(self.car_pages))
+                )
+        if target is None:
+            return original(queue, *args, **kwargs)
+        req = target.req
+        pages = pages_of(row_slots(sched, req, len(req.origin_input_ids)), page_size(sched))
+        self.car_fail_room = int(req.bootstrap_room)
+        deferred = queue.enable_deferred_kv_release
+        queue.enable_deferred_kv_release = False
+        try:
+            return original(queue, *args, **kwargs)
+        finally:
+            queue.enable_deferred_kv_release = deferred
+            self.car_fail_room = None
+            self.car_released.add(req.rid)
+            pages_to_front(sched.token_to_kv_pool_allocator, pages)
+            self.car_pages = pages
+            self.ev.emit(fault, "released_early", rid=req.rid, room=int(req.bootstrap_room), pages=pages)
+
+    def fail_the_poll(self, polls, queue):
+        """During the released request's pop_transferred: its poll reads Failed."""
+        if self.car_fail_room is None or polls is None:
+            return polls
+        polls = list(polls)
+        for i, decode_req in enumerate(queue.queue[: len(polls)]):
+            if int(getattr(decode_req.req, "bootstrap_room", -1)) == self.car_fail_room:
+                polls[i] = KV_POLL_FAILED
+        return polls
 
     # ------------------------------------------------------------------ PD decode
     def flip_received_page(self, queue, decode_req) -> None:
@@ -1089,12 +1206,13 @@ def register(faults: set[str], folder: str | None) -> Driver:
                     d.guarded("restore_swapped_row", d.restore_swapped_row)
 
             HookRegistry.register(PROCESS_BATCH_RESULT, restore_hook, HookType.AROUND)
-        if "send_source_released" in faults:
+        if faults & set(HELD_TRANSFER_FAULTS):
 
             def add_transfer_hook(original, mgr, room, *args, **kwargs):
                 return d.add_transfer_request(original, mgr, room, *args, **kwargs)
 
             def inflight_hook(original, sched, *args, **kwargs):
+                d.guarded("held transfers", d.announce_held)
                 d.guarded("send_source_released release", d.release_early, sched)
                 return original(sched, *args, **kwargs)
 
@@ -1110,6 +1228,19 @@ def register(faults: set[str], folder: str | None) -> Driver:
                 return d.sender_send(original, sender, kv_indices, state_indices, num_kv_tokens, indices_event)
 
             HookRegistry.register(MOONCAKE_SEND, sender_hook, HookType.AROUND)
+
+    if "completion_after_release" in faults:
+
+        def pop_hook(original, queue, *args, **kwargs):
+            return d.pop_transferred(original, queue, *args, **kwargs)
+
+        def poll_hook(original, queue, *args, **kwargs):
+            polls = original(queue, *args, **kwargs)
+            out = d.guarded("completion_after_release poll", d.fail_the_poll, polls, queue)
+            return polls if out is None else out
+
+        HookRegistry.register(POP_TRANSFERRED, pop_hook, HookType.AROUND)
+        HookRegistry.register(POLL_GATE, poll_hook, HookType.AROUND)
 
     if faults & set(DECODE_FAULTS):
 
