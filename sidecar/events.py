@@ -185,3 +185,7 @@ class LoadedObjectMismatch:
     object_key: int
     stored_by: Party | None  # the request whose KV was stored, None if unknown
     problems: tuple[tuple[str, dict], ...]  # (kind, evidence) pairs
+    # the stored object whose digest the loaded bytes have, when it is another one (the tier
+    # served the wrong object): its key and the request whose KV it holds
+    loaded_from_key: int = 0
+    loaded_from: Party | None = None

@@ -80,6 +80,9 @@ class StoredObjects:
         self.pending_store_digests: OrderedDict[tuple, int] = OrderedDict()
         # (engine, object key) -> (request key, pages) of its latest completed load, for its KV_DIGEST
         self.recent_loads: OrderedDict[tuple, tuple[int, np.ndarray]] = OrderedDict()
+        # digest -> the key of the latest remembered object with it: a load whose bytes are not its
+        # object's names the object they are (a tier serving the wrong object, LMCache #4385)
+        self.keys_by_digest: dict[int, int] = {}
 
     # ------------------------------------------------------------------ stores
     def on_kv_store(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
@@ -90,8 +93,11 @@ class StoredObjects:
         digest = body.digest or self.pending_store_digests.pop((t.engine_id, body.object_key), 0)
         self.stored_objects[body.object_key] = StoredObject(model, body.scope, digest, stored_by, len(body.pages))
         self.stored_objects.move_to_end(body.object_key)
+        self._index_digest(digest, body.object_key)
         while len(self.stored_objects) > MAX_OBJECTS:
-            self.stored_objects.popitem(last=False)
+            key, gone = self.stored_objects.popitem(last=False)
+            if self.keys_by_digest.get(gone.digest) == key:
+                del self.keys_by_digest[gone.digest]
             self.objects_forgotten += 1
         if info is None or t.hello is None or (body.req_key and (not info.known or info.warmup)):
             return []
@@ -134,6 +140,7 @@ class StoredObjects:
             obj = self.stored_objects.get(body.object_key)
             if obj is not None and not obj.digest:
                 obj.digest = body.digest
+                self._index_digest(body.digest, body.object_key)
             else:  # its KV_STORE is still to come (or replaces an older object of that key)
                 _remember(self.pending_store_digests, key, body.digest)
             return []
@@ -148,8 +155,24 @@ class StoredObjects:
         if reader is not None and reader.warmup:
             return []
         evidence = {"stored_digest": f"{obj.digest:016x}", "loaded_digest": f"{body.digest:016x}"}
-        event = LoadedObjectMismatch(reader, pages, body.object_key, obj.stored_by, (("checksum_mismatch", evidence),))
+        event = LoadedObjectMismatch(
+            reader, pages, body.object_key, obj.stored_by, (("checksum_mismatch", evidence),),
+            *self._object_with(body.digest, body.object_key),
+        )  # fmt: skip
         return self.out.emit(self.out.observe(event, t, rec.ts_ns))
+
+    def _index_digest(self, digest: int, object_key: int) -> None:
+        if digest:
+            self.keys_by_digest[digest] = object_key
+
+    def _object_with(self, digest: int, other_than: int) -> tuple[int, Party | None]:
+        """The remembered object (key, whose KV) whose stored digest is ``digest``, if another
+        than ``other_than``; (0, None) when none is."""
+        key = self.keys_by_digest.get(digest, 0)
+        obj = self.stored_objects.get(key) if key and key != other_than else None
+        if obj is None or obj.digest != digest:
+            return 0, None
+        return key, obj.stored_by
 
     def _load_landed(self, t: EngineTracker, body: wire.KvLoad, pages, issued, ts_ns: int) -> list[Finding]:
         """The bytes are in ``pages`` now: still where the load was meant to go?"""
@@ -216,7 +239,8 @@ class StoredObjects:
             )
         if not problems:
             return []
-        event = LoadedObjectMismatch(reader, pages, body.object_key, obj.stored_by, tuple(problems))
+        loaded_from = self._object_with(body.digest, body.object_key) if body.digest else (0, None)
+        event = LoadedObjectMismatch(reader, pages, body.object_key, obj.stored_by, tuple(problems), *loaded_from)
         return self.out.emit(self.out.observe(event, t, ts_ns))
 
 

@@ -31,13 +31,20 @@ class OffloadDetector:
     def observe(self, event: LoadedObjectMismatch, at: At) -> list[Finding]:
         engine, reader = at.engine, event.reader
         who = f"request {reader.rid} (tenant {reader.tenant or '?'})" if reader is not None else "a cache prefetch"
+        # whose KV the reader got: the object's owner, or, when the loaded bytes are another
+        # remembered object's (the tier served the wrong object), that object's owner
         exposed = [event.stored_by] if event.stored_by is not None else []
+        if event.loaded_from_key:
+            exposed = [event.loaded_from] if event.loaded_from is not None else []
         merged: dict[str, dict] = {}  # one finding per kind (another model and other bytes: one mismatch)
         for kind, evidence in event.problems:
             merged.setdefault(kind, {}).update(evidence)
         out = []
         for kind, evidence in merged.items():
             summary = f"{engine.role} rank {engine.rank}: {who} {WHAT[kind]} (object {event.object_key:016x})"
+            if kind == KIND.checksum_mismatch and event.loaded_from_key:
+                evidence["loaded_object_key"] = f"{event.loaded_from_key:016x}"
+                summary += f"; the bytes loaded are object {event.loaded_from_key:016x}'s"
             if exposed:
                 p = exposed[0]
                 summary += f"; it holds the KV of request {p.rid} (tenant {p.tenant or '?'})"

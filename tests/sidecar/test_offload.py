@@ -185,6 +185,40 @@ def test_digests_from_the_process_holding_the_kv_join_their_objects_by_key(tmp_p
     assert sorted(f.pages) == [5, 6]
 
 
+OTHER = 0xB
+
+
+def test_a_tier_serving_another_objects_bytes_names_whose_they_are(tmp_path):
+    """LMCache #4385's shape: the tier answers OBJ's key with OTHER's bytes (the loaded digest
+    is OTHER's stored one). The finding names OTHER and the request whose KV it holds (globex)
+    as exposed, not OBJ's owner; a digest no remembered object has names nobody new."""
+
+    def scenario(loaded_digest):
+        def body(rec):
+            eng = engine(rec)
+            store_from_acme(eng, digest=0x1111)
+            eng.request_begin("r-glx", "globex", None, 8, 0, False)
+            eng.pages_allocated(slots(3, 4))
+            eng.rows_assigned("r-glx", 0, 8, 0, slots(3, 4))
+            eng.forward(["r-glx"], [8], [slots(3, 4)])
+            eng.request_end("r-glx", "length", ttft_ns=MS, e2e_ns=MS, output_tokens=1, reason="")
+            eng.kv_stored("r-glx", OTHER, [3, 4], digest=0x2222)
+            eng.pages_freed(slots(3, 4))
+            load_for_ini(eng, digest=loaded_digest)
+
+        return body
+
+    findings, _ = run(tmp_path, scenario(0x2222))
+    (f,) = findings
+    assert (f.kind, f.reader.rid, f.evidence["via"]) == ("checksum_mismatch", "r-ini", "load"), f.to_dict()
+    assert f.evidence["loaded_object_key"] == f"{OTHER:016x}" and f.evidence["object_key"] == f"{OBJ:016x}"
+    assert [(p.rid, p.tenant) for p in f.exposed] == [("r-glx", "globex")]
+    assert f"object {OTHER:016x}'s" in f.summary
+    findings, _ = run(tmp_path, scenario(0x3333))  # bytes of no object it knows: OBJ's owner, as before
+    (f,) = findings
+    assert "loaded_object_key" not in f.evidence and f.exposed == []  # OBJ was the cache's own backup
+
+
 def test_a_load_into_more_pages_than_its_object_was_stored_from_is_a_size_mismatch(tmp_path):
     """The object was stored from 2 pages; a load fills 3: the third gets bytes never stored
     under this key (a truncated store). The clean twin loads 2 (the round trip above)."""
