@@ -52,6 +52,7 @@ _FREE = {
     "deferred": wire.FreeKind.DEFERRED,
     "page_ids": wire.FreeKind.PAGE_IDS,
 }
+_IDENTITY_PHASE = {"written": wire.IdentityPhase.WRITTEN, "hit": wire.IdentityPhase.HIT}
 _PHASE = {
     "admission": wire.Phase.ADMISSION,
     "prefill": wire.Phase.PREFILL,
@@ -419,6 +420,17 @@ class Probes(TransferProbes):
             self.tier1.assigned(rid, row_start, shared_until, pages)
         a = wire.Assign(self.request_key(rid), row_start, row_end, shared_until, pages)
         self._emit(wire.Kind.ASSIGN, wire.assign_payload(a), pool=pool)
+
+    @guarded_probe
+    def page_identity(self, rid: str, first_row_page: int, phase: str, ids) -> None:
+        """The content identities (engine_hooks/page_identity.py) of request ``rid``'s full row
+        pages ``first_row_page`` onwards: ``written``, pages its forwards filled; ``hit``, pages
+        the prefix cache handed it (contract 1.6). After the ASSIGN that put them in its row."""
+        ids = np.ascontiguousarray(ids, dtype=np.uint64)
+        if len(ids) == 0:
+            return
+        body = wire.PageIdentity(self.request_key(rid), int(first_row_page), _IDENTITY_PHASE[phase], ids)
+        self._emit(wire.Kind.PAGE_IDENTITY, wire.page_identity_payload(body))
 
     @guarded_probe
     def decode_rows_assigned(self, rids, positions, slots, pool: int = 0) -> None:

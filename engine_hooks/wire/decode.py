@@ -34,6 +34,7 @@ from .layout import (
     MAX_COVERAGE_ITEMS,
     MAX_RECORD_BYTES,
     MAX_STRING_BYTES,
+    PAGE_IDENTITY_FIXED,
     PAGES_FIXED,
     POOL_FIXED,
     POOL_SHARES_PAGES,
@@ -56,6 +57,7 @@ from .layout import (
     FreeKind,
     GuardAction,
     GuardRule,
+    IdentityPhase,
     Kind,
     LoadPhase,
     PartRole,
@@ -82,6 +84,7 @@ from .types import (
     KvDigest,
     KvLoad,
     KvStore,
+    PageIdentity,
     Pages,
     PoolInfo,
     ProbeError,
@@ -308,6 +311,17 @@ def _decode_pool(c: _Cursor) -> PoolInfo:
     return PoolInfo(page_size, pool_pages, window_tokens, pool_kind, c.string(), bool(flags & POOL_SHARES_PAGES))
 
 
+def _decode_page_identity(c: _Cursor) -> PageIdentity:
+    key, first, count, phase = c.fixed(PAGE_IDENTITY_FIXED)
+    try:
+        identity_phase = IdentityPhase(phase)
+    except ValueError:
+        raise DecodeError(f"PAGE_IDENTITY phase {phase} unknown") from None
+    if first + count > 1 << 32:
+        raise DecodeError(f"PAGE_IDENTITY row pages [{first}, {first + count}) past 2**32")
+    return PageIdentity(key, first, identity_phase, c.array("<u8", count))
+
+
 def _decode_heartbeat(c: _Cursor) -> Heartbeat:
     return Heartbeat(*c.fixed(HEARTBEAT_FIXED))
 
@@ -340,6 +354,7 @@ _DECODERS = {
     Kind.KV_DIGEST: _decode_kv_digest,
     Kind.COVERAGE: _decode_coverage,
     Kind.POOL: _decode_pool,
+    Kind.PAGE_IDENTITY: _decode_page_identity,
     Kind.HEARTBEAT: _decode_heartbeat,
     Kind.PROBE_ERROR: _decode_probe_error,
 }

@@ -33,6 +33,7 @@ from .layout import (
     MAGIC,
     MAX_COVERAGE_ITEMS,
     MAX_STRING_BYTES,
+    PAGE_IDENTITY_FIXED,
     PAGES_FIXED,
     POOL_FIXED,
     POOL_SHARES_PAGES,
@@ -63,6 +64,7 @@ from .types import (
     KvDigest,
     KvLoad,
     KvStore,
+    PageIdentity,
     PoolInfo,
     ProbeError,
     Reject,
@@ -244,6 +246,11 @@ def pool_payload(p: PoolInfo) -> bytes:
     flags = POOL_SHARES_PAGES if p.shares_pages else 0
     fixed = POOL_FIXED.pack(int(p.page_size), int(p.pool_pages), int(p.window_tokens), int(p.kind), flags)
     return fixed + _str_bytes(p.name)
+
+
+def page_identity_payload(p: PageIdentity) -> bytes:
+    ids = np.ascontiguousarray(p.ids, dtype="<u8")
+    return PAGE_IDENTITY_FIXED.pack(p.req_key, int(p.first_row_page), len(ids), int(p.phase)) + ids.tobytes()
 
 
 def heartbeat_payload(h: Heartbeat) -> bytes:

@@ -38,8 +38,9 @@ VERSION = 1
 # they were. 1: REQ_SCOPE, CONTENT_CHANGED, KV_STORE, KV_LOAD. 2: ENGINE_PART. 3: KV_DIGEST.
 # 4: XFER_DIGEST alg 4 (block rows; a 1.3 reader counts such a record as one it cannot decode).
 # 5: COVERAGE and POOL (an engine's model shape, what is watched, its pools besides pool 0).
+# 6: PAGE_IDENTITY (the content identity of a request's full pages, KVGUARD_PAGE_IDENTITY).
 # Carried in HELLO's kvguard_version string only for people, never needed to decode.
-WIRE_MINOR = 5
+WIRE_MINOR = 6
 HEADER = struct.Struct("<HBBIQQIHH")
 HEADER_SIZE = HEADER.size
 ALIGN = 8
@@ -93,6 +94,9 @@ class Kind(enum.IntEnum):
     # cache group, a recurrent-state pool), whose index is the header's ``pool``; the records
     # of that pool (ALLOC, FREE, ASSIGN, FORWARD) carry the same index and form its own timeline
     POOL = 25
+    # contract 1.6 (WIRE_MINOR 6): the content identity (engine_hooks/page_identity.py) of a
+    # request's full row pages: those it wrote, or those the prefix cache handed it
+    PAGE_IDENTITY = 26
 
 
 class Role(enum.IntEnum):
@@ -195,6 +199,13 @@ class PoolKind(enum.IntEnum):
     DRAFT = 4  # a speculative draft model's own KV
 
 
+class IdentityPhase(enum.IntEnum):
+    """Which of a request's pages a PAGE_IDENTITY names (contract 1.6)."""
+
+    WRITTEN = 1  # full pages the request's own forwards filled: their identity from now on
+    HIT = 2  # prefix-cache pages it was handed: the identity its own tokens give them
+
+
 class Tier1Tag(enum.IntEnum):
     """What the engine's page tag said about a page a row named (TIER1_VIOLATION)."""
 
@@ -267,6 +278,8 @@ COVERAGE_ITEM = struct.Struct("<BBBx")  # status (CoverageStatus), watched, miss
 MAX_COVERAGE_ITEMS = 32
 # POOL: page_size, pool_pages, window_tokens (0: none), kind (PoolKind), flags; then string name
 POOL_FIXED = struct.Struct("<IIIBB2x")
+# PAGE_IDENTITY: req_key, first_row_page, count, phase (IdentityPhase); then u64 ids[count]
+PAGE_IDENTITY_FIXED = struct.Struct("<QIIB7x")
 POOL_SHARES_PAGES = 1  # POOL flags: its page ids are pool 0's (one allocator, the same memory: vLLM's KV cache groups)
 
 FWD_HAS_ROWS = 1  # FORWARD flags: read_counts/read_pages carry the engine's actual rows

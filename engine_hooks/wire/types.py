@@ -20,6 +20,7 @@ from .layout import (
     FreeKind,
     GuardAction,
     GuardRule,
+    IdentityPhase,
     Kind,
     LoadPhase,
     PartRole,
@@ -308,6 +309,18 @@ class PoolInfo:
     # its page ids are pool 0's: one allocator hands them out and ALLOC / FREE come on pool 0 (vLLM's
     # KV cache groups share one block pool and alias its memory); only rows and forwards are its own
     shares_pages: bool = False
+
+
+@dataclass(slots=True)
+class PageIdentity:
+    """The content identities of a request's full row pages ``first_row_page`` onwards
+    (contract 1.6, engine_hooks/page_identity.py): pages it wrote (``WRITTEN``) or pages the
+    prefix cache handed it (``HIT``). Never token ids: u64 ids keyed by the engine's secret salt."""
+
+    req_key: int
+    first_row_page: int
+    phase: IdentityPhase
+    ids: np.ndarray  # uint64[count], one per row page from first_row_page on
 
 
 @dataclass(slots=True)

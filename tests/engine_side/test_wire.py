@@ -40,6 +40,12 @@ ROUND_TRIPS = [
             wire.Guard(9, 77, wire.GuardRule.REJECTED_SEND, wire.GuardAction.ABORTED, 600, 1, 150, "rejected")
         ),
     ),
+    (
+        wire.Kind.PAGE_IDENTITY,
+        wire.page_identity_payload(
+            wire.PageIdentity(9, 2, wire.IdentityPhase.HIT, np.array([1, 2**64 - 1], np.uint64))
+        ),
+    ),
     (wire.Kind.HEARTBEAT, wire.heartbeat_payload(wire.Heartbeat(1, 2, 3))),
     (wire.Kind.PROBE_ERROR, wire.probe_error_payload(wire.ProbeError(1, "forward", "TypeError"))),
 ]
@@ -163,3 +169,21 @@ def test_guard_record_keeps_every_field_and_refuses_an_unknown_rule():
     raw[wire.HEADER_SIZE + 16] = 99  # the rule byte
     stats = wire.DecodeStats()
     assert wire.decode_stream(bytes(raw), stats) == [] and stats.bad_payload == 1
+
+
+def test_page_identity_keeps_every_id_whole_and_refuses_an_unknown_phase_or_a_short_payload():
+    ids = np.array([0, 1, 2**63, 2**64 - 1], np.uint64)
+    p = wire.PageIdentity(wire.request_key("r"), 7, wire.IdentityPhase.WRITTEN, ids)
+    raw = _rec(wire.Kind.PAGE_IDENTITY, wire.page_identity_payload(p))
+    (rec,) = wire.decode_stream(raw, wire.DecodeStats())
+    assert (rec.body.req_key, rec.body.first_row_page, rec.body.phase) == (p.req_key, 7, wire.IdentityPhase.WRITTEN)
+    assert rec.body.ids.dtype == np.uint64 and rec.body.ids.tolist() == ids.tolist()  # u64, nothing truncated
+    assert wire.encode_record(rec) == raw  # recordings keep it byte for byte
+    bad_phase = bytearray(raw)
+    bad_phase[wire.HEADER_SIZE + 16] = 9  # the phase byte
+    # a count claiming more ids than the record holds
+    too_many = bytearray(raw)
+    struct.pack_into("<I", too_many, wire.HEADER_SIZE + 12, 1000)
+    for bad in (bad_phase, too_many):
+        stats = wire.DecodeStats()
+        assert wire.decode_stream(bytes(bad), stats) == [] and stats.bad_payload == 1

@@ -99,6 +99,7 @@ def _corpus():
         ]
     )
     p.pool_declared(1, 4, 64, "sliding_window", "swa", window_tokens=128)
+    p.page_identity("r-1", 0, "hit", [1, 2**64 - 1])
     return p.writer.records
 
 

@@ -71,6 +71,7 @@ def every_kind(p: Probes, rid="r-1"):
     p._tier1_violation(Violation("r-1", 13, [4], [3], ["r-2"], [3]), 1)
     p.coverage([wire.CoverageItem("kv_pool", wire.CoverageStatus.PARTIAL, 1, 2, "MLATokenToKVPool: no digests")])
     p.pool_declared(1, 4, 64, "state", "mamba")
+    p.page_identity(rid, 1, "written", [7, 8])
     p.forward([rid], [14], [[0]], pool=1)  # a record of that pool: the header's pool survives the recording
     p.engine_part(os.getpid() + 1, "worker", 0, 4)  # (last: a part's later records go to another engine)
 

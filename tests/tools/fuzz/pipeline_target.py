@@ -188,6 +188,11 @@ def _typed(fdp, kind: wire.Kind) -> bytes | None:
     if kind == wire.Kind.ENGINE_PART:  # the engine's own pid (routes to itself) or one never seen
         pid = HELLO.pid if fdp.ConsumeBool() else fdp.ConsumeIntInRange(0, 9)
         return wire.engine_part_payload(wire.EnginePart(pid, wire.PartRole.WORKER, fdp.ConsumeIntInRange(0, 3)))
+    if kind == wire.Kind.PAGE_IDENTITY:  # a few ids, so that a hit meets what was written (and differs)
+        phase = wire.IdentityPhase(fdp.ConsumeIntInRange(1, 2))
+        ids = np.array([fdp.ConsumeIntInRange(0, 3) for _ in range(fdp.ConsumeIntInRange(0, 12))], np.uint64)
+        first = fdp.ConsumeIntInRange(0, 8) if fdp.ConsumeBool() else fdp.ConsumeIntInRange(0, (1 << 32) - 1)
+        return wire.page_identity_payload(wire.PageIdentity(key, first, phase, ids))
     return None  # the other kinds: raw payload bytes
 
 
