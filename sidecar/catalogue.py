@@ -271,6 +271,16 @@ CATALOGUE: tuple[KindSpec, ...] = (
         "a prefix-cache page written under one cache salt / extra key was handed to a request of another",
     ),
     KindSpec(
+        "prefix_content_mismatch",
+        (CRITICAL,),
+        ALWAYS,
+        BY_READER,
+        WITH_READER,
+        {CRITICAL: CRITICAL_CATCH_ALL},
+        "a prefix-cache hit handed a request a page holding another prefix or other positions than its own "
+        "(the page's content identity differs; KVGUARD_PAGE_IDENTITY)",
+    ),
+    KindSpec(
         "coverage_gap",
         (WARNING,),
         ALWAYS,

@@ -168,6 +168,19 @@ class PrefixHit:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixContentMismatch:
+    """Prefix-cache pages a request was handed (PAGE_IDENTITY ``hit``) whose content identity,
+    recorded when their current allocation was written, differs from the identity the reader's
+    own tokens give them (sidecar/page_identity.py): they hold another prefix or other positions."""
+
+    reader: RequestInfo
+    row_indices: np.ndarray  # the reader's row pages (position // page_size) that differ
+    pages: np.ndarray  # the pages there
+    writers: np.ndarray  # u64 per page: its last writer, whose KV it holds (0 unknown)
+    judged: int  # the hit's pages whose identity was known (these included)
+
+
+@dataclass(frozen=True, slots=True)
 class ContentChangedAt:
     """The engine's content check found KV slots changed with no hooked write (CONTENT_CHANGED)."""
 

@@ -239,6 +239,15 @@ class KVGuardCollector(Collector):
             "Host / storage tier loads whose KV digest was compared with the digest taken when the object was stored",
             value=stats.load_digests_compared,
         )
+        identity = CounterMetricFamily(
+            "kvguard_page_identity_pages",
+            "Pages of the engines' content identity records (KVGUARD_PAGE_IDENTITY): recorded for the pages "
+            "a request wrote; of prefix-cache hits, matched or mismatched when judged, unknown when not",
+            labels=["result"],
+        )
+        for result, n in stats.page_identity.items():
+            identity.add_metric([result], n)
+        yield identity
         yield from ttft_metrics(stats.ttft)
         yield from recording_metrics(getattr(svc, "recorder", None))
         shared = getattr(svc, "shared_ledger", None)  # the service's link to Redis, not the pipeline's

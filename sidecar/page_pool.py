@@ -21,6 +21,9 @@ Per page (index = page id)::
 ``owner`` and ``last_writer`` are stored as u32 slots of a per-pool ``KeyTable`` and the
 write time as u32 milliseconds; the properties of those names read them back exactly
 (keys) and in ns. 22 bytes per page in all, with the incremental judge's ``clean_shared``.
+Kept only once an engine uses them: each page's writer scope (8 bytes, REQ_SCOPE) and its
+content identity with the allocation it was recorded for (12 bytes, PAGE_IDENTITY,
+sidecar/page_identity.py).
 
 Per live request: its row as parallel arrays indexed by row page (position // page_size):
 the page (int32), and the gen it had when assigned with whether it came from the prefix
@@ -209,6 +212,11 @@ class PagePool:
         # the prefix-cache scope of each page's last writer (REQ_SCOPE), kept only once an
         # engine names a scope: 8 bytes per page where salts are in use, none elsewhere
         self.scope: np.ndarray | None = None
+        # the content identity (PAGE_IDENTITY) recorded for each page's allocation, and that
+        # allocation as gen + 1 (0: none recorded), kept only once an engine sends identities:
+        # 12 bytes per page where KVGUARD_PAGE_IDENTITY is on, none elsewhere
+        self.identity: np.ndarray | None = None
+        self.identity_gen: np.ndarray | None = None
 
     ARRAYS: tuple[str, ...] = (
         "state",
@@ -224,7 +232,14 @@ class PagePool:
         """Start keeping each page's writer scope; pages written before hold the default (0)."""
         if self.scope is None:
             self.scope = np.zeros(self.num_pages, np.uint64)
-            self.ARRAYS = PagePool.ARRAYS + ("scope",)  # grown and counted with the others from now on
+            self.ARRAYS = self.ARRAYS + ("scope",)  # grown and counted with the others from now on
+
+    def enable_identity(self) -> None:
+        """Start keeping each page's content identity; no page has one recorded yet."""
+        if self.identity is None:
+            self.identity = np.zeros(self.num_pages, np.uint64)
+            self.identity_gen = np.zeros(self.num_pages, np.uint32)
+            self.ARRAYS = self.ARRAYS + ("identity", "identity_gen")
 
     @property
     def nbytes(self) -> int:

@@ -1,5 +1,5 @@
 """The pages component: the records that change an engine's page model (ALLOC, ASSIGN, FREE,
-FORWARD, CONTENT_CHANGED, REQ_SCOPE), what the engine declares about its pools (POOL,
+FORWARD, CONTENT_CHANGED, REQ_SCOPE, PAGE_IDENTITY), what the engine declares about its pools (POOL,
 COVERAGE) and gaps in its stream (LOST).
 
 Each engine's page model and its judge are sidecar/tracker.py's ``EngineTracker`` (one per
@@ -23,6 +23,7 @@ from .findings import Finding
 from .history import Event
 from .memory_budget import MemoryBudget
 from .outlet import Outlet
+from .page_identity import IdentityCounts, judge_hit, record_written
 from .tracker import EngineTracker
 
 log = logging.getLogger("kvguard.pipeline")
@@ -39,6 +40,7 @@ class PageRecords:
         self.records_lost_by_engine: dict[int, int] = {}  # engine id -> records lost since first seen
         # records naming a pool their engine never declared (POOL), or a kind a pool does not hold: skipped
         self.records_undeclared_pool = 0
+        self.identity = IdentityCounts()  # pages of PAGE_IDENTITY records, by what became of them
 
     def handlers(self) -> dict:
         """record kind -> ``(tracker, record) -> findings``, for the pipeline's dispatch."""
@@ -49,6 +51,7 @@ class PageRecords:
             K.ASSIGN: self.on_assign,
             K.FREE: self.on_free,
             K.REQ_SCOPE: self.on_scope,
+            K.PAGE_IDENTITY: self.on_page_identity,
             K.CONTENT_CHANGED: lambda t, rec: self.out.judge(
                 ContentChangedAt(rec.body.pages, rec.body.slots_changed), t, rec.ts_ns
             ),
@@ -108,6 +111,18 @@ class PageRecords:
         for pool_tracker in t.pools.values():  # their pages take the writer's scope too
             pool_tracker.on_scope(rec.body)
         return []
+
+    def on_page_identity(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
+        """Content identities of a request's full pages (contract 1.6, sidecar/page_identity.py):
+        kept for the pages it wrote; compared for the prefix-cache pages it was handed."""
+        body: wire.PageIdentity = rec.body
+        if body.phase == wire.IdentityPhase.WRITTEN:
+            record_written(t.pool, t.rows, body, self.identity)
+            return []
+        reader = t.requests.get(body.req_key)
+        known = reader if reader is not None and reader.known else None  # (a stub is never judged)
+        mismatch = judge_hit(t.pool, t.rows, body, known, self.identity)
+        return self.out.judge(mismatch, t, rec.ts_ns) if mismatch is not None else []
 
     def on_forward(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
         f: wire.Forward = rec.body

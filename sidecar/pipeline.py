@@ -295,4 +295,5 @@ class Pipeline:
             load_digests_compared=self.load_digests_compared,
             records_without_engine=self.parts.records_without_engine,
             records_undeclared_pool=self.records_undeclared_pool,
+            page_identity=self.pages.identity.as_dict(),
         )

@@ -192,3 +192,5 @@ class PipelineStats:
     # records of an engine part (vLLM's Worker, sidecar/engine_parts.py) whose engine had not said HELLO
     records_without_engine: int = 0
     records_undeclared_pool: int = 0  # records naming a pool their engine never declared (skipped)
+    # PAGE_IDENTITY pages by result (recorded, matched, mismatched, unknown), every result, zeros included
+    page_identity: Mapping[str, int] = field(default_factory=dict)

@@ -17,6 +17,7 @@ from .content import ContentDetector
 from .coverage import CoverageDetector
 from .gaps import EventsLostDetector
 from .guard import GuardDetector
+from .identity import PrefixIdentityDetector
 from .inflight import InFlightTransferDetector
 from .isolation import TenantIsolationDetector
 from .lifetime import DoubleFreeDetector, WriteDetector
@@ -54,6 +55,7 @@ def default_detectors(
         UnwrittenSendDetector(),
         InFlightTransferDetector(),
         ScopeDetector(),
+        PrefixIdentityDetector(),
         ContentDetector(),
         OffloadDetector(),
         LedgerDegradedDetector(),
