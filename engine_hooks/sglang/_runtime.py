@@ -194,8 +194,10 @@ class State:
         cls.swa_nulled = _Bounded()
         from .content_hooks import Content  # (imports this module: not at the top)
         from .hooks_hicache import Tier
+        from .identity_hooks import Identity
 
         Content.reset()
+        Identity.reset()
         Tier.reset()
         _disabled.clear()
         _errors.clear()

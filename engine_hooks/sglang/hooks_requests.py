@@ -11,7 +11,9 @@
 * ``Req.set_finish_with_abort`` and ``disaggregation.utils.prepare_abort`` -> REJECT,
   phase from the calling engine code.
 * ``release_kv_cache(req, tree_cache, ...)`` (AFTER; 0.5.19 ``is_insert=``, 0.5.23
-  ``checkpoint=``: only ``req`` is read) -> REQ_END when ``req.finished()``.
+  ``checkpoint=``: only ``req`` is read) -> REQ_END when ``req.finished()``, preceded by the
+  PAGE_IDENTITY of the pages its decode completed when ``KVGUARD_PAGE_IDENTITY`` is on
+  (identity_hooks.py).
   Retraction also releases KV but the request is not finished: no REQ_END then.
 """
 
@@ -24,6 +26,7 @@ from . import _runtime as rt
 from . import coverage as cv_sglang
 from . import hooks_state as state_slots
 from . import hooks_swa as swa
+from . import identity_hooks
 from ._runtime import State
 
 # --------------------------------------------------------------------------- hello
@@ -265,11 +268,14 @@ def _release_post(result, req, *args, **kwargs):
     if not State.hello_done or req.rid in State.ended:
         return
     if not req.finished():
+        identity_hooks.Identity.tips.pop(req.rid, None)  # retracted: prefilled again as new
         if len(_reprefilled) >= _REPREFILLED_CAP:
             _reprefilled.pop(next(iter(_reprefilled)))
         _reprefilled[req.rid] = True
         return
     rt.ensure_begun(req)
+    # the identities of the pages its decode completed, before REQ_END drops its row in the sidecar
+    identity_hooks.guarded(identity_hooks.released, req)
     kind, reason = _finish_of(req)
     ttft, e2e = _timings_ns(req)
     State.ended[req.rid] = True

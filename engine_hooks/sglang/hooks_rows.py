@@ -48,7 +48,7 @@ import numpy as np
 
 from ..probe_support import same_counts
 from . import _runtime as rt
-from . import content_hooks
+from . import content_hooks, identity_hooks
 from . import hooks_state as state_slots
 from . import hooks_swa as swa
 from ._runtime import State
@@ -190,6 +190,8 @@ def _extend_post(held, result, batch, *args, **kwargs):
         rt.ensure_begun(r, cached_tokens=0 if held[i] else prefix)
         start = prefix if held[i] else 0  # a later chunk: its earlier rows are already known
         p.rows_assigned(r.rid, start, seq, prefix, block[i, start:seq])
+    if identity_hooks.Identity.state != "off":  # what the rows' full pages hold (KVGUARD_PAGE_IDENTITY)
+        identity_hooks.guarded(identity_hooks.extended, reqs, held, prefix_lens, seq_lens)
     if State.swa_pool:  # a hybrid sliding-window model: the same rows in the SWA pool (hooks_swa.py)
         swa.extend_twins(reqs, held, prefix_lens, seq_lens, block)
     if State.state_pool:  # a hybrid linear-attention model: each request's state slot (hooks_state.py)

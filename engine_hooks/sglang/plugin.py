@@ -454,6 +454,9 @@ def load() -> None:
 
         budget_from_env()  # KVGUARD_CONTENT_CHECK: a bad value fails here, naming it
         path_from_env()  # KVGUARD_CONTENT_PATH: the same
+        from kvguard.engine_hooks.page_identity import enabled_from_env as page_identity_on
+
+        page_identity_on()  # KVGUARD_PAGE_IDENTITY: the same
         guard.configure()  # KVGUARD_GUARD, KVGUARD_GUARD_FAIL (a bad value with fail closed raises below)
         from kvguard.engine_hooks import native
 

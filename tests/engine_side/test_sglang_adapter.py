@@ -810,3 +810,73 @@ def test_row_sampler_from_env(caplog):
     with caplog.at_level("ERROR", logger="kvguard.sglang"):
         bad = from_env({"KVGUARD_ROW_SAMPLE_BUDGET_US": "-3"})
     assert bad.budget_ns == 30_000 and "KVGUARD_ROW_SAMPLE_BUDGET_US='-3'" in caplog.text
+
+
+# --------------------------------------------------------------------------- page identity
+def _identity_calls(probes):
+    return [(c[1][0], c[1][1], c[1][2], [int(x) for x in c[1][3]]) for c in probes.named("page_identity")]
+
+
+def test_page_identity_reports_hit_then_written_pages_chunks_and_decode_pages(probes, monkeypatch):
+    """KVGUARD_PAGE_IDENTITY=1, page size 2: a first extend with a 2-page radix hit, a later chunk
+    continuing the chain, then the release of the finished request: the pages its decode
+    completed, up to its committed length, before REQ_END; every id the definition's."""
+    from array import array
+
+    from kvguard.engine_hooks.page_identity import PageIdentity
+
+    monkeypatch.setenv("KVGUARD_PAGE_IDENTITY", "1")
+    rt.State.page_size = 2
+    pool = FakePool()
+    prompt = array("q", range(100, 111))  # 11 tokens
+    r = _req("a", row=1, origin_input_ids=prompt)
+    hook = hr.alloc_for_extend_hook("alloc_for_extend")
+    first = types.SimpleNamespace(reqs=[r], prefix_lens=[4], seq_lens_cpu=torch.tensor([7]), req_to_token_pool=pool)
+    hook(lambda batch: ("out", None, None), first)
+    r.kv.holds_kv = True
+    later = types.SimpleNamespace(reqs=[r], prefix_lens=[7], seq_lens_cpu=torch.tensor([11]), req_to_token_pool=pool)
+    hook(lambda batch: ("out", None, None), later)
+    r.output_ids = array("q", [7, 8, 9, 10])
+    r.kv.kv_committed_len = 14  # the last output token's KV is not written
+    r.finished_reason = types.SimpleNamespace(to_json=lambda: {"type": "length"})
+    hq.release_kv_cache_hook("release_kv_cache")(None, r, None, checkpoint=True)
+
+    from kvguard.engine_hooks.sglang.identity_hooks import Identity
+
+    assert Identity.chain is not None
+    salt = Identity.chain._salt
+    want = PageIdentity(2, salt).chain(np.array(list(prompt) + [7, 8, 9, 10]), 0, 7).tolist()
+    assert (
+        _identity_calls(probes)
+        == [
+            ("a", 0, "hit", want[0:2]),  # the radix cache's 4 tokens
+            ("a", 2, "written", want[2:3]),  # positions 4-5 (6 is half a page)
+            ("a", 3, "written", want[3:5]),  # the chunk completes pages 3 (6-7) and 4 (8-9)
+            ("a", 5, "written", want[5:7]),  # decode completed 10-11 and 12-13 (committed 14)
+        ]
+    )
+    names = [c[0] for c in probes.calls]
+    assert names.index("page_identity", names.index("rows_assigned")) > names.index("rows_assigned")
+    assert names[-1] == "request_end"  # after the release's identities: the sidecar's row is still there
+    assert "a" not in Identity.tips
+
+
+def test_page_identity_is_off_by_default_and_a_failure_switches_it_off_not_the_engine(probes, monkeypatch):
+    pool = FakePool()
+    hook = hr.alloc_for_extend_hook("alloc_for_extend")
+    batch = types.SimpleNamespace(
+        reqs=[_req("a", row=1, prompt=8)], prefix_lens=[0], seq_lens_cpu=torch.tensor([8]), req_to_token_pool=pool
+    )
+    assert hook(lambda batch: "out", batch) == "out"
+    assert probes.named("page_identity") == []  # not asked for
+    rt.State.reset()
+    rt.State.hello_done = True
+    monkeypatch.setenv("KVGUARD_PAGE_IDENTITY", "on")
+    broken = _req("b", row=1, origin_input_ids=["x"] * 8)  # token ids it cannot read
+    batch.reqs = [broken]
+    assert hook(lambda batch: "out", batch) == "out"  # the engine's result, whatever identity did
+    ((_, (name, exc), _),) = probes.named("report_probe_error")
+    assert name == "page_identity" and isinstance(exc, Exception)
+    batch.reqs = [_req("c", row=1, prompt=8)]
+    hook(lambda batch: "out", batch)
+    assert probes.named("page_identity") == [] and probes.named("rows_assigned")  # off; the rows still go
