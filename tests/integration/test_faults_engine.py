@@ -67,7 +67,8 @@ def unified(tmp_path_factory, require_sglang):
     env = {
         **fault_env(
             work / "events",
-            "use_after_free,double_free,row_corruption,late_write_forward,late_write_pool,salt_dropped",
+            "use_after_free,double_free,row_corruption,late_write_forward,late_write_pool,salt_dropped,"
+            "prefix_wrong_page",
         ),
         # use_after_free leaves the radix tree and the free list sharing two pages, which SGLang's
         # idle check (strict by default) turns into a scheduler exception; the other faults leave
@@ -79,6 +80,9 @@ def unified(tmp_path_factory, require_sglang):
         # tensors); the soak's unified engine runs the host path.
         "KVGUARD_CONTENT_CHECK": "all",
         "KVGUARD_CONTENT_PATH": "device",
+        # every full page's content identity (engine_hooks/page_identity.py): each prefix hit of
+        # every scenario is judged, so each is checked quiet on them too
+        "KVGUARD_PAGE_IDENTITY": "1",
     }
     # (on exit: nothing reported after the last scenario's check, nothing lost: watched_sglang)
     with watched_sglang(
@@ -237,6 +241,41 @@ class TestUnifiedEngine:
         assert [(p.rid, p.tenant) for p in f.exposed] == [(victim, "acme")]
         assert len(f.pages) == hit["meta_info"]["cached_tokens"] // PAGE
         assert f.evidence["writer_scopes"] == ["0000000000000000"]
+
+    def test_a_prefix_hit_handed_a_page_of_another_prefix(self, unified):
+        """Content identity (KVGUARD_PAGE_IDENTITY). The clean twin first: a request whose prompt
+        extends a cached one is handed that prefix, the identities match, nothing is reported.
+        Then the fault: the faulty request is handed the same cached prefix except its row page
+        1, which is the victim's cached page at that position (another prompt's KV). Ownership
+        sees a shared page read as it should be; the identity names the page and its writer."""
+        engine, watch = unified
+        rng = random.Random(53)  # (its prompts are new to the cache)
+        base = prompt(rng, 24)
+        mark = watch.mark()
+        victim = make_rid("prefix_wrong_page", "v", "1")
+        generate(engine.url, victim, prompt(rng, 24), 2, "acme")
+        generate(engine.url, "kvg-pwp-primer", base, 2, "globex")
+        watch.settle()
+        with watch.sidecar.lock:
+            before = watch.sidecar.pipeline.stats().page_identity
+        twin = generate(engine.url, "kvg-pwp-twin", base + prompt(rng, 4), 2, "globex")
+        assert twin["meta_info"]["cached_tokens"] >= 2 * PAGE, twin["meta_info"]  # an ordinary prefix hit
+        assert watch.since(mark) == [], describe(watch.since(mark))
+        with watch.sidecar.lock:
+            after = watch.sidecar.pipeline.stats().page_identity
+        assert after["matched"] - before["matched"] >= 2 and after["mismatched"] == before["mismatched"]
+        rid = make_rid("prefix_wrong_page", "f", "1")
+        hit = generate(engine.url, rid, base + prompt(rng, 4), 2, "initech")
+        ev = watch.wait_event("prefix_wrong_page", "injected")
+        assert ev["rid"] == rid and ev["victim"] == victim and ev["page"] != ev["replaced"]
+        assert hit["meta_info"]["cached_tokens"] >= 2 * PAGE, hit["meta_info"]
+        found = watch.since(mark)
+        assert [f.kind for f in found] == ["prefix_content_mismatch"], describe(found)
+        f = found[0]
+        assert (f.severity, f.reader.rid, f.reader.tenant, f.pages) == ("critical", rid, "initech", [ev["page"]])
+        assert parties(f) == [(victim, "acme", [ev["page"]])]  # whose KV it attended over
+        assert f.evidence["via"] == "prefix_hit" and f.evidence["row_pages"] == [ev["row_page"]]
+        assert victim in f.summary and rid in f.summary
 
     def test_a_tenant_walking_anothers_cached_prompt_is_prefix_probing(self, unified):
         """prefix_probing on the real engine's radix cache: acme's prompt is cached; eve sends

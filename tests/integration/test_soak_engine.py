@@ -87,8 +87,15 @@ CHUNKED_PREFILL = 64
 # response and act on nothing (no GUARD record); "full", so that the transfer invariants and the
 # read check (Tier 1, enforced: a false positive would fail a client's request) are both soaked;
 # and the content check on every slot read (engine_hooks/content.py): a legitimate KV write it
-# does not know of (chunked prefill, retraction, radix sharing, transfers) would be a finding
-GUARD_ENV = {"KVGUARD_GUARD": os.environ.get("KVGUARD_SOAK_GUARD", "full"), "KVGUARD_CONTENT_CHECK": "all"}
+# does not know of (chunked prefill, retraction, radix sharing, transfers) would be a finding;
+# and every full page's content identity (engine_hooks/page_identity.py): a prefix hit whose
+# pages' identity the engine recorded otherwise (eviction, reallocation, retraction, HiCache
+# load-backs, chunked prefill) would be a prefix_content_mismatch
+GUARD_ENV = {
+    "KVGUARD_GUARD": os.environ.get("KVGUARD_SOAK_GUARD", "full"),
+    "KVGUARD_CONTENT_CHECK": "all",
+    "KVGUARD_PAGE_IDENTITY": "1",
+}
 GUARD_LOG_LINE = "kvguard guard: KVGUARD_GUARD=full"
 TIER1_LOG_LINE = "kvguard tier1: first check ran"  # the read check did run on the soak's forwards
 # The prefill/decode pair checks content through the device path (engine_hooks/content_device.py,
@@ -458,6 +465,9 @@ def test_unified_soak_no_findings(unified_soak):
     # (prefix_probing was on and saw the tenants' hits on the shared system prompt: not a vacuous pass)
     probing = unified_soak.snapshot["prefix_probing"]
     assert probing["enabled"] and probing["cross_tenant_hits"] > 0, probing
+    # (the content identity judged the hits on the shared system prompt: not a vacuous pass either)
+    identity = unified_soak.snapshot["page_identity"]
+    assert identity["recorded"] > 0 and identity["matched"] > 0 and identity["mismatched"] == 0, identity
 
 
 def check_prefill_evidence(run: SoakRun) -> None:

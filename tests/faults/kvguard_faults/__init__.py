@@ -38,6 +38,7 @@ FAULTS = (
     "late_write_forward",
     "late_write_pool",
     "salt_dropped",
+    "prefix_wrong_page",
     "spec_draft_foreign",
     "send_truncated",
     "sender_truncated",

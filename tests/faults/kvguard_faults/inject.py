@@ -12,6 +12,12 @@ Unified engine (run with ``--disable-overlap-schedule`` so steps are
   * ``Scheduler.process_batch_result`` (around): before, the ``row_corruption``
     restore; after, every other injection (the step's forward has run, its results
     are applied, finished requests are released).
+  * ``mem_cache.allocation._prefix_kv_indices`` (around): ``prefix_wrong_page`` notes the
+    victim's prompt when the victim is allocated; when a faulty request is handed a prefix of
+    at least two pages, it replaces the slots of the prefix's row page 1 with the victim's
+    cached page at the same position (a radix block handed from another prefix: vLLM #49125,
+    SGLang #22819's shape). The tree and the allocator stay consistent: the faulty request's
+    release frees nothing below its matched length, and the victim's page stays the tree's.
   * ``mem_cache.common._req_radix_key`` (around): ``salt_dropped`` drops the cache salt
     from the radix key a faulty request's prefix is looked up with (a salt lost on the
     way to the cache, SGLang #37160): it matches, and is handed, an unsalted request's KV.
@@ -81,6 +87,8 @@ log = logging.getLogger("kvguard.faults")
 S = "sglang.srt."
 RUN_BATCH = S + "managers.scheduler.Scheduler.run_batch"
 RADIX_KEY = S + "mem_cache.common._req_radix_key"
+PREFIX_KV_INDICES = S + "mem_cache.allocation._prefix_kv_indices"
+PWP_ROW_PAGE = 1  # prefix_wrong_page: the faulty request's prefix row page handed from the victim's prefix
 PROCESS_BATCH_RESULT = S + "managers.scheduler.Scheduler.process_batch_result"
 NUM_PAGES_TO_SEND = S + "disaggregation.prefill.PrefillBootstrapQueue._num_pages_to_send"
 SEND_KV_CHUNK_INNER = S + "disaggregation.prefill.SchedulerDisaggregationPrefillMixin._send_kv_chunk"
@@ -318,6 +326,8 @@ class Driver:
         self.car_victim_logged = False
         # hicache_*: fault -> the victim whose next queued load-back it acts on
         self.hicache_victims: dict[str, str] = {}
+        # prefix_wrong_page: the victim's rid and prompt (token ids), noted at its allocation
+        self.pwp_victim: tuple[str, list[int]] | None = None
 
     # ------------------------------------------------------------------ plumbing
     def guarded(self, what: str, fn, *args):
@@ -882,6 +892,46 @@ class Driver:
                 self.ev.emit("salt_dropped", "dropped", rid=req.rid)
             key.cache_salt = None
 
+    def wrong_prefix_page(self, batch, req, slots):
+        """``_prefix_kv_indices``' result for ``req``: for the faulty request, the same slots with
+        row page PWP_ROW_PAGE's replaced by the victim's cached page at that position (None: as is)."""
+        fault, role = fault_and_role(getattr(req, "rid", None))
+        if fault != "prefix_wrong_page":
+            return None
+        if role == "v":
+            self.pwp_victim = (req.rid, list(req.origin_input_ids))
+            return None
+        if role != "f" or ("prefix_wrong_page", req.rid) in self.done or self.pwp_victim is None:
+            return None
+        ps = int(batch.token_to_kv_pool_allocator.page_size)
+        lo, hi = PWP_ROW_PAGE * ps, (PWP_ROW_PAGE + 1) * ps
+        if len(slots) < hi:
+            return None
+        from array import array
+
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        tree = batch.tree_cache
+        victim, tokens = self.pwp_victim
+        match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+        theirs = tree.path_device_indices(match.last_device_node)[: match.device_prefix_len]
+        if len(theirs) < hi:
+            raise RuntimeError(f"victim {victim}'s prefix is no longer cached ({len(theirs)} slots)")
+        self.done.add(("prefix_wrong_page", req.rid))
+        out = slots.clone()
+        out[lo:hi] = theirs[lo:hi].to(out.device, out.dtype)
+        self.ev.emit(
+            "prefix_wrong_page",
+            "injected",
+            rid=req.rid,
+            victim=victim,
+            row_page=PWP_ROW_PAGE,
+            page=int(theirs[lo]) // ps,
+            replaced=int(slots[lo]) // ps,
+        )
+        return out
+
     def arm_hicache(self, req) -> None:
         fault, role = fault_and_role(getattr(req, "rid", None))
         if fault in HICACHE_FAULTS and role == "v" and (fault, req.rid) not in self.done:
@@ -1173,6 +1223,15 @@ def register(faults: set[str], folder: str | None) -> Driver:
             return key
 
         HookRegistry.register(RADIX_KEY, radix_key_hook, HookType.AROUND)
+
+    if "prefix_wrong_page" in faults:
+
+        def prefix_kv_indices_hook(original, batch, req, *args, **kwargs):
+            slots = original(batch, req, *args, **kwargs)
+            wrong = d.guarded("prefix_wrong_page", d.wrong_prefix_page, batch, req, slots)
+            return slots if wrong is None else wrong
+
+        HookRegistry.register(PREFIX_KV_INDICES, prefix_kv_indices_hook, HookType.AROUND)
 
     if faults & set(HICACHE_FAULTS):
 

@@ -220,6 +220,8 @@ class Watch:
                     "cross_tenant_hits": p.detectors.get(PrefixProbingDetector).cross_tenant_hits,
                     "tenant_pairs": len(p.detectors.get(PrefixProbingDetector).pairs),
                 },
+                # content identity (KVGUARD_PAGE_IDENTITY): pages recorded and prefix-hit pages judged
+                "page_identity": dict(p.pages.identity.as_dict()),
                 "records_read": rings.stats.records_read,
                 "transfers": {
                     "paired": p.ledger.paired,
