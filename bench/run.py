@@ -458,6 +458,28 @@ def hybrid_part(sz: Sizes, res: dict, details: dict, log) -> None:
             res[f"engine.sglang_{key}_b{batch}_median"] = r[f"{key}_b{batch}_median"]
 
 
+def identity_part(sz: Sizes, res: dict, details: dict, log) -> None:
+    """The per-page content identity (KVGUARD_PAGE_IDENTITY) on the SGLang adapter's extend and
+    release hooks (bench/identity_bench.py): a 2k-token prefill on vs off, and what a batch-256
+    decode step pays (the releases of the requests finishing in it; no identity code runs per step)."""
+    from bench import identity_bench
+
+    log("identity: the SGLang adapter's extend hook for a 2k-token prefill, identity on vs off")
+    r = identity_bench.bench(repeat=30 if sz.quick else 200)
+    details["identity"] = r
+    for ps in (64, 16, 1):
+        res[f"engine.page_identity_prefill_2k_off_us_p{ps}"] = r[f"prefill_2k_off_us_p{ps}"]
+        res[f"engine.page_identity_prefill_2k_on_us_p{ps}"] = r[f"prefill_2k_on_us_p{ps}"]
+        res[f"ratio.page_identity_prefill_2k_on_over_off_p{ps}"] = r[f"prefill_2k_ratio_p{ps}"]
+    res["engine.page_identity_release_us_p64"] = r["release_us_p64"]
+    res["engine.page_identity_us_per_step_b256"] = r["decode_step_b256_us"]
+    base = res.get("engine.probe_us_per_step_b256")
+    # the decode step's probes with identity on over off (the engine part's figure, same run)
+    res["ratio.page_identity_decode_step_b256"] = (base + r["decode_step_b256_us"]) / base if base else None
+    if not base:
+        res["notes"]["ratio.page_identity_decode_step_b256"] = "not measured: the engine part was skipped"
+
+
 def digest_part(sz: Sizes, res: dict, details: dict, log) -> None:
     log("raw xxh3 over page-sized buffers")
     raw = digest_bench.raw_xxh3(rounds=2 if sz.quick else 8)
@@ -699,6 +721,21 @@ def table(res: dict) -> str:
         ),
         ("  the same with 512 read slots", _fmt(g("engine.content_check_us_per_step_b256_512"), " us"), "", ""),
         (
+            "page identity per decode step, batch 256 (KVGUARD_PAGE_IDENTITY=1: finishing requests' pages)",
+            _fmt(g("engine.page_identity_us_per_step_b256"), " us"),
+            "<= 160 us",
+            _status(g("engine.page_identity_us_per_step_b256"), TARGET_PROBE_US_B256, False),
+        ),
+        (
+            "  extend hook of a 2k-token prefill, identity off / on (page 64; page 1)",
+            f"{_fmt(g('engine.page_identity_prefill_2k_off_us_p64'), ' us')} / "
+            f"{_fmt(g('engine.page_identity_prefill_2k_on_us_p64'), ' us')}; "
+            f"{_fmt(g('engine.page_identity_prefill_2k_off_us_p1'), ' us')} / "
+            f"{_fmt(g('engine.page_identity_prefill_2k_on_us_p1'), ' us')}",
+            "",
+            "",
+        ),
+        (
             "GPU: decode step with / without Tier 1 (attention, batch 256 x 32k, 80 layers)",
             _fmt_or_why(res, "gpu.tier1_step_ratio", note="gpu"),
             "<= 1.01",
@@ -833,7 +870,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--skip",
         default="",
-        help="comma list of parts to skip: digest,sidecar,latency,engine,vllm,guard,hybrid,scaling,gpu",
+        help="comma list of parts to skip: digest,sidecar,latency,engine,vllm,guard,hybrid,identity,scaling,gpu",
     )
     args = ap.parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}
@@ -870,6 +907,7 @@ def main(argv=None) -> int:
         ("vllm", vllm_part),
         ("guard", guard_part),
         ("hybrid", hybrid_part),
+        ("identity", identity_part),
         ("scaling", scaling_part),
         ("gpu", gpu_part),
     )
