@@ -121,8 +121,11 @@ class Transfers:
         dst = np.zeros(0, np.int64)
         receiver_engine, receiver_key = None, 0
         if receiver_t is not None and receiver_t.hello is not None:
+            # the receiver's pages while it waits, and also after it gave up (a chunk sent then is
+            # judged at the send as well; pages handed on between the send and the completion are
+            # the completion's: sidecar/inflight.py)
             hit = self.ledger.send_target(x, receiver_t.page_size)
-            if hit is not None and hit[0].receiver_open:
+            if hit is not None:
                 state, dst = hit
                 dst = receiver_t.pool.ensure(dst)
                 dst = dst[dst != PADDING_PAGE]

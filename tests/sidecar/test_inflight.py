@@ -124,6 +124,30 @@ def test_a_completion_before_the_receiver_gave_up_is_no_finding(tmp_path):
     sidecar.stop()
 
 
+def test_a_chunk_sent_after_the_receiver_gave_up_names_who_got_the_pages_before_it_completed(tmp_path):
+    """Decode gave up and freed the pages before the send: the send lands in free pages
+    (use_after_free at the send); r-next is then handed them before the completion, which
+    overwrote its KV: a late_write naming r-next as well."""
+    prefill, decode = engines(tmp_path)
+    _prefilled(prefill, "r-slow", "acme", 21, [50, 51])
+    _reserved(decode, "r-slow", "acme", 21, [1, 2])
+    decode.transfer_done("r-slow", 21, "receiver", "failed")
+    decode.request_end("r-slow", "abort", 0, 0, 0, "transfer timed out")
+    decode.pages_freed(slots([1, 2]))
+    prefill.transfer_sent("r-slow", 21, 0, 8, [50, 51], True)
+    decode.request_begin("r-next", "globex", 22, 8, 0, False)
+    decode.pages_allocated(slots([1, 2]))
+    decode.rows_assigned("r-next", 0, 8, 0, slots([1, 2]))
+    prefill.transfer_done("r-slow", 21, "sender", "success")
+    sidecar, findings = run(tmp_path)
+    assert [(f.kind, f.evidence.get("access")) for f in findings] == [
+        ("use_after_free", "write"),
+        ("late_write", "completion"),
+    ]
+    assert [(e.rid, e.tenant) for e in findings[1].exposed] == [("r-next", "globex")]
+    sidecar.stop()
+
+
 def test_a_failed_transfer_is_not_judged_and_is_counted(tmp_path):
     sidecar, findings = _destination_scene(tmp_path, receiver_gave_up_first=True, sender_status="failed")
     assert findings == []

@@ -144,8 +144,9 @@ def test_pip_installs_the_wheel_into_an_empty_venv_and_it_runs_without_a_checkou
     # the dashboards are in the wheel: push finds them with no checkout
     listed = run("dashboards", "push", "--dry-run")
     assert listed.returncode == 0, listed.stderr
-    assert f"would upload 2 dashboard(s) from {purelib}/kvguard/dashboards" in listed.stdout, listed.stdout
-    assert "(uid kvguard-integrity)" in listed.stdout and "(uid kvguard-pages)" in listed.stdout
+    assert f"would upload 3 dashboard(s) from {purelib}/kvguard/dashboards" in listed.stdout, listed.stdout
+    for uid in ("kvguard-fleet", "kvguard-integrity", "kvguard-pages"):
+        assert f"(uid {uid})" in listed.stdout, listed.stdout
 
 
 # SGLang's own loader finding the entry point: tests/engine_side/test_sglang_adapter.py test_real_targets_resolve
