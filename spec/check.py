@@ -33,6 +33,14 @@ from spec.model import BUGGY, FIXED, Config, Protocol, Req, State, Step, initial
 CHECK_CONFIGS = {
     "two": Config(3, (Req("a", "acme", 1), Req("c", "initech", 2, too_long=True))),
     "three": Config(4, (Req("a", "acme", 2), Req("b", "globex", 1), Req("c", "initech", 2, too_long=True))),
+    # sends in flight (the option: a send, then its completion; the sender's pages modelled):
+    # every request kind again, two normal tenants to take each other's pages on either engine
+    # (each pool holds two prompts: a reuse needs a release) and the over-long one
+    "inflight": Config(
+        3,
+        (Req("a", "acme", 1), Req("b", "globex", 1), Req("c", "initech", 2, too_long=True)),
+        prefill_pages=2,
+    ),
 }
 
 
@@ -63,14 +71,20 @@ def check(cfg: Config, proto: Protocol, config_name: str = "") -> CheckResult:
             any_step = True
             res.transitions += 1
             for v in step.verdicts:
-                if v.kind not in res.counterexamples:
-                    res.counterexamples[v.kind] = _path(parent, state) + [step.action]
+                if verdict_kind(v) not in res.counterexamples:
+                    res.counterexamples[verdict_kind(v)] = _path(parent, state) + [step.action]
             if step.state not in parent:
                 parent[step.state] = (state, step.action)
                 frontier.append(step.state)
         if not any_step:
             res.terminal += 1
     return res
+
+
+def verdict_kind(v) -> str:
+    """The kind, with the access of a send in flight's invariants (``late_write/completion``,
+    ``use_after_free/send``): they are properties of their own."""
+    return f"{v.kind}/{v.access}" if v.access else v.kind
 
 
 def _path(parent, state) -> list[str]:
@@ -122,9 +136,20 @@ def count_traces(cfg: Config, proto: Protocol) -> tuple[int, int]:
 
 
 # what the buggy protocol must show (the issue's three: the 0.5.19 admission path, the
-# late-write race after a timeout release, a double free) and what the fixed one must not
+# late-write race after a timeout release, a double free; with sends in flight, a completion
+# into pages decode gave away and a send from pages prefill gave away) and what the fixed one must not
 REQUIRED_ON_BUGGY = ("transfer_size_mismatch", "unwritten_read", "late_write", "double_free")
-SAFETY = ("unwritten_read", "foreign_read", "use_after_free", "late_write", "double_free", "transfer_size_mismatch")
+REQUIRED_IN_FLIGHT = ("late_write/completion", "use_after_free/send", "unwritten_read", "double_free")
+IN_FLIGHT_SAFETY = ("late_write/completion", "use_after_free/send")
+SAFETY = (
+    "unwritten_read",
+    "foreign_read",
+    "use_after_free",
+    "late_write",
+    "double_free",
+    "transfer_size_mismatch",
+    *IN_FLIGHT_SAFETY,
+)
 
 
 def main(argv=None) -> int:
@@ -145,7 +170,8 @@ def main(argv=None) -> int:
             if not res.counterexamples:
                 print("    no invariant broken")
             if proto is BUGGY:
-                failed += [f"{name}/buggy: no {k} found" for k in REQUIRED_ON_BUGGY if k not in res.counterexamples]
+                required = REQUIRED_IN_FLIGHT if cfg.in_flight else REQUIRED_ON_BUGGY
+                failed += [f"{name}/buggy: no {k} found" for k in required if k not in res.counterexamples]
             else:
                 failed += [f"{name}/fixed: {k} reachable" for k in SAFETY if k in res.counterexamples]
     for line in failed:

@@ -27,6 +27,24 @@ The invariants (docs/spec.md maps each to its finding kind):
 Protocol variants (``Protocol``): each fix of the incident's family is a switch, so the
 checker can show each bug on the protocol without its fix and the fixed protocol free of
 all of them.
+
+Sends in flight (``Config.prefill_pages`` > 0, an option: it multiplies the interleavings,
+so only the configurations that ask for it have it). A send is then two steps, as it is on
+the engines: ``p_send`` (XFER_SEND: the chunk is posted, its bytes are not yet anywhere) and
+``p_complete`` (the sender reads its source pages *as they are then*, the bytes land in the
+reserved decode page ids *whoever owns them then*, XFER_DONE sender success, REQ_END). The
+sender's pages are modelled too (a prefill pool: the prompt is computed into them at
+``p_begin``), so two more invariants are checked at the completion:
+
+* the sender reads only its own source pages, at the generation they had when sent
+  (``use_after_free``, access ``send``: the chunk carries whoever was given them since);
+* a landing write overwrites no other request's KV: a reserved page allocated to another
+  request before the completion is that request's integrity broken (``late_write``, access
+  ``completion``).
+
+Decode reading the KV such a completion brought is the read invariant again, with the
+verdict's ``cause`` saying where the KV came from (spec/conformance.py maps it to the
+finding kvguard raises for it).
 """
 
 from __future__ import annotations
@@ -68,10 +86,13 @@ class Protocol:
     deferred_release: bool  # after a waiting timeout decode frees only once the sender finished with the room
     release_once: bool  # a reservation is released once; the buggy failure path releases it a second time
     check_size: bool  # the sender refuses to send a token count other than decode reserved (the guard's send_size)
+    # prefill keeps a sent chunk's source pages until its transfer completes (only with sends
+    # in flight); without it prefill may release them early, while the bytes are still to move
+    hold_until_sent: bool = False
 
 
-BUGGY = Protocol("buggy", False, False, False, False)
-FIXED = Protocol("fixed", True, True, True, True)
+BUGGY = Protocol("buggy", False, False, False, False, False)
+FIXED = Protocol("fixed", True, True, True, True, True)
 
 
 # decode side of a request
@@ -86,6 +107,7 @@ D_NEW, D_HELD, D_READY, D_READ, D_DONE, D_TIMEDOUT, D_RELEASED = (
 )
 # prefill side
 S_NEW, S_BEGUN, S_SENT, S_FAILED, S_ABORTED, S_GONE = "new", "begun", "sent", "failed", "aborted", "gone"
+S_SENDING = "sending"  # sent, not completed: the chunk's bytes are still to move (sends in flight only)
 S_TERMINAL = (S_SENT, S_FAILED, S_ABORTED, S_GONE)
 
 
@@ -93,6 +115,9 @@ class Page(NamedTuple):
     owner: int  # request index, FREE
     gen: int  # bumped at every allocation
     content: int  # whose KV it holds: request index, PRIOR, NOBODY; kept when freed (pages are not zeroed)
+    # the request whose transfer completion landed the content (sends in flight only; NOBODY
+    # otherwise): decode reading it is judged with the cause of the KV it holds
+    via: int = NOBODY
 
 
 class ReqState(NamedTuple):
@@ -101,11 +126,14 @@ class ReqState(NamedTuple):
     row: tuple  # ((page, gen), ...) decode reserved, in row order
     sent_tokens: int  # tokens the sender's last chunk covered (0: nothing sent)
     releases: int  # how many times decode's failure path freed the reservation
+    src: tuple = ()  # ((page, gen), ...) the sender's own pages on prefill (sends in flight only)
+    src_freed: bool = False  # prefill released them (early, while in flight, on the buggy protocol)
 
 
 class State(NamedTuple):
     pages: tuple  # Page per decode page id 1..P (index 0 = page 1)
     reqs: tuple  # ReqState per request
+    ppages: tuple = ()  # Page per prefill page id 1..Q (sends in flight only)
 
 
 class Event(NamedTuple):
@@ -115,12 +143,20 @@ class Event(NamedTuple):
     req: int
     pages: tuple = ()  # decode page ids
     tokens: int = 0
+    src: tuple = ()  # prefill page ids (sends in flight only: the sender's pages, as the probes name them)
+
+
+# why a read verdict's KV is in the page (sends in flight only; "" otherwise)
+CAUSE_SEND = "send"  # the reader's own transfer carried it, from a source page reused in flight
+CAUSE_COMPLETION = "completion"  # another request's late completion landed it
 
 
 class Verdict(NamedTuple):
     kind: str
     reader: str | None  # request name (both ends of a request share it); None: no reader (double_free)
     exposed: frozenset  # request names whose KV (or pages) the event exposed
+    access: str = ""  # "send" / "completion": the invariants of a send in flight (kvguard's evidence.access)
+    cause: str = ""  # a read verdict's: CAUSE_SEND / CAUSE_COMPLETION, or "" (what put the KV there)
 
 
 class Step(NamedTuple):
@@ -134,14 +170,23 @@ class Step(NamedTuple):
 class Config:
     pages: int  # decode pool, page ids 1..pages
     reqs: tuple  # Req
+    # the prefill pool (page ids 1..prefill_pages); > 0 turns on sends in flight (p_send, then
+    # p_complete) and the sender's pages; 0: the send is one atomic step, prefill not modelled
+    prefill_pages: int = 0
+
+    @property
+    def in_flight(self) -> bool:
+        return self.prefill_pages > 0
 
 
 def initial(cfg: Config) -> State:
     """The pool after request ``z`` (tenant ``prior``) filled every page and ended: every page
-    free and holding z's KV, which is what a stale read exposes."""
+    free and holding z's KV, which is what a stale read exposes. Prefill's pages (sends in
+    flight) start free and never written: z's were others (spec/conformance.py)."""
     pages = tuple(Page(FREE, 1, PRIOR) for _ in range(cfg.pages))
     reqs = tuple(ReqState(D_NEW, S_NEW, (), 0, 0) for _ in cfg.reqs)
-    return State(pages, reqs)
+    ppages = tuple(Page(FREE, 0, NOBODY) for _ in range(cfg.prefill_pages))
+    return State(pages, reqs, ppages)
 
 
 def name_of(cfg: Config, who: int) -> str | None:
@@ -180,25 +225,30 @@ def _free(cfg: Config, pages: tuple, page_ids, verdicts: list, reader: str | Non
 def _read(cfg: Config, state: State, i: int, verdicts: list) -> None:
     """Request ``i`` reads every page of its row (decode attention over the prompt)."""
     me = cfg.reqs[i].name
-    found: dict[str, set] = {}
+    found: dict[tuple[str, str], set] = {}
     for pid, gen in state.reqs[i].row:
         p = state.pages[pid - 1]
+        cause = ""
         if p.owner == FREE:
             kind, exposed = "use_after_free", {name_of(cfg, p.content)}
         elif p.gen != gen:
             kind, exposed = "foreign_read", {name_of(cfg, p.owner), name_of(cfg, p.content)}
         elif p.content != i:
-            # stale KV, or a late write of another request replaced i's own: not written for i
+            # stale KV, or a late write of another request replaced i's own: not written for i;
+            # or (sends in flight) i's own transfer carried another's KV from a reused source page
             kind, exposed = "unwritten_read", {name_of(cfg, p.content)}
+            if p.via != NOBODY:
+                cause = CAUSE_SEND if p.via == i else CAUSE_COMPLETION
         else:
             continue
-        found.setdefault(kind, set()).update(e for e in exposed if e is not None and e != me)
-    for kind, exposed in found.items():
-        verdicts.append(Verdict(kind, me, frozenset(exposed)))
+        found.setdefault((kind, cause), set()).update(e for e in exposed if e is not None and e != me)
+    for (kind, cause), exposed in found.items():
+        verdicts.append(Verdict(kind, me, frozenset(exposed), cause=cause))
 
 
-def _write(cfg: Config, state: State, i: int, page_ids, verdicts: list) -> tuple:
-    """Request ``i``'s transfer lands in ``page_ids``: a page it no longer owns is a late write."""
+def _write(cfg: Config, state: State, i: int, page_ids, verdicts: list, land: bool = True) -> tuple:
+    """Request ``i``'s transfer writes ``page_ids``: a page it no longer owns is a late write.
+    ``land=False`` (a send in flight): the write is issued, its bytes land at ``p_complete``."""
     pages = state.pages
     me = cfg.reqs[i].name
     late, freed = set(), False
@@ -208,12 +258,56 @@ def _write(cfg: Config, state: State, i: int, page_ids, verdicts: list) -> tuple
             freed = True
         elif p.owner != i:
             late.add(name_of(cfg, p.owner))
-        pages = _set(pages, pid - 1, p._replace(content=i))
+        if land:
+            pages = _set(pages, pid - 1, p._replace(content=i))
     if late:
         verdicts.append(Verdict("late_write", me, frozenset(late)))
     if freed:
         verdicts.append(Verdict("use_after_free", me, frozenset()))
     return pages
+
+
+# ------------------------------------------------------------------ sends in flight
+def _alloc_prefill(ppages: tuple, i: int, n: int) -> tuple[tuple, tuple] | None:
+    """The lowest ``n`` free prefill pages for request ``i``, its prompt computed into them
+    (content i): (pool, ((page, gen), ...)), or None when the pool has fewer free."""
+    free = [k + 1 for k, p in enumerate(ppages) if p.owner == FREE]
+    if len(free) < n:
+        return None
+    src = []
+    for pid in free[:n]:
+        p = ppages[pid - 1]
+        ppages = _set(ppages, pid - 1, Page(i, p.gen + 1, i))
+        src.append((pid, p.gen + 1))
+    return ppages, tuple(src)
+
+
+def _free_prefill(ppages: tuple, src: tuple) -> tuple:
+    for pid, _ in src:
+        ppages = _set(ppages, pid - 1, ppages[pid - 1]._replace(owner=FREE))
+    return ppages
+
+
+def _complete(cfg: Config, state: State, i: int, verdicts: list) -> tuple[tuple, tuple]:
+    """Request ``i``'s sender completes: it reads its source pages as they are now, and their
+    bytes land in the reserved decode pages as they are now. (decode pool, pages landed in)"""
+    r, me = state.reqs[i], cfg.reqs[i].name
+    landed = tuple(p for p, _ in r.row[: -(-r.sent_tokens // PAGE_TOKENS)])
+    # a source page given to another request since the send (its generation moved): the chunk
+    # carries whatever that request computed there (a page only freed still holds i's KV)
+    moved = [state.ppages[pid - 1] for pid, gen in r.src if state.ppages[pid - 1].gen != gen]
+    if moved:
+        exposed = {name_of(cfg, p.content) for p in moved} | {name_of(cfg, p.owner) for p in moved if p.owner != FREE}
+        verdicts.append(Verdict("use_after_free", me, frozenset(exposed - {None, me}), access="send"))
+    pages, overwritten = state.pages, set()
+    for (spid, _), pid in zip(r.src, landed, strict=True):
+        p = pages[pid - 1]
+        if p.owner not in (FREE, i):  # allocated to another request: its KV is overwritten
+            overwritten.add(name_of(cfg, p.owner))
+        pages = _set(pages, pid - 1, p._replace(content=state.ppages[spid - 1].content, via=i))
+    if overwritten:
+        verdicts.append(Verdict("late_write", me, frozenset(overwritten), access="completion"))
+    return pages, landed
 
 
 def successors(cfg: Config, proto: Protocol, state: State) -> Iterator[Step]:
@@ -222,11 +316,11 @@ def successors(cfg: Config, proto: Protocol, state: State) -> Iterator[Step]:
         r = state.reqs[i]
         name = req.name
 
-        def step(action, new_r=None, pages=None, events=(), verdicts=(), i=i, name=name):
+        def step(action, new_r=None, pages=None, events=(), verdicts=(), ppages=None, i=i, name=name):
             reqs = state.reqs if new_r is None else _set(state.reqs, i, new_r)
             return Step(
                 f"{action}({name})",
-                State(state.pages if pages is None else pages, reqs),
+                State(state.pages if pages is None else pages, reqs, state.ppages if ppages is None else ppages),
                 tuple(events),
                 tuple(verdicts),
             )
@@ -266,7 +360,7 @@ def successors(cfg: Config, proto: Protocol, state: State) -> Iterator[Step]:
                 [Event("d_fail", i, tuple(p for p, _ in r.row))],
                 v,
             )
-        if r.d == D_HELD and r.s in (S_NEW, S_BEGUN, S_SENT) and not req.patient:
+        if r.d == D_HELD and r.s in (S_NEW, S_BEGUN, S_SENDING, S_SENT) and not req.patient:
             row_pages = tuple(p for p, _ in r.row)
             if proto.deferred_release:
                 yield step("d_timeout", r._replace(d=D_TIMEDOUT), events=[Event("d_timeout", i)])
@@ -304,26 +398,97 @@ def successors(cfg: Config, proto: Protocol, state: State) -> Iterator[Step]:
             yield step("d_end", r._replace(d=D_DONE), pages, [Event("d_end", i, row_pages)], v)
 
         # ---- prefill
+        if cfg.in_flight:
+            yield from _prefill_in_flight(cfg, proto, state, i, step)
+            continue
         if r.s == S_NEW:
             if r.d in (D_TIMEDOUT, D_RELEASED):
                 # decode gave up before prefill began: the bootstrap fails, nothing is ever sent
                 yield step("p_gone", r._replace(s=S_GONE))
             yield step("p_begin", r._replace(s=S_BEGUN), events=[Event("p_begin", i, (), req.tokens)])
         if r.s == S_BEGUN and r.row:  # decode has reserved (its row is empty until d_admit)
-            refuse = req.too_long and (proto.reject_fails or proto.check_size)
-            if not refuse:
+            if not _refuses(req, proto):
                 # the sender writes into the page ids decode reserved, whoever owns them now
-                sent = 1 if req.too_long else req.tokens  # 0.5.19: a 1-token placeholder, sent as done
+                sent = _sent_tokens(req)
                 landed = tuple(p for p, _ in r.row[: -(-sent // PAGE_TOKENS)])
                 v = []
                 pages = _write(cfg, state, i, landed, v)
                 yield step(
                     "p_send", r._replace(s=S_SENT, sent_tokens=sent), pages, [Event("p_send", i, landed, sent)], v
                 )
-        if r.s == S_BEGUN and req.too_long and (proto.reject_fails or proto.check_size):
-            v = []
-            if r.d == D_HELD:
-                v.append(Verdict("orphan_transfer", name, frozenset()))
-            yield step("p_fail", r._replace(s=S_FAILED), events=[Event("p_fail", i)], verdicts=v)
+        if r.s == S_BEGUN and _refuses(req, proto):
+            yield _p_fail(cfg, r, i, step)
         if r.s == S_BEGUN and r.d in (D_TIMEDOUT, D_RELEASED):
             yield step("p_abort", r._replace(s=S_ABORTED), events=[Event("p_abort", i)])
+
+
+def _refuses(req: Req, proto: Protocol) -> bool:
+    """The sender fails a rejected prompt rather than send it (either fix closes the path)."""
+    return req.too_long and (proto.reject_fails or proto.check_size)
+
+
+def _sent_tokens(req: Req) -> int:
+    return 1 if req.too_long else req.tokens  # 0.5.19: a rejected prompt's 1-token placeholder, sent as done
+
+
+def _p_fail(cfg: Config, r: ReqState, i: int, step) -> Step:
+    v = [Verdict("orphan_transfer", cfg.reqs[i].name, frozenset())] if r.d == D_HELD else []
+    return step("p_fail", r._replace(s=S_FAILED), events=[Event("p_fail", i)], verdicts=v)
+
+
+def _prefill_in_flight(cfg: Config, proto: Protocol, state: State, i: int, step) -> Iterator[Step]:
+    """The sender's actions when a send is in flight until it completes (``Config.prefill_pages``)."""
+    r, req = state.reqs[i], cfg.reqs[i]
+    gave_up = r.d in (D_TIMEDOUT, D_RELEASED)
+    if r.s == S_NEW:
+        if gave_up:
+            yield step("p_gone", r._replace(s=S_GONE))
+        if req.too_long:  # rejected at admission: nothing computed
+            yield step("p_begin", r._replace(s=S_BEGUN), events=[Event("p_begin", i, (), req.tokens)])
+        else:
+            got = _alloc_prefill(state.ppages, i, req.pages)
+            if got is not None:  # (else prefill waits for pages)
+                ppages, src = got
+                ev = Event("p_begin", i, (), req.tokens, tuple(p for p, _ in src))
+                yield step("p_begin", r._replace(s=S_BEGUN, src=src), events=[ev], ppages=ppages)
+    # the send is posted while decode waits with its reservation: a sender whose receiver already
+    # gave up sends into released pages at once, which the atomic configurations cover; here the
+    # window is the one between the send and its completion
+    if r.s == S_BEGUN and r.d == D_HELD and not _refuses(req, proto):
+        yield from _p_send_in_flight(cfg, state, i, step)
+    if r.s == S_BEGUN and _refuses(req, proto):
+        yield _p_fail(cfg, r, i, step)
+    if r.s == S_SENDING and not r.src_freed and not proto.hold_until_sent:
+        # the buggy release: prefill gives the sender's pages back while the bytes are still to move
+        ev = Event("p_release", i, src=tuple(p for p, _ in r.src))
+        yield step("p_release", r._replace(src_freed=True), events=[ev], ppages=_free_prefill(state.ppages, r.src))
+    if r.s == S_SENDING:
+        v: list = []
+        pages, landed = _complete(cfg, state, i, v)
+        held = () if r.src_freed else r.src
+        ev = Event("p_complete", i, landed, r.sent_tokens, tuple(p for p, _ in held))
+        ppages = _free_prefill(state.ppages, held)
+        yield step("p_complete", r._replace(s=S_SENT, src_freed=True), pages, [ev], v, ppages)
+    if r.s == S_BEGUN and gave_up:
+        # decode's abort reaches the sender before it sent: it stops and gives its pages back.
+        # (A transfer already in flight always completes here: whether a failed one's bytes
+        # landed is known to nobody, and kvguard does not judge a failed completion.)
+        ev = Event("p_abort", i, src=tuple(p for p, _ in r.src))
+        ppages = _free_prefill(state.ppages, r.src)
+        yield step("p_abort", r._replace(s=S_ABORTED, src_freed=True), events=[ev], ppages=ppages)
+
+
+def _p_send_in_flight(cfg: Config, state: State, i: int, step) -> Iterator[Step]:
+    r, req = state.reqs[i], cfg.reqs[i]
+    sent = _sent_tokens(req)
+    ppages, src = state.ppages, r.src
+    if req.too_long:  # the placeholder is computed for the send
+        got = _alloc_prefill(ppages, i, -(-sent // PAGE_TOKENS))
+        if got is None:
+            return
+        ppages, src = got
+    landed = tuple(p for p, _ in r.row[: -(-sent // PAGE_TOKENS)])
+    v: list = []
+    _write(cfg, state, i, landed, v, land=False)  # issued into pages i no longer owns: judged now
+    ev = Event("p_send", i, landed, sent, tuple(p for p, _ in src))
+    yield step("p_send", r._replace(s=S_SENDING, sent_tokens=sent, src=src), events=[ev], verdicts=v, ppages=ppages)
