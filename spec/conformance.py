@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -34,11 +34,14 @@ from kvguard.sidecar.replay import Replay
 from spec.check import traces
 from spec.model import (
     BUGGY,
+    CAUSE_COMPLETION,
+    CAUSE_SEND,
     FIXED,
     PAGE_TOKENS,
     PRIOR_NAME,
     PRIOR_TENANT,
     Config,
+    Protocol,
     Req,
     Step,
     initial,
@@ -47,6 +50,7 @@ from spec.model import (
 
 PREFILL_ENGINE, DECODE_ENGINE = 1, 2
 PREFILL_POOL_PAGES = 64
+PREFILL_MODEL_BASE = 40  # the modelled prefill pool's page ids in the records (model page p: 40 + p)
 STEP_NS = 1_000_000  # one action per millisecond: far inside every wait the sidecar has
 END_TICK_NS = 3600 * 10**9  # an hour after the last action: every timer the sidecar has fires
 # settings outside the model: TTFT (timing) and tenant isolation (prefix sharing) are not modelled
@@ -60,15 +64,36 @@ OPTIONS = {"isolate_tenants": False, "ttft_anomaly": False, "orphan_timeout_s": 
 ACME, GLOBEX = Req("a", "acme", 1), Req("b", "globex", 1)
 INCIDENT = Req("c", "initech", 2, too_long=True)  # prefill rejects it; decode reserved 2 pages
 BOUNDS = {
-    # every trace with the incident's request over a pool it fills: 5,424 traces
-    "small": {"ac2": Config(2, (ACME, INCIDENT))},
-    # 111,906 traces: 46,348 with a verdict, 65,558 clean
+    # every trace with the incident's request over a pool it fills: 5,424 traces; and sends in
+    # flight over one page on each engine, b patient: 735 traces
+    "small": {
+        "ac2": Config(2, (ACME, INCIDENT)),
+        "abp1f": Config(1, (ACME, Req("b", "globex", 1, patient=True)), prefill_pages=1),
+    },
+    # 111,906 traces with atomic sends (46,348 with a verdict, 65,558 clean), 22,603 with sends
+    # in flight (the names ending in f: decode pages, f, prefill pages)
     "full": {
         "ac2": Config(2, (ACME, INCIDENT)),
         "ac3": Config(3, (ACME, INCIDENT)),  # room for both: reuse only after a release
         "ab3": Config(3, (Req("a", "acme", 2), GLOBEX)),  # two normal tenants: the races, and clean twins
+        # sends in flight: each engine's pool holds one prompt, so every reuse is of a page in
+        # flight or just completed; then room on prefill for both; then the incident's request
+        "ab1f1": Config(1, (ACME, GLOBEX), prefill_pages=1),
+        "ab1f2": Config(1, (ACME, GLOBEX), prefill_pages=2),
+        "ac2f1": Config(2, (ACME, INCIDENT), prefill_pages=1),
     },
 }
+
+# Sends in flight are swept on the buggy protocol less its second release (the double free is
+# the atomic configurations'): a page a double free hands out while a chunk into it is in
+# flight, or after the chunk relayed another request's KV from a reused source page, is named
+# by kvguard after the chunk's request (from its send on), by the model after whose bytes are
+# there (from the completion on). docs/spec.md, "What the model does not cover".
+BUGGY_IN_FLIGHT = replace(BUGGY, name="buggy-1r", release_once=True)
+
+
+def protocols(cfg: Config) -> tuple[Protocol, Protocol]:
+    return (BUGGY_IN_FLIGHT if cfg.in_flight else BUGGY), FIXED
 
 
 # Three requests are sampled, not enumerated (tens of millions of traces even with two of
@@ -80,7 +105,11 @@ SAMPLED = {
         2,
         (Req("a", "acme", 1), Req("b", "globex", 1, patient=True), Req("c", "initech", 1, too_long=True, patient=True)),
     ),
+    # sends in flight with both reservations live at once on each engine (429,274 traces)
+    "ab2f2": Config(2, (ACME, GLOBEX), prefill_pages=2),
 }
+# the share of --samples each sampled config takes (1: all of them)
+SAMPLED_SHARE = {"ab2f2": 4}
 
 
 def slots(pages) -> np.ndarray:
@@ -150,11 +179,21 @@ class TraceWriter:
         n = -(-tokens // PAGE_TOKENS)
         pages = [8 + 8 * (i + 1) + k for k in range(n)]
         self.prefill_pages[i] = pages
+        self._compute(rid, pages, tokens)
+        return pages
+
+    def _compute(self, rid: str, pages, tokens: int) -> None:
+        """Prefill allocates ``pages`` for the prompt, assigns them to its row, computes it."""
         s = slots(pages)[:tokens]
         self.prefill.pages_allocated(slots(pages))
         self.prefill.rows_assigned(rid, 0, tokens, 0, s)
         self.prefill.forward([rid], [tokens], [s], None)
-        return pages
+
+    @staticmethod
+    def prefill_page(pid: int) -> int:
+        """A modelled prefill page's id in the records (sends in flight): past the pages the
+        prologue and the unmodelled senders use, so the modelled pool starts never written."""
+        return PREFILL_MODEL_BASE + pid
 
     def _prologue(self) -> None:
         """Request z (tenant ``prior``) fills the whole decode pool through a normal transfer
@@ -210,6 +249,8 @@ class TraceWriter:
         elif op == "d_end":
             d.request_end(drid, "length", 1_000_000, 2_000_000, 1, "")
             d.pages_freed(slots(ev.pages))
+        elif self.cfg.in_flight and op.startswith("p_"):
+            self._sender_in_flight(ev, req, prid, room)
         elif op == "p_begin":
             p.request_begin(prid, req.tenant, room, ev.tokens, 0, False)
             if req.too_long:
@@ -233,6 +274,37 @@ class TraceWriter:
         else:
             raise ValueError(f"unknown event {op}")
 
+    def _sender_in_flight(self, ev, req: Req, prid: str, room: int) -> None:
+        """The sender's records when a send is in flight until it completes: its own pages are
+        the model's (``ev.src``, prefill page ids), the send and its completion are apart."""
+        p, op = self.prefill, ev.op
+        src = [self.prefill_page(pid) for pid in ev.src]
+        if op == "p_begin":
+            p.request_begin(prid, req.tenant, room, ev.tokens, 0, False)
+            if req.too_long:
+                p.rejected(prid, "admission", "input too long")
+            else:
+                self._compute(prid, src, ev.tokens)
+        elif op == "p_send":
+            if req.too_long:  # 0.5.19: the rejected request's placeholder is prefilled and sent
+                self._compute(prid, src, ev.tokens)
+            p.transfer_sent(prid, room, 0, ev.tokens, src, True)
+        elif op == "p_release":  # the buggy early release, while the transfer is in flight
+            p.pages_freed(slots(src))
+        elif op == "p_complete":
+            p.transfer_done(prid, room, "sender", "success")
+            p.request_end(prid, "reject" if req.too_long else "length", 1_000_000, 2_000_000, 1, "")
+            if src:
+                p.pages_freed(slots(src))
+        elif op == "p_abort":
+            p.request_end(prid, "abort", 0, 0, 0, "decode aborted the room")
+            if src:
+                p.pages_freed(slots(src))
+        elif op == "p_fail":
+            p.request_end(prid, "reject", 0, 0, 0, "input too long")
+        else:
+            raise ValueError(f"unknown event {op}")
+
     def close(self) -> None:
         self.rec.record_tick(self.clock.now + END_TICK_NS)
         self.rec.close()
@@ -245,12 +317,33 @@ def _name(rid: str | None) -> str | None:
     return rid[2:] if rid[:2] in ("d-", "p-") else rid
 
 
+# kvguard's evidence.access values that are a finding of their own in the comparison: the
+# invariants of a send in flight, judged at the sender's completion (docs/spec.md)
+IN_FLIGHT_ACCESS = ("send", "completion")
+
+
+def _key(kind: str, reader: str | None, access: str) -> tuple:
+    return (kind, reader, access) if access in IN_FLIGHT_ACCESS else (kind, reader)
+
+
 def expected(trace: list[Step]) -> dict:
-    """(kind, reader) -> exposed names, from the model's verdicts."""
+    """(kind, reader) -> exposed names, from the model's verdicts; (kind, reader, access) for a
+    send in flight's. A read's verdict is mapped by what put the KV there (``Verdict.cause``):
+
+    * KV the reader's own transfer carried from a source page reused in flight: kvguard
+      reports it once, at the sender's completion, as that send's ``use_after_free`` (access
+      send), naming the same reader and exposed parties (the model has that verdict too);
+    * KV another request's late completion landed: the overwrite is the ``late_write``
+      (access completion) the model reports at that completion. Whether the owner's own KV
+      landed before or after it the records cannot tell (both are somewhere between a send
+      and its completion), so the owner's read is not a finding of its own."""
     out: dict = {}
     for step in trace:
         for v in step.verdicts:
-            out.setdefault((v.kind, v.reader), set()).update(v.exposed)
+            if v.cause == CAUSE_COMPLETION:
+                continue
+            key = _key("use_after_free", v.reader, "send") if v.cause == CAUSE_SEND else _key(*v[:2], v.access)
+            out.setdefault(key, set()).update(v.exposed)
     return {k: frozenset(v) for k, v in out.items()}
 
 
@@ -258,7 +351,8 @@ def observed(findings) -> dict:
     out: dict = {}
     for f in findings:
         reader = _name(f.reader.rid) if f.reader is not None else None
-        out.setdefault((f.kind, reader), set()).update(_name(p.rid) for p in f.exposed)
+        key = _key(f.kind, reader, f.evidence.get("access", ""))
+        out.setdefault(key, set()).update(_name(p.rid) for p in f.exposed)
     return {k: frozenset(v) for k, v in out.items()}
 
 
@@ -310,13 +404,14 @@ def sampled_traces(cfg: Config, proto, count: int, seed: int):
 
 def _cases(bound: str, samples: int):
     for cname, cfg in BOUNDS[bound].items():
-        for proto in (BUGGY, FIXED):
+        for proto in protocols(cfg):
             for trace in traces(cfg, proto):
                 yield cname, cfg, proto, trace
     if samples:
         for seed, (cname, cfg) in enumerate(SAMPLED.items()):
-            for proto in (BUGGY, FIXED):
-                for trace in sampled_traces(cfg, proto, samples, seed * 2 + (proto is FIXED)):
+            count = samples // SAMPLED_SHARE.get(cname, 1)
+            for proto in protocols(cfg):
+                for trace in sampled_traces(cfg, proto, count, seed * 2 + (proto is FIXED)):
                     yield cname + "~", cfg, proto, trace
 
 
@@ -339,7 +434,7 @@ def sweep(bound: str, limit: int | None = None, shard: tuple[int, int] = (0, 1),
                 res.sampled += 1
             if exp:
                 res.buggy += 1
-                res.kinds.update({kind for kind, _ in exp})
+                res.kinds.update({"/".join((k[0], *k[2:])) for k in exp})  # a send in flight's with its access
             else:
                 res.clean += 1
             if summary.get("problems") or summary.get("apply_errors") or summary.get("probe_errors"):
@@ -350,7 +445,7 @@ def sweep(bound: str, limit: int | None = None, shard: tuple[int, int] = (0, 1),
 
 
 def _fmt(d: dict) -> str:
-    return "{" + ", ".join(f"{k}/{r}: {sorted(e)}" for (k, r), e in sorted(d.items(), key=str)) + "}"
+    return "{" + ", ".join(f"{'/'.join(map(str, k))}: {sorted(e)}" for k, e in sorted(d.items(), key=str)) + "}"
 
 
 def _shard(args):
