@@ -1,7 +1,7 @@
 """The executable specification (spec/): the model checker finds each bug of the family on
 the protocol without its fix and nothing on the fixed one, and kvguard's replay of every
 trace of the model at the small bound agrees with the model's verdicts (docs/spec.md).
-The full bound (111,906 traces) is `make spec`."""
+The full bound (134,509 traces and the sampled ones) is `make spec`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import replace
 from multiprocessing import get_context
 from pathlib import Path
@@ -19,12 +20,17 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from spec.check import CHECK_CONFIGS, check, count_traces, traces
-from spec.conformance import BOUNDS, SAMPLED, run_trace, sweep
-from spec.model import BUGGY, FIXED, Config, initial, successors
+from spec.check import SAFETY as SAFETY_KINDS
+from spec.conformance import BOUNDS, BUGGY_IN_FLIGHT, SAMPLED, expected, run_trace, sweep
+from spec.model import BUGGY, CAUSE_SEND, FIXED, Config, Req, initial, successors
 
-SAFETY = {"unwritten_read", "foreign_read", "use_after_free", "late_write", "double_free", "transfer_size_mismatch"}
+SAFETY = set(SAFETY_KINDS)  # every safety invariant's kind, a send in flight's with its access
 AC2 = BOUNDS["small"]["ac2"]
 AC3 = Config(3, AC2.reqs)
+# sends in flight (docs/spec.md): each engine's pool holds one prompt, or prefill's two
+AB1F1, AB1F2 = BOUNDS["full"]["ab1f1"], BOUNDS["full"]["ab1f2"]
+# both reservations live at once on each engine: small enough to model-check in a test
+AB2F2 = Config(2, (Req("a", "acme", 1), Req("b", "globex", 1)), prefill_pages=2)
 
 
 def by_actions(cfg: Config, proto, actions: str):
@@ -74,6 +80,44 @@ def test_each_fix_taken_away_brings_its_bug_back(fix, bugs):
     assert check(CHECK_CONFIGS["two"], proto).kinds() & SAFETY >= bugs
 
 
+def test_with_sends_in_flight_the_checker_finds_late_completions_and_sends_from_reused_pages():
+    res = check(AB2F2, BUGGY, "ab2f2")
+    # decode's waiting timeout frees the pages at once, b is given them, a's completion lands
+    assert res.counterexamples["late_write/completion"] == [
+        "d_admit(a)", "p_begin(a)", "p_send(a)", "d_timeout(a)", "d_admit(b)", "p_complete(a)",
+    ]  # fmt: skip
+    # prefill gives a's pages back while its chunk is in flight, b computes its prompt there
+    assert res.counterexamples["use_after_free/send"] == [
+        "d_admit(a)", "p_begin(a)", "p_send(a)", "p_release(a)", "p_begin(b)", "p_complete(a)",
+    ]  # fmt: skip
+    assert check(AB2F2, FIXED).kinds() & SAFETY == set()
+
+
+@pytest.mark.parametrize(
+    "fix, bug",
+    [({"hold_until_sent": False}, "use_after_free/send"), ({"deferred_release": False}, "late_write/completion")],
+)
+def test_each_fix_of_a_send_in_flight_taken_away_brings_its_bug_back(fix, bug):
+    """And only its bug: the other one's fix still holds. (The unwritten_read is decode reading
+    the KV the bug put in its pages: b's prompt relayed to a, or a's landed in b's page.)"""
+    proto = replace(FIXED, name="fixed-but", **fix)
+    assert check(AB2F2, proto).kinds() & SAFETY == {bug, "unwritten_read"}
+
+
+def test_decode_reading_kv_a_reused_source_page_relayed_is_the_read_property_mapped_to_the_send():
+    """The bytes decode reads are b's (computed into a's released source page): the read
+    property sees it (cause: a's own send), and kvguard's finding for it is the send's."""
+    trace = by_actions(
+        AB1F1,
+        BUGGY_IN_FLIGHT,
+        "d_admit(a) p_begin(a) p_send(a) p_release(a) p_begin(b) p_complete(a) d_done(a) d_read(a)",
+    )
+    (read,) = trace[-1].verdicts
+    assert (read.kind, read.reader, read.exposed, read.cause) == ("unwritten_read", "a", {"b"}, CAUSE_SEND)
+    without_the_completions_verdict = [s._replace(verdicts=()) if s.action == "p_complete(a)" else s for s in trace]
+    assert expected(without_the_completions_verdict) == {("use_after_free", "a", "send"): {"b"}}
+
+
 def test_the_trace_count_agrees_with_the_traces_enumerated():
     for proto in (BUGGY, FIXED):
         listed = list(traces(AC2, proto))
@@ -121,9 +165,13 @@ def test_kvguard_agrees_with_the_model_on_every_trace_at_the_small_bound_and_on_
         parts = pool.map(_shard, [0, 1])
     traces_checked = sum(p.traces for p in parts)
     disagreements = [d for p in parts for d in p.disagreements]
-    # every trace at the small bound, and 150 sampled three-request traces per protocol and config
-    assert traces_checked == 5424 + 600 and sum(p.sampled for p in parts) == 600
+    # every trace at the small bound (atomic sends, sends in flight), and 150 sampled traces per
+    # protocol of each three-request config, 37 of the sampled config with sends in flight
+    assert traces_checked == 5424 + 735 + 674 and sum(p.sampled for p in parts) == 674
     assert sum(p.buggy for p in parts) > 4894 and sum(p.clean for p in parts) > 530
+    # the new invariants were reached, each on a trace of its own
+    kinds = sum((p.kinds for p in parts), Counter())
+    assert kinds["late_write/completion"] > 0 and kinds["use_after_free/send"] > 0
     assert disagreements == [], disagreements[:3]
     assert sum(p.replay_problems for p in parts) == 0
 
@@ -138,6 +186,18 @@ def test_the_comparison_fails_when_kvguard_misses_a_finding(tmp_path):
     without_read = [s._replace(events=()) if s.action == "d_read(c)" else s for s in trace]
     exp, obs, _ = run_trace(str(tmp_path / "u.kvgrec"), AC2, without_read)
     assert ("unwritten_read", "c") in exp and ("unwritten_read", "c") not in obs
+
+
+def test_the_comparison_fails_when_kvguard_misses_a_send_from_reused_pages(tmp_path):
+    """Without the sender's completion record kvguard never judges the send (rightly: nothing
+    says the bytes moved); the model, whose completion happened, says use_after_free (send)."""
+    actions = "d_admit(a) p_begin(a) p_send(a) p_release(a) p_begin(b) p_complete(a) d_done(a) d_read(a) d_end(a)"
+    trace = by_actions(AB1F1, BUGGY_IN_FLIGHT, actions)
+    exp, obs, _ = run_trace(str(tmp_path / "t.kvgrec"), AB1F1, trace)
+    assert exp == obs == {("use_after_free", "a", "send"): {"b"}}
+    silent = [s._replace(events=()) if s.action == "p_complete(a)" else s for s in trace]
+    exp, obs, _ = run_trace(str(tmp_path / "u.kvgrec"), AB1F1, silent)
+    assert ("use_after_free", "a", "send") in exp and ("use_after_free", "a", "send") not in obs
 
 
 # Disagreements the sweep found, kept as regression cases (config, protocol, actions, verdicts)
@@ -189,6 +249,40 @@ REGRESSIONS = [
         FIXED,
         "d_admit(a) d_timeout(a) p_begin(a) p_send(a) d_release(a) d_admit(c) p_begin(c) p_fail(c) d_fail(c)",
         {("orphan_transfer", "c"): set()},
+    ),
+    # sends in flight (issue 34). Decode's waiting timeout frees a's pages at once, b is given
+    # them, a's completion lands after b's own: b's KV overwritten (b then reads a's, which
+    # kvguard reports as the late write: the records cannot order the two landings)
+    (
+        AB1F2,
+        BUGGY_IN_FLIGHT,
+        "d_admit(a) p_begin(a) p_send(a) d_timeout(a) d_admit(b) p_begin(b) p_send(b) p_complete(b) p_complete(a) "
+        "d_done(b) d_read(b) d_end(b)",
+        {("late_write", "a", "completion"): {"b"}},
+    ),
+    # prefill gives a's source pages back while its chunk is in flight, b computes its prompt in
+    # them, a's sender reads them at its completion: decode a reads b's prompt
+    (
+        AB1F1,
+        BUGGY_IN_FLIGHT,
+        "d_admit(a) p_begin(a) p_send(a) p_release(a) p_begin(b) p_complete(a) d_done(a) d_read(a) d_end(a)",
+        {("use_after_free", "a", "send"): {"b"}},
+    ),
+    # released but not handed on: the pages still hold a's KV when its sender reads them
+    (
+        AB1F1,
+        BUGGY_IN_FLIGHT,
+        "d_admit(a) p_begin(a) p_send(a) p_release(a) p_complete(a) d_done(a) d_read(a) d_end(a)",
+        {},
+    ),
+    # the fixed protocol: decode's timeout keeps its pages until a's completion, prefill keeps
+    # a's until then too; b is given both afterwards
+    (
+        AB1F1,
+        FIXED,
+        "d_admit(a) p_begin(a) p_send(a) d_timeout(a) p_complete(a) d_release(a) d_admit(b) p_begin(b) p_send(b) "
+        "p_complete(b) d_done(b) d_read(b) d_end(b)",
+        {},
     ),
 ]
 
