@@ -65,10 +65,11 @@ ACME, GLOBEX = Req("a", "acme", 1), Req("b", "globex", 1)
 INCIDENT = Req("c", "initech", 2, too_long=True)  # prefill rejects it; decode reserved 2 pages
 BOUNDS = {
     # every trace with the incident's request over a pool it fills: 5,424 traces; and sends in
-    # flight over one page on each engine, b patient: 735 traces
+    # flight, one decode page, two prefill pages, b patient: 2,355 traces. (One prefill page
+    # would deadlock: a's sender holding it, patient b holding decode's page, neither giving up.)
     "small": {
         "ac2": Config(2, (ACME, INCIDENT)),
-        "abp1f": Config(1, (ACME, Req("b", "globex", 1, patient=True)), prefill_pages=1),
+        "abp1f2": Config(1, (ACME, Req("b", "globex", 1, patient=True)), prefill_pages=2),
     },
     # 111,906 traces with atomic sends (46,348 with a verdict, 65,558 clean), 22,603 with sends
     # in flight (the names ending in f: decode pages, f, prefill pages)
