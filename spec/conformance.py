@@ -343,7 +343,9 @@ def expected(trace: list[Step]) -> dict:
         for v in step.verdicts:
             if v.cause == CAUSE_COMPLETION:
                 continue
-            key = _key("use_after_free", v.reader, "send") if v.cause == CAUSE_SEND else _key(*v[:2], v.access)
+            key = (
+                _key("use_after_free", v.reader, "send") if v.cause == CAUSE_SEND else _key(v.kind, v.reader, v.access)
+            )
             out.setdefault(key, set()).update(v.exposed)
     return {k: frozenset(v) for k, v in out.items()}
 
