@@ -420,6 +420,19 @@ def ledger_metrics(ledger: LedgerStats, shared: SharedLedgerStats | None, engine
     ):
         errors.add_metric([reason], getattr(shared, attr) if shared is not None else 0)
     yield errors
+    resynced = CounterMetricFamily(
+        "kvguard_ledger_resynced",
+        "Rooms registered and facts written again to the shared transfer ledger after a failed round trip "
+        "or a failover (what a failed-over master may have lost)",
+    )
+    resynced.add_metric([], shared.resynced if shared is not None else 0)
+    yield resynced
+    failovers = CounterMetricFamily(
+        "kvguard_ledger_failovers",
+        "Times a master serving the shared transfer ledger's keys changed (Cluster, Sentinel)",
+    )
+    failovers.add_metric([], shared.failovers if shared is not None else 0)
+    yield failovers
 
 
 def sink_metrics(sinks: Sequence[SinkStats]):

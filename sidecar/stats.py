@@ -127,6 +127,10 @@ class SharedLedgerStats:
     queue_dropped: int  # facts dropped: the hand-off queue to the ledger's thread was full
     outbox_dropped: int  # facts dropped: the outage buffer was full
     bad_facts: int  # values in ledger keys this version did not write (ignored)
+    # rooms registered and facts written again after a failed round trip or a failover: what a
+    # master that failed over may have lost (acknowledged, not yet replicated), sent again
+    resynced: int = 0
+    failovers: int = 0  # times a master serving the ledger's keys changed (Cluster, Sentinel)
 
 
 @dataclass(frozen=True, slots=True)

@@ -298,11 +298,11 @@ def test_two_clusters_sharing_one_redis_never_pair(pods):
 def test_values_written_by_something_else_are_counted_and_ignored(pods, redis_server):
     p = pods()
     client = redis_server.client()
-    key = room_key("c1", 11, "sender")
-    # another program's value, an older schema, a sender fact claiming another room, one without a
-    # request key, and one whose rid is not a bounded string
+    key = room_key("c1", 11)
+    # sender fields (``s:POD``) holding another program's value, an older schema, a sender fact
+    # claiming another room, one without a request key, and one whose rid is not a bounded string
     fake = {
-        "v": 2,
+        "v": 3,
         "side": "sender",
         "room": 11,
         "req_key": f"{wire.request_key('r-9'):016x}",
@@ -313,11 +313,11 @@ def test_values_written_by_something_else_are_counted_and_ignored(pods, redis_se
         "chunks": [],
         "digests": [],
     }
-    client.hset(key, "intruder", b"\x00not json")
-    client.hset(key, "old", json.dumps({"v": 1, "side": "sender"}))
-    client.hset(key, "liar", json.dumps({**fake, "room": 12}))
-    client.hset(key, "keyless", json.dumps({**fake, "req_key": "0"}))
-    client.hset(key, "huge", json.dumps({**fake, "rid": "x" * 10_000}))
+    client.hset(key, "s:intruder", b"\x00not json")
+    client.hset(key, "s:old", json.dumps({**fake, "v": 2}))
+    client.hset(key, "s:liar", json.dumps({**fake, "room": 12}))
+    client.hset(key, "s:keyless", json.dumps({**fake, "req_key": "0"}))
+    client.hset(key, "s:huge", json.dumps({**fake, "rid": "x" * 10_000}))
     p.begin("r-1", 11, 8, [1, 2])
     assert p.settle(lambda: p.sidecars["decode"].shared_ledger.bad_facts >= 5)
     assert p.kinds("decode") == []  # the fake "reject" was not believed
@@ -360,9 +360,9 @@ def test_redis_down_degrades_without_blocking_and_pairing_resumes_when_it_return
 
 
 def test_a_slow_redis_degrades_pairing_and_ingest_goes_on(pods, redis_server):
-    """Redis stalls for 5 s (DEBUG SLEEP) -- past the 1 s socket timeout and the 2 s grace period
-    for failing round trips: the ledger thread reports degraded, while the ingest cycle keeps
-    applying records meanwhile."""
+    """Redis stalls for 8 s (DEBUG SLEEP): the decode sidecar, idle but waiting on a room, notices on
+    its inbox read (blocked 2 s, timed out 1 s later) and after the 2 s grace period for failing
+    round trips reports degraded, while the ingest cycle keeps applying records meanwhile."""
     import threading
 
     p = pods()
@@ -370,7 +370,9 @@ def test_a_slow_redis_degrades_pairing_and_ingest_goes_on(pods, redis_server):
     assert p.settle(lambda: p.sidecars["decode"].shared_ledger.published >= 1)
     import redis
 
-    stall = threading.Thread(target=lambda: redis.Redis(port=redis_server.port).execute_command("DEBUG", "SLEEP", "5"))
+    stall = threading.Thread(
+        target=lambda: redis.Redis(port=redis_server.port, socket_timeout=30).execute_command("DEBUG", "SLEEP", "8")
+    )
     stall.start()
     decode = p.sidecars["decode"]
     allocs = decode.pipeline.records_by_kind["ALLOC"]

@@ -1,0 +1,229 @@
+"""A throwaway real Redis Cluster: 3 masters + 3 replicas of Debian's redis-server, in a tmp dir.
+
+Used by the ledger's cluster tests (tests/conftest.py makes it the session-scoped
+``redis_cluster`` fixture) and by ``make fleet-sim`` (bench/fleet_sim.py). The nodes are
+started the way users run a cluster (``cluster-enabled yes``, then ``redis-cli --cluster
+create ... --cluster-replicas 1``), with no persistence and a short ``cluster-node-timeout``
+so that a killed master's replica takes over in a couple of seconds instead of 15.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REDIS_SERVER = "/usr/bin/redis-server"
+REDIS_CLI = "/usr/bin/redis-cli"
+NODE_TIMEOUT_MS = 1000  # failure detection; the election adds up to ~1 s more
+
+
+class ClusterStartError(RuntimeError):
+    pass
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` free TCP ports whose +10000 cluster-bus ports are free too."""
+    ports: list[int] = []
+    socks = []
+    try:
+        while len(ports) < n:
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            if port + 10000 > 65535:
+                s.close()
+                continue
+            with socket.socket() as bus:
+                try:
+                    bus.bind(("127.0.0.1", port + 10000))
+                except OSError:
+                    s.close()
+                    continue
+            socks.append(s)
+            ports.append(port)
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+@dataclass
+class Node:
+    port: int
+    workdir: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class RedisCluster:
+    """Six redis-server processes forming a cluster; nodes can be killed and restarted."""
+
+    def __init__(self, workdir, masters: int = 3, replicas: int = 1, node_timeout_ms: int = NODE_TIMEOUT_MS):
+        for binary in (REDIS_SERVER, REDIS_CLI):
+            if not os.path.exists(binary):
+                raise ClusterStartError(f"{binary} is missing: run `make apt` (installs redis-server; CI has it)")
+        self.workdir = Path(workdir)
+        self.node_timeout_ms = node_timeout_ms
+        self.masters, self.replicas = masters, replicas
+        self.nodes = [Node(p, self.workdir / str(p)) for p in free_ports(masters * (1 + replicas))]
+        self.url = "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[:3])
+
+    # ---------------------------------------------------------------- processes
+    def _start_node(self, node: Node) -> None:
+        node.workdir.mkdir(parents=True, exist_ok=True)
+        node.proc = subprocess.Popen(
+            [
+                REDIS_SERVER,
+                "--port",
+                str(node.port),
+                "--bind",
+                "127.0.0.1",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                str(self.node_timeout_ms),
+                # a replica whose master is gone takes over however long it was cut off: the
+                # tests kill masters on purpose and want the failover, not a stale-data guard
+                "--cluster-replica-validity-factor",
+                "0",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(node.workdir),
+                "--enable-debug-command",
+                "local",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def _client(self, port: int, timeout_s: float = 1.0):
+        import redis
+
+        return redis.Redis(port=port, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+    def _wait(self, cond, what: str, limit_s: float = 30.0) -> None:
+        deadline = time.monotonic() + limit_s
+        while True:
+            try:
+                if cond():
+                    return
+            except Exception:  # noqa: BLE001 - a node not answering yet is "not yet"
+                pass
+            if time.monotonic() > deadline:
+                raise ClusterStartError(f"redis cluster in {self.workdir}: {what} not within {limit_s:.0f} s")
+            time.sleep(0.05)
+
+    def start(self) -> RedisCluster:
+        for node in self.nodes:
+            self._start_node(node)
+        for node in self.nodes:
+            self._wait(lambda n=node: self._client(n.port).ping(), f"node {node.port} answering")
+        addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        # with --cluster-replicas 1, redis-cli makes the first three the masters
+        out = subprocess.run(
+            [REDIS_CLI, "--cluster", "create", *addrs, "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if out.returncode != 0:
+            self.stop()
+            raise ClusterStartError(f"redis-cli --cluster create failed: {out.stdout[-2000:]}{out.stderr[-2000:]}")
+        try:
+            self.wait_healthy()
+        except ClusterStartError:
+            self.stop()
+            raise
+        return self
+
+    def wait_healthy(self, limit_s: float = 30.0) -> None:
+        """Every live node says cluster_state:ok, and every slot has a live master."""
+
+        def ok() -> bool:
+            for node in self.nodes:
+                if node.alive and self._client(node.port).cluster("info").get("cluster_state") != "ok":
+                    return False
+            return len(self.master_ports()) == self.masters
+
+        self._wait(ok, "cluster_state:ok on every node", limit_s)
+
+    def master_ports(self) -> list[int]:
+        """Ports of the live masters that serve slots, as a live node sees them."""
+        for node in self.nodes:
+            if not node.alive:
+                continue
+            try:
+                slots = self._client(node.port).execute_command("CLUSTER SLOTS")  # [[start, end, [host, port, id]...]]
+            except Exception:  # noqa: BLE001
+                continue
+            live = {n.port for n in self.nodes if n.alive}
+            return sorted({int(s[2][1]) for s in slots if int(s[2][1]) in live})
+        return []
+
+    def master_of(self, key: str) -> Node:
+        """The node that serves ``key``'s slot now."""
+        import redis
+
+        for node in self.nodes:
+            if not node.alive:
+                continue
+            slot = self._client(node.port).execute_command("CLUSTER KEYSLOT", key)
+            for start, end, master, *_ in self._client(node.port).execute_command("CLUSTER SLOTS"):
+                if start <= slot <= end:
+                    port = int(master[1])
+                    return next(n for n in self.nodes if n.port == port)
+        raise redis.RedisError("no live node")
+
+    def kill(self, node: Node) -> None:
+        """SIGKILL: the master is gone without a word, as a crashed pod is."""
+        if node.proc is not None and node.proc.poll() is None:
+            node.proc.send_signal(signal.SIGKILL)
+            node.proc.wait()
+
+    def kill_master_and_wait_failover(self, key: str, limit_s: float = 30.0) -> Node:
+        """Kill the master serving ``key`` and wait until its replica serves the slot."""
+        victim = self.master_of(key)
+        self.kill(victim)
+        self._wait(
+            lambda: self.master_of(key).port != victim.port and len(self.master_ports()) == self.masters,
+            f"a replica taking over from {victim.port}",
+            limit_s,
+        )
+        self.wait_healthy(limit_s)
+        return victim
+
+    def restart(self, node: Node) -> None:
+        """Bring a killed node back: it rejoins (nodes.conf kept) as a replica of its successor."""
+        self._start_node(node)
+        self._wait(lambda: self._client(node.port).ping(), f"node {node.port} answering")
+        self.wait_healthy()
+
+    def info(self, section: str | None = None) -> list[dict]:
+        """INFO of every live master (commandstats, cpu)."""
+        out = []
+        for port in self.master_ports():
+            c = self._client(port)
+            out.append(c.info(section) if section else c.info())
+        return out
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            self.kill(node)
+
+    def remove(self) -> None:
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
