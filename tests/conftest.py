@@ -222,6 +222,27 @@ def vllm_captured():
     rt.State.reset()
 
 
+@pytest.fixture(scope="session")
+def redis_cluster_session(tmp_path_factory):
+    """One real Redis Cluster (3 masters + 3 replicas, tests/support/redis_cluster.py) per test
+    session (~2 s to start); tests take it through ``redis_cluster``."""
+    from tests.support.redis_cluster import ClusterStartError, RedisCluster
+
+    try:
+        cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster")).start()
+    except ClusterStartError as exc:
+        pytest.fail(str(exc))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster(redis_cluster_session):
+    """The session's Redis Cluster, whole again: nodes an earlier test killed are restarted."""
+    redis_cluster_session.heal()
+    return redis_cluster_session
+
+
 @pytest.fixture
 def redis_server(tmp_path):
     """A real redis-server of its own (tests/support/redis_server.py), killed after the test."""

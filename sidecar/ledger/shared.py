@@ -18,9 +18,10 @@ its facts to each one's inbox, a Redis Stream ``kvguard:inbox:v3:{CLUSTER:POD}``
 XADD, MAXLEN ~ bound). Each receiving sidecar reads its own inbox with a blocking XREAD on
 a connection of its own and trims what it read. When the receiver has decided a room
 (``unwatch``, or its wait ran out) it deletes its field and, with no other receiver
-waiting there, the key (``CLOSE``); the TTL (900 s, refreshed on every write) is only the
-backstop for rooms never decided. A sending request that saw a receiver in a room does not
-write the room again once the key is gone (decided), so a late fact leaves no key behind.
+waiting there, the key (``CLOSE``), leaving for ``closed_ttl_s`` (30 s) only a tombstone
+naming the sending requests it decided on, so that a late fact of one of them is not
+written (it would leave a key nobody reads); the TTL (900 s, refreshed on every write) is
+only the backstop for rooms never decided.
 The store operations per transfer are a constant: a few writes per side, a push per
 sender write after the receiver came, a share of one XREAD, one close; none grows with
 the time a transfer waits.
@@ -202,6 +203,7 @@ class SharedLedger:
         inbox_block_s: float = 2.0,
         inbox_maxlen: int = 10_000,
         resync_window_s: float = 10.0,
+        closed_ttl_s: int = 30,
     ):
         if not cluster or any(c in cluster for c in ": \n{}"):
             raise LedgerConfigError(
@@ -224,6 +226,7 @@ class SharedLedger:
         self.inbox_block_s = inbox_block_s
         self.inbox_maxlen = inbox_maxlen
         self.resync_window_ns = int(resync_window_s * 1e9)
+        self.closed_ttl_s = closed_ttl_s  # how long a decided room's tombstone turns late facts away
         self.poll_interval_s = poll_interval_s
         self.degrade_after_ns = int(degrade_after_s * 1e9)
         self.max_outbox, self.max_watch = max_outbox, max_watch
@@ -231,14 +234,11 @@ class SharedLedger:
         self._results: deque = deque()  # (room, side, [facts]) for take_results
         self._wake = threading.Event()  # something to do for the writer thread
         # the writer thread's own state (no other thread touches it)
-        self._outbox: OrderedDict[tuple[int, str], list] = OrderedDict()  # (room, side) -> [req, json, force]
+        self._outbox: OrderedDict[tuple[int, str], list] = OrderedDict()  # (room, side) -> [req, json]
         self._recent: OrderedDict[tuple[int, str], tuple[str, str, int]] = OrderedDict()  # written: req, json, when
-        self._receivers: OrderedDict[tuple[int, str], tuple[str, ...]] = (
-            OrderedDict()
-        )  # (room, sender req) -> r: fields
         self._pushes: OrderedDict[tuple[str, int, str], str] = OrderedDict()  # (inbox, room, field) -> json
         self._joins: set[int] = set()  # rooms whose receiver registration is to be (re)sent
-        self._closes: OrderedDict[int, None] = OrderedDict()  # rooms decided, their keys to delete
+        self._closes: OrderedDict[int, list[str]] = OrderedDict()  # rooms decided -> the sending requests
         self._closed: OrderedDict[int, str] = OrderedDict()  # room -> the receiver request that decided it
         self._receiver_req: OrderedDict[int, str] = OrderedDict()  # room -> this side's request key (hex)
         self._watching: dict[int, _Watch] = {}
@@ -355,7 +355,7 @@ class SharedLedger:
                     self._receiver_req.move_to_end(room)
                     while len(self._receiver_req) > self.max_watch:
                         self._receiver_req.popitem(last=False)
-                self._outbox[(room, side)] = [a, b, False]
+                self._outbox[(room, side)] = [a, b]
                 self._outbox.move_to_end((room, side))
                 while len(self._outbox) > self.max_outbox:
                     self._outbox.popitem(last=False)
@@ -376,13 +376,15 @@ class SharedLedger:
 
     def _decide(self, room: int) -> None:
         """The receiver is done with the room: delete its part of the key (and the key)."""
-        if self._watching.pop(room, None) is None:
+        w = self._watching.pop(room, None)
+        if w is None:
             return
+        decided = sorted({json.loads(v)["req_key"] for v in w.raw.values()})
         self._joins.discard(room)
         self._closed[room] = self._receiver_req.pop(room, "")
         while len(self._closed) > self.max_watch:
             self._closed.popitem(last=False)
-        self._closes[room] = None
+        self._closes[room] = decided
         while len(self._closes) > self.max_outbox:
             self._closes.popitem(last=False)  # left to the TTL
 
@@ -520,7 +522,7 @@ class SharedLedger:
         n = 0
         for (room, side), (req, value, _at) in self._recent.items():
             if (room, side) not in self._outbox and not (side == "receiver" and room not in self._watching):
-                self._outbox[(room, side)] = [req, value, True]  # written whether or not the key is there
+                self._outbox[(room, side)] = [req, value]
                 n += 1
         for room in self._watching:
             if (room, "receiver") not in self._outbox:
@@ -552,25 +554,23 @@ class SharedLedger:
         cmds: list[tuple[str, tuple]] = []
         what: list[tuple] = []
         if not pushes_only:
-            for (room, side), (req, value, force) in self._outbox.items():
+            for (room, side), (req, value) in self._outbox.items():
                 key = room_key(self.cluster, room)
-                seen = side == "sender" and not force and (room, req) in self._receivers
-                other = "r:" if side == "sender" else "s:"
-                cmds.append(
-                    PUBLISH.cmd(key, fact_field(side, self.pod), value, self.ttl_s, other, "1" if seen else "0")
-                )
+                other, own_req = ("r:", req) if side == "sender" else ("s:", "")
+                cmds.append(PUBLISH.cmd(key, fact_field(side, self.pod), value, self.ttl_s, other, own_req))
                 what.append(("pub", room, side, req, value))
             for room in self._joins:
                 if (room, "receiver") in self._outbox:
                     continue
                 cmds.append(
                     PUBLISH.cmd(
-                        room_key(self.cluster, room), fact_field("receiver", self.pod), "", self.ttl_s, "s:", "0"
+                        room_key(self.cluster, room), fact_field("receiver", self.pod), "", self.ttl_s, "s:", ""
                     )
                 )
                 what.append(("join", room, None, None, None))
-            for room in self._closes:
-                cmds.append(CLOSE.cmd(room_key(self.cluster, room), fact_field("receiver", self.pod)))
+            for room, decided in self._closes.items():
+                own = fact_field("receiver", self.pod)
+                cmds.append(CLOSE.cmd(room_key(self.cluster, room), own, self.closed_ttl_s, *decided))
                 what.append(("close", room, None, None, None))
         for (inbox, room, field), value in self._pushes.items():
             cmds.append(PUSH.cmd(inbox, self.inbox_maxlen, self.ttl_s, room, field, value))
@@ -608,7 +608,7 @@ class SharedLedger:
 
     def _wrote(self, room: int, side: str, req: str, value: str, now: int, reply) -> None:
         """A write went through; ``reply`` is the other side (store.py PUBLISH)."""
-        if reply is None:  # a sending request's room that its receiver decided and deleted
+        if reply is None:  # a sending request its receiver decided on (store.py PUBLISH: the tombstone)
             self.late_dropped += 1
             return
         self.published += 1
@@ -623,11 +623,6 @@ class SharedLedger:
                 self._merge(room, w, dict(zip(reply[::2], reply[1::2])))
             return
         fields = tuple(_text(f) for f in reply)
-        if fields:
-            self._receivers[(room, req)] = fields
-            self._receivers.move_to_end((room, req))
-            while len(self._receivers) > self.max_watch:
-                self._receivers.popitem(last=False)
         own = fact_field("sender", self.pod)
         for field in fields:
             pod = field[2:]

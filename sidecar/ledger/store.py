@@ -148,13 +148,14 @@ class Script:
 
 # Write one side's facts of a room and answer with the other side's, atomically: whichever
 # side writes second sees the first. ARGV: own field ("s:POD" / "r:POD"), own facts (""
-# = only "I wait here"), TTL seconds, the other side's field prefix, "1" when this sending
-# request saw a receiver here before (the key gone since means its receiver decided and
-# deleted it: writing again would leave a key nobody reads until the TTL). A sender needs
-# only the receivers' names (whose inbox to push to); a receiver gets the senders' facts.
+# = only "I wait here"), TTL seconds, the other side's field prefix, and for a sender its
+# request key: a room whose receiver decided on that sending request keeps a tombstone
+# ("d:REQ") for a while, and a late fact of it is not written (it would leave a key nobody
+# reads until the TTL). A sender needs only the receivers' names (whose inbox to push to);
+# a receiver gets the senders' facts.
 PUBLISH = Script(
     """
-if ARGV[5] == "1" and redis.call("EXISTS", KEYS[1]) == 0 then return false end
+if ARGV[5] ~= "" and redis.call("HEXISTS", KEYS[1], "d:" .. ARGV[5]) == 1 then return false end
 if ARGV[2] == "" then redis.call("HSETNX", KEYS[1], ARGV[1], "") else redis.call("HSET", KEYS[1], ARGV[1], ARGV[2]) end
 redis.call("EXPIRE", KEYS[1], ARGV[3])
 local out, n = {}, string.len(ARGV[4])
@@ -169,8 +170,10 @@ return out
 """
 )
 
-# The receiver decided the room: drop its field, and the key with it unless another receiver
-# (a reused room number, another decode pod) still waits on it. ARGV: own field.
+# The receiver decided the room: drop its field; unless another receiver (a reused room
+# number, another decode pod) still waits there, the key goes, and what is left is a
+# tombstone naming the sending requests it decided on, for ARGV[2] seconds.
+# ARGV: own field, tombstone TTL seconds, the decided sending requests' keys.
 CLOSE = Script(
     """
 redis.call("HDEL", KEYS[1], ARGV[1])
@@ -178,6 +181,10 @@ for _, f in ipairs(redis.call("HKEYS", KEYS[1])) do
   if string.sub(f, 1, 2) == "r:" then return 0 end
 end
 redis.call("DEL", KEYS[1])
+if #ARGV > 2 then
+  for i = 3, #ARGV do redis.call("HSET", KEYS[1], "d:" .. ARGV[i], "1") end
+  redis.call("EXPIRE", KEYS[1], ARGV[2])
+end
 return 1
 """
 )
@@ -213,6 +220,7 @@ class Store:
         self.password = password or target.password
         self.client: Any = client  # a ready client (tests); else made by connect()
         self.failovers = 0  # times the master serving some of our keys changed
+        self._loaded: set[int] = set()  # node clients the scripts were loaded on
 
     def _kwargs(self) -> dict:
         kw: dict = {"socket_timeout": self.timeout_s, "socket_connect_timeout": self.timeout_s}
@@ -242,7 +250,7 @@ class Store:
 
     def execute(self, cmds: list[tuple[str, tuple]]) -> list:
         """Each command's reply, or the exception it met (a refused node: every command it serves)."""
-        from redis.exceptions import NoScriptError
+        from redis.exceptions import ConnectionError, NoScriptError, TimeoutError
 
         replies: list = [None] * len(cmds)
         try:
@@ -250,10 +258,22 @@ class Store:
         except Exception as exc:  # noqa: BLE001 - e.g. a slot no live master serves (mid-failover)
             return [exc] * len(cmds)
         for client, idxs in groups:
-            out = self._run(client, [cmds[i][1] for i in idxs])
+            commands = [cmds[i][1] for i in idxs]
+            first = id(client) not in self._loaded
+            if first:  # the first contact with this node: load the scripts ahead of their first EVALSHA
+                commands = [("SCRIPT", "LOAD", s.body) for s in SCRIPTS.values()] + commands
+            out = self._run(client, commands)
+            if first:
+                out = out[len(SCRIPTS) :]
+                if not any(isinstance(r, (ConnectionError, TimeoutError, OSError)) for r in out):
+                    self._loaded.add(id(client))
             again = [(i, r) for i, r in zip(idxs, out) if isinstance(r, NoScriptError)]
-            if again:  # a node that never ran the script (new, restarted, promoted): EVAL loads it
-                redo = [("EVAL", SCRIPTS[cmds[i][1][1]].body, *cmds[i][1][2:]) for i, _ in again]
+            if again:  # a node that never ran the script (new, restarted, promoted): one EVAL loads it
+                redo, loaded = [], set()
+                for i, _ in again:
+                    sha = cmds[i][1][1]
+                    redo.append(cmds[i][1] if sha in loaded else ("EVAL", SCRIPTS[sha].body, *cmds[i][1][2:]))
+                    loaded.add(sha)
                 for (i, _), r in zip(again, self._run(client, redo)):
                     out[idxs.index(i)] = r
             for i, r in zip(idxs, out):

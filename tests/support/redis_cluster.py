@@ -188,6 +188,11 @@ class RedisCluster:
                     return next(n for n in self.nodes if n.port == port)
         raise redis.RedisError("no live node")
 
+    def replica_of(self, node: Node) -> int | None:
+        """The port of the master ``node`` replicates (None: it is a master)."""
+        info = self._client(node.port).info("replication")
+        return int(info["master_port"]) if info["role"] == "slave" else None
+
     def kill(self, node: Node) -> None:
         """SIGKILL: the master is gone without a word, as a crashed pod is."""
         if node.proc is not None and node.proc.poll() is None:
@@ -211,6 +216,23 @@ class RedisCluster:
         self._start_node(node)
         self._wait(lambda: self._client(node.port).ping(), f"node {node.port} answering")
         self.wait_healthy()
+
+    def heal(self) -> None:
+        """Restart what a test killed (it rejoins as a replica) and wait for a healthy 3 + 3."""
+        for node in self.nodes:
+            if not node.alive:
+                self._start_node(node)
+        for node in self.nodes:
+            self._wait(lambda n=node: self._client(n.port).ping(), f"node {node.port} answering")
+        self.wait_healthy()
+
+        def all_replicated() -> bool:
+            roles = [self._client(n.port).info("replication") for n in self.nodes]
+            return sum(r["role"] == "master" for r in roles) == self.masters and all(
+                r.get("master_link_status", "up") == "up" for r in roles
+            )
+
+        self._wait(all_replicated, "every replica linked to its master")
 
     def info(self, section: str | None = None) -> list[dict]:
         """INFO of every live master (commandstats, cpu)."""
