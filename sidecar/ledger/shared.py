@@ -82,6 +82,7 @@ MAX_U64 = (1 << 64) - 1
 IDLE_PING_NS = 5_000_000_000  # with nothing to write, check the store this often
 INBOX_BATCH = 1024  # entries one XREAD takes at most
 GATHER_NS = 5_000_000  # after a quiet spell, the first fact waits this long for the ones right behind it
+REFRESH_EVERY_NS = 1_000_000_000  # a failing thread re-reads the store's topology at most this often
 TRIM_EVERY = 64  # entries read between two trims of the inbox (and at every idle XREAD timeout)
 
 
@@ -179,11 +180,12 @@ def _text(value) -> str:
 class _Watch:
     """A room the receiver waits on: until when, and the senders' facts it has (field -> raw value)."""
 
-    __slots__ = ("until_ns", "raw")
+    __slots__ = ("until_ns", "raw", "facts")
 
     def __init__(self, until_ns: int):
         self.until_ns = until_ns
         self.raw: dict[str, bytes] = {}
+        self.facts: dict[str, dict] = {}  # the same, parsed
 
 
 class SharedLedger:
@@ -249,7 +251,11 @@ class SharedLedger:
         self._inbox_failing_since_ns = 0
         self._inbox_failed_ns = 0  # the inbox read's last failure
         self._io_ok_ns = 0  # the writer's last good round trip
-        self._resync = False  # set by either thread after a failure; done after the next good round trip
+        self._refresh_at = [0]  # the writer's last topology refresh (the inbox reader keeps its own)
+        # after failures, done once the store answers again: the writer's (rooms on a node that failed
+        # or moved: write again, register again) and the inbox reader's (register every room again)
+        self._resync = False
+        self._rejoin = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._connected = False
@@ -379,7 +385,7 @@ class SharedLedger:
         w = self._watching.pop(room, None)
         if w is None:
             return
-        decided = sorted({json.loads(v)["req_key"] for v in w.raw.values()})
+        decided = sorted({f["req_key"] for f in w.facts.values()})
         self._joins.discard(room)
         self._closed[room] = self._receiver_req.pop(room, "")
         while len(self._closed) > self.max_watch:
@@ -425,10 +431,11 @@ class SharedLedger:
                 )
                 continue
             w.raw[field] = value
+            w.facts[field] = fact
             changed = True
         if changed:
             self.fetched += 1
-            self._results.append((room, "sender", [json.loads(v) for v in w.raw.values()]))
+            self._results.append((room, "sender", list(w.facts.values())))
 
     def _has_work(self) -> bool:
         return bool(self._outbox or self._pushes or self._joins or self._closes)
@@ -447,7 +454,7 @@ class SharedLedger:
             if now >= next_expiry_ns:
                 self._expire_watches(now)
                 next_expiry_ns = now + 1_000_000_000
-            work = self._has_work() or self._resync
+            work = self._has_work() or self._resync or self._rejoin
             if work and not work_since_ns:
                 # the first fact after a quiet spell: wait GATHER_NS for the ones the ingest
                 # cycle is handing over with it (a sender's begin, chunk and digest come together)
@@ -478,9 +485,9 @@ class SharedLedger:
                     self._refresh()
                 now = time.monotonic_ns()
                 next_io_ns = now + int(backoff * 1e9)
-                work_since_ns = now if (self._has_work() or self._resync) else 0
+                work_since_ns = now if (self._has_work() or self._resync or self._rejoin) else 0
             self._update_degraded(failing_since_ns, now)
-            if self._has_work() or self._resync or failing_since_ns:
+            if self._has_work() or self._resync or self._rejoin or failing_since_ns:
                 until = max(next_io_ns, work_since_ns + GATHER_NS)
             else:
                 until = min(self._last_io_ns + IDLE_PING_NS, next_expiry_ns if self._watching else 1 << 62)
@@ -504,9 +511,17 @@ class SharedLedger:
             self.recoveries += 1
             log.warning("shared ledger %s reachable again: pairing resumes", self.display_url)
 
-    def _refresh(self) -> None:
+    def _refresh(self, store=None, last=None) -> None:
+        """Re-read where the keys live, at most every REFRESH_EVERY_NS per thread (a whole fleet
+        retrying through an outage is a load of its own on the store)."""
+        store = store or self.store
+        last = last if last is not None else self._refresh_at
+        now = time.monotonic_ns()
+        if now - last[0] < REFRESH_EVERY_NS:
+            return
+        last[0] = now
         try:
-            self.store.refresh()
+            store.refresh()
         except Exception as exc:  # noqa: BLE001 - no node answers yet: the next failure tries again
             log.debug("shared ledger %s: topology refresh failed: %s", self.display_url, exc)
 
@@ -514,18 +529,22 @@ class SharedLedger:
         for room in [r for r, w in self._watching.items() if w.until_ns < now]:
             self._decide(room)  # its wait is over: the pipeline has judged it without the sender
 
-    def _do_resync(self, now: int) -> None:
-        """After failures: every room waited on registers again (and gets its senders' facts), and
-        what this sidecar wrote lately is written again (a failed-over master may have lost it)."""
+    def _do_resync(self, now: int, suspect, rejoin_all: bool) -> None:
+        """After failures, once the store answers: what this sidecar wrote lately to a node that
+        failed or lost its slots (``suspect(key)``) is written again, since a master that failed
+        over may have lost it (acknowledged, not replicated), and the rooms waited on there register
+        again (and get their senders' facts); after the inbox failed, every room waited on does."""
         for key in [k for k, (_r, _j, at) in self._recent.items() if now - at > self.resync_window_ns]:
             del self._recent[key]
         n = 0
         for (room, side), (req, value, _at) in self._recent.items():
-            if (room, side) not in self._outbox and not (side == "receiver" and room not in self._watching):
+            if (room, side) in self._outbox or (side == "receiver" and room not in self._watching):
+                continue
+            if suspect(room_key(self.cluster, room)):
                 self._outbox[(room, side)] = [req, value]
                 n += 1
         for room in self._watching:
-            if (room, "receiver") not in self._outbox:
+            if (room, "receiver") not in self._outbox and (rejoin_all or suspect(room_key(self.cluster, room))):
                 self._joins.add(room)
                 n += 1
         self.resynced += n
@@ -537,14 +556,20 @@ class SharedLedger:
         if not self._connected:
             self.store.connect()
             self._connected = True
-        if self._resync:
-            self._resync = False
-            self._do_resync(now)
+        ok = self._round_trip(now)
+        if ok and (self._resync or self._rejoin):  # the store answers again: put back what it may have lost
+            suspect = self.store.take_suspect() if self._resync else (lambda _key: False)
+            rejoin_all, self._resync, self._rejoin = self._rejoin, False, False
+            self._do_resync(now, suspect, rejoin_all)
+            if self._has_work():
+                ok = self._round_trip(now)
+        return ok
+
+    def _round_trip(self, now: int) -> bool:
+        self._last_io_ns = now
         if not self._has_work():
             self.store.ping()  # is it (still / again) there? keeps kvguard_ledger_degraded honest when idle
-            self._last_io_ns = now
             return True
-        self._last_io_ns = now
         ok = self._batch(now)
         if ok and self._pushes:
             ok = self._batch(now, pushes_only=True)
@@ -647,6 +672,7 @@ class SharedLedger:
         self._inbox_store = store
         last: Any = "0-0"
         untrimmed = 0
+        refreshed = [0]
         backoff = 0.05
         block_ms = int(self.inbox_block_s * 1000)
         while not self._stop.is_set():
@@ -667,12 +693,9 @@ class SharedLedger:
                 self.last_error = f"inbox: {type(exc).__name__}: {exc}"
                 self._inbox_failed_ns = time.monotonic_ns()
                 self._inbox_failing_since_ns = self._inbox_failing_since_ns or self._inbox_failed_ns
-                self._resync = True
+                self._rejoin = True
                 last, untrimmed = "0-0", 0
-                try:
-                    store.refresh()
-                except Exception:  # noqa: BLE001
-                    pass
+                self._refresh(store, refreshed)
                 self._wake.set()
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 1.0)

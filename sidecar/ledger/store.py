@@ -245,6 +245,14 @@ class Store:
     def refresh(self) -> None:
         """After a failed round trip: learn where the keys live now (nothing to learn for one server)."""
 
+    def take_suspect(self):
+        """A predicate: may the store have lost what was written under this key since the last call
+        (its node failed, or its slot moved)? One server or one master: anything may have been."""
+        return lambda _key: True
+
+    def _failed(self, client, idxs: list[int], cmds, out: list) -> None:
+        """Note what failed (ClusterStore: which nodes and slots)."""
+
     def ping(self) -> None:
         self.client.ping()
 
@@ -278,6 +286,8 @@ class Store:
                     out[idxs.index(i)] = r
             for i, r in zip(idxs, out):
                 replies[i] = r
+            if any(isinstance(r, Exception) for r in out):
+                self._failed(client, idxs, cmds, out)
         return replies
 
     @staticmethod
@@ -336,52 +346,108 @@ class SentinelStore(Store):
 class ClusterStore(Store):
     """A Redis Cluster: commands grouped by the master serving their slot, one pipeline per node.
 
-    redis-py's own cluster pipeline refuses EVALSHA, so the grouping is done here with its slot
-    map (``nodes_manager``), refreshed after any refused node or MOVED/ASK/CLUSTERDOWN reply."""
+    redis-py's cluster pipeline refuses EVALSHA, so the grouping is done here, on redis-py's slot
+    map (``NodesManager``: CLUSTER SLOTS, a plain client per node), refreshed after any refused
+    node or MOVED/ASK/CLUSTERDOWN reply. Not ``RedisCluster`` itself: each one fetches and parses
+    COMMAND when made, ~40 ms of CPU per sidecar thread for a routing table this code never uses."""
+
+    def __init__(self, target: LedgerTarget, timeout_s: float, password: str | None = None, client=None):
+        super().__init__(target, timeout_s, password, client)
+        self._map: dict[int, str] = {}
+        self._map_at_resync: dict[int, str] = {}  # the slot map when take_suspect last ran
+        self._suspect_nodes: set[str] = set()
+        self._suspect_slots: set[int] = set()
+        self._clients: dict[str, Any] = {}  # node name -> its client, for the last batch
 
     def connect(self) -> None:
-        from redis.cluster import ClusterNode, RedisCluster
+        from redis.cluster import ClusterNode, NodesManager
 
         if self.client is not None:
             return
-        self.client = RedisCluster(
+        kwargs = self._kwargs()
+        if self.target.tls:
+            kwargs["ssl"] = True
+        self.client = NodesManager(
             startup_nodes=[ClusterNode(h, p) for h, p in self.target.hosts],
             require_full_coverage=False,  # mid-failover some slots have no master yet: serve the rest
-            ssl=self.target.tls,
-            **self._kwargs(),
+            **kwargs,
         )
         self._map = self._masters()
+        self._map_at_resync = dict(self._map)
 
     def _masters(self) -> dict[int, str]:
         """slot -> the name of the master serving it."""
-        cache = self.client.nodes_manager.slots_cache
-        return {slot: nodes[0].name for slot, nodes in cache.items() if nodes}
+        return {slot: nodes[0].name for slot, nodes in self.client.slots_cache.items() if nodes}
+
+    def _node_client(self, node):
+        if node.redis_connection is None:
+            self.client.create_redis_connections([node])
+        return node.redis_connection
 
     def client_for(self, key: str):
-        rc = self.client
-        node = rc.nodes_manager.get_node_from_slot(rc.keyslot(key))
-        return rc.get_redis_connection(node)
+        from redis.crc import key_slot
+
+        return self._node_client(self.client.get_node_from_slot(key_slot(key.encode())))
 
     def groups(self, cmds: list[tuple[str, tuple]]) -> list[tuple[Any, list[int]]]:
-        rc = self.client
+        from redis.crc import key_slot
+
         by_node: dict[str, tuple[Any, list[int]]] = {}
         for i, (key, _c) in enumerate(cmds):
-            node = rc.nodes_manager.get_node_from_slot(rc.keyslot(key))
+            node = self.client.get_node_from_slot(key_slot(key.encode()))
             by_node.setdefault(node.name, (node, []))[1].append(i)
-        return [(rc.get_redis_connection(node), idxs) for node, idxs in by_node.values()]
+        self._clients = {name: self._node_client(node) for name, (node, _i) in by_node.items()}
+        return [(self._clients[name], idxs) for name, (_node, idxs) in by_node.items()]
 
     def refresh(self) -> None:
         if self.client is None:
             return
-        self.client.nodes_manager.initialize()
+        # keep the connections that work: redis-py's default drops every pooled connection of the
+        # node it asked, and a fleet of sidecars reconnecting at once is a storm of its own
+        self.client.initialize(disconnect_startup_nodes_pools=False)
         new = self._masters()
         if any(new.get(slot) not in (None, name) for slot, name in self._map.items()):
             self.failovers += 1
         self._map = new
 
+    def _failed(self, client, idxs: list[int], cmds, out: list) -> None:
+        from redis.crc import key_slot
+        from redis.exceptions import ConnectionError, TimeoutError
+
+        for i, r in zip(idxs, out):
+            if isinstance(r, (ConnectionError, TimeoutError, OSError)):
+                name = next((n for n, c in self._clients.items() if c is client), None)
+                if name is not None:
+                    self._suspect_nodes.add(name)
+            elif is_routing_error(r):
+                self._suspect_slots.add(key_slot(cmds[i][0].encode()))
+
+    def take_suspect(self):
+        """The slots of the nodes that failed, and those whose master changed, since the last call."""
+        from redis.crc import key_slot
+
+        if self.client is None:
+            return lambda _key: True
+        old = self._map_at_resync
+        slots = {slot for slot, name in old.items() if name in self._suspect_nodes or self._map.get(slot) != name}
+        slots |= self._suspect_slots
+        self._map_at_resync = dict(self._map)
+        self._suspect_nodes.clear()
+        self._suspect_slots.clear()
+        return lambda key: key_slot(key.encode()) in slots
+
     def ping(self) -> None:
-        for node in self.client.get_primaries():
-            self.client.get_redis_connection(node).ping()
+        for node in self.client.get_nodes_by_server_type("primary"):
+            self._node_client(node).ping()
+
+    def close(self) -> None:
+        if self.client is not None:
+            for node in list(self.client.nodes_cache.values()):
+                if node.redis_connection is not None:
+                    try:
+                        node.redis_connection.close()
+                    except Exception:  # noqa: BLE001
+                        pass
 
 
 def open_store(target: LedgerTarget, timeout_s: float, client=None) -> Store:

@@ -232,3 +232,25 @@ def test_gpu_section_on_cuda():
     r = gpu_bench.run("cuda", gpu_bench.TINY)
     assert r["tier1_violations"] == 0 and r["tier1_errors"] == 0 and r["tier1_checks"] >= gpu_bench.TINY.steps
     assert r["content_slots_changed"] == 0 and r["content_slots_checked"] > 0 and r["guard_step_ratio"] > 0
+
+
+def test_fleet_sim_runs_and_pairs_at_a_tiny_size(tmp_path):
+    """`make fleet-sim` at 4 pods for a second per phase: the real cluster starts, transfers pair,
+    a master is killed, and the results file has its figures (none of them judged here)."""
+    out = tmp_path / "fleet.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.fleet_sim", "--pods", "4", "--rate", "50", "--warmup-s", "0.5"]
+        + ["--phase-s", "2", "--drain-s", "6", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (case,) = result["cases"]
+    assert case["pods"] == 4 and case["killed_master"] is not None
+    steady, killed = case["phases"]
+    assert steady["transfers"] > 0 and steady["requests_per_transfer"] > 0 and steady["pairing_ms_p50"] > 0
+    assert killed["transfers"] > 0 and case["links"]["bad_facts"] == 0
+    assert "req/xfer" in proc.stdout
