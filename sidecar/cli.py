@@ -425,8 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--ledger",
         default=None,
         help="where transfers are paired: 'memory' (one sidecar sees "
-        "prefill and decode) or redis://HOST:PORT/DB shared by the prefill and decode pods' sidecars "
-        "(default $KVGUARD_LEDGER, else memory)",
+        "prefill and decode) or a Redis shared by the prefill and decode pods' sidecars: redis://HOST:PORT/DB "
+        "(rediss:// for TLS), a Redis Cluster redis+cluster://HOST:PORT[,HOST:PORT...], or a Sentinel-managed "
+        "master redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER[/DB] (default $KVGUARD_LEDGER, else memory)",
     )
     p.add_argument(
         "--ledger-cluster",

@@ -82,6 +82,7 @@ MAX_U64 = (1 << 64) - 1
 IDLE_PING_NS = 5_000_000_000  # with nothing to write, check the store this often
 INBOX_BATCH = 1024  # entries one XREAD takes at most
 GATHER_NS = 5_000_000  # after a quiet spell, the first fact waits this long for the ones right behind it
+PARTIAL_BACKOFF_S = 0.2  # the retry delay while only some of the store's nodes refuse
 REFRESH_EVERY_NS = 1_000_000_000  # a failing thread re-reads the store's topology at most this often
 TRIM_EVERY = 64  # entries read between two trims of the inbox (and at every idle XREAD timeout)
 
@@ -251,6 +252,8 @@ class SharedLedger:
         self._inbox_failing_since_ns = 0
         self._inbox_failed_ns = 0  # the inbox read's last failure
         self._io_ok_ns = 0  # the writer's last good round trip
+        self._partial_ok = False  # some command of the current cycle went through
+        self._new_pushes = False  # the last batch's writes found receivers to push to
         self._refresh_at = [0]  # the writer's last topology refresh (the inbox reader keeps its own)
         # after failures, done once the store answers again: the writer's (rooms on a node that failed
         # or moved: write again, register again) and the inbox reader's (register every room again)
@@ -462,6 +465,7 @@ class SharedLedger:
             due = max(next_io_ns, work_since_ns + GATHER_NS) if work else next_io_ns
             idle_check = now - self._last_io_ns >= IDLE_PING_NS or failing_since_ns or self.degraded
             if now >= due and (work or idle_check):
+                self._partial_ok = False
                 try:
                     ok = self._cycle(now)
                 except Exception as exc:  # noqa: BLE001 - connect failures, timeouts, refused connections
@@ -482,6 +486,10 @@ class SharedLedger:
                         backoff = min(backoff * 2, 0.5)  # retried within the grace period
                     else:
                         backoff = min(backoff * 2, 2.0)
+                    if self._partial_ok:
+                        # one node (a failing-over master) refused, the others answered: their new work
+                        # should not wait out an outage's backoff
+                        backoff = min(backoff, PARTIAL_BACKOFF_S)
                     self._refresh()
                 now = time.monotonic_ns()
                 next_io_ns = now + int(backoff * 1e9)
@@ -571,8 +579,8 @@ class SharedLedger:
             self.store.ping()  # is it (still / again) there? keeps kvguard_ledger_degraded honest when idle
             return True
         ok = self._batch(now)
-        if ok and self._pushes:
-            ok = self._batch(now, pushes_only=True)
+        if self._pushes and self._new_pushes:  # pushes the writes just found: sent now, not a cycle later
+            ok = self._batch(now, pushes_only=True) and ok
         return ok
 
     def _batch(self, now: int, pushes_only: bool = False) -> bool:
@@ -604,10 +612,12 @@ class SharedLedger:
             return True
         replies = self.store.execute(cmds)
         failed = None
+        self._new_pushes = False
         for (op, room, a, b, value), reply in zip(what, replies):
             if isinstance(reply, Exception):
                 failed = reply
                 continue
+            self._partial_ok = True
             if op == "pub":
                 entry = self._outbox.get((room, a))
                 if entry is not None and entry[1] == value:  # not replaced by a newer snapshot meanwhile
@@ -622,7 +632,8 @@ class SharedLedger:
                 self._closes.pop(room, None)
                 self.closed_rooms += 1
             else:
-                self._pushes.pop((a, room, b), None)
+                if self._pushes.get((a, room, b)) == value:  # not replaced by a newer snapshot in this batch
+                    del self._pushes[(a, room, b)]
                 self.pushed += 1
         if failed is not None:
             self.last_error = f"{type(failed).__name__}: {failed}"
@@ -649,6 +660,7 @@ class SharedLedger:
             return
         fields = tuple(_text(f) for f in reply)
         own = fact_field("sender", self.pod)
+        self._new_pushes = self._new_pushes or bool(fields)
         for field in fields:
             pod = field[2:]
             self._pushes[(inbox_key(self.cluster, pod), room, own)] = value

@@ -337,10 +337,19 @@ class SentinelStore(Store):
     def refresh(self) -> None:
         if self.sentinel is None:
             return
-        addr = self.sentinel.discover_master(self.target.master)
-        if self.master_addr is not None and addr != self.master_addr:
+        self._saw(self.sentinel.discover_master(self.target.master))
+
+    def _saw(self, addr) -> None:
+        if addr is not None and self.master_addr is not None and addr != self.master_addr:
             self.failovers += 1
-        self.master_addr = addr
+        self.master_addr = addr or self.master_addr
+
+    def execute(self, cmds: list[tuple[str, tuple]]) -> list:
+        replies = super().execute(cmds)
+        # redis-py's Sentinel pool follows a failover by itself (a demoted master's READONLY is a
+        # reconnect to the one Sentinel names): what it connected to last is the master now
+        self._saw(getattr(self.client.connection_pool, "master_address", None))
+        return replies
 
 
 class ClusterStore(Store):

@@ -289,3 +289,38 @@ def test_a_cluster_with_a_shard_gone_degrades_and_pairing_resumes_when_it_return
     assert wait_for(lambda: p.has(1, 0x51) and p.has(2, 0x52), limit_s=30)
     assert wait_for(lambda: not p.receiver.degraded and not p.sender.degraded)
     assert p.receiver.recoveries >= 1 and p.receiver.resynced >= 1
+
+
+@pytest.fixture
+def redis_sentinel(tmp_path):
+    from tests.support.redis_cluster import ClusterStartError, RedisSentinel
+
+    try:
+        sentinel = RedisSentinel(tmp_path / "sentinel").start()
+    except ClusterStartError as exc:
+        pytest.fail(str(exc))
+    yield sentinel
+    sentinel.stop()
+
+
+def test_pairing_through_sentinel_survives_a_failover(redis_sentinel):
+    """``redis+sentinel://``: the links find the master through Sentinel, and after SENTINEL FAILOVER
+    (the master demoted to a replica: its writes refused) they follow the new one."""
+    made = _pairs(redis_sentinel.url)
+    p = next(made)()
+    try:
+        p.reserve(1, 0xA1)
+        p.send(1, 0x51)
+        assert wait_for(lambda: p.has(1, 0x51))
+        p.reserve(2, 0xA2)
+        assert wait_for(lambda: p.receiver.published >= 2 and p.settled())
+        before = redis_sentinel.master()
+        redis_sentinel.failover()
+        p.send(2, 0x52)
+        p.reserve(3, 0xA3)
+        p.send(3, 0x53)
+        assert wait_for(lambda: p.has(2, 0x52) and p.has(3, 0x53), limit_s=30)
+        assert redis_sentinel.master() != before
+        assert sum(link.stats().failovers for link in (p.sender, p.receiver)) >= 1
+    finally:
+        next(made, None)

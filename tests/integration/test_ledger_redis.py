@@ -389,13 +389,29 @@ def test_a_slow_redis_degrades_pairing_and_ingest_goes_on(pods, redis_server):
 def test_bad_ledger_settings_fail_at_start_naming_the_setting(tmp_path):
     assert parse_ledger_url("memory") is None and parse_ledger_url("") is None
     assert parse_ledger_url("redis://r:6379/2") == "redis://r:6379/2"
-    for bad in ("redis://r:notaport/0", "http://r:6379/0", "redis:///0", "redis://r:6379/x"):
-        with pytest.raises(LedgerConfigError, match="--ledger"):
+    assert parse_ledger_url("redis+cluster://a:7000,b:7001") == "redis+cluster://a:7000,b:7001"
+    assert parse_ledger_url("redis+sentinel://s1:26379,s2/mymaster/1") == "redis+sentinel://s1:26379,s2/mymaster/1"
+    for bad in (
+        "redis://r:notaport/0",
+        "http://r:6379/0",
+        "redis:///0",
+        "redis://r:6379/x",
+        "redis+cluster://a:7000,b:x",  # a bad port among the seed nodes
+        "redis+cluster://a:7000/3",  # a cluster has database 0 only
+        "redis+cluster://",
+        "redis+sentinel://s1:26379",  # no master name
+        "redis+sentinel://s1:26379/m/x",
+        "redis+sentinel://s1:99999/m",
+        "redis+cluster://a:7000?x=1",
+    ):
+        with pytest.raises(LedgerConfigError, match="--ledger") as exc:
             parse_ledger_url(bad)
+        assert repr(bad) in str(exc.value)  # names the value
     with pytest.raises(LedgerConfigError, match="KVGUARD_LEDGER"):
         parse_ledger_url("redis://r:x/0", "KVGUARD_LEDGER")
-    with pytest.raises(ValueError, match="--ledger-cluster"):
-        Sidecar(str(tmp_path), ledger="redis://127.0.0.1:1/0", ledger_cluster="a:b")
+    for cluster in ("a:b", "a{b}"):  # ':' and braces would break the keys and their hash tag
+        with pytest.raises(ValueError, match="--ledger-cluster"):
+            Sidecar(str(tmp_path), ledger="redis://127.0.0.1:1/0", ledger_cluster=cluster)
     with pytest.raises(ValueError, match="--orphan-timeout-s"):
         Sidecar(str(tmp_path), orphan_timeout_s=0)
 

@@ -249,3 +249,89 @@ class RedisCluster:
     def remove(self) -> None:
         self.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class RedisSentinel:
+    """A master, its replica and one Sentinel watching them (Debian's redis-server --sentinel)."""
+
+    def __init__(self, workdir, name: str = "kvguard"):
+        self.workdir = Path(workdir)
+        self.name = name
+        self.master_port, self.replica_port, self.sentinel_port = free_ports(3)
+        self.url = f"redis+sentinel://127.0.0.1:{self.sentinel_port}/{name}"
+        self.procs: list[subprocess.Popen] = []
+
+    def _redis(self, port: int, *extra: str) -> None:
+        d = self.workdir / str(port)
+        d.mkdir(parents=True, exist_ok=True)
+        self.procs.append(
+            subprocess.Popen(
+                [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+                + ["--dir", str(d), *extra],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+
+    def start(self) -> RedisSentinel:
+        import redis
+
+        self._redis(self.master_port)
+        self._redis(self.replica_port, "--replicaof", "127.0.0.1", str(self.master_port))
+        conf = self.workdir / "sentinel.conf"  # Sentinel rewrites its file: one of its own
+        conf.write_text(
+            f"port {self.sentinel_port}\nbind 127.0.0.1\ndir {self.workdir}\n"
+            f"sentinel monitor {self.name} 127.0.0.1 {self.master_port} 1\n"
+            f"sentinel down-after-milliseconds {self.name} 1000\nsentinel failover-timeout {self.name} 5000\n"
+        )
+        self.procs.append(
+            subprocess.Popen(
+                [REDIS_SERVER, str(conf), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+        )
+        sentinel = redis.Redis(port=self.sentinel_port, socket_timeout=1)
+
+        def ready() -> bool:
+            replicas = sentinel.execute_command("SENTINEL", "REPLICAS", self.name)
+            link = redis.Redis(port=self.replica_port, socket_timeout=1).info("replication")
+            return bool(replicas) and link.get("master_link_status") == "up"
+
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if ready():
+                    return self
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ClusterStartError("redis sentinel: master, replica and sentinel not ready within 30 s")
+            time.sleep(0.1)
+
+    def master(self) -> tuple[str, int]:
+        import redis
+
+        host, port = redis.Redis(port=self.sentinel_port, socket_timeout=1).execute_command(
+            "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.name
+        )
+        return host.decode(), int(port)
+
+    def failover(self, limit_s: float = 30.0) -> None:
+        """SENTINEL FAILOVER: the replica is promoted, the old master becomes its replica."""
+        import redis
+
+        before = self.master()
+        redis.Redis(port=self.sentinel_port, socket_timeout=2).execute_command("SENTINEL", "FAILOVER", self.name)
+        old = redis.Redis(port=before[1], socket_timeout=1)
+        deadline = time.monotonic() + limit_s
+        # done when Sentinel names the other one and the old master has been made its replica
+        while self.master() == before or old.info("replication")["role"] != "slave":
+            if time.monotonic() > deadline:
+                raise ClusterStartError(f"redis sentinel: no failover within {limit_s} s")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
