@@ -307,38 +307,38 @@ def _transfers(pipeline, inc: dict, picture) -> dict:
 
 
 def add_shared_facts(contents: Contents, shared_ledger) -> None:
-    """The facts each pod published for the incident's rooms, read from Redis now (one round
-    trip; unlocked: it is the ledger's client, not the ingest thread's state). A failure is a gap."""
-    from .ledger.shared import SIDES, room_key
+    """The facts each pod published for the incident's rooms, read from the store now (one round
+    trip per store node, on a client of its own: not the ingest thread's state, nor the ledger
+    thread's connections). A failure is a gap."""
+    from .ledger.shared import SIDES
 
     rooms = [r["room"] for r in contents.transfers["rooms"]]
     out: dict = {"url": shared_ledger.display_url, "cluster": shared_ledger.cluster, "this_pod": shared_ledger.pod}
     try:
-        pipe = shared_ledger.client.pipeline(transaction=False)
-        for room in rooms:
-            for side in SIDES:
-                pipe.hgetall(room_key(shared_ledger.cluster, room, side))
-        answers = pipe.execute()
+        answers = shared_ledger.read_rooms(rooms)
     except Exception as exc:  # noqa: BLE001 - Redis down is a gap in the bundle, not a failed bundle
         contents.gap("transfers.json", f"the shared ledger could not be read ({type(exc).__name__}: {exc})")
         out["rooms"] = None
         contents.transfers["shared_ledger"] = out
         return
-    it = iter(answers)
     out["rooms"] = []
-    for room in rooms:
+    for room, held in zip(rooms, answers):
         entry: dict = {"room": room}
         for side in SIDES:
             facts = []
-            for pod, raw in sorted((next(it) or {}).items()):
-                pod = pod.decode() if isinstance(pod, bytes) else str(pod)
+            for pod, raw in held[side]:
                 try:
-                    facts.append({"pod": pod, "facts": json.loads(raw)})
+                    facts.append({"pod": pod, "facts": json.loads(raw) if raw else None})
                 except ValueError:
                     facts.append({"pod": pod, "facts": None, "why": "not JSON"})
             entry[side] = facts
+        if held["decided"]:
+            entry["decided_sending_requests"] = held["decided"]
         if not entry["sender"] and not entry["receiver"]:
-            entry["why"] = "no facts under the room's keys (expired: the shared ledger keeps them for its TTL)"
+            entry["why"] = (
+                "no facts under the room's key: deleted once decode decided the transfer (the shared ledger "
+                "keeps undecided rooms for its TTL)"
+            )
         out["rooms"].append(entry)
     contents.transfers["shared_ledger"] = out
 

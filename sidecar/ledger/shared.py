@@ -327,6 +327,33 @@ class SharedLedger:
             failovers=self.store.failovers + (self._inbox_store.failovers if self._inbox_store is not None else 0),
         )
 
+    def read_rooms(self, rooms: list[int], timeout_s: float | None = None) -> list[dict[str, list]]:
+        """What the store holds for each room now, for a person (``kvguard bundle``): per side the
+        (pod, raw value) of each publishing sidecar, and the sending requests a decided room's
+        tombstone names. One pipelined HGETALL per room, on a client of its own (the caller's
+        thread, not the ledger's); raises what the store raised."""
+        store = open_store(self.target, timeout_s or self.timeout_s)
+        try:
+            store.connect()
+            keys = [room_key(self.cluster, room) for room in rooms]
+            replies = store.execute([(key, ("HGETALL", key)) for key in keys])
+        finally:
+            store.close()
+        out = []
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+            entry: dict[str, list] = {"sender": [], "receiver": [], "decided": []}
+            for field, raw in sorted((reply or {}).items()):
+                field = _text(field)
+                kind, _, who = field.partition(":")
+                if kind == "d":
+                    entry["decided"].append(who)
+                elif kind in ("s", "r"):
+                    entry["sender" if kind == "s" else "receiver"].append((who, raw))
+            out.append(entry)
+        return out
+
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> SharedLedger:
         self._thread = threading.Thread(target=self._run, name="kvguard-ledger", daemon=True)

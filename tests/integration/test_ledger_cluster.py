@@ -9,6 +9,7 @@ store holds and counted. Waits poll a condition with a deadline; nothing here is
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -207,6 +208,26 @@ def test_a_decided_room_leaves_no_key_and_a_late_fact_does_not_bring_it_back(sto
     assert wait_for(lambda: not store.client.exists(key))  # and then nothing at all
     # the receiver's inbox lives while it reads it, with a TTL for when it no longer does
     assert 0 < store.client.ttl(inbox_key(p.name, "decode-0")) <= 900
+
+
+def test_what_a_bundle_reads_of_a_room_is_what_each_pod_wrote(store, pair):
+    """``kvguard bundle`` reads the incident's rooms from the store (sidecar/bundle.py
+    ``add_shared_facts``): each side's pods and values, and a decided room's tombstone."""
+    p = pair()
+    p.reserve(5, 0xA5)
+    p.send(5, 0x55)
+    assert wait_for(lambda: p.has(5, 0x55) and p.settled())
+    p.reserve(6, 0xA6)
+    p.send(6, 0x56)
+    assert wait_for(lambda: p.has(6, 0x56))
+    p.receiver.unwatch(6, "sender")
+    assert wait_for(lambda: p.receiver.closed_rooms == 1)
+    live, decided, unknown = p.receiver.read_rooms([5, 6, 99])
+    assert [pod for pod, _raw in live["sender"]] == ["prefill-0"]
+    assert [pod for pod, _raw in live["receiver"]] == ["decode-0"]
+    assert json.loads(live["sender"][0][1])["req_key"] == f"{0x55:016x}"
+    assert decided == {"sender": [], "receiver": [], "decided": [f"{0x56:016x}"]}
+    assert unknown == {"sender": [], "receiver": [], "decided": []}
 
 
 def _run_transfers(p: Pair, rooms: range, wait_s: float) -> None:
