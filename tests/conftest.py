@@ -8,6 +8,7 @@ Engine tests (``@pytest.mark.engine``) run real SGLang HTTP servers on CPU
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -252,3 +253,10 @@ def redis_server(tmp_path):
     yield server
     if server.proc.poll() is None:
         server.kill()
+
+
+@pytest.fixture
+def clean_otel_env(monkeypatch):
+    """No OTEL_* variable of the machine running the tests (the OpenTelemetry SDK reads them)."""
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        monkeypatch.delenv(name)

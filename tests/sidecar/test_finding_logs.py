@@ -28,30 +28,8 @@ from kvguard.sidecar.sinks.basic import MemorySink
 from kvguard.sidecar.tracing import TraceRecorder
 from tests.support.pd_records import finish, pd_request
 
-OTEL_VARS = (
-    "OTEL_SDK_DISABLED",
-    "OTEL_LOGS_EXPORTER",
-    "OTEL_TRACES_EXPORTER",
-    "OTEL_EXPORTER_OTLP_ENDPOINT",
-    "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT",
-    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-    "OTEL_EXPORTER_OTLP_PROTOCOL",
-    "OTEL_EXPORTER_OTLP_LOGS_PROTOCOL",
-    "OTEL_EXPORTER_OTLP_HEADERS",
-    "OTEL_EXPORTER_OTLP_TIMEOUT",
-    "OTEL_EXPORTER_OTLP_LOGS_TIMEOUT",
-    "OTEL_SERVICE_NAME",
-    "OTEL_RESOURCE_ATTRIBUTES",
-    "OTEL_BLRP_MAX_QUEUE_SIZE",
-    "OTEL_BLRP_SCHEDULE_DELAY",
-    "OTEL_BLRP_MAX_EXPORT_BATCH_SIZE",
-)
-
-
-@pytest.fixture(autouse=True)
-def clean_otel_env(monkeypatch):
-    for name in OTEL_VARS:
-        monkeypatch.delenv(name, raising=False)
+# every OTEL_* variable of the environment the tests run in is cleared (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("clean_otel_env")
 
 
 class Collector(ThreadingHTTPServer):

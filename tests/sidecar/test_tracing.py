@@ -28,24 +28,8 @@ from kvguard.sidecar.tracker import RequestInfo
 
 DECODE = EngineRef("decode", 0, 4242)
 PREFILL = EngineRef("prefill", 0, 4141)
-OTEL_VARS = (
-    "OTEL_SDK_DISABLED",
-    "OTEL_TRACES_EXPORTER",
-    "OTEL_EXPORTER_OTLP_ENDPOINT",
-    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-    "OTEL_EXPORTER_OTLP_PROTOCOL",
-    "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-    "OTEL_SERVICE_NAME",
-    "OTEL_RESOURCE_ATTRIBUTES",
-    "OTEL_EXPORTER_OTLP_HEADERS",
-    "OTEL_TRACES_SAMPLER",
-)
-
-
-@pytest.fixture(autouse=True)
-def clean_otel_env(monkeypatch):
-    for name in OTEL_VARS:
-        monkeypatch.delenv(name, raising=False)
+# every OTEL_* variable of the environment the tests run in is cleared (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("clean_otel_env")
 
 
 @pytest.fixture
