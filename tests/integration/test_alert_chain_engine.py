@@ -62,7 +62,7 @@ from kvguard.sidecar.sinks.delivery import RetryPolicy
 from kvguard.sidecar.sinks.pagerduty import pagerduty_sink
 from tests.support.fault_plugin import FAULTS_DIR, make_rid
 from tests.support.prom_queries import PrometheusQueries
-from tests.tools.test_dashboards import dashboards, expand, targets
+from tests.tools.test_dashboards import CLUSTER, dashboards, expand, targets
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "alerts" / "kvguard.rules.yaml"
@@ -241,7 +241,13 @@ def prometheus_config(work: Path, sidecar_target: str, am_target: str) -> Path:
                 "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
                 "rule_files": [str(RULES)],  # the real rule file, not a copy
                 "alerting": {"alertmanagers": [{"static_configs": [{"targets": [am_target]}]}]},
-                "scrape_configs": [{"job_name": "kvguard", "static_configs": [{"targets": [sidecar_target]}]}],
+                "scrape_configs": [
+                    {
+                        "job_name": "kvguard",
+                        # the cluster label a multi-cluster Prometheus adds (the fleet dashboard's variable)
+                        "static_configs": [{"targets": [sidecar_target], "labels": {"cluster": CLUSTER}}],
+                    }
+                ],
             }
         )
     )
@@ -550,6 +556,7 @@ def check_every_panel_query_returns_data(chain: Chain) -> None:
                 m = re.fullmatch(r"label_values\((.+), (\w+)\)", v["query"])
                 assert m, v["query"]
                 values = chain.api(f"label/{m[2]}/values", **{"match[]": expand(m[1], d)})
-                assert values == ([chain.sidecar_target] if m[2] == "instance" else ["unified"]), (v["name"], values)
+                expected = {"instance": [chain.sidecar_target], "cluster": [CLUSTER]}.get(m[2], ["unified"])
+                assert values == expected, (v["name"], values)
     assert checked > 30
     assert not empty, f"panel queries that returned no data: {empty}"
