@@ -167,6 +167,9 @@ class Transfers:
                 continue  # a receiver that reported success had every byte before this
             dst = chunk.dst_pages.astype(np.int64)
             pool = receiver_t.pool
+            # handed to another request since the send and still its at the completion. A request
+            # that came and went in between is not named: the bytes may have landed after it left
+            # (the spec's model lands them at the completion; docs/detectors.md)
             moved = (pool.gen[dst] != chunk.dst_gens) & (pool.state[dst] == OWNED)
             moved[moved] = pool.owner_keys(dst[moved]) != np.uint64(held.receiver_key)
             if moved.any():

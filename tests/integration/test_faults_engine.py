@@ -570,6 +570,8 @@ class TestPrefillDecodePair:
         rng = random.Random(11)
         fault = "completion_after_release"
         mark, ended_before = watch.mark(), _in_flight_ended(watch)
+        with watch.sidecar.lock:
+            unjudged_before = watch.sidecar.pipeline.stats().ledger.in_flight.unjudged
         rid, v_rid = make_rid(fault, "f", "1"), make_rid(fault, "v", "1")
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(pair.generate, prompt(rng, 40), tenant="initech", max_new_tokens=4, rid=rid)
@@ -580,9 +582,13 @@ class TestPrefillDecodePair:
         got = watch.wait_event(fault, "victim_reserved")["got"]
         assert got, "the victim was not reserved the released pages"
         assert watch.wait_event(fault, "transfer_released")["victim_written"]
+        watch.wait_event(fault, "completion_reported")
         watch.settle()
         _wait_sender_completions(watch, ended_before)
         found = watch.since(mark)
+        with watch.sidecar.lock:
+            in_flight = watch.sidecar.pipeline.stats().ledger.in_flight
+        assert in_flight.unjudged == unjudged_before, (in_flight, "f's completion was a failure", describe(found))
         late = one(found, "late_write")
         # v's own transfer may land before or after f's: its digest sees f's KV only if f's came last
         assert {f.kind for f in found} <= {"late_write", "checksum_mismatch"}, describe(found)

@@ -132,6 +132,36 @@ def test_kv_changed_at_rest_in_the_connectors_store_is_reported_when_loaded(vllm
     _reset_local_cache(engine)
 
 
+def test_a_store_serving_another_objects_kv_names_whose_it_is(vllm_connector):
+    """The store answers acme's key with globex's object (LMCache #4385, Dynamo #15079: a tier
+    serving wrong KV silently): globex's files, of a prompt the same length, are copied over
+    acme's. The load's bytes are globex's: kvguard's checksum_mismatch via the load names
+    globex's object (``loaded_object_key``) and exposes globex's request, whose KV acme's
+    request was handed. The clean twin is the round trip of the first test."""
+    engine, watch, store = vllm_connector
+    rng = random.Random(24)
+    prompts = {"acme": _text(rng, 100), "globex": _text(rng, 100)}  # the same length: the same shapes
+    folders = {}
+    for tenant, prompt in prompts.items():
+        before = {p.name for p in store.iterdir()}
+        complete(engine, prompt, 8, tenant=tenant, cache_salt=f"{tenant}-salt")
+        (folders[tenant],) = [p for p in store.iterdir() if p.name not in before]
+        _reset_local_cache(engine)
+    files = sorted(p.name for p in folders["globex"].glob("*.safetensors"))
+    assert files and files == sorted(p.name for p in folders["acme"].glob("*.safetensors"))
+    for name in files:
+        (folders["acme"] / name).write_bytes((folders["globex"] / name).read_bytes())
+    mark = watch.mark()
+    complete(engine, prompts["acme"], 8, tenant="acme", cache_salt="acme-salt")
+    found = watch.since(mark)
+    assert [f.kind for f in found] == ["checksum_mismatch"], [f.to_dict() for f in found]
+    f = found[0]
+    assert f.evidence.get("via") == "load" and f.reader is not None and f.reader.tenant == "acme", f.to_dict()
+    assert f.evidence.get("loaded_object_key") not in (None, f.evidence["object_key"]), f.evidence
+    assert [p.tenant for p in f.exposed] == ["globex"], f.to_dict()
+    _reset_local_cache(engine)
+
+
 def test_concurrent_traffic_through_the_connector_is_quiet(vllm_connector):
     """Many requests at once over a few prompts per tenant (each prompt one tenant's, one
     salt): stores, loads into blocks of concurrent requests, local prefix hits on top of

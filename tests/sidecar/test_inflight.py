@@ -148,6 +148,29 @@ def test_a_chunk_sent_after_the_receiver_gave_up_names_who_got_the_pages_before_
     sidecar.stop()
 
 
+def test_a_new_owner_that_came_and_went_before_the_completion_is_not_named(tmp_path):
+    """r-next was handed the pages, decoded, ended and freed them, all before prefill reported
+    the completion: the bytes may have landed after it left (the spec lands them at the
+    completion), so nobody is named: no false alarm on a completion reported late."""
+    prefill, decode = engines(tmp_path)
+    _prefilled(prefill, "r-slow", "acme", 21, [50, 51])
+    _reserved(decode, "r-slow", "acme", 21, [1, 2])
+    prefill.transfer_sent("r-slow", 21, 0, 8, [50, 51], True)
+    decode.transfer_done("r-slow", 21, "receiver", "failed")
+    decode.request_end("r-slow", "abort", 0, 0, 0, "transfer timed out")
+    decode.pages_freed(slots([1, 2]))
+    decode.request_begin("r-next", "globex", 22, 8, 0, False)
+    decode.pages_allocated(slots([1, 2]))
+    decode.rows_assigned("r-next", 0, 8, 0, slots([1, 2]))
+    decode.forward(["r-next"], [8], [slots([1, 2])], None)
+    decode.request_end("r-next", "length", 1, 1, 1, "")
+    decode.pages_freed(slots([1, 2]))
+    prefill.transfer_done("r-slow", 21, "sender", "success")
+    sidecar, findings = run(tmp_path)
+    assert findings == []
+    sidecar.stop()
+
+
 def test_a_failed_transfer_is_not_judged_and_is_counted(tmp_path):
     sidecar, findings = _destination_scene(tmp_path, receiver_gave_up_first=True, sender_status="failed")
     assert findings == []

@@ -97,6 +97,7 @@ MOONCAKE_ADD_TRANSFER = S + "disaggregation.mooncake.conn.MooncakeKVManager.add_
 INFLIGHT_QUEUE = S + "disaggregation.prefill.SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue"
 RELEASE_KV_CACHE = S + "mem_cache.common.release_kv_cache"
 POP_TRANSFERRED = S + "disaggregation.decode.DecodeTransferQueue.pop_transferred"
+MOONCAKE_ABORT_NOTICE = S + "disaggregation.mooncake.conn.MooncakeKVManager._handle_abort_notification"
 POLL_GATE = S + "disaggregation.decode.DecodeTransferQueue._poll_with_metadata_gate"
 READY_TO_LOAD = S + "mem_cache.unified_radix_cache.UnifiedRadixCache.ready_to_load_host_cache"
 PREPARE_FOR_EXTEND = S + "managers.schedule_batch.ScheduleBatch.prepare_for_extend"
@@ -318,12 +319,17 @@ class Driver:
         self.ssr_pages: list[int] = []
         self.ssr_victim_written = threading.Event()
         self.held_rooms: dict[int, str] = {}  # room -> fault: last chunks held, not yet announced
+        # completion_after_release (prefill): rooms whose held transfer has not landed yet, and the
+        # abort notices decode sent for them meanwhile (delivered once the transfer has landed)
+        self.car_in_flight: set[int] = set()
+        self.car_notices: dict[int, list] = {}
         # completion_after_release (decode): f's rid once its reservation was released, its pages,
         # the room whose poll is turned into a failure during one pop_transferred, the victim logged
         self.car_released: set[str] = set()
         self.car_pages: list[int] = []
         self.car_fail_room: int | None = None
         self.car_victim_logged = False
+        self.car_hold_until: float | None = None
         # hicache_*: fault -> the victim whose next queued load-back it acts on
         self.hicache_victims: dict[str, str] = {}
         # prefix_wrong_page: the victim's rid and prompt (token ids), noted at its allocation
@@ -1000,6 +1006,8 @@ class Driver:
         # runs inside send_kv_chunk, before kvguard's hook writes the chunk's XFER_SEND, and decode
         # acts on the announcement
         self.held_rooms[int(room)] = fault
+        if fault == "completion_after_release":
+            self.car_in_flight.add(int(room))
 
         def victim_ready() -> bool:
             if fault == "send_source_released":
@@ -1024,9 +1032,56 @@ class Driver:
                 has_transfer_info=room in getattr(mgr, "transfer_infos", {}),
             )
             self.guarded(f"{fault} transfer", lambda: original(mgr, room, *args, **kwargs))
+            if fault == "completion_after_release":
+                self.guarded(f"{fault} notices", self._deliver_notices_after_landing, mgr, int(room))
 
         threading.Thread(target=later, name="kvgf-held-transfer", daemon=True).start()
         return None
+
+    def hold_abort_notice(self, original, mgr, msg) -> bool:
+        """Decode's abort notice for a room whose held transfer has not landed: kept until it has
+        (the notice lost in the race that is this fault: prefill writes on, not knowing)."""
+        try:
+            room = int(msg[1])
+        except (IndexError, TypeError, ValueError):
+            room = None
+        if room is not None and room in self.car_in_flight:
+            self.car_notices.setdefault(room, []).append(msg)
+            self.ev.emit("completion_after_release", "abort_notice_held", room=room)
+            return True
+        return original(mgr, msg)
+
+    def _deliver_notices_after_landing(self, mgr, room: int) -> None:
+        deadline = time.monotonic() + SSR_HOLD_S
+        while time.monotonic() < deadline and int(mgr.request_status.get(room, -1)) not in (0, 4):
+            time.sleep(0.02)  # (KVPoll.Failed 0, Success 4: the transfer has concluded)
+        self.car_in_flight.discard(room)
+        for msg in self.car_notices.pop(room, []):
+            mgr._handle_abort_notification(msg)
+
+    def completions_reported(self, done) -> None:
+        for req in done or ():
+            fault, role = fault_and_role(getattr(req, "rid", None))
+            if fault == "completion_after_release" and role == "f":
+                self.ev.emit(fault, "completion_reported", rid=req.rid)
+
+    def keep_victim_decoding(self, batch) -> None:
+        """Decode: while the victim holds f's pages and prefill has not reported f's completion,
+        slow the steps that decode it (sleeping, no CPU), so the victim still holds the pages
+        when the completion is on record (a victim that came and went is not named: its bytes
+        may have landed after it left)."""
+        fault = "completion_after_release"
+        if batch is None or not self.car_victim_logged or (fault, "reported") in self.done:
+            return
+        if not any(fault_and_role(getattr(r, "rid", None)) == (fault, "v") for r in batch.reqs):
+            return
+        if logged(self.ev, fault, "completion_reported") is not None:
+            self.done.add((fault, "reported"))
+            return
+        if self.car_hold_until is None:
+            self.car_hold_until = time.monotonic() + HOLD_MAX_S
+        if time.monotonic() < self.car_hold_until:
+            time.sleep(HOLD_STEP_S)
 
     def announce_held(self) -> None:
         for room, fault in list(self.held_rooms.items()):
@@ -1273,12 +1328,18 @@ def register(faults: set[str], folder: str | None) -> Driver:
             def inflight_hook(original, sched, *args, **kwargs):
                 d.guarded("held transfers", d.announce_held)
                 d.guarded("send_source_released release", d.release_early, sched)
-                return original(sched, *args, **kwargs)
+                done = original(sched, *args, **kwargs)
+                d.guarded("completions reported", d.completions_reported, done)
+                return done
 
             def release_hook(original, req, *args, **kwargs):
                 return d.skip_second_release(original, req, *args, **kwargs)
 
+            def abort_notice_hook(original, mgr, msg, *args, **kwargs):
+                return d.hold_abort_notice(lambda m, x: original(m, x, *args, **kwargs), mgr, msg)
+
             HookRegistry.register(MOONCAKE_ADD_TRANSFER, add_transfer_hook, HookType.AROUND)
+            HookRegistry.register(MOONCAKE_ABORT_NOTICE, abort_notice_hook, HookType.AROUND)
             HookRegistry.register(INFLIGHT_QUEUE, inflight_hook, HookType.AROUND)
             HookRegistry.register(RELEASE_KV_CACHE, release_hook, HookType.AROUND)
         if "sender_truncated" in faults:
@@ -1298,8 +1359,13 @@ def register(faults: set[str], folder: str | None) -> Driver:
             out = d.guarded("completion_after_release poll", d.fail_the_poll, polls, queue)
             return polls if out is None else out
 
+        def slow_victim_hook(original, sched, batch, *args, **kwargs):
+            d.guarded("completion_after_release victim", d.keep_victim_decoding, batch)
+            return original(sched, batch, *args, **kwargs)
+
         HookRegistry.register(POP_TRANSFERRED, pop_hook, HookType.AROUND)
         HookRegistry.register(POLL_GATE, poll_hook, HookType.AROUND)
+        HookRegistry.register(RUN_BATCH, slow_victim_hook, HookType.AROUND)
 
     if faults & set(DECODE_FAULTS):
 
