@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from opentelemetry.sdk._logs.export import LogRecordExportResult
@@ -26,21 +25,18 @@ from kvguard.sidecar.incidents import incident_id, incident_key
 from kvguard.sidecar.service import Sidecar
 from kvguard.sidecar.sinks.basic import MemorySink
 from kvguard.sidecar.tracing import TraceRecorder
+from tests.support.otlp_collector import Collector as OtlpCollector
 from tests.support.pd_records import finish, pd_request
 
 # every OTEL_* variable of the environment the tests run in is cleared (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("clean_otel_env")
 
 
-class Collector(ThreadingHTTPServer):
-    """An OTLP/HTTP receiver: keeps each ExportLogsServiceRequest it is sent (status 200)."""
+class Collector(OtlpCollector):
+    """The OTLP/HTTP logs receiver (tests/support/otlp_collector.py), with the records it got."""
 
     def __init__(self, status: int = 200):
-        super().__init__(("127.0.0.1", 0), CollectorHandler)
-        self.requests: list = []
-        self.status = status
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
-        threading.Thread(target=self.serve_forever, daemon=True).start()
+        super().__init__("logs", status)
 
     def records(self) -> list:
         return [
@@ -50,31 +46,6 @@ class Collector(ThreadingHTTPServer):
             for sl in rl.scope_logs
             for record in sl.log_records
         ]
-
-    def close(self) -> None:
-        self.shutdown()
-        self.server_close()
-
-
-class CollectorHandler(BaseHTTPRequestHandler):
-    def do_POST(self):
-        from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import (
-            ExportLogsServiceRequest,
-            ExportLogsServiceResponse,
-        )
-
-        body = ExportLogsServiceRequest()
-        body.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
-        self.server.requests.append((self.path, body))
-        data = ExportLogsServiceResponse().SerializeToString()
-        self.send_response(self.server.status)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
 
 
 def any_value(v):

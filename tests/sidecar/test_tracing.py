@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -25,6 +23,7 @@ from kvguard.sidecar.findings import EngineRef, Finding, Party
 from kvguard.sidecar.incidents import incident_id, incident_key
 from kvguard.sidecar.tracing import TraceRecorder, from_env
 from kvguard.sidecar.tracker import RequestInfo
+from tests.support.otlp_collector import Collector
 
 DECODE = EngineRef("decode", 0, 4242)
 PREFILL = EngineRef("prefill", 0, 4141)
@@ -332,40 +331,8 @@ def test_the_console_exporter_writes_to_stderr_not_to_the_json_findings(capsys):
     assert captured.out == "" and '"name": "decode request"' in captured.err
 
 
-class Collector(ThreadingHTTPServer):
-    """An OTLP/HTTP receiver: keeps each ExportTraceServiceRequest it is sent."""
-
-    def __init__(self):
-        super().__init__(("127.0.0.1", 0), CollectorHandler)
-        self.requests, self.headers = [], []
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-
-class CollectorHandler(BaseHTTPRequestHandler):
-    def do_POST(self):
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-            ExportTraceServiceRequest,
-            ExportTraceServiceResponse,
-        )
-
-        body = ExportTraceServiceRequest()
-        body.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
-        self.server.requests.append((self.path, body))
-        self.server.headers.append(dict(self.headers))
-        data = ExportTraceServiceResponse().SerializeToString()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
-
-
 def test_spans_reach_an_otlp_collector_configured_by_the_standard_variables(monkeypatch):
-    collector = Collector()
+    collector = Collector("traces")
     try:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.url)
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-tenant=kvguard-ops")
@@ -377,7 +344,7 @@ def test_spans_reach_an_otlp_collector_configured_by_the_standard_variables(monk
         rec.on_request_end(DECODE, ended(info, 2_000_000_000), pages=150)
         rec.shutdown()  # flushes the batch processor
     finally:
-        collector.shutdown()
+        collector.close()
         collector.server_close()
     ((path, body),) = collector.requests
     assert path == "/v1/traces" and collector.headers[0]["x-tenant"] == "kvguard-ops"
