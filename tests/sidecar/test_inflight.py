@@ -82,6 +82,20 @@ def test_source_pages_freed_but_not_handed_on_still_hold_the_senders_kv(tmp_path
     sidecar.stop()
 
 
+def _receiver_gives_up(decode):
+    """r-slow's receiver fails and frees decode pages 1-2 at once (no deferred release)."""
+    decode.transfer_done("r-slow", 21, "receiver", "failed")
+    decode.request_end("r-slow", "abort", 0, 0, 0, "transfer timed out")
+    decode.pages_freed(slots([1, 2]))
+
+
+def _next_takes_the_pages(decode):
+    """r-next (globex) is handed decode pages 1-2."""
+    decode.request_begin("r-next", "globex", 22, 8, 0, False)
+    decode.pages_allocated(slots([1, 2]))
+    decode.rows_assigned("r-next", 0, 8, 0, slots([1, 2]))
+
+
 def _destination_scene(tmp_path, receiver_gave_up_first: bool, sender_status: str = "success"):
     """r-slow's chunk is sent into decode pages 1-2; decode's receiver then gives up (fails,
     frees the pages at once) and r-next (globex) is handed them, before the sender's
@@ -92,12 +106,8 @@ def _destination_scene(tmp_path, receiver_gave_up_first: bool, sender_status: st
     prefill.transfer_sent("r-slow", 21, 0, 8, [50, 51], True)
 
     def give_up():
-        decode.transfer_done("r-slow", 21, "receiver", "failed")
-        decode.request_end("r-slow", "abort", 0, 0, 0, "transfer timed out")
-        decode.pages_freed(slots([1, 2]))
-        decode.request_begin("r-next", "globex", 22, 8, 0, False)
-        decode.pages_allocated(slots([1, 2]))
-        decode.rows_assigned("r-next", 0, 8, 0, slots([1, 2]))
+        _receiver_gives_up(decode)
+        _next_takes_the_pages(decode)
 
     if receiver_gave_up_first:
         give_up()
@@ -131,13 +141,9 @@ def test_a_chunk_sent_after_the_receiver_gave_up_names_who_got_the_pages_before_
     prefill, decode = engines(tmp_path)
     _prefilled(prefill, "r-slow", "acme", 21, [50, 51])
     _reserved(decode, "r-slow", "acme", 21, [1, 2])
-    decode.transfer_done("r-slow", 21, "receiver", "failed")
-    decode.request_end("r-slow", "abort", 0, 0, 0, "transfer timed out")
-    decode.pages_freed(slots([1, 2]))
+    _receiver_gives_up(decode)
     prefill.transfer_sent("r-slow", 21, 0, 8, [50, 51], True)
-    decode.request_begin("r-next", "globex", 22, 8, 0, False)
-    decode.pages_allocated(slots([1, 2]))
-    decode.rows_assigned("r-next", 0, 8, 0, slots([1, 2]))
+    _next_takes_the_pages(decode)
     prefill.transfer_done("r-slow", 21, "sender", "success")
     sidecar, findings = run(tmp_path)
     assert [(f.kind, f.evidence.get("access")) for f in findings] == [
@@ -156,12 +162,8 @@ def test_a_new_owner_that_came_and_went_before_the_completion_is_not_named(tmp_p
     _prefilled(prefill, "r-slow", "acme", 21, [50, 51])
     _reserved(decode, "r-slow", "acme", 21, [1, 2])
     prefill.transfer_sent("r-slow", 21, 0, 8, [50, 51], True)
-    decode.transfer_done("r-slow", 21, "receiver", "failed")
-    decode.request_end("r-slow", "abort", 0, 0, 0, "transfer timed out")
-    decode.pages_freed(slots([1, 2]))
-    decode.request_begin("r-next", "globex", 22, 8, 0, False)
-    decode.pages_allocated(slots([1, 2]))
-    decode.rows_assigned("r-next", 0, 8, 0, slots([1, 2]))
+    _receiver_gives_up(decode)
+    _next_takes_the_pages(decode)
     decode.forward(["r-next"], [8], [slots([1, 2])], None)
     decode.request_end("r-next", "length", 1, 1, 1, "")
     decode.pages_freed(slots([1, 2]))
@@ -190,9 +192,7 @@ def test_a_receiver_that_reported_success_had_every_byte(tmp_path):
     decode.forward(["r-x"], [9], [[]], [slots([1, 2])[:8]])
     decode.request_end("r-x", "length", 1, 1, 1, "")
     decode.pages_freed(slots([1, 2]))
-    decode.request_begin("r-next", "globex", 22, 8, 0, False)
-    decode.pages_allocated(slots([1, 2]))
-    decode.rows_assigned("r-next", 0, 8, 0, slots([1, 2]))
+    _next_takes_the_pages(decode)
     prefill.transfer_done("r-x", 21, "sender", "success")
     sidecar, findings = run(tmp_path)
     assert findings == []
