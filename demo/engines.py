@@ -44,6 +44,7 @@ incident:
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,6 +130,9 @@ class SGLangArch:
     attention_backend: str | None = None
     speculative: str | None = None
     more_args: tuple[str, ...] = ()
+    # tensor parallelism (``--tp-size``): SGLang's scheduler runs one process per rank, each with
+    # its own allocator, pool and kvguard ring
+    tp_size: int = 1
 
     def model_dir(self, context_length: int = DEFAULT_CONTEXT_LENGTH) -> Path:
         """The model folder (config + the shared 256-token tokenizer), cached under
@@ -142,13 +146,17 @@ class SGLangArch:
         )
 
     def extra_env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The engine environment's additions: the shims, then ``extra``."""
-        return {"KVGUARD_CPU_ARCH_SHIMS": self.shims, **(extra or {})}
+        """The engine environment's additions: the shims, the ranks' CPU cores, then ``extra``."""
+        env = {"KVGUARD_CPU_ARCH_SHIMS": self.shims}
+        if self.tp_size > 1:
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(self.tp_size)
+        return {**env, **(extra or {})}
 
     def extra_args(self) -> list[str]:
         """``sglang.launch_server`` arguments after the harness's own (the last value wins)."""
         backend = ["--attention-backend", self.attention_backend] if self.attention_backend else []
-        return ["--page-size", str(self.page_size), *backend, *self.spec_args, *self.more_args]
+        tp = ["--tp-size", str(self.tp_size)] if self.tp_size > 1 else []
+        return ["--page-size", str(self.page_size), *backend, *tp, *self.spec_args, *self.more_args]
 
     def engine_kwargs(
         self, context_length: int = DEFAULT_CONTEXT_LENGTH, *, extra_env=None, extra_args=(), **kwargs: Any
@@ -177,6 +185,20 @@ class SGLangArch:
             "decode_args": self.extra_args(),
             **kwargs,
         }
+
+
+def cpu_threads_bind(ranks: int) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``ranks`` ranks on the cores this process may use,
+    split in contiguous shares (``"0|1"`` on two cores). SGLang's CPU path otherwise allows only
+    as many ranks as NUMA nodes and refuses to start ("the total number of ranks ... should be
+    smaller than or equal to number of numa node"); ranks sharing a core would stall each
+    other's collectives, so fewer cores than ranks is refused here, naming both."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise ValueError(f"tensor parallelism {ranks} needs at least {ranks} CPU cores; this process may use {cores}")
+    share = len(cores) // ranks
+    groups = [cores[i * share : (i + 1) * share] for i in range(ranks)]
+    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
 
 
 # speculative decoding as the tests run it (tiny, so that the Triton interpreter keeps up): MTP /
@@ -256,6 +278,20 @@ SGLANG_ARCHS = {
         spec_args=NGRAM_ARGS,
         attention_backend="triton",
         speculative="NGRAM",
+    ),
+    # tensor parallelism 2 on the tiny Llama (demo/model.py: 2 kv heads, one per rank): two
+    # scheduler processes per engine, each its own allocator, pool and ring; a transfer's digest
+    # is each rank's partial sum over its own kv head (docs/wire-format.md), added up by the sidecar
+    "llama_tp2": SGLangArch(
+        name="llama_tp2",
+        config="llama",
+        title="Llama, tensor parallelism 2 (two scheduler ranks per engine, one kv head each)",
+        shims="rope",
+        page_size=4,
+        prefill_pool_tokens=256,
+        decode_pool_tokens=1024,
+        kv_pool="MHATokenToKVPool",
+        tp_size=2,
     ),
     # Qwen3-Next: a gated-delta-net layer (per-request conv + recurrent state in SGLang's
     # MambaPool, kernels in torch / the Triton interpreter) and one full-attention layer (KV in

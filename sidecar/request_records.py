@@ -23,7 +23,7 @@ from .history import Event
 from .memory_budget import MemoryBudget
 from .outlet import Outlet, engine_ref
 from .tracker import ROLE_NAMES, EngineTracker
-from .transfer_flow import Transfers, role_of
+from .transfer_flow import Transfers, lane, role_of
 
 log = logging.getLogger("kvguard.pipeline")
 
@@ -137,7 +137,7 @@ class RequestRecords:
         info = t.requests.get(body.req_key)
         if role_of(t) == wire.Role.PREFILL and info is not None and info.room is not None:
             gave_up = "abort" if body.phase == wire.Phase.CLIENT_ABORT else "reject"
-            return self.transfers.sender_gave_up(body.req_key, info.room, gave_up, rec.ts_ns)
+            return self.transfers.sender_gave_up(body.req_key, lane(t, info.room), gave_up, rec.ts_ns)
         return []
 
     def on_guard(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:

@@ -9,6 +9,7 @@ pairing marks the receiver's pages written) and hands its events to the outlet
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,6 +22,7 @@ from .findings import Finding, Party
 from .history import Event
 from .inflight import BYTES_PER_PAGE, InFlightChunk, InFlightSends
 from .ledger import REMOTE_ENGINE, RoomState, TransferLedger
+from .ledger.lanes import lane_key, room_of
 from .outlet import Outlet
 from .page_pool import FREE, OWNED, PADDING_PAGE
 from .provisional import ProvisionalWrite
@@ -34,6 +36,17 @@ DEGRADED_REPEAT_NS = 30_000_000_000  # a degraded ledger re-reports this often (
 
 def role_of(t: EngineTracker):
     return None if t.hello is None else t.hello.role
+
+
+def lane(t: EngineTracker, room: int) -> int:
+    """The ledger's key for this engine rank's side of ``room`` (sidecar/ledger/lanes.py)."""
+    return lane_key(room, t.hello.tp_rank if t.hello is not None else 0)
+
+
+def _laned(t: EngineTracker, body):
+    """A transfer record's body with its room as this rank's ledger key (rank 0: itself)."""
+    key = lane(t, body.room)
+    return body if key == body.room else dataclasses.replace(body, room=key)
 
 
 class Transfers:
@@ -65,7 +78,7 @@ class Transfers:
 
     # ------------------------------------------------------------------ transfer records
     def on_xfer_send(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
-        body, ts = rec.body, rec.ts_ns
+        body, ts = _laned(t, rec.body), rec.ts_ns
         found = self._check_send_target(body, ts)
         receiver = self.ledger.pending.get(body.room)
         receiver_engine = receiver.receiver_engine if receiver is not None else None
@@ -91,11 +104,11 @@ class Transfers:
         )
         if room is not None and receiver_t is not None and room.receiver_key:
             party = reader_party(receiver_t.requests.get_or_stub(room.receiver_key))
-        event = SourcePagesSent(verdict, body.room, body.token_start, body.token_end, party)
+        event = SourcePagesSent(verdict, room_of(body.room), body.token_start, body.token_end, party)
         return self.out.emit(self.out.observe(event, t, ts_ns))
 
     def on_xfer_done(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
-        body = rec.body
+        body = _laned(t, rec.body)
         if body.side == wire.Side.RECEIVER:
             found = self._on_transfer_done(t, body, rec.ts_ns)
             self._publish_receiver(self.ledger.find(body.room, receiver_key=body.req_key))
@@ -159,7 +172,7 @@ class Transfers:
                 if receiver_t is not None and held.receiver_key:
                     receiver = reader_party(receiver_t.requests.get_or_stub(held.receiver_key))
                 event = PagesChangedInFlight(
-                    "source", t.requests.get_or_stub(x.req_key), moved, x.room, chunk.token_start,
+                    "source", t.requests.get_or_stub(x.req_key), moved, room_of(x.room), chunk.token_start,
                     chunk.token_end, chunk.sent_ns, receiver,
                 )  # fmt: skip
                 found += self.out.observe(event, t, ts_ns)
@@ -173,9 +186,9 @@ class Transfers:
             moved = (pool.gen[dst] != chunk.dst_gens) & (pool.state[dst] == OWNED)
             moved[moved] = pool.owner_keys(dst[moved]) != np.uint64(held.receiver_key)
             if moved.any():
-                sender = Party(state.sender_rid, state.sender_tenant, x.room) if state is not None else None
+                sender = Party(state.sender_rid, state.sender_tenant, room_of(x.room)) if state is not None else None
                 event = PagesChangedInFlight(
-                    "destination", receiver_t.requests.get_or_stub(held.receiver_key), dst[moved], x.room,
+                    "destination", receiver_t.requests.get_or_stub(held.receiver_key), dst[moved], room_of(x.room),
                     chunk.token_start, chunk.token_end, chunk.sent_ns, sender,
                 )  # fmt: skip
                 # (not marked overwritten for the owner's next read: the owner may have written
@@ -265,6 +278,7 @@ class Transfers:
 
     # ------------------------------------------------------------------ transfers: the ledger
     def on_reserve(self, t: EngineTracker, x: wire.XferReserve, ts_ns: int) -> list[Finding]:
+        x = _laned(t, x)
         state = self.ledger.on_reserve(t.engine_id, x, ts_ns)
         state.reserved_row_base = _row_base(t, x)
         info = t.requests.get(x.req_key)
@@ -309,13 +323,13 @@ class Transfers:
         a decode request that ended holds no reserved pages any more."""
         if info is None or info.room is None:
             return []
-        role = role_of(t)
+        role, room = role_of(t), lane(t, info.room)
         if role == wire.Role.PREFILL and end.finish in (wire.Finish.ABORT, wire.Finish.REJECT):
             return self.sender_gave_up(
-                end.req_key, info.room, "reject" if end.finish == wire.Finish.REJECT else "abort", ts_ns, ended=True
+                end.req_key, room, "reject" if end.finish == wire.Finish.REJECT else "abort", ts_ns, ended=True
             )
         if role == wire.Role.DECODE:
-            self.ledger.on_receiver_end(end.req_key, info.room)
+            self.ledger.on_receiver_end(end.req_key, room)
         return []
 
     def _orphan(self, state: RoomState, ts_ns: int) -> list[Finding]:
@@ -384,7 +398,7 @@ class Transfers:
         """A prefill request with a room began: the room's sender is known (and published)."""
         self.publish_sender(
             self.ledger.on_sender_begin(
-                t.engine_id, body.req_key, body.room, body.warmup, rid=body.rid, tenant=body.tenant
+                t.engine_id, body.req_key, lane(t, body.room), body.warmup, rid=body.rid, tenant=body.tenant
             )
         )
 
@@ -502,7 +516,12 @@ class Transfers:
         t.mark_overwritten(verdict.foreign)
         for f in found:
             f.evidence.update(
-                {"via": "transfer", "bootstrap_room": x.room, "token_start": x.token_start, "token_end": x.token_end}
+                {
+                    "via": "transfer",
+                    "bootstrap_room": room_of(x.room),
+                    "token_start": x.token_start,
+                    "token_end": x.token_end,
+                }
             )
         return self.out.emit(found)
 

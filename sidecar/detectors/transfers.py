@@ -18,6 +18,7 @@ from ..catalogue import KIND
 from ..events import DigestsCompared, LedgerUnreachable, TransferOrphaned
 from ..findings import CRITICAL, WARNING, Finding
 from ..ledger import DigestVerdict, Pairing, RoomState
+from ..ledger.lanes import room_of
 from .base import At
 from .reads import guard_evidence, reader_party
 
@@ -66,7 +67,7 @@ class TransferSizeDetector:
             else [int(p) for i, p in enumerate(reserved, start=base) if i not in filled and p > 0]
         )
         summary = (
-            f"decode rank {engine.rank}: transfer for request {reader.rid} (room {pairing.room}) "
+            f"decode rank {engine.rank}: transfer for request {reader.rid} (room {room_of(pairing.room)}) "
             f"carried {sent} tokens into {pairing.reserved_tokens} reserved "
             f"({pairing.sent_pages} of {pairing.reserved_pages} pages)"
         )
@@ -103,7 +104,7 @@ class TransferSizeDetector:
         if reader.warmup:
             return []
         summary = (
-            f"decode rank {engine.rank}: transfer for request {reader.rid} (room {pairing.room}) "
+            f"decode rank {engine.rank}: transfer for request {reader.rid} (room {room_of(pairing.room)}) "
             f"carried {span} tokens ({pairing.sent_pages} pages) into {pairing.reserved_tokens} reserved "
             f"({pairing.reserved_pages} pages): {span - pairing.reserved_tokens} more than decode made room for, "
             "which land past the reservation unless the transfer engine cuts them"
@@ -155,7 +156,7 @@ class ChecksumDetector:
         pages = _held_pages(state)
         alg = ALG_NAMES.get(verdict.alg, str(verdict.alg))
         summary = (
-            f"decode rank {engine.rank}: KV received for request {reader.rid} (room {state.room}) differs "
+            f"decode rank {engine.rank}: KV received for request {reader.rid} (room {room_of(state.room)}) differs "
             f"from what prefill sent: {alg} digest {verdict.receiver:016x} over tokens "
             f"[{verdict.receiver_range[0]}, {verdict.receiver_range[1]}) vs {verdict.sender:016x} over "
             f"[{verdict.sender_range[0]}, {verdict.sender_range[1]}) ({len(pages)} pages)"
@@ -167,7 +168,7 @@ class ChecksumDetector:
             "receiver_digest": f"{verdict.receiver:016x}",
             "sender_tokens": list(verdict.sender_range),
             "receiver_tokens": list(verdict.receiver_range),
-            "bootstrap_room": state.room,
+            "bootstrap_room": room_of(state.room),
             **guard_evidence(reader),
         }
         return [
@@ -196,11 +197,11 @@ class OrphanDetector:
             why = f"no prefill engine reported the room within {timeout_s:g} s"
         summary = (
             f"decode rank {engine.rank}: {len(pages)} pages reserved for request {reader.rid} "
-            f"(room {state.room}, {state.reserved_tokens} tokens) are held for a transfer that will not "
+            f"(room {room_of(state.room)}, {state.reserved_tokens} tokens) are held for a transfer that will not "
             f"come: {why}"
         )
         evidence = {
-            "bootstrap_room": state.room,
+            "bootstrap_room": room_of(state.room),
             "reserved_tokens": state.reserved_tokens,
             "held_pages": len(pages),
             "sender": state.sender_gave_up or "never reported",

@@ -1,0 +1,103 @@
+"""Tensor parallelism 2 on both ends of a prefill/decode pair, as SGLang runs it: every
+scheduler rank its own process, ring, allocator and pool; prefill rank i sends its kv heads
+to decode rank i under the one room the router gave the request (sidecar/ledger/lanes.py).
+
+Each rank's side of a room is its own story, paired with the same rank across the pair; the
+ranks' partial digests add up on the room itself. Seen on a real engine first: with one
+story per room, decode rank 1's reservation was taken for a retry of rank 0's and its pages
+were never written, so clean requests raised unwritten_read (tests/integration/
+test_parallel_engines.py runs the real pair)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvguard.engine_hooks.probes import Probes
+from kvguard.engine_hooks.ring import RingWriter
+from kvguard.sidecar.ledger.lanes import lane_key, rank_of, room_of
+from kvguard.sidecar.service import Sidecar
+from kvguard.sidecar.sinks.basic import MemorySink
+from tests.support.pd_records import pd_request
+
+ROOM = (1 << 63) + 12345  # a room as SGLang draws them (up to 2^63), top bit set to test the mask
+TOKENS = 8
+
+
+@pytest.fixture
+def tp2(tmp_path):
+    """Prefill ranks 0 and 1, decode ranks 0 and 1 (each its own engine pid, as its own process)."""
+    memory = MemorySink()
+    sidecar = Sidecar(str(tmp_path), sinks=[memory], slack_ns=0)
+    ranks = {}
+    for role, base_pid in (("prefill", 1000), ("decode", 2000)):
+        for rank in (0, 1):
+            p = Probes(RingWriter(str(tmp_path), 1 << 16))
+            p.hello(role, rank, 4, 64, 256, 256, 256, "sglang", "0.5.23", "tiny-llama", pid=base_pid + rank)
+            ranks[role, rank] = p
+    yield sidecar, memory, ranks
+    sidecar.stop()
+
+
+def _request(ranks, sent_tokens: int, digests: dict | None = None) -> None:
+    """The same request on every rank (the ranks make the same decisions on the same inputs)."""
+    for rank in (0, 1):
+        prefill, decode = ranks["prefill", rank], ranks["decode", rank]
+        pd_request(prefill, decode, "r-acme", "acme", ROOM, [1, 2], TOKENS, sent_tokens)
+        for side, engine in (("sender", prefill), ("receiver", decode)):
+            if digests is not None:  # this rank's partial: its one kv head of two
+                engine.transfer_digest(
+                    "r-acme", ROOM, side, digests[side, rank], 0, TOKENS, 2, rank, 1, 2, alg="head_streams"
+                )
+
+
+def test_lane_keys_keep_the_room_and_the_rank():
+    assert lane_key(ROOM, 0) == ROOM
+    key = lane_key(ROOM, 3)
+    assert key != ROOM and room_of(key) == ROOM and rank_of(key) == 3
+
+
+def test_a_clean_transfer_on_every_rank_pairs_per_rank_and_raises_nothing(tp2):
+    sidecar, memory, ranks = tp2
+    _request(ranks, TOKENS, {("sender", 0): 11, ("sender", 1): 22, ("receiver", 0): 11, ("receiver", 1): 22})
+    sidecar.run_once(flush=True)
+    assert memory.findings == [], [f.summary for f in memory.findings]
+    ledger = sidecar.pipeline.ledger
+    decode_engines = {e.engine_id for e in sidecar.pipeline.engines.values() if e.hello.role.name == "DECODE"}
+    paired = {eid: n for (eid, outcome), n in ledger.outcomes.items() if outcome == "paired"}
+    assert paired == dict.fromkeys(decode_engines, 1)  # one pairing on each decode rank
+    assert ledger.rooms_reused == 0
+    assert ledger.digests_compared == 1  # the ranks' partials, summed on the room, compared once
+
+
+def test_a_short_send_is_caught_on_each_rank_under_the_real_room(tp2):
+    """The incident on both ranks: each decode rank reserved 8 tokens, each prefill rank sent 1."""
+    sidecar, memory, ranks = tp2
+    _request(ranks, 1)
+    sidecar.run_once(flush=True)
+    sizes = [f for f in memory.findings if f.kind == "transfer_size_mismatch"]
+    assert sorted(f.engine.rank for f in sizes) == [0, 1], [f.summary for f in memory.findings]
+    assert all(f"room {ROOM})" in f.summary for f in sizes), [f.summary for f in sizes]
+    reads = [f for f in memory.findings if f.kind == "unwritten_read"]
+    assert sorted(f.engine.rank for f in reads) == [0, 1]
+    assert all(f.reader.bootstrap_room == ROOM for f in reads)
+
+
+def test_one_ranks_partial_digest_differs_one_mismatch_on_the_room(tp2):
+    sidecar, memory, ranks = tp2
+    _request(ranks, TOKENS, {("sender", 0): 11, ("sender", 1): 22, ("receiver", 0): 11, ("receiver", 1): 23})
+    sidecar.run_once(flush=True)
+    (found,) = memory.findings
+    assert found.kind == "checksum_mismatch" and found.evidence["bootstrap_room"] == ROOM, found.to_dict()
+
+
+def test_a_rank_that_never_reports_its_digest_leaves_the_pair_uncompared(tp2):
+    """Decode rank 1's partial is missing (a rank restarted, or its hooks failed): the receiver's
+    sum never completes, so nothing is compared, and nothing is raised."""
+    sidecar, memory, ranks = tp2
+    _request(ranks, TOKENS)
+    for side, rank, digest in (("sender", 0, 11), ("sender", 1, 22), ("receiver", 0, 11)):
+        engine = ranks["prefill" if side == "sender" else "decode", rank]
+        engine.transfer_digest("r-acme", ROOM, side, digest, 0, TOKENS, 2, rank, 1, 2, alg="head_streams")
+    sidecar.run_once(flush=True)
+    assert memory.findings == []
+    assert sidecar.pipeline.ledger.digests_compared == 0
