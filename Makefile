@@ -15,6 +15,7 @@
 #   make soak-vllm   the same on a real vLLM engine: 600 requests (make test runs 240)
 #   make soak-vllm-pd  the same on a vLLM prefill/decode pair (MooncakeConnector): 300 requests
 #   make test-arch   every model architecture on a real vLLM engine (MLA, MTP, EAGLE, sliding window, Mamba)
+#   make test-parallel  tensor parallelism 2 on a real SGLang prefill/decode pair: the leak, and a routed soak
 #   make soak-arch   their clean traffic 10 times over (ARCH_SOAK_ROUNDS)
 #   make spec        the executable specification at its full bound: spin, the model checker, conformance
 #   make soak-memory 30 min of 8 synthetic ranks: the sidecar's RSS stays flat (not in CI)
@@ -269,6 +270,13 @@ test-arch: venv native
 soak-arch: venv native
 	KVGUARD_ARCH_SOAK_ROUNDS=$(or $(ARCH_SOAK_ROUNDS),10) $(PY) -m pytest -q -s tests/integration/test_arch_engines.py \
 	  tests/integration/test_spec_sglang_engines.py -k clean
+
+# Tensor parallelism 2 on both engines of a real SGLang prefill/decode pair (tests/integration/
+# test_parallel_engines.py, docs/coverage.md): make test runs the 0.5.19 leak on it; this adds the routed
+# soak on a 0.5.23 pair, TP_SOAK_REQUESTS (120) requests, its summary printed.
+.PHONY: test-parallel
+test-parallel: venv apt native
+	KVGUARD_TP_SOAK_REQUESTS=$(or $(TP_SOAK_REQUESTS),120) $(PY) -m pytest -q -s tests/integration/test_parallel_engines.py
 
 .PHONY: soak-vllm-pd
 soak-vllm-pd: venv native

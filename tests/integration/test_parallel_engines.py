@@ -1,0 +1,113 @@
+"""Tensor parallelism on a real SGLang prefill/decode pair on CPU (`--tp-size 2` on both
+engines, the tiny Llama: 2 kv heads, one per rank; demo/engines.py ``llama_tp2``).
+
+SGLang runs one scheduler process per rank, each with its own allocator, pool and kvguard
+ring: the sidecar keeps one timeline per rank, pairs prefill rank i's sends with decode rank
+i's reservation under the room the router chose (sidecar/ledger/lanes.py), and adds each
+end's per-rank partial digests up on the room (docs/wire-format.md, "Transfer digests").
+
+* in make test: the 2026 leak (SGLang 0.5.19) on the TP 2 pair: caught on each decode rank
+  with the same victims named, the digests compared once across both ranks, nothing else;
+* `make test-parallel` also runs the routed prefill/decode soak on a TP 2 pair of 0.5.23
+  (clients that send no rid, the guard, content check and page identity on): zero findings.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+
+import pytest
+
+from kvguard.demo.engines import PDPair, sglang_arch
+from kvguard.demo.run import capture_incident
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+
+ARCH = sglang_arch("llama_tp2")
+
+
+@pytest.fixture
+def two_cores():
+    if len(os.sched_getaffinity(0)) < ARCH.tp_size:
+        pytest.skip(f"tensor parallelism {ARCH.tp_size} needs {ARCH.tp_size} CPU cores (one per rank)")
+
+
+def test_the_0_5_19_leak_on_a_tp2_pair_is_caught_on_every_rank_with_the_same_victims(
+    tmp_path, require_sglang, two_cores
+):
+    require_sglang("0.5.19")
+    run = capture_incident("0.5.19", str(tmp_path), progress=None, model="llama_tp2")
+    assert run.records_by_kind["HELLO"] == 4 and run.records_lost == 0  # two ranks on each engine
+    long = run.scenario.long.result
+    assert long.ok and long.prompt_tokens == 600  # what a status-code check sees
+    normal_rids = {r.result.rid: r.result.tenant for r in run.scenario.normal}
+    by_kind = Counter((f.kind, f.engine.role, f.engine.rank) for f in run.findings)
+    assert by_kind == Counter(
+        {
+            ("pool_smaller_than_context", "prefill", 0): 1,
+            ("pool_smaller_than_context", "prefill", 1): 1,
+            ("pool_smaller_than_context", "decode", 0): 1,
+            ("pool_smaller_than_context", "decode", 1): 1,
+            # each decode rank reserved 150 pages for the 600-token prompt; each prefill rank sent 1 token
+            ("transfer_size_mismatch", "decode", 0): 1,
+            ("transfer_size_mismatch", "decode", 1): 1,
+            ("unwritten_read", "decode", 0): 1,
+            ("unwritten_read", "decode", 1): 1,
+            # the two ranks' partial digests (one kv head each) summed on the room: compared once
+            ("checksum_mismatch", "decode", 0): 1,
+        }
+    ), [(f.kind, f.engine.role, f.engine.rank, f.summary) for f in run.findings]
+    reads = {f.engine.rank: f for f in run.findings if f.kind == "unwritten_read"}
+    room = reads[0].reader.bootstrap_room
+    for read in reads.values():
+        assert read.severity == "critical" and (read.reader.rid, read.reader.tenant) == (long.rid, "initech")
+        assert read.reader.bootstrap_room == room and len(read.pages) == 149
+        assert read.evidence["sender_tenant"] == "initech"
+        assert read.exposed and all(normal_rids.get(p.rid) == p.tenant for p in read.exposed), read.exposed
+    # the ranks make the same decisions on the same inputs: the same pages, the same victims
+    assert reads[0].pages == reads[1].pages
+    assert {(p.rid, tuple(p.pages)) for p in reads[0].exposed} == {(p.rid, tuple(p.pages)) for p in reads[1].exposed}
+    (digest,) = [f for f in run.findings if f.kind == "checksum_mismatch"]
+    assert digest.evidence["bootstrap_room"] == room
+    assert digest.evidence["sender_tokens"] == [0, 1] and digest.evidence["receiver_tokens"] == [0, 600]
+    # every transfer paired on each decode rank with its own prefill rank; each room's digests once
+    outcomes = [dict(o) for o in run.stats.ledger.transfers_by_engine.values() if sum(o.values())]
+    assert len(outcomes) == 2 and outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0]["paired"] >= 9 and outcomes[0]["unpaired"] == 0, outcomes
+    # both ends' sums completed, from both ranks' partials, for (at least) the scenario's nine rooms
+    assert run.stats.ledger.digests_compared >= len(run.scenario.requests) == 9, run.stats.ledger
+
+
+@pytest.mark.sweep  # make test-parallel
+def test_a_routed_soak_on_a_tp2_pair_raises_nothing(tmp_path, require_sglang, two_cores):
+    from tests.integration import test_soak_engine as soak
+    from tests.support.soak.watch import Watch
+    from tests.support.soak.workload import ROUTED_MIX, Limits, make_plan, run_plan, send_routed
+
+    require_sglang(soak.VERSION)
+    requests = int(os.environ.get("KVGUARD_TP_SOAK_REQUESTS", "120"))
+    ring_dir, log_dir = tmp_path / "rings", tmp_path / "logs"
+    ring_dir.mkdir()
+    t0 = time.monotonic()
+    kwargs = ARCH.pair_kwargs(soak.CONTEXT_LEN, extra_env=soak.PD_ENV)
+    kwargs.update(prefill_pool_tokens=soak.PD_PREFILL_POOL, decode_pool_tokens=soak.PD_DECODE_POOL)
+    with Watch(ring_dir) as watch:
+        with PDPair(soak.VERSION, ring_dir, log_dir, **kwargs) as pair:
+            t1 = time.monotonic()
+            limits = Limits(soak.CONTEXT_LEN, int(pair.prefill.server_info()["max_req_input_len"]))
+            plan = make_plan(requests, limits, mix=ROUTED_MIX, seed=soak.SEED + 2, phase="tp-")
+            outcomes = run_plan(plan, send_routed(pair.router.url, pair.decode.url), soak.PD_CONCURRENCY)
+            logs = [str(pair.prefill.log_path), str(pair.decode.log_path), str(pair.router.log_path)]
+            run = soak._finish(
+                "pd-tp2", watch, plan, outcomes, {"engine_startup": t1 - t0, "requests": time.monotonic() - t1}, logs
+            )
+            run.content_path = soak.PD_ENV["KVGUARD_CONTENT_PATH"]
+    soak._report(run)
+    assert sum(1 for e in run.snapshot["engines"].values()) == 4, run.snapshot["engines"].keys()
+    soak.check_clients(run, pd=True, routed=True)
+    soak.check_sidecar_health(run)
+    soak.check_probes_fired(run, (*soak.EXPECTED_KINDS, *soak.PD_KINDS, "XFER_DIGEST"))
+    soak.check_reads_judged(run)
+    soak.check_no_findings(run)
