@@ -377,10 +377,15 @@ def ledger_metrics(ledger: LedgerStats, shared: SharedLedgerStats | None, engine
     yield waiting
     yield oldest
     digests = CounterMetricFamily(
-        "kvguard_transfer_digests", "Transfers whose two ends' digests were both complete", labels=["outcome"]
+        "kvguard_transfer_digests",
+        "Transfers by what became of their digests: compared, incomparable (no common algorithm), "
+        "sender_incomplete / receiver_incomplete (some ranks' partials, never every kv head)",
+        labels=["outcome"],
     )
     digests.add_metric(["compared"], ledger.digests_compared)
     digests.add_metric(["incomparable"], ledger.digests_incomparable)
+    for end in ("sender", "receiver"):
+        digests.add_metric([f"{end}_incomplete"], ledger.digests_incomplete.get(end, 0))
     yield digests
     evicted = CounterMetricFamily(
         "kvguard_transfer_rooms_evicted",

@@ -114,6 +114,9 @@ class LedgerStats:
     # age in seconds); every engine asked for, (0, 0.0) included
     open_by_engine: Mapping[int, tuple[int, float]] = field(default_factory=dict)
     in_flight: InFlightStats = field(default_factory=InFlightStats)
+    # end ("sender", "receiver") -> completed transfers where that end's ranks' partial digests
+    # never covered every kv head (a rank missing, stuck or restarted): not compared
+    digests_incomplete: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

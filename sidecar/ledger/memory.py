@@ -70,6 +70,10 @@ CHUNK_BYTES = 150
 PART_BYTES = 250
 DEFAULT_MAX_BYTES = 32 << 20
 MAX_FORGOTTEN = 16_384  # rooms evicted with a receiver waiting: remembered so that its result is unverified
+# how long after a receiver's success its room's digests may still complete: a rank's partial
+# trails (tensor parallelism: every rank reports its own heads, sidecar/ledger/lanes.py); past it,
+# an end with some ranks' parts but not all is counted incomplete (a missing or stuck rank)
+DIGEST_WAIT_NS = 30_000_000_000
 
 
 @dataclass(slots=True)
@@ -109,6 +113,7 @@ class RoomState:
     sender_digest: DigestSum = field(default_factory=DigestSum)
     receiver_digest: DigestSum = field(default_factory=DigestSum)
     compared: bool = False
+    digests_checked: bool = False  # its digests were looked at DIGEST_WAIT_NS after the receiver's success
     orphan_reported: bool = False
     remote_chunks: set = field(default_factory=set)  # (start, end, last) of chunks applied from another pod
     overflowed: bool = False  # the sender sent more than MAX_CHUNKS_PER_ROOM ranges: not judged
@@ -193,6 +198,8 @@ class TransferLedger:
         self.rooms_ambiguous = 0  # another pod published two sending requests for one room: not paired
         self.digests_compared = 0
         self.digests_incomparable = 0  # both ends complete, but with no algorithm in common
+        # end -> rooms where that end had some ranks' partial digests but never all of them
+        self.digests_incomplete: Counter = Counter()
 
     # ------------------------------------------------------------------ lookup
     def expects_sender(self) -> bool:
@@ -396,6 +403,8 @@ class TransferLedger:
         if state is not None and state.reserved_pages is not None:
             state.done_status = int(x.status)
             self._close(state)
+            if x.status == wire.XferStatus.SUCCESS:
+                self._check_at(ts_ns + DIGEST_WAIT_NS, x.room)  # then: did every rank's digest arrive?
         if (state is None or state.reserved_pages is None) and x.status == wire.XferStatus.SUCCESS:
             # (a sender's chunk may have made the room again since: it holds no reservation)
             forgot = self.forgotten.pop(x.room, None)
@@ -508,7 +517,22 @@ class TransferLedger:
             state = self.rooms.get(room)
             if state is not None and self._orphaned(state, now_ns):
                 out.append(state)
+            closed = self.closed.get(room)
+            if closed is not None and closed.done_status == wire.XferStatus.SUCCESS:
+                self._check_digests(closed)
         return out
+
+    def _check_digests(self, state: RoomState) -> None:
+        """Once per completed room, DIGEST_WAIT_NS after the receiver's success: an end that
+        reported some ranks' partials but never covered every head is counted (a rank missing,
+        stuck or restarted mid-transfer); such a pair is never compared, so never mismatched.
+        An end with no partial at all is an engine that does not digest (not counted here)."""
+        if state.digests_checked or state.compared:
+            return
+        state.digests_checked = True
+        for end, digests in (("sender", state.sender_digest), ("receiver", state.receiver_digest)):
+            if digests.by_alg and not digests.complete_algs():
+                self.digests_incomplete[end] += 1
 
     def _orphaned(self, state: RoomState, now_ns: int) -> bool:
         if state.orphan_reported or state.warmup or not state.receiver_open or state.sent_last:
@@ -554,6 +578,7 @@ class TransferLedger:
             },
             digests_compared=self.digests_compared,
             digests_incomparable=self.digests_incomparable,
+            digests_incomplete={end: self.digests_incomplete[end] for end in ("sender", "receiver")},
             rooms_evicted=self.rooms_evicted,
             open_by_engine=self.open_receivers(receivers, now_ns, is_live),
         )

@@ -10,11 +10,14 @@ test_parallel_engines.py runs the real pair)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvguard.engine_hooks.probes import Probes
 from kvguard.engine_hooks.ring import RingWriter
 from kvguard.sidecar.ledger.lanes import lane_key, rank_of, room_of
+from kvguard.sidecar.ledger.memory import DIGEST_WAIT_NS
 from kvguard.sidecar.service import Sidecar
 from kvguard.sidecar.sinks.basic import MemorySink
 from tests.support.pd_records import pd_request
@@ -90,9 +93,11 @@ def test_one_ranks_partial_digest_differs_one_mismatch_on_the_room(tp2):
     assert found.kind == "checksum_mismatch" and found.evidence["bootstrap_room"] == ROOM, found.to_dict()
 
 
-def test_a_rank_that_never_reports_its_digest_leaves_the_pair_uncompared(tp2):
+def test_a_rank_that_never_reports_its_digest_leaves_the_pair_uncompared_and_counted(tp2):
     """Decode rank 1's partial is missing (a rank restarted, or its hooks failed): the receiver's
-    sum never completes, so nothing is compared, and nothing is raised."""
+    sum never completes, so nothing is compared and nothing is raised; once the wait after the
+    receiver's success is over, the incomplete end is counted (kvguard_transfer_digests_total
+    {outcome="receiver_incomplete"}), once."""
     sidecar, memory, ranks = tp2
     _request(ranks, TOKENS)
     for side, rank, digest in (("sender", 0, 11), ("sender", 1, 22), ("receiver", 0, 11)):
@@ -100,4 +105,19 @@ def test_a_rank_that_never_reports_its_digest_leaves_the_pair_uncompared(tp2):
         engine.transfer_digest("r-acme", ROOM, side, digest, 0, TOKENS, 2, rank, 1, 2, alg="head_streams")
     sidecar.run_once(flush=True)
     assert memory.findings == []
-    assert sidecar.pipeline.ledger.digests_compared == 0
+    ledger = sidecar.pipeline.ledger
+    assert ledger.digests_compared == 0
+    assert ledger.stats([]).digests_incomplete == {"sender": 0, "receiver": 0}  # still waiting for it
+    later = time.monotonic_ns() + DIGEST_WAIT_NS + 1_000_000_000
+    for now in (later, later + 1):
+        sidecar.pipeline.tick(now)
+    assert memory.findings == []
+    assert ledger.stats([]).digests_incomplete == {"sender": 0, "receiver": 1}
+
+
+def test_complete_digests_are_not_counted_incomplete_after_the_wait(tp2):
+    sidecar, memory, ranks = tp2
+    _request(ranks, TOKENS, {("sender", 0): 11, ("sender", 1): 22, ("receiver", 0): 11, ("receiver", 1): 22})
+    sidecar.run_once(flush=True)
+    sidecar.pipeline.tick(time.monotonic_ns() + DIGEST_WAIT_NS + 1_000_000_000)
+    assert sidecar.pipeline.ledger.stats([]).digests_incomplete == {"sender": 0, "receiver": 0}
