@@ -107,6 +107,10 @@ class State:
     hello_done = False  # EngineCore: HELLO sent
     part_done = False  # Worker: ENGINE_PART sent (or this worker stays silent: ``worker_silent``)
     worker_silent = ""  # why this Worker emits nothing (a rank > 0, a layout we do not model)
+    # Worker: its tensor-parallel rank and size. A rank > 0 reports no forwards and no sends (rank 0
+    # speaks for the tables every rank holds alike), only its own part of each transfer digest
+    tp_rank = 0
+    tp_size = 1
     worker_groups: list = []  # Worker: per block table (KV cache group), (block size, kind, window)
     page_size = 1
     groups: list = []  # EngineCore: the KV cache groups (coverage.Group), group g being pool g
@@ -147,6 +151,7 @@ class State:
     def reset(cls) -> None:
         cls.hello_done = cls.part_done = False
         cls.worker_silent = ""
+        cls.tp_rank, cls.tp_size = 0, 1
         cls.worker_groups = []
         cls.page_size = 1
         cls.groups = []

@@ -18,7 +18,12 @@ cache hit"). The scheduler never sees that number.
   before any forward reads or writes them.
 
 Both digests hash the same whole blocks (a byte copy moves them), so they match exactly when
-the transfer delivered what prefill held. Their token range is the blocks' span counted from
+the transfer delivered what prefill held. With tensor parallelism each rank holds its own
+slice of every block (its kv heads) and hashes that: rank r reports part ``r`` of
+``tp_size`` (``head_start`` r, ``head_count`` 1, ``total_heads`` the TP size), the sidecar adds
+an end's parts up once every rank's is in, and compares two ends only when both were split
+alike (the same TP size: docs/wire-format.md, alg 4). Only rank 0 reports the send itself
+(every rank sends the same blocks). Their token range is the blocks' span counted from
 the first block sent, ``[0, blocks * block size)``, on both ends. Host pools only: a device
 pool would need a reduction read at an existing sync (as SGLang's), not written for vLLM.
 """
@@ -80,8 +85,14 @@ def _digest(block_ids) -> int | None:
     return kv_digest(_layers(), torch.as_tensor(list(block_ids), dtype=torch.int64))
 
 
+def _reports() -> bool:
+    """This worker reports transfers: rank 0 (unless silent for another reason), and a rank > 0
+    for its part of the digests."""
+    return State.part_done and (not State.worker_silent or State.tp_rank > 0)
+
+
 def start_load_kv_pre(worker, metadata, *args, **kwargs) -> None:
-    if not State.part_done or State.worker_silent:
+    if not _reports():
         return
     requests = getattr(State.runner, "requests", {})
     for rid, (transfer_id, block_ids) in (getattr(metadata, "reqs_to_send", None) or {}).items():
@@ -97,7 +108,7 @@ def start_load_kv_pre(worker, metadata, *args, **kwargs) -> None:
 
 def build_transfer_params_pre(worker, ready_reqs, agent_meta, *args, **kwargs) -> None:
     """Prefill is about to write these requests' blocks into decode's (the sender's loop)."""
-    if not State.part_done or State.worker_silent:
+    if not _reports():
         return
     p = rt.probes()
     ps = State.page_size
@@ -116,10 +127,14 @@ def build_transfer_params_pre(worker, ready_reqs, agent_meta, *args, **kwargs) -
         pages = held[len(held) - n_remote :]
         start = (len(held) - n_remote) * ps
         room = room_of_transfer(send_meta.transfer_id)
-        p.transfer_sent(rid, room, start, max(start, prompt_tokens), pages, True, unit="pages")
+        if State.tp_rank == 0:
+            p.transfer_sent(rid, room, start, max(start, prompt_tokens), pages, True, unit="pages")
         digest = _digest(pages)
         if digest is not None:
-            p.transfer_digest(rid, room, "sender", digest, 0, n_remote * ps, len(_layers()), 0, 1, 1, alg="block_rows")
+            p.transfer_digest(
+                rid, room, "sender", digest, 0, n_remote * ps, len(_layers()), State.tp_rank, 1, State.tp_size,
+                alg="block_rows",
+            )  # fmt: skip
 
 
 def get_finished_post(_token, result, worker, *args, **kwargs) -> None:
@@ -138,5 +153,6 @@ def get_finished_post(_token, result, worker, *args, **kwargs) -> None:
         if digest is not None:
             room = room_of_transfer(pull.transfer_id)
             p.transfer_digest(
-                rid, room, "receiver", digest, 0, len(blocks) * ps, len(_layers()), 0, 1, 1, alg="block_rows"
-            )
+                rid, room, "receiver", digest, 0, len(blocks) * ps, len(_layers()), State.tp_rank, 1, State.tp_size,
+                alg="block_rows",
+            )  # fmt: skip

@@ -41,6 +41,15 @@ def _tp_rank() -> int:
         return 0
 
 
+def _tp_size() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+
+        return int(get_tensor_model_parallel_world_size())
+    except Exception:  # noqa: BLE001 - as _tp_rank
+        return 1
+
+
 def _worker_groups(runner, tables) -> list[tuple[int, str, int]]:
     """Per block table (one per KV cache group): (block size, what its blocks hold, window)."""
     cfg = getattr(runner, "kv_cache_config", None)
@@ -60,12 +69,21 @@ def _announce(runner) -> None:
     State.part_done = True
     tables = runner.input_batch.block_table.block_tables
     rank = _tp_rank()
+    State.tp_rank, State.tp_size = rank, max(_tp_size(), rank + 1)
     if rank != 0:
         log.info(
-            "kvguard: this vLLM worker reports no forwards: tensor-parallel rank %d (rank 0 reports the shared tables)",
+            "kvguard: this vLLM worker reports no forwards: tensor-parallel rank %d (rank 0 reports the shared "
+            "tables); it reports its own part of each transfer digest",
             rank,
         )
         State.worker_silent = f"tensor-parallel rank {rank}"
+        State.page_size = int(tables[0].block_size) if tables else 1
+        # routed to its EngineCore like rank 0 (its digests must meet the engine's transfers)
+        rt.probes().engine_part(os.getppid(), "worker", rank, State.page_size)
+        try:
+            htx_worker.attach(runner)
+        except Exception as exc:  # noqa: BLE001
+            rt.hook_failed("KVConnector.transfer_attach", exc)
         return
     groups = _worker_groups(runner, tables)
     cache_bs = int(runner.cache_config.block_size)

@@ -53,6 +53,10 @@ class DigestSum:
             covered += parts[start].head_count
         return covered == totals.pop()
 
+    def total_heads(self, alg: int) -> int:
+        """The head count the parts of a complete ``alg`` tile (for alg 4: the TP size)."""
+        return next(iter(self.by_alg[alg].values())).total_heads
+
     def value(self, alg: int) -> int:
         return sum(p.digest for p in self.by_alg[alg].values()) & MASK64
 

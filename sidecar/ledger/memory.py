@@ -69,6 +69,7 @@ ROOM_BYTES = 1_200
 CHUNK_BYTES = 150
 PART_BYTES = 250
 DEFAULT_MAX_BYTES = 32 << 20
+BLOCK_ROWS = int(wire.DigestAlg.XXH3_BLOCK_ROWS)
 MAX_FORGOTTEN = 16_384  # rooms evicted with a receiver waiting: remembered so that its result is unverified
 # how long after a receiver's success its room's digests may still complete: a rank's partial
 # trails (tensor parallelism: every rank reports its own heads, sidecar/ledger/lanes.py); past it,
@@ -478,13 +479,14 @@ class TransferLedger:
         if not s_algs or not r_algs:
             return None
         state.compared = True
-        common = sorted(s_algs & r_algs)
+        s, r = state.sender_digest, state.receiver_digest
+        # alg 4 hashes each rank's slice of whole blocks: two ends compare only if split alike
+        common = sorted(a for a in s_algs & r_algs if a != BLOCK_ROWS or s.total_heads(a) == r.total_heads(a))
         if not common:
             self.digests_incomparable += 1
             return None
         self.digests_compared += 1
         alg = common[0]
-        s, r = state.sender_digest, state.receiver_digest
         return state, DigestVerdict(alg, s.value(alg), r.value(alg), s.token_range(alg), r.token_range(alg))
 
     # ------------------------------------------------------------------ time

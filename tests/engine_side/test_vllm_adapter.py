@@ -217,6 +217,21 @@ def test_a_workers_forward_names_the_pages_written_and_the_lengths_read(captured
     assert fwd.body.read_counts.tolist() == [2, 2] and fwd.body.read_pages.tolist() == [3, 4, 5, 6]
 
 
+def test_a_tensor_parallel_rank_above_0_joins_its_engine_and_reports_no_forwards(captured, monkeypatch):
+    """Rank 0 speaks for the block tables every rank holds alike; rank 1 routes to the same
+    EngineCore (ENGINE_PART with its rank) so that its part of each transfer digest meets the
+    engine's transfers, and reports no forward and no coverage gap (its silence is by design)."""
+    monkeypatch.setattr(hw.os, "getppid", lambda: 777)
+    monkeypatch.setattr(hw, "_tp_rank", lambda: 1)
+    monkeypatch.setattr(hw, "_tp_size", lambda: 2)
+    runner = _runner(["a"], [0], [[3, 4]])
+    hw.prepare_inputs_pre(runner, None, np.array([8]))
+    hw.prepare_inputs_pre(runner, None, np.array([1]))
+    (part,) = captured.take()
+    assert part.kind == wire.Kind.ENGINE_PART and (part.body.primary_pid, part.body.rank) == (777, 1)
+    assert (rt.State.tp_rank, rt.State.tp_size) == (1, 2) and rt.State.worker_silent
+
+
 def test_a_worker_whose_layout_is_not_modelled_says_so_and_reports_no_forwards(captured, caplog):
     runner = _runner(["a"], [0], [[3]], block_size=16)  # kernel blocks split the cache's
     with caplog.at_level(logging.INFO, logger="kvguard.vllm"):

@@ -121,3 +121,33 @@ def test_complete_digests_are_not_counted_incomplete_after_the_wait(tp2):
     sidecar.run_once(flush=True)
     sidecar.pipeline.tick(time.monotonic_ns() + DIGEST_WAIT_NS + 1_000_000_000)
     assert sidecar.pipeline.ledger.stats([]).digests_incomplete == {"sender": 0, "receiver": 0}
+
+
+def _block_rows(ranks, side: str, parts: list[tuple[int, int, int]]) -> None:
+    """vLLM's alg 4: each (rank, digest, tp size) is one worker rank's hash of its slice of the blocks."""
+    for rank, digest, tp_size in parts:
+        engine = ranks["prefill" if side == "sender" else "decode", rank]
+        engine.transfer_digest("r-acme", ROOM, side, digest, 0, TOKENS, 2, rank, 1, tp_size, alg="block_rows")
+
+
+def test_block_row_digests_split_alike_are_summed_and_compared(tp2):
+    sidecar, memory, ranks = tp2
+    _request(ranks, TOKENS)
+    _block_rows(ranks, "sender", [(0, 5, 2), (1, 6, 2)])
+    _block_rows(ranks, "receiver", [(0, 5, 2), (1, 7, 2)])  # rank 1's slice arrived changed
+    sidecar.run_once(flush=True)
+    (found,) = memory.findings
+    assert found.kind == "checksum_mismatch" and found.evidence["alg"] == "xxh3_block_rows", found.to_dict()
+
+
+def test_block_row_digests_of_ends_split_differently_are_never_compared(tp2):
+    """Prefill at TP 2, decode at TP 1: each end's sum is complete, but a block split in two
+    slices hashes differently from the whole block: incomparable, not a mismatch."""
+    sidecar, memory, ranks = tp2
+    _request(ranks, TOKENS)
+    _block_rows(ranks, "sender", [(0, 5, 2), (1, 6, 2)])
+    _block_rows(ranks, "receiver", [(0, 99, 1)])
+    sidecar.run_once(flush=True)
+    assert memory.findings == []
+    ledger = sidecar.pipeline.ledger
+    assert (ledger.digests_compared, ledger.digests_incomparable) == (0, 1)
