@@ -273,10 +273,12 @@ soak-arch: venv native
 
 # Tensor parallelism 2 on both engines of a real SGLang prefill/decode pair (tests/integration/
 # test_parallel_engines.py, docs/coverage.md): make test runs the 0.5.19 leak on it; this adds the routed
-# soak on a 0.5.23 pair, TP_SOAK_REQUESTS (120) requests, its summary printed.
+# soak on a 0.5.23 pair, TP_SOAK_REQUESTS (120) requests, its summary printed; then vLLM's engine tests
+# (clean traffic, the injected faults with their victims) and its soak on a vLLM engine at TP 2.
 .PHONY: test-parallel
 test-parallel: venv apt native
 	KVGUARD_TP_SOAK_REQUESTS=$(or $(TP_SOAK_REQUESTS),120) $(PY) -m pytest -q -s tests/integration/test_parallel_engines.py
+	KVGUARD_TEST_VLLM_TP=2 $(PY) -m pytest -q tests/integration/test_vllm_engine.py tests/integration/test_vllm_soak.py
 
 .PHONY: soak-vllm-pd
 soak-vllm-pd: venv native

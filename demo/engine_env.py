@@ -148,6 +148,20 @@ def free_port() -> int:
     return _kernel_port()
 
 
+def cpu_threads_bind(ranks: int) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` / ``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` ranks on the cores this process may use,
+    split in contiguous shares (``"0|1"`` on two cores). SGLang's CPU path otherwise allows only
+    as many ranks as NUMA nodes and refuses to start ("the total number of ranks ... should be
+    smaller than or equal to number of numa node"); ranks sharing a core would stall each
+    other's collectives, so fewer cores than ranks is refused here, naming both."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise ValueError(f"tensor parallelism {ranks} needs at least {ranks} CPU cores; this process may use {cores}")
+    share = len(cores) // ranks
+    groups = [cores[i * share : (i + 1) * share] for i in range(ranks)]
+    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
 def engine_env(
     version: str,
     ring_dir: str | os.PathLike | None = None,

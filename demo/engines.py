@@ -44,7 +44,6 @@ incident:
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +61,7 @@ from kvguard.demo.engine_env import (
     ROUTED_TENANT_FIELDS,
     SGLANG_VERSIONS,
     TENANT_FIELD,
+    cpu_threads_bind,
     default_model_dir,
     engine_args,
     engine_env,
@@ -185,20 +185,6 @@ class SGLangArch:
             "decode_args": self.extra_args(),
             **kwargs,
         }
-
-
-def cpu_threads_bind(ranks: int) -> str:
-    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``ranks`` ranks on the cores this process may use,
-    split in contiguous shares (``"0|1"`` on two cores). SGLang's CPU path otherwise allows only
-    as many ranks as NUMA nodes and refuses to start ("the total number of ranks ... should be
-    smaller than or equal to number of numa node"); ranks sharing a core would stall each
-    other's collectives, so fewer cores than ranks is refused here, naming both."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < ranks:
-        raise ValueError(f"tensor parallelism {ranks} needs at least {ranks} CPU cores; this process may use {cores}")
-    share = len(cores) // ranks
-    groups = [cores[i * share : (i + 1) * share] for i in range(ranks)]
-    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
 
 
 # speculative decoding as the tests run it (tiny, so that the Triton interpreter keeps up): MTP /
@@ -344,6 +330,7 @@ __all__ = [
     "PDPair",
     "Router",
     "SGLangArch",
+    "cpu_threads_bind",
     "default_model_dir",
     "engine_args",
     "engine_env",

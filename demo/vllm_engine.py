@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from kvguard.demo.engine_env import free_port, repo_root
+from kvguard.demo.engine_env import cpu_threads_bind, free_port, repo_root
 from kvguard.demo.engine_process import Engine
 from kvguard.demo.model import write_tiny_llama, write_tiny_model
 
@@ -104,12 +104,16 @@ def start_vllm(
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     arch: str = "llama",
     kv_cache_bytes: int | None = None,
+    tp_size: int = 1,
 ) -> VllmEngine:
     """Spawn one vLLM OpenAI server of ``num_blocks`` KV blocks of 32 tokens (prefix caching and
     chunked prefill on: vLLM's defaults); with ``wait`` return once ``/health`` answers.
     ``arch``: the tiny Llama, or another architecture of demo/arch_models.py, whose cache is
     sized by ``kv_cache_bytes`` (its block sizes and page bytes are vLLM's to choose: a
-    hybrid model's attention block grows to its state page)."""
+    hybrid model's attention block grows to its state page). ``tp_size`` > 1: tensor
+    parallelism over that many worker processes (vLLM's ``mp`` executor, one CPU core share
+    each); every worker holds its slice of each block, so the bytes per worker shrink with it
+    and ``num_blocks`` stays the pool's size."""
     python = vllm_python(version)
     if kv_cache_bytes is None and num_blocks * BLOCK_SIZE < max_model_len:
         raise ValueError(f"num_blocks {num_blocks} cannot hold one request of {max_model_len} tokens")
@@ -137,11 +141,14 @@ def start_vllm(
         "dummy",
         # (+1: vLLM keeps block 0 as its null block)
         "--kv-cache-memory-bytes",
-        str(kv_cache_bytes if kv_cache_bytes is not None else (num_blocks + 1) * BYTES_PER_BLOCK),
+        str(kv_cache_bytes if kv_cache_bytes is not None else (num_blocks + 1) * BYTES_PER_BLOCK // tp_size),
         "--max-num-seqs",
         str(max_num_seqs),
+        *(["--tensor-parallel-size", str(tp_size), "--distributed-executor-backend", "mp"] if tp_size > 1 else []),
         *extra_args,
     ]
+    if tp_size > 1:  # (vLLM's CPU workers bind their OpenMP threads; without it they share all cores)
+        extra_env = {"VLLM_CPU_OMP_THREADS_BIND": cpu_threads_bind(tp_size), **(extra_env or {})}
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"vllm-{version}-{port}.log"

