@@ -9,7 +9,12 @@ end's per-rank partial digests up on the room (docs/wire-format.md, "Transfer di
 * in make test: the 2026 leak (SGLang 0.5.19) on the TP 2 pair: caught on each decode rank
   with the same victims named, the digests compared once across both ranks, nothing else;
 * `make test-parallel` also runs the routed prefill/decode soak on a TP 2 pair of 0.5.23
-  (clients that send no rid, the guard, content check and page identity on): zero findings.
+  (clients that send no rid, the guard, content check and page identity on): zero findings;
+  and a vLLM server with data parallelism 2 (two EngineCores, two timelines) on clean traffic.
+
+SGLang's data-parallel attention does not run on its CPU path (0.5.23): with torch_native the
+DP padding asks the backend for ``get_cuda_graph_seq_len_fill_value`` (NotImplementedError),
+with Triton ``prepare_mlp_sync_batch`` pins memory (no pinned allocator on CPU).
 """
 
 from __future__ import annotations
@@ -111,3 +116,34 @@ def test_a_routed_soak_on_a_tp2_pair_raises_nothing(tmp_path, require_sglang, tw
     soak.check_probes_fired(run, (*soak.EXPECTED_KINDS, *soak.PD_KINDS, "XFER_DIGEST"))
     soak.check_reads_judged(run)
     soak.check_no_findings(run)
+
+
+@pytest.mark.sweep  # make test-parallel
+def test_a_data_parallel_vllm_server_is_watched_one_timeline_per_engine_core(tmp_path, two_cores):
+    """vLLM's ``--data-parallel-size 2``: two EngineCores behind one API server, each with its own
+    scheduler, block pool and worker (its ring, its HELLO, its worker's ENGINE_PART): two
+    timelines, every read judged, nothing reported on clean traffic with shared prefixes."""
+    import random
+
+    from kvguard.demo.vllm_engine import complete
+    from tests.integration.test_vllm_engine import _missing, _text, watched_vllm
+
+    if _missing:
+        pytest.skip(_missing)
+    with watched_vllm(
+        tmp_path, "kvg-vllm-dp-", num_blocks=64, max_num_seqs=4, extra_args=["--data-parallel-size", "2"]
+    ) as (engine, watch):
+        rng = random.Random(3)
+        mark = watch.mark()
+        shared = _text(rng, 64)
+        for i in range(16):
+            prompt = (shared if i % 2 else "") + _text(rng, rng.randint(20, 120))
+            assert complete(engine, prompt, 8, tenant=("acme", "globex")[i % 2])["usage"]["completion_tokens"] == 8
+        found = watch.since(mark)
+        stats = watch.stats()
+    assert found == [], watch.explain(found)
+    assert stats.records_by_kind.get("HELLO") == 2 and stats.records_by_kind.get("ENGINE_PART") == 2
+    assert stats.records_without_engine == 0
+    engines = [e for e in stats.engines if e.pages_read]
+    assert len(engines) == 2, stats.engines  # both engine cores served requests, each on its own timeline
+    assert all(e.pages_unverified == 0 for e in engines), engines
