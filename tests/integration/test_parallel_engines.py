@@ -8,6 +8,9 @@ end's per-rank partial digests up on the room (docs/wire-format.md, "Transfer di
 
 * in make test: the 2026 leak (SGLang 0.5.19) on the TP 2 pair: caught on each decode rank
   with the same victims named, the digests compared once across both ranks, nothing else;
+* in make test: two injected transfer faults on a TP 2 pair of 0.5.23 (the test-only fault plugin
+  in every rank): a truncated send caught on both decode ranks, and a send of a page the request
+  never wrote caught on both prefill ranks, the victims named;
 * `make test-parallel` also runs the routed prefill/decode soak on a TP 2 pair of 0.5.23
   (clients that send no rid, the guard, content check and page identity on): zero findings;
   and a vLLM server with data parallelism 2 (two EngineCores, two timelines) on clean traffic.
@@ -20,6 +23,7 @@ with Triton ``prepare_mlp_sync_batch`` pins memory (no pinned allocator on CPU).
 from __future__ import annotations
 
 import os
+import random
 import time
 from collections import Counter
 
@@ -123,8 +127,6 @@ def test_a_data_parallel_vllm_server_is_watched_one_timeline_per_engine_core(tmp
     """vLLM's ``--data-parallel-size 2``: two EngineCores behind one API server, each with its own
     scheduler, block pool and worker (its ring, its HELLO, its worker's ENGINE_PART): two
     timelines, every read judged, nothing reported on clean traffic with shared prefixes."""
-    import random
-
     from kvguard.demo.vllm_engine import complete
     from tests.integration.test_vllm_engine import _missing, _text, watched_vllm
 
@@ -147,3 +149,99 @@ def test_a_data_parallel_vllm_server_is_watched_one_timeline_per_engine_core(tmp
     engines = [e for e in stats.engines if e.pages_read]
     assert len(engines) == 2, stats.engines  # both engine cores served requests, each on its own timeline
     assert all(e.pages_unverified == 0 for e in engines), engines
+
+
+# ---------------------------------------------------------------------- injected transfer faults at TP 2
+# the test-only fault plugin (tests/faults) loads in every scheduler rank and acts by rid, so both
+# ranks of an engine do the same wrong thing, as a real bug in the shared scheduler code would
+
+
+@pytest.fixture(scope="module")
+def tp2_fault_pair(tmp_path_factory, require_sglang):
+    from tests.integration.test_faults_engine import CONTEXT, DECODE_POOL, PREFILL_POOL, VERSION, fault_env
+    from tests.support.engine_watch import Watch
+    from tests.support.fault_plugin import FAULTS_DIR
+
+    if len(os.sched_getaffinity(0)) < ARCH.tp_size:
+        pytest.skip(f"tensor parallelism {ARCH.tp_size} needs {ARCH.tp_size} CPU cores (one per rank)")
+    require_sglang(VERSION)
+    pytest.importorskip("mooncake.engine", reason="Mooncake (mooncake-transfer-engine-non-cuda) not installed")
+    work = tmp_path_factory.mktemp("tp2-faults")
+    ring_dir, events_dir = work / "rings", work / "events"
+    ring_dir.mkdir()
+    events_dir.mkdir()
+    watch = Watch(ring_dir, events_dir)
+    kwargs = ARCH.pair_kwargs(CONTEXT, extra_env=fault_env(events_dir, "send_truncated,send_foreign_page"))
+    kwargs.update(prefill_pool_tokens=PREFILL_POOL, decode_pool_tokens=DECODE_POOL)
+    pair = PDPair(VERSION, ring_dir, work / "logs", extra_pythonpath=[FAULTS_DIR], router=False, **kwargs)
+    try:
+        pair.start()
+        watch.settle()
+        yield pair, watch
+    finally:
+        pair.stop()
+        watch.stop()
+
+
+def test_a_truncated_send_at_tp2_is_caught_on_both_decode_ranks_with_the_victims(tp2_fault_pair):
+    """send_truncated on both prefill ranks: each sends decode's rank its first page of 50."""
+    from tests.integration.test_faults_engine import _earlier_requests
+    from tests.support.engine_watch import describe, prompt
+    from tests.support.fault_plugin import make_rid
+
+    pair, watch = tp2_fault_pair
+    rng = random.Random(7)
+    earlier = _earlier_requests(pair, rng, "tp2")
+    watch.settle()
+    mark = watch.mark()
+    rid = make_rid("send_truncated", "f", "1")
+    r = pair.generate(prompt(rng, 200), tenant="initech", max_new_tokens=8, rid=rid)
+    assert r.ok and r.prompt_tokens == 200, r.summary()
+    watch.wait_event("send_truncated", "truncated")
+    found = watch.since(mark)
+    assert Counter((f.kind, f.engine.role, f.engine.rank) for f in found) == Counter(
+        {
+            ("transfer_size_mismatch", "decode", 0): 1,
+            ("transfer_size_mismatch", "decode", 1): 1,
+            ("unwritten_read", "decode", 0): 1,
+            ("unwritten_read", "decode", 1): 1,
+            ("checksum_mismatch", "decode", 0): 1,  # the ranks' partials summed on the room
+        }
+    ), describe(found)
+    reads = [f for f in found if f.kind == "unwritten_read"]
+    for read in reads:
+        assert (read.reader.rid, read.reader.tenant, read.reader.bootstrap_room) == (rid, "initech", r.room)
+        assert len(read.pages) == 49 and read.exposed
+        assert all(earlier.get(p.rid) == p.tenant for p in read.exposed), (read.exposed, earlier)
+    assert reads[0].pages == reads[1].pages
+
+
+def test_a_send_of_a_page_the_request_never_wrote_at_tp2_names_the_victim_on_both_prefill_ranks(tp2_fault_pair):
+    from tests.support.engine_watch import describe, prompt
+    from tests.support.fault_plugin import make_rid
+
+    pair, watch = tp2_fault_pair
+    rng = random.Random(9)
+    mark = watch.mark()
+    victim = pair.generate(
+        prompt(rng, 40), tenant="acme", max_new_tokens=4, rid=make_rid("send_foreign_page", "v", "1")
+    )
+    assert victim.ok, victim.summary()
+    victim_page = watch.wait_event("send_foreign_page", "victim")["page"]
+    watch.settle()
+    assert watch.since(mark) == []
+    rid = make_rid("send_foreign_page", "f", "1")
+    r = pair.generate(prompt(rng, 40), tenant="initech", max_new_tokens=4, rid=rid)
+    assert r.ok and r.prompt_tokens == 40, r.summary()
+    ev = watch.wait_event("send_foreign_page", "swapped")
+    watch.wait_event("send_foreign_page", "restored")
+    found = watch.since(mark)
+    assert sorted((f.kind, f.engine.role, f.engine.rank) for f in found) == [
+        ("unwritten_send", "prefill", 0),
+        ("unwritten_send", "prefill", 1),
+    ], describe(found)
+    for f in found:
+        assert f.severity == "critical" and f.pages == [victim_page]
+        assert (f.reader.rid, f.reader.tenant, f.reader.bootstrap_room) == (rid, "initech", r.room)
+        if victim_page != ev["own_page"]:
+            assert victim.rid in [p.rid for p in f.exposed], describe(found)
