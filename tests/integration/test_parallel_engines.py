@@ -8,10 +8,10 @@ end's per-rank partial digests up on the room (docs/wire-format.md, "Transfer di
 
 * in make test: the 2026 leak (SGLang 0.5.19) on the TP 2 pair: caught on each decode rank
   with the same victims named, the digests compared once across both ranks, nothing else;
-* in make test: two injected transfer faults on a TP 2 pair of 0.5.23 (the test-only fault plugin
-  in every rank): a truncated send caught on both decode ranks, and a send of a page the request
-  never wrote caught on both prefill ranks, the victims named;
-* `make test-parallel` also runs the routed prefill/decode soak on a TP 2 pair of 0.5.23
+* `make test-parallel` also runs two injected transfer faults on a TP 2 pair of 0.5.23 (the
+  test-only fault plugin in every rank): a truncated send caught on both decode ranks, and a
+  send of a page the request never wrote caught on both prefill ranks, the victims named;
+  the routed prefill/decode soak on a TP 2 pair of 0.5.23
   (clients that send no rid, the guard, content check and page identity on): zero findings;
   and a vLLM server with data parallelism 2 (two EngineCores, two timelines) on clean traffic.
 
@@ -183,6 +183,7 @@ def tp2_fault_pair(tmp_path_factory, require_sglang):
         watch.stop()
 
 
+@pytest.mark.sweep  # make test-parallel
 def test_a_truncated_send_at_tp2_is_caught_on_both_decode_ranks_with_the_victims(tp2_fault_pair):
     """send_truncated on both prefill ranks: each sends decode's rank its first page of 50."""
     from tests.integration.test_faults_engine import _earlier_requests
@@ -216,6 +217,7 @@ def test_a_truncated_send_at_tp2_is_caught_on_both_decode_ranks_with_the_victims
     assert reads[0].pages == reads[1].pages
 
 
+@pytest.mark.sweep  # make test-parallel
 def test_a_send_of_a_page_the_request_never_wrote_at_tp2_names_the_victim_on_both_prefill_ranks(tp2_fault_pair):
     from tests.support.engine_watch import describe, prompt
     from tests.support.fault_plugin import make_rid
