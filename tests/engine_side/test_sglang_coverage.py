@@ -104,6 +104,22 @@ def test_an_unhooked_allocator_a_state_pool_or_speculation_leaves_ownership_unfo
         assert not cov.cv.ownership_followed(items)
 
 
+def test_tensor_parallel_transfers_are_watched_and_data_parallel_attention_ones_declared():
+    """TP 2 pairs rank to rank (verified on a real pair); under DP attention the pairing rank
+    would be the attention-TP rank, never run here (SGLang's CPU path has no DP attention):
+    declared unwatched, so that no page record can describe a pairing kvguard cannot make."""
+    tp = _by_component(cov.inspect(_sched(_mha_pool(), role="decode", tp_size=2), "0.5.23", "decode"))
+    assert tp["transfer"].status == wire.CoverageStatus.WATCHED and "tp 2, dp 1" in tp["parallel"].detail
+    items = cov.inspect(
+        _sched(_mha_pool(), role="decode", tp_size=2, dp_size=2, enable_dp_attention=True), "0.5.23", "decode"
+    )
+    transfer = _by_component(items)["transfer"]
+    assert transfer.status == wire.CoverageStatus.UNWATCHED and "data-parallel attention" in transfer.detail
+    assert not cov.cv.ownership_followed(items)
+    unified = cov.inspect(_sched(_mha_pool(), tp_size=2, dp_size=2, enable_dp_attention=True), "0.5.23", "unified")
+    assert cov.cv.ownership_followed(unified)  # no transfers: each DP rank's pool is its own timeline
+
+
 def test_the_digest_gap_of_a_pool_is_partial_on_a_transfer_role_only(monkeypatch):
     def no_digest(pool):
         raise cov.dg.Unsupported("a layout with no digest")
