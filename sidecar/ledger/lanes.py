@@ -14,7 +14,8 @@ its own heads, and each end's sum completes only with every rank's part
 never mismatched.
 
 Lanes pair rank i with rank i: prefill and decode with the same attention-TP size (what the
-soak and the fault tests run). Unequal sizes are not modelled per lane (docs/detectors.md).
+soak and the fault tests run). A receiving rank whose lane no sender ever spoke in (decode at a
+larger TP size than prefill) takes rank 0's chunks (``TransferLedger._borrow_sender``).
 """
 
 from __future__ import annotations

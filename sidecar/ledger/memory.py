@@ -52,6 +52,7 @@ from kvguard.engine_hooks import wire
 
 from ..stats import LedgerStats
 from .digests import DigestSum, DigestVerdict, Partial
+from .lanes import rank_of, room_of
 
 REMOTE_ENGINE = -1  # engine id under which facts from another pod's sidecar are applied
 # a rejected sender may still send (SGLang 0.5.19 sends a 1-token placeholder for the prompt it
@@ -199,6 +200,7 @@ class TransferLedger:
         self.rooms_ambiguous = 0  # another pod published two sending requests for one room: not paired
         self.digests_compared = 0
         self.digests_incomparable = 0  # both ends complete, but with no algorithm in common
+        self.lanes_borrowed = 0  # receiving ranks with no sender of their own lane, paired with rank 0's chunks
         # end -> rooms where that end had some ranks' partial digests but never all of them
         self.digests_incomplete: Counter = Counter()
 
@@ -415,6 +417,7 @@ class TransferLedger:
                 return Pairing(x.room, key, np.arange(n), 0, 0, n, n, verified=False, receiver_engine=engine)
         if state is None or state.reserved_pages is None or x.status != wire.XferStatus.SUCCESS:
             return None
+        self._borrow_sender(state)
         n_reserved = len(state.reserved_pages)
         if state.warmup and not state.chunks:
             # SGLang's fake-bootstrap warmup: no sender exists and nothing is written into the pages
@@ -501,6 +504,7 @@ class TransferLedger:
             if self.shared and self.paused and now_ns < state.deadline_ns + self.max_hold_ns:
                 continue
             del self.pending[room]
+            self._borrow_sender(state)
             if self.shared and not state.chunks:
                 # the sender's pod was expected to publish and nothing matched: counted, not judged
                 self._count(state, "unpaired")
@@ -508,6 +512,26 @@ class TransferLedger:
             else:
                 out.append(self._pair(state, page_size_of(state.receiver_engine)))
         return out
+
+    def _borrow_sender(self, state: RoomState) -> None:
+        """A receiving rank whose lane no sending rank ever spoke in (decode at a larger TP size
+        than prefill: its rank r > 0 is fed by prefill's ranks below, whose lanes are others)
+        takes rank 0's chunks: every sending rank sends the same token ranges, for its heads.
+        Not when a sender of its own lane began (equal sizes: that rank's chunks decide), and
+        the digests still compare every head on the room (sidecar/ledger/lanes.py)."""
+        if state.chunks or state.sender_began or not rank_of(state.room):
+            return
+        first = self.find(room_of(state.room))
+        if first is None or not first.chunks:
+            return
+        state.chunks = list(first.chunks)
+        state.sender_key, state.sender_rid, state.sender_tenant = (
+            first.sender_key,
+            first.sender_rid,
+            first.sender_tenant,
+        )
+        state.sender_engine = first.sender_engine
+        self.lanes_borrowed += 1
 
     def orphans(self, now_ns: int) -> list[RoomState]:
         """Receivers whose sender gave up or never showed up within the timeout, once each."""

@@ -151,3 +151,40 @@ def test_block_row_digests_of_ends_split_differently_are_never_compared(tp2):
     assert memory.findings == []
     ledger = sidecar.pipeline.ledger
     assert (ledger.digests_compared, ledger.digests_incomparable) == (0, 1)
+
+
+def test_decode_at_a_larger_tp_size_than_prefill_pairs_its_extra_rank_with_rank_0s_chunks(tp2):
+    """Prefill at TP 1 (rank 0 only), decode at TP 2: decode rank 1's lane has no sender of its
+    own; it takes rank 0's chunks (every sending rank sends the same token ranges), so its reads
+    are of written pages. A short send is still caught on both decode ranks."""
+    from tests.support.pd_records import slots
+
+    sidecar, memory, ranks = tp2
+    prefill = ranks["prefill", 0]
+    for rid, sent in (("r-clean", TOKENS), ("r-short", 1)):
+        room = ROOM + sent
+        prefill.request_begin(rid, "acme", room, TOKENS, 0, False)
+        for rank in (0, 1):
+            decode = ranks["decode", rank]
+            decode.request_begin(rid, "acme", room, TOKENS, 0, False)
+            decode.pages_allocated(slots([1, 2]))
+            decode.rows_assigned(rid, 0, TOKENS, 0, slots([1, 2])[:TOKENS])
+            decode.transfer_reserved(rid, room, TOKENS, slots([1, 2])[:TOKENS])
+        prefill.pages_allocated(slots([50]))
+        prefill.transfer_sent(rid, room, 0, sent, [50], True)
+        prefill.transfer_done(rid, room, "sender", "success")
+        for rank in (0, 1):
+            decode = ranks["decode", rank]
+            decode.transfer_done(rid, room, "receiver", "success")
+            decode.pages_allocated(slots([3]))
+            decode.rows_assigned(rid, TOKENS, TOKENS + 1, TOKENS, [12])
+            decode.forward([rid], [TOKENS + 1], [[12]], [slots([1, 2, 3])[: TOKENS + 1]])
+            decode.request_end(rid, "length", 1000, 2000, 1, "")
+            decode.pages_freed(slots([1, 2, 3]))
+        sidecar.run_once(flush=True)
+        if rid == "r-clean":  # (past the wait for a sender's last chunk, too)
+            sidecar.pipeline.tick(time.monotonic_ns() + 10_000_000_000)
+            assert memory.findings == [], [f.summary for f in memory.findings]
+    sizes = [f for f in memory.findings if f.kind == "transfer_size_mismatch"]
+    assert sorted(f.engine.rank for f in sizes) == [0, 1], [f.summary for f in memory.findings]
+    assert sidecar.pipeline.ledger.lanes_borrowed == 2
