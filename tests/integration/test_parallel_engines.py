@@ -11,7 +11,8 @@ end's per-rank partial digests up on the room (docs/wire-format.md, "Transfer di
 * `make test-parallel` also runs two injected transfer faults on a TP 2 pair of 0.5.23 (the
   test-only fault plugin in every rank): a truncated send caught on both decode ranks, and a
   send of a page the request never wrote caught on both prefill ranks, the victims named;
-  the routed prefill/decode soak on a TP 2 pair of 0.5.23
+  prefill and decode at different TP sizes (1 and 2, both ways), every transfer paired and
+  digested; the routed prefill/decode soak on a TP 2 pair of 0.5.23
   (clients that send no rid, the guard, content check and page identity on): zero findings;
   and a vLLM server with data parallelism 2 (two EngineCores, two timelines) on clean traffic.
 
@@ -247,3 +248,51 @@ def test_a_send_of_a_page_the_request_never_wrote_at_tp2_names_the_victim_on_bot
         assert (f.reader.rid, f.reader.tenant, f.reader.bootstrap_room) == (rid, "initech", r.room)
         if victim_page != ev["own_page"]:
             assert victim.rid in [p.rid for p in f.exposed], describe(found)
+
+
+@pytest.mark.sweep  # make test-parallel
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1)])
+def test_prefill_and_decode_at_different_tp_sizes_pair_and_compare_every_transfer(
+    tmp_path, require_sglang, two_cores, prefill_tp, decode_tp
+):
+    """Mooncake moves heads between unequal splits: decode at TP 2 from prefill at TP 1 (decode
+    rank 1's lane has no sender of its own: it takes rank 0's chunks), and decode at TP 1 from
+    prefill at TP 2 (prefill rank 1's story has no receiver). Every transfer paired on every
+    decode rank, every room's head-stream digests (alg 3) compared across the split, nothing
+    reported."""
+    from kvguard.sidecar.service import Sidecar
+    from kvguard.sidecar.sinks.basic import MemorySink
+    from tests.support.sidecar_settle import wait_until_applied
+
+    require_sglang("0.5.23")
+    ring_dir = tmp_path / "rings"
+    ring_dir.mkdir()
+    kwargs = ARCH.pair_kwargs(512)
+    plain = [a for a in kwargs["prefill_args"] if a not in ("--tp-size", str(ARCH.tp_size))]
+    kwargs.update(
+        prefill_args=plain + (["--tp-size", str(prefill_tp)] if prefill_tp > 1 else []),
+        decode_args=plain + (["--tp-size", str(decode_tp)] if decode_tp > 1 else []),
+        prefill_pool_tokens=512,
+        decode_pool_tokens=1024,
+    )
+    memory = MemorySink()
+    sidecar = Sidecar(str(ring_dir), sinks=[memory], remove_dead_rings=False).start()
+    try:
+        with PDPair("0.5.23", ring_dir, tmp_path / "logs", **kwargs) as pair:
+            rng = random.Random(5)
+            for i in range(10):
+                prompt = [rng.randint(3, 255) for _ in range(rng.randint(20, 200))]
+                r = pair.generate(prompt, tenant=("acme", "globex")[i % 2], max_new_tokens=8)
+                assert r.ok, r.summary()
+            wait_until_applied(sidecar, 1.0, 20.0)
+            with sidecar.lock:
+                ledger = sidecar.pipeline_stats().ledger
+                borrowed = sidecar.pipeline.ledger.lanes_borrowed
+    finally:
+        sidecar.stop()
+    assert memory.findings == [], [f.summary for f in memory.findings]
+    decode_ranks = [dict(o) for o in ledger.transfers_by_engine.values() if sum(o.values())]
+    assert len(decode_ranks) == decode_tp, decode_ranks
+    assert all(o["paired"] >= 10 and o["unpaired"] == 0 for o in decode_ranks), decode_ranks
+    assert ledger.digests_compared >= 10 and ledger.digests_incomparable == 0, ledger
+    assert borrowed >= 10 if decode_tp > prefill_tp else borrowed == 0, borrowed
