@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from kvguard.engine_hooks import wire
 
 from . import incident_view
+from .ledger.lanes import rank_of, room_of
 from .recorder import RecordingError, SegmentHeader, SegmentReader
 
 FORMAT = "kvguard-bundle"
@@ -249,7 +250,8 @@ def _room_facts(state, held_as: str) -> dict:
 
     reserved = _reserved(state) if state.reserved_pages is not None else None
     return {
-        "room": state.room,
+        "room": room_of(state.room),
+        "rank": rank_of(state.room),  # the tensor-parallel rank pair this story is (sidecar/ledger/lanes.py)
         "held_as": held_as,
         "sender": {
             "rid": state.sender_rid,
@@ -283,20 +285,31 @@ def _room_facts(state, held_as: str) -> dict:
 def _transfers(pipeline, inc: dict, picture) -> dict:
     ledger = pipeline.ledger
     rooms = []
+    tables = (("live", ledger.rooms), ("pending", ledger.pending), ("closed", ledger.closed))
+    wanted = set(_rooms(inc))
+    # every rank pair's story of each room (one scan: a bundle is made on demand, not per record)
+    lanes: dict[int, set[int]] = {room: {room} for room in wanted}
+    for _name, table in tables:
+        for key in table:
+            if room_of(key) in wanted:
+                lanes[room_of(key)].add(key)
     for room in _rooms(inc):
-        held = None
-        for name, table in (("live", ledger.rooms), ("pending", ledger.pending), ("closed", ledger.closed)):
-            state = table.get(room)
-            if state is not None:
-                held = _room_facts(state, name)
-                break
-        if held is None:
-            held = {"room": room, "held_as": None}
-            if room in ledger.forgotten:
-                held["why"] = "evicted while its receiver waited (the ledger's bound): its result was unverified"
-            else:
-                held["why"] = "no longer held (closed rooms are kept for the last few thousand transfers)"
-        rooms.append(held)
+        for key in sorted(lanes[room]):
+            held = None
+            for name, table in tables:
+                state = table.get(key)
+                if state is not None:
+                    held = _room_facts(state, name)
+                    break
+            if held is None and key != room:
+                continue
+            if held is None:
+                held = {"room": room, "held_as": None}
+                if room in ledger.forgotten:
+                    held["why"] = "evicted while its receiver waited (the ledger's bound): its result was unverified"
+                else:
+                    held["why"] = "no longer held (closed rooms are kept for the last few thousand transfers)"
+            rooms.append(held)
     return {
         "ledger": "shared" if pipeline.shared_ledger is not None else "memory",
         "rooms": rooms,

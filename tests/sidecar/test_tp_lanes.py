@@ -188,3 +188,16 @@ def test_decode_at_a_larger_tp_size_than_prefill_pairs_its_extra_rank_with_rank_
     sizes = [f for f in memory.findings if f.kind == "transfer_size_mismatch"]
     assert sorted(f.engine.rank for f in sizes) == [0, 1], [f.summary for f in memory.findings]
     assert sidecar.pipeline.ledger.lanes_borrowed == 2
+
+
+def test_an_incidents_bundle_holds_every_rank_pairs_story_of_its_room(tp2):
+    from kvguard.sidecar import bundle
+
+    sidecar, memory, ranks = tp2
+    _request(ranks, 1)
+    sidecar.run_once(flush=True)
+    read = next(f for f in memory.findings if f.kind == "unwritten_read")
+    no_picture = type("NoPicture", (), {"transfer": lambda self: None})()
+    facts = bundle._transfers(sidecar.pipeline, {"reader": {"bootstrap_room": read.reader.bootstrap_room}}, no_picture)
+    stories = [(r["room"], r["rank"], r["receiver"]["reserved_tokens"]) for r in facts["rooms"]]
+    assert stories == [(ROOM, 0, TOKENS), (ROOM, 1, TOKENS)], facts["rooms"]
