@@ -251,6 +251,13 @@ class RedisCluster:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+def _fields(entry) -> dict[str, str]:
+    """One SENTINEL REPLICAS entry (redis-py gives a dict; RESP a flat name, value, ... list) as str."""
+    pairs = entry.items() if isinstance(entry, dict) else zip(entry[::2], entry[1::2])
+    text = lambda v: v.decode() if isinstance(v, bytes) else str(v)
+    return {text(k): text(v) for k, v in pairs}
+
+
 class RedisSentinel:
     """A master, its replica and one Sentinel watching them (Debian's redis-server --sentinel)."""
 
@@ -292,9 +299,14 @@ class RedisSentinel:
         sentinel = redis.Redis(port=self.sentinel_port, socket_timeout=1)
 
         def ready() -> bool:
-            replicas = sentinel.execute_command("SENTINEL", "REPLICAS", self.name)
+            # Sentinel must have heard the replica itself (not only of it, from the master's INFO):
+            # until then it finds no replica it may promote (NOGOODSLAVE)
+            replicas = [_fields(r) for r in sentinel.execute_command("SENTINEL", "REPLICAS", self.name)]
             link = redis.Redis(port=self.replica_port, socket_timeout=1).info("replication")
-            return bool(replicas) and link.get("master_link_status") == "up"
+            return (
+                any(r.get("flags") == "slave" and r.get("master-link-status") == "ok" for r in replicas)
+                and link.get("master_link_status") == "up"
+            )
 
         deadline = time.monotonic() + 30
         while True:
@@ -321,9 +333,18 @@ class RedisSentinel:
         import redis
 
         before = self.master()
-        redis.Redis(port=self.sentinel_port, socket_timeout=2).execute_command("SENTINEL", "FAILOVER", self.name)
-        old = redis.Redis(port=before[1], socket_timeout=1)
         deadline = time.monotonic() + limit_s
+        while True:  # NOGOODSLAVE: Sentinel has not refreshed the replica's state yet (it asks every 10 s)
+            try:
+                redis.Redis(port=self.sentinel_port, socket_timeout=2).execute_command(
+                    "SENTINEL", "FAILOVER", self.name
+                )
+                break
+            except redis.ResponseError as exc:
+                if "NOGOODSLAVE" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        old = redis.Redis(port=before[1], socket_timeout=1)
         # done when Sentinel names the other one and the old master has been made its replica
         while self.master() == before or old.info("replication")["role"] != "slave":
             if time.monotonic() > deadline:
