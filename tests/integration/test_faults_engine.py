@@ -395,6 +395,27 @@ def _earlier_requests(pair: PDPair, rng: random.Random, tag: str, n: int = 2) ->
     return out
 
 
+def send_foreign_page_scene(pair: PDPair, watch: Watch):
+    """acme's victim request, then initech's request whose last sent page the fault swaps for
+    the victim's first (``send_foreign_page``): (victim, victim's page, rid, reply, swap event).
+    Nothing is reported before the faulty request."""
+    rng = random.Random(9)
+    mark = watch.mark()
+    victim = pair.generate(
+        prompt(rng, 40), tenant="acme", max_new_tokens=4, rid=make_rid("send_foreign_page", "v", "1")
+    )
+    assert victim.ok, victim.summary()
+    victim_page = watch.wait_event("send_foreign_page", "victim")["page"]
+    watch.settle()
+    assert watch.since(mark) == [], describe(watch.since(mark))
+    rid = make_rid("send_foreign_page", "f", "1")
+    r = pair.generate(prompt(rng, 40), tenant="initech", max_new_tokens=4, rid=rid)
+    assert r.ok and r.prompt_tokens == 40, r.summary()  # what a status-code check sees: success
+    ev = watch.wait_event("send_foreign_page", "swapped")
+    watch.wait_event("send_foreign_page", "restored")
+    return victim, victim_page, rid, r, ev
+
+
 def _in_flight_ended(watch: Watch) -> int:
     with watch.sidecar.lock:
         stats = watch.sidecar.pipeline.stats().ledger.in_flight
@@ -486,21 +507,9 @@ class TestPrefillDecodePair:
         decode as the prompt's). Decode's reads and the digests look clean (the transfer
         wrote every reserved page, both ends hash what was shipped): only the send says it."""
         pair, watch = pd
-        rng = random.Random(9)
         mark = watch.mark()
-        victim = pair.generate(
-            prompt(rng, 40), tenant="acme", max_new_tokens=4, rid=make_rid("send_foreign_page", "v", "1")
-        )
-        assert victim.ok, victim.summary()
-        victim_page = watch.wait_event("send_foreign_page", "victim")["page"]
-        watch.settle()
-        assert watch.since(mark) == [], describe(watch.since(mark))
-        rid = make_rid("send_foreign_page", "f", "1")
-        r = pair.generate(prompt(rng, 40), tenant="initech", max_new_tokens=4, rid=rid)
-        assert r.ok and r.prompt_tokens == 40, r.summary()  # what a status-code check sees: success
-        ev = watch.wait_event("send_foreign_page", "swapped")
+        victim, victim_page, rid, r, ev = send_foreign_page_scene(pair, watch)
         assert ev["victim_page"] == victim_page and ev["room"] == r.room
-        watch.wait_event("send_foreign_page", "restored")
         found = watch.since(mark)
         assert [f.kind for f in found] == ["unwritten_send"], describe(found)
         f = found[0]

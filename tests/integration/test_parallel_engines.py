@@ -220,24 +220,12 @@ def test_a_truncated_send_at_tp2_is_caught_on_both_decode_ranks_with_the_victims
 
 @pytest.mark.sweep  # make test-parallel
 def test_a_send_of_a_page_the_request_never_wrote_at_tp2_names_the_victim_on_both_prefill_ranks(tp2_fault_pair):
-    from tests.support.engine_watch import describe, prompt
-    from tests.support.fault_plugin import make_rid
+    from tests.integration.test_faults_engine import send_foreign_page_scene
+    from tests.support.engine_watch import describe
 
     pair, watch = tp2_fault_pair
-    rng = random.Random(9)
     mark = watch.mark()
-    victim = pair.generate(
-        prompt(rng, 40), tenant="acme", max_new_tokens=4, rid=make_rid("send_foreign_page", "v", "1")
-    )
-    assert victim.ok, victim.summary()
-    victim_page = watch.wait_event("send_foreign_page", "victim")["page"]
-    watch.settle()
-    assert watch.since(mark) == []
-    rid = make_rid("send_foreign_page", "f", "1")
-    r = pair.generate(prompt(rng, 40), tenant="initech", max_new_tokens=4, rid=rid)
-    assert r.ok and r.prompt_tokens == 40, r.summary()
-    ev = watch.wait_event("send_foreign_page", "swapped")
-    watch.wait_event("send_foreign_page", "restored")
+    victim, victim_page, rid, r, ev = send_foreign_page_scene(pair, watch)
     found = watch.since(mark)
     assert sorted((f.kind, f.engine.role, f.engine.rank) for f in found) == [
         ("unwritten_send", "prefill", 0),
