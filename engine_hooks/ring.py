@@ -116,6 +116,8 @@ _FIXED = struct.Struct("<8sIIQIIQQ")  # magic .. proc_start_ticks
 # indices into the header viewed as uint64
 _WRITE_POS, _NEXT_SEQ, _DROPPED_RECORDS, _DROPPED_BYTES, _RECORDS_WRITTEN, _WRITING_SINCE = 8, 9, 10, 11, 12, 13
 _READ_POS, _CONSUMER_PID, _CONSUMER_NEXT_SEQ = 16, 17, 18
+_POSITION = struct.Struct("<QQQ")  # read_pos, consumer_pid, consumer_next_seq: written together
+_U64 = 0xFFFFFFFFFFFFFFFF
 _STICKY_LEN_OFF, _STICKY_OFF = 512, 520
 MAX_STICKY_BYTES = HEADER_BYTES - _STICKY_OFF
 _STICKY_LEN = struct.Struct("<I")
@@ -570,8 +572,10 @@ class RingReader:
         self._mask = capacity - 1
         self._open = True
         self._check()
-        self._set(_CONSUMER_PID, os.getpid())
+        self._consumer_pid = os.getpid()
+        self._set(_CONSUMER_PID, self._consumer_pid)
         self.read_pos = self._get(_READ_POS)
+        self.last_backlog = 0  # unread bytes when the last poll began, less what it read
         # a previous consumer left read_pos and the next sequence it expected: resume there
         self.next_seq: int | None = self._get(_CONSUMER_NEXT_SEQ) if self.read_pos else None
         self.resumed = self.read_pos > 0
@@ -680,7 +684,11 @@ class RingReader:
             self.stats.corrupt_bytes += min(abs(write_pos - self.read_pos), self.capacity)
             self.stats.last_error = f"write_pos {write_pos} inconsistent with read_pos {self.read_pos}: resynchronised"
             self.read_pos = write_pos
+            self.last_backlog = 0
             self._set(_READ_POS, write_pos)
+            return PollResult([], 0)
+        if write_pos == self.read_pos:  # nothing published since: no copy, no header write
+            self.last_backlog = 0
             return PollResult([], 0)
         records: list[wire.Record] = []
         limit = min(write_pos, self.read_pos + max_bytes)
@@ -700,8 +708,25 @@ class RingReader:
                 self.read_pos += chunk
             else:  # a copy no bigger than cap (or one record), however much is published
                 self.read_pos += self._read_bounded(offset, chunk, records, cap)
-        self._set(_READ_POS, self.read_pos)  # (checks the file is still whole first)
-        return self._mark_gaps(records)
+        result = self._mark_gaps(records)
+        # what is left of what was published when this poll began: the ingest's hold and its
+        # "call again" need no second read of write_pos (a record published since was stamped
+        # after the poll began, and is read by the next one)
+        self.last_backlog = write_pos - self.read_pos
+        self._store_position()
+        return result
+
+    def _store_position(self) -> None:
+        """The reader's read position, pid and next expected sequence, in one write (adjacent
+        header words). Not preceded by a size check: a file cut since this poll's check grows
+        back by at most the header (a write cannot fault), and the next poll's check retires it."""
+        if not self._open:
+            raise RingTruncated(f"{self.path}: closed")
+        os.pwrite(
+            self._lock_fd,
+            _POSITION.pack(self.read_pos & _U64, self._consumer_pid, (self.next_seq or 0) & _U64),
+            _READ_POS * 8,
+        )
 
     def _read_bounded(self, offset: int, avail: int, records: list, cap: int = READ_CHUNK_BYTES) -> int:
         """Decode the whole records at the start of ``avail`` published bytes at ``offset``
@@ -735,7 +760,6 @@ class RingReader:
             out.append(rec)
             expected = rec.seq + wire.records_in(rec)
         self.next_seq = expected
-        self._set(_CONSUMER_NEXT_SEQ, expected)
         self.records_lost += lost
         return PollResult(out, lost)
 

@@ -344,7 +344,7 @@ class RingSet:
                 self.stats.records_lost += result.lost
                 for rec in result.records:
                     heapq.heappush(self._heap, (rec.ts_ns, next(self._tiebreak), rec))
-                backlog = reader.backlog_bytes
+                backlog = reader.last_backlog  # (as of the poll's start: see RingReader.poll)
                 # (not for long, and not for a dead producer: a writer killed mid-record, or stopped,
                 # must not hold every other engine's records back)
                 if writing_since and alive and self.polled_at_ns - writing_since < MAX_WRITER_HOLD_NS:

@@ -28,6 +28,27 @@ def test_records_come_out_in_order(tmp_path):
     assert [x.seq for x in res.records] == [0, 1, 2, 3, 4] and res.lost == 0
 
 
+def test_a_new_reader_resumes_where_the_last_poll_left_and_sees_a_later_gap(tmp_path):
+    """The read position and the next expected sequence are stored together after each poll:
+    the next consumer (a restarted sidecar) starts there, and a record dropped after it
+    shows as a gap of exactly one."""
+    w = RingWriter(str(tmp_path), 4096)
+    for i in range(3):
+        assert w.write(wire.Kind.ALLOC, _alloc(i + 1))
+    first = RingReader(w.path)
+    assert [x.seq for x in first.poll().records] == [0, 1, 2]
+    assert first.last_backlog == 0
+    assert first.poll().records == []  # nothing new: nothing copied, nothing stored
+    first.close()
+    w._seq += 1  # as a dropped record does: its sequence number is used, its bytes never land
+    assert w.write(wire.Kind.ALLOC, _alloc(4))
+    second = RingReader(w.path)
+    assert second.resumed and second.read_pos > 0
+    res = second.poll()
+    assert [x.kind for x in res.records] == [wire.Kind.LOST, wire.Kind.ALLOC] and res.lost == 1
+    assert res.records[1].seq == 4
+
+
 def test_wrap_around_many_times_loses_nothing(tmp_path):
     w = RingWriter(str(tmp_path), 4096)
     r = RingReader(w.path)
