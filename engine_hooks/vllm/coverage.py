@@ -131,6 +131,17 @@ def engine_core_items(scheduler, version: str, groups: list[Group]) -> list[wire
     pp = int(getattr(par, "pipeline_parallel_size", 1) or 1)
     dp = int(getattr(par, "data_parallel_size", 1) or 1)
     layout = f"tp {tp}, pp {pp}, dp {dp}"
-    how = "the EngineCore's block tables; tensor-parallel rank 0's worker reports the forwards (every rank holds the same tables)"
+    # a data-parallel server of a dense model runs each engine core as an independent engine:
+    # vLLM resets its data_parallel_size to 1 and keeps the core's rank only as data_parallel_index
+    # (a MoE model's cores keep the server's size and their data_parallel_rank)
+    dp_index = int(getattr(par, "data_parallel_index", 0) or 0)
+    if dp > 1:
+        layout += f" (engine core {int(getattr(par, 'data_parallel_rank', dp_index) or 0)})"
+    elif dp_index:
+        layout += f" (engine core {dp_index} of a data-parallel server, run as an independent engine)"
+    how = (
+        "the EngineCore's block tables; tensor-parallel rank 0's worker reports the forwards (every rank holds "
+        "the same tables); each data-parallel engine core is its own engine and timeline"
+    )
     items.append(cv.parallel(layout, pp, how))
     return items

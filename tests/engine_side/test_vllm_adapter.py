@@ -410,3 +410,24 @@ def test_a_worker_of_two_groups_masks_what_the_window_no_longer_reads(captured, 
     # token 100 reads from 37 on (window 64): blocks 0 (tokens 0-31) are behind it, pointed at page 0
     assert (f0.pool, f0.body.read_pages.tolist(), f0.body.write_pages.tolist()) == (0, [0, 2, 3, 4], [4])
     assert (f1.pool, f1.body.read_pages.tolist(), f1.body.write_pages.tolist()) == (1, [5, 6, 7, 8], [8])
+
+
+@pytest.mark.parametrize(
+    "parallel, says",
+    [
+        ({}, "tp 1, pp 1, dp 1: "),
+        # a dense model's data-parallel server: vLLM runs each core as an independent engine of dp 1
+        ({"data_parallel_size": 1, "data_parallel_index": 1}, "dp 1 (engine core 1 of a data-parallel server"),
+        # a MoE model's: the cores keep the server's size and their rank
+        ({"data_parallel_size": 2, "data_parallel_rank": 1, "data_parallel_index": 1}, "dp 2 (engine core 1): "),
+    ],
+)
+def test_the_parallel_layout_says_which_data_parallel_engine_core_this_is(captured, parallel, says):
+    pool = _pool(16)
+    rt.State.hello_done = False
+    sched = _hybrid_scheduler(pool)
+    sched.vllm_config.parallel_config = types.SimpleNamespace(**parallel)
+    hc.scheduler_init_post(None, None, sched)
+    coverage = next(r for r in captured.take() if r.kind == wire.Kind.COVERAGE)
+    (layout,) = [i for i in coverage.body.items if i.component == "parallel"]
+    assert layout.status == wire.CoverageStatus.WATCHED and says in layout.detail, layout.detail
