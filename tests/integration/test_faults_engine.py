@@ -416,6 +416,53 @@ def send_foreign_page_scene(pair: PDPair, watch: Watch):
     return victim, victim_page, rid, r, ev
 
 
+def sent_while_another_prefills(pair: PDPair, rng: random.Random, f_rid: str, v_rid: str, watch: Watch, fault: bool):
+    """f (initech) goes to the pair; while its transfer is in flight v (acme) is prefilled.
+    With the fault, prefill released f's pages right after handing its last chunk to
+    Mooncake, v got them, and Mooncake read them only after v computed its prompt there."""
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(pair.generate, prompt(rng, 40), tenant="initech", max_new_tokens=4, rid=f_rid)
+        if fault:
+            watch.wait_event("send_source_released", "released_early")
+        victim = pair.generate(prompt(rng, 40), tenant="acme", max_new_tokens=4, rid=v_rid)
+        r = pending.result(timeout=120)
+    assert victim.ok and r.ok and r.prompt_tokens == 40, (victim.summary(), r.summary())
+    return r, victim
+
+
+def send_source_released_scene(pair: PDPair, watch: Watch, rng: random.Random):
+    """``send_source_released``: f's source pages go to the victim v while f's transfer of
+    them is in flight. (f's rid, f's reply, v's reply, the release event, the pages v got)."""
+    fault = "send_source_released"
+    rid, v_rid = make_rid(fault, "f", "1"), make_rid(fault, "v", "1")
+    r, victim = sent_while_another_prefills(pair, rng, rid, v_rid, watch, fault=True)
+    released = watch.wait_event(fault, "released_early")
+    got = watch.wait_event(fault, "victim_written")["got"]
+    assert got, "the victim was not handed the released pages"
+    assert watch.wait_event(fault, "transfer_released")["victim_written"]
+    return rid, r, victim, released, got
+
+
+def completion_after_release_scene(pair: PDPair, watch: Watch, rng: random.Random):
+    """``completion_after_release``: decode gives f's reservation up while prefill's transfer
+    into it is in flight, the victim v is reserved the same pages, then f's transfer completes
+    into them. (f's rid, v's rid, f's reply, the release event, the pages v got)."""
+    fault = "completion_after_release"
+    rid, v_rid = make_rid(fault, "f", "1"), make_rid(fault, "v", "1")
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(pair.generate, prompt(rng, 40), tenant="initech", max_new_tokens=4, rid=rid)
+        released = watch.wait_event(fault, "released_early")
+        victim = pair.generate(prompt(rng, 40), tenant="acme", max_new_tokens=4, rid=v_rid)
+        r = pending.result(timeout=120)
+    assert victim.ok and not r.ok, (victim.summary(), r.summary())  # decode failed f: the client saw an error
+    got = watch.wait_event(fault, "victim_reserved")["got"]
+    assert got, "the victim was not reserved the released pages"
+    assert watch.wait_event(fault, "transfer_released")["victim_written"]
+    watch.wait_event(fault, "completion_reported")
+    watch.settle()
+    return rid, v_rid, r, released, got
+
+
 def _in_flight_ended(watch: Watch) -> int:
     with watch.sidecar.lock:
         stats = watch.sidecar.pipeline.stats().ledger.in_flight
@@ -520,19 +567,6 @@ class TestPrefillDecodePair:
         if victim_page != ev["own_page"]:  # the victim's page was not handed to the sender itself meanwhile
             assert victim.rid in [p.rid for p in f.exposed], describe(found)
 
-    def _sent_while_another_prefills(self, pair, rng, f_rid: str, v_rid: str, watch, fault: bool):
-        """f (initech) goes to the pair; while its transfer is in flight v (acme) is prefilled.
-        With the fault, prefill released f's pages right after handing its last chunk to
-        Mooncake, v got them, and Mooncake read them only after v computed its prompt there."""
-        with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(pair.generate, prompt(rng, 40), tenant="initech", max_new_tokens=4, rid=f_rid)
-            if fault:
-                watch.wait_event("send_source_released", "released_early")
-            victim = pair.generate(prompt(rng, 40), tenant="acme", max_new_tokens=4, rid=v_rid)
-            r = pending.result(timeout=120)
-        assert victim.ok and r.ok and r.prompt_tokens == 40, (victim.summary(), r.summary())
-        return r, victim
-
     def test_prefill_reads_source_pages_after_they_changed_hands(self, pd):
         """The sender's side of a transfer in flight (TensorRT-LLM #12540 / #12542, SGLang
         #24527's family): the source pages are handed to another request before the transfer
@@ -542,18 +576,12 @@ class TestPrefillDecodePair:
         pair, watch = pd
         rng = random.Random(10)
         mark = watch.mark()
-        self._sent_while_another_prefills(pair, rng, "kvg-ssr-clean-f", "kvg-ssr-clean-v", watch, fault=False)
+        sent_while_another_prefills(pair, rng, "kvg-ssr-clean-f", "kvg-ssr-clean-v", watch, fault=False)
         watch.settle()
         assert watch.since(mark) == [], describe(watch.since(mark))
 
         mark, ended_before = watch.mark(), _in_flight_ended(watch)
-        rid = make_rid("send_source_released", "f", "1")
-        v_rid = make_rid("send_source_released", "v", "1")
-        r, victim = self._sent_while_another_prefills(pair, rng, rid, v_rid, watch, fault=True)
-        released = watch.wait_event("send_source_released", "released_early")
-        got = watch.wait_event("send_source_released", "victim_written")["got"]
-        assert got, "the victim was not handed the released pages"
-        assert watch.wait_event("send_source_released", "transfer_released")["victim_written"]
+        rid, r, victim, released, got = send_source_released_scene(pair, watch, rng)
         _wait_sender_completions(watch, ended_before, n=2)  # f's and v's
         found = watch.since(mark)
         # decode also sees it as the transfer's digests disagreeing: prefill hashed f's own KV
@@ -577,22 +605,10 @@ class TestPrefillDecodePair:
         the same pages, and then f's transfer completes into them."""
         pair, watch = pd
         rng = random.Random(11)
-        fault = "completion_after_release"
         mark, ended_before = watch.mark(), _in_flight_ended(watch)
         with watch.sidecar.lock:
             unjudged_before = watch.sidecar.pipeline.stats().ledger.in_flight.unjudged
-        rid, v_rid = make_rid(fault, "f", "1"), make_rid(fault, "v", "1")
-        with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(pair.generate, prompt(rng, 40), tenant="initech", max_new_tokens=4, rid=rid)
-            released = watch.wait_event(fault, "released_early")
-            victim = pair.generate(prompt(rng, 40), tenant="acme", max_new_tokens=4, rid=v_rid)
-            r = pending.result(timeout=120)
-        assert victim.ok and not r.ok, (victim.summary(), r.summary())  # decode failed f: the client saw an error
-        got = watch.wait_event(fault, "victim_reserved")["got"]
-        assert got, "the victim was not reserved the released pages"
-        assert watch.wait_event(fault, "transfer_released")["victim_written"]
-        watch.wait_event(fault, "completion_reported")
-        watch.settle()
+        rid, v_rid, r, released, got = completion_after_release_scene(pair, watch, rng)
         _wait_sender_completions(watch, ended_before)
         found = watch.since(mark)
         with watch.sidecar.lock:

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from contextlib import contextmanager
 
 import numpy as np
@@ -505,3 +506,90 @@ def test_failures_that_last_past_the_grace_period_are_degraded_and_recover():
         client.failing = False
         wait_until(lambda: not link.degraded, 5)
         assert not link.degraded and link.recoveries == 1
+
+
+# ---------------------------------------------------------------------- a rollout of mixed versions
+class TpPods:
+    """Prefill and decode at tensor parallelism 2 in two pods: each rank its own engine (pid,
+    ring) in its pod's ring directory, each pod watched by its own sidecar."""
+
+    def __init__(self, tmp_path, url):
+        self.sinks = {role: MemorySink() for role in ("prefill", "decode")}
+        self.probes, self.sidecars = {}, {}
+        for role, base_pid in (("prefill", 1000), ("decode", 2000)):
+            d = tmp_path / role
+            d.mkdir()
+            for rank in (0, 1):
+                p = Probes(RingWriter(str(d), 1 << 20))
+                p.hello(role, rank, 4, 1024, 4096, 4096, 4096, "sglang", "0.5.23", "tiny", pid=base_pid + rank)
+                self.probes[role, rank] = p
+            self.sidecars[role] = Sidecar(str(d), sinks=[self.sinks[role]], slack_ns=0, ledger=url)
+            self.sidecars[role].shared_ledger.poll_interval_s = 0.02
+            self.sidecars[role].shared_ledger.start()
+
+    settle = Pods.settle
+    kinds = Pods.kinds
+    ledger = Pods.ledger
+    stop = Pods.stop
+
+    def request(self, rid, room, tokens, pages, sent_tokens, tenant="acme"):
+        """The same request on every rank (ranks make the same decisions on the same inputs)."""
+        for rank in (0, 1):
+            prefill, decode = self.probes["prefill", rank], self.probes["decode", rank]
+            for p in (prefill, decode):
+                p.request_begin(rid, tenant, room, tokens, 0, False)
+            decode.pages_allocated(slots(pages))
+            decode.rows_assigned(rid, 0, tokens, 0, slots(pages)[:tokens])
+            decode.transfer_reserved(rid, room, tokens, slots(pages)[:tokens])
+            prefill.pages_allocated(slots([900]))
+            prefill.transfer_sent(rid, room, 0, sent_tokens, [900], True)
+            prefill.transfer_done(rid, room, "sender", "success")
+            decode.transfer_done(rid, room, "receiver", "success")
+            decode.forward([rid], [tokens], [[]], [slots(pages)[:tokens]])
+
+
+@pytest.fixture
+def old_prefill_sidecar(monkeypatch):
+    """The prefill pod's sidecar as the version before per-rank lanes ran it: every rank's side
+    of a room published under the room itself (sidecar/ledger/lanes.py came after)."""
+    from kvguard.sidecar import request_records, transfer_flow
+
+    new_lane = transfer_flow.lane
+
+    def lane(t, room):
+        return room if t.hello is not None and t.hello.role == wire.Role.PREFILL else new_lane(t, room)
+
+    monkeypatch.setattr(transfer_flow, "lane", lane)
+    if hasattr(request_records, "lane"):
+        monkeypatch.setattr(request_records, "lane", lane)
+
+
+@pytest.mark.parametrize("sent", [8, 1])
+def test_an_older_prefill_sidecar_at_tp2_pairs_with_a_newer_decode_sidecar(
+    tmp_path, redis_server, old_prefill_sidecar, sent
+):
+    """During a rollout the prefill pods may still run the sidecar without lanes: its ranks'
+    facts all sit on the room. The newer decode sidecar's rank 1 finds no sender in its own lane
+    and takes rank 0's (the borrow), so a clean transfer pairs on both decode ranks with nothing
+    raised, and a short one is still caught on both."""
+    p = TpPods(tmp_path, redis_server.url)
+    try:
+        p.request("r-1", 11, 8, [1, 2], sent)
+        assert p.settle(lambda: p.ledger("decode").paired == 2), p.ledger("decode").__dict__
+        p.settle(lambda: False, limit_s=0.5)
+        assert p.ledger("decode").lanes_borrowed == 1  # rank 1's sender facts were rank 0's, on the room
+        if sent == 8:
+            assert p.kinds("decode") == [] and p.kinds("prefill") == []
+        else:
+            found = Counter((f.kind, f.engine.rank) for f in p.sinks["decode"].findings)
+            assert found == Counter(
+                {
+                    ("transfer_size_mismatch", 0): 1,
+                    ("transfer_size_mismatch", 1): 1,
+                    ("unwritten_read", 0): 1,
+                    ("unwritten_read", 1): 1,
+                }
+            ), found
+            assert p.kinds("prefill") == []
+    finally:
+        p.stop()

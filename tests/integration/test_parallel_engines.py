@@ -8,9 +8,12 @@ end's per-rank partial digests up on the room (docs/wire-format.md, "Transfer di
 
 * in make test: the 2026 leak (SGLang 0.5.19) on the TP 2 pair: caught on each decode rank
   with the same victims named, the digests compared once across both ranks, nothing else;
-* `make test-parallel` also runs two injected transfer faults on a TP 2 pair of 0.5.23 (the
-  test-only fault plugin in every rank): a truncated send caught on both decode ranks, and a
-  send of a page the request never wrote caught on both prefill ranks, the victims named;
+* `make test-parallel` also runs four injected transfer faults on a TP 2 pair of 0.5.23 (the
+  test-only fault plugin in every rank): a truncated send caught on both decode ranks, a
+  send of a page the request never wrote caught on both prefill ranks, source pages handed to
+  another request while their send was in flight (a use_after_free on both prefill ranks), and
+  a completion into pages decode had given away (a late_write on both decode ranks), the
+  victims named;
   prefill and decode at different TP sizes (1 and 2, both ways), every transfer paired and
   digested; the routed prefill/decode soak on a TP 2 pair of 0.5.23
   (clients that send no rid, the guard, content check and page identity on): zero findings;
@@ -172,7 +175,8 @@ def tp2_fault_pair(tmp_path_factory, require_sglang):
     ring_dir.mkdir()
     events_dir.mkdir()
     watch = Watch(ring_dir, events_dir)
-    kwargs = ARCH.pair_kwargs(CONTEXT, extra_env=fault_env(events_dir, "send_truncated,send_foreign_page"))
+    faults = "send_truncated,send_foreign_page,send_source_released,completion_after_release"
+    kwargs = ARCH.pair_kwargs(CONTEXT, extra_env=fault_env(events_dir, faults))
     kwargs.update(prefill_pool_tokens=PREFILL_POOL, decode_pool_tokens=DECODE_POOL)
     pair = PDPair(VERSION, ring_dir, work / "logs", extra_pythonpath=[FAULTS_DIR], router=False, **kwargs)
     try:
@@ -236,6 +240,63 @@ def test_a_send_of_a_page_the_request_never_wrote_at_tp2_names_the_victim_on_bot
         assert (f.reader.rid, f.reader.tenant, f.reader.bootstrap_room) == (rid, "initech", r.room)
         if victim_page != ev["own_page"]:
             assert victim.rid in [p.rid for p in f.exposed], describe(found)
+
+
+@pytest.mark.sweep  # make test-parallel
+def test_source_pages_changing_hands_in_flight_at_tp2_are_caught_on_both_prefill_ranks(tp2_fault_pair):
+    """send_source_released on both prefill ranks: each gives f's pages to the victim while its
+    own transfer of them is in flight; each rank's send is judged at its own completion."""
+    from tests.integration.test_faults_engine import (
+        _in_flight_ended,
+        _wait_sender_completions,
+        send_source_released_scene,
+    )
+    from tests.support.engine_watch import describe
+
+    pair, watch = tp2_fault_pair
+    mark, ended_before = watch.mark(), _in_flight_ended(watch)
+    rid, r, victim, released, got = send_source_released_scene(pair, watch, random.Random(10))
+    _wait_sender_completions(watch, ended_before, n=4)  # f's and v's, on each prefill rank
+    found = watch.since(mark)
+    assert Counter((f.kind, f.engine.role, f.engine.rank) for f in found) == Counter(
+        {
+            ("use_after_free", "prefill", 0): 1,
+            ("use_after_free", "prefill", 1): 1,
+            ("checksum_mismatch", "decode", 0): 1,  # the ranks' partials summed on the room
+        }
+    ), describe(found)
+    for uaf in (f for f in found if f.kind == "use_after_free"):
+        assert uaf.severity == "critical" and uaf.evidence["access"] == "send"
+        assert (uaf.reader.rid, uaf.reader.tenant, uaf.reader.bootstrap_room) == (rid, "initech", r.room)
+        assert set(got) <= set(uaf.pages) <= set(released["pages"])
+        assert (victim.rid, "acme") in [(p.rid, p.tenant) for p in uaf.exposed], describe(found)
+
+
+@pytest.mark.sweep  # make test-parallel
+def test_a_completion_after_decode_gave_its_pages_away_at_tp2_is_a_late_write_on_both_decode_ranks(tp2_fault_pair):
+    """completion_after_release on both decode ranks: each gives f's reservation to the victim,
+    then its prefill rank's transfer into it completes."""
+    from tests.integration.test_faults_engine import (
+        _in_flight_ended,
+        _wait_sender_completions,
+        completion_after_release_scene,
+    )
+    from tests.support.engine_watch import describe
+
+    pair, watch = tp2_fault_pair
+    mark, ended_before = watch.mark(), _in_flight_ended(watch)
+    rid, v_rid, r, released, got = completion_after_release_scene(pair, watch, random.Random(11))
+    _wait_sender_completions(watch, ended_before, n=2)  # f's on each prefill rank
+    found = watch.since(mark)
+    lates = [f for f in found if f.kind == "late_write"]
+    assert sorted((f.engine.role, f.engine.rank) for f in lates) == [("decode", 0), ("decode", 1)], describe(found)
+    # v's own transfer may land before or after f's: its digest sees f's KV only if f's came last
+    assert {f.kind for f in found} <= {"late_write", "checksum_mismatch"}, describe(found)
+    for late in lates:
+        assert late.severity == "critical" and late.evidence["access"] == "completion"
+        assert (late.reader.rid, late.reader.tenant, late.reader.bootstrap_room) == (rid, "initech", r.room)
+        assert set(got) <= set(late.pages) <= set(released["pages"])
+        assert [(p.rid, p.tenant) for p in late.exposed] == [(v_rid, "acme")], describe(found)
 
 
 @pytest.mark.sweep  # make test-parallel
