@@ -272,8 +272,8 @@ soak-arch: venv native
 	  tests/integration/test_spec_sglang_engines.py -k clean
 
 # Tensor parallelism 2 on both engines of a real SGLang prefill/decode pair (tests/integration/
-# test_parallel_engines.py, docs/coverage.md): make test runs the 0.5.19 leak on it; this adds two injected
-# transfer faults, prefill and decode at different TP sizes, the routed soak on a 0.5.23 pair
+# test_parallel_engines.py, docs/coverage.md): make test runs the 0.5.19 leak on it; this adds four injected
+# transfer faults (two of them in flight), prefill and decode at different TP sizes, the routed soak on a 0.5.23 pair
 # (TP_SOAK_REQUESTS, 120, its summary printed) and a data-parallel vLLM server; then vLLM's engine tests
 # (clean traffic, the injected faults with their victims) and its soak on a vLLM engine at TP 2.
 .PHONY: test-parallel
