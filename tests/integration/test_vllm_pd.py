@@ -37,7 +37,7 @@ import pytest
 from kvguard.demo.engine_env import free_port
 from kvguard.demo.vllm_engine import complete, start_vllm, vllm_python
 from kvguard.engine_hooks.vllm.hooks_transfer import room_of_transfer
-from tests.integration.test_vllm_engine import FAULTS_DIR, VERSION, Watch, _missing, _text
+from tests.integration.test_vllm_engine import FAULTS_DIR, TP, VERSION, Watch, _missing, _text
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
@@ -206,6 +206,9 @@ def running_pair(base: Path, ring_dirs: dict, events: Path, watch: Watch, arch: 
         # each engine's worker on a core of its own: an idle prefill worker spins while it holds
         # a request's blocks for decode, and on one shared core decode's transfer thread starves
         sized = {} if bytes_per_block is None else {"arch": arch, "kv_cache_bytes": (num_blocks + 1) * bytes_per_block}
+        # at tensor parallelism > 1 (`make test-parallel`) every engine's workers take one core per
+        # rank (start_vllm binds them): the two engines share the cores
+        bind = {"VLLM_CPU_OMP_THREADS_BIND": str(core)} if TP == 1 else {}
         return start_vllm(
             base / role,
             version=VERSION,
@@ -216,10 +219,11 @@ def running_pair(base: Path, ring_dirs: dict, events: Path, watch: Watch, arch: 
             extra_env={
                 "MC_FORCE_TCP": "1",
                 "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap),  # (decode serves none, but binds it)
-                "VLLM_CPU_OMP_THREADS_BIND": str(core),
+                **bind,
                 **env,
             },
             extra_pythonpath=[SHIMS_DIR, FAULTS_DIR],
+            tp_size=TP,
             **sized,
         )
 
@@ -241,10 +245,18 @@ def running_pair(base: Path, ring_dirs: dict, events: Path, watch: Watch, arch: 
 
 
 def pair_dirs(tmp_path_factory, name: str) -> tuple[Path, Path]:
-    """A pair's base folder and its fault events folder; skips (with the reason) without Mooncake."""
+    """A pair's base folder and its fault events folder; skips (with the reason) without Mooncake,
+    or at tensor parallelism > 1 without a core per worker of both engines."""
     missing = _mooncake_missing()
     if missing:
         pytest.skip(missing)
+    cores = len(os.sched_getaffinity(0))
+    if TP > 1 and cores < 2 * TP:
+        # tried on 2 cores: the four workers' busy-wait starved prefill's bootstrap server, and
+        # decode's workers gave up on its /query (ReadTimeout, 3 x 30 s): no transfer ever began
+        pytest.skip(
+            f"a prefill/decode pair at tensor parallelism {TP} needs {2 * TP} cores (one per worker), have {cores}"
+        )
     base = tmp_path_factory.mktemp(name)
     (base / "events").mkdir()
     return base, base / "events"
