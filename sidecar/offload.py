@@ -26,6 +26,15 @@ What can go wrong, and what the sidecar says (docs/detectors.md):
 
 The completed load's pages count as written by the request it was loaded for (or by
 the cache, for a prefetch), so reads of loaded prefixes are judged like any other.
+
+Content identity (KVGUARD_PAGE_IDENTITY, sidecar/page_identity.py): a store keeps the
+identities its pages had (what prefix each holds, and whose tokens), and a load of the whole
+object gives them to the pages it fills, when it is issued (the reader's prefix-cache ``hit``
+record follows its admission, before the copy completes). So a lookup that hands a reader
+another prefix's stored object (a tier or a tree serving the wrong KV under a key) is a
+``prefix_content_mismatch`` naming whose tokens the object holds, where the object's own
+digest, intact, says nothing. A load of part of an object (a radix node split since) gives
+no identity: which of the object's pages it took is not in the record.
 Objects are remembered (model, scope, digest, who stored them) up to ``MAX_OBJECTS``,
 oldest forgotten first (counted); a load of an object not remembered is counted as
 unverified, never guessed.
@@ -45,6 +54,7 @@ from .detectors.reads import reader_party
 from .events import LoadedObjectMismatch, ReadVerdict, SourcePagesSent
 from .findings import Finding, Party
 from .outlet import Outlet
+from .page_identity import IdentityCounts, carry_loaded, stored_identities
 from .page_pool import FREE, PADDING_PAGE, UNKNOWN
 from .request_directory import RequestInfo
 
@@ -54,6 +64,8 @@ if TYPE_CHECKING:
 MAX_OBJECTS = 100_000  # ~120 bytes each: 12 MB at most
 MAX_PENDING_LOADS = 10_000
 MAX_PENDING_DIGESTS = 10_000  # stored digests waiting for their KV_STORE; loads remembered for their digest
+# stored objects' page identities (17 bytes per page): at most this many pages, oldest objects' first to go
+MAX_IDENTITY_PAGES = 1 << 20
 CACHE = RequestInfo(0, rid="(prefix cache)", tenant="")  # the writer / reader of a cache node's store or load
 
 
@@ -69,8 +81,12 @@ class StoredObject:
 class StoredObjects:
     """Objects stored to a host / storage tier, and the loads of them (bounded, oldest forgotten)."""
 
-    def __init__(self, out: Outlet) -> None:
+    def __init__(self, out: Outlet, identity: IdentityCounts | None = None) -> None:
         self.out = out
+        self.identity_counts = identity if identity is not None else IdentityCounts()
+        # object key -> its pages' identities at the store (ids, whose tokens, known), bounded by pages
+        self.stored_identities: OrderedDict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
+        self.stored_identity_pages = 0
         self.stored_objects: OrderedDict[int, StoredObject] = OrderedDict()
         self.pending_loads: OrderedDict[tuple, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self.objects_forgotten = 0
@@ -98,11 +114,13 @@ class StoredObjects:
             key, gone = self.stored_objects.popitem(last=False)
             if self.keys_by_digest.get(gone.digest) == key:
                 del self.keys_by_digest[gone.digest]
+            self._remember_identities(key, None)
             self.objects_forgotten += 1
         if info is None or t.hello is None or (body.req_key and (not info.known or info.warmup)):
             return []
         pages = t.pool.ensure(body.pages.astype(np.int64))
         pages = pages[pages != PADDING_PAGE]
+        self._remember_identities(body.object_key, stored_identities(t.pool, pages))
         pool = t.pool
         known = pages[pool.state[pages] != UNKNOWN]
         freed = known[pool.state[known] == FREE]
@@ -120,6 +138,10 @@ class StoredObjects:
         pages = t.pool.ensure(body.pages.astype(np.int64))
         pages = pages[pages != PADDING_PAGE]
         if body.phase == wire.LoadPhase.ISSUED:
+            stored = self.stored_identities.get(body.object_key)
+            obj = self.stored_objects.get(body.object_key)
+            if stored is not None and obj is not None and len(pages) == obj.pages == len(stored[0]):
+                carry_loaded(t.pool, pages, stored, self.identity_counts)  # (a whole object only)
             self.pending_loads[key] = (pages, t.pool.gen[pages].copy())
             while len(self.pending_loads) > MAX_PENDING_LOADS:
                 self.pending_loads.popitem(last=False)
@@ -160,6 +182,19 @@ class StoredObjects:
             *self._object_with(body.digest, body.object_key),
         )  # fmt: skip
         return self.out.emit(self.out.observe(event, t, rec.ts_ns))
+
+    def _remember_identities(self, object_key: int, stored) -> None:
+        """The stored pages' identities for the object (replacing what its key held), bounded."""
+        gone = self.stored_identities.pop(object_key, None)
+        if gone is not None:
+            self.stored_identity_pages -= len(gone[0])
+        if stored is None:
+            return
+        self.stored_identities[object_key] = stored
+        self.stored_identity_pages += len(stored[0])
+        while self.stored_identity_pages > MAX_IDENTITY_PAGES:
+            _key, old = self.stored_identities.popitem(last=False)
+            self.stored_identity_pages -= len(old[0])
 
     def _index_digest(self, digest: int, object_key: int) -> None:
         if digest:

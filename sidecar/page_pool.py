@@ -22,7 +22,7 @@ Per page (index = page id)::
 write time as u32 milliseconds; the properties of those names read them back exactly
 (keys) and in ns. 22 bytes per page in all, with the incremental judge's ``clean_shared``.
 Kept only once an engine uses them: each page's writer scope (8 bytes, REQ_SCOPE) and its
-content identity with the allocation it was recorded for (12 bytes, PAGE_IDENTITY,
+content identity with the allocation it was recorded for and whose tokens it is of (20 bytes, PAGE_IDENTITY,
 sidecar/page_identity.py).
 
 Per live request: its row as parallel arrays indexed by row page (position // page_size):
@@ -212,11 +212,14 @@ class PagePool:
         # the prefix-cache scope of each page's last writer (REQ_SCOPE), kept only once an
         # engine names a scope: 8 bytes per page where salts are in use, none elsewhere
         self.scope: np.ndarray | None = None
-        # the content identity (PAGE_IDENTITY) recorded for each page's allocation, and that
-        # allocation as gen + 1 (0: none recorded), kept only once an engine sends identities:
-        # 12 bytes per page where KVGUARD_PAGE_IDENTITY is on, none elsewhere
+        # the content identity (PAGE_IDENTITY) recorded for each page's allocation, that
+        # allocation as gen + 1 (0: none recorded), and the key of the request whose tokens the
+        # identity is of (its writer, or the writer of the stored object a load brought back),
+        # kept only once an engine sends identities: 20 bytes per page where
+        # KVGUARD_PAGE_IDENTITY is on, none elsewhere
         self.identity: np.ndarray | None = None
         self.identity_gen: np.ndarray | None = None
+        self.identity_writer: np.ndarray | None = None
 
     ARRAYS: tuple[str, ...] = (
         "state",
@@ -239,7 +242,8 @@ class PagePool:
         if self.identity is None:
             self.identity = np.zeros(self.num_pages, np.uint64)
             self.identity_gen = np.zeros(self.num_pages, np.uint32)
-            self.ARRAYS = self.ARRAYS + ("identity", "identity_gen")
+            self.identity_writer = np.zeros(self.num_pages, np.uint64)
+            self.ARRAYS = self.ARRAYS + ("identity", "identity_gen", "identity_writer")
 
     @property
     def nbytes(self) -> int:

@@ -113,7 +113,7 @@ class Pipeline:
         self.out.sender_of = self.transfers.sender_of  # a finding about a room's reader names its sender
         self.pages = PageRecords(self.out, self.engines, self.memory_budget)
         self.requests = RequestRecords(self.out, self.engines, self.transfers, self.memory_budget, self.parts, tracer)
-        self.stored_objects = StoredObjects(self.out)
+        self.stored_objects = StoredObjects(self.out, self.pages.identity)
         self._handlers = self._record_handlers()
         self.records_by_kind: Counter = Counter()
         self.apply_errors = 0
