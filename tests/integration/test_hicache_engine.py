@@ -13,10 +13,12 @@ registered with CUDA, a torch index copy for sgl_kernel's ``transfer_kv_direct``
 pool of 256 tokens (64 pages of 4) holds two 100-token prompts: four others evict the
 first, whose next request loads its prefix back from the host.
 
-The test-only fault plugin (tests/faults, faults ``hicache_host_flipped`` and
-``hicache_load_freed``) is armed in the same engine; each acts only on a request named
-for it: the victim's backup is changed in host memory before its load-back, or the
-victim's load-back is given back to the allocator before its copy is submitted (last).
+The test-only fault plugin (tests/faults, faults ``hicache_host_flipped``,
+``hicache_other_object`` and ``hicache_load_freed``) is armed in the same engine; each acts
+only on a request named for it: the victim's backup is changed in host memory before its
+load-back, or its load-back takes another backup's host slots (the content identity,
+``KVGUARD_PAGE_IDENTITY``, on in this engine, catches it), or the victim's load-back is given
+back to the allocator before its copy is submitted (last).
 """
 
 from __future__ import annotations
@@ -68,8 +70,10 @@ def hicache(tmp_path_factory, require_sglang):
             extra_args=HICACHE_ARGS,
             extra_env={
                 "KVGUARD_ROW_SAMPLE_EVERY": "1",  # the engine's own rows with every forward
-                "KVGUARD_FAULT": "hicache_host_flipped,hicache_load_freed",
+                "KVGUARD_FAULT": "hicache_host_flipped,hicache_load_freed,hicache_other_object",
                 "KVGUARD_FAULT_DIR": str(events_dir),
+                # what prefix each page holds, carried through the host and back (sidecar/offload.py)
+                "KVGUARD_PAGE_IDENTITY": "1",
                 # the fault leaves the tree naming free pages, which SGLang's idle check raises on
                 "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "0",
             },
@@ -135,6 +139,9 @@ def test_prefixes_loaded_back_from_the_host_are_written_and_quiet(hicache):
     (tracker,) = pipeline.engines.values()
     info = tracker.requests.get(wire.request_key("hic-a-2"))
     assert info is not None and info.cached_tokens == again["meta_info"]["cached_tokens"], info
+    # the loaded-back pages took the backup's content identity, and the hits on them matched
+    identity = pipeline.stats().page_identity
+    assert identity["loaded"] >= 16 and identity["matched"] >= 16 and identity["mismatched"] == 0, identity
 
 
 def fault_on_reload(engine, watch, fault: str, seed: int) -> tuple[str, dict, list]:
@@ -158,6 +165,23 @@ def test_host_kv_changed_at_rest_is_caught_when_it_is_loaded_back(hicache):
     assert f.evidence["stored_digest"] != f.evidence["loaded_digest"]
     assert (f.reader.rid, f.reader.tenant) == (victim, "acme")
     assert ev["device_slot"] // 4 in f.pages  # the load's pages, the changed slot's among them
+
+
+@needs_faults
+def test_a_prefix_loaded_back_from_another_prefixs_backup_names_whose_kv_it_is(hicache):
+    """The tree hands the victim's load-back another node's host slots (a tier serving
+    another prefix's KV under this one; Dynamo #15079's class): the backup loaded is intact,
+    so its digest matches; the content identity it carried back does not match the
+    victim's prefix, and the finding names the filler request whose prompt it is."""
+    engine, watch = hicache
+    victim, ev, found = fault_on_reload(engine, watch, "hicache_other_object", 17)
+    assert ev["tokens"] >= 64
+    (f,) = found
+    assert (f.kind, f.severity, f.evidence["via"]) == ("prefix_content_mismatch", "critical", "prefix_hit"), f.to_dict()
+    assert (f.reader.rid, f.reader.tenant) == (victim, "acme")
+    assert len(f.pages) >= 16
+    (party,) = f.exposed
+    assert party.tenant in ("globex", "initech") and party.rid.startswith("hic-hicache_other_object-fill-"), party
 
 
 @needs_faults

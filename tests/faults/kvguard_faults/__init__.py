@@ -48,6 +48,7 @@ FAULTS = (
     "flip_received_page",
     "hicache_load_freed",
     "hicache_host_flipped",
+    "hicache_other_object",
     "state_slot_freed",
     "swa_freed_under_reader",
 )

@@ -103,7 +103,14 @@ READY_TO_LOAD = S + "mem_cache.unified_radix_cache.UnifiedRadixCache.ready_to_lo
 PREPARE_FOR_EXTEND = S + "managers.schedule_batch.ScheduleBatch.prepare_for_extend"
 SWA_ALLOC_EXTEND = S + "mem_cache.allocator.swa.SWATokenToKVPoolAllocator.alloc_extend"
 
-HICACHE_FAULTS = ("hicache_load_freed", "hicache_host_flipped")
+HICACHE_FAULTS = ("hicache_load_freed", "hicache_host_flipped", "hicache_other_object")
+HICACHE_QUEUED_FAULTS = ("hicache_load_freed", "hicache_host_flipped")  # act on the queued copy
+D2H = S + "mem_cache.l2_transfer.L2TransferEngine.submit_device_to_host"
+# the tree core builds a load-back's transfer from the node's host slots (python or rust core)
+LOAD_BACK_SPECS = (
+    S + "mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore.build_load_back_spec",
+    S + "mem_cache.rust_tree_core.adapter.RustUnifiedTreeCore.build_load_back_spec",
+)
 UNIFIED_FAULTS = (
     "use_after_free",
     "double_free",
@@ -332,6 +339,7 @@ class Driver:
         self.car_hold_until: float | None = None
         # hicache_*: fault -> the victim whose next queued load-back it acts on
         self.hicache_victims: dict[str, str] = {}
+        self.hicache_backups: list = []  # hicache_other_object: host slots of recent backups
         # prefix_wrong_page: the victim's rid and prompt (token ids), noted at its allocation
         self.pwp_victim: tuple[str, list[int]] | None = None
 
@@ -949,12 +957,46 @@ class Driver:
         if not self.hicache_victims or controller is None or not controller.load_queue:
             return
         for fault, rid in list(self.hicache_victims.items()):
+            if fault not in HICACHE_QUEUED_FAULTS:
+                continue
             del self.hicache_victims[fault]
             self.done.add((fault, rid))
             if fault == "hicache_load_freed":
                 self._free_queued_loads(cache, controller, rid)
             else:
                 self._flip_queued_host_kv(controller, rid)
+
+    def remember_backups(self, transfers) -> None:
+        """The host slots of each backup of the KV pool, newest last (a few dozen kept)."""
+        for t in transfers or ():
+            host = getattr(t, "host_indices", None)
+            if host is None or getattr(t, "is_draft", False) or len(host) == 0:
+                continue
+            self.hicache_backups.append(host.to("cpu").clone())
+            del self.hicache_backups[:-64]
+
+    def other_object(self, spec):
+        """``hicache_other_object``: the armed victim's load-back takes another backup's host
+        slots of the same length (its node names the wrong host object: a tree or tier serving
+        another prefix's KV under this one, the object itself intact)."""
+        fault = "hicache_other_object"
+        rid = self.hicache_victims.get(fault)
+        kv_xfer = spec[0] if isinstance(spec, tuple) else None
+        host = getattr(kv_xfer, "host_indices", None)
+        if rid is None or host is None or len(host) == 0:
+            return
+        mine = set(host.to("cpu").tolist())
+        newer: set[int] = set()  # host slots backed up since: a backup they overlap is gone in part
+        for other in reversed(self.hicache_backups):
+            slots = set(other.tolist())
+            if len(other) != len(host) or mine & slots or newer & slots:
+                newer |= slots
+                continue
+            del self.hicache_victims[fault]
+            self.done.add((fault, rid))
+            kv_xfer.host_indices = other.to(host.device).clone()
+            self.ev.emit(fault, "injected", victim=rid, tokens=len(host), host_slot=int(other[0]))
+            return
 
     def _free_queued_loads(self, cache, controller, rid: str) -> None:
         """Give the load-back's destination pages back to the allocator (the tree still names them)."""
@@ -1300,6 +1342,21 @@ def register(faults: set[str], folder: str | None) -> Driver:
 
         HookRegistry.register(RADIX_KEY, arm_hook, HookType.AROUND)
         HookRegistry.register(READY_TO_LOAD, ready_hook, HookType.AROUND)
+
+    if "hicache_other_object" in faults:
+
+        def d2h_hook(original, engine, *args, **kwargs):
+            d.guarded("hicache_backups", d.remember_backups, args[0] if args else kwargs.get("transfers"))
+            return original(engine, *args, **kwargs)
+
+        def load_back_spec_hook(original, core, *args, **kwargs):
+            spec = original(core, *args, **kwargs)
+            d.guarded("hicache_other_object", d.other_object, spec)
+            return spec
+
+        HookRegistry.register(D2H, d2h_hook, HookType.AROUND)
+        for target in LOAD_BACK_SPECS:
+            HookRegistry.register(target, load_back_spec_hook, HookType.AROUND)
 
     if faults & set(PD_FAULTS):
 
