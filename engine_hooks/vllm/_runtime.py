@@ -149,6 +149,9 @@ class State:
 
     @classmethod
     def reset(cls) -> None:
+        from .identity_hooks import Identity  # (imports this module)
+
+        Identity.reset()
         cls.hello_done = cls.part_done = False
         cls.worker_silent = ""
         cls.tp_rank, cls.tp_size = 0, 1

@@ -35,6 +35,7 @@ from . import coverage as cov
 from . import hooks_connector as hconn
 from . import hooks_groups as hg
 from . import hooks_transfer as htx
+from . import identity_hooks as hid
 from ._runtime import State
 
 log = logging.getLogger("kvguard.vllm")
@@ -242,6 +243,8 @@ def schedule_post(_token, out, self, *args, **kwargs) -> None:
         rids, blocks = zip(*crossing)
         positions = [rows[rid] * ps - ps for rid in rids]
         p.decode_rows_assigned(rids, positions, np.asarray(blocks, np.int64) * ps)
+    if hid.Identity.state != "off":  # (KVGUARD_PAGE_IDENTITY: after the rows it names)
+        hid.guarded(hid.scheduled, self, out)
     hconn.loads_landed_in_schedule(out)
 
 
@@ -309,6 +312,8 @@ def free_request_pre(self, request, *args, **kwargs):
     """``Scheduler._free_request``: the request finished (stop, length, abort). Returns its
     REQ_END's arguments (the post hook emits them, or holds them while a send is pending)."""
     rid = request.request_id
+    if hid.Identity.tips:  # (KVGUARD_PAGE_IDENTITY: while its row is still the sidecar's)
+        hid.guarded(hid.finished, request)
     State.rows.pop(rid, None)
     if State.group_rows:
         hg.forget(rid)

@@ -201,6 +201,9 @@ def load() -> None:
 
         rt.State.row_sampler = from_env()
         rt.State.tenant_fields = rt.tenant_fields_from_env()
+        from ..page_identity import enabled_from_env as page_identity_on
+
+        page_identity_on()  # KVGUARD_PAGE_IDENTITY: a bad value installs nothing, naming it
         patched = install(version)
     except Exception as exc:  # noqa: BLE001 - a plugin failure must not stop vLLM
         log.warning("kvguard: vLLM hooks not installed: %s: %s", type(exc).__name__, exc)

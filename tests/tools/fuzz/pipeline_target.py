@@ -32,7 +32,7 @@ import sys
 
 import atheris
 
-with atheris.instrument_imports(include=["engine_hooks", "sidecar"]):
+with atheris.instrument_imports(include=["kvguard.engine_hooks", "kvguard.sidecar"]):
     import numpy as np
 
     from kvguard.engine_hooks import wire

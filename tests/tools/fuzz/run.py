@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give --seconds or --runs: a fuzz run is bounded")
     with tempfile.TemporaryDirectory(prefix="kvguard-fuzz-") as tmp:
         work = Path(tmp)
-        corpus = args.corpus or work / "corpus"
+        # absolute: libFuzzer runs in the work directory (`make fuzz` passes a path relative to the repository)
+        corpus = args.corpus.resolve() if args.corpus else work / "corpus"
         unpack(read_seeds(), corpus)
         rc = fuzz(corpus, work, args.seconds, args.runs, args.seed)
         crashes = sorted(work.glob("crash-*")) + sorted(work.glob("timeout-*")) + sorted(work.glob("oom-*"))
