@@ -139,7 +139,8 @@ def vllm(tmp_path_factory):
         num_blocks=NUM_BLOCKS,
         max_num_seqs=8,
         extra_args=["--max-num-batched-tokens", "128"],
-        extra_env={"KVGUARD_FAULT": "all", "KVGUARD_FAULT_DIR": str(events_dir)},
+        # the page content identity on: every prefix hit below is judged by what its blocks hold
+        extra_env={"KVGUARD_FAULT": "all", "KVGUARD_FAULT_DIR": str(events_dir), "KVGUARD_PAGE_IDENTITY": "1"},
         extra_pythonpath=[FAULTS_DIR],
     ) as running:
         yield running
@@ -211,6 +212,10 @@ def test_clean_traffic_is_quiet(vllm):
     assert timed and all(info.ttft_ns > 0 for info in timed), [(i.rid, i.ttft_ns) for i in timed if i.ttft_ns <= 0]
     (model,) = watch.sidecar.pipeline.detectors.get(TTFTDetector).models.values()
     assert len(model.samples) >= 10, len(model.samples)
+    # the prefix hits (the shared prompt, n=8's siblings, preempted requests resumed on their
+    # cached blocks) were judged by content identity, and every one held the reader's prefix
+    identity = watch.sidecar.pipeline.stats().page_identity
+    assert identity["recorded"] > 100 and identity["matched"] >= 10 and identity["mismatched"] == 0, identity
 
 
 def test_preflight_reads_the_pool_and_context_of_a_vllm_server(vllm, capsys):
