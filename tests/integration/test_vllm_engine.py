@@ -264,6 +264,43 @@ def test_prefix_shared_across_salts_is_reported(vllm):
     assert [p.tenant for p in f.exposed] == ["acme"] and len(f.pages) == 3, f.to_dict()
 
 
+def _event(watch: Watch, fault: str, event: str, timeout_s: float = 15.0) -> dict:
+    """The fault plugin's first ``event`` of ``fault`` (it writes before the request's reply)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = [e for e in watch.events(fault) if e.get("event") == event]
+        if got:
+            return got[0]
+        assert time.monotonic() < deadline, f"no {fault} {event} event in {timeout_s} s: {watch.events()}"
+        time.sleep(0.05)
+
+
+def test_a_prefix_hit_on_a_block_of_another_prompt_names_whose_prompt_it_holds(vllm):
+    """The faulty request's prefix-cache hit hands it, as its third block, the first block of
+    the victim's prompt (a stale key after eviction and reallocation): ownership sees a shared
+    cached block read by its rightful reader; the content identity sees another prefix, and
+    names the victim whose prompt the block holds."""
+    engine, watch = vllm
+    rng = random.Random(23)
+    mark = watch.mark()
+    complete(engine, _text(rng, 100), 4, tenant="acme", xargs=xargs("prefix_wrong_block", "victim"))
+    victim = _event(watch, "prefix_wrong_block", "victim")
+    shared = _text(rng, 100)
+    complete(engine, shared, 4, tenant="globex")  # caches the shared prompt's 3 full blocks
+    assert watch.since(mark) == []
+    complete(engine, shared[:96] + _text(rng, 10), 4, tenant="initech", xargs=xargs("prefix_wrong_block", "faulty"))
+    swapped = _event(watch, "prefix_wrong_block", "swapped")
+    assert swapped["block"] == victim["block"] and swapped["row_block"] == 2
+    found = watch.since(mark)
+    (f,) = found
+    assert (f.kind, f.severity, f.pages) == ("prefix_content_mismatch", "critical", [victim["block"]]), watch.explain(
+        found
+    )
+    assert (f.reader.rid, f.reader.tenant) == (swapped["faulty"], "initech")
+    assert f.evidence["row_pages"] == [2]
+    assert [(p.rid, p.tenant) for p in f.exposed] == [(victim["victim"], "acme")], watch.explain(found)
+
+
 def test_block_freed_under_a_live_request_is_reported(vllm):
     """A block freed while still in a decoding request's table is handed to a new request: the
     old request's next forward writes into it and reads it: late_write and foreign_read, the

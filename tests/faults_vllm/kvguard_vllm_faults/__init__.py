@@ -16,6 +16,10 @@ Faults (the bug families of issue 17):
                            the engine runs on
   ``salt_ignored``         requests with this fault hash their prompt blocks as if they had no
                            ``cache_salt`` (#44701, #37160: a salt lost on the way to the cache)
+  ``prefix_wrong_block``   a ``faulty`` request's prefix-cache hit has its last block swapped for
+                           the first block of the last finished ``victim`` (a stale key after
+                           eviction and reallocation, vLLM #49125 / #37076: a hit on a block
+                           that holds another prefix)
 
 Prefill/decode faults (vLLM's ``MooncakeConnector``, in decode's worker). The worker never sees
 a request's ``vllm_xargs``; these touch the transfers whose ``transfer_id`` (chosen by the proxy,
@@ -48,7 +52,7 @@ log = logging.getLogger("kvguard.faults")
 FAULT_ENV = "KVGUARD_FAULT"
 GROUP_ENV = "KVGUARD_FAULT_GROUP"
 DIR_ENV = "KVGUARD_FAULT_DIR"
-FAULTS = ("free_live_block", "double_free_preempt", "salt_ignored")
+FAULTS = ("free_live_block", "double_free_preempt", "salt_ignored", "prefix_wrong_block")
 PD_FAULTS = ("pd_short_pull", "pd_corrupt_recv")
 _lock = threading.Lock()
 _roles: dict[str, tuple[str, str]] = {}  # request id -> (fault, role), for the requests we saw arrive
@@ -212,6 +216,62 @@ def _salt_ignored(armed: set[str]) -> None:
     kv_cache_utils.generate_block_hash_extra_keys = f
 
 
+def _prefix_wrong_block(armed: set[str]) -> None:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    victim_blocks: list = []  # the last finished victim's blocks (group 0), kept by the block pool's cache
+
+    def free(original):
+        def f(self, request, *a, **k):
+            role = _role_of(request)
+            if role == ("prefix_wrong_block", "victim"):
+                victim_blocks[:] = list(
+                    self.coordinator.single_type_managers[0].req_to_blocks.get(request.request_id, ())
+                )
+                if victim_blocks:
+                    _event(
+                        fault="prefix_wrong_block",
+                        event="victim",
+                        victim=request.request_id,
+                        block=victim_blocks[0].block_id,
+                    )
+            return original(self, request, *a, **k)
+
+        return f
+
+    def get_computed_blocks(original):
+        def f(self, request, *a, **k):
+            out = original(self, request, *a, **k)
+            blocks, computed = out[0], out[1]
+            hit = list(blocks.blocks[0]) if blocks.blocks else []
+            if (
+                _role_of(request) == ("prefix_wrong_block", "faulty")
+                and request.request_id not in _done
+                and len(hit) >= 2
+                and victim_blocks
+                and victim_blocks[0] not in hit
+            ):
+                _done.add(request.request_id)
+                swapped = hit[-1]
+                hit[-1] = victim_blocks[0]
+                blocks.blocks = (hit, *blocks.blocks[1:])
+                _event(
+                    fault="prefix_wrong_block",
+                    event="swapped",
+                    faulty=request.request_id,
+                    row_block=len(hit) - 1,
+                    block=victim_blocks[0].block_id,
+                    replaced=swapped.block_id,
+                    computed=computed,
+                )
+            return out
+
+        return f
+
+    _wrap(KVCacheManager, "free", free)
+    _wrap(KVCacheManager, "get_computed_blocks", get_computed_blocks)
+
+
 def _pace() -> None:
     """Not a fault: a request whose ``vllm_xargs`` carry ``{"kvgf_pace": SECONDS}`` sleeps that
     long in each of its scheduling steps, so that it is still running when a test's client
@@ -298,6 +358,7 @@ _INSTALL = {
     "free_live_block": _free_live_block,
     "double_free_preempt": _double_free_preempt,
     "salt_ignored": _salt_ignored,
+    "prefix_wrong_block": _prefix_wrong_block,
 }
 _loaded = False
 
