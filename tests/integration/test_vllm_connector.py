@@ -50,7 +50,8 @@ def vllm_connector(tmp_path_factory):
         num_blocks=64,
         max_num_seqs=4,
         extra_args=["--max-num-batched-tokens", str(CHUNK), "--kv-transfer-config", json.dumps(config)],
-        extra_env={"VLLM_SERVER_DEV_MODE": "1"},
+        # the page content identity on: a load carries the stored object's (sidecar/offload.py)
+        extra_env={"VLLM_SERVER_DEV_MODE": "1", "KVGUARD_PAGE_IDENTITY": "1"},
     ) as (engine, watch):
         yield engine, watch, store
 
@@ -66,6 +67,7 @@ def test_loads_from_the_connector_are_checked_and_clean_ones_are_quiet(vllm_conn
     mark = watch.mark()
     before_stats = watch.stats()
     before = dict(before_stats.records_by_kind)
+    identity_before = dict(watch.sidecar.pipeline.stats().page_identity)
     prompts = {"acme": _text(rng, 110), "globex": _text(rng, 90)}  # (prefilled in one step each)
     first = {}
     for tenant, prompt in prompts.items():  # stored
@@ -85,6 +87,11 @@ def test_loads_from_the_connector_are_checked_and_clean_ones_are_quiet(vllm_conn
     assert stats.load_digests_compared - before_stats.load_digests_compared == 2  # ... and the bytes stored
     (engine_stats,) = [e for e in stats.engines if e.pages_read]
     assert engine_stats.pages_unverified == 0
+    # the blocks each load filled took the identities its object's blocks had when stored, and
+    # the loading request's own tokens gave the same: judged, matched
+    identity = watch.sidecar.pipeline.stats().page_identity
+    loaded, matched = (identity[k] - identity_before[k] for k in ("loaded", "matched"))
+    assert loaded >= 5 and matched >= loaded and identity["mismatched"] == 0, (identity_before, identity)
 
 
 def test_a_load_of_kv_stored_under_another_salt_is_reported(vllm_connector):
