@@ -32,6 +32,7 @@ import sys
 
 import atheris
 
+
 def _instrumented():
     """Edge coverage of kvguard's modules as they are imported, without atheris's comparison
     tracing: it keeps every numpy array a traced comparison makes alive (seen: 3 KB per input,
