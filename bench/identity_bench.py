@@ -115,6 +115,119 @@ def bench(repeat: int = 200) -> dict:
     return out
 
 
+def bench_vllm(repeat: int = 200, block: int = 16) -> dict:
+    """The same on the vLLM adapter's EngineCore hooks (engine_hooks/vllm/identity_hooks.py,
+    no vLLM import: SchedulerOutput-shaped namespaces): ``Scheduler.schedule``'s hook for one
+    new request of 2,048 tokens (no hit) identity off vs on; ``_free_request``'s for a
+    finished request of 512 output tokens (its decode blocks); and the schedule hook of a
+    decode step of batch 256 (nothing prefilling), identity off vs on: no identity code but
+    one check runs there."""
+    from kvguard.engine_hooks import probes as probes_mod
+    from kvguard.engine_hooks.ring import RingReader, RingWriter
+    from kvguard.engine_hooks.vllm import _runtime as rt
+    from kvguard.engine_hooks.vllm import hooks_core as hc
+    from kvguard.engine_hooks.vllm import identity_hooks
+
+    out: dict = {}
+    saved = os.environ.get("KVGUARD_PAGE_IDENTITY")
+    rng = np.random.default_rng(block)
+
+    class Request:
+        def __init__(self, rid: str, n: int):
+            self.request_id = rid
+            self.all_token_ids = rng.integers(3, 150_000, n).tolist()
+            self.num_prompt_tokens = n
+            self.num_computed_tokens = 0
+            self.num_output_tokens = 0
+            self.cache_salt = None
+            self.sampling_params = None
+            self.kv_transfer_params = None
+
+        def is_finished(self) -> bool:
+            return True
+
+        def get_finished_reason(self):
+            return 1
+
+    def step(new=(), cached=()):
+        return types.SimpleNamespace(
+            scheduled_new_reqs=[
+                types.SimpleNamespace(req_id=r, block_ids=(ids,), num_computed_tokens=0) for r, ids, _ in new
+            ],
+            scheduled_cached_reqs=types.SimpleNamespace(
+                req_ids=[r for r, _ in cached],
+                new_block_ids=[None for _ in cached],
+                num_computed_tokens=[c for _, c in cached],
+                resumed_req_ids=set(),
+            ),
+            num_scheduled_tokens={**{r: n for r, _, n in new}, **{r: 1 for r, _ in cached}},
+        )
+
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = RingWriter(tmp, 1 << 24)
+        reader = RingReader(writer.path)
+        probes = probes_mod.Probes(writer, page_size=block)
+
+        def fresh(mode: str):
+            os.environ["KVGUARD_PAGE_IDENTITY"] = mode
+            rt.State.reset()
+            rt.State.hello_done, rt.State.page_size = True, block
+
+        def drain():
+            rt.State.begun.clear()
+            rt.State.prefilling.clear()
+            rt.State.rows.clear()
+            while reader.poll().records:
+                pass
+
+        try:
+            probes_mod.reset_probes_for_tests(probes)
+            prefill = Request("bench-prefill", PREFILL_TOKENS)
+            sched = types.SimpleNamespace(requests={"bench-prefill": prefill})
+            first = step(new=[("bench-prefill", list(range(1, PREFILL_TOKENS // block + 1)), PREFILL_TOKENS)])
+            decoding = [(f"d{i}", PREFILL_TOKENS + i) for i in range(BATCH)]
+            decode_step = step(cached=decoding)
+            per_mode = {}
+            for mode in ("0", "1"):
+                fresh(mode)
+                per_mode["prefill", mode] = _best(lambda: hc.schedule_post(None, first, sched), repeat, drain)
+
+                def decode_drain():
+                    drain()
+                    for rid, _ in decoding:
+                        rt.State.rows[rid] = 1
+                        rt.State.begun[rid] = True
+
+                per_mode["decode", mode] = _best(
+                    lambda: hc.schedule_post(None, decode_step, sched), repeat, decode_drain
+                )
+            out[f"vllm_prefill_2k_off_us_b{block}"] = per_mode["prefill", "0"]
+            out[f"vllm_prefill_2k_on_us_b{block}"] = per_mode["prefill", "1"]
+            out[f"vllm_prefill_2k_ratio_b{block}"] = per_mode["prefill", "1"] / per_mode["prefill", "0"]
+            out["vllm_decode_step_b256_off_us"] = per_mode["decode", "0"]
+            out["vllm_decode_step_b256_on_us"] = per_mode["decode", "1"]
+            # one finished request's release of its 512 decode tokens' blocks (on)
+            done = Request("bench-done", PREFILL_TOKENS + OUTPUT_TOKENS)
+            done.num_computed_tokens = PREFILL_TOKENS + OUTPUT_TOKENS
+
+            def finish():
+                rt.State.begun[done.request_id] = True
+                identity_hooks.Identity.tips[done.request_id] = (PREFILL_TOKENS // block, 1)
+                hc.free_request_pre(sched, done)
+
+            out[f"vllm_release_us_b{block}"] = _best(finish, repeat, drain)
+            assert probes.disabled_probes == set(), probes.disabled_probes
+        finally:
+            probes_mod.reset_probes_for_tests(None)
+            rt.State.reset()
+            if saved is None:
+                os.environ.pop("KVGUARD_PAGE_IDENTITY", None)
+            else:
+                os.environ["KVGUARD_PAGE_IDENTITY"] = saved
+            writer.close()
+    return out
+
+
 if __name__ == "__main__":
-    for k, v in bench().items():
-        print(f"{k:28s} {v:10.2f}")
+    for k, v in {**bench(), **bench_vllm()}.items():
+        print(f"{k:32s} {v:10.2f}")

@@ -478,6 +478,17 @@ def identity_part(sz: Sizes, res: dict, details: dict, log) -> None:
     res["ratio.page_identity_decode_step_b256"] = (base + r["decode_step_b256_us"]) / base if base else None
     if not base:
         res["notes"]["ratio.page_identity_decode_step_b256"] = "not measured: the engine part was skipped"
+    log("identity: the vLLM adapter's schedule and free hooks (a 2k-token prefill, a batch-256 decode step)")
+    v = identity_bench.bench_vllm(repeat=30 if sz.quick else 200)
+    details["identity_vllm"] = v
+    res["engine.vllm_page_identity_prefill_2k_off_us_b16"] = v["vllm_prefill_2k_off_us_b16"]
+    res["engine.vllm_page_identity_prefill_2k_on_us_b16"] = v["vllm_prefill_2k_on_us_b16"]
+    res["engine.vllm_page_identity_release_us_b16"] = v["vllm_release_us_b16"]
+    res["engine.vllm_page_identity_decode_step_b256_off_us"] = v["vllm_decode_step_b256_off_us"]
+    res["engine.vllm_page_identity_decode_step_b256_on_us"] = v["vllm_decode_step_b256_on_us"]
+    res["ratio.vllm_page_identity_decode_step_b256"] = (
+        v["vllm_decode_step_b256_on_us"] / v["vllm_decode_step_b256_off_us"]
+    )
 
 
 def digest_part(sz: Sizes, res: dict, details: dict, log) -> None:
@@ -732,6 +743,22 @@ def table(res: dict) -> str:
             f"{_fmt(g('engine.page_identity_prefill_2k_on_us_p64'), ' us')}; "
             f"{_fmt(g('engine.page_identity_prefill_2k_off_us_p1'), ' us')} / "
             f"{_fmt(g('engine.page_identity_prefill_2k_on_us_p1'), ' us')}",
+            "",
+            "",
+        ),
+        (
+            "vLLM: schedule hook of a batch-256 decode step, identity off / on; ratio",
+            f"{_fmt(g('engine.vllm_page_identity_decode_step_b256_off_us'), ' us')} / "
+            f"{_fmt(g('engine.vllm_page_identity_decode_step_b256_on_us'), ' us')}; "
+            f"{_fmt(g('ratio.vllm_page_identity_decode_step_b256'))}",
+            "",
+            "",
+        ),
+        (
+            "  vLLM: a 2k-token prefill's schedule hook off / on (block 16); a 512-token finish",
+            f"{_fmt(g('engine.vllm_page_identity_prefill_2k_off_us_b16'), ' us')} / "
+            f"{_fmt(g('engine.vllm_page_identity_prefill_2k_on_us_b16'), ' us')}; "
+            f"{_fmt(g('engine.vllm_page_identity_release_us_b16'), ' us')}",
             "",
             "",
         ),

@@ -114,9 +114,17 @@ def scheduled(sched, out) -> None:
         _first(p, chain, request, new.req_id, computed // ps, stop)
     cached = out.scheduled_cached_reqs
     resumed = cached.resumed_req_ids
-    for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):
-        if rid not in State.prefilling and rid not in resumed:
-            continue  # decoding: its blocks are reported when it finishes
+    if not State.prefilling and not resumed:
+        return  # a decode step: nothing (its requests' blocks are reported when they finish)
+    req_ids = cached.req_ids
+    # the few requests still prefilling or resumed, found by a C-level search of the batch
+    # (not a Python pass over every decoding request: that would be a cost per decode step)
+    for rid in dict.fromkeys([*resumed, *State.prefilling]):
+        try:
+            i = req_ids.index(rid)
+        except ValueError:
+            continue  # (not scheduled this step, or new: reported above)
+        computed = cached.num_computed_tokens[i]
         request = requests.get(rid)
         if request is None:
             continue

@@ -150,3 +150,19 @@ def test_identities_are_off_by_default_and_a_bad_value_installs_no_hooks(capture
     with caplog.at_level(logging.WARNING, logger="kvguard.vllm"):
         plugin.load()
     assert "KVGUARD_PAGE_IDENTITY='maybe'" in caplog.text
+
+
+def test_a_decode_step_looks_at_no_request(captured):
+    """Nothing prefilling, nothing resumed: the hook returns before looking at the batch (its
+    cost per decode step is one check, not a pass over the batch)."""
+
+    class Untouchable(dict):
+        def get(self, *a, **k):
+            raise AssertionError("a decode step looked a request up")
+
+    sched = types.SimpleNamespace(requests=Untouchable())
+    rids = [f"d{i}" for i in range(256)]
+    for rid in rids:
+        rt.State.rows[rid] = 1
+    hc.schedule_post(None, step(cached=[(rid, None, 40, 1) for rid in rids]), sched)
+    assert identities(captured.take()) == [] and hid.Identity.state == "on"
