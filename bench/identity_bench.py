@@ -18,6 +18,7 @@ Probes write into a real ring, drained outside the timed region. Best of ``repea
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -29,6 +30,19 @@ import numpy as np
 PREFILL_TOKENS = 2048
 OUTPUT_TOKENS = 512
 BATCH = 256
+
+
+@contextlib.contextmanager
+def _identity_env():
+    """``KVGUARD_PAGE_IDENTITY`` as it was, afterwards (the parts switch it per measurement)."""
+    saved = os.environ.get("KVGUARD_PAGE_IDENTITY")
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("KVGUARD_PAGE_IDENTITY", None)
+        else:
+            os.environ["KVGUARD_PAGE_IDENTITY"] = saved
 
 
 def _best(fn, repeat: int, drain) -> float:
@@ -52,8 +66,7 @@ def bench(repeat: int = 200) -> dict:
 
     torch.set_num_threads(1)
     out: dict = {}
-    saved = os.environ.get("KVGUARD_PAGE_IDENTITY")
-    with tempfile.TemporaryDirectory() as tmp:
+    with _identity_env(), tempfile.TemporaryDirectory() as tmp:
         writer = RingWriter(tmp, 1 << 24)
         reader = RingReader(writer.path)
         probes = probes_mod.Probes(writer)
@@ -107,10 +120,6 @@ def bench(repeat: int = 200) -> dict:
         finally:
             probes_mod.reset_probes_for_tests(None)
             rt.State.reset()
-            if saved is None:
-                os.environ.pop("KVGUARD_PAGE_IDENTITY", None)
-            else:
-                os.environ["KVGUARD_PAGE_IDENTITY"] = saved
             writer.close()
     return out
 
@@ -129,7 +138,6 @@ def bench_vllm(repeat: int = 200, block: int = 16) -> dict:
     from kvguard.engine_hooks.vllm import identity_hooks
 
     out: dict = {}
-    saved = os.environ.get("KVGUARD_PAGE_IDENTITY")
     rng = np.random.default_rng(block)
 
     class Request:
@@ -163,7 +171,7 @@ def bench_vllm(repeat: int = 200, block: int = 16) -> dict:
             num_scheduled_tokens={**{r: n for r, _, n in new}, **{r: 1 for r, _ in cached}},
         )
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with _identity_env(), tempfile.TemporaryDirectory() as tmp:
         writer = RingWriter(tmp, 1 << 24)
         reader = RingReader(writer.path)
         probes = probes_mod.Probes(writer, page_size=block)
@@ -220,10 +228,6 @@ def bench_vllm(repeat: int = 200, block: int = 16) -> dict:
         finally:
             probes_mod.reset_probes_for_tests(None)
             rt.State.reset()
-            if saved is None:
-                os.environ.pop("KVGUARD_PAGE_IDENTITY", None)
-            else:
-                os.environ["KVGUARD_PAGE_IDENTITY"] = saved
             writer.close()
     return out
 

@@ -114,3 +114,43 @@ class PageIdentity:
             prev = h(mv[at : at + stride], salt)
             out[i] = prev
         return out
+
+
+class Switch:
+    """One engine process's identity, as an adapter holds it: the chain, set up on first use
+    after HELLO when ``KVGUARD_PAGE_IDENTITY`` is on; per request, the chain's tip (the pages
+    hashed and the last id); switched off for good by a failure (reported, never raised)."""
+
+    def __init__(self, tips) -> None:
+        self.chain: PageIdentity | None = None
+        self.state = "unset"  # unset -> on / off
+        self.tips = tips  # rid -> (pages hashed, id of the last one): the adapter's bounded map
+
+    def reset(self) -> None:
+        self.chain, self.state = None, "unset"
+        self.tips.clear()
+
+    def active(self, hello_done: bool, page_size: int, log, unit: str = "page", refused: bool = False):
+        """The chain (None when off). ``refused``: the engine's shape is one the adapter does
+        not report identities for (off, whatever the variable says)."""
+        if self.state == "on":
+            return self.chain
+        if self.state == "off" or not hello_done:
+            return None
+        self.state = "off"
+        if refused or not enabled_from_env():
+            return None
+        self.chain = PageIdentity(page_size)
+        self.state = "on"
+        log.warning("kvguard: page content identity on (%s), %s size %d", IDENTITY_ENV, unit, page_size)
+        return self.chain
+
+    def guarded(self, probes, fn, *args) -> None:
+        """Run an identity step; a failure switches the identity off for this process (reported
+        as a probe error through ``probes()``) and never reaches the hook that called it."""
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - the engine and the other probes must not see it
+            self.state, self.chain = "off", None
+            self.tips.clear()
+            probes().report_probe_error("page_identity", exc)

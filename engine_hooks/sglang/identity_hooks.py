@@ -30,40 +30,16 @@ from ._runtime import State
 log = logging.getLogger("kvguard.sglang")
 
 
-class Identity:
-    chain: pid.PageIdentity | None = None
-    state = "unset"  # unset -> on / off
-    tips: rt._Bounded = rt._Bounded()  # rid -> (row pages hashed, id of the last one)
-
-    @classmethod
-    def reset(cls) -> None:
-        cls.chain, cls.state, cls.tips = None, "unset", rt._Bounded()
+Identity = pid.Switch(rt._Bounded())
 
 
 def active() -> pid.PageIdentity | None:
     """The engine's identity chain, set up on first use after HELLO (None when off)."""
-    if Identity.state == "on":
-        return Identity.chain
-    if Identity.state == "off" or not State.hello_done:
-        return None
-    Identity.state = "off"
-    if not pid.enabled_from_env():
-        return None
-    Identity.chain = pid.PageIdentity(State.page_size)
-    Identity.state = "on"
-    log.warning("kvguard: page content identity on (%s), page size %d", pid.IDENTITY_ENV, State.page_size)
-    return Identity.chain
+    return Identity.active(State.hello_done, State.page_size, log)
 
 
 def guarded(fn, *args) -> None:
-    """Run an identity step; a failure switches the identity off for this process (logged,
-    reported as a probe error) and never reaches the hook that called it."""
-    try:
-        fn(*args)
-    except Exception as exc:  # noqa: BLE001 - the engine and the other probes must not see it
-        Identity.state, Identity.chain = "off", None
-        Identity.tips.clear()
-        rt.probes().report_probe_error("page_identity", exc)
+    Identity.guarded(rt.probes, fn, *args)
 
 
 def _tokens(req, n: int):
