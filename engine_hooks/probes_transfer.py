@@ -4,6 +4,8 @@ so that probes.py holds the page and request probes."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import wire
 from .probe_support import as_int64, guarded_probe
 
@@ -132,7 +134,14 @@ class TransferProbes:
         if unit == "pages":
             return as_int64(slots_or_pages)
         if unit == "slots":
-            return self.slots_to_pages(slots_or_pages)
+            # in the object's order (wire contract 1.1), one entry per page: a store's page i and
+            # a whole load's page i hold the same tokens (the content identity is carried by
+            # position, sidecar/offload.py); a sorted set of pages loses that whenever the pool
+            # handed them out of order
+            pages = as_int64(slots_or_pages) // self.page_size
+            if len(pages) > 1:
+                pages = pages[np.concatenate(([True], pages[1:] != pages[:-1]))]
+            return pages
         raise ValueError(f"unit must be 'pages' or 'slots', got {unit!r}")
 
     @guarded_probe

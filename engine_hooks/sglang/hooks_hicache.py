@@ -184,6 +184,16 @@ def _digest(device_slots: np.ndarray, host_slots: np.ndarray) -> int:
         return 0
 
 
+def _in_object_order(device_slots: np.ndarray, host_slots: np.ndarray) -> np.ndarray:
+    """``device_slots`` in host-slot order: the backup's own order, the same for its store and
+    every load of it (a copy's device indices come in whatever order the caller gathered them),
+    so that a store's page i and a whole load's page i hold the same tokens (the sidecar carries
+    each page's content identity by that position, sidecar/offload.py)."""
+    if len(host_slots) < 2 or bool((host_slots[1:] >= host_slots[:-1]).all()):
+        return device_slots
+    return device_slots[np.argsort(host_slots, kind="stable")]
+
+
 def _whole_object(run: Run) -> bool:
     """Whether ``run`` loads every host page of its backup (then its digest compares)."""
     obj = Tier.objects.get(run.key)
@@ -205,7 +215,8 @@ def _stored_post(result, engine, *args, **kwargs) -> None:
         while len(Tier.objects) > MAX_OBJECTS:
             Tier.objects.popitem(last=False)
         digest = _digest(device_slots, host_slots)
-        rt.probes().kv_stored(Tier.for_request, key, device_slots, digest=digest, unit="slots")
+        order = _in_object_order(device_slots, host_slots)
+        rt.probes().kv_stored(Tier.for_request, key, order, digest=digest, unit="slots")
 
 
 def stored_hook(name: str):
@@ -228,7 +239,7 @@ def _load_issued_post(result, controller, *args, **kwargs) -> None:
     rid = Tier.for_request
     p = rt.probes()
     for run in runs:
-        p.kv_loaded(rid, run.key, run.device_slots, "issued", unit="slots")
+        p.kv_loaded(rid, run.key, _in_object_order(run.device_slots, run.host_slots), "issued", unit="slots")
     Tier.pending[int(device_slots[0])] = (rid, runs)
     while len(Tier.pending) > MAX_PENDING_LOADS:
         Tier.pending.popitem(last=False)
@@ -261,7 +272,9 @@ def _loaded_post(result, engine, *args, **kwargs) -> None:
 
 def _completed(p, rid: str | None, run: Run) -> None:
     digest = _digest(run.device_slots, run.host_slots) if _whole_object(run) else 0
-    p.kv_loaded(rid, run.key, run.device_slots, "completed", digest=digest, unit="slots")
+    p.kv_loaded(
+        rid, run.key, _in_object_order(run.device_slots, run.host_slots), "completed", digest=digest, unit="slots"
+    )
     content_hooks.loaded(run.device_slots)  # KV at rest (KVGUARD_CONTENT_CHECK): a write it did not make
 
 

@@ -126,3 +126,34 @@ def test_the_request_is_forgotten_when_the_cache_call_raises(probes):
     with pytest.raises(RuntimeError, match="engine error"):
         hook(boom, object(), types.SimpleNamespace(req=types.SimpleNamespace(rid="r-x"), host_hit_length=0))
     assert hh.Tier.for_request is None
+
+
+def test_tier_pages_keep_the_objects_order():
+    """A backup's and a load's pages go out in the object's order, one per page (wire contract
+    1.1): the sidecar pairs a store's page i with a whole load's page i to carry what each holds
+    (its content identity). A sorted set loses that when the pool handed pages out of order."""
+    from kvguard.engine_hooks.probes import Probes
+    from tests.support.recording_probes import CaptureWriter
+
+    cap = CaptureWriter()
+    p = Probes(cap, page_size=4)
+    slots = [36, 37, 38, 39, 8, 9, 10, 11, 20, 21]  # pages 9, 2, 5 (the last one partly)
+    p.kv_stored(None, 7, slots, unit="slots")
+    p.kv_loaded("r", 7, slots, "issued", unit="slots")
+    store, load = cap.take()
+    assert store.body.pages.tolist() == load.body.pages.tolist() == [9, 2, 5]
+
+
+def test_a_backup_and_its_load_name_their_pages_in_the_backups_host_order():
+    """A backup's copy and a load-back of it may gather their device indices in different
+    orders; both records name the pages in host-slot order, so the store's page i and the
+    load's page i hold the same tokens."""
+    from kvguard.engine_hooks.sglang.hooks_hicache import _in_object_order
+
+    host = np.array([8, 9, 10, 11, 0, 1, 2, 3])  # host pages 2 then 0 (page size 4)
+    stored_from = np.array([40, 41, 42, 43, 12, 13, 14, 15])  # device pages 10 (tokens 8-11), 3 (tokens 0-3)
+    loaded_into = np.array([20, 21, 22, 23, 4, 5, 6, 7])
+    assert (_in_object_order(stored_from, host) // 4)[::4].tolist() == [3, 10]
+    assert (_in_object_order(loaded_into, host) // 4)[::4].tolist() == [1, 5]
+    ordered = np.arange(4)
+    assert _in_object_order(ordered + 100, ordered).tolist() == [100, 101, 102, 103]  # (already in order)
