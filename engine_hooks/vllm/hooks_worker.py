@@ -11,7 +11,7 @@ EngineCore's rows within its CPU budget.
 
 This process's ring opens with ENGINE_PART (its EngineCore, the parent process, says HELLO):
 the sidecar applies these records to the EngineCore's timeline (sidecar/engine_parts.py).
-Only tensor-parallel rank 0 reports: every rank holds the same tables.
+Only tensor-parallel rank 0 of pipeline stage 0 reports: every rank and stage holds the same tables.
 """
 
 from __future__ import annotations
@@ -38,6 +38,15 @@ def _tp_rank() -> int:
 
         return int(get_tensor_model_parallel_rank())
     except Exception:  # noqa: BLE001 - not initialised (a test), a layout without TP groups
+        return 0
+
+
+def _pp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return int(get_pp_group().rank_in_group)
+    except Exception:  # noqa: BLE001 - as _tp_rank
         return 0
 
 
@@ -68,6 +77,17 @@ def _announce(runner) -> None:
     stays silent (logged once)."""
     State.part_done = True
     tables = runner.input_batch.block_table.block_tables
+    stage = _pp_rank()
+    if stage != 0:
+        # a later pipeline stage runs the same batch on the same block tables for its own layers:
+        # stage 0 reports the forwards; this one sends nothing (no digest parts either: a stage's
+        # slice is layers, not heads, and transfers are not watched under pipeline parallelism)
+        State.worker_silent = f"pipeline stage {stage}"
+        State.tp_rank = 0
+        log.info(
+            "kvguard: this vLLM worker reports nothing: pipeline stage %d (stage 0 reports the shared tables)", stage
+        )
+        return
     rank = _tp_rank()
     State.tp_rank, State.tp_size = rank, max(_tp_size(), rank + 1)
     if rank != 0:

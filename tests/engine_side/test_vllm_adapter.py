@@ -232,6 +232,19 @@ def test_a_tensor_parallel_rank_above_0_joins_its_engine_and_reports_no_forwards
     assert (rt.State.tp_rank, rt.State.tp_size) == (1, 2) and rt.State.worker_silent
 
 
+def test_a_later_pipeline_stage_sends_nothing(captured, monkeypatch):
+    """Pipeline stage 1 runs the same batch on the same block tables for its own layers: stage
+    0's rank 0 speaks for it. It sends no forward, no ENGINE_PART, no digest part (its slice is
+    layers, not heads)."""
+    monkeypatch.setattr(hw, "_pp_rank", lambda: 1)
+    monkeypatch.setattr(hw, "_tp_rank", lambda: 0)
+    runner = _runner(["a"], [0], [[3, 4]])
+    hw.prepare_inputs_pre(runner, None, np.array([8]))
+    hw.prepare_inputs_pre(runner, None, np.array([1]))
+    assert captured.take() == []
+    assert rt.State.worker_silent == "pipeline stage 1" and rt.State.tp_rank == 0
+
+
 def test_a_worker_whose_layout_is_not_modelled_says_so_and_reports_no_forwards(captured, caplog):
     runner = _runner(["a"], [0], [[3]], block_size=16)  # kernel blocks split the cache's
     with caplog.at_level(logging.INFO, logger="kvguard.vllm"):
@@ -431,3 +444,17 @@ def test_the_parallel_layout_says_which_data_parallel_engine_core_this_is(captur
     coverage = next(r for r in captured.take() if r.kind == wire.Kind.COVERAGE)
     (layout,) = [i for i in coverage.body.items if i.component == "parallel"]
     assert layout.status == wire.CoverageStatus.WATCHED and says in layout.detail, layout.detail
+
+
+def test_pipeline_parallelism_is_declared_unwatched(captured):
+    """Not verified: vLLM 0.32's CPU build fails at pipeline stage 1 (its model runner has no
+    intermediate tensors: an AssertionError in sync_and_gather_intermediate_tensors, with or
+    without kvguard), so no real engine could show a stage-0 speaker right."""
+    pool = _pool(16)
+    rt.State.hello_done = False
+    sched = _hybrid_scheduler(pool)
+    sched.vllm_config.parallel_config = types.SimpleNamespace(pipeline_parallel_size=2)
+    hc.scheduler_init_post(None, None, sched)
+    coverage = next(r for r in captured.take() if r.kind == wire.Kind.COVERAGE)
+    (layout,) = [i for i in coverage.body.items if i.component == "parallel"]
+    assert layout.status != wire.CoverageStatus.WATCHED and "pipeline parallelism is not verified" in layout.detail
