@@ -21,9 +21,10 @@ _DIGEST_ALG = {
 
 class TransferProbes:
     # the Probes attributes these methods use, declared for the type checker
+    page_size: int
+
     def _emit(self, kind: wire.Kind, payload: bytes, flags: int = 0) -> None: ...
     def row_pages(self, row_start: int, slots): ...
-    def slots_to_pages(self, slots): ...
 
     @guarded_probe
     def transfer_reserved(self, rid: str, room: int, tokens: int, slots_or_pages, unit: str = "slots") -> None:
