@@ -140,8 +140,8 @@ class StoredObjects:
         if body.phase == wire.LoadPhase.ISSUED:
             stored = self.stored_identities.get(body.object_key)
             obj = self.stored_objects.get(body.object_key)
-            if stored is not None and obj is not None and len(pages) == obj.pages == len(stored[0]):
-                carry_loaded(t.pool, pages, stored, self.identity_counts)  # (a whole object only)
+            if stored is not None and obj is not None and len(pages) == obj.pages:  # (a whole object only)
+                carry_loaded(t.pool, pages, stored, self.identity_counts)
             self.pending_loads[key] = (pages, t.pool.gen[pages].copy())
             while len(self.pending_loads) > MAX_PENDING_LOADS:
                 self.pending_loads.popitem(last=False)

@@ -116,7 +116,7 @@ def carry_loaded(
     keep none."""
     ids, writers, known = stored
     if len(pages) != len(ids):
-        return  # (the caller loads whole objects only)
+        return  # (not the object's pages one for one: nothing is carried)
     pool.enable_identity()
     assert pool.identity is not None and pool.identity_gen is not None and pool.identity_writer is not None
     at = pages[known]

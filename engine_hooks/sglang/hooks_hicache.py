@@ -171,14 +171,14 @@ def _pool_view():
     return Tier.view or None
 
 
-def _digest(device_slots: np.ndarray, host_slots: np.ndarray) -> int:
-    """The digest of the KV in ``device_slots``, tokens in host-slot order (0: none)."""
+def _digest(ordered_slots: np.ndarray) -> int:
+    """The digest of the KV in ``ordered_slots`` (device slots in the backup's host-slot
+    order, ``_in_object_order``), tokens in that order (0: none)."""
     view = _pool_view()
-    if view is None or len(device_slots) == 0:
+    if view is None or len(ordered_slots) == 0:
         return 0
     try:
-        order = np.argsort(host_slots, kind="stable")
-        return dg.transfer_digest(view, device_slots[order], 0, dg.HEAD_STREAMS) or 1
+        return dg.transfer_digest(view, ordered_slots, 0, dg.HEAD_STREAMS) or 1
     except dg.Unsupported as exc:
         dg.skips.skip(f"HiCache copy not digested: {exc}")
         return 0
@@ -214,9 +214,8 @@ def _stored_post(result, engine, *args, **kwargs) -> None:
         Tier.objects[key] = (int(unique[0]), len(unique))
         while len(Tier.objects) > MAX_OBJECTS:
             Tier.objects.popitem(last=False)
-        digest = _digest(device_slots, host_slots)
-        order = _in_object_order(device_slots, host_slots)
-        rt.probes().kv_stored(Tier.for_request, key, order, digest=digest, unit="slots")
+        ordered = _in_object_order(device_slots, host_slots)
+        rt.probes().kv_stored(Tier.for_request, key, ordered, digest=_digest(ordered), unit="slots")
 
 
 def stored_hook(name: str):
@@ -271,10 +270,9 @@ def _loaded_post(result, engine, *args, **kwargs) -> None:
 
 
 def _completed(p, rid: str | None, run: Run) -> None:
-    digest = _digest(run.device_slots, run.host_slots) if _whole_object(run) else 0
-    p.kv_loaded(
-        rid, run.key, _in_object_order(run.device_slots, run.host_slots), "completed", digest=digest, unit="slots"
-    )
+    ordered = _in_object_order(run.device_slots, run.host_slots)
+    digest = _digest(ordered) if _whole_object(run) else 0
+    p.kv_loaded(rid, run.key, ordered, "completed", digest=digest, unit="slots")
     content_hooks.loaded(run.device_slots)  # KV at rest (KVGUARD_CONTENT_CHECK): a write it did not make
 
 

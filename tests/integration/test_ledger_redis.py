@@ -560,8 +560,7 @@ def old_prefill_sidecar(monkeypatch):
         return room if t.hello is not None and t.hello.role == wire.Role.PREFILL else new_lane(t, room)
 
     monkeypatch.setattr(transfer_flow, "lane", lane)
-    if hasattr(request_records, "lane"):
-        monkeypatch.setattr(request_records, "lane", lane)
+    monkeypatch.setattr(request_records, "lane", lane)  # (imported by name there)
 
 
 @pytest.mark.parametrize("sent", [8, 1])
