@@ -130,15 +130,18 @@ class Switch:
         self.chain, self.state = None, "unset"
         self.tips.clear()
 
-    def active(self, hello_done: bool, page_size: int, log, unit: str = "page", refused: bool = False):
-        """The chain (None when off). ``refused``: the engine's shape is one the adapter does
-        not report identities for (off, whatever the variable says)."""
+    def active(self, hello_done: bool, page_size: int, log, unit: str = "page", refused: str = ""):
+        """The chain (None when off). ``refused``: why the engine's shape is one the adapter
+        does not report identities for (then off, whatever the variable says, and logged)."""
         if self.state == "on":
             return self.chain
         if self.state == "off" or not hello_done:
             return None
         self.state = "off"
-        if refused or not enabled_from_env():
+        if not enabled_from_env():
+            return None
+        if refused:  # asked for, and not given: said once, in the engine's log
+            log.warning("kvguard: %s is on but no page content identity is reported: %s", IDENTITY_ENV, refused)
             return None
         self.chain = PageIdentity(page_size)
         self.state = "on"

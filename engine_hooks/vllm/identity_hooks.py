@@ -39,7 +39,8 @@ Identity = pid.Switch(rt.Bounded())
 
 def active() -> pid.PageIdentity | None:
     """The engine's identity chain (None when off; never for an engine of several groups)."""
-    return Identity.active(State.hello_done, State.page_size, log, "block", refused=bool(State.group_rows))
+    refused = f"an engine of {len(State.group_rows)} KV cache groups (one group only)" if State.group_rows else ""
+    return Identity.active(State.hello_done, State.page_size, log, "block", refused=refused)
 
 
 def guarded(fn, *args) -> None:

@@ -166,3 +166,12 @@ def test_a_decode_step_looks_at_no_request(captured):
         rt.State.rows[rid] = 1
     hc.schedule_post(None, step(cached=[(rid, None, 40, 1) for rid in rids]), sched)
     assert identities(captured.take()) == [] and hid.Identity.state == "on"
+
+
+def test_an_engine_of_several_groups_says_it_reports_no_identities(captured, caplog):
+    rt.State.group_rows = [{}, {}]
+    sched = types.SimpleNamespace(requests={"w": Request("w", range(2 * PAGE))})
+    with caplog.at_level(logging.WARNING, logger="kvguard.vllm"):
+        hid.guarded(hid.scheduled, sched, step(new=[("w", [1, 2], 0, 2 * PAGE)]))
+    assert identities(captured.take()) == [] and hid.Identity.state == "off"
+    assert "no page content identity is reported: an engine of 2 KV cache groups" in caplog.text
