@@ -133,6 +133,14 @@ class SGLangArch:
     # tensor parallelism (``--tp-size``): SGLang's scheduler runs one process per rank, each with
     # its own allocator, pool and kvguard ring
     tp_size: int = 1
+    # pipeline parallelism (``--pp-size``): one scheduler process per stage, each over its own
+    # layers' pool and with its own kvguard ring
+    pp_size: int = 1
+
+    @property
+    def ranks(self) -> int:
+        """Scheduler processes per engine (one CPU core each)."""
+        return self.tp_size * self.pp_size
 
     def model_dir(self, context_length: int = DEFAULT_CONTEXT_LENGTH) -> Path:
         """The model folder (config + the shared 256-token tokenizer), cached under
@@ -148,15 +156,16 @@ class SGLangArch:
     def extra_env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """The engine environment's additions: the shims, the ranks' CPU cores, then ``extra``."""
         env = {"KVGUARD_CPU_ARCH_SHIMS": self.shims}
-        if self.tp_size > 1:
-            env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(self.tp_size)
+        if self.ranks > 1:
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(self.ranks)
         return {**env, **(extra or {})}
 
     def extra_args(self) -> list[str]:
         """``sglang.launch_server`` arguments after the harness's own (the last value wins)."""
         backend = ["--attention-backend", self.attention_backend] if self.attention_backend else []
         tp = ["--tp-size", str(self.tp_size)] if self.tp_size > 1 else []
-        return ["--page-size", str(self.page_size), *backend, *tp, *self.spec_args, *self.more_args]
+        pp = ["--pp-size", str(self.pp_size)] if self.pp_size > 1 else []
+        return ["--page-size", str(self.page_size), *backend, *tp, *pp, *self.spec_args, *self.more_args]
 
     def engine_kwargs(
         self, context_length: int = DEFAULT_CONTEXT_LENGTH, *, extra_env=None, extra_args=(), **kwargs: Any
@@ -278,6 +287,19 @@ SGLANG_ARCHS = {
         decode_pool_tokens=1024,
         kv_pool="MHATokenToKVPool",
         tp_size=2,
+    ),
+    # pipeline parallelism 2 on the tiny Llama (2 layers, one per stage): two scheduler processes
+    # per engine, each running the whole scheduler over its own layer's pool, each its own ring
+    "llama_pp2": SGLangArch(
+        name="llama_pp2",
+        config="llama",
+        title="Llama, pipeline parallelism 2 (two scheduler stages per engine, one layer each)",
+        shims="rope",
+        page_size=4,
+        prefill_pool_tokens=256,
+        decode_pool_tokens=1024,
+        kv_pool="MHATokenToKVPool",
+        pp_size=2,
     ),
     # Qwen3-Next: a gated-delta-net layer (per-request conv + recurrent state in SGLang's
     # MambaPool, kernels in torch / the Triton interpreter) and one full-attention layer (KV in

@@ -41,11 +41,13 @@ def unwatched(component: str, detail: str) -> wire.CoverageItem:
     return item(component, 0, OWNERSHIP, detail)
 
 
-def parallel(layout: str, pipeline_stages: int, how: str) -> wire.CoverageItem:
-    """The parallel layout: ``how`` the ranks are watched, or pipeline parallelism (more than
-    one stage: each holds its own layers' pool) declared unwatched, not verified."""
-    if pipeline_stages > 1:
-        return unwatched("parallel", f"{layout}: pipeline parallelism is not verified with kvguard")
+def parallel(layout: str, pipeline_stages: int, how: str, stages_why_not: str | None = None) -> wire.CoverageItem:
+    """The parallel layout: ``how`` the ranks are watched. Pipeline parallelism (more than one
+    stage: each holds its own layers' pool) is watched only where the adapter verified it
+    (``stages_why_not`` None; ``how`` then says how the stages are watched), else declared
+    unwatched with that reason."""
+    if pipeline_stages > 1 and stages_why_not is not None:
+        return unwatched("parallel", f"{layout}: {stages_why_not}")
     return item("parallel", OWNERSHIP, 0, f"{layout}: {how}")
 
 

@@ -60,6 +60,37 @@ SPEC_VERIFIED_VERSIONS = ("0.5.23",)
 SPEC_ROLES = ("unified",)
 
 
+# pipeline parallelism, watched stage by stage on a unified engine: verified on these releases
+# (tests/integration/test_parallel_engines.py, a clean soak and a fault at `--pp-size 2`)
+PP_VERIFIED_VERSIONS = ("0.5.23",)
+
+
+def _pp_rank(sched) -> int:
+    rank = getattr(sched, "pp_rank", None)
+    if rank is None:
+        try:
+            from sglang.srt.runtime_context import get_parallel
+
+            rank = get_parallel().pp_rank
+        except Exception:  # noqa: BLE001
+            rank = 0
+    return int(rank or 0)
+
+
+def _stages_why_not(role: str, version: str) -> str | None:
+    """Why this engine's pipeline stages are not watched (None: they are). Each stage is a
+    scheduler process of its own, with its own pool and the whole scheduler's bookkeeping over
+    it, so each is judged as its own engine; a prefill/decode role would also pair transfers
+    stage to stage, which was never run with kvguard."""
+    from .plugin import base_version
+
+    if role != "unified":
+        return f"pipeline parallelism on a {role} engine: transfers between stages are not paired by stage"
+    if base_version(version) not in PP_VERIFIED_VERSIONS:
+        return f"pipeline parallelism not verified on SGLang {version} (only {', '.join(PP_VERIFIED_VERSIONS)})"
+    return None
+
+
 def _shape(t) -> str:
     try:
         return "x".join(str(int(d)) for d in t.shape)
@@ -343,7 +374,11 @@ def inspect(sched, version: str, role: str) -> list[wire.CoverageItem]:
     dp = int(getattr(args, "dp_size", 1) or 1)
     pp = int(getattr(args, "pp_size", 1) or 1)
     layout = f"tp {tp}, dp {dp}{' (attention)' if getattr(args, 'enable_dp_attention', False) else ''}, pp {pp}"
-    items.append(cv.parallel(layout, pp, "one ring per scheduler process (rank)"))
+    how = "one ring per scheduler process (rank)"
+    if pp > 1:
+        layout += f" (stage {_pp_rank(sched)})"
+        how += "; each pipeline stage runs the whole scheduler over its own layers' pool: its own timeline"
+    items.append(cv.parallel(layout, pp, how, _stages_why_not(role, version)))
     if role in ("prefill", "decode"):
         backend = getattr(args, "disaggregation_transfer_backend", "?")
         if getattr(args, "enable_dp_attention", False):

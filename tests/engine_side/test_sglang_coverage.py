@@ -95,13 +95,30 @@ def test_an_unhooked_allocator_a_state_pool_or_speculation_leaves_ownership_unfo
         (_sched(_mha_pool(), rtt="HybridReqToTokenPool"), "state_pool", "recurrent state"),
         (_sched(_mha_pool(), speculative_algorithm="EAGLE"), "draft", "not a speculative path kvguard follows"),
         (_sched(_named("SWAKVPool")), "kv_pool", "SWAKVPool is not a pool layout kvguard follows"),
-        (_sched(_mha_pool(), pp_size=2), "parallel", "pipeline parallelism"),
+        (_sched(_mha_pool(), pp_size=2), "parallel", "pipeline parallelism not verified on SGLang 0.5.19"),
     ):
-        items = cov.inspect(sched, "0.5.23", "unified")
+        items = cov.inspect(sched, "0.5.19", "unified")
         item = _by_component(items)[component]
         assert item.status == wire.CoverageStatus.UNWATCHED, (component, item)
         assert words in item.detail
         assert not cov.cv.ownership_followed(items)
+
+
+def test_pipeline_stages_of_a_unified_engine_are_watched_each_as_its_own_timeline():
+    """At ``--pp-size 2`` each stage is a scheduler process over its own layers' pool (verified on
+    a real 0.5.23 engine, tests/integration/test_parallel_engines.py): watched, the stage named; a
+    prefill/decode role would pair transfers stage to stage, never run: declared."""
+    sched = _sched(_mha_pool(), pp_size=2)
+    sched.pp_rank = 1
+    items = cov.inspect(sched, "0.5.23", "unified")
+    layout = _by_component(items)["parallel"]
+    assert layout.status == wire.CoverageStatus.WATCHED and "pp 2 (stage 1)" in layout.detail, layout
+    assert "its own timeline" in layout.detail and cov.cv.ownership_followed(items)
+    sched = _sched(_mha_pool(), pp_size=2, role="decode")
+    items = cov.inspect(sched, "0.5.23", "decode")
+    layout = _by_component(items)["parallel"]
+    assert layout.status == wire.CoverageStatus.UNWATCHED and "not paired by stage" in layout.detail, layout
+    assert not cov.cv.ownership_followed(items)
 
 
 def test_tensor_parallel_transfers_are_watched_and_data_parallel_attention_ones_declared():
