@@ -129,7 +129,9 @@ class PageRecords:
         ts_ns = rec.ts_ns
         # a forward writes its new tokens' KV before attention reads the rows
         findings = []
-        if t.judge.writes_overlap(f.write_pages):  # a page written twice: the order matters, one request at a time
+        if t.decode_writes(f.req_keys, f.write_counts, f.write_pages, ts_ns):
+            pass  # a decode step's: one page each, all the writers' own, marked
+        elif t.judge.writes_overlap(f.write_pages):  # a page written twice: the order matters, one request at a time
             w_off = np.concatenate(([0], np.cumsum(f.write_counts, dtype=np.int64)))
             for i, key in enumerate(f.req_keys.tolist()):
                 if w_off[i + 1] > w_off[i]:

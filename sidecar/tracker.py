@@ -665,6 +665,31 @@ class EngineTracker:
                 "" if self.hello is not None else "; no HELLO seen yet",
             )
 
+    def decode_writes(
+        self, req_keys: np.ndarray, write_counts: np.ndarray, write_pages: np.ndarray, ts_ns: int
+    ) -> bool:
+        """A decode step's writes, judged and marked at once: one page per request
+        (``PagePool.one_page_each``), no page named twice, none freed or another request's, no
+        salts. True: marked as ``mark_writes`` would, nothing to report (``check_writes`` would
+        give no verdict); False: nothing done, for the general path (``writes_overlap``,
+        ``check_writes``, ``mark_writes``). One gather of the pages' state for the three."""
+        pool = self.pool
+        if pool.scope is not None or self.hello is None or not pool.one_page_each(req_keys, write_counts, write_pages):
+            return False
+        state = pool.state[write_pages]
+        owner = pool.keys.keys[pool.owner_slot[write_pages]]
+        if ((state == FREE) | ((state == OWNED) & (owner != req_keys) & (owner != 0))).any():
+            return False
+        if len(write_pages) > 1:
+            ordered = np.sort(write_pages)
+            if (ordered[1:] == ordered[:-1]).any():
+                return False
+        known = write_pages if int(state.min()) != UNKNOWN else write_pages[state != UNKNOWN]
+        pool.written_gen[known] = pool.gen[known]  # (not logged: see PagePool.changed)
+        pool.writer_slot[write_pages] = self._slots(req_keys)
+        pool.mark_write_time(write_pages, ts_ns)
+        return True
+
     def mark_writes(self, req_keys: np.ndarray, write_counts: np.ndarray, write_pages: np.ndarray, ts_ns: int) -> None:
         """``mark_written`` for every request of a forward at once (no page written twice:
         ``writes_overlap``)."""

@@ -280,6 +280,37 @@ def test_whole_batch_writes_match_one_request_at_a_time():
     assert batch.judge.writes_overlap(np.array([3, 5, 3]))
 
 
+def test_a_decode_steps_writes_are_marked_at_once_and_anything_to_report_takes_the_general_path():
+    # one page per request, each its writer's own: marked by decode_writes exactly as mark_writes
+    # marks them; a page named twice, a freed page, another request's page, or not one page per
+    # request: nothing done there (the general path judges and marks them)
+    c_key = wire.request_key("C")
+
+    def build():
+        t = tracker()
+        for rid in "ABC":
+            begin(t, rid)
+        t.on_alloc(np.arange(1, 9))
+        for key, pages in ((A, [1, 2]), (B, [3, 4]), (c_key, [5])):
+            t.on_assign(wire.Assign(key, 0, 8, 0, np.array(pages)))
+        t.on_free(np.array([5]))
+        return t
+
+    keys = np.array([A, B], np.uint64)
+    ones = np.ones(2, np.uint32)
+    fast, general = build(), build()
+    assert fast.decode_writes(keys, ones, np.array([2, 4]), 7)
+    general.mark_writes(keys, ones, np.array([2, 4]), 7)
+    for name in ("state", "gen", "written_gen", "owner", "last_writer", "last_write_ns"):
+        assert np.array_equal(getattr(fast.pool, name), getattr(general.pool, name)), name
+    assert fast.pool.written_gen[2] == fast.pool.gen[2] and fast.pool.last_writer[4] == B
+    for counts, pages in ((ones, [2, 2]), (ones, [2, 5]), (ones, [4, 3]), (np.array([2, 0], np.uint32), [1, 2])):
+        t = build()
+        before = t.pool.written_gen.copy()
+        assert not t.decode_writes(keys, counts, np.array(pages), 7), pages
+        assert np.array_equal(t.pool.written_gen, before), pages  # nothing marked
+
+
 def test_per_token_assign_repeating_the_row_changes_nothing_and_a_new_one_still_applies():
     t = tracker()
     begin(t, "A")
