@@ -272,16 +272,17 @@ soak-arch: venv native
 	  tests/integration/test_spec_sglang_engines.py -k clean
 
 # Tensor parallelism 2 on both engines of a real SGLang prefill/decode pair (tests/integration/
-# test_parallel_engines.py, docs/coverage.md): make test runs the 0.5.19 leak on it (and a use-after-free on a
-# PP 2 engine); this adds four injected
+# test_parallel_engines.py, docs/coverage.md): make test runs the 0.5.19 leak on it (and a truncated send on a
+# PP 2 pair, tests/integration/test_pipeline_engines.py); this adds four injected
 # transfer faults (two of them in flight), prefill and decode at different TP sizes, the routed soak on a 0.5.23 pair
-# (TP_SOAK_REQUESTS, 120, its summary printed), the unified soak's workload on a pipeline-parallel (PP 2) engine
-# (PP_SOAK_REQUESTS, 240) and a data-parallel vLLM server; then vLLM's engine tests
+# (TP_SOAK_REQUESTS, 120, its summary printed), a use-after-free and the unified soak's workload on a
+# pipeline-parallel (PP 2) engine and the routed soak on a PP 2 pair (PP_SOAK_REQUESTS, 240; the pair half) and a data-parallel vLLM server; then vLLM's engine tests
 # (clean traffic, the injected faults with their victims) and its soak on a vLLM engine at TP 2, and its
 # prefill/decode pair at TP 2 where there is a core per worker (4; skipped, saying so, on fewer).
 .PHONY: test-parallel
 test-parallel: venv apt native
-	KVGUARD_TP_SOAK_REQUESTS=$(or $(TP_SOAK_REQUESTS),120) KVGUARD_PP_SOAK_REQUESTS=$(or $(PP_SOAK_REQUESTS),240) $(PY) -m pytest -q -s tests/integration/test_parallel_engines.py
+	KVGUARD_TP_SOAK_REQUESTS=$(or $(TP_SOAK_REQUESTS),120) KVGUARD_PP_SOAK_REQUESTS=$(or $(PP_SOAK_REQUESTS),240) $(PY) -m pytest -q -s tests/integration/test_parallel_engines.py \
+	  tests/integration/test_pipeline_engines.py
 	KVGUARD_TEST_VLLM_TP=2 $(PY) -m pytest -q -rs tests/integration/test_vllm_engine.py tests/integration/test_vllm_soak.py \
 	  tests/integration/test_vllm_pd.py -k 'not mla'
 

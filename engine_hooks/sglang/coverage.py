@@ -60,12 +60,16 @@ SPEC_VERIFIED_VERSIONS = ("0.5.23",)
 SPEC_ROLES = ("unified",)
 
 
-# pipeline parallelism, watched stage by stage on a unified engine: verified on these releases
-# (tests/integration/test_parallel_engines.py, a clean soak and a fault at `--pp-size 2`)
+# pipeline parallelism, watched stage by stage: verified on these releases (tests/integration/
+# test_parallel_engines.py: a unified engine and a prefill/decode pair at `--pp-size 2`)
 PP_VERIFIED_VERSIONS = ("0.5.23",)
 
 
-def _pp_rank(sched) -> int:
+def pp_size(sched) -> int:
+    return int(getattr(getattr(sched, "server_args", None), "pp_size", 1) or 1)
+
+
+def pp_rank(sched) -> int:
     rank = getattr(sched, "pp_rank", None)
     if rank is None:
         try:
@@ -77,15 +81,14 @@ def _pp_rank(sched) -> int:
     return int(rank or 0)
 
 
-def _stages_why_not(role: str, version: str) -> str | None:
+def _stages_why_not(version: str) -> str | None:
     """Why this engine's pipeline stages are not watched (None: they are). Each stage is a
-    scheduler process of its own, with its own pool and the whole scheduler's bookkeeping over
-    it, so each is judged as its own engine; a prefill/decode role would also pair transfers
-    stage to stage, which was never run with kvguard."""
+    scheduler process of its own, with its own layers' pool and the whole scheduler's
+    bookkeeping over it, so each is judged as its own engine; on a prefill/decode pair stage s
+    sends to stage s (the HELLO's rank counts across stages: the transfer lanes pair by it) and
+    each stage's digest covers its own layers (the stages' partials add up on the room)."""
     from .plugin import base_version
 
-    if role != "unified":
-        return f"pipeline parallelism on a {role} engine: transfers between stages are not paired by stage"
     if base_version(version) not in PP_VERIFIED_VERSIONS:
         return f"pipeline parallelism not verified on SGLang {version} (only {', '.join(PP_VERIFIED_VERSIONS)})"
     return None
@@ -376,9 +379,11 @@ def inspect(sched, version: str, role: str) -> list[wire.CoverageItem]:
     layout = f"tp {tp}, dp {dp}{' (attention)' if getattr(args, 'enable_dp_attention', False) else ''}, pp {pp}"
     how = "one ring per scheduler process (rank)"
     if pp > 1:
-        layout += f" (stage {_pp_rank(sched)})"
+        layout += f" (stage {pp_rank(sched)})"
         how += "; each pipeline stage runs the whole scheduler over its own layers' pool: its own timeline"
-    items.append(cv.parallel(layout, pp, how, _stages_why_not(role, version)))
+        if role in ("prefill", "decode"):
+            how += "; transfers pair stage to stage, the stages' digests add up"
+    items.append(cv.parallel(layout, pp, how, _stages_why_not(version)))
     if role in ("prefill", "decode"):
         backend = getattr(args, "disaggregation_transfer_backend", "?")
         if getattr(args, "enable_dp_attention", False):

@@ -47,6 +47,7 @@ from kvguard.engine_hooks import digest as dg
 
 from . import _runtime as rt
 from . import content_hooks, guard
+from . import coverage as cv_sglang
 from . import guard_marker as marker
 from ._runtime import State
 
@@ -275,11 +276,19 @@ class Digests:
 
 
 class _Setup:
-    __slots__ = ("view", "alg", "head_start", "head_count", "total_heads")
+    """A rank's digest layout: its pool view and alg, the global kv heads it hashes
+    (``head_start``, ``head_count`` of ``total_heads``: the streams' seeds), and where its
+    partial sits in the end's tiling (``part_start`` of ``part_total``: the heads themselves, or
+    with pipeline parallelism stage s's heads shifted by ``s * total_heads``, each stage hashing
+    its own layers with their global layer ids, so that the stages' partials add up to the
+    model's digest and an end completes only with every stage's: docs/wire-format.md)."""
 
-    def __init__(self, view, alg, head_start, head_count, total_heads):
+    __slots__ = ("view", "alg", "head_start", "head_count", "total_heads", "part_start", "part_total")
+
+    def __init__(self, view, alg, head_start, head_count, total_heads, stage: int = 0, stages: int = 1):
         self.view, self.alg = view, alg
         self.head_start, self.head_count, self.total_heads = head_start, head_count, total_heads
+        self.part_start, self.part_total = stage * total_heads + head_start, stages * total_heads
 
 
 def _digest_guarded(name: str, fn, *args) -> None:
@@ -337,7 +346,7 @@ def _setup(sched) -> _Setup | None:
             got = (
                 "kv heads (or the latent) reported by another TP rank (replicated)"
                 if heads is None
-                else _Setup(view, alg, heads[0], heads[1], total)
+                else _Setup(view, alg, heads[0], heads[1], total, cv_sglang.pp_rank(sched), cv_sglang.pp_size(sched))
             )
         except dg.Unsupported as exc:
             got = str(exc)
@@ -357,9 +366,9 @@ def _emit(req, side: str, s: _Setup, digest: int, token_start: int, token_end: i
         token_start,
         token_end,
         s.view.layers,
-        s.head_start,
+        s.part_start,
         s.head_count,
-        s.total_heads,
+        s.part_total,
         alg=s.alg,
     )
 

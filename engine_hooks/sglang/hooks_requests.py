@@ -40,6 +40,10 @@ def _scheduler_role(sched) -> str:
 
 
 def _tp_rank(sched) -> int:
+    """The HELLO's rank: the scheduler's TP rank, and with pipeline parallelism its rank across
+    the stages (``pp_rank * tp_size + tp_rank``, as SGLang numbers its scheduler processes): the
+    rank a transfer's lane pairs by, so that prefill stage s sends to decode stage s
+    (sidecar/ledger/lanes.py)."""
     rank = getattr(sched, "tp_rank", None)
     if rank is None:
         try:
@@ -48,6 +52,9 @@ def _tp_rank(sched) -> int:
             rank = get_parallel().tp_rank
         except Exception:  # noqa: BLE001
             rank = 0
+    if cv_sglang.pp_size(sched) > 1:
+        tp_size = int(getattr(sched.server_args, "tp_size", 1) or 1)
+        return cv_sglang.pp_rank(sched) * tp_size + int(rank or 0)
     return int(rank or 0)
 
 

@@ -400,6 +400,29 @@ def test_head_layout(local, total, size, want):
     assert [hd.head_layout(local, total, r, size) for r in range(size)] == want
 
 
+def test_pipeline_stages_partials_tile_the_end_and_add_up_to_the_whole_models_digest():
+    """Two pipeline stages, each a pool of its own layers (start_layer 0 and LAYERS // 2): each
+    hashes its layers with their model ids and reports its heads shifted by stage x total
+    (``_Setup.part_start`` / ``part_total``); the end completes with both and sums to the digest
+    of one pool holding every layer (an end at another split), and not with one stage alone."""
+    from kvguard.sidecar.ledger.digests import DigestSum, Partial
+
+    kv = make_kv(21, seed=40)
+    slots = scattered(21, 256, 4, np.random.default_rng(3))
+    whole = dg.transfer_digest(dg.pool_view(Pool(kv, slots, 256, 4)), slots, 0, dg.HEAD_STREAMS)
+    half = LAYERS // 2
+    end = DigestSum()
+    for stage, layers in enumerate((slice(0, half), slice(half, LAYERS))):
+        stage_kv = (kv[0][layers], kv[1][layers])
+        view = dg.pool_view(Pool(stage_kv, slots, 256, 4, start_layer=layers.start))
+        setup = hd._Setup(view, dg.HEAD_STREAMS, 0, HEADS, HEADS, stage, 2)
+        assert (setup.part_start, setup.part_total) == (stage * HEADS, 2 * HEADS)
+        digest = dg.transfer_digest(view, slots, setup.head_start, dg.HEAD_STREAMS)
+        end.add(3, setup.part_start, Partial(setup.head_count, digest, 0, 21, view.layers, setup.part_total))
+        assert end.complete(3) == (stage == 1)
+    assert end.value(3) == whole
+
+
 def test_head_layout_refuses_what_does_not_add_up():
     with pytest.raises(dg.Unsupported):
         hd.head_layout(3, 8, 0, 2)

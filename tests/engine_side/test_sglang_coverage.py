@@ -106,8 +106,8 @@ def test_an_unhooked_allocator_a_state_pool_or_speculation_leaves_ownership_unfo
 
 def test_pipeline_stages_of_a_unified_engine_are_watched_each_as_its_own_timeline():
     """At ``--pp-size 2`` each stage is a scheduler process over its own layers' pool (verified on
-    a real 0.5.23 engine, tests/integration/test_parallel_engines.py): watched, the stage named; a
-    prefill/decode role would pair transfers stage to stage, never run: declared."""
+    a real 0.5.23 engine and pair, tests/integration/test_parallel_engines.py): watched, the stage
+    named; on another release declared."""
     sched = _sched(_mha_pool(), pp_size=2)
     sched.pp_rank = 1
     items = cov.inspect(sched, "0.5.23", "unified")
@@ -117,8 +117,26 @@ def test_pipeline_stages_of_a_unified_engine_are_watched_each_as_its_own_timelin
     sched = _sched(_mha_pool(), pp_size=2, role="decode")
     items = cov.inspect(sched, "0.5.23", "decode")
     layout = _by_component(items)["parallel"]
-    assert layout.status == wire.CoverageStatus.UNWATCHED and "not paired by stage" in layout.detail, layout
+    assert layout.status == wire.CoverageStatus.WATCHED and "transfers pair stage to stage" in layout.detail, layout
+    items = cov.inspect(sched, "0.5.22", "decode")
+    layout = _by_component(items)["parallel"]
+    assert layout.status == wire.CoverageStatus.UNWATCHED and "not verified on SGLang 0.5.22" in layout.detail
     assert not cov.cv.ownership_followed(items)
+
+
+def test_a_stages_hello_rank_counts_across_the_stages_so_that_transfer_lanes_pair_stage_to_stage():
+    from kvguard.engine_hooks.sglang import hooks_requests
+
+    ranks = []
+    for pp_rank in range(2):
+        for tp_rank in range(2):
+            sched = _sched(_mha_pool(), pp_size=2, tp_size=2)
+            sched.pp_rank, sched.tp_rank = pp_rank, tp_rank
+            ranks.append(hooks_requests._tp_rank(sched))
+    assert ranks == [0, 1, 2, 3]  # as SGLang numbers its scheduler processes
+    sched = _sched(_mha_pool(), tp_size=2)
+    sched.tp_rank = 1
+    assert hooks_requests._tp_rank(sched) == 1  # no pipeline: the TP rank
 
 
 def test_tensor_parallel_transfers_are_watched_and_data_parallel_attention_ones_declared():

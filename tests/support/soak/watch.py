@@ -229,6 +229,7 @@ class Watch:
                     "unpaired": p.ledger.unpaired,
                     "warmup": p.ledger.warmups,
                     "rooms_reused": p.ledger.rooms_reused,
+                    "digests_compared": p.ledger.digests_compared,
                 },
                 "engines": engines,
             }
