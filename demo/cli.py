@@ -53,11 +53,12 @@ def register(sub) -> None:
     p.add_argument(
         "--model",
         default="gpt2",
-        choices=["gpt2", "glm5", "deepseek_v2", "llama_tp2"],
+        choices=["gpt2", "glm5", "deepseek_v2", "llama_tp2", "llama_pp2"],
         help="gpt2: the echo GPT-2 (default; the leak in words); glm5: a tiny GLM-5, the incident's model class "
         "(MLA latent KV + the DSA indexer cache); deepseek_v2: a tiny DeepSeek-V2 (MLA); llama_tp2: a tiny Llama "
-        "with tensor parallelism 2 on both engines (two ranks each, one core per rank). The last three run with "
-        "dummy weights: the leak shows as pages",
+        "with tensor parallelism 2 on both engines (two ranks each, one core per rank); llama_pp2: the same with "
+        "pipeline parallelism 2 (two stages each, one layer per stage). The last four run with dummy weights: the "
+        "leak shows as pages",
     )
     p.add_argument("--json", action="store_true", help="print the findings as JSON lines instead of the story")
     p.add_argument("--workdir", default=None, help="where logs and rings go (default: a temporary directory)")

@@ -61,8 +61,9 @@ SPEC_ROLES = ("unified",)
 
 
 # pipeline parallelism, watched stage by stage: verified on these releases (tests/integration/
-# test_parallel_engines.py: a unified engine and a prefill/decode pair at `--pp-size 2`)
-PP_VERIFIED_VERSIONS = ("0.5.23",)
+# test_pipeline_engines.py: a unified engine and a prefill/decode pair at `--pp-size 2` on 0.5.23;
+# tests/integration/test_parallel_engines.py: the 0.5.19 leak on a PP 2 pair)
+PP_VERIFIED_VERSIONS = ("0.5.19", "0.5.23")
 
 
 def pp_size(sched) -> int:

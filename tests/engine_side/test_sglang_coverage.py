@@ -95,9 +95,9 @@ def test_an_unhooked_allocator_a_state_pool_or_speculation_leaves_ownership_unfo
         (_sched(_mha_pool(), rtt="HybridReqToTokenPool"), "state_pool", "recurrent state"),
         (_sched(_mha_pool(), speculative_algorithm="EAGLE"), "draft", "not a speculative path kvguard follows"),
         (_sched(_named("SWAKVPool")), "kv_pool", "SWAKVPool is not a pool layout kvguard follows"),
-        (_sched(_mha_pool(), pp_size=2), "parallel", "pipeline parallelism not verified on SGLang 0.5.19"),
+        (_sched(_mha_pool(), pp_size=2), "parallel", "pipeline parallelism not verified on SGLang 0.5.22"),
     ):
-        items = cov.inspect(sched, "0.5.19", "unified")
+        items = cov.inspect(sched, "0.5.22", "unified")
         item = _by_component(items)[component]
         assert item.status == wire.CoverageStatus.UNWATCHED, (component, item)
         assert words in item.detail

@@ -49,12 +49,21 @@ def two_cores():
         pytest.skip(f"tensor parallelism {ARCH.tp_size} needs {ARCH.tp_size} CPU cores (one per rank)")
 
 
+@pytest.mark.parametrize(
+    "model",
+    [
+        "llama_tp2",
+        # pipeline parallelism 2 (tests/integration/test_pipeline_engines.py): each stage its own
+        # timeline, the HELLO's rank counting across the stages; `kvguard demo --model llama_pp2`
+        pytest.param("llama_pp2", marks=pytest.mark.sweep),
+    ],
+)
 def test_the_0_5_19_leak_on_a_tp2_pair_is_caught_on_every_rank_with_the_same_victims(
-    tmp_path, require_sglang, two_cores
+    tmp_path, require_sglang, two_cores, model
 ):
     require_sglang("0.5.19")
-    run = capture_incident("0.5.19", str(tmp_path), progress=None, model="llama_tp2")
-    assert run.records_by_kind["HELLO"] == 4 and run.records_lost == 0  # two ranks on each engine
+    run = capture_incident("0.5.19", str(tmp_path), progress=None, model=model)
+    assert run.records_by_kind["HELLO"] == 4 and run.records_lost == 0  # two ranks (stages) on each engine
     long = run.scenario.long.result
     assert long.ok and long.prompt_tokens == 600  # what a status-code check sees
     normal_rids = {r.result.rid: r.result.tenant for r in run.scenario.normal}
