@@ -16,8 +16,9 @@ never mismatched.
 Lanes pair rank i with rank i: prefill and decode with the same attention-TP size (what the
 soak and the fault tests run). Under pipeline parallelism a stage's HELLO rank counts across
 the stages (``pp_rank * tp_size + tp_rank``, engine_hooks/sglang/hooks_requests.py), so
-prefill stage s's lane is decode stage s's: SGLang sends each stage's layers stage to stage. A receiving rank whose lane no sender ever spoke in (decode at a
-larger TP size than prefill) takes rank 0's chunks (``TransferLedger._borrow_sender``).
+prefill stage s's lane is decode stage s's: SGLang sends each stage's layers stage to stage.
+A receiving rank whose lane no sender ever spoke in (decode at a larger TP size than prefill)
+takes rank 0's chunks (``TransferLedger._borrow_sender``).
 """
 
 from __future__ import annotations
