@@ -674,7 +674,12 @@ class EngineTracker:
         give no verdict); False: nothing done, for the general path (``writes_overlap``,
         ``check_writes``, ``mark_writes``). One gather of the pages' state for the three."""
         pool = self.pool
-        if pool.scope is not None or self.hello is None or not pool.one_page_each(req_keys, write_counts, write_pages):
+        if (
+            not len(write_pages)  # (nothing written: the general path returns at once)
+            or pool.scope is not None
+            or self.hello is None
+            or not pool.one_page_each(req_keys, write_counts, write_pages)
+        ):
             return False
         state = pool.state[write_pages]
         owner = pool.keys.keys[pool.owner_slot[write_pages]]

@@ -304,6 +304,8 @@ def test_a_decode_steps_writes_are_marked_at_once_and_anything_to_report_takes_t
     for name in ("state", "gen", "written_gen", "owner", "last_writer", "last_write_ns"):
         assert np.array_equal(getattr(fast.pool, name), getattr(general.pool, name)), name
     assert fast.pool.written_gen[2] == fast.pool.gen[2] and fast.pool.last_writer[4] == B
+    empty = np.zeros(0, np.uint64)  # a forward of no request (found by the fuzz harness: max() of nothing)
+    assert not fast.decode_writes(empty, np.zeros(0, np.uint32), np.zeros(0, np.int32), 8)
     for counts, pages in ((ones, [2, 2]), (ones, [2, 5]), (ones, [4, 3]), (np.array([2, 0], np.uint32), [1, 2])):
         t = build()
         before = t.pool.written_gen.copy()
