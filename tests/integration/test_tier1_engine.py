@@ -89,6 +89,12 @@ def engine(tmp_path_factory, require_sglang):
             "KVGUARD_GUARD": "full",
             "KVGUARD_FAULT": "row_corruption,use_after_free",
             "KVGUARD_FAULT_DIR": str(events_dir),
+            # use_after_free frees two of the reader's pages, and the aborted reader's release
+            # frees them again: SGLang's strict idle check (on by default) then counts the pool
+            # as leaking and kills the scheduler. On a loaded CI machine it ran before the
+            # abort's response had reached the client (cut stream, dead engine at teardown;
+            # seen once). The other use_after_free tests turn it off likewise.
+            "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "0",
         },
         extra_pythonpath=[FAULTS_DIR],
     )
