@@ -305,11 +305,6 @@ def test_block_freed_under_a_live_request_is_reported(vllm):
     """A block freed while still in a decoding request's table is handed to a new request: the
     old request's next forward writes into it and reads it: late_write and foreign_read, the
     new request (globex) exposed."""
-    if TP > 1:  # (make test-parallel; said in docs/coverage.md and the issue notes)
-        pytest.skip(
-            "at tensor parallelism 2 the fault found no unhashed last block of a live reader in 5 tries "
-            "(its timing harness, not diagnosed yet): not run at TP 2"
-        )
     engine, watch = vllm
     rng = random.Random(13)
     mark = watch.mark()

@@ -119,7 +119,11 @@ def _free_live_block(armed: set[str]) -> None:
                     _done.add(rid)  # decoding: the test sends its intruder now
                     _event(fault="observe", event="reader_decoding", reader=rid)
                 if rid not in _stolen:
-                    time.sleep(0.005)  # a slow step, so that the intruder's request meets a live reader
+                    # a slow step, so that the intruder's request meets a live reader: 400 tokens
+                    # last 8 s or more. (At 5 ms a step, a TP 2 engine's reader had decoded all its
+                    # tokens before the intruder got through the API server, whose CPU the two
+                    # busy workers share on a 2-core machine: the fault found no reader.)
+                    time.sleep(0.02)
 
             if _roles.get(request.request_id) == ("free_live_block", "intruder") and request.request_id not in _done:
                 group = _group(request)
