@@ -104,28 +104,29 @@ def test_the_0_5_19_leak_on_a_tp2_pair_is_caught_on_every_rank_with_the_same_vic
     assert run.stats.ledger.digests_compared >= len(run.scenario.requests) == 9, run.stats.ledger
 
 
-@pytest.mark.sweep  # make test-parallel
-def test_a_routed_soak_on_a_tp2_pair_raises_nothing(tmp_path, require_sglang, two_cores):
+def routed_pair_soak(tmp_path, arch, requests: int, seed_offset: int, phase: str, name: str):
+    """The routed prefill/decode soak (clients that send no rid; the guard, content check and
+    page identity on: the PD soak's settings) on a pair of ``arch`` (each engine two scheduler
+    processes: four timelines), with the checks every such soak ends with: every client served
+    as asked, nothing lost, every probe fired, every read judged, no finding."""
     from tests.integration import test_soak_engine as soak
     from tests.support.soak.watch import Watch
     from tests.support.soak.workload import ROUTED_MIX, Limits, make_plan, run_plan, send_routed
 
-    require_sglang(soak.VERSION)
-    requests = int(os.environ.get("KVGUARD_TP_SOAK_REQUESTS", "120"))
     ring_dir, log_dir = tmp_path / "rings", tmp_path / "logs"
     ring_dir.mkdir()
     t0 = time.monotonic()
-    kwargs = ARCH.pair_kwargs(soak.CONTEXT_LEN, extra_env=soak.PD_ENV)
+    kwargs = arch.pair_kwargs(soak.CONTEXT_LEN, extra_env=soak.PD_ENV)
     kwargs.update(prefill_pool_tokens=soak.PD_PREFILL_POOL, decode_pool_tokens=soak.PD_DECODE_POOL)
     with Watch(ring_dir) as watch:
         with PDPair(soak.VERSION, ring_dir, log_dir, **kwargs) as pair:
             t1 = time.monotonic()
             limits = Limits(soak.CONTEXT_LEN, int(pair.prefill.server_info()["max_req_input_len"]))
-            plan = make_plan(requests, limits, mix=ROUTED_MIX, seed=soak.SEED + 2, phase="tp-")
+            plan = make_plan(requests, limits, mix=ROUTED_MIX, seed=soak.SEED + seed_offset, phase=phase)
             outcomes = run_plan(plan, send_routed(pair.router.url, pair.decode.url), soak.PD_CONCURRENCY)
             logs = [str(pair.prefill.log_path), str(pair.decode.log_path), str(pair.router.log_path)]
             run = soak._finish(
-                "pd-tp2", watch, plan, outcomes, {"engine_startup": t1 - t0, "requests": time.monotonic() - t1}, logs
+                name, watch, plan, outcomes, {"engine_startup": t1 - t0, "requests": time.monotonic() - t1}, logs
             )
             run.content_path = soak.PD_ENV["KVGUARD_CONTENT_PATH"]
     soak._report(run)
@@ -135,35 +136,16 @@ def test_a_routed_soak_on_a_tp2_pair_raises_nothing(tmp_path, require_sglang, tw
     soak.check_probes_fired(run, (*soak.EXPECTED_KINDS, *soak.PD_KINDS, "XFER_DIGEST"))
     soak.check_reads_judged(run)
     soak.check_no_findings(run)
+    return run
 
 
 @pytest.mark.sweep  # make test-parallel
-def test_a_data_parallel_vllm_server_is_watched_one_timeline_per_engine_core(tmp_path, two_cores):
-    """vLLM's ``--data-parallel-size 2``: two EngineCores behind one API server, each with its own
-    scheduler, block pool and worker (its ring, its HELLO, its worker's ENGINE_PART): two
-    timelines, every read judged, nothing reported on clean traffic with shared prefixes."""
-    from kvguard.demo.vllm_engine import complete
-    from tests.integration.test_vllm_engine import _missing, _text, watched_vllm
+def test_a_routed_soak_on_a_tp2_pair_raises_nothing(tmp_path, require_sglang, two_cores):
+    from tests.integration import test_soak_engine as soak
 
-    if _missing:
-        pytest.skip(_missing)
-    with watched_vllm(
-        tmp_path, "kvg-vllm-dp-", num_blocks=64, max_num_seqs=4, extra_args=["--data-parallel-size", "2"]
-    ) as (engine, watch):
-        rng = random.Random(3)
-        mark = watch.mark()
-        shared = _text(rng, 64)
-        for i in range(16):
-            prompt = (shared if i % 2 else "") + _text(rng, rng.randint(20, 120))
-            assert complete(engine, prompt, 8, tenant=("acme", "globex")[i % 2])["usage"]["completion_tokens"] == 8
-        found = watch.since(mark)
-        stats = watch.stats()
-    assert found == [], watch.explain(found)
-    assert stats.records_by_kind.get("HELLO") == 2 and stats.records_by_kind.get("ENGINE_PART") == 2
-    assert stats.records_without_engine == 0
-    engines = [e for e in stats.engines if e.pages_read]
-    assert len(engines) == 2, stats.engines  # both engine cores served requests, each on its own timeline
-    assert all(e.pages_unverified == 0 for e in engines), engines
+    require_sglang(soak.VERSION)
+    requests = int(os.environ.get("KVGUARD_TP_SOAK_REQUESTS", "120"))
+    routed_pair_soak(tmp_path, ARCH, requests, 2, "tp-", "pd-tp2")
 
 
 # ---------------------------------------------------------------------- injected transfer faults at TP 2
@@ -171,23 +153,23 @@ def test_a_data_parallel_vllm_server_is_watched_one_timeline_per_engine_core(tmp
 # ranks of an engine do the same wrong thing, as a real bug in the shared scheduler code would
 
 
-@pytest.fixture(scope="module")
-def tp2_fault_pair(tmp_path_factory, require_sglang):
+def fault_pair(tmp_path_factory, arch, faults: str, label: str):
+    """A 0.5.23 prefill/decode pair of ``arch`` with the fault plugin (``faults``) in every
+    scheduler process and one sidecar on every ring, no router (the faults act by rid): yields
+    ``(pair, watch)``, both stopped after."""
     from tests.integration.test_faults_engine import CONTEXT, DECODE_POOL, PREFILL_POOL, VERSION, fault_env
     from tests.support.engine_watch import Watch
     from tests.support.fault_plugin import FAULTS_DIR
 
-    if len(os.sched_getaffinity(0)) < ARCH.tp_size:
-        pytest.skip(f"tensor parallelism {ARCH.tp_size} needs {ARCH.tp_size} CPU cores (one per rank)")
-    require_sglang(VERSION)
+    if len(os.sched_getaffinity(0)) < arch.ranks:
+        pytest.skip(f"{arch.title} needs {arch.ranks} CPU cores (one per scheduler process)")
     pytest.importorskip("mooncake.engine", reason="Mooncake (mooncake-transfer-engine-non-cuda) not installed")
-    work = tmp_path_factory.mktemp("tp2-faults")
+    work = tmp_path_factory.mktemp(label)
     ring_dir, events_dir = work / "rings", work / "events"
     ring_dir.mkdir()
     events_dir.mkdir()
     watch = Watch(ring_dir, events_dir)
-    faults = "send_truncated,send_foreign_page,send_source_released,completion_after_release"
-    kwargs = ARCH.pair_kwargs(CONTEXT, extra_env=fault_env(events_dir, faults))
+    kwargs = arch.pair_kwargs(CONTEXT, extra_env=fault_env(events_dir, faults))
     kwargs.update(prefill_pool_tokens=PREFILL_POOL, decode_pool_tokens=DECODE_POOL)
     pair = PDPair(VERSION, ring_dir, work / "logs", extra_pythonpath=[FAULTS_DIR], router=False, **kwargs)
     try:
@@ -199,16 +181,13 @@ def tp2_fault_pair(tmp_path_factory, require_sglang):
         watch.stop()
 
 
-@pytest.mark.sweep  # make test-parallel
-def test_a_truncated_send_at_tp2_is_caught_on_both_decode_ranks_with_the_victims(tp2_fault_pair):
-    """send_truncated on both prefill ranks: each sends decode's rank its first page of 50."""
-    from tests.integration.test_faults_engine import _earlier_requests
+def truncated_send_caught_on_both_decode_ranks(pair, watch, rng, earlier: dict) -> list:
+    """send_truncated on both sending ranks (stages): each sends its decode rank the first page of
+    50. Caught on each decode rank, the victims (``earlier``'s tenants) named, the room's summed
+    digests compared once and different. Returns the two unwritten_read findings."""
     from tests.support.engine_watch import describe, prompt
     from tests.support.fault_plugin import make_rid
 
-    pair, watch = tp2_fault_pair
-    rng = random.Random(7)
-    earlier = _earlier_requests(pair, rng, "tp2")
     watch.settle()
     mark = watch.mark()
     rid = make_rid("send_truncated", "f", "1")
@@ -222,7 +201,7 @@ def test_a_truncated_send_at_tp2_is_caught_on_both_decode_ranks_with_the_victims
             ("transfer_size_mismatch", "decode", 1): 1,
             ("unwritten_read", "decode", 0): 1,
             ("unwritten_read", "decode", 1): 1,
-            ("checksum_mismatch", "decode", 0): 1,  # the ranks' partials summed on the room
+            ("checksum_mismatch", "decode", 0): 1,  # the ranks' (stages') partials summed on the room
         }
     ), describe(found)
     reads = [f for f in found if f.kind == "unwritten_read"]
@@ -230,6 +209,25 @@ def test_a_truncated_send_at_tp2_is_caught_on_both_decode_ranks_with_the_victims
         assert (read.reader.rid, read.reader.tenant, read.reader.bootstrap_room) == (rid, "initech", r.room)
         assert len(read.pages) == 49 and read.exposed
         assert all(earlier.get(p.rid) == p.tenant for p in read.exposed), (read.exposed, earlier)
+    return reads
+
+
+@pytest.fixture(scope="module")
+def tp2_fault_pair(tmp_path_factory, require_sglang):
+    require_sglang("0.5.23")
+    faults = "send_truncated,send_foreign_page,send_source_released,completion_after_release"
+    yield from fault_pair(tmp_path_factory, ARCH, faults, "tp2-faults")
+
+
+@pytest.mark.sweep  # make test-parallel
+def test_a_truncated_send_at_tp2_is_caught_on_both_decode_ranks_with_the_victims(tp2_fault_pair):
+    """send_truncated on both prefill ranks: each sends decode's rank its first page of 50."""
+    from tests.integration.test_faults_engine import _earlier_requests
+
+    pair, watch = tp2_fault_pair
+    rng = random.Random(7)
+    earlier = _earlier_requests(pair, rng, "tp2")
+    reads = truncated_send_caught_on_both_decode_ranks(pair, watch, rng, earlier)
     assert reads[0].pages == reads[1].pages
 
 

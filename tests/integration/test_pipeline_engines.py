@@ -21,11 +21,15 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections import Counter
 
 import pytest
 
-from kvguard.demo.engines import PDPair, sglang_arch, start_engine
+from kvguard.demo.engines import sglang_arch, start_engine
+from tests.integration.test_parallel_engines import (
+    fault_pair,
+    routed_pair_soak,
+    truncated_send_caught_on_both_decode_ranks,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
@@ -152,29 +156,8 @@ def test_pages_freed_under_a_reader_at_pp2_are_caught_on_both_stages_with_the_vi
 def pp2_fault_pair(tmp_path_factory, require_sglang):
     """A 0.5.23 prefill/decode pair, both at ``--pp-size 2`` (four scheduler processes), with
     the fault plugin in every stage and one sidecar on all four rings."""
-    from tests.integration.test_faults_engine import CONTEXT, DECODE_POOL, PREFILL_POOL, VERSION, fault_env
-    from tests.support.engine_watch import Watch
-    from tests.support.fault_plugin import FAULTS_DIR
-
-    if len(os.sched_getaffinity(0)) < PP_ARCH.ranks:
-        pytest.skip(f"pipeline parallelism {PP_ARCH.pp_size} needs {PP_ARCH.ranks} CPU cores (one per stage)")
-    require_sglang(VERSION)
-    pytest.importorskip("mooncake.engine", reason="Mooncake (mooncake-transfer-engine-non-cuda) not installed")
-    work = tmp_path_factory.mktemp("pp2-faults")
-    ring_dir, events_dir = work / "rings", work / "events"
-    ring_dir.mkdir()
-    events_dir.mkdir()
-    watch = Watch(ring_dir, events_dir)
-    kwargs = PP_ARCH.pair_kwargs(CONTEXT, extra_env=fault_env(events_dir, "send_truncated"))
-    kwargs.update(prefill_pool_tokens=PREFILL_POOL, decode_pool_tokens=DECODE_POOL)
-    pair = PDPair(VERSION, ring_dir, work / "logs", extra_pythonpath=[FAULTS_DIR], router=False, **kwargs)
-    try:
-        pair.start()
-        watch.settle()
-        yield pair, watch
-    finally:
-        pair.stop()
-        watch.stop()
+    require_sglang("0.5.23")
+    yield from fault_pair(tmp_path_factory, PP_ARCH, "send_truncated", "pp2-faults")
 
 
 def test_transfers_at_pp2_pair_stage_to_stage_and_a_truncated_send_is_caught_on_both_decode_stages(pp2_fault_pair):
@@ -183,8 +166,7 @@ def test_transfers_at_pp2_pair_stage_to_stage_and_a_truncated_send_is_caught_on_
     send_truncated on both prefill stages (each sends its decode stage the first page of 50)
     is caught on each decode stage, the victims named, and the room's summed digests differ."""
     from tests.integration.test_faults_engine import _earlier_requests
-    from tests.support.engine_watch import describe, prompt
-    from tests.support.fault_plugin import make_rid
+    from tests.support.engine_watch import describe
 
     pair, watch = pp2_fault_pair
     rng = random.Random(9)
@@ -199,63 +181,18 @@ def test_transfers_at_pp2_pair_stage_to_stage_and_a_truncated_send_is_caught_on_
         for e in (watch.sidecar.pipeline.engine_ref(t) for t in watch.sidecar.pipeline.engines.values())
     )
     assert ranks == [("decode", 0), ("decode", 1), ("prefill", 0), ("prefill", 1)], ranks
-    mark = watch.mark()
-    rid = make_rid("send_truncated", "f", "1")
-    r = pair.generate(prompt(rng, 200), tenant="initech", max_new_tokens=8, rid=rid)
-    assert r.ok and r.prompt_tokens == 200, r.summary()
-    watch.wait_event("send_truncated", "truncated")
-    found = watch.since(mark)
-    assert Counter((f.kind, f.engine.role, f.engine.rank) for f in found) == Counter(
-        {
-            ("transfer_size_mismatch", "decode", 0): 1,
-            ("transfer_size_mismatch", "decode", 1): 1,
-            ("unwritten_read", "decode", 0): 1,
-            ("unwritten_read", "decode", 1): 1,
-            ("checksum_mismatch", "decode", 0): 1,  # the stages' partials summed on the room
-        }
-    ), describe(found)
-    reads = [f for f in found if f.kind == "unwritten_read"]
-    for read in reads:
-        assert (read.reader.rid, read.reader.tenant, read.reader.bootstrap_room) == (rid, "initech", r.room)
-        assert len(read.pages) == 49 and read.exposed
-        assert all(earlier.get(p.rid) == p.tenant for p in read.exposed), (read.exposed, earlier)
+    truncated_send_caught_on_both_decode_ranks(pair, watch, rng, earlier)
 
 
 @pytest.mark.sweep  # make test-parallel
 def test_a_routed_soak_on_a_pp2_pair_raises_nothing(tmp_path, require_sglang):
     """The routed prefill/decode soak (clients that send no rid; the guard, content check and page
     identity on) on a pair whose engines both run two pipeline stages: four timelines, every
-    transfer paired stage to stage, nothing reported."""
+    transfer paired stage to stage and its stages' digests compared, nothing reported."""
     from tests.integration import test_soak_engine as soak
-    from tests.support.soak.watch import Watch
-    from tests.support.soak.workload import ROUTED_MIX, Limits, make_plan, run_plan, send_routed
 
-    if len(os.sched_getaffinity(0)) < PP_ARCH.ranks:
-        pytest.skip(f"pipeline parallelism {PP_ARCH.pp_size} needs {PP_ARCH.ranks} CPU cores (one per stage)")
     require_sglang(soak.VERSION)
-    requests = int(os.environ.get("KVGUARD_PP_SOAK_REQUESTS", "240"))
-    ring_dir, log_dir = tmp_path / "rings", tmp_path / "logs"
-    ring_dir.mkdir()
-    t0 = time.monotonic()
-    kwargs = PP_ARCH.pair_kwargs(soak.CONTEXT_LEN, extra_env=soak.PD_ENV)
-    kwargs.update(prefill_pool_tokens=soak.PD_PREFILL_POOL, decode_pool_tokens=soak.PD_DECODE_POOL)
-    with Watch(ring_dir) as watch:
-        with PDPair(soak.VERSION, ring_dir, log_dir, **kwargs) as pair:
-            t1 = time.monotonic()
-            limits = Limits(soak.CONTEXT_LEN, int(pair.prefill.server_info()["max_req_input_len"]))
-            plan = make_plan(requests // 2, limits, mix=ROUTED_MIX, seed=soak.SEED + 4, phase="pp-pd-")
-            outcomes = run_plan(plan, send_routed(pair.router.url, pair.decode.url), soak.PD_CONCURRENCY)
-            logs = [str(pair.prefill.log_path), str(pair.decode.log_path), str(pair.router.log_path)]
-            run = soak._finish(
-                "pd-pp2", watch, plan, outcomes, {"engine_startup": t1 - t0, "requests": time.monotonic() - t1}, logs
-            )
-            run.content_path = soak.PD_ENV["KVGUARD_CONTENT_PATH"]
-    soak._report(run)
-    assert len(run.snapshot["engines"]) == 4, run.snapshot["engines"].keys()
+    requests = int(os.environ.get("KVGUARD_PP_SOAK_REQUESTS", "240")) // 2
+    run = routed_pair_soak(tmp_path, PP_ARCH, requests, 4, "pp-pd-", "pd-pp2")
     transfers = run.snapshot["transfers"]
     assert transfers["paired"] > 0 and transfers["digests_compared"] > 0, transfers
-    soak.check_clients(run, pd=True, routed=True)
-    soak.check_sidecar_health(run)
-    soak.check_probes_fired(run, (*soak.EXPECTED_KINDS, *soak.PD_KINDS, "XFER_DIGEST"))
-    soak.check_reads_judged(run)
-    soak.check_no_findings(run)
