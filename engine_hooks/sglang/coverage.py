@@ -70,16 +70,22 @@ def pp_size(sched) -> int:
     return int(getattr(getattr(sched, "server_args", None), "pp_size", 1) or 1)
 
 
-def pp_rank(sched) -> int:
-    rank = getattr(sched, "pp_rank", None)
+def scheduler_rank(sched, name: str) -> int:
+    """The scheduler's ``name`` rank (``tp_rank``, ``pp_rank``): its own attribute, else SGLang's
+    parallel state (0 where neither has it)."""
+    rank = getattr(sched, name, None)
     if rank is None:
         try:
             from sglang.srt.runtime_context import get_parallel
 
-            rank = get_parallel().pp_rank
+            rank = getattr(get_parallel(), name)
         except Exception:  # noqa: BLE001
             rank = 0
     return int(rank or 0)
+
+
+def pp_rank(sched) -> int:
+    return scheduler_rank(sched, "pp_rank")
 
 
 def _stages_why_not(version: str) -> str | None:

@@ -44,18 +44,11 @@ def _tp_rank(sched) -> int:
     the stages (``pp_rank * tp_size + tp_rank``, as SGLang numbers its scheduler processes): the
     rank a transfer's lane pairs by, so that prefill stage s sends to decode stage s
     (sidecar/ledger/lanes.py)."""
-    rank = getattr(sched, "tp_rank", None)
-    if rank is None:
-        try:
-            from sglang.srt.runtime_context import get_parallel
-
-            rank = get_parallel().tp_rank
-        except Exception:  # noqa: BLE001
-            rank = 0
+    rank = cv_sglang.scheduler_rank(sched, "tp_rank")
     if cv_sglang.pp_size(sched) > 1:
         tp_size = int(getattr(sched.server_args, "tp_size", 1) or 1)
-        return cv_sglang.pp_rank(sched) * tp_size + int(rank or 0)
-    return int(rank or 0)
+        return cv_sglang.pp_rank(sched) * tp_size + rank
+    return rank
 
 
 def _full_allocator(alloc):
