@@ -155,10 +155,7 @@ class Judge:
         pool = self.pool
         if pool.one_page_each(req_keys, write_counts, write_pages):
             # the same rules with nothing to select or widen first, and none of the writers looked up
-            state = pool.state[write_pages]
-            owner = pool.owner_keys(write_pages)
-            bad = (state == FREE) | ((state == OWNED) & (owner != req_keys) & (owner != 0))
-            if not bad.any():
+            if not self.one_page_writes_bad(req_keys, write_pages, pool.state[write_pages]):
                 return []
         counts = write_counts.astype(np.int64)
         pages = write_pages.astype(np.int64)
@@ -190,6 +187,12 @@ class Judge:
             mine = look & (writer == i)
             out.append((i, WriteVerdict(info, pages[mine & freed], pages[mine & foreign])))
         return out
+
+    def one_page_writes_bad(self, req_keys: np.ndarray, write_pages: np.ndarray, state: np.ndarray) -> bool:
+        """``check_write``'s rules over one page per request (``PagePool.one_page_each``; ``state``
+        the pages' states): whether any writer wrote a freed page or another request's."""
+        owner = self.pool.owner_keys(write_pages)
+        return bool(((state == FREE) | ((state == OWNED) & (owner != req_keys) & (owner != 0))).any())
 
     def _writer_infos(self, req_keys: np.ndarray) -> list[RequestInfo | None]:
         get = self.requests.get

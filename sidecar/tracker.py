@@ -682,18 +682,19 @@ class EngineTracker:
         ):
             return False
         state = pool.state[write_pages]
-        owner = pool.keys.keys[pool.owner_slot[write_pages]]
-        if ((state == FREE) | ((state == OWNED) & (owner != req_keys) & (owner != 0))).any():
+        if self.judge.one_page_writes_bad(req_keys, write_pages, state) or self.judge.writes_overlap(write_pages):
             return False
-        if len(write_pages) > 1:
-            ordered = np.sort(write_pages)
-            if (ordered[1:] == ordered[:-1]).any():
-                return False
+        self._mark_one_page_each(req_keys, write_pages, state, ts_ns)
+        return True
+
+    def _mark_one_page_each(self, req_keys: np.ndarray, write_pages: np.ndarray, state: np.ndarray, ts_ns: int) -> None:
+        """``mark_writes`` of one page per request (``PagePool.one_page_each``, no salts;
+        ``state`` the pages' states): nothing to select or widen first."""
+        pool = self.pool
         known = write_pages if int(state.min()) != UNKNOWN else write_pages[state != UNKNOWN]
         pool.written_gen[known] = pool.gen[known]  # (not logged: see PagePool.changed)
         pool.writer_slot[write_pages] = self._slots(req_keys)
         pool.mark_write_time(write_pages, ts_ns)
-        return True
 
     def mark_writes(self, req_keys: np.ndarray, write_counts: np.ndarray, write_pages: np.ndarray, ts_ns: int) -> None:
         """``mark_written`` for every request of a forward at once (no page written twice:
@@ -702,12 +703,7 @@ class EngineTracker:
             return
         pool = self.pool
         if pool.scope is None and pool.one_page_each(req_keys, write_counts, write_pages):
-            # the same marks with nothing to select or widen first
-            state = pool.state[write_pages]
-            known = write_pages if int(state.min()) != UNKNOWN else write_pages[state != UNKNOWN]
-            pool.written_gen[known] = pool.gen[known]  # (not logged: see PagePool.changed)
-            pool.writer_slot[write_pages] = self._slots(req_keys)
-            pool.mark_write_time(write_pages, ts_ns)
+            self._mark_one_page_each(req_keys, write_pages, pool.state[write_pages], ts_ns)
             return
         pages = write_pages.astype(np.int64)
         writer = np.repeat(self._slots(req_keys), write_counts.astype(np.int64))

@@ -382,7 +382,7 @@ def inspect(sched, version: str, role: str) -> list[wire.CoverageItem]:
                 items.append(cv.item("hicache", cv.OWNERSHIP | cv.DIGESTS, 0, detail))
     tp = int(getattr(args, "tp_size", 1) or 1)
     dp = int(getattr(args, "dp_size", 1) or 1)
-    pp = int(getattr(args, "pp_size", 1) or 1)
+    pp = pp_size(sched)
     layout = f"tp {tp}, dp {dp}{' (attention)' if getattr(args, 'enable_dp_attention', False) else ''}, pp {pp}"
     how = "one ring per scheduler process (rank)"
     if pp > 1:
