@@ -110,17 +110,25 @@ def capture(work: str) -> VllmDemoRun:
     return run
 
 
+# What the injected bug can truly lead to, by where the reader's forwards fall: a write into the
+# block globex holds (late_write), or into it while it is free (use_after_free: between the free
+# and globex's allocation, or after globex's request ended and freed it), and reads of it while
+# it is not the reader's own (foreign_read). Only globex may be named as exposed.
+STORY_KINDS = ("foreign_read", "late_write", "use_after_free")
+
+
 def expected(run: VllmDemoRun) -> tuple[bool, str]:
     if run.block is None:
         return False, "the fault plugin never freed a block under the reader"
-    reads = [f for f in run.findings if f.kind == "foreign_read"]
-    if not reads:
+    if not any(f.kind == "foreign_read" for f in run.findings):
         return False, "no foreign_read was reported"
     for f in run.findings:
-        if f.kind not in ("foreign_read", "late_write"):
+        if f.kind not in STORY_KINDS:
             return False, f"an unexpected {f.kind} finding"
-        if f.reader is None or f.reader.rid != run.reader_rid or {p.tenant for p in f.exposed} != {INTRUDER_TENANT}:
-            return False, f"{f.kind} does not name the reader and the exposed tenant"
+        if f.reader is None or f.reader.rid != run.reader_rid or {p.tenant for p in f.exposed} - {INTRUDER_TENANT}:
+            return False, f"{f.kind} does not name the reader, or names another tenant than {INTRUDER_TENANT}"
+    if not any(p.tenant == INTRUDER_TENANT for f in run.findings for p in f.exposed):
+        return False, f"no finding names {INTRUDER_TENANT}, whose KV the reader read"
     return True, ""
 
 

@@ -58,6 +58,7 @@ _lock = threading.Lock()
 _roles: dict[str, tuple[str, str]] = {}  # request id -> (fault, role), for the requests we saw arrive
 _stolen: dict[str, object] = {}  # reader request id -> the block freed under it
 _done: set[str] = set()
+_steps: dict[str, int] = {}  # reader request id -> its decode steps so far
 
 
 def xargs(fault: str, role: str) -> dict:
@@ -111,12 +112,23 @@ def _free_live_block(armed: set[str]) -> None:
 
     _wrap(Scheduler, "add_request", add_request)
 
+    def stealable(block) -> bool:
+        # an unhashed block of one holder goes back to the front of vLLM's free queue (LIFO reuse
+        # of non-cached blocks), so the very allocation that frees it hands it out again
+        return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
+
     def allocate_slots(original):
         def f(self, request, *a, **k):
             rid = request.request_id
             if _roles.get(rid) == ("free_live_block", "reader") and request.num_computed_tokens:
-                if rid not in _done:
-                    _done.add(rid)  # decoding: the test sends its intruder now
+                _steps[rid] = _steps.get(rid, 0) + 1
+                if rid not in _done and (_steps[rid] > 64 or _room_to_steal(self, request)):
+                    # decoding, its last block at most half full (unhashed, so stealable, for the
+                    # next 8 steps or more) in every group: the test sends its intruder now. (Told
+                    # at a nearly full last block, the intruder met it hashed and could not take
+                    # it; it took a later one, after its own allocation: freed under the reader,
+                    # handed to nobody, no tenant exposed.)
+                    _done.add(rid)
                     _event(fault="observe", event="reader_decoding", reader=rid)
                 if rid not in _stolen:
                     # a slow step, so that the intruder's request meets a live reader: 400 tokens
@@ -125,23 +137,26 @@ def _free_live_block(armed: set[str]) -> None:
                     # busy workers share on a 2-core machine: the fault found no reader.)
                     time.sleep(0.02)
 
-            if _roles.get(request.request_id) == ("free_live_block", "intruder") and request.request_id not in _done:
+            if _roles.get(rid) == ("free_live_block", "intruder") and rid not in _done:
+                # the intruder's first allocation only: it allocates its prompt's blocks, so the
+                # block freed here is the one it is handed (a later call may allocate nothing)
+                _done.add(rid)
                 group = _group(request)
                 table = self.coordinator.single_type_managers[group].req_to_blocks
-                for rid, blocks in table.items():
-                    if _roles.get(rid) == ("free_live_block", "reader") and blocks and rid not in _stolen:
+                for reader, blocks in table.items():
+                    if _roles.get(reader) == ("free_live_block", "reader") and blocks and reader not in _stolen:
                         block = blocks[-1]
-                        if block.is_null or block.ref_cnt != 1 or block.block_hash is not None:
+                        if not stealable(block):
+                            _event(fault="observe", event="nothing_to_steal", reader=reader, intruder=rid)
                             continue
-                        _stolen[rid] = (block, group)
-                        _done.add(request.request_id)
+                        _stolen[reader] = (block, group)
                         # the bug: freed while still in the reader's table; the front of the
                         # free queue, so this very allocation hands it to the intruder
                         self.block_pool.free_blocks([block])
                         _event(
                             fault="free_live_block",
-                            reader=rid,
-                            intruder=request.request_id,
+                            reader=reader,
+                            intruder=rid,
                             block=block.block_id,
                             index=len(blocks) - 1,
                             group=group,
@@ -150,6 +165,16 @@ def _free_live_block(armed: set[str]) -> None:
             return original(self, request, *a, **k)
 
         return f
+
+    def _room_to_steal(manager, request) -> bool:
+        for m in manager.coordinator.single_type_managers:
+            blocks = m.req_to_blocks.get(request.request_id)
+            if not blocks or not stealable(blocks[-1]):
+                return False
+            fills_by_token = not type(m).__name__.startswith("Mamba")  # (a state block does not)
+            if fills_by_token and len(blocks) * m.block_size - request.num_computed_tokens < m.block_size // 2:
+                return False
+        return True
 
     _wrap(KVCacheManager, "allocate_slots", allocate_slots)
 
