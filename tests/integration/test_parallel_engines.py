@@ -6,9 +6,11 @@ ring: the sidecar keeps one timeline per rank, pairs prefill rank i's sends with
 i's reservation under the room the router chose (sidecar/ledger/lanes.py), and adds each
 end's per-rank partial digests up on the room (docs/wire-format.md, "Transfer digests").
 
-* in make test: the 2026 leak (SGLang 0.5.19) on the TP 2 pair: caught on each decode rank
-  with the same victims named, the digests compared once across both ranks, nothing else;
-* `make test-parallel` also runs four injected transfer faults on a TP 2 pair of 0.5.23 (the
+Every test here runs in `make test-parallel` (the `sweep` marker: an engine pair at TP 2 takes
+2.5 minutes of a 2-core CI machine, over make test's budget):
+* the 2026 leak (SGLang 0.5.19) on the TP 2 pair: caught on each decode rank with the same
+  victims named, the digests compared once across both ranks, nothing else;
+* four injected transfer faults on a TP 2 pair of 0.5.23 (the
   test-only fault plugin in every rank): a truncated send caught on both decode ranks, a
   send of a page the request never wrote caught on both prefill ranks, source pages handed to
   another request while their send was in flight (a use_after_free on both prefill ranks), and
@@ -49,13 +51,14 @@ def two_cores():
         pytest.skip(f"tensor parallelism {ARCH.tp_size} needs {ARCH.tp_size} CPU cores (one per rank)")
 
 
+@pytest.mark.sweep  # make test-parallel (2.5 minutes each on a 2-core CI machine: over make test's budget)
 @pytest.mark.parametrize(
     "model",
     [
         "llama_tp2",
         # pipeline parallelism 2 (tests/integration/test_pipeline_engines.py): each stage its own
         # timeline, the HELLO's rank counting across the stages; `kvguard demo --model llama_pp2`
-        pytest.param("llama_pp2", marks=pytest.mark.sweep),
+        "llama_pp2",
     ],
 )
 def test_the_0_5_19_leak_on_a_tp2_pair_is_caught_on_every_rank_with_the_same_victims(

@@ -8,10 +8,11 @@ layers to decode stage s: the HELLO's rank counts across the stages, so the tran
 stage to stage (sidecar/ledger/lanes.py), and each stage's digest partial covers its own layers,
 the room's sum complete only with both (docs/wire-format.md, "Transfer digests").
 
-* in make test: a prefill/decode pair at PP 2: clean requests pair on both stages with their
-  summed digests equal, and a truncated send (the send_truncated fault in both prefill stages)
-  is caught on both decode stages with the victims named;
-* `make test-parallel` also runs a use-after-free on a unified PP 2 engine (caught on both
+Every test here runs in `make test-parallel` (the `sweep` marker: over make test's budget):
+* a prefill/decode pair at PP 2: clean requests pair on both stages with their summed digests
+  equal, and a truncated send (the send_truncated fault in both prefill stages) is caught on
+  both decode stages with the victims named;
+* a use-after-free on a unified PP 2 engine (caught on both
   stages) and the unified soak's workload on a PP 2 engine (the guard, content check and page
   identity on): zero findings, every read of both stages judged.
 """
@@ -160,6 +161,7 @@ def pp2_fault_pair(tmp_path_factory, require_sglang):
     yield from fault_pair(tmp_path_factory, PP_ARCH, "send_truncated", "pp2-faults")
 
 
+@pytest.mark.sweep  # make test-parallel
 def test_transfers_at_pp2_pair_stage_to_stage_and_a_truncated_send_is_caught_on_both_decode_stages(pp2_fault_pair):
     """Each prefill stage sends its own layers' KV to the same decode stage: clean requests pair
     on both stages with the stages' digests added up on the room and compared equal; then
