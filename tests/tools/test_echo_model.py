@@ -2,7 +2,7 @@
 
 Fast tests build it, load it in transformers and check that greedy generation copies
 the prompt token ``lag`` positions back (float32 and bfloat16). The engine test serves
-it with real weights in SGLang 0.5.23 on CPU and checks the same (~30 s).
+it with real weights in SGLang 0.5.23 on CPU and checks the same (~30 s; `make test-arch`).
 """
 
 from __future__ import annotations
@@ -305,6 +305,7 @@ def test_cli_unwritable_out_dir(tmp_path, capsys):
 
 
 @pytest.mark.engine
+@pytest.mark.sweep  # make test-arch (the demo's echo model; make test's incident test reads its words too)
 @pytest.mark.timeout(300)
 def test_sglang_greedy_output_copies_the_lagged_prompt_token(tmp_path, require_sglang):
     """SGLang 0.5.23 on CPU, real weights: batched and single requests echo exactly (~30 s).
