@@ -98,24 +98,21 @@ $(VENV)/bin/python:
 	fi
 	$(PYTHON) -m venv $(VENV)
 
-# --no-compile: pip byte-compiles every installed module (44,000 files over the venvs, about
-# 100 s of a 2-core CI machine's `make venv`); Python compiles the ones an engine or test imports
-# when it first does, into the same __pycache__ folders.
 $(VENV)/.lock-installed: $(LOCK) | $(VENV)/bin/python
-	$(PIP) install --no-compile --no-deps -r $(LOCK)
+	$(PIP) install --no-deps -r $(LOCK)
 	touch $@
 
 # A folder that already holds the right version is kept (engines may be running from it).
 $(VENV)/sglang/%/.installed: | $(VENV)/bin/python
 	if ! test -d $(VENV)/sglang/$*/sglang-$*.dist-info; then \
 	  rm -rf $(VENV)/sglang/$*; \
-	  $(PIP) install --no-compile --no-deps --target $(VENV)/sglang/$* sglang==$*; \
+	  $(PIP) install --no-deps --target $(VENV)/sglang/$* sglang==$*; \
 	fi
 	touch $@
 
 $(VENV)/vllm/%/.installed: requirements/vllm-%.lock pyproject.toml | $(VENV)/bin/python
 	test -x $(VENV)/vllm/$*/bin/python || $(PYTHON) -m venv $(VENV)/vllm/$*
-	$(VENV)/vllm/$*/bin/python -m pip install -q --no-compile --no-deps -r requirements/vllm-$*.lock
+	$(VENV)/vllm/$*/bin/python -m pip install -q --no-deps -r requirements/vllm-$*.lock
 	$(VENV)/vllm/$*/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
