@@ -58,7 +58,6 @@ _lock = threading.Lock()
 _roles: dict[str, tuple[str, str]] = {}  # request id -> (fault, role), for the requests we saw arrive
 _stolen: dict[str, object] = {}  # reader request id -> the block freed under it
 _done: set[str] = set()
-_steps: dict[str, int] = {}  # reader request id -> its decode steps so far
 
 
 def xargs(fault: str, role: str) -> dict:
@@ -121,8 +120,7 @@ def _free_live_block(armed: set[str]) -> None:
         def f(self, request, *a, **k):
             rid = request.request_id
             if _roles.get(rid) == ("free_live_block", "reader") and request.num_computed_tokens:
-                _steps[rid] = _steps.get(rid, 0) + 1
-                if rid not in _done and (_steps[rid] > 64 or _room_to_steal(self, request)):
+                if rid not in _done and (request.num_output_tokens > 64 or _room_to_steal(self, request)):
                     # decoding, its last block at most half full (unhashed, so stealable, for the
                     # next 8 steps or more) in every group: the test sends its intruder now. (Told
                     # at a nearly full last block, the intruder met it hashed and could not take
