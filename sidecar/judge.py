@@ -59,6 +59,11 @@ _SCALAR_ENTRIES = 32
 _GEN_MASK, _SHARED_BIT = int(GEN_MASK), int(SHARED_BIT)
 
 
+# model row entries up to which ``Judge._rows_as_modelled`` keeps its buffer between forwards
+# (1 MiB: the reference batch, 256 requests of 512 pages, takes half of it)
+_MODEL_ROWS_KEPT = 1 << 18
+
+
 # rows changed since the last forward's rows up to which ``Judge._rows_as_seen`` compares them one
 # by one (each a couple of numpy calls) rather than gathering every model row
 _SEEN_CHANGED_MAX = 48
@@ -104,6 +109,7 @@ class Judge:
         self.pages_read = 0
         self.pages_unverified = 0
         self._rows_seen: list[_RowsSeen] = []  # (``_rows_as_seen``: at most two, the newest first)
+        self._model_rows = np.zeros(0, np.int32)  # (``_rows_as_modelled``: the batch's model rows, reused)
 
     def on_hello(self, hello: wire.Hello) -> None:
         self.hello = hello
@@ -462,12 +468,26 @@ class Judge:
             actual = read_pages[np.repeat(judged, read_counts.astype(np.int64))]
         else:
             actual = read_pages
-        model = np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else actual[:0]
+        if len(parts) > 1:
+            model = np.concatenate(parts, out=self._model_rows_buffer(int(n.sum())))
+        else:
+            model = parts[0] if parts else actual[:0]
         if len(actual) != len(model) or not np.array_equal(actual, model):
             return None
         if judged is None:
             self._remember_seen(_RowsSeen(req_keys, batch.n, rows.scalars.stamp[batch.at], read_pages))
         return unjudged
+
+    def _model_rows_buffer(self, entries: int) -> np.ndarray:
+        """Room for a batch's model rows, kept from one forward with rows to the next: a fresh
+        array of a batch's 131k entries is 512 KiB of new memory, and its page faults cost
+        about as much as gathering the rows into it. Kept up to ``_MODEL_ROWS_KEPT`` entries
+        (a larger batch gets an array of its own, as before)."""
+        if entries > _MODEL_ROWS_KEPT:
+            return np.empty(entries, np.int32)
+        if len(self._model_rows) < entries:
+            self._model_rows = np.empty(min(max(entries, 2 * len(self._model_rows)), _MODEL_ROWS_KEPT), np.int32)
+        return self._model_rows[:entries]
 
     def _remember_seen(self, seen: _RowsSeen) -> None:
         """Keep the rows of the last two batches that were the model (a decode step's batch and

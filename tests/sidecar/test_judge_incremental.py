@@ -454,3 +454,32 @@ def test_rows_compared_with_the_last_forwards_still_catch_a_row_that_differs(mon
     t.on_assign(wire.Assign(keys[1].item(), 4, 8, 4, np.array([19])))
     t.mark_writes(keys[1:2], np.ones(1, np.uint32), np.array([19]), 4)
     assert _row_reads(t, keys, rows_now, seq) == {1: ([6], [], [])}
+
+
+def test_engine_rows_are_compared_with_this_forwards_model_not_an_earlier_ones(monkeypatch):
+    """``Judge._rows_as_modelled`` gathers a batch's model rows into a buffer it keeps between
+    forwards: a batch whose engine rows are what an earlier forward's model was, after its model
+    changed, must still be found to differ (and be judged as read), whatever the buffer held."""
+    monkeypatch.setattr(tracker_mod, "INCREMENTAL_JUDGE", True)
+    t = EngineTracker(2, tracker_mod.RequestDirectory())
+    t.on_hello(wire.Hello(wire.Role.DECODE, 0, 1, 4, 64, 256, 2048, 250, "sglang", "x", "m", "0"))
+    rids = "ABCD"
+    keys = np.array([wire.request_key(r) for r in rids], np.uint64)
+    for rid in rids:
+        t.on_request_begin(wire.ReqBegin(wire.request_key(rid), wire.NO_ROOM, 8, 0, False, rid, "t"), 0)
+    t.on_alloc(np.arange(1, 21))
+    rows = [[1 + 4 * i, 2 + 4 * i, 3 + 4 * i] for i in range(4)]
+    for k, r in zip(keys.tolist(), rows):
+        t.on_assign(wire.Assign(k, 0, 12, 0, np.array(r)))
+    t.mark_writes(keys, np.full(4, 3, np.uint32), np.array([p for r in rows for p in r]), 1)
+    seq = np.full(4, 12, np.uint32)
+    # A and B, then batches of the same size and a smaller one: the forwards remembered for
+    # ``_rows_as_seen`` are no longer A and B's
+    assert _row_reads(t, keys[:2], rows[:2], seq[:2]) == {}
+    assert _row_reads(t, keys[2:], rows[2:], seq[2:]) == {}
+    assert _row_reads(t, keys[:1], rows[:1], seq[:1]) == {}
+    # B's model row has its middle page replaced; the engine still names the old one
+    t.on_assign(wire.Assign(keys[1].item(), 4, 8, 4, np.array([19])))
+    t.mark_writes(keys[1:2], np.ones(1, np.uint32), np.array([19]), 2)
+    assert _row_reads(t, keys[:2], rows[:2], seq[:2]) == {1: ([6], [], [])}
+    assert _row_reads(t, keys[:2], [rows[0], [5, 19, 7]], seq[:2]) == {}
