@@ -401,12 +401,9 @@ def _row_reads(t: EngineTracker, keys: np.ndarray, rows: list[list[int]], seq: n
     }
 
 
-@pytest.mark.parametrize("incremental", [True, False])
-def test_rows_compared_with_the_last_forwards_still_catch_a_row_that_differs(monkeypatch, incremental):
-    """Consecutive forwards with rows (``Judge._rows_as_seen``): an engine row that no longer
-    matches while its model row did not change, and a model row that changed (a page appended)
-    while the engine's did not follow, are both judged as read; each case gives the full judge's verdicts."""
-    monkeypatch.setattr(tracker_mod, "INCREMENTAL_JUDGE", incremental)
+def _four_written_rows() -> tuple[EngineTracker, np.ndarray, list[list[int]], np.ndarray]:
+    """A decode engine's tracker with requests A-D, each owning a row of 3 written pages (page
+    size 4: 12 tokens); their keys, rows and seq_lens."""
     t = EngineTracker(2, tracker_mod.RequestDirectory())
     t.on_hello(wire.Hello(wire.Role.DECODE, 0, 1, 4, 64, 256, 2048, 250, "sglang", "x", "m", "0"))
     rids = "ABCD"
@@ -419,6 +416,16 @@ def test_rows_compared_with_the_last_forwards_still_catch_a_row_that_differs(mon
         t.on_assign(wire.Assign(k, 0, 12, 0, np.array(r)))
     t.mark_writes(keys, np.full(4, 3, np.uint32), np.array([p for r in rows for p in r]), 1)
     seq = np.full(4, 12, np.uint32)
+    return t, keys, rows, seq
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+def test_rows_compared_with_the_last_forwards_still_catch_a_row_that_differs(monkeypatch, incremental):
+    """Consecutive forwards with rows (``Judge._rows_as_seen``): an engine row that no longer
+    matches while its model row did not change, and a model row that changed (a page appended)
+    while the engine's did not follow, are both judged as read; each case gives the full judge's verdicts."""
+    monkeypatch.setattr(tracker_mod, "INCREMENTAL_JUDGE", incremental)
+    t, keys, rows, seq = _four_written_rows()
     for _ in range(2):  # the second forward compares with the first
         assert _row_reads(t, keys, rows, seq) == {}
     # 1. B's engine row names C's page while B's model row is unchanged
@@ -461,18 +468,7 @@ def test_engine_rows_are_compared_with_this_forwards_model_not_an_earlier_ones(m
     forwards: a batch whose engine rows are what an earlier forward's model was, after its model
     changed, must still be found to differ (and be judged as read), whatever the buffer held."""
     monkeypatch.setattr(tracker_mod, "INCREMENTAL_JUDGE", True)
-    t = EngineTracker(2, tracker_mod.RequestDirectory())
-    t.on_hello(wire.Hello(wire.Role.DECODE, 0, 1, 4, 64, 256, 2048, 250, "sglang", "x", "m", "0"))
-    rids = "ABCD"
-    keys = np.array([wire.request_key(r) for r in rids], np.uint64)
-    for rid in rids:
-        t.on_request_begin(wire.ReqBegin(wire.request_key(rid), wire.NO_ROOM, 8, 0, False, rid, "t"), 0)
-    t.on_alloc(np.arange(1, 21))
-    rows = [[1 + 4 * i, 2 + 4 * i, 3 + 4 * i] for i in range(4)]
-    for k, r in zip(keys.tolist(), rows):
-        t.on_assign(wire.Assign(k, 0, 12, 0, np.array(r)))
-    t.mark_writes(keys, np.full(4, 3, np.uint32), np.array([p for r in rows for p in r]), 1)
-    seq = np.full(4, 12, np.uint32)
+    t, keys, rows, seq = _four_written_rows()
     # A and B, then batches of the same size and a smaller one: the forwards remembered for
     # ``_rows_as_seen`` are no longer A and B's
     assert _row_reads(t, keys[:2], rows[:2], seq[:2]) == {}
