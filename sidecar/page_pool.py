@@ -74,6 +74,19 @@ class KeyTable:
     def nbytes(self) -> int:
         return self.keys.nbytes + self._sorted.nbytes + self._sorted_slot.nbytes
 
+    # what the compiled kernels look keys up in (``kvguard.sidecar.native``)
+    @property
+    def sorted_keys(self) -> np.ndarray:
+        return self._sorted
+
+    @property
+    def sorted_slots(self) -> np.ndarray:
+        return self._sorted_slot
+
+    @property
+    def indexed(self) -> int:
+        return self._indexed
+
     def find(self, keys: np.ndarray) -> np.ndarray:
         """Slot of each key (u32), ``NO_SLOT`` where it has none; key 0 is slot 0."""
         keys = np.asarray(keys, np.uint64)
@@ -315,6 +328,15 @@ class PagePool:
         # the next compaction after as many new keys again as 1/16 of the pool (>= KEYS_COMPACT_MIN):
         # at most ~1.25 bytes per page of dead keys, and a compaction (~1 ms) per thousands of requests
         self.keys_compact_at = len(self.keys) + max(KEYS_COMPACT_MIN, self.num_pages // 16)
+
+    def write_ms(self, ts_ns: int) -> int | None:
+        """What ``mark_write_time`` stores for a write at ``ts_ns``, where it needs no epoch set
+        or moved first (else None: ``mark_write_time`` does that)."""
+        epoch = self.write_epoch_ns
+        if epoch is None:
+            return None
+        ms = (ts_ns - epoch) // 1_000_000 + 1
+        return None if ms >= 0xFFFFFFFF else max(ms, 1)
 
     def mark_write_time(self, pages: np.ndarray, ts_ns: int) -> None:
         if self.write_epoch_ns is None:

@@ -19,6 +19,8 @@ import numpy as np
 
 from kvguard.engine_hooks import wire
 
+from . import native
+
 # (EngineTracker reads INCREMENTAL_JUDGE from this module: tests patch it here)
 from .events import PrefixHit, PrefixSharedAcrossScopes, ReadVerdict, WriteVerdict
 from .judge import INCREMENTAL_JUDGE, JUDGE_ENV, Judge
@@ -672,14 +674,36 @@ class EngineTracker:
         (``PagePool.one_page_each``), no page named twice, none freed or another request's, no
         salts. True: marked as ``mark_writes`` would, nothing to report (``check_writes`` would
         give no verdict); False: nothing done, for the general path (``writes_overlap``,
-        ``check_writes``, ``mark_writes``). One gather of the pages' state for the three."""
+        ``check_writes``, ``mark_writes``). One gather of the pages' state for the three, or
+        one call of the compiled kernel (``kvguard.sidecar.native``: the same rules)."""
         pool = self.pool
-        if (
-            not len(write_pages)  # (nothing written: the general path returns at once)
-            or pool.scope is not None
-            or self.hello is None
-            or not pool.one_page_each(req_keys, write_counts, write_pages)
-        ):
+        if not len(write_pages) or pool.scope is not None or self.hello is None:  # (nothing written: returns at once)
+            return False
+        kernels = native.KERNELS
+        if kernels is not None and pool.write_epoch_ns is not None:
+            ms = pool.write_ms(ts_ns)
+            if ms is not None:
+                keys = pool.keys
+                done = kernels.decode_writes(
+                    req_keys,
+                    write_counts,
+                    write_pages,
+                    pool.state,
+                    pool.owner_slot,
+                    keys.keys,
+                    pool.gen,
+                    pool.written_gen,
+                    pool.writer_slot,
+                    pool.last_write_ms,
+                    keys.sorted_keys,
+                    keys.sorted_slots,
+                    keys.indexed,
+                    ms,
+                )
+                if done >= 0:
+                    return done == 1
+                # a writer without a slot yet: the numpy path below interns it
+        if not pool.one_page_each(req_keys, write_counts, write_pages):
             return False
         state = pool.state[write_pages]
         if self.judge.one_page_writes_bad(req_keys, write_pages, state) or self.judge.writes_overlap(write_pages):

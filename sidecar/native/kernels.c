@@ -1,0 +1,505 @@
+/* kvguard sidecar kernels: a decode step's page-model updates in one call each.
+ *
+ * Why C: a decode step of batch 256 is judged by tens of numpy calls over 256-entry
+ * arrays, each ~1-1.5 us of fixed cost in the ingest loop for a few hundred nanoseconds
+ * of arithmetic (docs/performance.md, "Bottlenecks and proposals", item 9). A ctypes call
+ * pays ~1 us per array handed over; a CPython extension taking buffers pays ~25 ns.
+ *
+ * Each kernel is the exact rule set of a Python fast path (named in its comment), which
+ * stays as the fallback (kvguard.sidecar.native says which runs). A kernel either does
+ * all of its work or none of it: every check runs before the first store, and any doubt
+ * answers "not mine" so the caller takes the general (Python) path. No kernel allocates
+ * Python objects besides its result, keeps a reference or releases the GIL.
+ *
+ * The arrays are the page pool's columns (kvguard.sidecar.page_pool.PagePool) and a
+ * record's decoded arrays, passed as buffers; their item sizes and lengths are checked
+ * here (a mismatch raises ValueError: a caller bug, never a data-dependent path).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define KVG_KERNELS_ABI 1
+
+/* kvguard.sidecar.page_pool */
+#define ST_UNKNOWN 0
+#define ST_FREE 1
+#define ST_ALLOCATED 2
+#define ST_OWNED 3
+#define PADDING_PAGE 0
+#define GEN_MASK 0x7FFFFFFFu
+#define SHARED_BIT 0x80000000u
+
+/* ------------------------------------------------------------------ buffers */
+typedef struct {
+    Py_buffer view;
+    int held;
+} buf_t;
+
+/* 'i': a signed integer, 'u': an unsigned one, of `itemsize` bytes */
+static int kind_matches(const Py_buffer *v, char kind, Py_ssize_t itemsize) {
+    if (v->itemsize != itemsize || v->format == NULL)
+        return 0;
+    const char *f = v->format;
+    if (*f == '<' || *f == '=' || *f == '@' || *f == '|')
+        f++;
+    if (f[0] == 0 || f[1] != 0)
+        return 0;
+    return strchr(kind == 'i' ? "bhilq" : "BHILQ", f[0]) != NULL;
+}
+
+/* Whether the error set says the object offers no contiguous buffer (numpy: ValueError for
+ * a strided view; BufferError; TypeError for an object without the protocol) */
+static int not_a_buffer(void) {
+    return PyErr_ExceptionMatches(PyExc_BufferError) || PyErr_ExceptionMatches(PyExc_TypeError) ||
+           PyErr_ExceptionMatches(PyExc_ValueError);
+}
+
+/* 1: taken as `kind`/`itemsize`; 0: another type (released; `strict` raises ValueError
+ * instead); -1: an error is set */
+static int take(PyObject *obj, buf_t *b, char kind, Py_ssize_t itemsize, int writable, int strict, const char *name) {
+    if (PyObject_GetBuffer(obj, &b->view, (writable ? PyBUF_WRITABLE : 0) | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        /* not a contiguous buffer (a strided view, a list): the numpy path, unless strict */
+        if (!strict && not_a_buffer()) {
+            PyErr_Clear();
+            return 0;
+        }
+        return -1;
+    }
+    b->held = 1;
+    if (kind_matches(&b->view, kind, itemsize))
+        return 1;
+    if (strict) {
+        PyErr_Format(PyExc_ValueError, "%s: items of format '%s' (%zd bytes), not %s%zd", name,
+                     b->view.format ? b->view.format : "B", b->view.itemsize, kind == 'i' ? "int" : "uint",
+                     itemsize * 8);
+        return -1;
+    }
+    PyBuffer_Release(&b->view);
+    b->held = 0;
+    return 0;
+}
+
+static void release(buf_t *bufs, int n) {
+    for (int i = 0; i < n; i++)
+        if (bufs[i].held) {
+            PyBuffer_Release(&bufs[i].view);
+            bufs[i].held = 0;
+        }
+}
+
+#define ITEMS(b, type) ((Py_ssize_t)((b).view.len / (Py_ssize_t)sizeof(type)))
+#define DATA(b, type) ((type *)(b).view.buf)
+
+/* ------------------------------------------------------------------ scratch bitmap */
+/* one bit per page, all clear between calls: a batch's duplicate pages in one pass */
+static uint64_t *seen_bits = NULL;
+static Py_ssize_t seen_words = 0;
+
+static int seen_room(Py_ssize_t num_pages) {
+    Py_ssize_t words = (num_pages + 63) / 64;
+    if (words <= seen_words)
+        return 0;
+    uint64_t *grown = PyMem_RawCalloc((size_t)words, sizeof(uint64_t));
+    if (grown == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyMem_RawFree(seen_bits);
+    seen_bits = grown;
+    seen_words = words;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ key table */
+/* KeyTable.find for one key: the leftmost match in the sorted index, else the first
+ * match among the newest slots [indexed, len(keys)); key 0 is slot 0; -1 if none. */
+static int64_t find_slot(uint64_t key, const uint64_t *sorted, const uint32_t *sorted_slot, Py_ssize_t n_sorted,
+                         const uint64_t *slot_keys, Py_ssize_t n_keys, Py_ssize_t indexed) {
+    if (key == 0)
+        return 0;
+    Py_ssize_t lo = 0, hi = n_sorted;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (sorted[mid] < key)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo < n_sorted && sorted[lo] == key)
+        return sorted_slot[lo];
+    for (Py_ssize_t s = indexed; s < n_keys; s++)
+        if (slot_keys[s] == key)
+            return s;
+    return -1;
+}
+
+/* ------------------------------------------------------------------ decode_writes */
+/* EngineTracker.decode_writes' numpy path (tracker.py), after its scope and HELLO checks:
+ *
+ *   one page per request (PagePool.one_page_each): as many pages as requests, counts at most 1,
+ *     every page a real one the pool holds (PADDING_PAGE < page < num_pages);
+ *   nothing to report (Judge.one_page_writes_bad): no page FREE, none OWNED by another
+ *     request (owner key not the writer's and not 0);
+ *   no page named twice (Judge.writes_overlap);
+ *   every writer's key holds a slot (PagePool.slots would intern none);
+ *
+ * then marks as EngineTracker._mark_one_page_each: written_gen := gen where the state is
+ * known, writer_slot := the writer's slot, last_write_ms := ms.
+ *
+ * Returns 1 (marked), 0 (not such a step: nothing done, the general path judges it) or
+ * -1 (nothing done, the numpy path decides: a writer without a slot, which it interns, or
+ * record arrays of other types than the wire's). */
+static PyObject *decode_writes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    enum { REQ_KEYS, COUNTS, PAGES, STATE, OWNER_SLOT, SLOT_KEYS, GEN, WRITTEN_GEN, WRITER_SLOT, LAST_WRITE_MS,
+           SORTED, SORTED_SLOT, NBUF };
+    if (nargs != NBUF + 2) {
+        PyErr_Format(PyExc_TypeError, "decode_writes takes %d arguments (%zd given)", NBUF + 2, nargs);
+        return NULL;
+    }
+    static const char *names[NBUF] = {"req_keys", "write_counts", "write_pages", "state", "owner_slot",
+                                      "slot_keys", "gen", "written_gen", "writer_slot", "last_write_ms",
+                                      "sorted_keys", "sorted_slots"};
+    static const Py_ssize_t sizes[NBUF] = {8, 4, 4, 1, 4, 8, 4, 4, 4, 4, 8, 4};
+    static const char kinds[NBUF] = {'u', 'u', 'i', 'u', 'u', 'u', 'u', 'u', 'u', 'u', 'u', 'u'};
+    static const int writable[NBUF] = {0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0};
+    Py_ssize_t indexed = PyLong_AsSsize_t(args[NBUF]);
+    long long ms = PyLong_AsLongLong(args[NBUF + 1]);
+    if (PyErr_Occurred())
+        return NULL;
+    buf_t b[NBUF];
+    memset(b, 0, sizeof(b));
+    PyObject *result = NULL;
+    long answer = 0;
+    for (int i = 0; i < NBUF; i++) {
+        /* the record's arrays as decoded (u64 keys, u32 counts, i32 pages): others (a caller's
+         * own arrays) take the numpy path; the pool's columns must be the pool's */
+        int got = take(args[i], &b[i], kinds[i], sizes[i], writable[i], i > PAGES, names[i]);
+        if (got < 0)
+            goto done;
+        if (got == 0) {
+            answer = -1;
+            goto answer;
+        }
+    }
+    Py_ssize_t num_pages = ITEMS(b[STATE], uint8_t);
+    if (ITEMS(b[OWNER_SLOT], uint32_t) != num_pages || ITEMS(b[GEN], uint32_t) != num_pages ||
+        ITEMS(b[WRITTEN_GEN], uint32_t) != num_pages || ITEMS(b[WRITER_SLOT], uint32_t) != num_pages ||
+        ITEMS(b[LAST_WRITE_MS], uint32_t) != num_pages) {
+        PyErr_SetString(PyExc_ValueError, "decode_writes: the pool's columns differ in length");
+        goto done;
+    }
+    Py_ssize_t n_sorted = ITEMS(b[SORTED], uint64_t), n_keys = ITEMS(b[SLOT_KEYS], uint64_t);
+    if (ITEMS(b[SORTED_SLOT], uint32_t) != n_sorted || indexed < 1 || indexed > n_keys || ms < 1 ||
+        ms >= 0xFFFFFFFFLL) {
+        PyErr_SetString(PyExc_ValueError, "decode_writes: inconsistent key table or write time");
+        goto done;
+    }
+    Py_ssize_t n = ITEMS(b[REQ_KEYS], uint64_t);
+    const uint64_t *keys = DATA(b[REQ_KEYS], uint64_t);
+    const uint32_t *counts = DATA(b[COUNTS], uint32_t);
+    const int32_t *pages = DATA(b[PAGES], int32_t);
+    const uint8_t *state = DATA(b[STATE], uint8_t);
+    const uint32_t *owner_slot = DATA(b[OWNER_SLOT], uint32_t);
+    const uint64_t *slot_keys = DATA(b[SLOT_KEYS], uint64_t);
+    const uint32_t *gen = DATA(b[GEN], uint32_t);
+    uint32_t *written_gen = DATA(b[WRITTEN_GEN], uint32_t);
+    uint32_t *writer_slot = DATA(b[WRITER_SLOT], uint32_t);
+    uint32_t *last_write_ms = DATA(b[LAST_WRITE_MS], uint32_t);
+    const uint64_t *sorted = DATA(b[SORTED], uint64_t);
+    const uint32_t *sorted_slot = DATA(b[SORTED_SLOT], uint32_t);
+    if (n == 0 || ITEMS(b[COUNTS], uint32_t) != n || ITEMS(b[PAGES], int32_t) != n)
+        goto answer;
+    /* the checks, nothing stored (counts: at most 1 and some 1, as one_page_each's max() == 1;
+     * a decoded record's counts sum to its pages, so then each is 1) */
+    uint32_t most = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t p = pages[i];
+        if (counts[i] > most)
+            most = counts[i];
+        if (most > 1 || p <= PADDING_PAGE || p >= num_pages)
+            goto answer;
+        uint8_t st = state[p];
+        if (st == ST_FREE)
+            goto answer;
+        if (st == ST_OWNED) {
+            uint32_t os = owner_slot[p];
+            if (os >= n_keys)
+                goto answer; /* (the general path's lookup raises on it, as before) */
+            uint64_t owner = slot_keys[os];
+            if (owner != keys[i] && owner != 0)
+                goto answer;
+        }
+    }
+    if (most != 1)
+        goto answer;
+    if (n > 1) {
+        if (seen_room(num_pages) < 0)
+            goto done;
+        int twice = 0;
+        Py_ssize_t i = 0;
+        for (; i < n; i++) {
+            uint32_t p = (uint32_t)pages[i];
+            uint64_t bit = 1ULL << (p & 63);
+            if (seen_bits[p >> 6] & bit) {
+                twice = 1;
+                break;
+            }
+            seen_bits[p >> 6] |= bit;
+        }
+        for (Py_ssize_t j = 0; j < i; j++) /* leave the bitmap clear */
+            seen_bits[(uint32_t)pages[j] >> 6] = 0;
+        if (twice)
+            goto answer;
+    }
+    /* every writer's slot, before the first store */
+    uint32_t small[512];
+    uint32_t *slots = n <= 512 ? small : PyMem_Malloc((size_t)n * sizeof(uint32_t));
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t s = (i > 0 && keys[i] == keys[i - 1]) ? slots[i - 1]
+                                                       : find_slot(keys[i], sorted, sorted_slot, n_sorted, slot_keys,
+                                                                   n_keys, indexed);
+        if (s < 0) {
+            answer = -1;
+            break;
+        }
+        slots[i] = (uint32_t)s;
+    }
+    if (answer == 0) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int32_t p = pages[i];
+            if (state[p] != ST_UNKNOWN)
+                written_gen[p] = gen[p];
+            writer_slot[p] = slots[i];
+            last_write_ms[p] = (uint32_t)ms;
+        }
+        answer = 1;
+    }
+    if (slots != small)
+        PyMem_Free(slots);
+answer:
+    result = PyLong_FromLong(answer);
+done:
+    release(b, NBUF);
+    return result;
+}
+
+/* ------------------------------------------------------------------ history_append */
+/* History.append's column writes (history.py), after its count and its cut to the newest
+ * ``capacity`` events: ``n`` events from ring position ``start`` on (wrapping), each value
+ * either one for all of them or an array of n. Values are stored as numpy's setitem stores
+ * them: array items and numpy scalars cast (wrapping), a Python int out of the column's
+ * range raises OverflowError, as numpy 2 does, before anything is stored.
+ * The events array's layout is history.EVENT_DTYPE's (checked there against LAYOUT). */
+enum { EV_TS = 0, EV_KEY = 8, EV_ENGINE = 16, EV_PAGE = 20, EV_GEN = 24, EV_AUX = 28, EV_EVENT = 32, EV_POOL = 34,
+       EV_SIZE = 40 };
+
+typedef struct {
+    buf_t b;
+    const unsigned char *data; /* NULL: the one value `value` */
+    char code;                 /* the array's format character */
+    Py_ssize_t itemsize;
+    uint64_t value; /* two's complement bits */
+} src_t;
+
+static const char *column_name(int offset) {
+    switch (offset) {
+    case EV_TS: return "int64";
+    case EV_KEY: return "uint64";
+    case EV_EVENT: return "uint8";
+    case EV_POOL: return "uint16";
+    case EV_PAGE: return "int32";
+    default: return "uint32";
+    }
+}
+
+/* A Python int's bits for column `offset`, range-checked as numpy does; -1 with an error set */
+static int pyint_value(PyObject *obj, int offset, uint64_t *out) {
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow > 0 && offset == EV_KEY) {
+        unsigned long long u = PyLong_AsUnsignedLongLong(obj);
+        if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+        } else {
+            *out = u;
+            return 0;
+        }
+    }
+    int ok = !overflow;
+    if (ok) {
+        switch (offset) {
+        case EV_TS: break;
+        case EV_KEY: ok = v >= 0; break;
+        case EV_EVENT: ok = v >= 0 && v <= 0xFF; break;
+        case EV_POOL: ok = v >= 0 && v <= 0xFFFF; break;
+        case EV_PAGE: ok = v >= INT32_MIN && v <= INT32_MAX; break;
+        default: ok = v >= 0 && v <= 0xFFFFFFFFLL; break;
+        }
+    }
+    if (!ok) {
+        PyErr_Format(PyExc_OverflowError, "Python integer %S out of bounds for %s", obj, column_name(offset));
+        return -1;
+    }
+    *out = (uint64_t)v;
+    return 0;
+}
+
+static inline uint64_t src_get(const src_t *s, Py_ssize_t i) {
+    if (s->data == NULL)
+        return s->value;
+    const unsigned char *p = s->data + i * s->itemsize;
+    switch (s->itemsize) {
+    case 1: return s->code == 'b' ? (uint64_t)(int64_t) * (const int8_t *)p : *(const uint8_t *)p;
+    case 2: return s->code == 'h' ? (uint64_t)(int64_t) * (const int16_t *)p : *(const uint16_t *)p;
+    case 4: return (s->code == 'i' || s->code == 'l') ? (uint64_t)(int64_t) * (const int32_t *)p : *(const uint32_t *)p;
+    default: return *(const uint64_t *)p;
+    }
+}
+
+/* 1: `obj` read as a value for column `offset` (one value, or n of them); 0: something
+ * else (the Python path stores it); -1: an error is set */
+static int src_take(PyObject *obj, src_t *s, Py_ssize_t n, int offset) {
+    memset(s, 0, sizeof(*s));
+    if (PyLong_CheckExact(obj))
+        return pyint_value(obj, offset, &s->value) < 0 ? -1 : 1;
+    if (PyObject_GetBuffer(obj, &s->b.view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        if (!not_a_buffer())
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    s->b.held = 1;
+    const char *f = s->b.view.format ? s->b.view.format : "B";
+    if (*f == '<' || *f == '=' || *f == '@' || *f == '|')
+        f++;
+    Py_ssize_t size = s->b.view.itemsize;
+    int known = f[0] != 0 && f[1] == 0 && strchr("bhilqBHILQ?", f[0]) != NULL &&
+                (size == 1 || size == 2 || size == 4 || size == 8);
+    Py_ssize_t count = size > 0 ? s->b.view.len / size : 0;
+    /* a numpy scalar (no dimensions) is one value; an array must hold exactly n */
+    if (!known || !((s->b.view.ndim == 0 && count == 1) || (s->b.view.ndim == 1 && count == n)))
+        return 0;
+    s->code = f[0];
+    s->itemsize = size;
+    s->data = s->b.view.buf;
+    if (s->b.view.ndim == 0) { /* one value for every event */
+        s->value = src_get(s, 0);
+        s->data = NULL;
+    }
+    return 1;
+}
+
+static PyObject *history_append(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    /* events, capacity, start, n, ts_ns, req_key, engine, pages, gens, aux, event, pool */
+    if (nargs != 12) {
+        PyErr_Format(PyExc_TypeError, "history_append takes 12 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    Py_ssize_t capacity = PyLong_AsSsize_t(args[1]), start = PyLong_AsSsize_t(args[2]), n = PyLong_AsSsize_t(args[3]);
+    if (PyErr_Occurred())
+        return NULL;
+    static const int offsets[8] = {EV_TS, EV_KEY, EV_ENGINE, EV_PAGE, EV_GEN, EV_AUX, EV_EVENT, EV_POOL};
+    /* (pages None: -1; gens None: 0) */
+    PyObject *values[8] = {args[4], args[5], args[6], args[7], args[8], args[9], args[10], args[11]};
+    src_t src[8];
+    buf_t events;
+    memset(src, 0, sizeof(src));
+    memset(&events, 0, sizeof(events));
+    PyObject *result = NULL;
+    int taken = 0;
+    for (; taken < 8; taken++) {
+        if (values[taken] == Py_None && (offsets[taken] == EV_PAGE || offsets[taken] == EV_GEN)) {
+            memset(&src[taken], 0, sizeof(src_t));
+            src[taken].value = offsets[taken] == EV_PAGE ? (uint64_t)(int64_t)-1 : 0;
+            continue;
+        }
+        int got = src_take(values[taken], &src[taken], n, offsets[taken]);
+        if (got < 0)
+            goto done;
+        if (got == 0) {
+            result = Py_NewRef(Py_False);
+            goto done;
+        }
+    }
+    if (PyObject_GetBuffer(args[0], &events.view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    events.held = 1;
+    if (capacity < 1 || events.view.len != capacity * EV_SIZE || start < 0 || start >= capacity || n < 0 ||
+        n > capacity) {
+        PyErr_SetString(PyExc_ValueError, "history_append: events, capacity, start and count disagree");
+        goto done;
+    }
+    unsigned char *base = events.view.buf;
+    Py_ssize_t at = start;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned char *e = base + at * EV_SIZE;
+        uint64_t v;
+        v = src_get(&src[0], i); memcpy(e + EV_TS, &v, 8);
+        v = src_get(&src[1], i); memcpy(e + EV_KEY, &v, 8);
+        uint32_t w;
+        w = (uint32_t)src_get(&src[2], i); memcpy(e + EV_ENGINE, &w, 4);
+        w = (uint32_t)src_get(&src[3], i); memcpy(e + EV_PAGE, &w, 4);
+        w = (uint32_t)src_get(&src[4], i); memcpy(e + EV_GEN, &w, 4);
+        w = (uint32_t)src_get(&src[5], i); memcpy(e + EV_AUX, &w, 4);
+        e[EV_EVENT] = (uint8_t)src_get(&src[6], i);
+        uint16_t h = (uint16_t)src_get(&src[7], i); memcpy(e + EV_POOL, &h, 2);
+        if (++at == capacity)
+            at = 0;
+    }
+    result = Py_NewRef(Py_True);
+done:
+    for (int i = 0; i < 8; i++)
+        if (src[i].b.held)
+            PyBuffer_Release(&src[i].b.view);
+    if (events.held)
+        PyBuffer_Release(&events.view);
+    return result;
+}
+
+static PyObject *history_layout(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    /* (field, offset) as EVENT_DTYPE must have them, and the itemsize */
+    return Py_BuildValue("((si)(si)(si)(si)(si)(si)(si)(si))i", "ts_ns", EV_TS, "req_key", EV_KEY, "engine", EV_ENGINE,
+                         "page", EV_PAGE, "gen", EV_GEN, "aux", EV_AUX, "event", EV_EVENT, "pool", EV_POOL, EV_SIZE);
+}
+
+static PyObject *abi(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyLong_FromLong(KVG_KERNELS_ABI);
+}
+
+static PyMethodDef methods[] = {
+    {"decode_writes", (PyCFunction)(void (*)(void))decode_writes, METH_FASTCALL,
+     "A decode step's writes judged and marked (1), not such a step (0) or a writer without a slot (-1)."},
+    {"history_append", (PyCFunction)(void (*)(void))history_append, METH_FASTCALL,
+     "History.append's column writes: True (stored) or False (a value for the Python path)."},
+    {"history_layout", history_layout, METH_NOARGS, "The event layout history_append writes."},
+    {"abi", abi, METH_NOARGS, "The kernels' interface version."},
+    {NULL, NULL, 0, NULL},
+};
+
+static void free_module(void *module) {
+    (void)module;
+    PyMem_RawFree(seen_bits);
+    seen_bits = NULL;
+    seen_words = 0;
+}
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_kernels", "kvguard sidecar kernels (see kernels.c)", -1, methods, NULL, NULL, NULL,
+    free_module,
+};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }

@@ -1,0 +1,267 @@
+"""The sidecar's compiled kernels (sidecar/native) against the numpy paths they replace.
+
+`make test` builds them (`make native`), so they must be loaded here. Each kernel is
+checked two ways: on its own, over random inputs that take every branch (the kernel's
+answer and everything it stores compared with the numpy path's), and in the pipeline:
+the corrupted record streams of test_judge_incremental replayed with the kernels and
+without them give identical findings, counters, page model, rows and history.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from kvguard.engine_hooks import wire
+from kvguard.sidecar import history as history_mod
+from kvguard.sidecar import native
+from kvguard.sidecar.history import EVENT_DTYPE, Event, History
+from kvguard.sidecar.tracker import EngineTracker, RequestDirectory
+
+from .test_judge_incremental import TINY, Replay, capture, corrupt, decode
+
+KEYS = [wire.request_key(f"r{i}") for i in range(12)]
+
+
+def test_the_kernels_are_built_and_loaded():
+    # `make test` runs `make native` first: a missing or refused module here is a build problem
+    assert native.KERNELS is not None, native.status()
+    assert native.status().startswith("compiled"), native.status()
+    assert history_mod._KERNEL_LAYOUT
+
+
+def test_switched_off_by_the_environment_and_refused_when_it_marks_wrongly():
+    code = "from kvguard.sidecar import native; print(native.KERNELS is None, native.status())"
+    env = {**os.environ, native.ENV: "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.startswith("True off (KVGUARD_SIDECAR_NATIVE=0)"), out
+
+    class MarksNothing:  # says "marked" but stores nothing: the self-test refuses it
+        @staticmethod
+        def decode_writes(*args):
+            return 1 if len(args[0]) == 2 and args[2].tolist() != [2, 2] and args[0][0] == 7 else 0
+
+    assert native._self_test(MarksNothing) == "self-test: a clean decode step was marked wrongly"
+    assert native._self_test(native.KERNELS) is None
+
+
+# ---------------------------------------------------------------------------- decode_writes
+def _random_tracker(rng) -> EngineTracker:
+    """A pool of 48 pages in every state: owned by one of 12 requests (written or not), freed,
+    allocated and unclaimed, never seen; page 0 the padding page."""
+    t = EngineTracker(1, RequestDirectory())
+    t.on_hello(wire.Hello(wire.Role.DECODE, 0, 1, 4, 64, 256, 4096, 250, "sglang", "x", "m", "0"))
+    for i, key in enumerate(KEYS[:10]):  # the last two keys never begin: no row, no slot
+        t.on_request_begin(wire.ReqBegin(key, wire.NO_ROOM, 8, 0, False, f"r{i}", "acme"), 0)
+    t.on_alloc(np.arange(1, 40))
+    owned = rng.permutation(np.arange(1, 40))[:30]
+    for i, key in enumerate(KEYS[:10]):
+        t.on_assign(wire.Assign(key, 0, 12, 0, owned[3 * i : 3 * i + 3]))
+    t.mark_written(KEYS[0], owned[rng.random(30) < 0.5], 1_000_000)
+    t.on_free(owned[rng.random(30) < 0.15])
+    return t
+
+
+def _random_step(rng, t: EngineTracker):
+    """A decode step's (req_keys, write_counts, write_pages): mostly each request's own page,
+    sometimes a foreign, freed, unknown, padding or out-of-pool page, a page twice, a count
+    other than 1, a request without a slot, or arrays not as the wire decodes them."""
+    n = int(rng.integers(1, 9))
+    who = rng.choice(10, n, replace=bool(rng.random() < 0.2))
+    keys = np.array([KEYS[i] for i in who], np.uint64)
+    pages = np.array([t.rows[KEYS[i]].pages[int(rng.integers(3))] for i in who], np.int64)
+    counts = np.ones(n, np.uint32)
+    for _ in range(int(rng.integers(0, 3))):
+        j = int(rng.integers(n))
+        what = rng.integers(8)
+        if what == 0:
+            pages[j] = rng.integers(1, 40)  # anyone's page
+        elif what == 1:
+            pages[j] = rng.integers(40, 64)  # never seen (unknown)
+        elif what == 2:
+            pages[j] = rng.choice([0, 64, 5000])  # padding, past the pool, past the limit
+        elif what == 3 and n > 1:
+            pages[j] = pages[(j + 1) % n]  # twice
+        elif what == 4:
+            counts[j] = rng.choice([0, 2])
+        elif what == 5:
+            keys[j] = KEYS[10 + int(rng.integers(2))]  # a writer with no slot yet
+    if rng.random() < 0.1:  # (a strided view of the keys: the numpy path)
+        return np.repeat(keys, 2)[::2], counts, pages.astype(np.int32)
+    return keys, counts, pages.astype(np.int32) if rng.random() < 0.9 else pages  # (int64 pages: the numpy path)
+
+
+def _pool_state(t: EngineTracker) -> dict:
+    p = t.pool
+    return {
+        "state": p.state.tolist(),
+        "gen": p.gen.tolist(),
+        "written_gen": p.written_gen.tolist(),
+        "owner": np.asarray(p.owner).tolist(),
+        "last_writer": np.asarray(p.last_writer).tolist(),
+        "last_write_ms": p.last_write_ms.tolist(),
+        "out_of_range": p.pages_out_of_range,
+    }
+
+
+class _Counting:
+    """The kernels, counting decode_writes' answers."""
+
+    def __init__(self):
+        self.answers: dict[int, int] = {}
+        self.kernels = native.KERNELS
+
+    def __getattr__(self, name):
+        return getattr(self.kernels, name)
+
+    def decode_writes(self, *args):
+        got = self.kernels.decode_writes(*args)
+        self.answers[got] = self.answers.get(got, 0) + 1
+        return got
+
+
+def test_decode_writes_judges_and_marks_exactly_as_the_numpy_path(monkeypatch):
+    counting = _Counting()
+    for seed in range(300):
+        steps = [(seed, k) for k in range(3)]
+        results = {}
+        for path in ("kernel", "numpy"):
+            monkeypatch.setattr(native, "KERNELS", counting if path == "kernel" else None)
+            rng = np.random.default_rng(seed)
+            t = _random_tracker(rng)
+            answers = []
+            for s, k in steps:
+                keys, counts, pages = _random_step(np.random.default_rng((s, k)), t)
+                done = t.decode_writes(keys, counts, pages, 2_000_000 + 1_000_000 * k)
+                if not done and len(pages) == int(counts.sum()):  # the general path, as on_forward takes it
+                    t.mark_writes(keys, counts, pages, 2_000_000 + 1_000_000 * k)
+                answers.append(done)
+            results[path] = (answers, _pool_state(t))
+        assert results["kernel"] == results["numpy"], seed
+    # every answer of the kernel came up: marked, not a decode step's, and the numpy path's to decide
+    assert set(counting.answers) == {1, 0, -1} and min(counting.answers.values()) > 20, counting.answers
+
+
+def test_decode_writes_refuses_pool_columns_of_the_wrong_type():
+    t = _random_tracker(np.random.default_rng(0))
+    pool, keys = t.pool, t.pool.keys
+    args = [
+        np.array([KEYS[0]], np.uint64),
+        np.ones(1, np.uint32),
+        np.array([int(t.rows[KEYS[0]].pages[0])], np.int32),
+        pool.state,
+        pool.owner_slot,
+        keys.keys,
+        pool.gen,
+        pool.written_gen,
+        pool.writer_slot,
+        pool.last_write_ms,
+        keys.sorted_keys,
+        keys.sorted_slots,
+        keys.indexed,
+        5,
+    ]
+    assert native.KERNELS.decode_writes(*args) in (0, 1)
+    bad = list(args)
+    bad[6] = pool.gen.astype(np.int64)
+    with pytest.raises(ValueError, match="gen: items of format"):
+        native.KERNELS.decode_writes(*bad)
+    bad = list(args)
+    bad[7] = pool.written_gen[:-1]
+    with pytest.raises(ValueError, match="differ in length"):
+        native.KERNELS.decode_writes(*bad)
+    bad = list(args)
+    bad[7] = pool.written_gen.copy()
+    bad[7].flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):  # (numpy's word for a column it may not write)
+        native.KERNELS.decode_writes(*bad)
+
+
+# ---------------------------------------------------------------------------- history_append
+def _random_value(rng, n: int, dtype: str, lo: int, hi: int):
+    what = rng.integers(4)
+    if what == 0:
+        return int(rng.integers(lo, hi))  # a Python int
+    if what == 1:
+        return np.dtype(dtype).type(rng.integers(lo, hi))  # a numpy scalar
+    arr = rng.integers(lo, hi, n).astype(dtype)
+    return arr if what == 2 or n < 2 else arr[::-1]  # (a reversed view: not contiguous)
+
+
+def test_history_append_stores_every_value_as_the_numpy_writes_do(monkeypatch):
+    kernels = native.KERNELS
+    dtypes = ["int64", "uint64", "int32", "uint32", "int16", "uint8", "bool"]
+    for seed in range(60):
+        rng = np.random.default_rng(seed)
+        calls = []
+        for _ in range(40):
+            n = int(rng.integers(1, 12))
+            pages = None if rng.random() < 0.3 else rng.integers(-1, 1 << 20, n).astype(rng.choice(dtypes[:4]))
+            key = _random_value(rng, n, str(rng.choice(["uint64", "int64", "uint32"])), 0, 1 << 62)
+            if pages is None:  # one event, or one per request (keys, no pages): as History counts them
+                if rng.random() < 0.5:
+                    key = rng.integers(0, 1 << 62, n).astype(np.uint64)
+                elif isinstance(key, np.ndarray) and key.ndim:
+                    key = key[0]
+                n = len(key) if isinstance(key, np.ndarray) and key.ndim else 1
+            gens = None if rng.random() < 0.3 else _random_value(rng, n, str(rng.choice(dtypes)), 0, 2)
+            aux = _random_value(rng, n, str(rng.choice(dtypes)), 0, 100)
+            ts = _random_value(rng, n, "int64", 0, 1 << 50)
+            calls.append((ts, int(rng.integers(0, 9)), Event(int(rng.integers(1, 10))), key, pages, gens, aux, 3))
+        out = {}
+        for path in ("kernel", "numpy"):
+            monkeypatch.setattr(native, "KERNELS", None if path == "numpy" else kernels)
+            h = History(capacity=int(rng.integers(5, 40)) if path == "kernel" else out["kernel"][2])
+            for ts, engine, event, key, pages, gens, aux, pool in calls:
+                h.append(ts, engine, event, key, pages, gens, aux, pool)
+            out[path] = (h.events.tobytes(), h.total, h.capacity)
+        assert out["kernel"] == out["numpy"], seed
+
+
+def test_history_append_refuses_a_python_int_out_of_range_as_numpy_does_and_stores_nothing(monkeypatch):
+    kernels = native.KERNELS
+    for path in ("kernel", "numpy"):
+        monkeypatch.setattr(native, "KERNELS", None if path == "numpy" else kernels)
+        h = History(capacity=8)
+        h.append(5, 1, Event.ALLOC, 0, np.array([3, 4]))
+        before = h.events.tobytes()
+        for bad in ({"aux": -1}, {"req_key": -2}, {"pool": 1 << 16}, {"aux": 1 << 32}):
+            args = {"req_key": 9, "pages": np.array([1, 2]), "aux": 0, "pool": 0, **bad}
+            with pytest.raises(OverflowError, match="out of bounds for"):
+                h.append(6, 1, Event.WRITE, **args)
+        assert h.total == 2
+        if path == "kernel":  # (the numpy writes may have stored the columns before the bad one)
+            assert h.events.tobytes() == before
+
+
+def test_history_layout_is_the_kernels():
+    fields, itemsize = native.KERNELS.history_layout()
+    assert itemsize == EVENT_DTYPE.itemsize
+    assert {name: off for name, off in fields} == {
+        name: EVENT_DTYPE.fields[name][1] for name in EVENT_DTYPE.names if not name.startswith("_")
+    }
+
+
+# ---------------------------------------------------------------------------- the pipeline
+@pytest.mark.parametrize("isolate", [False, True])
+def test_corrupted_streams_give_identical_results_with_and_without_the_kernels(isolate, monkeypatch):
+    counting = _Counting()
+    for rows_every, seed, lost in [(0, 11, False), (16, 12, True), (1, 13, False), (3, 14, False)]:
+        stream = capture(replace(TINY, rows_every=rows_every, assign="page"), steps=60)
+        records = corrupt(decode(stream.setup + [i for step in stream.steps for i in step]), seed, 0.04, lost)
+        states = {}
+        for path in ("kernel", "numpy"):
+            monkeypatch.setattr(native, "KERNELS", counting if path == "kernel" else None)
+            replay = Replay(True, isolate, monkeypatch).run(records)
+            states[path] = replay.state()
+            states[path]["history"] = replay.pipe.out.history.events.tobytes()
+        a, b = states["kernel"], states["numpy"]
+        assert a["apply_errors"] == 0 and a["findings"]
+        for key in a:
+            assert a[key] == b[key], (rows_every, seed, key)
+    assert counting.answers.get(1, 0) > 100, counting.answers  # the decode steps were the kernel's
