@@ -32,6 +32,7 @@ import numpy as np
 
 from kvguard.engine_hooks import wire
 
+from . import native
 from .events import ReadVerdict, WriteVerdict
 from .page_pool import FREE, GEN_MASK, OWNED, PADDING_PAGE, SHARED_BIT, UNKNOWN, PagePool, Row
 from .request_directory import RequestDirectory, RequestInfo
@@ -513,30 +514,39 @@ class Judge:
         if len(changed) > _SEEN_CHANGED_MAX:  # comparing with the model at once is cheaper
             self._forget_seen(req_keys)
             return False
-        actual, before = read_pages, seen.actual
-        if not len(changed):
-            if not np.array_equal(actual, before):
-                return False
-        else:
-            now_at = [0, *n.cumsum().tolist()]
-            then_at = [0, *seen.n.cumsum().tolist()]
+        kernels = native.KERNELS
+        same = -1  # the compiled comparisons (kvguard.sidecar.native): 1 equal, 0 not; -1 the numpy ones
+        if kernels is not None and len(n):
             row_of = self.rows.row_of
-            start = 0  # the first row of the stretch of unchanged rows before the next changed one
-            for i in changed.tolist():
-                if i > start and not np.array_equal(
-                    actual[now_at[start] : now_at[i]], before[then_at[start] : then_at[i]]
-                ):
-                    return False
-                if not np.array_equal(
-                    actual[now_at[i] : now_at[i + 1]], row_of(req_keys[i].item()).pages[: now_at[i + 1] - now_at[i]]
-                ):
-                    return False
-                start = i + 1
-            if start < len(n) and not np.array_equal(actual[now_at[start] :], before[then_at[start] :]):
-                return False
+            models = tuple(row_of(key).pages for key in req_keys[changed].tolist())
+            same = kernels.rows_as_seen(read_pages, seen.actual, n, seen.n, changed, models)
+        if same == 0 or same < 0 and not self._rows_equal(read_pages, seen, n, changed, req_keys):
+            return False
         rest = [s for s in self._rows_seen if s is not seen]  # (this batch's entry is replaced)
         self._rows_seen = [_RowsSeen(req_keys, n, stamps, read_pages), *rest[:1]]
         return True
+
+    def _rows_equal(
+        self, actual: np.ndarray, seen: _RowsSeen, n: np.ndarray, changed: np.ndarray, req_keys: np.ndarray
+    ) -> bool:
+        """``_rows_as_seen``'s comparisons by numpy: the unchanged rows' stretches against the
+        last forward's, each changed row against its model row."""
+        before = seen.actual
+        if not len(changed):
+            return np.array_equal(actual, before)
+        now_at = [0, *n.cumsum().tolist()]
+        then_at = [0, *seen.n.cumsum().tolist()]
+        row_of = self.rows.row_of
+        start = 0  # the first row of the stretch of unchanged rows before the next changed one
+        for i in changed.tolist():
+            if i > start and not np.array_equal(actual[now_at[start] : now_at[i]], before[then_at[start] : then_at[i]]):
+                return False
+            if not np.array_equal(
+                actual[now_at[i] : now_at[i + 1]], row_of(req_keys[i].item()).pages[: now_at[i + 1] - now_at[i]]
+            ):
+                return False
+            start = i + 1
+        return start >= len(n) or np.array_equal(actual[now_at[start] :], before[then_at[start] :])
 
     def _absorb_changes(self) -> None:
         """Replay the page-change log into the rows' clean prefixes (before judging a FORWARD)."""

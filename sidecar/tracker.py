@@ -579,6 +579,31 @@ class EngineTracker:
         ps = self.page_size
         keys = run.req_keys
         idx = self.rows.indexes(keys)  # (a decode step's run names the batch of its FORWARD: kept)
+        kernels = native.KERNELS
+        if kernels is not None:  # the rules below in one call (kvguard.sidecar.native)
+            table = self.rows.scalars
+            nothing, one_by_one = np.empty(n, bool), np.empty(n, bool)
+            got = kernels.assign_run(
+                idx,
+                keys,
+                run.row_start,
+                run.row_end,
+                run.shared_until,
+                run.pages,
+                table.length,
+                table.tail_page,
+                table.tail_gen_shared,
+                self.pool.gen,
+                self.pool.state,
+                nothing,
+                one_by_one,
+                ps,
+                self.row_limit,
+            )
+            if got >= 0:
+                for key in filterfalse(self.requests.live.__contains__, keys[nothing].tolist()):
+                    self.requests.get_or_stub(key)  # (as below)
+                return np.flatnonzero(one_by_one)
         every = int(idx.min()) >= 0
         at = idx if every else np.where(idx >= 0, idx, 0)
         table, pool = self.rows.scalars, self.pool

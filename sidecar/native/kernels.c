@@ -37,7 +37,7 @@ typedef struct {
     int held;
 } buf_t;
 
-/* 'i': a signed integer, 'u': an unsigned one, of `itemsize` bytes */
+/* 'i': a signed integer, 'u': an unsigned one, of `itemsize` bytes; '?': a bool */
 static int kind_matches(const Py_buffer *v, char kind, Py_ssize_t itemsize) {
     if (v->itemsize != itemsize || v->format == NULL)
         return 0;
@@ -46,6 +46,8 @@ static int kind_matches(const Py_buffer *v, char kind, Py_ssize_t itemsize) {
         f++;
     if (f[0] == 0 || f[1] != 0)
         return 0;
+    if (kind == '?')
+        return f[0] == '?';
     return strchr(kind == 'i' ? "bhilq" : "BHILQ", f[0]) != NULL;
 }
 
@@ -72,8 +74,8 @@ static int take(PyObject *obj, buf_t *b, char kind, Py_ssize_t itemsize, int wri
         return 1;
     if (strict) {
         PyErr_Format(PyExc_ValueError, "%s: items of format '%s' (%zd bytes), not %s%zd", name,
-                     b->view.format ? b->view.format : "B", b->view.itemsize, kind == 'i' ? "int" : "uint",
-                     itemsize * 8);
+                     b->view.format ? b->view.format : "B", b->view.itemsize,
+                     kind == 'i' ? "int" : kind == 'u' ? "uint" : "bool", kind == '?' ? (Py_ssize_t)0 : itemsize * 8);
         return -1;
     }
     PyBuffer_Release(&b->view);
@@ -474,6 +476,226 @@ static PyObject *history_layout(PyObject *self, PyObject *unused) {
                          "page", EV_PAGE, "gen", EV_GEN, "aux", EV_AUX, "event", EV_EVENT, "pool", EV_POOL, EV_SIZE);
 }
 
+/* ------------------------------------------------------------------ assign_run */
+/* EngineTracker.on_assign_run's numpy path (tracker.py), after the rows' indexes of the run's
+ * keys (``RowTable.indexes``: -1, no row): which one-page ASSIGNs of a run change nothing
+ * (``nothing``), and which must be applied one by one, in order (``one_by_one``); both
+ * bool arrays of the run's length, written here.
+ *
+ * An ASSIGN changes nothing when its request has a row, its positions lie within a row
+ * (entry < row_limit, row_end <= row_limit * page_size), its page is one the pool holds,
+ * it names the row's last entry and the page that entry holds, at the page's generation
+ * with the same prefix-cache flag, and the page has nothing to claim (shared, or not
+ * ALLOCATED). Then, if some change nothing and others do not: more than 32 that do not,
+ * everything from the first of them on goes one by one; else every later ASSIGN of the
+ * request of one that does not.
+ *
+ * Returns how many are to be applied one by one (``one_by_one``), or -1 (nothing done, the
+ * numpy path decides: run columns not as the wire decodes them). */
+static PyObject *assign_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    enum { IDX, KEYS, ROW_START, ROW_END, SHARED_UNTIL, PAGES, LENGTH, TAIL_PAGE, TAIL_GEN, GEN, STATE, NOTHING,
+           ONE_BY_ONE, NBUF };
+    if (nargs != NBUF + 2) {
+        PyErr_Format(PyExc_TypeError, "assign_run takes %d arguments (%zd given)", NBUF + 2, nargs);
+        return NULL;
+    }
+    static const char *names[NBUF] = {"idx", "req_keys", "row_start", "row_end", "shared_until", "pages", "length",
+                                      "tail_page", "tail_gen_shared", "gen", "state", "nothing", "one_by_one"};
+    static const Py_ssize_t sizes[NBUF] = {8, 8, 4, 4, 4, 4, 8, 8, 4, 4, 1, 1, 1};
+    static const char kinds[NBUF] = {'i', 'u', 'u', 'u', 'u', 'i', 'i', 'i', 'u', 'u', 'u', '?', '?'};
+    static const int writable[NBUF] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1};
+    Py_ssize_t page_size = PyLong_AsSsize_t(args[NBUF]), row_limit = PyLong_AsSsize_t(args[NBUF + 1]);
+    if (PyErr_Occurred())
+        return NULL;
+    buf_t b[NBUF];
+    memset(b, 0, sizeof(b));
+    PyObject *result = NULL;
+    for (int i = 0; i < NBUF; i++) {
+        /* the run's columns as decoded (else -1: the numpy path); the rows' and the pool's must be theirs */
+        int got = take(args[i], &b[i], kinds[i], sizes[i], writable[i], i > PAGES, names[i]);
+        if (got < 0)
+            goto done;
+        if (got == 0) {
+            result = PyLong_FromLong(-1);
+            goto done;
+        }
+    }
+    Py_ssize_t n = ITEMS(b[IDX], int64_t);
+    Py_ssize_t rows = ITEMS(b[LENGTH], int64_t), num_pages = ITEMS(b[GEN], uint32_t);
+    if (ITEMS(b[KEYS], uint64_t) != n || ITEMS(b[ROW_START], uint32_t) != n || ITEMS(b[ROW_END], uint32_t) != n ||
+        ITEMS(b[SHARED_UNTIL], uint32_t) != n || ITEMS(b[PAGES], int32_t) != n || ITEMS(b[NOTHING], uint8_t) != n ||
+        ITEMS(b[ONE_BY_ONE], uint8_t) != n || ITEMS(b[TAIL_PAGE], int64_t) != rows ||
+        ITEMS(b[TAIL_GEN], uint32_t) != rows || ITEMS(b[STATE], uint8_t) != num_pages || page_size < 1 ||
+        row_limit < 0) {
+        PyErr_SetString(PyExc_ValueError, "assign_run: the run's columns, the rows' or the pool's disagree");
+        goto done;
+    }
+    const int64_t *idx = DATA(b[IDX], int64_t);
+    const uint64_t *keys = DATA(b[KEYS], uint64_t);
+    const uint32_t *row_start = DATA(b[ROW_START], uint32_t), *row_end = DATA(b[ROW_END], uint32_t);
+    const uint32_t *shared_until = DATA(b[SHARED_UNTIL], uint32_t);
+    const int32_t *pages = DATA(b[PAGES], int32_t);
+    const int64_t *tail_page = DATA(b[TAIL_PAGE], int64_t), *length = DATA(b[LENGTH], int64_t);
+    const uint32_t *tail_gen = DATA(b[TAIL_GEN], uint32_t);
+    const uint32_t *gen = DATA(b[GEN], uint32_t);
+    const uint8_t *state = DATA(b[STATE], uint8_t);
+    uint8_t *nothing = DATA(b[NOTHING], uint8_t), *one_by_one = DATA(b[ONE_BY_ONE], uint8_t);
+    Py_ssize_t n_nothing = 0, first = -1, n_first = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = idx[i];
+        int32_t p = pages[i];
+        uint64_t entry = row_start[i] / (uint64_t)page_size;
+        int shared = row_start[i] < shared_until[i];
+        int ok = r >= 0 && r < rows && entry < (uint64_t)row_limit &&
+                 (uint64_t)row_end[i] <= (uint64_t)row_limit * (uint64_t)page_size && p >= 0 && p < num_pages &&
+                 (int64_t)entry == length[r] - 1 && tail_page[r] == p &&
+                 tail_gen[r] == (gen[p] | (shared ? SHARED_BIT : 0u)) && (shared || state[p] != ST_ALLOCATED);
+        nothing[i] = (uint8_t)ok;
+        one_by_one[i] = (uint8_t)!ok;
+        if (ok)
+            n_nothing++;
+        else if (first < 0)
+            first = i;
+        if (!ok)
+            n_first++;
+    }
+    if (n_nothing && n_first) {
+        if (n_first > 32) {
+            for (Py_ssize_t i = first; i < n; i++)
+                one_by_one[i] = 1;
+        } else {
+            /* every later ASSIGN of the request of one that changes something (rare) */
+            for (Py_ssize_t i = first; i < n; i++) {
+                if (nothing[i])
+                    continue;
+                for (Py_ssize_t j = i + 1; j < n; j++)
+                    if (keys[j] == keys[i])
+                        one_by_one[j] = 1;
+            }
+        }
+    }
+    Py_ssize_t count = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        count += one_by_one[i];
+    result = PyLong_FromSsize_t(count);
+done:
+    release(b, NBUF);
+    return result;
+}
+
+/* ------------------------------------------------------------------ rows_as_seen */
+/* Python slice [lo:hi) of an array of `len` items, clamped as Python clamps it (lo <= hi) */
+static inline void clamp(int64_t *lo, int64_t *hi, int64_t len) {
+    if (*lo > len)
+        *lo = len;
+    if (*hi > len)
+        *hi = len;
+    if (*hi < *lo)
+        *hi = *lo;
+}
+
+/* np.array_equal(a[alo:ahi], b[blo:bhi]) for int32 arrays */
+static int slices_equal(const int32_t *a, int64_t alo, int64_t ahi, int64_t alen, const int32_t *b, int64_t blo,
+                        int64_t bhi, int64_t blen) {
+    clamp(&alo, &ahi, alen);
+    clamp(&blo, &bhi, blen);
+    if (ahi - alo != bhi - blo)
+        return 0;
+    return ahi == alo || memcmp(a + alo, b + blo, (size_t)(ahi - alo) * 4) == 0;
+}
+
+/* Judge._rows_as_seen's comparisons (judge.py) for a batch whose rows changed at the
+ * positions ``changed`` (ascending): the engine's rows of this forward (``actual``, row i
+ * ``now_n[i]`` entries long, back to back) against those of the last forward found to be
+ * the model (``before``, ``then_n``), one block per stretch of unchanged rows, and each
+ * changed row against its model row (``model_rows``, a tuple: one array per changed row,
+ * its first ``now_n[i]`` entries). The same slices and the same equality as the Python
+ * loop. 1: all equal; 0: something differs; -1: arrays not of the expected types, or a
+ * negative count (the numpy path decides). */
+static PyObject *rows_as_seen(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    enum { ACTUAL, BEFORE, NOW_N, THEN_N, CHANGED, NBUF };
+    if (nargs != NBUF + 1 || !PyTuple_Check(args[NBUF])) {
+        PyErr_SetString(PyExc_TypeError, "rows_as_seen takes 5 arrays and a tuple of model rows");
+        return NULL;
+    }
+    static const char *names[NBUF] = {"actual", "before", "now_n", "then_n", "changed"};
+    static const Py_ssize_t sizes[NBUF] = {4, 4, 8, 8, 8};
+    buf_t b[NBUF], row;
+    memset(b, 0, sizeof(b));
+    memset(&row, 0, sizeof(row));
+    PyObject *result = NULL;
+    int64_t *now_at = NULL, *then_at = NULL;
+    long answer = -1;
+    for (int i = 0; i < NBUF; i++) {
+        int got = take(args[i], &b[i], 'i', sizes[i], 0, 0, names[i]);
+        if (got < 0)
+            goto done;
+        if (got == 0)
+            goto answer;
+    }
+    Py_ssize_t n = ITEMS(b[NOW_N], int64_t), n_changed = ITEMS(b[CHANGED], int64_t);
+    int64_t len_now = ITEMS(b[ACTUAL], int32_t), len_then = ITEMS(b[BEFORE], int32_t);
+    PyObject *models = args[NBUF];
+    if (ITEMS(b[THEN_N], int64_t) != n || PyTuple_GET_SIZE(models) != n_changed)
+        goto answer;
+    const int32_t *actual = DATA(b[ACTUAL], int32_t), *before = DATA(b[BEFORE], int32_t);
+    const int64_t *now_n = DATA(b[NOW_N], int64_t), *then_n = DATA(b[THEN_N], int64_t);
+    const int64_t *changed = DATA(b[CHANGED], int64_t);
+    now_at = PyMem_Malloc((size_t)(n + 1) * sizeof(int64_t));
+    then_at = PyMem_Malloc((size_t)(n + 1) * sizeof(int64_t));
+    if (now_at == NULL || then_at == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    now_at[0] = then_at[0] = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (now_n[i] < 0 || then_n[i] < 0)
+            goto answer;
+        now_at[i + 1] = now_at[i] + now_n[i];
+        then_at[i + 1] = then_at[i] + then_n[i];
+    }
+    for (Py_ssize_t k = 0; k < n_changed; k++) /* ascending, in range */
+        if (changed[k] < 0 || changed[k] >= n || (k && changed[k] <= changed[k - 1]))
+            goto answer;
+    answer = 1;
+    Py_ssize_t start = 0;
+    for (Py_ssize_t k = 0; k < n_changed && answer == 1; k++) {
+        Py_ssize_t i = (Py_ssize_t)changed[k];
+        if (i > start &&
+            !slices_equal(actual, now_at[start], now_at[i], len_now, before, then_at[start], then_at[i], len_then)) {
+            answer = 0;
+            break;
+        }
+        int got = take(PyTuple_GET_ITEM(models, k), &row, 'i', 4, 0, 0, "model row");
+        if (got < 0)
+            goto done;
+        if (got == 0) {
+            answer = -1;
+            break;
+        }
+        int64_t want = now_at[i + 1] - now_at[i];
+        if (!slices_equal(actual, now_at[i], now_at[i + 1], len_now, DATA(row, int32_t), 0, want, ITEMS(row, int32_t)))
+            answer = 0;
+        PyBuffer_Release(&row.view);
+        row.held = 0;
+        start = i + 1;
+    }
+    if (answer == 1 && start < n &&
+        !slices_equal(actual, now_at[start], len_now, len_now, before, then_at[start], len_then, len_then))
+        answer = 0;
+answer:
+    result = PyLong_FromLong(answer);
+done:
+    release(b, NBUF);
+    if (row.held)
+        PyBuffer_Release(&row.view);
+    PyMem_Free(now_at);
+    PyMem_Free(then_at);
+    return result;
+}
+
 static PyObject *abi(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -486,6 +708,10 @@ static PyMethodDef methods[] = {
     {"history_append", (PyCFunction)(void (*)(void))history_append, METH_FASTCALL,
      "History.append's column writes: True (stored) or False (a value for the Python path)."},
     {"history_layout", history_layout, METH_NOARGS, "The event layout history_append writes."},
+    {"assign_run", (PyCFunction)(void (*)(void))assign_run, METH_FASTCALL,
+     "A run of one-page ASSIGNs: which change nothing, which go one by one (their count; -1: the numpy path)."},
+    {"rows_as_seen", (PyCFunction)(void (*)(void))rows_as_seen, METH_FASTCALL,
+     "A batch's engine rows against the last forward's and the changed rows' model: 1 equal, 0 not, -1 numpy path."},
     {"abi", abi, METH_NOARGS, "The kernels' interface version."},
     {NULL, NULL, 0, NULL},
 };

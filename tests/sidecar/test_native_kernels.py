@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,8 +22,10 @@ from kvguard.engine_hooks import wire
 from kvguard.sidecar import history as history_mod
 from kvguard.sidecar import native
 from kvguard.sidecar.history import EVENT_DTYPE, Event, History
+from kvguard.sidecar.judge import Judge, _RowsSeen
 from kvguard.sidecar.tracker import EngineTracker, RequestDirectory
 
+from .test_assign_runs import encoded
 from .test_judge_incremental import TINY, Replay, capture, corrupt, decode
 
 KEYS = [wire.request_key(f"r{i}") for i in range(12)]
@@ -110,19 +113,26 @@ def _pool_state(t: EngineTracker) -> dict:
 
 
 class _Counting:
-    """The kernels, counting decode_writes' answers."""
+    """The kernels, counting the calls of each (and decode_writes' answers): a differential test
+    that ran the numpy path twice would pass without them."""
 
     def __init__(self):
-        self.answers: dict[int, int] = {}
         self.kernels = native.KERNELS
+        assert self.kernels is not None, native.status()
+        self.calls: dict[str, int] = {}
+        self.answers: dict[int, int] = {}
 
     def __getattr__(self, name):
-        return getattr(self.kernels, name)
+        kernel = getattr(self.kernels, name)
 
-    def decode_writes(self, *args):
-        got = self.kernels.decode_writes(*args)
-        self.answers[got] = self.answers.get(got, 0) + 1
-        return got
+        def call(*args):
+            got = kernel(*args)
+            self.calls[name] = self.calls.get(name, 0) + 1
+            if name == "decode_writes":
+                self.answers[got] = self.answers.get(got, 0) + 1
+            return got
+
+        return call
 
 
 def test_decode_writes_judges_and_marks_exactly_as_the_numpy_path(monkeypatch):
@@ -180,6 +190,127 @@ def test_decode_writes_refuses_pool_columns_of_the_wrong_type():
     bad[7].flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):  # (numpy's word for a column it may not write)
         native.KERNELS.decode_writes(*bad)
+
+
+# ---------------------------------------------------------------------------- assign_run
+def _random_run(rng, t: EngineTracker) -> wire.AssignRun:
+    """A run of one-page ASSIGNs: mostly a request repeating its row's last entry, sometimes a
+    new entry, another page or generation, a prefix-cache flag, a request without a row, a
+    page or a position out of range, a request twice."""
+    n = int(rng.integers(1, 64))
+    odd = rng.choice([0.0, 0.1, 0.75])  # how many are not repeats: none, some, or most (> 32 of them)
+    who = rng.integers(0, 12 if odd else 10, n)  # (KEYS[10:] have no row)
+    keys, starts, ends, shared, pages = [], [], [], [], []
+    for i in who.tolist():
+        key = KEYS[i]
+        row = t.rows.get(key)
+        last = len(row.pages) - 1 if row is not None else 0
+        entry, page = last, int(row.pages[last]) if row is not None else int(rng.integers(1, 48))
+        what = rng.integers(3) if rng.random() < odd else 3
+        if what == 0:
+            entry += 1  # a token starting a page
+        elif what == 1:
+            page = int(rng.integers(-2, 70))  # another page, maybe none the pool holds
+        elif what == 2:
+            entry = int(rng.choice([0, 1 << 12, 1 << 20]))  # elsewhere in the row, or past any row
+        start = entry * 4 + int(rng.integers(4))
+        keys.append(key)
+        starts.append(start)
+        ends.append(start + 1 if rng.random() < 0.95 else 1 << 30)
+        shared.append(start + (1 if rng.random() < 0.2 else 0))
+        pages.append(page)
+    return wire.AssignRun(
+        np.arange(n, dtype=np.uint64),
+        np.arange(n, dtype=np.uint64),
+        np.array(keys, np.uint64),
+        np.array(starts, np.uint32),
+        np.array(ends, np.uint32),
+        np.array(shared, np.uint32),
+        np.array(pages, np.int32),
+    )
+
+
+def test_assign_run_settles_and_orders_exactly_as_the_numpy_path(monkeypatch):
+    kernels = _Counting()
+    shapes = {"none": 0, "some": 0, "from the first on": 0, "all": 0}
+    for seed in range(300):
+        out = {}
+        for path in ("kernel", "numpy"):
+            monkeypatch.setattr(native, "KERNELS", kernels if path == "kernel" else None)
+            rng = np.random.default_rng(seed)
+            t = _random_tracker(rng)
+            if rng.random() < 0.5:  # the table's rows in other states: allocated pages, another gen
+                t.on_alloc(rng.integers(1, 40, 5))
+            run = _random_run(rng, t)
+            positions = t.on_assign_run(run).tolist()
+            out[path] = (positions, sorted(t.requests.live), sorted(t.requests.stubs))
+        assert out["kernel"] == out["numpy"], seed
+        positions, n = out["kernel"][0], len(run)
+        if not positions or len(positions) == n:
+            shapes["none" if not positions else "all"] += 1
+        elif len(positions) > 32 and positions == list(range(positions[0], n)):
+            shapes["from the first on"] += 1
+        else:
+            shapes["some"] += 1
+    assert min(shapes.values()) >= 5, shapes  # every branch of the rules was taken
+    assert kernels.calls["assign_run"] == 300
+
+
+def test_assign_run_leaves_runs_of_other_column_types_to_the_numpy_path():
+    t = _random_tracker(np.random.default_rng(1))
+    run = _random_run(np.random.default_rng(2), t)
+    table, n = t.rows.scalars, len(run)
+    args = [t.rows.indexes(run.req_keys), run.req_keys, run.row_start, run.row_end, run.shared_until, run.pages]
+    pool_args = [table.length, table.tail_page, table.tail_gen_shared, t.pool.gen, t.pool.state]
+    out = [np.empty(n, bool), np.empty(n, bool)]
+    assert native.KERNELS.assign_run(*args, *pool_args, *out, 4, t.row_limit) >= 0
+    wide = list(args)
+    wide[5] = run.pages.astype(np.int64)
+    assert native.KERNELS.assign_run(*wide, *pool_args, *out, 4, t.row_limit) == -1
+    bad = list(pool_args)
+    bad[0] = table.length.astype(np.int32)
+    with pytest.raises(ValueError, match="length: items of format"):
+        native.KERNELS.assign_run(*args, *bad, *out, 4, t.row_limit)
+
+
+# ---------------------------------------------------------------------------- rows_as_seen
+def test_rows_as_seen_compares_exactly_as_the_numpy_path():
+    kernels = native.KERNELS
+    answers = {0: 0, 1: 0}
+    for seed in range(2000):
+        rng = np.random.default_rng(seed)
+        n_rows = int(rng.integers(0, 9))
+        then_n = rng.integers(0, 6, n_rows).astype(np.int64)
+        before = rng.integers(0, 50, int(then_n.sum())).astype(np.int32)
+        changed = np.flatnonzero(rng.random(n_rows) < 0.3)
+        now_n = then_n.copy()
+        now_n[changed] = np.maximum(now_n[changed] + rng.integers(-1, 3, len(changed)), 0)
+        parts, models = [], {}
+        off = np.concatenate(([0], np.cumsum(then_n)))
+        for i in range(n_rows):
+            if i in changed:
+                model = rng.integers(0, 50, int(now_n[i]) + int(rng.integers(0, 3))).astype(np.int32)
+                if rng.random() < 0.2:
+                    model = model[: max(int(now_n[i]) - 1, 0)]  # a model row shorter than read
+                models[i] = model
+                parts.append(model[: int(now_n[i])])
+            else:
+                parts.append(before[off[i] : off[i + 1]])
+        actual = np.concatenate(parts or [np.zeros(0, np.int32)]).astype(np.int32)
+        if len(actual) and rng.random() < 0.4:
+            actual[int(rng.integers(len(actual)))] ^= 1 << int(rng.integers(31))  # one bit of one entry differs
+        if rng.random() < 0.1:
+            actual = actual[:-1]  # the record's rows shorter than counted
+        keys = np.array(KEYS[:n_rows], np.uint64)
+        rows = {KEYS[i]: SimpleNamespace(pages=models.get(i, np.zeros(0, np.int32))) for i in range(n_rows)}
+        judge = SimpleNamespace(rows=SimpleNamespace(row_of=rows.__getitem__))
+        seen = _RowsSeen(keys, then_n, np.zeros(n_rows, np.int64), before)
+        want = Judge._rows_equal(judge, actual, seen, now_n, changed, keys)
+        model_rows = tuple(rows[k].pages for k in keys[changed].tolist())
+        got = kernels.rows_as_seen(actual, before, now_n, then_n, changed, model_rows)
+        assert got == int(want), seed
+        answers[got] += 1
+    assert min(answers.values()) > 300, answers
 
 
 # ---------------------------------------------------------------------------- history_append
@@ -250,7 +381,7 @@ def test_history_layout_is_the_kernels():
 # ---------------------------------------------------------------------------- the pipeline
 @pytest.mark.parametrize("isolate", [False, True])
 def test_corrupted_streams_give_identical_results_with_and_without_the_kernels(isolate, monkeypatch):
-    counting = _Counting()
+    counting = _Counting()  # (KERNELS patched with it: the same kernels, counted)
     for rows_every, seed, lost in [(0, 11, False), (16, 12, True), (1, 13, False), (3, 14, False)]:
         stream = capture(replace(TINY, rows_every=rows_every, assign="page"), steps=60)
         records = corrupt(decode(stream.setup + [i for step in stream.steps for i in step]), seed, 0.04, lost)
@@ -265,3 +396,28 @@ def test_corrupted_streams_give_identical_results_with_and_without_the_kernels(i
         for key in a:
             assert a[key] == b[key], (rows_every, seed, key)
     assert counting.answers.get(1, 0) > 100, counting.answers  # the decode steps were the kernel's
+
+
+@pytest.mark.parametrize("rows_every", [1, 16])
+def test_streams_of_runs_and_rows_give_identical_results_with_and_without_the_kernels(rows_every, monkeypatch):
+    kernels = _Counting()
+    # an ASSIGN per request per step, as the ring reader decodes them (runs), with the engine's rows;
+    # long outputs and little corruption, so that a batch stays the same for a while (rows compared
+    # with the last forward's)
+    stream = capture(replace(TINY, batch=24, output_tokens=200, rows_every=rows_every, assign="token"), steps=60)
+    raw = encoded(corrupt(decode(stream.setup + [i for step in stream.steps for i in step]), 21, 0.01, False))
+    records = wire.decode_stream(raw, wire.DecodeStats(), runs=True)
+    assert any(type(r.body) is wire.AssignRun for r in records)
+    states = {}
+    for path in ("kernel", "numpy"):
+        monkeypatch.setattr(native, "KERNELS", kernels if path == "kernel" else None)
+        replay = Replay(True, False, monkeypatch).run(records)
+        states[path] = replay.state()
+        states[path]["history"] = replay.pipe.out.history.events.tobytes()
+    a, b = states["kernel"], states["numpy"]
+    assert a["apply_errors"] == 0 and a["findings"]
+    for key in a:
+        assert a[key] == b[key], key
+    assert min(kernels.calls.get(name, 0) for name in ("decode_writes", "history_append", "assign_run")) > 50
+    if rows_every == 1:
+        assert kernels.calls.get("rows_as_seen", 0) > 20, kernels.calls
