@@ -411,6 +411,13 @@ class Judge:
     def _batch(self, req_keys: np.ndarray, seq_lens: np.ndarray) -> _Batch:
         """A forward's readers against the rows, for the whole batch at once (see ``_Batch``)."""
         idx = self.rows.indexes(req_keys)
+        kernels = native.KERNELS
+        if kernels is not None:  # the lines below in one call (kvguard.sidecar.native)
+            m = len(idx)
+            has, at, n = np.empty(m, bool), np.empty(m, np.int64), np.empty(m, np.int64)
+            every = kernels.batch_rows(idx, seq_lens, self.rows.scalars.length, has, at, n, self.page_size)
+            if every >= 0:
+                return _Batch(idx, has, every == 1, idx if every else at, n)
         has = idx >= 0
         every = bool(has.all())
         at = idx if every else np.where(has, idx, 0)
@@ -643,6 +650,38 @@ class Judge:
             table.clean_reads[i] = base + k
         return True
 
+    def _clean_split(self, batch: _Batch, epoch: int) -> tuple[int, list[int], tuple[list[int], ...]]:
+        """A batch's readers with a row, split by their clean prefixes: the clean reads of those
+        whose prefix covers exactly what they read, those whose prefix covers more (``shorter``)
+        and the dirty ones (batch index, clean_n, entries read, clean_epoch: lists)."""
+        table, at, n_all, has = self.rows.scalars, batch.at, batch.n, batch.has
+        kernels = native.KERNELS
+        if kernels is not None:  # the lines below in one call (kvguard.sidecar.native)
+            clean_reads, shorter, *dirty = kernels.clean_rows(
+                at, has, n_all, table.clean_n, table.clean_epoch, table.clean_reads, epoch
+            )
+            return clean_reads, shorter, tuple(dirty)
+        c_all = table.clean_n[at]
+        # rows whose clean prefix covers what this step reads (the common decode step): counted,
+        # not judged. A clean prefix was judged while its reader was known, and a row goes when
+        # its request ends, so these readers are known ones.
+        clean = (table.clean_epoch[at] == epoch) & (c_all >= n_all)
+        if not batch.every:
+            clean &= has
+        exact = clean & (c_all == n_all)
+        clean_reads = int(table.clean_reads[at[exact]].sum())
+        dirty_at = np.flatnonzero(~clean if batch.every else has & ~clean)
+        shorter_at: list[int] = []
+        if len(dirty_at) + int(np.count_nonzero(exact)) != len(at):  # (a shorter prefix: rare)
+            shorter_at = np.flatnonzero(clean & ~exact).tolist()
+        dirty = (
+            dirty_at.tolist(),
+            c_all[dirty_at].tolist(),
+            n_all[dirty_at].tolist(),
+            table.clean_epoch[at[dirty_at]].tolist(),
+        )
+        return clean_reads, shorter_at, dirty
+
     def _classify_changed(self, batch: _Batch, req_keys: np.ndarray) -> list[tuple[int, ReadVerdict]]:
         """``classify_reads`` for a FORWARD without rows, judging per request only the row
         entries past its clean prefix (``Row.clean_n``). The clean prefix holds nothing to report
@@ -659,20 +698,8 @@ class Judge:
             return []
         table = self.rows.scalars
         epoch = self.judge_epoch
-        c_all = table.clean_n[at]
-        # rows whose clean prefix covers what this step reads (the common decode step): counted,
-        # not judged. A clean prefix was judged while its reader was known, and a row goes when
-        # its request ends, so these readers are known ones.
-        clean = (table.clean_epoch[at] == epoch) & (c_all >= n_all)
-        if not batch.every:
-            clean &= has
-        exact = clean & (c_all == n_all)
-        clean_reads = int(table.clean_reads[at[exact]].sum())
-        dirty_at = np.flatnonzero(~clean if batch.every else has & ~clean)
-        shorter: list[int] = []
-        if len(dirty_at) + int(np.count_nonzero(exact)) != len(at):  # (a shorter prefix: rare)
-            shorter = np.flatnonzero(clean & ~exact).tolist()
-        if not shorter and not len(dirty_at):
+        clean_reads, shorter, dirty = self._clean_split(batch, epoch)
+        if not shorter and not dirty[0]:
             self.pages_read += clean_reads
             return []
         keys = req_keys.tolist()
@@ -681,7 +708,7 @@ class Judge:
             row = rows_get(keys[i])
             assert row is not None  # (the row table's index and rows hold the same keys)
             clean_reads += int(np.count_nonzero(row.pages[: int(n_all[i])] > 0))
-        if not len(dirty_at):
+        if not dirty[0]:
             self.pages_read += clean_reads
             return []
         live_get, ended_get = self.requests.live.get, self.requests._ended.get  # RequestDirectory.get, inlined
@@ -692,12 +719,7 @@ class Judge:
         d_c: list[int] = []
         d_n: list[int] = []
         d_base: list[int] = []
-        for i, c, n, e in zip(
-            dirty_at.tolist(),
-            c_all[dirty_at].tolist(),
-            n_all[dirty_at].tolist(),
-            table.clean_epoch[at[dirty_at]].tolist(),
-        ):
+        for i, c, n, e in zip(*dirty):
             key = keys[i]
             info = live_get(key) or ended_get(key)
             if info is None or not info.known:

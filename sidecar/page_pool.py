@@ -362,7 +362,13 @@ class PagePool:
         free for the readers sharing them) cannot, and are not."""
         if len(pages) == 0 or self.changes_overflow:
             return
-        self.changes.append((pages, self.owner_keys(pages)))
+        self.changed_owners(pages, self.owner_keys(pages))
+
+    def changed_owners(self, pages: np.ndarray, owners: np.ndarray) -> None:
+        """``changed``, with the pages' owner keys before the change already read."""
+        if len(pages) == 0 or self.changes_overflow:
+            return
+        self.changes.append((pages, owners))
         self.changes_len += len(pages)
         if self.changes_len > len(self.state):  # cheaper to re-judge everything than to replay
             self.changes_overflow = True

@@ -66,8 +66,8 @@ class PageRecords:
 
     # ------------------------------------------------------------------ the page model
     def on_alloc(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
-        pages = t.on_alloc(rec.body.pages)  # the valid ids: one past the pool's limit is counted and skipped
-        self.out.record(rec.ts_ns, rec.engine_id, Event.ALLOC, 0, pages, t.pool.gen[pages], pool=t.pool_index)
+        pages, gens = t.on_alloc_gens(rec.body.pages)  # the valid ids: one past the limit is counted and skipped
+        self.out.record(rec.ts_ns, rec.engine_id, Event.ALLOC, 0, pages, gens, pool=t.pool_index)
         return []
 
     def on_assign(self, t: EngineTracker, rec: wire.Record) -> list[Finding]:
@@ -129,8 +129,9 @@ class PageRecords:
         ts_ns = rec.ts_ns
         # a forward writes its new tokens' KV before attention reads the rows
         findings = []
+        writers = None  # each page's writer (below, unless a decode step's: then the batch's keys)
         if t.decode_writes(f.req_keys, f.write_counts, f.write_pages, ts_ns):
-            pass  # a decode step's: one page each, all the writers' own, marked
+            writers = f.req_keys  # a decode step's: one page each, all the writers' own, marked
         elif t.judge.writes_overlap(f.write_pages):  # a page written twice: the order matters, one request at a time
             w_off = np.concatenate(([0], np.cumsum(f.write_counts, dtype=np.int64)))
             for i, key in enumerate(f.req_keys.tolist()):
@@ -148,9 +149,9 @@ class PageRecords:
         # chunk is: it writes single token slots, the owner may write that slot itself before
         # it reads it, and the record names pages, not slots: docs/detectors.md, late_write)
         t.count_prompt_writes(f.req_keys, f.seq_lens, f.write_counts, f.write_pages)
-        self.out.record(
-            ts_ns, t.engine_id, Event.WRITE, np.repeat(f.req_keys, f.write_counts), f.write_pages, pool=t.pool_index
-        )
+        if writers is None:
+            writers = np.repeat(f.req_keys, f.write_counts)
+        self.out.record(ts_ns, t.engine_id, Event.WRITE, writers, f.write_pages, pool=t.pool_index)
         if not t.pool_index:  # (a read per request per forward: pool 0's says it)
             self.out.record(ts_ns, t.engine_id, Event.READ, f.req_keys, aux=f.seq_lens)
         # the whole batch is judged at once; verdicts come only for requests with something to look at

@@ -404,6 +404,21 @@ class EngineTracker:
     def on_alloc(self, pages: np.ndarray) -> np.ndarray:
         """Mark pages allocated (a new generation); returns the valid ones (ids past the
         pool's limit are counted in ``pages_out_of_range`` and skipped)."""
+        return self.on_alloc_gens(pages)[0]
+
+    def on_alloc_gens(self, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``on_alloc``, with the pages' new generations."""
+        pool = self.pool
+        kernels = native.KERNELS
+        if kernels is not None and len(pages):  # the lines below in one call (kvguard.sidecar.native)
+            owners, gens = np.empty(len(pages), np.uint64), np.empty(len(pages), np.uint32)
+            if kernels.alloc(pages, pool.state, pool.gen, pool.owner_slot, pool.keys.keys, owners, gens) == 1:
+                pool.changed_owners(pages, owners)
+                return pages, gens
+        pages = self._alloc(pages)
+        return pages, pool.gen[pages]
+
+    def _alloc(self, pages: np.ndarray) -> np.ndarray:
         pages = self.pool.ensure(pages.astype(np.int64))
         pool = self.pool
         pool.changed(pages)

@@ -696,6 +696,215 @@ done:
     return result;
 }
 
+/* list.append(int(v)); -1 with an error set */
+static int append_long(PyObject *list, long long v) {
+    PyObject *o = PyLong_FromLongLong(v);
+    if (o == NULL)
+        return -1;
+    int r = PyList_Append(list, o);
+    Py_DECREF(o);
+    return r;
+}
+
+/* ------------------------------------------------------------------ alloc */
+/* EngineTracker.on_alloc's numpy path (tracker.py) for ids the pool holds already: each
+ * page's owner key before (``owners``, for PagePool.changed), its next generation
+ * (``gens``: (gen + 1) & GEN_MASK, read before any is stored, so a page named twice gets
+ * one increment, as numpy's fancy assignment gives), then gen, state ALLOCATED, owner slot 0.
+ * 1: done; -1: an id out of the pool (or a slot out of the key table): nothing done, the
+ * numpy path validates, grows and counts. */
+static PyObject *alloc(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    enum { PAGES, STATE, GEN, OWNER_SLOT, SLOT_KEYS, OWNERS, GENS, NBUF };
+    if (nargs != NBUF) {
+        PyErr_Format(PyExc_TypeError, "alloc takes %d arguments (%zd given)", NBUF, nargs);
+        return NULL;
+    }
+    static const char *names[NBUF] = {"pages", "state", "gen", "owner_slot", "slot_keys", "owners", "gens"};
+    static const Py_ssize_t sizes[NBUF] = {4, 1, 4, 4, 8, 8, 4};
+    static const char kinds[NBUF] = {'i', 'u', 'u', 'u', 'u', 'u', 'u'};
+    static const int writable[NBUF] = {0, 1, 1, 1, 0, 1, 1};
+    buf_t b[NBUF];
+    memset(b, 0, sizeof(b));
+    PyObject *result = NULL;
+    long answer = -1;
+    for (int i = 0; i < NBUF; i++) {
+        int got = take(args[i], &b[i], kinds[i], sizes[i], writable[i], i > PAGES, names[i]);
+        if (got < 0)
+            goto done;
+        if (got == 0)
+            goto answer;
+    }
+    Py_ssize_t n = ITEMS(b[PAGES], int32_t), num_pages = ITEMS(b[STATE], uint8_t);
+    Py_ssize_t n_keys = ITEMS(b[SLOT_KEYS], uint64_t);
+    if (ITEMS(b[GEN], uint32_t) != num_pages || ITEMS(b[OWNER_SLOT], uint32_t) != num_pages ||
+        ITEMS(b[OWNERS], uint64_t) != n || ITEMS(b[GENS], uint32_t) != n) {
+        PyErr_SetString(PyExc_ValueError, "alloc: the pool's columns or the outputs differ in length");
+        goto done;
+    }
+    const int32_t *pages = DATA(b[PAGES], int32_t);
+    uint8_t *state = DATA(b[STATE], uint8_t);
+    uint32_t *gen = DATA(b[GEN], uint32_t), *owner_slot = DATA(b[OWNER_SLOT], uint32_t);
+    const uint64_t *slot_keys = DATA(b[SLOT_KEYS], uint64_t);
+    uint64_t *owners = DATA(b[OWNERS], uint64_t);
+    uint32_t *gens = DATA(b[GENS], uint32_t);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t p = pages[i];
+        if (p < 0 || p >= num_pages || owner_slot[p] >= n_keys)
+            goto answer;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) { /* everything read before anything is stored */
+        int32_t p = pages[i];
+        owners[i] = slot_keys[owner_slot[p]];
+        gens[i] = (gen[p] + 1u) & GEN_MASK;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t p = pages[i];
+        gen[p] = gens[i];
+        state[p] = ST_ALLOCATED;
+        owner_slot[p] = 0;
+    }
+    answer = 1;
+answer:
+    result = PyLong_FromLong(answer);
+done:
+    release(b, NBUF);
+    return result;
+}
+
+/* ------------------------------------------------------------------ batch_rows */
+/* Judge._batch's numpy part (judge.py), after the rows' indexes of a forward's keys (-1: no
+ * row): whether each has a row (``has``), the index to read row scalars at (``at``: 0 for
+ * those without), and the entries each reads (``n``: its seq_len in pages, rounded up, at
+ * most the row's length, ``length[at]``). Returns 1 if every key has a row, 0 if not, -1
+ * (nothing done, the numpy path) for seq_lens not as the wire decodes them (u32). */
+static PyObject *batch_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    enum { IDX, SEQ_LENS, LENGTH, HAS, AT, N, NBUF };
+    if (nargs != NBUF + 1) {
+        PyErr_Format(PyExc_TypeError, "batch_rows takes %d arguments (%zd given)", NBUF + 1, nargs);
+        return NULL;
+    }
+    static const char *names[NBUF] = {"idx", "seq_lens", "length", "has", "at", "n"};
+    static const Py_ssize_t sizes[NBUF] = {8, 4, 8, 1, 8, 8};
+    static const char kinds[NBUF] = {'i', 'u', 'i', '?', 'i', 'i'};
+    static const int writable[NBUF] = {0, 0, 0, 1, 1, 1};
+    Py_ssize_t page_size = PyLong_AsSsize_t(args[NBUF]);
+    if (page_size == -1 && PyErr_Occurred())
+        return NULL;
+    buf_t b[NBUF];
+    memset(b, 0, sizeof(b));
+    PyObject *result = NULL;
+    long answer = -1;
+    for (int i = 0; i < NBUF; i++) {
+        int got = take(args[i], &b[i], kinds[i], sizes[i], writable[i], i > SEQ_LENS, names[i]);
+        if (got < 0)
+            goto done;
+        if (got == 0)
+            goto answer;
+    }
+    Py_ssize_t n = ITEMS(b[IDX], int64_t), rows = ITEMS(b[LENGTH], int64_t);
+    if (ITEMS(b[SEQ_LENS], uint32_t) != n || ITEMS(b[HAS], uint8_t) != n || ITEMS(b[AT], int64_t) != n ||
+        ITEMS(b[N], int64_t) != n || page_size < 1 || rows < 1) {
+        PyErr_SetString(PyExc_ValueError, "batch_rows: the batch's arrays or the rows' disagree");
+        goto done;
+    }
+    const int64_t *idx = DATA(b[IDX], int64_t), *length = DATA(b[LENGTH], int64_t);
+    const uint32_t *seq_lens = DATA(b[SEQ_LENS], uint32_t);
+    uint8_t *has = DATA(b[HAS], uint8_t);
+    int64_t *at = DATA(b[AT], int64_t), *n_out = DATA(b[N], int64_t);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (idx[i] >= rows) /* (an index past the table: the numpy path raises, as before) */
+            goto answer;
+    answer = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = idx[i];
+        has[i] = r >= 0;
+        if (r < 0) {
+            answer = 0;
+            r = 0;
+        }
+        at[i] = r;
+        int64_t need = ((int64_t)seq_lens[i] + page_size - 1) / page_size;
+        n_out[i] = need < length[r] ? need : length[r];
+    }
+answer:
+    result = PyLong_FromLong(answer);
+done:
+    release(b, NBUF);
+    return result;
+}
+
+/* ------------------------------------------------------------------ clean_rows */
+/* Judge._classify_changed's split of a batch (judge.py): the readers whose row's clean prefix
+ * (clean_epoch == epoch) covers what they read (clean_n >= n) are clean; of them, those that
+ * read exactly their prefix count its clean_reads, those that read less ("shorter") are
+ * counted by the caller; the rest, with a row (``has``), are dirty. Returns (clean_reads,
+ * shorter, dirty, dirty's clean_n, dirty's n, dirty's clean_epoch): the sum and lists of
+ * ints, in batch order. */
+static PyObject *clean_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    enum { AT, HAS, N, CLEAN_N, CLEAN_EPOCH, CLEAN_READS, NBUF };
+    if (nargs != NBUF + 1) {
+        PyErr_Format(PyExc_TypeError, "clean_rows takes %d arguments (%zd given)", NBUF + 1, nargs);
+        return NULL;
+    }
+    static const char *names[NBUF] = {"at", "has", "n", "clean_n", "clean_epoch", "clean_reads"};
+    static const Py_ssize_t sizes[NBUF] = {8, 1, 8, 8, 8, 8};
+    static const char kinds[NBUF] = {'i', '?', 'i', 'i', 'i', 'i'};
+    long long epoch = PyLong_AsLongLong(args[NBUF]);
+    if (epoch == -1 && PyErr_Occurred())
+        return NULL;
+    buf_t b[NBUF];
+    memset(b, 0, sizeof(b));
+    PyObject *result = NULL, *shorter = NULL, *d_i = NULL, *d_c = NULL, *d_n = NULL, *d_e = NULL;
+    for (int i = 0; i < NBUF; i++)
+        if (take(args[i], &b[i], kinds[i], sizes[i], 0, 1, names[i]) < 1)
+            goto done;
+    Py_ssize_t n = ITEMS(b[AT], int64_t), rows = ITEMS(b[CLEAN_N], int64_t);
+    if (ITEMS(b[HAS], uint8_t) != n || ITEMS(b[N], int64_t) != n || ITEMS(b[CLEAN_EPOCH], int64_t) != rows ||
+        ITEMS(b[CLEAN_READS], int64_t) != rows) {
+        PyErr_SetString(PyExc_ValueError, "clean_rows: the batch's arrays or the rows' disagree");
+        goto done;
+    }
+    const int64_t *at = DATA(b[AT], int64_t), *n_all = DATA(b[N], int64_t);
+    const int64_t *clean_n = DATA(b[CLEAN_N], int64_t), *clean_epoch = DATA(b[CLEAN_EPOCH], int64_t);
+    const int64_t *clean_reads = DATA(b[CLEAN_READS], int64_t);
+    const uint8_t *has = DATA(b[HAS], uint8_t);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (at[i] < 0 || at[i] >= rows) {
+            PyErr_SetString(PyExc_ValueError, "clean_rows: a row index past the table");
+            goto done;
+        }
+    if (!(shorter = PyList_New(0)) || !(d_i = PyList_New(0)) || !(d_c = PyList_New(0)) || !(d_n = PyList_New(0)) ||
+        !(d_e = PyList_New(0)))
+        goto done;
+    long long sum = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!has[i])
+            continue;
+        int64_t r = at[i], c = clean_n[r], e = clean_epoch[r];
+        if (e == epoch && c >= n_all[i]) {
+            if (c == n_all[i])
+                sum += clean_reads[r];
+            else if (append_long(shorter, i) < 0)
+                goto done;
+        } else if (append_long(d_i, i) < 0 || append_long(d_c, c) < 0 || append_long(d_n, n_all[i]) < 0 ||
+                   append_long(d_e, e) < 0) {
+            goto done;
+        }
+    }
+    result = Py_BuildValue("LOOOOO", sum, shorter, d_i, d_c, d_n, d_e);
+done:
+    Py_XDECREF(shorter);
+    Py_XDECREF(d_i);
+    Py_XDECREF(d_c);
+    Py_XDECREF(d_n);
+    Py_XDECREF(d_e);
+    release(b, NBUF);
+    return result;
+}
+
 static PyObject *abi(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -712,6 +921,12 @@ static PyMethodDef methods[] = {
      "A run of one-page ASSIGNs: which change nothing, which go one by one (their count; -1: the numpy path)."},
     {"rows_as_seen", (PyCFunction)(void (*)(void))rows_as_seen, METH_FASTCALL,
      "A batch's engine rows against the last forward's and the changed rows' model: 1 equal, 0 not, -1 numpy path."},
+    {"alloc", (PyCFunction)(void (*)(void))alloc, METH_FASTCALL,
+     "An ALLOC of ids the pool holds: owners before, next generations, marked (1); -1: the numpy path."},
+    {"batch_rows", (PyCFunction)(void (*)(void))batch_rows, METH_FASTCALL,
+     "A forward's readers against the rows: has, at, n; 1 all have rows, 0 not, -1 the numpy path."},
+    {"clean_rows", (PyCFunction)(void (*)(void))clean_rows, METH_FASTCALL,
+     "A batch split into clean reads, shorter reads and dirty rows (the incremental judge)."},
     {"abi", abi, METH_NOARGS, "The kernels' interface version."},
     {NULL, NULL, 0, NULL},
 };

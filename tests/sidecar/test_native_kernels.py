@@ -313,6 +313,55 @@ def test_rows_as_seen_compares_exactly_as_the_numpy_path():
     assert min(answers.values()) > 300, answers
 
 
+# ---------------------------------------------------------------------------- alloc
+def test_alloc_marks_and_logs_exactly_as_the_numpy_path(monkeypatch):
+    kernels = _Counting()
+    for seed in range(300):
+        out = {}
+        for path in ("kernel", "numpy"):
+            monkeypatch.setattr(native, "KERNELS", kernels if path == "kernel" else None)
+            rng = np.random.default_rng(seed)
+            t = _random_tracker(rng)
+            t.pool.gen[rng.integers(0, 48, 8)] = 0x7FFFFFFF  # the last generation a row entry holds: wraps to 0
+            pages = rng.integers(0, 48, int(rng.integers(0, 12)))  # (some named twice)
+            if len(pages) and rng.random() < 0.2:
+                pages[0] = rng.choice([-1, 70, 1 << 23])  # past the pool (it grows), or past any pool
+            dtype = np.int32 if rng.random() < 0.9 else np.int64  # (int64: the numpy path)
+            got, gens = t.on_alloc_gens(pages.astype(dtype))
+            changes = [(np.asarray(p, np.int64).tolist(), np.asarray(o, np.uint64).tolist()) for p, o in t.pool.changes]
+            out[path] = (got.tolist(), gens.tolist(), _pool_state(t), changes, t.pool.changes_len)
+        assert out["kernel"] == out["numpy"], seed
+    assert kernels.calls["alloc"] > 200
+
+
+# ---------------------------------------------------------------------------- batch_rows, clean_rows
+def test_a_batch_is_split_into_clean_shorter_and_dirty_reads_exactly_as_the_numpy_path(monkeypatch):
+    kernels = _Counting()
+    for seed in range(300):
+        out = {}
+        for path in ("kernel", "numpy"):
+            monkeypatch.setattr(native, "KERNELS", kernels if path == "kernel" else None)
+            rng = np.random.default_rng(seed)
+            t = _random_tracker(rng)
+            table, epoch = t.rows.scalars, int(rng.integers(0, 3))
+            for key in KEYS[:10]:  # clean prefixes of any length, of this epoch or another
+                i = t.rows[key].index
+                table.clean_n[i] = rng.integers(0, 5)
+                table.clean_epoch[i] = rng.integers(-1, 3)
+                table.clean_reads[i] = rng.integers(0, 5)
+            m = int(rng.integers(1, 12))
+            keys = np.array([KEYS[i] for i in rng.integers(0, 12 if rng.random() < 0.5 else 10, m)], np.uint64)
+            seq_lens = rng.integers(0, 20, m).astype(np.uint32 if rng.random() < 0.9 else np.int64)
+            batch = t.judge._batch(keys, seq_lens)
+            split = t.judge._clean_split(batch, epoch)
+            out[path] = (
+                [batch.idx.tolist(), batch.has.tolist(), batch.every, batch.at.tolist(), batch.n.tolist()],
+                (split[0], split[1], [list(d) for d in split[2]]),
+            )
+        assert out["kernel"] == out["numpy"], seed
+    assert kernels.calls["batch_rows"] > 200 and kernels.calls["clean_rows"] == 300
+
+
 # ---------------------------------------------------------------------------- history_append
 def _random_value(rng, n: int, dtype: str, lo: int, hi: int):
     what = rng.integers(4)
@@ -396,6 +445,9 @@ def test_corrupted_streams_give_identical_results_with_and_without_the_kernels(i
         for key in a:
             assert a[key] == b[key], (rows_every, seed, key)
     assert counting.answers.get(1, 0) > 100, counting.answers  # the decode steps were the kernel's
+    # (isolating tenants takes the full read judge: no clean prefixes to split by)
+    names = ("alloc",) if isolate else ("alloc", "batch_rows", "clean_rows")
+    assert min(counting.calls.get(name, 0) for name in names) > 100, counting.calls
 
 
 @pytest.mark.parametrize("rows_every", [1, 16])
@@ -418,6 +470,7 @@ def test_streams_of_runs_and_rows_give_identical_results_with_and_without_the_ke
     assert a["apply_errors"] == 0 and a["findings"]
     for key in a:
         assert a[key] == b[key], key
-    assert min(kernels.calls.get(name, 0) for name in ("decode_writes", "history_append", "assign_run")) > 50
+    names = ("decode_writes", "history_append", "assign_run", "alloc", "batch_rows", "clean_rows")
+    assert min(kernels.calls.get(name, 0) for name in names) > 50, kernels.calls
     if rows_every == 1:
         assert kernels.calls.get("rows_as_seen", 0) > 20, kernels.calls
