@@ -563,6 +563,16 @@ class Judge:
             return
         if not pool.changes:
             return
+        kernels = native.KERNELS
+        if kernels is not None:  # the first look below in one call (kvguard.sidecar.native)
+            seen = kernels.changes_scan(pool.changes, pool.clean_shared)
+            if seen == 0:  # no changed page had an owner: nothing to replay
+                pool.changes.clear()
+                pool.changes_len = 0
+                return
+            if seen == 1:  # a page some row judged clean as a shared entry
+                self._forget_all_clean()
+                return
         # (typed here: ``changed_one`` logs lists, and int64 with uint64 would make floats)
         if len(pool.changes) == 1:
             pages, owners = np.asarray(pool.changes[0][0], np.int64), np.asarray(pool.changes[0][1], np.uint64)

@@ -905,6 +905,134 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ changes_scan */
+/* One side of a page-change log entry: a list of Python ints (PagePool.changed_one) or an
+ * array (PagePool.changed: int32 or int64 pages, uint64 owners). 1: read into `view`/`list`;
+ * 0: something else; -1: an error is set. */
+typedef struct {
+    PyObject *list; /* borrowed; NULL for an array */
+    Py_buffer view;
+    int held;
+    Py_ssize_t n, itemsize;
+} side_t;
+
+static int side_take(PyObject *obj, side_t *s, int is_pages) {
+    memset(s, 0, sizeof(*s));
+    if (PyList_CheckExact(obj)) {
+        s->list = obj;
+        s->n = PyList_GET_SIZE(obj);
+        return 1;
+    }
+    if (PyObject_GetBuffer(obj, &s->view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        if (!not_a_buffer())
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    s->held = 1;
+    int ok = is_pages ? (kind_matches(&s->view, 'i', 4) || kind_matches(&s->view, 'i', 8))
+                      : kind_matches(&s->view, 'u', 8);
+    if (!ok)
+        return 0;
+    s->itemsize = s->view.itemsize;
+    s->n = s->view.len / s->itemsize;
+    return 1;
+}
+
+/* item i as a signed (pages) or unsigned (owners) 64-bit value; 0 with *bad set for a list
+ * item that is not an int in range */
+static inline uint64_t side_get(const side_t *s, Py_ssize_t i, int *bad) {
+    if (s->list) {
+        PyObject *o = PyList_GET_ITEM(s->list, i);
+        if (!PyLong_CheckExact(o)) {
+            *bad = 1;
+            return 0;
+        }
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+        if (overflow > 0) { /* an owner key past int64 */
+            unsigned long long u = PyLong_AsUnsignedLongLong(o);
+            if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                *bad = 1;
+                return 0;
+            }
+            return u;
+        }
+        if (overflow || (v == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            *bad = 1;
+            return 0;
+        }
+        return (uint64_t)v;
+    }
+    if (s->itemsize == 4)
+        return (uint64_t)(int64_t)((const int32_t *)s->view.buf)[i];
+    return ((const uint64_t *)s->view.buf)[i];
+}
+
+/* Judge._absorb_changes' first look at the page-change log (judge.py): 1 if a changed page
+ * is one some row judged clean as a shared entry (``clean_shared``: every clean prefix is
+ * void), else 2 if some changed page had an owner (the caller replays those into the rows),
+ * else 0 (nothing to replay). -1: an entry the numpy path must read (other types, a page
+ * outside ``clean_shared``). Reads the log; changes nothing. */
+static PyObject *changes_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2 || !PyList_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "changes_scan takes the change log (a list) and clean_shared");
+        return NULL;
+    }
+    buf_t shared;
+    memset(&shared, 0, sizeof(shared));
+    int got = take(args[1], &shared, '?', 1, 0, 1, "clean_shared");
+    if (got < 1) {
+        release(&shared, 1);
+        return NULL;
+    }
+    const uint8_t *clean_shared = DATA(shared, uint8_t);
+    Py_ssize_t num_pages = ITEMS(shared, uint8_t);
+    PyObject *log = args[0];
+    long answer = 0;
+    int any_held = 0, any_hit = 0;
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(log) && answer == 0; k++) {
+        PyObject *entry = PyList_GET_ITEM(log, k);
+        side_t pages, owners;
+        memset(&pages, 0, sizeof(pages));
+        memset(&owners, 0, sizeof(owners));
+        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2) {
+            answer = -1;
+            break;
+        }
+        int a = side_take(PyTuple_GET_ITEM(entry, 0), &pages, 1);
+        int b = a == 1 ? side_take(PyTuple_GET_ITEM(entry, 1), &owners, 0) : 0;
+        if (a < 0 || b < 0) {
+            answer = -2; /* an error is set */
+        } else if (a == 0 || b == 0 || pages.n != owners.n) {
+            answer = -1;
+        } else {
+            int bad = 0;
+            for (Py_ssize_t i = 0; i < pages.n; i++) {
+                int64_t p = (int64_t)side_get(&pages, i, &bad);
+                uint64_t owner = side_get(&owners, i, &bad);
+                if (bad || p < 0 || p >= num_pages) {
+                    answer = -1;
+                    break;
+                }
+                any_hit |= clean_shared[p]; /* (read on: a page outside is the numpy path's, as it raises there) */
+                any_held |= owner != 0;
+            }
+        }
+        if (pages.held)
+            PyBuffer_Release(&pages.view);
+        if (owners.held)
+            PyBuffer_Release(&owners.view);
+    }
+    release(&shared, 1);
+    if (answer == -2)
+        return NULL;
+    return PyLong_FromLong(answer != 0 ? answer : any_hit ? 1 : any_held ? 2 : 0);
+}
+
 static PyObject *abi(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -927,6 +1055,8 @@ static PyMethodDef methods[] = {
      "A forward's readers against the rows: has, at, n; 1 all have rows, 0 not, -1 the numpy path."},
     {"clean_rows", (PyCFunction)(void (*)(void))clean_rows, METH_FASTCALL,
      "A batch split into clean reads, shorter reads and dirty rows (the incremental judge)."},
+    {"changes_scan", (PyCFunction)(void (*)(void))changes_scan, METH_FASTCALL,
+     "The page-change log: 1 a clean shared page changed, 2 owned pages changed, 0 neither, -1 numpy path."},
     {"abi", abi, METH_NOARGS, "The kernels' interface version."},
     {NULL, NULL, 0, NULL},
 };

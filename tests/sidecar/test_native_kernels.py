@@ -362,6 +362,42 @@ def test_a_batch_is_split_into_clean_shorter_and_dirty_reads_exactly_as_the_nump
     assert kernels.calls["batch_rows"] > 200 and kernels.calls["clean_rows"] == 300
 
 
+# ---------------------------------------------------------------------------- changes_scan
+def test_the_change_log_is_scanned_as_the_numpy_path_reads_it():
+    answers = {0: 0, 1: 0, 2: 0, -1: 0}
+    for seed in range(1000):
+        rng = np.random.default_rng(seed)
+        clean_shared = rng.random(64) < rng.choice([0.0, 0.02, 0.3])
+        log, odd = [], False
+        for _ in range(int(rng.integers(1, 6))):
+            n = int(rng.integers(0, 5))
+            pages = rng.integers(0, 66 if rng.random() < 0.1 else 64, n)  # (sometimes past clean_shared)
+            held = rng.random(n) < rng.choice([0.0, 0.5])
+            owners = np.where(held, rng.choice([1, 2, 1 << 40], n), 0).astype(np.uint64)  # (keys 1 and 2 too)
+            if n and rng.random() < 0.1:
+                owners[0] = (1 << 64) - 5  # a key past int64
+            if n == 1 and rng.random() < 0.5:  # PagePool.changed_one's lists
+                log.append(([int(pages[0])], [int(owners[0])]))
+            elif rng.random() < 0.03:  # owners not as the pool keeps them: the numpy path's to read
+                log.append((pages, owners.astype(np.int64)))
+                odd = True
+            else:
+                log.append((pages.astype(rng.choice([np.int32, np.int64])), owners))
+        # the numpy path's reading (judge.py, Judge._absorb_changes)
+        all_pages = np.concatenate([np.asarray(p, np.int64) for p, _o in log])
+        all_owners = np.concatenate([np.asarray(o, np.uint64) for _p, o in log])
+        if odd or (all_pages >= len(clean_shared)).any():
+            want = -1  # (the numpy path takes it; past clean_shared it raises)
+        elif clean_shared[all_pages].any():
+            want = 1
+        else:
+            want = 2 if (all_owners != 0).any() else 0
+        got = native.KERNELS.changes_scan(log, clean_shared)
+        assert got == want, (seed, got, want)
+        answers[got] += 1
+    assert min(answers.values()) > 20, answers
+
+
 # ---------------------------------------------------------------------------- history_append
 def _random_value(rng, n: int, dtype: str, lo: int, hi: int):
     what = rng.integers(4)
@@ -446,7 +482,7 @@ def test_corrupted_streams_give_identical_results_with_and_without_the_kernels(i
             assert a[key] == b[key], (rows_every, seed, key)
     assert counting.answers.get(1, 0) > 100, counting.answers  # the decode steps were the kernel's
     # (isolating tenants takes the full read judge: no clean prefixes to split by)
-    names = ("alloc",) if isolate else ("alloc", "batch_rows", "clean_rows")
+    names = ("alloc",) if isolate else ("alloc", "batch_rows", "clean_rows", "changes_scan")
     assert min(counting.calls.get(name, 0) for name in names) > 100, counting.calls
 
 
