@@ -516,11 +516,13 @@ class RingReader:
     object, so ``pread`` sees each 8-byte aligned store whole.
     """
 
-    def __init__(self, path: str, runs: bool = False):
+    def __init__(self, path: str, runs: bool = False, run_length=None):
         self.path = path
         # decode back-to-back one-page ASSIGNs as one record of columns (``wire.AssignRun``): the
-        # sidecar's ingest asks for it, other readers get every record on its own
+        # sidecar's ingest asks for it, other readers get every record on its own; ``run_length``
+        # (the sidecar's compiled kernels, when it has them): how long such a run is
         self.runs = runs
+        self.run_length = run_length
         self._open = False  # the header may be read and written (False once truncated or closed)
         self.truncated = ""  # why the ring must not be touched any more ("" while it may)
         try:
@@ -704,7 +706,11 @@ class RingReader:
             cap = min(READ_CHUNK_BYTES, max(limit - self.read_pos, wire.HEADER_SIZE))
             if chunk <= cap:
                 data = self._pread(HEADER_BYTES + offset, chunk)
-                records.extend(wire.decode_stream(data, self.stats, short_tail_ok=chunk == tail, runs=self.runs))
+                records.extend(
+                    wire.decode_stream(
+                        data, self.stats, short_tail_ok=chunk == tail, runs=self.runs, run_length=self.run_length
+                    )
+                )
                 self.read_pos += chunk
             else:  # a copy no bigger than cap (or one record), however much is published
                 self.read_pos += self._read_bounded(offset, chunk, records, cap)
@@ -742,7 +748,7 @@ class RingReader:
                 self.stats.last_error = f"no valid record header at byte {offset} of the data area"
                 return avail
             data, whole = self._pread(HEADER_BYTES + offset, length), length  # one record longer than a chunk
-        records.extend(wire.decode_stream(data, self.stats, end=whole, runs=self.runs))
+        records.extend(wire.decode_stream(data, self.stats, end=whole, runs=self.runs, run_length=self.run_length))
         return whole
 
     def _mark_gaps(self, records: list) -> PollResult:

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from kvguard.engine_hooks import wire
 from kvguard.engine_hooks.ring import RING_SUFFIX, RingError, RingReader, RingTruncated
 
+from . import native
+
 log = logging.getLogger("kvguard.ingest")
 
 
@@ -264,7 +266,9 @@ class RingSet:
     def _attach(self, path: str, key: tuple) -> bool:
         """Attach one ring; True when the process ran out of file descriptors (attach no more now)."""
         try:
-            reader = RingReader(path, runs=self.assign_runs)
+            kernels = native.KERNELS  # (the compiled run decoding, when built: the same runs)
+            run_length = kernels.assign_run_length if kernels is not None and self.assign_runs else None
+            reader = RingReader(path, runs=self.assign_runs, run_length=run_length)
         except RingError as exc:
             self._refuse(path, key, str(exc).removeprefix(f"{path}: "))
             return False

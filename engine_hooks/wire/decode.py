@@ -411,12 +411,17 @@ _RUN_MIN = 16
 _RUN_MAX = 4096  # records at most in one run
 
 
-def _assign_run(view: memoryview, pos: int, end: int) -> tuple[int, AssignRun] | None:
+def _assign_run(view: memoryview, pos: int, end: int, run_length=None) -> tuple[int, AssignRun] | None:
     """The run of back-to-back one-page ASSIGN records at ``pos`` (at least two), as columns,
     with the bytes it covers; None where there are fewer than ``_RUN_MIN``. A record joins the run only if it is
     exactly what ``_decode_assign`` would accept, of the same ring timeline (engine id, pool)
     and the next sequence number: anything else (a gap, another kind, a bad payload) ends the
-    run and is decoded on its own, as without runs."""
+    run and is decoded on its own, as without runs. ``run_length``: a compiled version of the
+    length rules below (the sidecar's kernels, ``kvguard.sidecar.native``: the same probes and
+    checks), called as ``run_length(view, pos, end, ASSIGN, word0, _RUN_MIN, _RUN_MAX)``."""
+    if run_length is not None:
+        n = run_length(view, pos, end, int(Kind.ASSIGN), int(_ASSIGN_WORD0), _RUN_MIN, _RUN_MAX)
+        return None if n < _RUN_MIN else _run_columns(view, pos, n)
     avail = (end - pos) // _ONE_PAGE_ASSIGN_BYTES
     if avail < _RUN_MIN:
         return None
@@ -453,7 +458,12 @@ def _assign_run(view: memoryview, pos: int, end: int) -> tuple[int, AssignRun] |
     n = look if ok.all() else int(np.argmin(ok))
     if n < _RUN_MIN:
         return None
-    a = a[:n]
+    return _run_columns(view, pos, n)
+
+
+def _run_columns(view: memoryview, pos: int, n: int) -> tuple[int, AssignRun]:
+    """The run of ``n`` one-page ASSIGN records at ``pos`` as columns (copies), with its bytes."""
+    a = np.frombuffer(view, _ONE_PAGE_ASSIGN, count=n, offset=pos)
     run = AssignRun(
         a["seq"].copy(),
         a["ts_ns"].copy(),
@@ -467,7 +477,13 @@ def _assign_run(view: memoryview, pos: int, end: int) -> tuple[int, AssignRun] |
 
 
 def decode_stream(
-    buf, stats: DecodeStats, start: int = 0, end: int | None = None, short_tail_ok: bool = False, runs: bool = False
+    buf,
+    stats: DecodeStats,
+    start: int = 0,
+    end: int | None = None,
+    short_tail_ok: bool = False,
+    runs: bool = False,
+    run_length=None,
 ) -> list[Record]:
     """Decode back-to-back records from ``buf[start:end]``.
 
@@ -478,7 +494,8 @@ def decode_stream(
     boundaries can no longer be trusted. ``short_tail_ok``: the buffer ends at the end
     of a ring's data area, where fewer than 32 unused bytes are normal. ``runs``: 16 or
     more back-to-back one-page ASSIGN records come as one record with an ``AssignRun``
-    body (the sidecar's ring reader; the same records, decoded as columns).
+    body (the sidecar's ring reader; the same records, decoded as columns); ``run_length``, its
+    compiled length rules (``_assign_run``).
     """
     view = memoryview(buf).cast("B")
     end = len(view) if end is None else end
@@ -494,7 +511,7 @@ def decode_stream(
             break
         _magic, version, kind, length, seq, ts_ns, engine_id, pool, _flags = head
         if runs and kind == Kind.ASSIGN and length == _ONE_PAGE_ASSIGN_BYTES:
-            found = _assign_run(view, pos, end)
+            found = _assign_run(view, pos, end, run_length)
             if found is not None:
                 size, run = found
                 stats.records += len(run)

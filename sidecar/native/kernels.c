@@ -1033,6 +1033,80 @@ static PyObject *changes_scan(PyObject *self, PyObject *const *args, Py_ssize_t 
     return PyLong_FromLong(answer != 0 ? answer : any_hit ? 1 : any_held ? 2 : 0);
 }
 
+/* ------------------------------------------------------------------ assign_run_length */
+/* engine_hooks/wire/decode.py's _assign_run, the part that decides how long the run of
+ * back-to-back one-page ASSIGN records at ``pos`` is (the caller takes the columns): the same
+ * header probes at run_min - 1, 2 * run_min - 1, 4 * run_min - 1, ... records on (a probe
+ * must be an ASSIGN of 64 bytes with the next sequence number, compared without wrapping, as
+ * Python ints compare), up to the first failing probe or ``run_max`` records; then every
+ * record up to there checked as the numpy path checks them (word 0 as ``word0``: magic,
+ * version, kind, length; the next sequence number, wrapping as uint64 subtraction does; the
+ * first record's engine id and pool; one page; row_start <= shared_until <= row_end).
+ * Returns the records in the run, or 0 where there are fewer than run_min. */
+#define REC 64
+static inline uint64_t word(const unsigned char *rec, int i) {
+    uint64_t w;
+    memcpy(&w, rec + 8 * i, 8);
+    return w;
+}
+
+static PyObject *assign_run_length(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    /* buf, pos, end, kind ASSIGN, word0, run_min, run_max */
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "assign_run_length takes 7 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    Py_ssize_t pos = PyLong_AsSsize_t(args[1]), end = PyLong_AsSsize_t(args[2]);
+    long kind = PyLong_AsLong(args[3]);
+    unsigned long long word0 = PyLong_AsUnsignedLongLong(args[4]);
+    Py_ssize_t run_min = PyLong_AsSsize_t(args[5]), run_max = PyLong_AsSsize_t(args[6]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    Py_ssize_t n = 0;
+    if (pos < 0 || end > view.len || end < pos || run_min < 1 || run_max < run_min) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "assign_run_length: pos, end or the run bounds are out of range");
+        return NULL;
+    }
+    const unsigned char *base = (const unsigned char *)view.buf + pos;
+    Py_ssize_t avail = (end - pos) / REC;
+    if (avail >= run_min) {
+        uint64_t head_seq = word(base, 1);
+#define PROBE_OK(k)                                                                                                    \
+    (base[(k) * REC + 3] == (unsigned char)kind && (word(base + (k) * REC, 0) >> 32) == REC &&                      \
+     head_seq <= UINT64_MAX - (uint64_t)(k) && word(base + (k) * REC, 1) == head_seq + (uint64_t)(k))
+        if (PROBE_OK(run_min - 1)) {
+            Py_ssize_t look = run_min, limit = avail < run_max ? avail : run_max;
+            while (look < limit) {
+                Py_ssize_t next = 2 * look < limit ? 2 * look : limit;
+                look = next;
+                if (!PROBE_OK(next - 1))
+                    break;
+            }
+            uint64_t first_w3 = word(base, 3);
+            const uint64_t engine_pool = (1ULL << 48) - 1;
+            for (n = 0; n < look; n++) {
+                const unsigned char *rec = base + n * REC;
+                uint64_t w5 = word(rec, 5), w6 = word(rec, 6);
+                uint32_t start = (uint32_t)w5, row_end = (uint32_t)(w5 >> 32), shared = (uint32_t)w6;
+                if (word(rec, 0) != word0 || word(rec, 1) - head_seq != (uint64_t)n ||
+                    ((word(rec, 3) ^ first_w3) & engine_pool) != 0 || (w6 >> 32) != 1 || start > shared ||
+                    shared > row_end)
+                    break;
+            }
+            if (n < run_min)
+                n = 0;
+        }
+#undef PROBE_OK
+    }
+    PyBuffer_Release(&view);
+    return PyLong_FromSsize_t(n);
+}
+
 static PyObject *abi(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -1057,6 +1131,8 @@ static PyMethodDef methods[] = {
      "A batch split into clean reads, shorter reads and dirty rows (the incremental judge)."},
     {"changes_scan", (PyCFunction)(void (*)(void))changes_scan, METH_FASTCALL,
      "The page-change log: 1 a clean shared page changed, 2 owned pages changed, 0 neither, -1 numpy path."},
+    {"assign_run_length", (PyCFunction)(void (*)(void))assign_run_length, METH_FASTCALL,
+     "How many back-to-back one-page ASSIGN records at pos form a run (0: fewer than run_min)."},
     {"abi", abi, METH_NOARGS, "The kernels' interface version."},
     {NULL, NULL, 0, NULL},
 };

@@ -25,7 +25,7 @@ from kvguard.sidecar.history import EVENT_DTYPE, Event, History
 from kvguard.sidecar.judge import Judge, _RowsSeen
 from kvguard.sidecar.tracker import EngineTracker, RequestDirectory
 
-from .test_assign_runs import encoded
+from .test_assign_runs import ENGINE, encoded
 from .test_judge_incremental import TINY, Replay, capture, corrupt, decode
 
 KEYS = [wire.request_key(f"r{i}") for i in range(12)]
@@ -398,6 +398,66 @@ def test_the_change_log_is_scanned_as_the_numpy_path_reads_it():
     assert min(answers.values()) > 20, answers
 
 
+# ---------------------------------------------------------------------------- assign_run_length
+def _decoded(records) -> list:
+    out = []
+    for r in records:
+        body = r.body
+        if isinstance(body, wire.AssignRun):
+            body = [
+                getattr(body, f).tolist()
+                for f in ("seqs", "ts_ns", "req_keys", "row_start", "row_end", "shared_until", "pages")
+            ]
+        elif isinstance(body, wire.Assign):
+            body = (body.req_key, body.row_start, body.row_end, body.shared_until, body.pages.tolist())
+        out.append((r.kind, r.seq, r.ts_ns, r.engine_id, r.pool, repr(body)))
+    return out
+
+
+def test_runs_are_cut_where_the_numpy_decoder_cuts_them():
+    k = wire.request_key("A")
+    lengths, wrapped = {}, 0
+    for seed in range(400):
+        rng = np.random.default_rng(seed)
+        # (near 2**64: sequence numbers that wrap inside a run, where a probe and the checks disagree)
+        first = [0, 1000, (1 << 64) - int(rng.integers(16, 300))][int(rng.integers(3))]
+        odd = rng.choice([0, 60, 300])  # records in 60 (in 300) not a clean next one of the run; or none
+        parts = []
+        for i in range(int(rng.integers(0, 300))):
+            seq = (first + i) % (1 << 64)
+            one = wire.Assign(k, 64 * i, 64 * i + 1, 64 * i, np.array([int(rng.integers(1, 9))], np.int32))
+            rec = bytearray(wire.encode(wire.Kind.ASSIGN, seq, 1_000 + i, ENGINE, wire.assign_payload(one)))
+            what = rng.integers(odd) if odd else 99
+            if what == 0:
+                rec[8:16] = ((seq + 1) % (1 << 64)).to_bytes(8, "little")  # a gap in sequence numbers
+            elif what == 1:
+                rec = bytearray(wire.encode(wire.Kind.ASSIGN, seq, 1_000 + i, ENGINE + 1, wire.assign_payload(one)))
+            elif what == 2:
+                rec[32 + 16 : 32 + 20] = (1 << 20).to_bytes(4, "little")  # shared_until past the row
+            elif what == 3:
+                multi = wire.Assign(k, 0, 128, 0, np.array([4, 5], np.int32))  # two pages: not a run's
+                rec = bytearray(wire.encode(wire.Kind.ASSIGN, seq, 2_000, ENGINE, wire.assign_payload(multi)))
+            elif what == 4:
+                rec = bytearray(
+                    wire.encode(wire.Kind.FREE, seq, 2_000, ENGINE, wire.pages_payload(np.array([7], np.int32)))
+                )
+            elif what == 5:
+                rec[2] = 99  # another contract version
+            elif what == 6:
+                rec[32 + 16 : 32 + 20] = (64 * i + 2).to_bytes(4, "little")  # shared_until one past the row
+            parts.append(bytes(rec))
+        raw = b"".join(parts)
+        plain = wire.decode_stream(raw, wire.DecodeStats(), runs=True)
+        compiled = wire.decode_stream(raw, wire.DecodeStats(), runs=True, run_length=native.KERNELS.assign_run_length)
+        assert _decoded(compiled) == _decoded(plain), seed
+        for r in plain:
+            if isinstance(r.body, wire.AssignRun):
+                lengths[len(r.body)] = lengths.get(len(r.body), 0) + 1
+                wrapped += int(r.body.seqs[-1]) < int(r.body.seqs[0])
+    assert len(lengths) > 30 and max(lengths) > 64, lengths  # runs of many lengths, past several probes
+    assert wrapped > 20  # (runs cut where their sequence numbers wrap: the probes decide there)
+
+
 # ---------------------------------------------------------------------------- history_append
 def _random_value(rng, n: int, dtype: str, lo: int, hi: int):
     what = rng.integers(4)
@@ -494,11 +554,12 @@ def test_streams_of_runs_and_rows_give_identical_results_with_and_without_the_ke
     # with the last forward's)
     stream = capture(replace(TINY, batch=24, output_tokens=200, rows_every=rows_every, assign="token"), steps=60)
     raw = encoded(corrupt(decode(stream.setup + [i for step in stream.steps for i in step]), 21, 0.01, False))
-    records = wire.decode_stream(raw, wire.DecodeStats(), runs=True)
-    assert any(type(r.body) is wire.AssignRun for r in records)
     states = {}
     for path in ("kernel", "numpy"):
         monkeypatch.setattr(native, "KERNELS", kernels if path == "kernel" else None)
+        run_length = kernels.assign_run_length if path == "kernel" else None  # (as the ring reader is given it)
+        records = wire.decode_stream(raw, wire.DecodeStats(), runs=True, run_length=run_length)
+        assert any(type(r.body) is wire.AssignRun for r in records)
         replay = Replay(True, False, monkeypatch).run(records)
         states[path] = replay.state()
         states[path]["history"] = replay.pipe.out.history.events.tobytes()
@@ -506,7 +567,7 @@ def test_streams_of_runs_and_rows_give_identical_results_with_and_without_the_ke
     assert a["apply_errors"] == 0 and a["findings"]
     for key in a:
         assert a[key] == b[key], key
-    names = ("decode_writes", "history_append", "assign_run", "alloc", "batch_rows", "clean_rows")
+    names = ("decode_writes", "history_append", "assign_run", "alloc", "batch_rows", "clean_rows", "assign_run_length")
     assert min(kernels.calls.get(name, 0) for name in names) > 50, kernels.calls
     if rows_every == 1:
         assert kernels.calls.get("rows_as_seen", 0) > 20, kernels.calls
