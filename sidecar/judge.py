@@ -450,11 +450,11 @@ class Judge:
         judged = self._judged(req_keys, batch)
         rows = self.rows
         if judged is None:  # (the common case: every reader judged, nothing to select)
-            if not np.array_equal(read_counts, batch.n):
+            if not native.array_equal(read_counts, batch.n):
                 self._forget_seen(req_keys)
                 return None
             for seen in self._rows_seen:
-                if len(seen.keys) == len(req_keys) and np.array_equal(seen.keys, req_keys):
+                if len(seen.keys) == len(req_keys) and native.array_equal(seen.keys, req_keys):
                     if self._rows_as_seen(seen, req_keys, batch, read_pages):
                         return 0
                     break
@@ -469,7 +469,7 @@ class Judge:
             unjudged = int(rc[~judged].sum())
             keys = list(compress(req_keys.tolist(), judged.tolist()))
         parts = list(map(_ROW_PAGES, map(rows.row_of, keys)))  # (judged readers have rows)
-        if not np.array_equal(n, rows.scalars.length[at]):  # rows read in part: only what they read
+        if not native.array_equal(n, rows.scalars.length[at]):  # rows read in part: only what they read
             parts = [pages[:k] for pages, k in zip(parts, n.tolist())]
         if unjudged:
             assert judged is not None  # (readers not judged: a selection)
@@ -480,7 +480,7 @@ class Judge:
             model = np.concatenate(parts, out=self._model_rows_buffer(int(n.sum())))
         else:
             model = parts[0] if parts else actual[:0]
-        if len(actual) != len(model) or not np.array_equal(actual, model):
+        if len(actual) != len(model) or not native.array_equal(actual, model):
             return None
         if judged is None:
             self._remember_seen(_RowsSeen(req_keys, batch.n, rows.scalars.stamp[batch.at], read_pages))
@@ -505,7 +505,7 @@ class Judge:
 
     def _forget_seen(self, req_keys: np.ndarray) -> None:
         self._rows_seen = [
-            s for s in self._rows_seen if len(s.keys) != len(req_keys) or not np.array_equal(s.keys, req_keys)
+            s for s in self._rows_seen if len(s.keys) != len(req_keys) or not native.array_equal(s.keys, req_keys)
         ]
 
     def _rows_as_seen(self, seen: _RowsSeen, req_keys: np.ndarray, batch: _Batch, read_pages: np.ndarray) -> bool:

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import native
+
 UNKNOWN, FREE, ALLOCATED, OWNED, CACHED = 0, 1, 2, 3, 4
 STATE_NAMES = {UNKNOWN: "unknown", FREE: "free", ALLOCATED: "allocated", OWNED: "owned", CACHED: "cached"}
 PADDING_PAGE = 0  # SGLang reserves slot/page 0 as the padding target; never a request's data
@@ -293,7 +295,7 @@ class PagePool:
         A FORWARD's batch asks twice (``check_writes``, ``mark_writes``) and a decode batch
         is mostly the one of the step before: the last answer is kept."""
         memo = self._slots_memo
-        if memo is not None and len(memo[0]) == len(keys) and np.array_equal(memo[0], keys):
+        if memo is not None and len(memo[0]) == len(keys) and native.array_equal(memo[0], keys):
             return memo[1]
         if len(self.keys) >= self.keys_compact_at:
             self.compact_keys()

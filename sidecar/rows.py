@@ -13,6 +13,7 @@ from itertools import repeat
 
 import numpy as np
 
+from . import native
 from .page_pool import Row, RowScalars
 
 
@@ -74,7 +75,7 @@ class RowTable:
         kept for the next forward, whose batch is mostly this one while no row came or went."""
         memo = self._memo
         if memo is not None and memo[0] == self.version and len(memo[1]) == len(req_keys):
-            if np.array_equal(memo[1], req_keys):
+            if native.array_equal(memo[1], req_keys):
                 return memo[2]
         idx = np.fromiter(map(self.index.get, req_keys.tolist(), repeat(-1)), np.int64, len(req_keys))
         self._memo = (self.version, np.array(req_keys, np.uint64), idx)

@@ -1107,6 +1107,94 @@ static PyObject *assign_run_length(PyObject *self, PyObject *const *args, Py_ssi
     return PyLong_FromSsize_t(n);
 }
 
+/* ------------------------------------------------------------------ same_values */
+/* np.array_equal for two 1-D integer arrays: 1 equal (as many items, each the same value),
+ * 0 not; -1 where numpy would compare otherwise than as integers (a uint64 against a signed
+ * array: numpy goes through float64) or for anything else (not 1-D, not contiguous, not
+ * integers): the caller asks numpy. */
+static int int_code(const Py_buffer *v, int *is_signed) {
+    const char *f = v->format ? v->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@' || *f == '|')
+        f++;
+    if (f[0] == 0 || f[1] != 0 || v->ndim != 1)
+        return 0;
+    if (strchr("bhilq", f[0]))
+        *is_signed = 1;
+    else if (strchr("BHILQ", f[0]))
+        *is_signed = 0;
+    else
+        return 0;
+    return v->itemsize == 1 || v->itemsize == 2 || v->itemsize == 4 || v->itemsize == 8;
+}
+
+static inline int64_t load_signed(const unsigned char *p, Py_ssize_t size) {
+    switch (size) {
+    case 1: return *(const int8_t *)p;
+    case 2: { int16_t v; memcpy(&v, p, 2); return v; }
+    case 4: { int32_t v; memcpy(&v, p, 4); return v; }
+    default: { int64_t v; memcpy(&v, p, 8); return v; }
+    }
+}
+
+static inline uint64_t load_unsigned(const unsigned char *p, Py_ssize_t size) {
+    switch (size) {
+    case 1: return *p;
+    case 2: { uint16_t v; memcpy(&v, p, 2); return v; }
+    case 4: { uint32_t v; memcpy(&v, p, 4); return v; }
+    default: { uint64_t v; memcpy(&v, p, 8); return v; }
+    }
+}
+
+static PyObject *same_values(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "same_values takes two arrays");
+        return NULL;
+    }
+    Py_buffer a, b;
+    if (PyObject_GetBuffer(args[0], &a, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        if (!not_a_buffer())
+            return NULL;
+        PyErr_Clear();
+        return PyLong_FromLong(-1);
+    }
+    if (PyObject_GetBuffer(args[1], &b, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&a);
+        if (!not_a_buffer())
+            return NULL;
+        PyErr_Clear();
+        return PyLong_FromLong(-1);
+    }
+    long answer = -1;
+    int sa = 0, sb = 0;
+    if (int_code(&a, &sa) && int_code(&b, &sb)) {
+        Py_ssize_t n = a.len / a.itemsize;
+        const unsigned char *pa = a.buf, *pb = b.buf;
+        if (n != b.len / b.itemsize) {
+            answer = 0;
+        } else if (sa == sb && a.itemsize == b.itemsize) {
+            answer = n == 0 || memcmp(pa, pb, (size_t)a.len) == 0;
+        } else if (sa == sb && !sa) { /* both unsigned */
+            answer = 1;
+            for (Py_ssize_t i = 0; i < n && answer; i++)
+                answer = load_unsigned(pa + i * a.itemsize, a.itemsize) == load_unsigned(pb + i * b.itemsize, b.itemsize);
+        } else if (sa == sb || (!sa && a.itemsize < 8) || (!sb && b.itemsize < 8)) {
+            /* both signed, or the unsigned one fits int64: compared as int64 */
+            answer = 1;
+            for (Py_ssize_t i = 0; i < n && answer; i++) {
+                int64_t x = sa ? load_signed(pa + i * a.itemsize, a.itemsize)
+                               : (int64_t)load_unsigned(pa + i * a.itemsize, a.itemsize);
+                int64_t y = sb ? load_signed(pb + i * b.itemsize, b.itemsize)
+                               : (int64_t)load_unsigned(pb + i * b.itemsize, b.itemsize);
+                answer = x == y;
+            }
+        }
+    }
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return PyLong_FromLong(answer);
+}
+
 static PyObject *abi(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -1133,6 +1221,8 @@ static PyMethodDef methods[] = {
      "The page-change log: 1 a clean shared page changed, 2 owned pages changed, 0 neither, -1 numpy path."},
     {"assign_run_length", (PyCFunction)(void (*)(void))assign_run_length, METH_FASTCALL,
      "How many back-to-back one-page ASSIGN records at pos form a run (0: fewer than run_min)."},
+    {"same_values", (PyCFunction)(void (*)(void))same_values, METH_FASTCALL,
+     "np.array_equal of two 1-D integer arrays: 1, 0, or -1 (ask numpy)."},
     {"abi", abi, METH_NOARGS, "The kernels' interface version."},
     {NULL, NULL, 0, NULL},
 };

@@ -458,6 +458,34 @@ def test_runs_are_cut_where_the_numpy_decoder_cuts_them():
     assert wrapped > 20  # (runs cut where their sequence numbers wrap: the probes decide there)
 
 
+# ---------------------------------------------------------------------------- same_values
+def test_array_equal_answers_as_numpy_does():
+    dtypes = [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64]
+    answers = {-1: 0, 0: 0, 1: 0}
+    for seed in range(3000):
+        rng = np.random.default_rng(seed)
+        n = int(rng.integers(0, 6))
+        values = rng.integers(0, 120, n)
+        a = values.astype(rng.choice(dtypes))
+        b = values.astype(rng.choice(dtypes))
+        what = rng.integers(6)
+        if what == 0 and n:
+            b[int(rng.integers(n))] += 1  # one value differs
+        elif what == 1:
+            b = b[: max(n - 1, 0)]  # shorter
+        elif what == 2 and n:
+            a = a.astype(np.int64)
+            a[0] = -1  # a negative against an unsigned value (wraps there): not equal as integers
+            b = b.astype(np.uint32)
+        elif what == 3:
+            a = np.repeat(a, 2)[::2]  # a strided view: numpy's
+        elif what == 4:
+            a, b = a.reshape(1, -1), b.reshape(1, -1)  # 2-D: numpy's
+        answers[native.KERNELS.same_values(a, b)] += 1
+        assert native.array_equal(a, b) == np.array_equal(a, b), seed
+    assert min(answers.values()) > 200, answers
+
+
 # ---------------------------------------------------------------------------- history_append
 def _random_value(rng, n: int, dtype: str, lo: int, hi: int):
     what = rng.integers(4)
