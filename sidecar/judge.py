@@ -516,12 +516,18 @@ class Judge:
         without gathering the whole batch's model rows (a decode step's batch changes a few
         rows between forwards). True: the rows are the model (remembered for the next forward)."""
         n = batch.n
-        stamps = self.rows.scalars.stamp[batch.at]
-        changed = np.flatnonzero((stamps != seen.stamps) | (n != seen.n))
+        kernels = native.KERNELS
+        if kernels is not None and len(seen.n) == len(n):  # the two lines below in one call
+            stamps, changed = np.empty(len(n), np.int64), np.empty(len(n), np.int64)
+            changed = changed[
+                : kernels.rows_changed(batch.at, self.rows.scalars.stamp, seen.stamps, n, seen.n, stamps, changed)
+            ]
+        else:
+            stamps = self.rows.scalars.stamp[batch.at]
+            changed = np.flatnonzero((stamps != seen.stamps) | (n != seen.n))
         if len(changed) > _SEEN_CHANGED_MAX:  # comparing with the model at once is cheaper
             self._forget_seen(req_keys)
             return False
-        kernels = native.KERNELS
         same = -1  # the compiled comparisons (kvguard.sidecar.native): 1 equal, 0 not; -1 the numpy ones
         if kernels is not None and len(n):
             row_of = self.rows.row_of

@@ -616,7 +616,7 @@ class EngineTracker:
                 self.row_limit,
             )
             if got >= 0:
-                for key in filterfalse(self.requests.live.__contains__, keys[nothing].tolist()):
+                for key in kernels.absent_keys(keys, nothing, self.requests.live):
                     self.requests.get_or_stub(key)  # (as below)
                 return np.flatnonzero(one_by_one)
         every = int(idx.min()) >= 0

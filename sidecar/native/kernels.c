@@ -1195,6 +1195,96 @@ static PyObject *same_values(PyObject *self, PyObject *const *args, Py_ssize_t n
     return PyLong_FromLong(answer);
 }
 
+/* ------------------------------------------------------------------ absent_keys */
+/* The keys (uint64) at the positions ``mask`` selects that ``mapping`` (a dict keyed by int)
+ * does not hold, in order, repeats kept: ``[k for k in keys[mask].tolist() if k not in mapping]``. */
+static PyObject *absent_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3 || !PyDict_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "absent_keys takes keys, a mask and a dict");
+        return NULL;
+    }
+    buf_t b[2];
+    memset(b, 0, sizeof(b));
+    PyObject *out = NULL;
+    if (take(args[0], &b[0], 'u', 8, 0, 1, "keys") < 1 || take(args[1], &b[1], '?', 1, 0, 1, "mask") < 1)
+        goto done;
+    Py_ssize_t n = ITEMS(b[0], uint64_t);
+    if (ITEMS(b[1], uint8_t) != n) {
+        PyErr_SetString(PyExc_ValueError, "absent_keys: keys and mask differ in length");
+        goto done;
+    }
+    const uint64_t *keys = DATA(b[0], uint64_t);
+    const uint8_t *mask = DATA(b[1], uint8_t);
+    if (!(out = PyList_New(0)))
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!mask[i])
+            continue;
+        PyObject *key = PyLong_FromUnsignedLongLong(keys[i]);
+        if (key == NULL)
+            goto fail;
+        int held = PyDict_Contains(args[2], key);
+        if (held < 0 || (!held && PyList_Append(out, key) < 0)) {
+            Py_DECREF(key);
+            goto fail;
+        }
+        Py_DECREF(key);
+    }
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    release(b, 2);
+    return out;
+}
+
+/* ------------------------------------------------------------------ rows_changed */
+/* Judge._rows_as_seen's first step (judge.py): each reader's row stamp now (``stamp[at]``,
+ * into ``stamps``) and the positions, ascending, whose stamp or entries read differ from the
+ * last forward's (into ``changed``; returned: how many). */
+static PyObject *rows_changed(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    enum { AT, STAMP, SEEN_STAMPS, N, SEEN_N, STAMPS, CHANGED, NBUF };
+    if (nargs != NBUF) {
+        PyErr_Format(PyExc_TypeError, "rows_changed takes %d arguments (%zd given)", NBUF, nargs);
+        return NULL;
+    }
+    static const char *names[NBUF] = {"at", "stamp", "seen_stamps", "n", "seen_n", "stamps", "changed"};
+    static const int writable[NBUF] = {0, 0, 0, 0, 0, 1, 1};
+    buf_t b[NBUF];
+    memset(b, 0, sizeof(b));
+    PyObject *result = NULL;
+    for (int i = 0; i < NBUF; i++)
+        if (take(args[i], &b[i], 'i', 8, writable[i], 1, names[i]) < 1)
+            goto done;
+    Py_ssize_t n = ITEMS(b[AT], int64_t), rows = ITEMS(b[STAMP], int64_t);
+    if (ITEMS(b[SEEN_STAMPS], int64_t) != n || ITEMS(b[N], int64_t) != n || ITEMS(b[SEEN_N], int64_t) != n ||
+        ITEMS(b[STAMPS], int64_t) != n || ITEMS(b[CHANGED], int64_t) != n) {
+        PyErr_SetString(PyExc_ValueError, "rows_changed: the batch's arrays differ in length");
+        goto done;
+    }
+    const int64_t *at = DATA(b[AT], int64_t), *stamp = DATA(b[STAMP], int64_t);
+    const int64_t *seen_stamps = DATA(b[SEEN_STAMPS], int64_t), *now_n = DATA(b[N], int64_t);
+    const int64_t *seen_n = DATA(b[SEEN_N], int64_t);
+    int64_t *stamps = DATA(b[STAMPS], int64_t), *changed = DATA(b[CHANGED], int64_t);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (at[i] < 0 || at[i] >= rows) {
+            PyErr_SetString(PyExc_ValueError, "rows_changed: a row index past the table");
+            goto done;
+        }
+    Py_ssize_t count = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        stamps[i] = stamp[at[i]];
+        if (stamps[i] != seen_stamps[i] || now_n[i] != seen_n[i])
+            changed[count++] = i;
+    }
+    result = PyLong_FromSsize_t(count);
+done:
+    release(b, NBUF);
+    return result;
+}
+
 static PyObject *abi(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -1223,6 +1313,10 @@ static PyMethodDef methods[] = {
      "How many back-to-back one-page ASSIGN records at pos form a run (0: fewer than run_min)."},
     {"same_values", (PyCFunction)(void (*)(void))same_values, METH_FASTCALL,
      "np.array_equal of two 1-D integer arrays: 1, 0, or -1 (ask numpy)."},
+    {"absent_keys", (PyCFunction)(void (*)(void))absent_keys, METH_FASTCALL,
+     "The keys at the masked positions a dict does not hold, in order."},
+    {"rows_changed", (PyCFunction)(void (*)(void))rows_changed, METH_FASTCALL,
+     "A batch's row stamps now, and the positions whose stamp or entries read changed since the last forward."},
     {"abi", abi, METH_NOARGS, "The kernels' interface version."},
     {NULL, NULL, 0, NULL},
 };

@@ -233,6 +233,7 @@ def _random_run(rng, t: EngineTracker) -> wire.AssignRun:
 def test_assign_run_settles_and_orders_exactly_as_the_numpy_path(monkeypatch):
     kernels = _Counting()
     shapes = {"none": 0, "some": 0, "from the first on": 0, "all": 0}
+    stubbed = 0
     for seed in range(300):
         out = {}
         for path in ("kernel", "numpy"):
@@ -241,9 +242,12 @@ def test_assign_run_settles_and_orders_exactly_as_the_numpy_path(monkeypatch):
             t = _random_tracker(rng)
             if rng.random() < 0.5:  # the table's rows in other states: allocated pages, another gen
                 t.on_alloc(rng.integers(1, 40, 5))
+            if rng.random() < 0.3:  # a row whose request the directory no longer holds (another pool's): a stub
+                t.requests.live.pop(KEYS[int(rng.integers(10))])
             run = _random_run(rng, t)
             positions = t.on_assign_run(run).tolist()
             out[path] = (positions, sorted(t.requests.live), sorted(t.requests.stubs))
+        stubbed += bool(out["kernel"][2])
         assert out["kernel"] == out["numpy"], seed
         positions, n = out["kernel"][0], len(run)
         if not positions or len(positions) == n:
@@ -253,7 +257,7 @@ def test_assign_run_settles_and_orders_exactly_as_the_numpy_path(monkeypatch):
         else:
             shapes["some"] += 1
     assert min(shapes.values()) >= 5, shapes  # every branch of the rules was taken
-    assert kernels.calls["assign_run"] == 300
+    assert kernels.calls["assign_run"] == 300 and stubbed > 20
 
 
 def test_assign_run_leaves_runs_of_other_column_types_to_the_numpy_path():
@@ -458,6 +462,21 @@ def test_runs_are_cut_where_the_numpy_decoder_cuts_them():
     assert wrapped > 20  # (runs cut where their sequence numbers wrap: the probes decide there)
 
 
+def test_rows_changed_finds_the_rows_numpy_finds():
+    for seed in range(500):
+        rng = np.random.default_rng(seed)
+        m = int(rng.integers(0, 20))
+        stamp = rng.integers(-1, 50, 64)
+        at = rng.integers(0, 64, m)
+        seen_stamps = np.where(rng.random(m) < 0.2, rng.integers(-1, 50, m), stamp[at])
+        n = rng.integers(0, 9, m)
+        seen_n = np.where(rng.random(m) < 0.2, rng.integers(0, 9, m), n)
+        stamps, changed = np.empty(m, np.int64), np.empty(m, np.int64)
+        count = native.KERNELS.rows_changed(at, stamp, seen_stamps, n, seen_n, stamps, changed)
+        assert stamps.tolist() == stamp[at].tolist(), seed
+        assert changed[:count].tolist() == np.flatnonzero((stamp[at] != seen_stamps) | (n != seen_n)).tolist(), seed
+
+
 # ---------------------------------------------------------------------------- same_values
 def test_array_equal_answers_as_numpy_does():
     dtypes = [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64]
@@ -598,4 +617,4 @@ def test_streams_of_runs_and_rows_give_identical_results_with_and_without_the_ke
     names = ("decode_writes", "history_append", "assign_run", "alloc", "batch_rows", "clean_rows", "assign_run_length")
     assert min(kernels.calls.get(name, 0) for name in names) > 50, kernels.calls
     if rows_every == 1:
-        assert kernels.calls.get("rows_as_seen", 0) > 20, kernels.calls
+        assert min(kernels.calls.get(name, 0) for name in ("rows_as_seen", "rows_changed")) > 20, kernels.calls
