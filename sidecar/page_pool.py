@@ -581,6 +581,24 @@ class Row:
         self.table.length[self.index] = n
         self.table.touch(self.index)
 
+    def append_one(self, page: int, gen_shared: int) -> None:
+        """One entry past the row's end (a decode step's token starting a page): ``ensure``,
+        the entry written, ``tail_changed``, with one new stamp and the tail copied from the
+        arguments (the same state as those three calls leave)."""
+        n = len(self.pages) + 1
+        if n > len(self._pages_buf):
+            self.ensure(n)
+        else:
+            self.pages = self._pages_buf[:n]
+            self.gen_shared = self._gens_buf[:n]
+        self.pages[n - 1] = page
+        self.gen_shared[n - 1] = gen_shared
+        t, i = self.table, self.index
+        t.length[i] = n
+        t.touch(i)
+        t.tail_page[i] = page
+        t.tail_gen_shared[i] = gen_shared
+
     @property
     def nbytes(self) -> int:
         """The memory its entries take, the room for more included."""

@@ -470,11 +470,8 @@ class EngineTracker:
         if entry != len(row.pages) or not 0 <= page < pool.num_pages or (shared and pool.scope is not None):
             return False
         self.requests.get_or_stub(key)
-        row.ensure(entry + 1)  # (its clean prefix ends before the new entry already)
-        gen_shared = int(pool.gen[page]) | (int(SHARED_BIT) if shared else 0)
-        row.pages[entry] = page
-        row.gen_shared[entry] = gen_shared
-        row.tail_changed()
+        # (the entry is the row's next one, and its clean prefix ends before it already)
+        row.append_one(page, int(pool.gen[page]) | (int(SHARED_BIT) if shared else 0))
         if not shared:  # a freshly allocated page (or one we could not see allocated) becomes the request's
             state = int(pool.state[page])
             if state == ALLOCATED or (state == OWNED and int(pool.keys.keys[pool.owner_slot[page]]) == key):
