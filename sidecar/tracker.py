@@ -720,23 +720,7 @@ class EngineTracker:
         if kernels is not None and pool.write_epoch_ns is not None:
             ms = pool.write_ms(ts_ns)
             if ms is not None:
-                keys = pool.keys
-                done = kernels.decode_writes(
-                    req_keys,
-                    write_counts,
-                    write_pages,
-                    pool.state,
-                    pool.owner_slot,
-                    keys.keys,
-                    pool.gen,
-                    pool.written_gen,
-                    pool.writer_slot,
-                    pool.last_write_ms,
-                    keys.sorted_keys,
-                    keys.sorted_slots,
-                    keys.indexed,
-                    ms,
-                )
+                done = kernels.decode_writes(*self.decode_writes_args(req_keys, write_counts, write_pages, ms))
                 if done >= 0:
                     return done == 1
                 # a writer without a slot yet: the numpy path below interns it
@@ -747,6 +731,29 @@ class EngineTracker:
             return False
         self._mark_one_page_each(req_keys, write_pages, state, ts_ns)
         return True
+
+    def decode_writes_args(
+        self, req_keys: np.ndarray, write_counts: np.ndarray, write_pages: np.ndarray, ms: int
+    ) -> tuple:
+        """The compiled ``decode_writes``' arguments: the step's arrays, the pool's columns and key
+        table, the write time as ``PagePool.write_ms`` gives it."""
+        pool, keys = self.pool, self.pool.keys
+        return (
+            req_keys,
+            write_counts,
+            write_pages,
+            pool.state,
+            pool.owner_slot,
+            keys.keys,
+            pool.gen,
+            pool.written_gen,
+            pool.writer_slot,
+            pool.last_write_ms,
+            keys.sorted_keys,
+            keys.sorted_slots,
+            keys.indexed,
+            ms,
+        )
 
     def _mark_one_page_each(self, req_keys: np.ndarray, write_pages: np.ndarray, state: np.ndarray, ts_ns: int) -> None:
         """``mark_writes`` of one page per request (``PagePool.one_page_each``, no salts;

@@ -135,47 +135,44 @@ class _Counting:
         return call
 
 
+def _on_both_paths(monkeypatch, kernels: _Counting, seeds: int, run) -> list:
+    """``run(seed, rng)`` with the kernels and on the numpy paths, each from a tracker state drawn
+    from the same seed: the same result (returned, one per seed, for the branch counts)."""
+    results = []
+    for seed in range(seeds):
+        out = []
+        for use in (kernels, None):
+            monkeypatch.setattr(native, "KERNELS", use)
+            out.append(run(seed, np.random.default_rng(seed)))
+        assert out[0] == out[1], seed
+        results.append(out[0])
+    return results
+
+
 def test_decode_writes_judges_and_marks_exactly_as_the_numpy_path(monkeypatch):
     counting = _Counting()
-    for seed in range(300):
-        steps = [(seed, k) for k in range(3)]
-        results = {}
-        for path in ("kernel", "numpy"):
-            monkeypatch.setattr(native, "KERNELS", counting if path == "kernel" else None)
-            rng = np.random.default_rng(seed)
-            t = _random_tracker(rng)
-            answers = []
-            for s, k in steps:
-                keys, counts, pages = _random_step(np.random.default_rng((s, k)), t)
-                done = t.decode_writes(keys, counts, pages, 2_000_000 + 1_000_000 * k)
-                if not done and len(pages) == int(counts.sum()):  # the general path, as on_forward takes it
-                    t.mark_writes(keys, counts, pages, 2_000_000 + 1_000_000 * k)
-                answers.append(done)
-            results[path] = (answers, _pool_state(t))
-        assert results["kernel"] == results["numpy"], seed
+
+    def run(seed, rng):
+        t = _random_tracker(rng)
+        answers = []
+        for k in range(3):
+            keys, counts, pages = _random_step(np.random.default_rng((seed, k)), t)
+            done = t.decode_writes(keys, counts, pages, 2_000_000 + 1_000_000 * k)
+            if not done and len(pages) == int(counts.sum()):  # the general path, as on_forward takes it
+                t.mark_writes(keys, counts, pages, 2_000_000 + 1_000_000 * k)
+            answers.append(done)
+        return answers, _pool_state(t)
+
+    _on_both_paths(monkeypatch, counting, 300, run)
     # every answer of the kernel came up: marked, not a decode step's, and the numpy path's to decide
     assert set(counting.answers) == {1, 0, -1} and min(counting.answers.values()) > 20, counting.answers
 
 
 def test_decode_writes_refuses_pool_columns_of_the_wrong_type():
     t = _random_tracker(np.random.default_rng(0))
-    pool, keys = t.pool, t.pool.keys
-    args = [
-        np.array([KEYS[0]], np.uint64),
-        np.ones(1, np.uint32),
-        np.array([int(t.rows[KEYS[0]].pages[0])], np.int32),
-        pool.state,
-        pool.owner_slot,
-        keys.keys,
-        pool.gen,
-        pool.written_gen,
-        pool.writer_slot,
-        pool.last_write_ms,
-        keys.sorted_keys,
-        keys.sorted_slots,
-        keys.indexed,
-        5,
-    ]
+    pool = t.pool
+    step = (np.array([KEYS[0]], np.uint64), np.ones(1, np.uint32), np.array([int(t.rows[KEYS[0]].pages[0])], np.int32))
+    args = list(t.decode_writes_args(*step, 5))
     assert native.KERNELS.decode_writes(*args) in (0, 1)
     bad = list(args)
     bad[6] = pool.gen.astype(np.int64)
@@ -232,24 +229,22 @@ def _random_run(rng, t: EngineTracker) -> wire.AssignRun:
 
 def test_assign_run_settles_and_orders_exactly_as_the_numpy_path(monkeypatch):
     kernels = _Counting()
+
+    def run(_seed, rng):
+        t = _random_tracker(rng)
+        if rng.random() < 0.5:  # the table's rows in other states: allocated pages, another gen
+            t.on_alloc(rng.integers(1, 40, 5))
+        if rng.random() < 0.3:  # a row whose request the directory no longer holds (another pool's): a stub
+            t.requests.live.pop(KEYS[int(rng.integers(10))])
+        if rng.random() < 0.2:  # rows at their limit: their last entry is the last a row may have
+            t.row_limit = 3
+        run = _random_run(rng, t)
+        return t.on_assign_run(run).tolist(), len(run), sorted(t.requests.live), sorted(t.requests.stubs)
+
     shapes = {"none": 0, "some": 0, "from the first on": 0, "all": 0}
     stubbed = 0
-    for seed in range(300):
-        out = {}
-        for path in ("kernel", "numpy"):
-            monkeypatch.setattr(native, "KERNELS", kernels if path == "kernel" else None)
-            rng = np.random.default_rng(seed)
-            t = _random_tracker(rng)
-            if rng.random() < 0.5:  # the table's rows in other states: allocated pages, another gen
-                t.on_alloc(rng.integers(1, 40, 5))
-            if rng.random() < 0.3:  # a row whose request the directory no longer holds (another pool's): a stub
-                t.requests.live.pop(KEYS[int(rng.integers(10))])
-            run = _random_run(rng, t)
-            positions = t.on_assign_run(run).tolist()
-            out[path] = (positions, sorted(t.requests.live), sorted(t.requests.stubs))
-        stubbed += bool(out["kernel"][2])
-        assert out["kernel"] == out["numpy"], seed
-        positions, n = out["kernel"][0], len(run)
+    for positions, n, _live, stubs in _on_both_paths(monkeypatch, kernels, 600, run):
+        stubbed += bool(stubs)
         if not positions or len(positions) == n:
             shapes["none" if not positions else "all"] += 1
         elif len(positions) > 32 and positions == list(range(positions[0], n)):
@@ -257,7 +252,7 @@ def test_assign_run_settles_and_orders_exactly_as_the_numpy_path(monkeypatch):
         else:
             shapes["some"] += 1
     assert min(shapes.values()) >= 5, shapes  # every branch of the rules was taken
-    assert kernels.calls["assign_run"] == 300 and stubbed > 20
+    assert kernels.calls["assign_run"] == 600 and stubbed > 40
 
 
 def test_assign_run_leaves_runs_of_other_column_types_to_the_numpy_path():
@@ -320,49 +315,45 @@ def test_rows_as_seen_compares_exactly_as_the_numpy_path():
 # ---------------------------------------------------------------------------- alloc
 def test_alloc_marks_and_logs_exactly_as_the_numpy_path(monkeypatch):
     kernels = _Counting()
-    for seed in range(300):
-        out = {}
-        for path in ("kernel", "numpy"):
-            monkeypatch.setattr(native, "KERNELS", kernels if path == "kernel" else None)
-            rng = np.random.default_rng(seed)
-            t = _random_tracker(rng)
-            t.pool.gen[rng.integers(0, 48, 8)] = 0x7FFFFFFF  # the last generation a row entry holds: wraps to 0
-            pages = rng.integers(0, 48, int(rng.integers(0, 12)))  # (some named twice)
-            if len(pages) and rng.random() < 0.2:
-                pages[0] = rng.choice([-1, 70, 1 << 23])  # past the pool (it grows), or past any pool
-            dtype = np.int32 if rng.random() < 0.9 else np.int64  # (int64: the numpy path)
-            got, gens = t.on_alloc_gens(pages.astype(dtype))
-            changes = [(np.asarray(p, np.int64).tolist(), np.asarray(o, np.uint64).tolist()) for p, o in t.pool.changes]
-            out[path] = (got.tolist(), gens.tolist(), _pool_state(t), changes, t.pool.changes_len)
-        assert out["kernel"] == out["numpy"], seed
+
+    def run(_seed, rng):
+        t = _random_tracker(rng)
+        t.pool.gen[rng.integers(0, 48, 8)] = 0x7FFFFFFF  # the last generation a row entry holds: wraps to 0
+        pages = rng.integers(0, 48, int(rng.integers(0, 12)))  # (some named twice)
+        if len(pages) and rng.random() < 0.2:
+            pages[0] = rng.choice([-1, 70, 1 << 23])  # past the pool (it grows), or past any pool
+        dtype = np.int32 if rng.random() < 0.9 else np.int64  # (int64: the numpy path)
+        got, gens = t.on_alloc_gens(pages.astype(dtype))
+        changes = [(np.asarray(p, np.int64).tolist(), np.asarray(o, np.uint64).tolist()) for p, o in t.pool.changes]
+        return got.tolist(), gens.tolist(), _pool_state(t), changes, t.pool.changes_len
+
+    _on_both_paths(monkeypatch, kernels, 300, run)
     assert kernels.calls["alloc"] > 200
 
 
 # ---------------------------------------------------------------------------- batch_rows, clean_rows
 def test_a_batch_is_split_into_clean_shorter_and_dirty_reads_exactly_as_the_numpy_path(monkeypatch):
     kernels = _Counting()
-    for seed in range(300):
-        out = {}
-        for path in ("kernel", "numpy"):
-            monkeypatch.setattr(native, "KERNELS", kernels if path == "kernel" else None)
-            rng = np.random.default_rng(seed)
-            t = _random_tracker(rng)
-            table, epoch = t.rows.scalars, int(rng.integers(0, 3))
-            for key in KEYS[:10]:  # clean prefixes of any length, of this epoch or another
-                i = t.rows[key].index
-                table.clean_n[i] = rng.integers(0, 5)
-                table.clean_epoch[i] = rng.integers(-1, 3)
-                table.clean_reads[i] = rng.integers(0, 5)
-            m = int(rng.integers(1, 12))
-            keys = np.array([KEYS[i] for i in rng.integers(0, 12 if rng.random() < 0.5 else 10, m)], np.uint64)
-            seq_lens = rng.integers(0, 20, m).astype(np.uint32 if rng.random() < 0.9 else np.int64)
-            batch = t.judge._batch(keys, seq_lens)
-            split = t.judge._clean_split(batch, epoch)
-            out[path] = (
-                [batch.idx.tolist(), batch.has.tolist(), batch.every, batch.at.tolist(), batch.n.tolist()],
-                (split[0], split[1], [list(d) for d in split[2]]),
-            )
-        assert out["kernel"] == out["numpy"], seed
+
+    def run(_seed, rng):
+        t = _random_tracker(rng)
+        table, epoch = t.rows.scalars, int(rng.integers(0, 3))
+        for key in KEYS[:10]:  # clean prefixes of any length, of this epoch or another
+            i = t.rows[key].index
+            table.clean_n[i] = rng.integers(0, 5)
+            table.clean_epoch[i] = rng.integers(-1, 3)
+            table.clean_reads[i] = rng.integers(0, 5)
+        m = int(rng.integers(1, 12))
+        keys = np.array([KEYS[i] for i in rng.integers(0, 12 if rng.random() < 0.5 else 10, m)], np.uint64)
+        seq_lens = rng.integers(0, 20, m).astype(np.uint32 if rng.random() < 0.9 else np.int64)
+        batch = t.judge._batch(keys, seq_lens)
+        split = t.judge._clean_split(batch, epoch)
+        return (
+            [batch.idx.tolist(), batch.has.tolist(), batch.every, batch.at.tolist(), batch.n.tolist()],
+            (split[0], split[1], [list(d) for d in split[2]]),
+        )
+
+    _on_both_paths(monkeypatch, kernels, 300, run)
     assert kernels.calls["batch_rows"] > 200 and kernels.calls["clean_rows"] == 300
 
 
@@ -571,22 +562,28 @@ def test_history_layout_is_the_kernels():
 
 
 # ---------------------------------------------------------------------------- the pipeline
+def _replayed_both_ways(monkeypatch, kernels: _Counting, isolate: bool, decoded) -> None:
+    """The records ``decoded(run_length)`` gives, replayed with the kernels and on the numpy paths
+    (the run decoding as the ring reader is handed it): identical findings, counters, page model,
+    rows and history."""
+    states = []
+    for use in (kernels, None):
+        monkeypatch.setattr(native, "KERNELS", use)
+        replay = Replay(True, isolate, monkeypatch).run(decoded(None if use is None else use.assign_run_length))
+        states.append({**replay.state(), "history": replay.pipe.out.history.events.tobytes()})
+    a, b = states
+    assert a["apply_errors"] == 0 and a["findings"]
+    for key in a:
+        assert a[key] == b[key], key
+
+
 @pytest.mark.parametrize("isolate", [False, True])
 def test_corrupted_streams_give_identical_results_with_and_without_the_kernels(isolate, monkeypatch):
     counting = _Counting()  # (KERNELS patched with it: the same kernels, counted)
     for rows_every, seed, lost in [(0, 11, False), (16, 12, True), (1, 13, False), (3, 14, False)]:
         stream = capture(replace(TINY, rows_every=rows_every, assign="page"), steps=60)
         records = corrupt(decode(stream.setup + [i for step in stream.steps for i in step]), seed, 0.04, lost)
-        states = {}
-        for path in ("kernel", "numpy"):
-            monkeypatch.setattr(native, "KERNELS", counting if path == "kernel" else None)
-            replay = Replay(True, isolate, monkeypatch).run(records)
-            states[path] = replay.state()
-            states[path]["history"] = replay.pipe.out.history.events.tobytes()
-        a, b = states["kernel"], states["numpy"]
-        assert a["apply_errors"] == 0 and a["findings"]
-        for key in a:
-            assert a[key] == b[key], (rows_every, seed, key)
+        _replayed_both_ways(monkeypatch, counting, isolate, lambda _run_length, records=records: records)
     assert counting.answers.get(1, 0) > 100, counting.answers  # the decode steps were the kernel's
     # (isolating tenants takes the full read judge: no clean prefixes to split by)
     names = ("alloc",) if isolate else ("alloc", "batch_rows", "clean_rows", "changes_scan")
@@ -601,19 +598,13 @@ def test_streams_of_runs_and_rows_give_identical_results_with_and_without_the_ke
     # with the last forward's)
     stream = capture(replace(TINY, batch=24, output_tokens=200, rows_every=rows_every, assign="token"), steps=60)
     raw = encoded(corrupt(decode(stream.setup + [i for step in stream.steps for i in step]), 21, 0.01, False))
-    states = {}
-    for path in ("kernel", "numpy"):
-        monkeypatch.setattr(native, "KERNELS", kernels if path == "kernel" else None)
-        run_length = kernels.assign_run_length if path == "kernel" else None  # (as the ring reader is given it)
+
+    def decoded(run_length):
         records = wire.decode_stream(raw, wire.DecodeStats(), runs=True, run_length=run_length)
         assert any(type(r.body) is wire.AssignRun for r in records)
-        replay = Replay(True, False, monkeypatch).run(records)
-        states[path] = replay.state()
-        states[path]["history"] = replay.pipe.out.history.events.tobytes()
-    a, b = states["kernel"], states["numpy"]
-    assert a["apply_errors"] == 0 and a["findings"]
-    for key in a:
-        assert a[key] == b[key], key
+        return records
+
+    _replayed_both_ways(monkeypatch, kernels, False, decoded)
     names = ("decode_writes", "history_append", "assign_run", "alloc", "batch_rows", "clean_rows", "assign_run_length")
     assert min(kernels.calls.get(name, 0) for name in names) > 50, kernels.calls
     if rows_every == 1:
