@@ -48,6 +48,7 @@ with _instrumented():
     import numpy as np
 
     from kvguard.engine_hooks import wire
+    from kvguard.sidecar import native
     from kvguard.sidecar.ledger.memory import MAX_CHUNKS_PER_ROOM
     from kvguard.sidecar.memory_budget import MIB, MemoryBudget
     from kvguard.sidecar.pipeline import Pipeline
@@ -249,7 +250,9 @@ def check(pipeline: Pipeline, peak_limit: dict) -> None:
 def TestOneInput(data: bytes) -> None:
     stream = records(data)
     stats = wire.DecodeStats()
-    decoded = wire.decode_stream(stream, stats, runs=True)  # as the sidecar's ring reader decodes
+    # as the sidecar's ring reader decodes: runs, their length by the compiled kernels where built
+    run_length = native.KERNELS.assign_run_length if native.KERNELS is not None else None
+    decoded = wire.decode_stream(stream, stats, runs=True, run_length=run_length)
     pipeline = Pipeline([], history_events=1 << 10, memory_budget=MemoryBudget(160 * MIB, 1 << 10))
     peak_limit: dict = {}
     for rec in decoded:
