@@ -91,6 +91,28 @@ static void release(buf_t *bufs, int n) {
         }
 }
 
+/* One array argument: its name (for errors), type ('i', 'u', '?'), item size, writable */
+typedef struct {
+    const char *name;
+    char kind;
+    Py_ssize_t itemsize;
+    int writable;
+} arg_t;
+
+/* Every argument taken as ``spec`` says. The first ``loose`` ones (a record's arrays) may be of
+ * another type: 0, nothing held, the numpy path decides; the rest (the page model's columns)
+ * must be theirs (ValueError). 1: all taken; -1: an error is set. */
+static int take_args(PyObject *const *args, buf_t *b, const arg_t *spec, int n, int loose) {
+    for (int i = 0; i < n; i++) {
+        int got = take(args[i], &b[i], spec[i].kind, spec[i].itemsize, spec[i].writable, i >= loose, spec[i].name);
+        if (got < 1) {
+            release(b, i + 1);
+            return got;
+        }
+    }
+    return 1;
+}
+
 #define ITEMS(b, type) ((Py_ssize_t)((b).view.len / (Py_ssize_t)sizeof(type)))
 #define DATA(b, type) ((type *)(b).view.buf)
 
@@ -161,12 +183,12 @@ static PyObject *decode_writes(PyObject *self, PyObject *const *args, Py_ssize_t
         PyErr_Format(PyExc_TypeError, "decode_writes takes %d arguments (%zd given)", NBUF + 2, nargs);
         return NULL;
     }
-    static const char *names[NBUF] = {"req_keys", "write_counts", "write_pages", "state", "owner_slot",
-                                      "slot_keys", "gen", "written_gen", "writer_slot", "last_write_ms",
-                                      "sorted_keys", "sorted_slots"};
-    static const Py_ssize_t sizes[NBUF] = {8, 4, 4, 1, 4, 8, 4, 4, 4, 4, 8, 4};
-    static const char kinds[NBUF] = {'u', 'u', 'i', 'u', 'u', 'u', 'u', 'u', 'u', 'u', 'u', 'u'};
-    static const int writable[NBUF] = {0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0};
+    static const arg_t spec[NBUF] = {
+        {"req_keys", 'u', 8, 0}, {"write_counts", 'u', 4, 0}, {"write_pages", 'i', 4, 0}, {"state", 'u', 1, 0},
+        {"owner_slot", 'u', 4, 0}, {"slot_keys", 'u', 8, 0}, {"gen", 'u', 4, 0}, {"written_gen", 'u', 4, 1},
+        {"writer_slot", 'u', 4, 1}, {"last_write_ms", 'u', 4, 1}, {"sorted_keys", 'u', 8, 0},
+        {"sorted_slots", 'u', 4, 0}
+    };
     Py_ssize_t indexed = PyLong_AsSsize_t(args[NBUF]);
     long long ms = PyLong_AsLongLong(args[NBUF + 1]);
     if (PyErr_Occurred())
@@ -175,16 +197,14 @@ static PyObject *decode_writes(PyObject *self, PyObject *const *args, Py_ssize_t
     memset(b, 0, sizeof(b));
     PyObject *result = NULL;
     long answer = 0;
-    for (int i = 0; i < NBUF; i++) {
-        /* the record's arrays as decoded (u64 keys, u32 counts, i32 pages): others (a caller's
-         * own arrays) take the numpy path; the pool's columns must be the pool's */
-        int got = take(args[i], &b[i], kinds[i], sizes[i], writable[i], i > PAGES, names[i]);
-        if (got < 0)
-            goto done;
-        if (got == 0) {
-            answer = -1;
-            goto answer;
-        }
+    /* the record's arrays as decoded (u64 keys, u32 counts, i32 pages): others (a caller's own
+     * arrays) take the numpy path; the pool's columns must be the pool's */
+    int got = take_args(args, b, spec, NBUF, PAGES + 1);
+    if (got < 0)
+        goto done;
+    if (got == 0) {
+        answer = -1;
+        goto answer;
     }
     Py_ssize_t num_pages = ITEMS(b[STATE], uint8_t);
     if (ITEMS(b[OWNER_SLOT], uint32_t) != num_pages || ITEMS(b[GEN], uint32_t) != num_pages ||
@@ -500,26 +520,25 @@ static PyObject *assign_run(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_Format(PyExc_TypeError, "assign_run takes %d arguments (%zd given)", NBUF + 2, nargs);
         return NULL;
     }
-    static const char *names[NBUF] = {"idx", "req_keys", "row_start", "row_end", "shared_until", "pages", "length",
-                                      "tail_page", "tail_gen_shared", "gen", "state", "nothing", "one_by_one"};
-    static const Py_ssize_t sizes[NBUF] = {8, 8, 4, 4, 4, 4, 8, 8, 4, 4, 1, 1, 1};
-    static const char kinds[NBUF] = {'i', 'u', 'u', 'u', 'u', 'i', 'i', 'i', 'u', 'u', 'u', '?', '?'};
-    static const int writable[NBUF] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1};
+    static const arg_t spec[NBUF] = {
+        {"idx", 'i', 8, 0}, {"req_keys", 'u', 8, 0}, {"row_start", 'u', 4, 0}, {"row_end", 'u', 4, 0},
+        {"shared_until", 'u', 4, 0}, {"pages", 'i', 4, 0}, {"length", 'i', 8, 0}, {"tail_page", 'i', 8, 0},
+        {"tail_gen_shared", 'u', 4, 0}, {"gen", 'u', 4, 0}, {"state", 'u', 1, 0}, {"nothing", '?', 1, 1},
+        {"one_by_one", '?', 1, 1}
+    };
     Py_ssize_t page_size = PyLong_AsSsize_t(args[NBUF]), row_limit = PyLong_AsSsize_t(args[NBUF + 1]);
     if (PyErr_Occurred())
         return NULL;
     buf_t b[NBUF];
     memset(b, 0, sizeof(b));
     PyObject *result = NULL;
-    for (int i = 0; i < NBUF; i++) {
-        /* the run's columns as decoded (else -1: the numpy path); the rows' and the pool's must be theirs */
-        int got = take(args[i], &b[i], kinds[i], sizes[i], writable[i], i > PAGES, names[i]);
-        if (got < 0)
-            goto done;
-        if (got == 0) {
-            result = PyLong_FromLong(-1);
-            goto done;
-        }
+    /* the run's columns as decoded (else -1: the numpy path); the rows' and the pool's must be theirs */
+    int got = take_args(args, b, spec, NBUF, PAGES + 1);
+    if (got < 0)
+        goto done;
+    if (got == 0) {
+        result = PyLong_FromLong(-1);
+        goto done;
     }
     Py_ssize_t n = ITEMS(b[IDX], int64_t);
     Py_ssize_t rows = ITEMS(b[LENGTH], int64_t), num_pages = ITEMS(b[GEN], uint32_t);
@@ -620,21 +639,21 @@ static PyObject *rows_as_seen(PyObject *self, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_TypeError, "rows_as_seen takes 5 arrays and a tuple of model rows");
         return NULL;
     }
-    static const char *names[NBUF] = {"actual", "before", "now_n", "then_n", "changed"};
-    static const Py_ssize_t sizes[NBUF] = {4, 4, 8, 8, 8};
+    static const arg_t spec[NBUF] = {
+        {"actual", 'i', 4, 0}, {"before", 'i', 4, 0}, {"now_n", 'i', 8, 0}, {"then_n", 'i', 8, 0},
+        {"changed", 'i', 8, 0}
+    };
     buf_t b[NBUF], row;
     memset(b, 0, sizeof(b));
     memset(&row, 0, sizeof(row));
     PyObject *result = NULL;
     int64_t *now_at = NULL, *then_at = NULL;
     long answer = -1;
-    for (int i = 0; i < NBUF; i++) {
-        int got = take(args[i], &b[i], 'i', sizes[i], 0, 0, names[i]);
-        if (got < 0)
-            goto done;
-        if (got == 0)
-            goto answer;
-    }
+    int got = take_args(args, b, spec, NBUF, NBUF);
+    if (got < 0)
+        goto done;
+    if (got == 0)
+        goto answer;
     Py_ssize_t n = ITEMS(b[NOW_N], int64_t), n_changed = ITEMS(b[CHANGED], int64_t);
     int64_t len_now = ITEMS(b[ACTUAL], int32_t), len_then = ITEMS(b[BEFORE], int32_t);
     PyObject *models = args[NBUF];
@@ -668,7 +687,7 @@ static PyObject *rows_as_seen(PyObject *self, PyObject *const *args, Py_ssize_t 
             answer = 0;
             break;
         }
-        int got = take(PyTuple_GET_ITEM(models, k), &row, 'i', 4, 0, 0, "model row");
+        got = take(PyTuple_GET_ITEM(models, k), &row, 'i', 4, 0, 0, "model row");
         if (got < 0)
             goto done;
         if (got == 0) {
@@ -720,21 +739,19 @@ static PyObject *alloc(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
         PyErr_Format(PyExc_TypeError, "alloc takes %d arguments (%zd given)", NBUF, nargs);
         return NULL;
     }
-    static const char *names[NBUF] = {"pages", "state", "gen", "owner_slot", "slot_keys", "owners", "gens"};
-    static const Py_ssize_t sizes[NBUF] = {4, 1, 4, 4, 8, 8, 4};
-    static const char kinds[NBUF] = {'i', 'u', 'u', 'u', 'u', 'u', 'u'};
-    static const int writable[NBUF] = {0, 1, 1, 1, 0, 1, 1};
+    static const arg_t spec[NBUF] = {
+        {"pages", 'i', 4, 0}, {"state", 'u', 1, 1}, {"gen", 'u', 4, 1}, {"owner_slot", 'u', 4, 1},
+        {"slot_keys", 'u', 8, 0}, {"owners", 'u', 8, 1}, {"gens", 'u', 4, 1}
+    };
     buf_t b[NBUF];
     memset(b, 0, sizeof(b));
     PyObject *result = NULL;
     long answer = -1;
-    for (int i = 0; i < NBUF; i++) {
-        int got = take(args[i], &b[i], kinds[i], sizes[i], writable[i], i > PAGES, names[i]);
-        if (got < 0)
-            goto done;
-        if (got == 0)
-            goto answer;
-    }
+    int got = take_args(args, b, spec, NBUF, PAGES + 1);
+    if (got < 0)
+        goto done;
+    if (got == 0)
+        goto answer;
     Py_ssize_t n = ITEMS(b[PAGES], int32_t), num_pages = ITEMS(b[STATE], uint8_t);
     Py_ssize_t n_keys = ITEMS(b[SLOT_KEYS], uint64_t);
     if (ITEMS(b[GEN], uint32_t) != num_pages || ITEMS(b[OWNER_SLOT], uint32_t) != num_pages ||
@@ -785,10 +802,10 @@ static PyObject *batch_rows(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_Format(PyExc_TypeError, "batch_rows takes %d arguments (%zd given)", NBUF + 1, nargs);
         return NULL;
     }
-    static const char *names[NBUF] = {"idx", "seq_lens", "length", "has", "at", "n"};
-    static const Py_ssize_t sizes[NBUF] = {8, 4, 8, 1, 8, 8};
-    static const char kinds[NBUF] = {'i', 'u', 'i', '?', 'i', 'i'};
-    static const int writable[NBUF] = {0, 0, 0, 1, 1, 1};
+    static const arg_t spec[NBUF] = {
+        {"idx", 'i', 8, 0}, {"seq_lens", 'u', 4, 0}, {"length", 'i', 8, 0}, {"has", '?', 1, 1},
+        {"at", 'i', 8, 1}, {"n", 'i', 8, 1}
+    };
     Py_ssize_t page_size = PyLong_AsSsize_t(args[NBUF]);
     if (page_size == -1 && PyErr_Occurred())
         return NULL;
@@ -796,13 +813,11 @@ static PyObject *batch_rows(PyObject *self, PyObject *const *args, Py_ssize_t na
     memset(b, 0, sizeof(b));
     PyObject *result = NULL;
     long answer = -1;
-    for (int i = 0; i < NBUF; i++) {
-        int got = take(args[i], &b[i], kinds[i], sizes[i], writable[i], i > SEQ_LENS, names[i]);
-        if (got < 0)
-            goto done;
-        if (got == 0)
-            goto answer;
-    }
+    int got = take_args(args, b, spec, NBUF, SEQ_LENS + 1);
+    if (got < 0)
+        goto done;
+    if (got == 0)
+        goto answer;
     Py_ssize_t n = ITEMS(b[IDX], int64_t), rows = ITEMS(b[LENGTH], int64_t);
     if (ITEMS(b[SEQ_LENS], uint32_t) != n || ITEMS(b[HAS], uint8_t) != n || ITEMS(b[AT], int64_t) != n ||
         ITEMS(b[N], int64_t) != n || page_size < 1 || rows < 1) {
@@ -849,18 +864,18 @@ static PyObject *clean_rows(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_Format(PyExc_TypeError, "clean_rows takes %d arguments (%zd given)", NBUF + 1, nargs);
         return NULL;
     }
-    static const char *names[NBUF] = {"at", "has", "n", "clean_n", "clean_epoch", "clean_reads"};
-    static const Py_ssize_t sizes[NBUF] = {8, 1, 8, 8, 8, 8};
-    static const char kinds[NBUF] = {'i', '?', 'i', 'i', 'i', 'i'};
+    static const arg_t spec[NBUF] = {
+        {"at", 'i', 8, 0}, {"has", '?', 1, 0}, {"n", 'i', 8, 0}, {"clean_n", 'i', 8, 0},
+        {"clean_epoch", 'i', 8, 0}, {"clean_reads", 'i', 8, 0}
+    };
     long long epoch = PyLong_AsLongLong(args[NBUF]);
     if (epoch == -1 && PyErr_Occurred())
         return NULL;
     buf_t b[NBUF];
     memset(b, 0, sizeof(b));
     PyObject *result = NULL, *shorter = NULL, *d_i = NULL, *d_c = NULL, *d_n = NULL, *d_e = NULL;
-    for (int i = 0; i < NBUF; i++)
-        if (take(args[i], &b[i], kinds[i], sizes[i], 0, 1, names[i]) < 1)
-            goto done;
+    if (take_args(args, b, spec, NBUF, 0) < 1)
+        goto done;
     Py_ssize_t n = ITEMS(b[AT], int64_t), rows = ITEMS(b[CLEAN_N], int64_t);
     if (ITEMS(b[HAS], uint8_t) != n || ITEMS(b[N], int64_t) != n || ITEMS(b[CLEAN_EPOCH], int64_t) != rows ||
         ITEMS(b[CLEAN_READS], int64_t) != rows) {
@@ -1250,14 +1265,15 @@ static PyObject *rows_changed(PyObject *self, PyObject *const *args, Py_ssize_t 
         PyErr_Format(PyExc_TypeError, "rows_changed takes %d arguments (%zd given)", NBUF, nargs);
         return NULL;
     }
-    static const char *names[NBUF] = {"at", "stamp", "seen_stamps", "n", "seen_n", "stamps", "changed"};
-    static const int writable[NBUF] = {0, 0, 0, 0, 0, 1, 1};
+    static const arg_t spec[NBUF] = {
+        {"at", 'i', 8, 0}, {"stamp", 'i', 8, 0}, {"seen_stamps", 'i', 8, 0}, {"n", 'i', 8, 0},
+        {"seen_n", 'i', 8, 0}, {"stamps", 'i', 8, 1}, {"changed", 'i', 8, 1}
+    };
     buf_t b[NBUF];
     memset(b, 0, sizeof(b));
     PyObject *result = NULL;
-    for (int i = 0; i < NBUF; i++)
-        if (take(args[i], &b[i], 'i', 8, writable[i], 1, names[i]) < 1)
-            goto done;
+    if (take_args(args, b, spec, NBUF, 0) < 1)
+        goto done;
     Py_ssize_t n = ITEMS(b[AT], int64_t), rows = ITEMS(b[STAMP], int64_t);
     if (ITEMS(b[SEEN_STAMPS], int64_t) != n || ITEMS(b[N], int64_t) != n || ITEMS(b[SEEN_N], int64_t) != n ||
         ITEMS(b[STAMPS], int64_t) != n || ITEMS(b[CHANGED], int64_t) != n) {
